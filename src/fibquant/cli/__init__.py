@@ -1,0 +1,53 @@
+"""Command-line interface: parses arguments and calls the public API, nothing more.
+
+Each command group lives in its own module exposing `register(subparsers)` (top-level
+commands) and/or `register_eval(eval_subparsers)` (under `fibquant eval`). A parser sets
+`func` to a callable taking the parsed namespace and returning an exit code.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Modules contributing commands; each owns its own arguments.
+_COMMAND_MODULES = (
+    "fibquant.cli.codebook",   # fibquant codebook build|info
+    "fibquant.cli.eval_rd",    # fibquant eval rd
+    "fibquant.cli.kv",         # fibquant demo, fibquant eval fidelity|perplexity
+    "fibquant.cli.realdata",   # fibquant eval canonical|mc, fibquant data fetch
+    "fibquant.cli.archive",    # fibquant archive pack|get|search|info, fibquant eval archive
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fibquant", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    eval_parser = sub.add_parser("eval", help="run an evaluation / benchmark")
+    eval_sub = eval_parser.add_subparsers(dest="experiment", required=True)
+    for name in _COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:  # a real missing dependency, not an absent command module
+                raise
+            continue
+        if hasattr(module, "register"):
+            module.register(sub)
+        if hasattr(module, "register_eval"):
+            module.register_eval(eval_sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ValueError as exc:  # bad input: a clear message, no traceback
+        print(f"fibquant: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

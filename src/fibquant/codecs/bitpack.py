@@ -1,0 +1,65 @@
+"""Exact bit packing of fixed-width unsigned integers into bytes.
+
+Bit order is little-endian within the stream: value j occupies bits
+[j*bits, (j+1)*bits) of the row, and bit t of the row is bit (t % 8) of byte t // 8.
+Pure torch, so it runs on whatever device the indices live on.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+MAX_BITS = 32
+
+
+def packed_size(count: int, bits: int) -> int:
+    """Bytes needed for `count` values of `bits` bits each."""
+    return math.ceil(count * bits / 8)
+
+
+def _check_bits(bits: int) -> None:
+    if not isinstance(bits, int) or not 1 <= bits <= MAX_BITS:
+        raise ValueError(f"bit width must be an integer in 1..{MAX_BITS}, got {bits!r}")
+
+
+def pack_bits(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack integers `values` [..., n] (each < 2**bits) into uint8 [..., packed_size(n, bits)]."""
+    _check_bits(bits)
+    values = values.to(torch.int64)
+    if values.numel() and (int(values.min()) < 0 or int(values.max()) >= 1 << bits):
+        raise ValueError(f"values out of range for {bits}-bit packing")
+    *lead, n = values.shape
+    shifts = torch.arange(bits, device=values.device, dtype=torch.int64)
+    bit_stream = ((values.unsqueeze(-1) >> shifts) & 1).reshape(*lead, n * bits)
+    nbytes = packed_size(n, bits)
+    pad = nbytes * 8 - n * bits
+    if pad:
+        bit_stream = torch.nn.functional.pad(bit_stream, (0, pad))
+    weights = 1 << torch.arange(8, device=values.device, dtype=torch.int64)
+    return (bit_stream.reshape(*lead, nbytes, 8) * weights).sum(-1).to(torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """Inverse of `pack_bits`: uint8 [..., packed_size(count, bits)] -> int64 [..., count]."""
+    _check_bits(bits)
+    *lead, nbytes = packed.shape
+    if nbytes != packed_size(count, bits):
+        raise ValueError(
+            f"expected {packed_size(count, bits)} packed bytes for {count}x{bits} bits, got {nbytes}"
+        )
+    shifts = torch.arange(8, device=packed.device, dtype=torch.int64)
+    bit_stream = ((packed.to(torch.int64).unsqueeze(-1) >> shifts) & 1).reshape(*lead, nbytes * 8)
+    bit_stream = bit_stream[..., : count * bits].reshape(*lead, count, bits)
+    weights = 1 << torch.arange(bits, device=packed.device, dtype=torch.int64)
+    return (bit_stream * weights).sum(-1)
+
+
+def float16_to_bytes(values: torch.Tensor) -> torch.Tensor:
+    """float tensor [...] -> uint8 [..., 2] holding its IEEE half-precision bytes."""
+    return values.to(torch.float16).contiguous().view(torch.uint8).reshape(*values.shape, 2)
+
+
+def bytes_to_float16(raw: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., 2] -> float32 [...] (inverse of `float16_to_bytes`)."""
+    return raw.contiguous().view(torch.float16).squeeze(-1).to(torch.float32)
