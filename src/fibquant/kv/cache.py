@@ -1,0 +1,356 @@
+"""A transformers `Cache` that really holds compressed KV codes.
+
+Layout of one layer (tensors are [batch, kv_heads, tokens, ...]):
+
+    position:  0 .. s-1         s .. s+m-1                 s+m .. s+m+r-1
+    storage:   exact sinks      packed codes (uint8 rows)  exact recent window
+               [B, H, s, D]     [B, H, m, code_size]       [B, H, r, D]
+
+with s <= sink_tokens and r <= recent_tokens. Tokens between the sinks and the recent
+window exist only as the codec's uint8 codes; no float copy of them is kept anywhere.
+
+Semantics of one `update(key_states, value_states)` with T new tokens (a prefill chunk or
+one decoded token): the returned keys/values, which the queries of those T tokens attend
+to (under the model's causal mask), are
+
+    [exact sinks, decode(codes), exact recent window, exact new T tokens]
+
+i.e. every token archived *before* this update is read back by decoding its codes, while
+the tokens of the current chunk are seen exactly (they are being computed in this pass).
+After building that output the new tokens enter the cache: the first `sink_tokens` of the
+sequence stay exact forever, the newest `recent_tokens` stay exact, and whatever slides
+out of the recent window is encoded and its float copy dropped. Hence a query at offset o
+of a chunk of C tokens sees between `recent_tokens + 1` and `recent_tokens + C` newest
+tokens exactly (more than the window only inside its own chunk); with token-by-token
+decoding (C = 1) it sees exactly the sinks, the previous `recent_tokens` tokens and itself.
+
+Tested against the Cache / CacheLayerMixin contract of transformers 4.56-4.57.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from fibquant.codecs.base import Codec
+
+_FIELDS = ("sink_keys", "sink_values", "key_codes", "value_codes", "recent_keys", "recent_values")
+
+
+def _owned(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor that owns exactly its bytes (a slice would keep its parent's storage alive)."""
+    if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size() or not tensor.is_contiguous():
+        return tensor.contiguous().clone()
+    return tensor
+
+
+def _check_codec(codec, role: str) -> None:
+    if not isinstance(codec, Codec):
+        raise ValueError(f"{role} must be a fibquant Codec, got {type(codec).__name__}")
+
+
+def _check_window(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+    return value
+
+
+class CompressedLayer(CacheLayerMixin):
+    """One layer of a `CompressedCache` (see the module docstring for the semantics)."""
+
+    is_sliding = False
+    is_compileable = False
+
+    def __init__(self, key_codec: Codec, value_codec: Codec, sink_tokens: int, recent_tokens: int):
+        # CacheLayerMixin.__init__ would create float `keys`/`values` slots; this layer has none.
+        self.key_codec = key_codec
+        self.value_codec = value_codec
+        self.sink_tokens = sink_tokens
+        self.recent_tokens = recent_tokens
+        self.is_initialized = False
+        for name in _FIELDS:
+            setattr(self, name, None)
+
+    def __repr__(self) -> str:
+        return (f"CompressedLayer(tokens={self.get_seq_length()}, sinks={self.num_sink}, "
+                f"coded={self.num_coded}, recent={self.num_recent})")
+
+    # ----------------------------------------------------------------- bookkeeping
+    @property
+    def num_sink(self) -> int:
+        return 0 if self.sink_keys is None else self.sink_keys.shape[-2]
+
+    @property
+    def num_coded(self) -> int:
+        return 0 if self.key_codes is None else self.key_codes.shape[-2]
+
+    @property
+    def num_recent(self) -> int:
+        return 0 if self.recent_keys is None else self.recent_keys.shape[-2]
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor this layer holds (empty before the first update)."""
+        return [] if not self.is_initialized else [getattr(self, name) for name in _FIELDS]
+
+    def nbytes(self) -> int:
+        """Bytes of storage held by this layer (each tensor owns exactly its bytes)."""
+        return sum(t.untyped_storage().nbytes() for t in self.tensors())
+
+    # ----------------------------------------------------------------- contract
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: Optional[torch.Tensor] = None):
+        value_states = key_states if value_states is None else value_states
+        self._check_states(key_states, value_states)
+        self.dtype, self.device = key_states.dtype, key_states.device
+        batch, heads = key_states.shape[:2]
+
+        def empty(last: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.empty(batch, heads, 0, last, dtype=dtype, device=self.device)
+
+        self.sink_keys, self.recent_keys = empty(self.key_codec.dim, self.dtype), empty(self.key_codec.dim, self.dtype)
+        self.sink_values = empty(self.value_codec.dim, value_states.dtype)
+        self.recent_values = empty(self.value_codec.dim, value_states.dtype)
+        self.key_codes = empty(self.key_codec.code_size, torch.uint8)
+        self.value_codes = empty(self.value_codec.code_size, torch.uint8)
+        self.is_initialized = True
+
+    def _check_states(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        for name, states in (("key_states", key_states), ("value_states", value_states)):
+            if not isinstance(states, torch.Tensor) or states.ndim != 4:
+                shape = tuple(states.shape) if isinstance(states, torch.Tensor) else type(states).__name__
+                raise ValueError(f"CompressedCache expects {name} of shape [batch, kv_heads, tokens, head_dim], "
+                                 f"got {shape}")
+        if key_states.shape[-1] != self.key_codec.dim:
+            raise ValueError(f"key head_dim {key_states.shape[-1]} differs from the key codec dim "
+                             f"{self.key_codec.dim} ({self.key_codec!r})")
+        if value_states.shape[-1] != self.value_codec.dim:
+            raise ValueError(f"value head_dim {value_states.shape[-1]} differs from the value codec dim "
+                             f"{self.value_codec.dim} ({self.value_codec!r})")
+        if key_states.shape[:3] != value_states.shape[:3]:
+            raise ValueError(f"key and value states disagree on [batch, heads, tokens]: "
+                             f"{tuple(key_states.shape)} vs {tuple(value_states.shape)}")
+        if self.is_initialized and tuple(key_states.shape[:2]) != tuple(self.sink_keys.shape[:2]):
+            raise ValueError(f"[batch, kv_heads] changed from {tuple(self.sink_keys.shape[:2])} to "
+                             f"{tuple(key_states.shape[:2])}; use batch_select_indices/reorder_cache")
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor,
+               cache_kwargs: Optional[dict[str, Any]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return the keys/values the new tokens attend to, then archive what left the window.
+
+        key_states, value_states: [batch, kv_heads, T, head_dim]. Returns two tensors
+        [batch, kv_heads, seq_length_before + T, head_dim] in the dtype of the inputs.
+        """
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self._check_states(key_states, value_states)
+        keys_out = torch.cat([self.sink_keys.to(key_states.dtype),
+                              self.key_codec.decode(self.key_codes, dtype=key_states.dtype),
+                              self.recent_keys.to(key_states.dtype), key_states], dim=-2)
+        values_out = torch.cat([self.sink_values.to(value_states.dtype),
+                                self.value_codec.decode(self.value_codes, dtype=value_states.dtype),
+                                self.recent_values.to(value_states.dtype), value_states], dim=-2)
+        self._absorb(key_states, value_states)
+        return keys_out, values_out
+
+    def _absorb(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Store new tokens: fill the sinks first, then the recent window; encode the overflow."""
+        to_sink = min(self.sink_tokens - self.num_sink, key_states.shape[-2])
+        if to_sink > 0:
+            self.sink_keys = _owned(torch.cat([self.sink_keys, key_states[..., :to_sink, :]], dim=-2))
+            self.sink_values = _owned(torch.cat([self.sink_values, value_states[..., :to_sink, :]], dim=-2))
+        to_sink = max(to_sink, 0)
+        recent_keys = torch.cat([self.recent_keys, key_states[..., to_sink:, :]], dim=-2)
+        recent_values = torch.cat([self.recent_values, value_states[..., to_sink:, :]], dim=-2)
+        overflow = recent_keys.shape[-2] - self.recent_tokens
+        if overflow > 0:
+            new_key_codes = self.key_codec.encode(recent_keys[..., :overflow, :])
+            new_value_codes = self.value_codec.encode(recent_values[..., :overflow, :])
+            self.key_codes = _owned(torch.cat([self.key_codes, new_key_codes], dim=-2))
+            self.value_codes = _owned(torch.cat([self.value_codes, new_value_codes], dim=-2))
+            recent_keys, recent_values = recent_keys[..., overflow:, :], recent_values[..., overflow:, :]
+        # The recent slice is copied so the dropped (now encoded) floats are really freed.
+        self.recent_keys, self.recent_values = _owned(recent_keys), _owned(recent_values)
+
+    def get_mask_sizes(self, cache_position: torch.Tensor) -> tuple[int, int]:
+        return self.get_seq_length() + cache_position.shape[0], 0
+
+    def get_seq_length(self) -> int:
+        return self.num_sink + self.num_coded + self.num_recent
+
+    def get_max_cache_shape(self) -> int:
+        return -1
+
+    # ----------------------------------------------------------------- read-back views
+    @property
+    def keys(self) -> Optional[torch.Tensor]:
+        """All keys [batch, kv_heads, seq, head_dim], decoded on request (not stored)."""
+        if not self.is_initialized:
+            return None
+        return torch.cat([self.sink_keys, self.key_codec.decode(self.key_codes, dtype=self.sink_keys.dtype),
+                          self.recent_keys], dim=-2)
+
+    @property
+    def values(self) -> Optional[torch.Tensor]:
+        """All values [batch, kv_heads, seq, head_dim], decoded on request (not stored)."""
+        if not self.is_initialized:
+            return None
+        return torch.cat([self.sink_values,
+                          self.value_codec.decode(self.value_codes, dtype=self.sink_values.dtype),
+                          self.recent_values], dim=-2)
+
+    # ----------------------------------------------------------------- editing
+    def _apply(self, fn) -> None:
+        if self.is_initialized:
+            for name in _FIELDS:
+                setattr(self, name, _owned(fn(getattr(self, name))))
+
+    def reset(self) -> None:
+        self._apply(lambda t: t[..., :0, :])
+
+    def crop(self, max_length: int) -> None:
+        """Keep the first `max_length` tokens (negative: drop that many from the end).
+
+        Tokens keep the form they are stored in: if the cut falls inside the coded part, the
+        recent window is empty until new tokens arrive (nothing is re-created exactly).
+        """
+        if max_length < 0:
+            max_length = self.get_seq_length() - abs(max_length)
+        max_length = max(max_length, 0)
+        if self.get_seq_length() <= max_length:
+            return
+        keep_sink = min(self.num_sink, max_length)
+        keep_coded = min(self.num_coded, max_length - keep_sink)
+        keep_recent = max_length - keep_sink - keep_coded
+        for prefix, keep in (("sink", keep_sink), ("recent", keep_recent)):
+            for kind in ("keys", "values"):
+                name = f"{prefix}_{kind}"
+                setattr(self, name, _owned(getattr(self, name)[..., :keep, :]))
+        self.key_codes = _owned(self.key_codes[..., :keep_coded, :])
+        self.value_codes = _owned(self.value_codes[..., :keep_coded, :])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._apply(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._apply(lambda t: t[indices.to(t.device)])
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._apply(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def offload(self) -> None:
+        self._apply(lambda t: t.to("cpu"))
+
+    def prefetch(self) -> None:
+        if self.is_initialized:
+            self._apply(lambda t: t.to(self.device))
+
+
+class CompressedCache(Cache):
+    """KV cache holding tokens outside an exact window only as codec codes.
+
+    key_codec / value_codec: fibquant codecs whose `dim` equals the model's head_dim (checked
+    at the first update). sink_tokens / recent_tokens: sizes of the exact window (first and
+    last tokens kept in the model's dtype). Layers are created lazily on first update.
+    Pass it as `past_key_values=` to a forward pass or to `model.generate`.
+    """
+
+    def __init__(self, key_codec: Codec, value_codec: Codec, sink_tokens: int = 4, recent_tokens: int = 32):
+        _check_codec(key_codec, "key_codec")
+        _check_codec(value_codec, "value_codec")
+        self.key_codec, self.value_codec = key_codec, value_codec
+        self.sink_tokens = _check_window(sink_tokens, "sink_tokens")
+        self.recent_tokens = _check_window(recent_tokens, "recent_tokens")
+        super().__init__(layer_class_to_replicate=self._new_layer)
+
+    def _new_layer(self) -> CompressedLayer:
+        return CompressedLayer(self.key_codec, self.value_codec, self.sink_tokens, self.recent_tokens)
+
+    @classmethod
+    def for_model(cls, model, key_codec: Codec, value_codec: Codec, sink_tokens: int = 4,
+                  recent_tokens: int = 32) -> "CompressedCache":
+        """A cache for `model` after checking that the model's attention is supported."""
+        check_model_supported(model, key_codec, value_codec)
+        return cls(key_codec, value_codec, sink_tokens, recent_tokens)
+
+    def __repr__(self) -> str:
+        return (f"CompressedCache(key={self.key_codec!r}, value={self.value_codec!r}, "
+                f"sinks={self.sink_tokens}, recent={self.recent_tokens}, layers={len(self.layers)})")
+
+    def nbytes(self) -> int:
+        """Real bytes held by the cache: codes, exact sinks and recent windows, every layer."""
+        return sum(layer.nbytes() for layer in self.layers)
+
+    def bytes_per_token(self) -> float:
+        """nbytes / (batch * tokens): all layers, keys and values, window included."""
+        return _per_token(self.nbytes(), self)
+
+    def shared_nbytes(self) -> int:
+        """Bytes of the codecs' shared state (codebooks, rotations), held once for the model."""
+        return sum(codec_state_nbytes(c) for c in {id(c): c for c in (self.key_codec, self.value_codec)}.values())
+
+
+def _per_token(total: int, cache: Cache) -> float:
+    tokens = cache.get_seq_length()
+    if tokens == 0 or not cache.layers or not cache.layers[0].is_initialized:
+        return 0.0
+    batch = cache.layers[0].tensors()[0].shape[0] if isinstance(cache, CompressedCache) else cache.layers[0].keys.shape[0]
+    return total / (batch * tokens)
+
+
+def codec_state_nbytes(codec) -> int:
+    """Bytes of the torch tensors a codec holds as attributes (codebooks, rotations)."""
+    seen, total = set(), 0
+    for value in vars(codec).values():
+        if isinstance(value, torch.Tensor) and value.data_ptr() not in seen:
+            seen.add(value.data_ptr())
+            total += value.untyped_storage().nbytes()
+    return total
+
+
+def dynamic_cache_nbytes(cache: Cache) -> int:
+    """Bytes of storage held by an uncompressed cache (e.g. `DynamicCache`), all layers."""
+    seen, total = set(), 0
+    for layer in cache.layers:
+        for tensor in (layer.keys, layer.values):
+            if tensor is None:
+                continue
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+    return total
+
+
+def dynamic_cache_bytes_per_token(cache: Cache) -> float:
+    """dynamic_cache_nbytes / (batch * tokens)."""
+    return _per_token(dynamic_cache_nbytes(cache), cache)
+
+
+def check_model_supported(model, key_codec: Optional[Codec] = None, value_codec: Optional[Codec] = None) -> dict:
+    """Check that `model` (or its config) has plain full causal self-attention with a standard cache.
+
+    Returns {"layers", "kv_heads", "head_dim"}; raises ValueError naming the problem otherwise.
+    """
+    config = getattr(model, "config", model)
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError("CompressedCache supports decoder-only models; this model is encoder-decoder")
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config(decoder=True)
+    for attr in ("num_hidden_layers", "num_attention_heads", "hidden_size"):
+        if not getattr(config, attr, None):
+            raise ValueError(f"unsupported model: its config has no {attr} (not a standard attention model)")
+    if getattr(config, "sliding_window", None) or getattr(config, "attention_chunk_size", None):
+        raise ValueError("unsupported model: sliding-window/chunked attention is not supported by CompressedCache")
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types and any(t != "full_attention" for t in layer_types):
+        raise ValueError(f"unsupported model: layer types {sorted(set(layer_types))}; only full_attention")
+    if getattr(config, "kv_lora_rank", None) or getattr(config, "v_head_dim", None):
+        raise ValueError("unsupported model: latent/decoupled KV attention (MLA) has a non-standard cache")
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    if kv_heads < 1 or config.num_attention_heads % kv_heads:
+        raise ValueError(f"unsupported model: {config.num_attention_heads} query heads and {kv_heads} KV heads")
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    for role, codec in (("key", key_codec), ("value", value_codec)):
+        if codec is not None and codec.dim != head_dim:
+            raise ValueError(f"model head_dim {head_dim} differs from the {role} codec dim {codec.dim} ({codec!r})")
+    return {"layers": config.num_hidden_layers, "kv_heads": kv_heads, "head_dim": head_dim}

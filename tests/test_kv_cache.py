@@ -1,0 +1,198 @@
+"""CompressedCache: the transformers Cache contract, window semantics, memory accounting, errors."""
+from __future__ import annotations
+
+import pytest
+import torch
+from _kv_helpers import REAL_PROMPT, real_model, tiny_llama
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import DynamicCache, LlamaConfig
+
+from fibquant.codecs.integer import IntCodec
+from fibquant.kv.cache import (CompressedCache, CompressedLayer, check_model_supported, dynamic_cache_nbytes,
+                               dynamic_cache_bytes_per_token)
+
+DIM = 16
+
+
+def reference_view(keys: torch.Tensor, past: int, codec, sinks: int, recent: int) -> torch.Tensor:
+    """What an update adding tokens [past, n) must return: the spec of the window semantics.
+
+    keys: [B, H, n, D], all tokens so far. Tokens < past are exact if inside the sinks or the
+    last `recent` of the past, else codec round-tripped; the new tokens are exact.
+    """
+    out = keys.clone()
+    archived = [j for j in range(past) if j >= sinks and j < past - recent]
+    if archived:
+        out[..., archived, :] = codec.roundtrip(keys[..., archived, :])
+    return out
+
+
+@settings(max_examples=25, deadline=None)
+@given(chunks=st.lists(st.integers(1, 9), min_size=1, max_size=6), sinks=st.integers(0, 5),
+       recent=st.integers(0, 6), batch=st.integers(1, 2))
+def test_update_matches_window_reference(chunks, sinks, recent, batch):
+    key_codec, value_codec = IntCodec(DIM, 3), IntCodec(DIM, 2)
+    layer = CompressedLayer(key_codec, value_codec, sinks, recent)
+    generator = torch.Generator().manual_seed(len(chunks) * 100 + sinks * 10 + recent)
+    total = sum(chunks)
+    keys = torch.randn(batch, 2, total, DIM, generator=generator)
+    values = torch.randn(batch, 2, total, DIM, generator=generator)
+    past = 0
+    for size in chunks:
+        new = slice(past, past + size)
+        got_keys, got_values = layer.update(keys[..., new, :], values[..., new, :])
+        assert got_keys.shape == (batch, 2, past + size, DIM)
+        torch.testing.assert_close(got_keys, reference_view(keys[..., : past + size, :], past, key_codec, sinks, recent),
+                                   rtol=0, atol=0)
+        torch.testing.assert_close(got_values,
+                                   reference_view(values[..., : past + size, :], past, value_codec, sinks, recent),
+                                   rtol=0, atol=0)
+        past += size
+        assert layer.get_seq_length() == past
+        assert layer.num_sink == min(sinks, past)
+        assert layer.num_recent == min(recent, past - layer.num_sink)
+        assert layer.num_coded == past - layer.num_sink - layer.num_recent
+
+
+def _filled_layer(tokens=40, sinks=4, recent=8, batch=2, heads=3):
+    layer = CompressedLayer(IntCodec(DIM, 4), IntCodec(DIM, 3), sinks, recent)
+    torch.manual_seed(1)
+    for chunk in (tokens - 5, 1, 1, 1, 1, 1):
+        layer.update(torch.randn(batch, heads, chunk, DIM), torch.randn(batch, heads, chunk, DIM))
+    return layer
+
+
+def test_only_codes_outside_window_and_exact_accounting():
+    layer = _filled_layer(tokens=40, sinks=4, recent=8, batch=2, heads=3)
+    assert (layer.num_sink, layer.num_coded, layer.num_recent) == (4, 28, 8)
+    assert layer.key_codes.dtype == torch.uint8 and layer.value_codes.dtype == torch.uint8
+    # No float tensor anywhere on the layer covers more than the exact window.
+    for name, value in vars(layer).items():
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            assert value.shape[-2] <= 8, f"{name} holds {value.shape[-2]} float tokens"
+    held = layer.tensors()
+    assert layer.nbytes() == sum(t.numel() * t.element_size() for t in held)
+    float_bytes = 2 * 3 * (4 + 8) * DIM * 4 * 2  # batch*heads*(sinks+recent)*dim*fp32*(K and V)
+    code_bytes = 2 * 3 * 28 * (IntCodec(DIM, 4).code_size + IntCodec(DIM, 3).code_size)
+    assert layer.nbytes() == float_bytes + code_bytes
+
+
+def test_cache_nbytes_sums_layers_and_beats_dynamic_cache():
+    model = tiny_llama()
+    ids = torch.randint(0, 97, (2, 120), generator=torch.Generator().manual_seed(0))
+    cache = CompressedCache(IntCodec(DIM, 4), IntCodec(DIM, 4), sink_tokens=4, recent_tokens=8)
+    dynamic = DynamicCache()
+    with torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True)
+        model(ids, past_key_values=dynamic, use_cache=True)
+    assert len(cache.layers) == 2 and cache.get_seq_length() == 120
+    assert cache.nbytes() == sum(layer.nbytes() for layer in cache.layers)
+    assert cache.bytes_per_token() == pytest.approx(cache.nbytes() / (2 * 120))
+    assert dynamic_cache_nbytes(dynamic) == 2 * 2 * 2 * 120 * DIM * 4 * 2  # layers*B*H*T*D*fp32*(K,V)
+    assert dynamic_cache_bytes_per_token(dynamic) == pytest.approx(2 * 2 * DIM * 4 * 2)
+    window_bytes = (4 + 8) * DIM * 4 * 2  # exact tokens * dim * fp32 * (K and V), per layer/batch/head
+    code_bytes = (120 - 12) * 2 * IntCodec(DIM, 4).code_size
+    assert cache.nbytes() == 2 * 2 * 2 * (window_bytes + code_bytes)
+    assert cache.nbytes() < dynamic_cache_nbytes(dynamic) / 3
+
+
+def test_prefill_then_decode_matches_dynamic_cache_when_window_covers_everything():
+    model = tiny_llama()
+    ids = torch.randint(0, 97, (2, 30), generator=torch.Generator().manual_seed(2))
+    exact = CompressedCache(IntCodec(DIM, 2), IntCodec(DIM, 2), sink_tokens=0, recent_tokens=64)
+    with torch.no_grad():
+        reference = model(ids).logits
+        parts = [model(ids[:, :20], past_key_values=exact, use_cache=True).logits]
+        parts += [model(ids[:, t:t + 1], past_key_values=exact, use_cache=True).logits for t in range(20, 30)]
+    torch.testing.assert_close(torch.cat(parts, dim=1), reference, rtol=1e-4, atol=1e-4)
+    assert exact.layers[0].num_coded == 0
+
+
+def test_generate_with_compressed_cache_batch_and_gqa():
+    model = tiny_llama()
+    ids = torch.randint(3, 97, (2, 24), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    cache = CompressedCache(IntCodec(DIM, 8), IntCodec(DIM, 8), sink_tokens=2, recent_tokens=4)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, past_key_values=cache,
+                         pad_token_id=0)
+    reference = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert out.shape == reference.shape == (2, 32)
+    assert torch.equal(out, reference)  # INT8 on a random tiny model: greedy tokens unchanged
+    layer = cache.layers[0]
+    assert cache.get_seq_length() == 31 and (layer.num_sink, layer.num_recent) == (2, 4)
+    assert layer.key_codes.shape[:2] == (2, 2)  # batch 2, 2 KV heads (GQA: 4 query heads)
+
+
+def test_crop_and_batch_edits():
+    layer = _filled_layer(tokens=40, sinks=4, recent=8, batch=3, heads=2)
+    full_keys = layer.keys
+    assert full_keys.shape == (3, 2, 40, DIM)
+    picked = torch.tensor([2, 0])
+    layer.batch_select_indices(picked)
+    torch.testing.assert_close(layer.keys, full_keys[picked], rtol=0, atol=0)
+    layer.reorder_cache(torch.tensor([1, 0]))
+    torch.testing.assert_close(layer.keys, full_keys[torch.tensor([0, 2])], rtol=0, atol=0)
+    layer.batch_repeat_interleave(2)
+    assert layer.keys.shape[0] == 4
+    kept = layer.keys[..., :30, :]
+    layer.crop(30)
+    assert (layer.num_sink, layer.num_coded, layer.num_recent) == (4, 26, 0)
+    torch.testing.assert_close(layer.keys, kept, rtol=0, atol=0)
+    layer.crop(-28)
+    assert layer.get_seq_length() == 2 and layer.num_coded == 0
+    assert layer.nbytes() == sum(t.numel() * t.element_size() for t in layer.tensors())
+    layer.reset()
+    assert layer.get_seq_length() == 0
+
+
+def test_cache_level_crop_and_mask_sizes():
+    model = tiny_llama()
+    ids = torch.randint(0, 97, (1, 50), generator=torch.Generator().manual_seed(4))
+    cache = CompressedCache(IntCodec(DIM, 8), IntCodec(DIM, 8), sink_tokens=4, recent_tokens=8)
+    with torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True)
+    assert cache.get_mask_sizes(torch.arange(50, 53), 0) == (53, 0)
+    cache.crop(45)
+    assert cache.get_seq_length() == 45
+    with torch.no_grad():
+        logits = model(ids[:, 45:], past_key_values=cache, use_cache=True).logits
+    assert logits.shape == (1, 5, 97) and torch.isfinite(logits).all()
+    assert cache[0][0].shape == (1, 2, 50, DIM)  # legacy indexing decodes on request
+
+
+def test_bad_input_errors():
+    with pytest.raises(ValueError, match="sink_tokens"):
+        CompressedCache(IntCodec(DIM, 4), IntCodec(DIM, 4), sink_tokens=-1)
+    with pytest.raises(ValueError, match="recent_tokens"):
+        CompressedCache(IntCodec(DIM, 4), IntCodec(DIM, 4), recent_tokens=-3)
+    with pytest.raises(ValueError, match="key_codec"):
+        CompressedCache("int4", IntCodec(DIM, 4))
+    cache = CompressedCache(IntCodec(32, 4), IntCodec(DIM, 4))
+    with pytest.raises(ValueError, match=r"head_dim 16 .* key codec dim 32"):
+        cache.update(torch.randn(1, 2, 5, DIM), torch.randn(1, 2, 5, DIM), 0)
+    cache = CompressedCache(IntCodec(DIM, 4), IntCodec(DIM, 4))
+    with pytest.raises(ValueError, match="batch, kv_heads, tokens, head_dim"):
+        cache.update(torch.randn(2, 5, DIM), torch.randn(2, 5, DIM), 0)
+    model = tiny_llama()
+    with pytest.raises(ValueError, match="head_dim 16 differs from the value codec dim 32"):
+        CompressedCache.for_model(model, IntCodec(DIM, 4), IntCodec(32, 4))
+    sliding = LlamaConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=2)
+    sliding.sliding_window = 16
+    with pytest.raises(ValueError, match="sliding-window"):
+        check_model_supported(sliding)
+    assert check_model_supported(model) == {"layers": 2, "kv_heads": 2, "head_dim": DIM}
+
+
+@pytest.mark.model
+def test_int8_greedy_generate_equals_uncompressed_on_real_model(request):
+    model, tokenizer = real_model(request)
+    inputs = tokenizer(REAL_PROMPT, return_tensors="pt")
+    assert inputs.input_ids.shape[1] > 36  # the prompt is longer than the exact window
+    kwargs = dict(max_new_tokens=20, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    reference = model.generate(**inputs, **kwargs)
+    cache = CompressedCache.for_model(model, IntCodec(64, 8), IntCodec(64, 8), sink_tokens=4, recent_tokens=32)
+    compressed = model.generate(**inputs, past_key_values=cache, **kwargs)
+    assert torch.equal(compressed, reference), tokenizer.decode(compressed[0]) + " | " + tokenizer.decode(reference[0])
+    assert cache.layers[0].num_coded > 0
+    assert len(cache.layers) == 30
