@@ -1,0 +1,51 @@
+"""Codebook files: safetensors (never pickle), one file per (d, k, N, seed, construction version).
+
+Lookup order: the codebooks shipped inside the package (`codebook/shipped/`), then the user
+cache directory (`$FIBQUANT_CACHE_DIR`, default `~/.cache/fibquant/codebooks`).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+
+SHIPPED_DIR = Path(__file__).resolve().parent / "shipped"
+CACHE_ENV = "FIBQUANT_CACHE_DIR"
+
+
+def cache_dir() -> Path:
+    """The user codebook cache: $FIBQUANT_CACHE_DIR or ~/.cache/fibquant/codebooks."""
+    override = os.environ.get(CACHE_ENV)
+    return Path(override).expanduser() if override else Path.home() / ".cache" / "fibquant" / "codebooks"
+
+
+def file_name(dim: int, k: int, n_codewords: int, seed: int, version: str) -> str:
+    return f"fibquant_d{dim}_k{k}_n{n_codewords}_s{seed}_{version}.safetensors"
+
+
+def find_file(name: str) -> Path | None:
+    for folder in (SHIPPED_DIR, cache_dir()):
+        path = folder / name
+        if path.is_file():
+            return path
+    return None
+
+
+def write_file(path: Path, codewords: torch.Tensor, metadata: dict[str, str]) -> None:
+    """Write atomically (temporary file + rename) so a concurrent reader never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    save_file({"codewords": codewords.detach().cpu().contiguous()}, str(tmp), metadata=metadata)
+    os.replace(tmp, path)
+
+
+def read_file(path: Path) -> tuple[torch.Tensor, dict[str, str]]:
+    tensors = load_file(str(path))
+    if set(tensors) != {"codewords"}:
+        raise ValueError(f"{path}: not a fibquant codebook file (tensors {sorted(tensors)})")
+    with safe_open(str(path), framework="pt") as handle:
+        metadata = dict(handle.metadata() or {})
+    return tensors["codewords"], metadata

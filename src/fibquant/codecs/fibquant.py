@@ -1,0 +1,136 @@
+"""FibQuant: normalise, Haar-rotate, vector-quantize k-blocks with a universal codebook.
+
+Code layout of one vector (code_size bytes, vector i of a flat batch at byte i * code_size):
+
+    bytes [0, 2)            nu = ||x|| as IEEE fp16 (little-endian); costs 16 / dim bits per coordinate
+    bytes [2, code_size)    dim/k block indices, ceil(log2 N) bits each, bit-packed little-endian
+                            (index j at bits [j*w, (j+1)*w) of this byte range, w = ceil(log2 N))
+
+code_size = 2 + ceil((dim/k) * ceil(log2 N) / 8). `bits_per_coordinate` counts the stored index
+bits, ceil(log2 N) / k; for N not a power of two the information rate log2(N)/k is smaller and
+is `nominal_bits_per_coordinate`. `stored_bits_per_coordinate` = 8 * code_size / dim adds the norm.
+A zero vector stores nu = 0 and decodes to zero.
+
+`for_rate(dim, bits)` picks (k, N) with log2(N)/k = bits: among the block sizes k dividing dim
+with N = 2^(bits*k) an integer power of two in [2, MAX_SEARCH_CODEWORDS], the largest k (more
+bits go to joint shaping, which measured best; see docs/codecs.md). For dim = 64:
+
+    bits   0.1875  0.25  0.375  0.5  0.75  1    1.5   2    2.5   3     3.5  4
+    k      64      32    32     16   16    8    8     4    4     4     2    2
+    N      4096    256   4096   256  4096  256  4096  256  1024  4096  128  256
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..codebook import CodebookSpec, load_codebook
+from ..codebook.search import nearest_codeword
+from .base import Codec
+from .bitpack import pack_bits, packed_size, unpack_bits
+from .rotation import NORM_BYTES, RotationState
+
+MAX_SEARCH_CODEWORDS = 4096  # for_rate never picks more (search cost N*k per block)
+
+
+@dataclass(frozen=True)
+class FibQuantConfig:
+    dim: int
+    k: int
+    n_codewords: int
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        CodebookSpec(self.dim, self.k, self.n_codewords, self.seed)  # validates all four
+
+    @property
+    def index_bits(self) -> int:
+        return max(1, math.ceil(math.log2(self.n_codewords)))
+
+    @property
+    def n_blocks(self) -> int:
+        return self.dim // self.k
+
+
+def choose_block(dim: int, bits: float, max_codewords: int = MAX_SEARCH_CODEWORDS) -> tuple[int, int]:
+    """(k, N) for `bits` per coordinate: the largest k | dim with N = 2^(bits*k) a power of two <= max."""
+    if not isinstance(bits, (int, float)) or not math.isfinite(bits) or bits <= 0:
+        raise ValueError(f"bits per coordinate must be a positive number, got {bits!r}")
+    best = None
+    for k in range(1, dim + 1):
+        if dim % k:
+            continue
+        index_bits = bits * k
+        if abs(index_bits - round(index_bits)) > 1e-9 or round(index_bits) < 1:
+            continue
+        n_codewords = 1 << round(index_bits)
+        if n_codewords <= max_codewords:
+            best = (k, n_codewords)
+    if best is None:
+        raise ValueError(f"no block size k dividing dim={dim} gives {bits} bits per coordinate with "
+                         f"N = 2^(bits*k) <= {max_codewords} codewords")
+    return best
+
+
+class FibQuantCodec(Codec):
+    """Universal vector quantizer: encode float [..., dim] -> uint8 [..., code_size] and back."""
+
+    def __init__(self, dim: int, k: int, n_codewords: int, seed: int = 0):
+        self.config = FibQuantConfig(dim, k, n_codewords, seed)
+        self.dim, self.k, self.n_codewords, self.seed = dim, k, n_codewords, seed
+        self.codebook = load_codebook(dim, k, n_codewords, seed)
+        self._rotation = RotationState(dim, seed)
+        self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @classmethod
+    def for_rate(cls, dim: int, bits: float, seed: int = 0) -> "FibQuantCodec":
+        """The codec for `bits` per coordinate (see the module table)."""
+        if not isinstance(dim, int) or dim < 2:
+            raise ValueError(f"dim must be an integer >= 2, got {dim!r}")
+        k, n_codewords = choose_block(dim, bits)
+        return cls(dim, k, n_codewords, seed)
+
+    @property
+    def code_size(self) -> int:
+        return NORM_BYTES + packed_size(self.config.n_blocks, self.config.index_bits)
+
+    @property
+    def bits_per_coordinate(self) -> float:
+        return self.config.index_bits / self.k
+
+    @property
+    def nominal_bits_per_coordinate(self) -> float:
+        return math.log2(self.n_codewords) / self.k
+
+    def _table(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if device not in self._tables:
+            codewords = self.codebook.codewords.to(device)
+            self._tables[device] = (codewords, (codewords ** 2).sum(-1))
+        return self._tables[device]
+
+    def block_indices(self, u: torch.Tensor) -> torch.Tensor:
+        """Rotated unit rows u [n, dim] -> nearest-codeword indices [n, dim/k] (int64)."""
+        codewords, sq_norms = self._table(u.device)
+        flat = nearest_codeword(u.reshape(-1, self.k), codewords, sq_norms)
+        return flat.reshape(u.shape[0], self.config.n_blocks)
+
+    def _encode_flat(self, x: torch.Tensor) -> torch.Tensor:
+        norm_bytes, u = self._rotation.normalise_rotate(x, type(self).__name__)
+        packed = pack_bits(self.block_indices(u), self.config.index_bits)
+        return torch.cat([norm_bytes, packed], dim=1)
+
+    def _decode_flat(self, codes: torch.Tensor) -> torch.Tensor:
+        n = codes.shape[0]
+        index = unpack_bits(codes[:, NORM_BYTES:], self.config.index_bits, self.config.n_blocks)
+        if int(index.max()) >= self.n_codewords:
+            raise ValueError(f"{type(self).__name__}.decode: code holds index >= N={self.n_codewords}")
+        codewords, _ = self._table(codes.device)
+        u_hat = codewords[index].reshape(n, self.dim)
+        return self._rotation.unrotate_scale(u_hat, codes[:, :NORM_BYTES])
+
+    def __repr__(self) -> str:
+        return (f"FibQuantCodec(dim={self.dim}, k={self.k}, N={self.n_codewords}, seed={self.seed}, "
+                f"bits/coord={self.bits_per_coordinate:.4g}, code_size={self.code_size}B, "
+                f"ratio={self.compression_ratio:.2f}x)")

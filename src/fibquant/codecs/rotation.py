@@ -1,0 +1,53 @@
+"""Shared normalise + Haar-rotate step of FibQuant and TurboQuant, kept per device.
+
+Encode side: nu = ||x|| and u = Pi x / nu (rows: u = (x / nu) @ Pi^T), in float32.
+Decode side: x_hat = nu * (u_hat @ Pi) computed in float64 and rounded to float32: a float32
+matmul rounds differently for one row than for a batch (different BLAS kernels), float64
+followed by rounding to float32 gives the same bits whatever the batch size.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..source import haar_rotation
+from .base import FP16_MAX
+from .bitpack import bytes_to_float16, float16_to_bytes
+
+NORM_BYTES = 2  # the norm nu is stored as IEEE fp16
+
+
+class RotationState:
+    """Holds Pi [dim, dim] for one (dim, seed) on every device it is used on."""
+
+    def __init__(self, dim: int, seed: int):
+        self.dim = dim
+        self.seed = seed
+        self._encode: dict[torch.device, torch.Tensor] = {}
+        self._decode: dict[torch.device, torch.Tensor] = {}
+
+    def forward_matrix(self, device: torch.device) -> torch.Tensor:
+        """Pi^T in float32 on `device`: u = x @ Pi^T."""
+        if device not in self._encode:
+            self._encode[device] = haar_rotation(self.dim, self.seed, device=device).T.to(torch.float32).contiguous()
+        return self._encode[device]
+
+    def inverse_matrix(self, device: torch.device) -> torch.Tensor:
+        """Pi in float64 on `device`: x = u @ Pi."""
+        if device not in self._decode:
+            self._decode[device] = haar_rotation(self.dim, self.seed, device=device, dtype=torch.float64)
+        return self._decode[device]
+
+    def normalise_rotate(self, x: torch.Tensor, codec_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [n, dim] float32 -> (fp16 norm bytes [n, 2], rotated unit rows u [n, dim] float32)."""
+        norms = x.norm(dim=1)
+        if float(norms.max()) > FP16_MAX:
+            raise ValueError(f"{codec_name}: vector norm exceeds the fp16 range of the stored norm")
+        safe = torch.where(norms > 0, norms, torch.ones_like(norms))
+        u = (x / safe.unsqueeze(1)) @ self.forward_matrix(x.device)
+        return float16_to_bytes(norms), u
+
+    def unrotate_scale(self, u_hat: torch.Tensor, norm_bytes: torch.Tensor) -> torch.Tensor:
+        """u_hat [n, dim] (any float) and fp16 norm bytes [n, 2] -> x_hat [n, dim] float32."""
+        norms = bytes_to_float16(norm_bytes).to(torch.float64)
+        x_hat = (u_hat.to(torch.float64) @ self.inverse_matrix(u_hat.device)) * norms.unsqueeze(1)
+        return x_hat.to(torch.float32)
