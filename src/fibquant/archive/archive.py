@@ -1,0 +1,384 @@
+"""`Archive`: one file that is the storage, the random-access decoder and the search index
+of a stream of symbols from an alphabet of N.
+
+    with Archive.create("codes.fqa", alphabet_size=256) as a:
+        a.append(symbols)          # one int or an int array; amortised O(1) per symbol
+    a = Archive.open("codes.fqa")  # memory-mapped; recovers from a torn tail
+    a[123], a[10:20], len(a), a.search([3, 1, 4]), a.context(position, 8)
+
+Symbols are buffered until a block of `block_symbols` is full, then the block is encoded
+(vectorised), checksummed and written with one write call (see `format.py`); `close()`
+seals the partial last block. Random access touches one block: its CRC is verified the
+first time the block is read after opening, then one key (exact) or one anchor (float) is
+decoded.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import warnings
+import zlib
+from bisect import bisect_right
+from pathlib import Path
+
+import numpy as np
+
+from .exact import RadixCodec
+from .floatmap import FloatMapCodec
+from .format import (HEADER_SIZE, ArchiveCorruptError, ArchiveError, Header, RecoveryWarning,
+                     pack_record, scan_records, unpack_header)
+from .search import PointIndex, SuffixKeyIndex
+
+DEFAULT_VARIANT = "exact"
+TARGET_BLOCK_BYTES = 8192  # a block costs one CRC on first touch; ~8 KB keeps that ~1 us
+
+
+def as_symbols(symbols, alphabet_size: int, what: str = "symbols") -> np.ndarray:
+    """Validate one int or a 1-D integer sequence/array/tensor -> int64 [n]."""
+    if hasattr(symbols, "detach") and hasattr(symbols, "cpu"):  # a torch tensor on any device
+        symbols = symbols.detach().cpu().numpy()
+    if isinstance(symbols, (bool, np.bool_)):
+        raise ArchiveError(f"{what} must be integers, got a bool")
+    arr = np.asarray(symbols)
+    if arr.dtype == object or arr.dtype.kind not in "iu":
+        raise ArchiveError(f"{what} must have an integer dtype, got {arr.dtype}")
+    if arr.ndim == 0:
+        arr = arr.reshape(1)
+    if arr.ndim != 1:
+        raise ArchiveError(f"{what} must be one int or a 1-D sequence, got shape {arr.shape}")
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= alphabet_size):
+        bad = int(arr.min()) if int(arr.min()) < 0 else int(arr.max())
+        raise ArchiveError(f"{what} must lie in [0, {alphabet_size}), got {bad}")
+    return arr.astype(np.int64, copy=False)
+
+
+def make_codec(header: Header):
+    if header.variant == "exact":
+        return RadixCodec(header.alphabet_size)
+    return FloatMapCodec(header.alphabet_size, header.r)
+
+
+class Archive:
+    """A fractal archive file. Build with `Archive.create` or `Archive.open`."""
+
+    def __init__(self, path: Path, header: Header, handle, writable: bool, durable: bool):
+        self.path = path
+        self.header = header
+        self.alphabet_size = header.alphabet_size
+        self.variant = header.variant
+        self.block_symbols = header.block_symbols
+        self._codec = make_codec(header)
+        self._exact = header.variant == "exact"
+        self._handle = handle
+        self._writable = writable
+        self._durable = durable
+        self._offsets: list[int] = []
+        self._lengths: list[int] = []
+        self._counts: list[int] = []
+        self._crcs: list[int] = []
+        self._starts: list[int] = []
+        self._verified = bytearray()
+        self._sealed = 0
+        self._uniform = True  # every block but the last is full: block = i // block_symbols
+        self._pending: list[int] = []
+        self._end = HEADER_SIZE
+        self._map = None
+        self._mapped = 0
+        self._index = None
+        self.closed = False
+
+    # ---------------------------------------------------------------- creation
+    @classmethod
+    def create(cls, path, alphabet_size: int, *, variant: str = DEFAULT_VARIANT, r: float | None = None,
+               block_symbols: int | None = None, overwrite: bool = False, durable: bool = False) -> "Archive":
+        """New empty archive for symbols in [0, alphabet_size).
+
+        variant "exact" (default: radix keys, bit-tight, platform independent) or "float"
+        (the paper's 2-D map, float64 anchors; r defaults below the disc bound, r > r*(N) is
+        refused). durable=True fsyncs after every sealed block."""
+        if variant not in ("exact", "float"):
+            raise ArchiveError(f"variant must be 'exact' or 'float', got {variant!r}")
+        if variant == "exact" and r is not None:
+            raise ArchiveError("r is fixed to 1/N in the exact variant; pass r only with variant='float'")
+        codec = RadixCodec(alphabet_size) if variant == "exact" else FloatMapCodec(alphabet_size, r)
+        segment = codec.group if variant == "exact" else codec.segment
+        if block_symbols is None:
+            per_segment = codec.key_bytes if variant == "exact" else 16
+            block_symbols = segment * max(1, TARGET_BLOCK_BYTES // per_segment)
+        header = Header(variant, codec.alphabet_size, 1.0 / codec.alphabet_size if variant == "exact" else codec.r,
+                        segment, block_symbols)
+        path = Path(path)
+        if path.exists() and not overwrite:
+            raise ArchiveError(f"{path} exists (pass overwrite=True to replace it)")
+        handle = open(path, "w+b")
+        handle.write(header.pack())
+        handle.flush()
+        if durable:
+            os.fsync(handle.fileno())
+        return cls(path, header, handle, True, durable)
+
+    @classmethod
+    def open(cls, path, mode: str = "r", *, durable: bool = False) -> "Archive":
+        """Open an archive for reading ("r") or reading and appending ("a").
+
+        An unsealed tail left by a crash is dropped with a RecoveryWarning (and cut off the
+        file in mode "a"); every other inconsistency raises ArchiveCorruptError."""
+        if mode not in ("r", "a"):
+            raise ArchiveError(f"mode must be 'r' or 'a', got {mode!r}")
+        path = Path(path)
+        handle = open(path, "rb" if mode == "r" else "r+b")
+        try:
+            size = os.fstat(handle.fileno()).st_size
+            header = unpack_header(handle.read(HEADER_SIZE))
+            archive = cls(path, header, handle, mode == "a", durable)
+            archive._remap(size)
+            index = scan_records(archive._map, size, header.block_symbols)
+        except BaseException:
+            handle.close()
+            raise
+        if index.dropped_tail:
+            warnings.warn(f"{path}: dropped an unsealed tail of {index.dropped_tail} bytes "
+                          f"(an interrupted write); {len(index.counts)} sealed blocks recovered",
+                          RecoveryWarning, stacklevel=2)
+            if mode == "a":
+                handle.truncate(index.end)
+        for offset, length, count, crc in zip(index.offsets, index.lengths, index.counts, index.crcs):
+            archive._register(offset, length, count, crc)
+        archive._end = index.end
+        handle.seek(index.end)
+        return archive
+
+    def _register(self, offset: int, length: int, count: int, crc: int) -> None:
+        if self._counts and self._counts[-1] != self.block_symbols:
+            self._uniform = False
+        self._offsets.append(offset)
+        self._lengths.append(length)
+        self._counts.append(count)
+        self._crcs.append(crc)
+        self._starts.append(self._sealed)
+        self._verified.append(0)
+        self._sealed += count
+
+    # --------------------------------------------------------------- appending
+    def append(self, symbols) -> None:
+        """Append one symbol (int) or many (1-D int array/list/tensor)."""
+        if type(symbols) is int and self._writable and 0 <= symbols < self.alphabet_size:
+            pending = self._pending  # fast path for one symbol at a time
+            pending.append(symbols)
+            if len(pending) >= self.block_symbols:
+                self._write_blocks(np.array(pending, dtype=np.int64))
+                pending.clear()
+            return
+        self._check_writable()
+        arr = as_symbols(symbols, self.alphabet_size)
+        room = self.block_symbols - len(self._pending)
+        if arr.shape[0] < room:
+            self._pending.extend(arr.tolist())
+            return
+        if self._pending:
+            head = np.concatenate([np.array(self._pending, dtype=np.int64), arr[:room]])
+            arr = arr[room:]
+            self._pending.clear()
+            self._write_blocks(head)
+        full = arr.shape[0] - arr.shape[0] % self.block_symbols
+        if full:
+            self._write_blocks(arr[:full])
+        self._pending.extend(arr[full:].tolist())
+
+    def _write_blocks(self, symbols: np.ndarray) -> None:
+        """Encode, checksum and write consecutive blocks (the last may be short)."""
+        size = self.block_symbols
+        if self._exact and symbols.shape[0] >= size:
+            # One vectorised encode for all blocks; each full block is a fixed byte range.
+            payload = self._codec.encode(symbols)
+            step = self._codec.payload_size(size)
+            pieces = [(min(size, symbols.shape[0] - k * size), payload[k * step:(k + 1) * step])
+                      for k in range(-(-symbols.shape[0] // size))]
+        else:
+            pieces = [(min(size, symbols.shape[0] - s), self._codec.encode(symbols[s:s + size]))
+                      for s in range(0, symbols.shape[0], size)]
+        records = []
+        offset = self._end
+        for count, payload in pieces:
+            record = pack_record(count, payload)
+            records.append(record)
+            self._register(offset + len(record) - len(payload), len(payload), count, zlib.crc32(payload))
+            self._verified[-1] = 1  # written from memory just now
+            offset += len(record)
+        self._handle.seek(self._end)
+        self._handle.write(b"".join(records))
+        self._handle.flush()
+        if self._durable:
+            os.fsync(self._handle.fileno())
+        self._end = offset
+
+    def _check_writable(self) -> None:
+        if self.closed:
+            raise ArchiveError("archive is closed")
+        if not self._writable:
+            raise ArchiveError(f"{self.path} is open read-only (use Archive.open(path, mode='a'))")
+
+    # ----------------------------------------------------------------- reading
+    def __len__(self) -> int:
+        return self._sealed + len(self._pending)
+
+    def _remap(self, size: int) -> None:
+        if size <= self._mapped:
+            return
+        # The old map is dropped, not closed: numpy views of it may still be alive.
+        self._map = mmap.mmap(self._handle.fileno(), size, access=mmap.ACCESS_READ)
+        self._mapped = size
+
+    def _verify(self, block: int) -> None:
+        offset, length, count = self._offsets[block], self._lengths[block], self._counts[block]
+        view = memoryview(self._map)[offset:offset + length]
+        try:
+            if zlib.crc32(view) != self._crcs[block]:
+                raise ArchiveCorruptError(f"{self.path}: checksum mismatch in block {block} (offset {offset})")
+            try:
+                if self._exact:
+                    if length != self._codec.payload_size(count):
+                        raise ValueError("payload length does not match its symbol count")
+                    self._codec.check_payload(view, count)
+                elif length != self._codec.payload_size(view, count):
+                    raise ValueError("payload length does not match its fallback bitmap")
+            except ValueError as exc:
+                raise ArchiveCorruptError(f"{self.path}: block {block}: {exc}") from None
+        finally:
+            view.release()
+        self._verified[block] = 1
+
+    def _locate(self, i: int) -> tuple[int, int]:
+        if self._uniform:
+            return divmod(i, self.block_symbols)
+        block = bisect_right(self._starts, i) - 1
+        return block, i - self._starts[block]
+
+    def __getitem__(self, key):
+        if isinstance(key, slice):
+            start, stop, step = key.indices(len(self))
+            if step == 1:
+                return self.read(start, stop)
+            if (step > 0 and start >= stop) or (step < 0 and start <= stop):
+                return np.empty(0, dtype=np.int64)
+            low, high = (start, stop) if step > 0 else (stop + 1, start + 1)
+            return self.read(low, high)[start - low::step]
+        if isinstance(key, (bool, np.bool_)) or not isinstance(key, (int, np.integer)):
+            raise TypeError(f"archive indices must be int or slice, got {type(key).__name__}")
+        i = int(key)
+        n = self._sealed + len(self._pending)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"archive index {key} out of range for length {n}")
+        if i >= self._sealed:
+            return self._pending[i - self._sealed]
+        if self.closed:
+            raise ArchiveError("archive is closed")
+        if self._mapped < self._end:
+            self._remap(self._end)  # blocks appended since the map was made
+        block, j = self._locate(i)
+        if not self._verified[block]:
+            self._verify(block)
+        if self._exact:
+            return self._codec.decode_at(self._map, j, self._offsets[block])
+        return self._codec.decode_at(self._map, self._counts[block], j, self._offsets[block])
+
+    def read(self, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """Symbols [start, stop) as int64, decoding only the blocks they touch."""
+        n = len(self)
+        stop = n if stop is None else stop
+        if not 0 <= start <= stop <= n:
+            raise IndexError(f"range [{start}, {stop}) out of bounds for length {n}")
+        if self.closed:
+            raise ArchiveError("archive is closed")
+        if self._mapped < self._end:
+            self._remap(self._end)
+        parts = []
+        sealed_stop = min(stop, self._sealed)
+        if start < sealed_stop:
+            first, _ = self._locate(start)
+            last, _ = self._locate(sealed_stop - 1)
+            for block in range(first, last + 1):
+                if not self._verified[block]:
+                    self._verify(block)
+                offset, length, count = self._offsets[block], self._lengths[block], self._counts[block]
+                view = memoryview(self._map)[offset:offset + length]
+                symbols = self._codec.decode(view, count)
+                del view
+                base = self._starts[block]
+                parts.append(symbols[max(start - base, 0):min(sealed_stop - base, count)])
+        if stop > self._sealed:
+            parts.append(np.array(self._pending[max(start - self._sealed, 0):stop - self._sealed], dtype=np.int64))
+        return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+
+    def context(self, position: int, length: int) -> np.ndarray:
+        """The `length` symbols ending at `position` (a search hit), decoded backward from it."""
+        if not isinstance(length, (int, np.integer)) or length < 0:
+            raise ArchiveError(f"context length must be a non-negative int, got {length!r}")
+        if not 0 <= position < len(self):
+            raise IndexError(f"position {position} out of range for length {len(self)}")
+        return self.read(max(0, position - length + 1), position + 1)
+
+    # ------------------------------------------------------------------ search
+    def search_index(self):
+        """The (cached) suffix index; rebuilt after appends."""
+        if self._index is None or self._index.length != len(self):
+            symbols = self.read()
+            if self._exact:
+                self._index = SuffixKeyIndex(symbols, self.alphabet_size)
+            else:
+                self._index = PointIndex(self._codec, symbols)
+                self._index.length = symbols.shape[0]
+        return self._index
+
+    def search(self, query) -> np.ndarray:
+        """Sorted end positions i with archive[i-l+1 : i+1] == query (l = len(query))."""
+        return self.search_index().search(as_symbols(query, self.alphabet_size, "query"))
+
+    def search_many(self, queries) -> list[np.ndarray]:
+        """Batched search of equal-length queries, int [q, l] -> one sorted array per query."""
+        arr = np.asarray(queries)
+        if arr.ndim != 2:
+            raise ArchiveError(f"queries must be a 2-D int array [q, l], got shape {arr.shape}")
+        flat = as_symbols(arr.reshape(-1), self.alphabet_size, "queries").reshape(arr.shape)
+        index = self.search_index()
+        if isinstance(index, SuffixKeyIndex):
+            return index.search_many(flat)
+        return [index.search(row) for row in flat]
+
+    # ------------------------------------------------------------------- misc
+    def info(self) -> dict:
+        file_bytes = self._end
+        n = len(self)
+        return {
+            "path": str(self.path), "variant": self.variant, "alphabet_size": self.alphabet_size,
+            "r": self.header.r, "segment": self.header.segment, "block_symbols": self.block_symbols,
+            "symbols": n, "sealed_symbols": self._sealed, "blocks": len(self._counts),
+            "file_bytes": file_bytes,
+            "bits_per_symbol": 8.0 * file_bytes / n if n else float("nan"),
+        }
+
+    def close(self) -> None:
+        """Seal the partial last block (if writable) and release the file."""
+        if self.closed:
+            return
+        try:
+            if self._writable and self._pending:
+                self._write_blocks(np.array(self._pending, dtype=np.int64))
+                self._pending.clear()
+        finally:
+            self._map = None
+            self._handle.close()
+            self._writable = False
+            self.closed = True
+
+    def __enter__(self) -> "Archive":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"{len(self)} symbols"
+        return f"Archive({str(self.path)!r}, N={self.alphabet_size}, variant={self.variant!r}, {state})"

@@ -1,0 +1,156 @@
+"""Suffix search over the archive's geometry.
+
+A match of query q (length l, oldest symbol first) is a position i with
+stream[i-l+1 : i+1] == q, i.e. the point p_i lies in the cell of suffix q.
+
+`SuffixKeyIndex` (exact variant): the 1-D exact map at depth D gives every position the
+integer key_i = sum_{j<D} c_{i-j} N^(D-1-j) (latest symbol most significant, D = the most
+symbols a uint64 holds). The cell of a suffix of length l <= D is the key interval
+[Q, Q + N^(D-l)), found with two binary searches in the sorted keys. Longer queries chain:
+the candidates of the last D symbols are checked against key_{i-D}, key_{i-2D}, ... of the
+earlier chunks, all by integer comparison, without decoding symbols.
+
+`PointIndex` (float variant): the 2-D points of the last `depth` symbols in a k-d tree;
+the cell of a suffix s is inside the disc of radius r^|s| around its centre, so a ball
+query has recall 1 and its candidates are verified against the symbols.
+
+`brute_force_search` is the specification both are tested against.
+"""
+from __future__ import annotations
+
+import numpy as np
+from scipy.spatial import cKDTree
+
+
+def brute_force_search(symbols: np.ndarray, query: np.ndarray) -> np.ndarray:
+    """Every end position i with symbols[i-l+1 : i+1] == query (reference, O(n l))."""
+    n, l = symbols.shape[0], query.shape[0]
+    if l == 0 or l > n:
+        return np.arange(n, dtype=np.int64) if l == 0 else np.empty(0, dtype=np.int64)
+    hit = np.ones(n - l + 1, dtype=bool)
+    for j in range(l):
+        hit &= symbols[j:n - l + 1 + j] == query[j]
+    return np.flatnonzero(hit).astype(np.int64) + (l - 1)
+
+
+def key_depth(alphabet_size: int) -> int:
+    depth = 1
+    while alphabet_size ** (depth + 1) <= 1 << 64:
+        depth += 1
+    return depth
+
+
+class SuffixKeyIndex:
+    """Sorted depth-D suffix keys of a symbol stream (int64 [n]); 20 bytes per position."""
+
+    def __init__(self, symbols: np.ndarray, alphabet_size: int):
+        self.alphabet_size = alphabet_size
+        self.length = n = symbols.shape[0]
+        self.depth = depth = key_depth(alphabet_size)
+        padded = np.concatenate([np.zeros(depth - 1, dtype=np.uint64), symbols.astype(np.uint64)])
+        keys = np.zeros(n, dtype=np.uint64)
+        base = np.uint64(alphabet_size)
+        for j in range(depth):  # Horner, latest symbol first so it ends most significant
+            keys *= base
+            keys += padded[depth - 1 - j:depth - 1 - j + n]
+        self.keys = keys
+        self.order = np.argsort(keys, kind="stable").astype(np.int64 if n >= 1 << 31 else np.int32)
+        self.sorted_keys = keys[self.order]
+        self._powers = [alphabet_size ** e for e in range(depth + 1)]
+
+    def _prefix(self, chunk) -> int:
+        """Key interval start of a suffix chunk (oldest first, len <= depth)."""
+        key = 0
+        for c in reversed(chunk):  # latest symbol most significant
+            key = key * self.alphabet_size + int(c)
+        return key * self._powers[self.depth - len(chunk)]
+
+    def _cell(self, chunk) -> np.ndarray:
+        low = self._prefix(chunk)
+        high = low + self._powers[self.depth - len(chunk)]
+        if high >= 1 << 64:  # the last cell ends at the top of the key range
+            lo = int(np.searchsorted(self.sorted_keys, np.uint64(low)))
+            return self.order[lo:]
+        lo, hi = np.searchsorted(self.sorted_keys, np.array([low, high], dtype=np.uint64))
+        return self.order[lo:hi]
+
+    def search(self, query: np.ndarray) -> np.ndarray:
+        """Sorted int64 end positions of every occurrence of `query` (validated int [l])."""
+        l, depth = query.shape[0], self.depth
+        if l == 0:
+            return np.arange(self.length, dtype=np.int64)
+        tail = query[-depth:] if l > depth else query
+        hits = self._cell(tail)
+        if l > 1:
+            hits = hits[hits >= l - 1]  # positions whose history is shorter than the query
+        if l < depth:
+            return np.sort(hits).astype(np.int64)
+        hits = hits.astype(np.int64)  # one key: the stable sort left positions ascending
+        end = l - depth
+        shift = depth
+        while end > 0 and hits.size:  # chain: earlier chunks by their keys
+            start = max(0, end - depth)
+            chunk = query[start:end]
+            earlier = self.keys[hits - shift]
+            if len(chunk) == depth:
+                hits = hits[earlier == np.uint64(self._prefix(chunk))]
+            else:
+                prefix = self._prefix(chunk) // self._powers[depth - len(chunk)]
+                hits = hits[earlier // np.uint64(self._powers[depth - len(chunk)]) == np.uint64(prefix)]
+            end, shift = start, shift + depth
+        return hits
+
+    def search_many(self, queries: np.ndarray) -> list[np.ndarray]:
+        """Batched search of equal-length queries int [q, l] with l <= depth (vectorised cells)."""
+        q, l = queries.shape
+        if l == 0 or l > self.depth:
+            return [self.search(row) for row in queries]
+        weights = np.array(self._powers[self.depth - l:self.depth], dtype=np.uint64)  # latest: N^(D-1)
+        low = (queries.astype(np.uint64) * weights).sum(axis=1, dtype=np.uint64)
+        width = self._powers[self.depth - l]
+        bounds = np.searchsorted(self.sorted_keys, low)
+        ends = np.full(q, self.length, dtype=np.int64)
+        fits = low <= np.uint64((1 << 64) - 1 - width)  # cells that do not end at 2^64
+        ends[fits] = np.searchsorted(self.sorted_keys, low[fits] + np.uint64(width))
+        counts = ends - bounds
+        starts_out = np.cumsum(counts) - counts
+        flat = self.order[np.arange(int(counts.sum())) + np.repeat(bounds - starts_out, counts)]
+        owner = np.repeat(np.arange(q), counts)
+        keep = flat >= l - 1
+        flat, owner = flat[keep].astype(np.int64), owner[keep]
+        sort = np.lexsort((flat, owner))
+        counts = np.bincount(owner, minlength=q)
+        return np.split(flat[sort], np.cumsum(counts)[:-1])
+
+
+class PointIndex:
+    """k-d tree over the 2-D suffix points of the float map (float64 or float32 coordinates)."""
+
+    def __init__(self, codec, symbols: np.ndarray, dtype=np.float64):
+        self.codec = codec
+        self.symbols = symbols
+        self.depth = codec.segment
+        points = codec.suffix_points(symbols, self.depth)
+        self.points = points.astype(dtype)
+        # Rounding the coordinates moves each point by at most half an ulp per coordinate.
+        self.slack = 4 * float(np.finfo(dtype).eps)
+        self.tree = cKDTree(self.points)
+
+    def candidates(self, query: np.ndarray) -> np.ndarray:
+        """Raw geometric filter: positions whose point is in the ball of the query cell."""
+        tail = query[-self.depth:]
+        centre = self.codec.cell_centre(tail)
+        radius = self.codec.r ** len(tail) * (1 + 1e-9) + self.slack
+        return np.asarray(self.tree.query_ball_point(centre, radius), dtype=np.int64)
+
+    def search(self, query: np.ndarray) -> np.ndarray:
+        l = query.shape[0]
+        if l == 0:
+            return np.arange(self.symbols.shape[0], dtype=np.int64)
+        hits = np.sort(self.candidates(query))
+        hits = hits[hits >= l - 1]
+        for j in range(l):  # verification against the symbols (also covers l > depth)
+            if not hits.size:
+                break
+            hits = hits[self.symbols[hits - j] == query[l - 1 - j]]
+        return hits
