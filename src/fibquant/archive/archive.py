@@ -200,7 +200,7 @@ class Archive:
         records = []
         offset = self._end
         for count, payload in pieces:
-            record = pack_record(count, payload)
+            record = pack_record(self._sealed, count, payload)
             records.append(record)
             self._register(offset + len(record) - len(payload), len(payload), count, zlib.crc32(payload))
             self._verified[-1] = 1  # written from memory just now
@@ -258,7 +258,7 @@ class Archive:
         if isinstance(key, slice):
             start, stop, step = key.indices(len(self))
             if step == 1:
-                return self.read(start, stop)
+                return self.read(start, max(start, stop))
             if (step > 0 and start >= stop) or (step < 0 and start <= stop):
                 return np.empty(0, dtype=np.int64)
             low, high = (start, stop) if step > 0 else (stop + 1, start + 1)
@@ -334,7 +334,18 @@ class Archive:
 
     def search(self, query) -> np.ndarray:
         """Sorted end positions i with archive[i-l+1 : i+1] == query (l = len(query))."""
-        return self.search_index().search(as_symbols(query, self.alphabet_size, "query"))
+        if isinstance(query, np.ndarray) and query.ndim == 1 and query.dtype.kind in "iu":
+            symbols = query.tolist()  # short queries: Python-level checks beat numpy reductions
+        elif isinstance(query, (list, tuple)) and all(type(c) is int for c in query):
+            symbols = list(query)
+        else:
+            symbols = as_symbols(query, self.alphabet_size, "query").tolist()
+        if symbols and (min(symbols) < 0 or max(symbols) >= self.alphabet_size):
+            as_symbols(symbols, self.alphabet_size, "query")  # raises the range error
+        index = self._index
+        if index is None or index.length != len(self):
+            index = self.search_index()
+        return index.search(symbols)
 
     def search_many(self, queries) -> list[np.ndarray]:
         """Batched search of equal-length queries, int [q, l] -> one sorted array per query."""

@@ -155,8 +155,9 @@ class RadixCodec:
 def _keys_to_bytes(keys: np.ndarray, width: int) -> bytes:
     if width in (1, 2, 4, 8):
         return keys.astype(f"<u{width}", copy=False).tobytes()
-    wide = keys.astype("<u8" if width > 4 else "<u4", copy=False)
-    return np.ascontiguousarray(wide.view(np.uint8).reshape(keys.shape[0], -1)[:, :width]).tobytes()
+    full = 8 if width > 4 else 4
+    wide = keys.astype(f"<u{full}", copy=False)
+    return np.ascontiguousarray(wide.view(np.uint8).reshape(keys.shape[0], full)[:, :width]).tobytes()
 
 
 def _bytes_to_keys(raw: np.ndarray, width: int) -> np.ndarray:

@@ -5,11 +5,12 @@
              r f64 | segment u32 | block_symbols u32 | zero padding (24) | crc32 of bytes 0..59 u32
     record = record header (24 B) , payload
     record header = magic "FQSG" | n_symbols u32 | payload_len u32 | flags u32 |
-                    crc32(payload) u32 | crc32 of the 20 bytes before u32
+                    first symbol index u64 | crc32(payload) u32 | crc32 of the 28 bytes before u32
 
 All integers little-endian. A record (a sealed block of up to block_symbols symbols) is
 written with one write call; the chain of record headers is the offset index, rebuilt on
-open by reading only the headers (O(blocks)). Recovery rule (see docs/archive-format.md):
+open by reading only the headers (O(blocks)). The first-symbol field chains the records:
+a record removed, repeated or moved is detected. Recovery rule (see docs/archive-format.md):
 a tail that a crash can leave behind (an incomplete record header, a record whose payload
 runs past the end of the file, or trailing zero bytes) is dropped with a `RecoveryWarning`;
 anything else that fails a check is an `ArchiveCorruptError`.
@@ -24,13 +25,13 @@ MAGIC = b"FQARCHV\x00"
 VERSION = 1
 HEADER_SIZE = 64
 RECORD_MAGIC = b"FQSG"
-RECORD_HEADER_SIZE = 24
+RECORD_HEADER_SIZE = 32
 VARIANTS = {"exact": 0, "float": 1}
 VARIANT_NAMES = {v: k for k, v in VARIANTS.items()}
 FLAG_NONE = 0
 
 _HEADER = struct.Struct("<8sHHQdII")
-_RECORD = struct.Struct("<4sIIII")
+_RECORD = struct.Struct("<4sIIIQI")
 
 
 class ArchiveError(ValueError):
@@ -96,8 +97,8 @@ def unpack_header(raw: bytes) -> Header:
         raise ArchiveCorruptError(f"inconsistent archive header: {exc}") from None
 
 
-def pack_record(n_symbols: int, payload: bytes, flags: int = FLAG_NONE) -> bytes:
-    head = _RECORD.pack(RECORD_MAGIC, n_symbols, len(payload), flags, zlib.crc32(payload))
+def pack_record(first: int, n_symbols: int, payload: bytes, flags: int = FLAG_NONE) -> bytes:
+    head = _RECORD.pack(RECORD_MAGIC, n_symbols, len(payload), flags, first, zlib.crc32(payload))
     return head + struct.pack("<I", zlib.crc32(head)) + payload
 
 
@@ -117,6 +118,7 @@ def scan_records(buf, size: int, block_symbols: int) -> BlockIndex:
     """Walk the record headers of buf[HEADER_SIZE:size]; apply the recovery rule."""
     index = BlockIndex([], [], [], [], HEADER_SIZE, 0)
     pos = HEADER_SIZE
+    total = 0
     while pos < size:
         remaining = size - pos
         if remaining < RECORD_HEADER_SIZE:
@@ -125,20 +127,25 @@ def scan_records(buf, size: int, block_symbols: int) -> BlockIndex:
                 break  # a torn record header
             raise ArchiveCorruptError(f"garbage after the last record at offset {pos}")
         head = buf[pos:pos + RECORD_HEADER_SIZE]
-        magic, n_symbols, length, flags, crc = _RECORD.unpack_from(head)
-        header_ok = zlib.crc32(head[:20]) == struct.unpack_from("<I", head, 20)[0] and magic == RECORD_MAGIC
+        magic, n_symbols, length, flags, first, crc = _RECORD.unpack_from(head)
+        header_ok = zlib.crc32(head[:_RECORD.size]) == struct.unpack_from("<I", head, _RECORD.size)[0] \
+            and magic == RECORD_MAGIC
         if not header_ok:
             if not any(buf[pos:size]):
                 break  # zero-filled tail: space allocated but never written
             raise ArchiveCorruptError(f"record header checksum mismatch at offset {pos}")
         if flags != FLAG_NONE or not 1 <= n_symbols <= block_symbols:
             raise ArchiveCorruptError(f"record at offset {pos} has invalid fields")
+        if first != total:
+            raise ArchiveCorruptError(f"record at offset {pos} starts at symbol {first}, expected {total} "
+                                      f"(a record is missing, repeated or out of order)")
         if length > remaining - RECORD_HEADER_SIZE:
             break  # a torn payload: the header made it to disk, the payload did not
         index.offsets.append(pos + RECORD_HEADER_SIZE)
         index.lengths.append(length)
         index.counts.append(n_symbols)
         index.crcs.append(crc)
+        total += n_symbols
         pos += RECORD_HEADER_SIZE + length
     index.end = pos
     index.dropped_tail = size - pos

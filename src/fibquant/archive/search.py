@@ -18,6 +18,8 @@ query has recall 1 and its candidates are verified against the symbols.
 """
 from __future__ import annotations
 
+from bisect import bisect_left
+
 import numpy as np
 from scipy.spatial import cKDTree
 
@@ -41,7 +43,7 @@ def key_depth(alphabet_size: int) -> int:
 
 
 class SuffixKeyIndex:
-    """Sorted depth-D suffix keys of a symbol stream (int64 [n]); 20 bytes per position."""
+    """Sorted depth-D suffix keys of a symbol stream (int64 [n]); 24 bytes per position."""
 
     def __init__(self, symbols: np.ndarray, alphabet_size: int):
         self.alphabet_size = alphabet_size
@@ -54,9 +56,13 @@ class SuffixKeyIndex:
             keys *= base
             keys += padded[depth - 1 - j:depth - 1 - j + n]
         self.keys = keys
-        self.order = np.argsort(keys, kind="stable").astype(np.int64 if n >= 1 << 31 else np.int32)
+        # Positions in key order, ties by position (stable): one key's hits come out sorted.
+        self.order = np.argsort(keys, kind="stable")
         self.sorted_keys = keys[self.order]
         self._powers = [alphabet_size ** e for e in range(depth + 1)]
+        # Slots (in key order) of the first depth-1 positions, whose keys are zero-padded:
+        # a short query may land on them and they must be checked against the query length.
+        self._early_slots = sorted(np.flatnonzero(self.order < depth - 1).tolist())
 
     def _prefix(self, chunk) -> int:
         """Key interval start of a suffix chunk (oldest first, len <= depth)."""
@@ -65,40 +71,51 @@ class SuffixKeyIndex:
             key = key * self.alphabet_size + int(c)
         return key * self._powers[self.depth - len(chunk)]
 
-    def _cell(self, chunk) -> np.ndarray:
+    def _cell(self, chunk) -> tuple[int, int]:
+        """[lo, hi) slots of the sorted keys inside the cell of `chunk`."""
         low = self._prefix(chunk)
         high = low + self._powers[self.depth - len(chunk)]
+        lo = int(self.sorted_keys.searchsorted(np.uint64(low)))
         if high >= 1 << 64:  # the last cell ends at the top of the key range
-            lo = int(np.searchsorted(self.sorted_keys, np.uint64(low)))
-            return self.order[lo:]
-        lo, hi = np.searchsorted(self.sorted_keys, np.array([low, high], dtype=np.uint64))
-        return self.order[lo:hi]
+            return lo, self.length
+        return lo, int(self.sorted_keys.searchsorted(np.uint64(high)))
 
-    def search(self, query: np.ndarray) -> np.ndarray:
-        """Sorted int64 end positions of every occurrence of `query` (validated int [l])."""
-        l, depth = query.shape[0], self.depth
+    def search(self, query) -> np.ndarray:
+        """Sorted int64 end positions of every occurrence of `query` (validated ints, list or array)."""
+        query = list(query)
+        l, depth = len(query), self.depth
         if l == 0:
             return np.arange(self.length, dtype=np.int64)
-        tail = query[-depth:] if l > depth else query
-        hits = self._cell(tail)
-        if l > 1:
+        lo, hi = self._cell(query[-depth:] if l > depth else query)
+        hits = self.order[lo:hi]
+        if l > 1 and bisect_left(self._early_slots, lo) < bisect_left(self._early_slots, hi):
             hits = hits[hits >= l - 1]  # positions whose history is shorter than the query
         if l < depth:
-            return np.sort(hits).astype(np.int64)
-        hits = hits.astype(np.int64)  # one key: the stable sort left positions ascending
-        end = l - depth
-        shift = depth
-        while end > 0 and hits.size:  # chain: earlier chunks by their keys
+            return np.sort(hits) if hits.size > 1 else hits.copy()
+        end, shift = l - depth, depth  # one key: the stable sort left positions ascending
+        if end > 0 and hits.size <= 32:  # few candidates: chain with Python ints
+            checks = []  # (distance back, digit scale, expected key // scale) per earlier chunk
+            e, back = end, depth
+            while e > 0:
+                start = max(0, e - depth)
+                scale = self._powers[depth - (e - start)]
+                checks.append((back, scale, self._prefix(query[start:e]) // scale))
+                e, back = start, back + depth
+            keys = self.keys
+            kept = [pos for pos in hits.tolist()
+                    if all(int(keys[pos - back]) // scale == want for back, scale, want in checks)]
+            return np.array(kept, dtype=np.int64)
+        while end > 0 and hits.size:  # chain: the earlier chunks by their keys
             start = max(0, end - depth)
             chunk = query[start:end]
             earlier = self.keys[hits - shift]
             if len(chunk) == depth:
                 hits = hits[earlier == np.uint64(self._prefix(chunk))]
             else:
-                prefix = self._prefix(chunk) // self._powers[depth - len(chunk)]
-                hits = hits[earlier // np.uint64(self._powers[depth - len(chunk)]) == np.uint64(prefix)]
+                scale = self._powers[depth - len(chunk)]
+                hits = hits[earlier // np.uint64(scale) == np.uint64(self._prefix(chunk) // scale)]
             end, shift = start, shift + depth
-        return hits
+        return hits if hits.base is None else hits.copy()
 
     def search_many(self, queries: np.ndarray) -> list[np.ndarray]:
         """Batched search of equal-length queries int [q, l] with l <= depth (vectorised cells)."""
@@ -115,12 +132,16 @@ class SuffixKeyIndex:
         counts = ends - bounds
         starts_out = np.cumsum(counts) - counts
         flat = self.order[np.arange(int(counts.sum())) + np.repeat(bounds - starts_out, counts)]
-        owner = np.repeat(np.arange(q), counts)
-        keep = flat >= l - 1
-        flat, owner = flat[keep].astype(np.int64), owner[keep]
-        sort = np.lexsort((flat, owner))
-        counts = np.bincount(owner, minlength=q)
-        return np.split(flat[sort], np.cumsum(counts)[:-1])
+        if l > 1:
+            keep = flat >= l - 1
+            if not keep.all():
+                counts = np.bincount(np.repeat(np.arange(q), counts)[keep], minlength=q)
+                flat = flat[keep]
+        if l < self.depth and flat.size:  # several keys per cell: sort positions per query
+            owner = np.repeat(np.arange(q, dtype=np.int64), counts)
+            flat = np.sort(owner * self.length + flat) - owner * self.length
+        edges = np.concatenate([[0], np.cumsum(counts)]).tolist()
+        return [flat[a:b] for a, b in zip(edges[:-1], edges[1:])]
 
 
 class PointIndex:
@@ -143,7 +164,9 @@ class PointIndex:
         radius = self.codec.r ** len(tail) * (1 + 1e-9) + self.slack
         return np.asarray(self.tree.query_ball_point(centre, radius), dtype=np.int64)
 
-    def search(self, query: np.ndarray) -> np.ndarray:
+    def search(self, query) -> np.ndarray:
+        """Sorted end positions of `query`: ball candidates, then verified on the symbols."""
+        query = np.asarray(query, dtype=np.int64)
         l = query.shape[0]
         if l == 0:
             return np.arange(self.symbols.shape[0], dtype=np.int64)

@@ -1,0 +1,135 @@
+"""The two forms of the iterated map: exact radix keys and float64 anchors."""
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fibquant.archive.exact import RadixCodec, choose_grouping
+from fibquant.archive.floatmap import FloatMapCodec, default_r, r_disc, r_star
+
+
+@st.composite
+def alphabet_and_stream(draw, max_n=5000, max_len=200):
+    n = draw(st.one_of(st.integers(2, 20), st.sampled_from([255, 256, 257, 1000, 4095, 4096, 65536]),
+                       st.integers(2, max_n)))
+    symbols = draw(st.lists(st.integers(0, n - 1), max_size=max_len))
+    return n, np.array(symbols, dtype=np.int64)
+
+
+@settings(max_examples=60, deadline=None)
+@given(alphabet_and_stream())
+def test_radix_vectorised_matches_reference(case):
+    n, symbols = case
+    codec = RadixCodec(n)
+    payload = codec.encode(symbols)
+    assert payload == codec.encode_reference(symbols.tolist())
+    assert len(payload) == codec.payload_size(len(symbols))
+    assert np.array_equal(codec.decode(payload, len(symbols)), symbols)
+    assert codec.decode_reference(payload, len(symbols)) == symbols.tolist()
+    assert [codec.decode_at(payload, i) for i in range(len(symbols))] == symbols.tolist()
+    codec.check_payload(payload, len(symbols))
+
+
+def test_radix_key_is_the_iterated_map_point():
+    # 1-D map with r = 1/N, V(c) = c/(N-1), p_0 = 0: N^G p_G = sum_j c_j N^j exactly.
+    codec = RadixCodec(10)
+    symbols = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8][:codec.group]
+    p = 0.0
+    for c in symbols:
+        v = c / 9
+        p = v + (p - v) / 10
+    key = int.from_bytes(codec.encode(np.array(symbols)), "little")
+    assert key == sum(c * 10 ** j for j, c in enumerate(symbols))
+    assert math.isclose(key / 10 ** codec.group, p, rel_tol=1e-12)
+
+
+@pytest.mark.parametrize("n", [2, 3, 5, 7, 10, 16, 100, 256, 1000, 4096, 10007, 65536, 1 << 20])
+def test_radix_is_bit_tight(n):
+    codec = RadixCodec(n)
+    assert math.log2(n) <= codec.bits_per_symbol <= 1.05 * math.log2(n)
+
+
+def test_grouping_examples():
+    assert choose_grouping(16) == (2, 1)
+    assert choose_grouping(256) == (1, 1)
+    assert choose_grouping(4096) == (2, 3)
+
+
+def test_radix_rejects_bad_payload_keys():
+    codec = RadixCodec(10)  # keys must stay below 10^G
+    assert codec.group > 1
+    with pytest.raises(ValueError, match="key"):
+        codec.check_payload(b"\xff" * codec.key_bytes, codec.group)
+    # A payload declared to hold one symbol must have zero padding digits.
+    with pytest.raises(ValueError, match="padding"):
+        codec.check_payload(codec.encode(np.array([9, 9])), 1)
+    codec.check_payload(codec.encode(np.array([9])), 1)
+
+
+@pytest.mark.parametrize("bad", [1, 0, -3, 2.5, True, (1 << 32) + 1])
+def test_radix_alphabet_validation(bad):
+    with pytest.raises(ValueError, match="alphabet_size"):
+        RadixCodec(bad)
+
+
+# ------------------------------------------------------------------ float map
+@pytest.mark.parametrize("n,expected", [(16, 0.16591), (256, 0.012124), (4096, 7.664e-4)])
+def test_r_star_matches_the_brief(n, expected):
+    assert r_star(n) == pytest.approx(expected, rel=1e-3)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 16, 100, 256, 4096, 65536])
+def test_default_r_is_provably_safe(n):
+    r = default_r(n)
+    assert r < r_star(n) and r < r_disc(n)
+
+
+def test_r_above_r_star_is_refused():
+    with pytest.raises(ValueError, match=r"exceeds r\*"):
+        FloatMapCodec(16, r=0.2)
+    for bad in (0.0, 1.0, -0.1, float("nan"), "0.1"):
+        with pytest.raises(ValueError, match="contraction"):
+            FloatMapCodec(16, r=bad)
+
+
+@pytest.mark.parametrize("n,segment", [(16, 19), (256, 8), (4096, 5)])
+def test_segment_length_from_precision_budget(n, segment):
+    # The brief's ~20, ~8, ~5 symbols per float64 point, less one guard bit.
+    assert FloatMapCodec(n).segment == segment
+
+
+def test_anchors_match_the_recurrence():
+    rng = np.random.default_rng(0)
+    for n in (3, 16, 256, 4096):
+        codec = FloatMapCodec(n)
+        symbols = rng.integers(0, n, codec.segment * 40)
+        anchors = codec.anchors(symbols)
+        for s in range(40):
+            ref = codec.anchor_reference(symbols[s * codec.segment:(s + 1) * codec.segment].tolist())
+            assert np.allclose(anchors[s], ref, rtol=0, atol=1e-13)
+
+
+@settings(max_examples=40, deadline=None)
+@given(alphabet_and_stream(max_n=5000, max_len=300))
+def test_float_roundtrip_and_random_access(case):
+    n, symbols = case
+    codec = FloatMapCodec(n)
+    payload = codec.encode(symbols)
+    assert codec.payload_size(payload, len(symbols)) == len(payload)
+    assert np.array_equal(codec.decode(payload, len(symbols)), symbols)
+    assert [codec.decode_at(payload, len(symbols), i) for i in range(len(symbols))] == symbols.tolist()
+
+
+def test_float_fallback_segments_are_flagged_and_exact(monkeypatch):
+    # Segments longer than the precision budget cannot round-trip: they must be stored exactly.
+    codec = FloatMapCodec(256)
+    object.__setattr__(codec, "segment", 14)
+    object.__setattr__(codec, "_weights", (1 - codec.r) * codec.r ** np.arange(13, -1, -1))
+    symbols = np.random.default_rng(1).integers(0, 256, 14 * 30 + 5)
+    payload = codec.encode(symbols)
+    _, flags, _ = codec._layout(payload, len(symbols))
+    assert flags.sum() >= 25  # 14 symbols need ~89 bits of float64 precision
+    assert np.array_equal(codec.decode(payload, len(symbols)), symbols)
+    assert [codec.decode_at(payload, len(symbols), i) for i in range(len(symbols))] == symbols.tolist()
