@@ -16,6 +16,7 @@ _EXPORTS = {
     "TurboQuantCodec": "fibquant.codecs.turboquant",
     "IntCodec": "fibquant.codecs.integer",
     "LowRankCodec": "fibquant.codecs.lowrank",
+    "RVQCodec": "fibquant.codecs.rvq",
     # codebooks and canonical source
     "build_codebook": "fibquant.codebook",
     "load_codebook": "fibquant.codebook",
