@@ -126,7 +126,10 @@ class Archive:
         if mode not in ("r", "a"):
             raise ArchiveError(f"mode must be 'r' or 'a', got {mode!r}")
         path = Path(path)
-        handle = open(path, "rb" if mode == "r" else "r+b")
+        try:
+            handle = open(path, "rb" if mode == "r" else "r+b")
+        except (FileNotFoundError, IsADirectoryError) as exc:
+            raise ArchiveError(f"cannot open archive {path}: {exc.strerror}") from None
         try:
             size = os.fstat(handle.fileno()).st_size
             header = unpack_header(handle.read(HEADER_SIZE))

@@ -1,0 +1,493 @@
+"""Benchmark of the fractal archive against plain storage and search baselines.
+
+Streams: uniform and Zipf symbols for N in {16, 256, 4096} and the bytes of a novel
+(N = 256). Methods, all measured in the same run on the same streams:
+
+    fractal-exact / fractal-float   this library (encode, pack, random access, append, search)
+    raw-numpy                       smallest uint dtype, .npy, memory-mapped
+    bitpack                         ceil(log2 N) bits per symbol, numpy bit packing
+    zstd-3 / zstd-19                raw bytes in independent frames (seekable), one frame
+                                    decompressed per lookup
+    sorted-keys                     argsort of the l-gram keys of the raw array (search only)
+    suffix-array                    pydivsufsort suffix array (search only)
+
+Every timing is the best of a few repeats of a whole batch divided by its size; single
+lookups and single queries are timed in a Python loop (what a caller gets per call).
+"""
+from __future__ import annotations
+
+import json
+import math
+import tempfile
+import time
+from bisect import bisect_left, bisect_right
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from ..archive import Archive, FloatMapCodec, RadixCodec, brute_force_search
+from ..archive.search import PointIndex, key_depth
+
+TARGETS = {  # 100x the paper's figures (BRIEF section 3)
+    "encode_us": 0.0068, "random_access_us": 3.1, "append_us": 1.75, "search_us_1e5": 9.0,
+    "bits_over_log2n_uniform": 1.05, "recall": 1.0,
+}
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    n_symbols: int = 1_000_000
+    alphabets: tuple[int, ...] = (16, 256, 4096)
+    zipf_exponent: float = 1.1
+    lookups: int = 100_000
+    zstd_lookups: int = 2_000
+    appends: int = 200_000
+    append_chunk: int = 1_000
+    queries: int = 2_000
+    query_length: int = 8
+    recall_queries: int = 50
+    search_sizes: tuple[int, ...] = (100_000, 1_000_000)
+    zstd_frame: int = 65_536
+    text_names: tuple[str, ...] = ("emma", "persuasion")
+    repeats: int = 3
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.n_symbols < 1000 or any(s > self.n_symbols for s in self.search_sizes):
+            raise ValueError("n_symbols must be >= 1000 and cover every search size")
+        if self.query_length < 1 or self.repeats < 1:
+            raise ValueError("query_length and repeats must be positive")
+
+
+QUICK = BenchConfig(n_symbols=100_000, lookups=20_000, zstd_lookups=500, appends=50_000, queries=500,
+                    recall_queries=20, search_sizes=(100_000,), repeats=2)
+
+
+# ----------------------------------------------------------------- streams
+def make_streams(config: BenchConfig) -> list[dict]:
+    rng = np.random.default_rng(config.seed)
+    n = config.n_symbols
+    streams = []
+    for alphabet in config.alphabets:
+        streams.append({"stream": f"uniform-{alphabet}", "alphabet": alphabet,
+                        "symbols": rng.integers(0, alphabet, n), "note": ""})
+        weights = 1.0 / np.arange(1, alphabet + 1) ** config.zipf_exponent
+        streams.append({"stream": f"zipf-{alphabet}", "alphabet": alphabet,
+                        "symbols": rng.choice(alphabet, size=n, p=weights / weights.sum()),
+                        "note": f"Zipf exponent {config.zipf_exponent}"})
+    streams.append(text_stream(config, rng))
+    return streams
+
+
+def text_stream(config: BenchConfig, rng) -> dict:
+    """The bytes of real novels (N = 256), or a clearly labelled fallback."""
+    try:
+        from ..data.text import load_text
+
+        text = "\n\n".join(load_text(name) for name in config.text_names)
+        raw = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+        if raw.shape[0] < config.n_symbols:
+            raise ValueError(f"only {raw.shape[0]} bytes of text")
+        return {"stream": "text-256", "alphabet": 256, "symbols": raw[:config.n_symbols].astype(np.int64),
+                "note": f"UTF-8 bytes of {' + '.join(config.text_names)} (Jane Austen), first {config.n_symbols}"}
+    except Exception as exc:  # noqa: BLE001 - any failure to fetch the text falls back, loudly
+        weights = 1.0 / np.arange(1, 257) ** 1.0
+        return {"stream": "text-256", "alphabet": 256,
+                "symbols": rng.choice(256, size=config.n_symbols, p=weights / weights.sum()),
+                "note": f"FALLBACK: novel unavailable ({exc}); Zipf(1.0) bytes instead"}
+
+
+# ------------------------------------------------------------------ timing
+def best_time(fn, repeats: int) -> float:
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def time_lookups(get, positions: list[int], repeats: int) -> float:
+    def loop():
+        for i in positions:
+            get(i)
+    return best_time(loop, repeats) / len(positions) * 1e6
+
+
+def sample_queries(symbols: np.ndarray, count: int, length: int, rng, limit: int) -> np.ndarray:
+    ends = rng.integers(length - 1, limit, count)
+    return np.stack([symbols[e - length + 1:e + 1] for e in ends])
+
+
+# ------------------------------------------------------------------ fractal
+def bench_fractal(variant: str, stream: dict, config: BenchConfig, workdir: Path, rng) -> dict:
+    alphabet, symbols = stream["alphabet"], stream["symbols"]
+    n = symbols.shape[0]
+    codec = RadixCodec(alphabet) if variant == "exact" else FloatMapCodec(alphabet)
+    row = {"method": f"fractal-{variant}"}
+    repeats = config.repeats if variant == "exact" else 1
+    row["encode_us"] = best_time(lambda: codec.encode(symbols), repeats) / n * 1e6
+    path = workdir / f"{variant}.fqa"
+
+    def pack():
+        with Archive.create(path, alphabet, variant=variant, overwrite=True) as archive:
+            archive.append(symbols)
+    row["pack_us"] = best_time(pack, repeats) / n * 1e6
+    row["bits_per_symbol"] = 8 * path.stat().st_size / n
+    positions = rng.integers(0, n, config.lookups).tolist()
+    with Archive.open(path) as archive:
+        # The first pass also verifies each block's CRC once; the best pass is the steady state.
+        row["random_access_us"] = time_lookups(archive.__getitem__, positions, config.repeats)
+        assert all(archive[i] == symbols[i] for i in positions[:1000])
+        assert np.array_equal(archive.read(), symbols)
+
+    appended = symbols[:config.appends].tolist()
+
+    def append_single():
+        with Archive.create(workdir / "append.fqa", alphabet, variant=variant, overwrite=True) as archive:
+            for s in appended:
+                archive.append(s)
+    row["append_us"] = best_time(append_single, config.repeats) / len(appended) * 1e6
+    chunks = np.array_split(symbols[:config.appends], max(1, config.appends // config.append_chunk))
+
+    def append_chunks():
+        with Archive.create(workdir / "append.fqa", alphabet, variant=variant, overwrite=True) as archive:
+            for chunk in chunks:
+                archive.append(chunk)
+    row["append_chunk_us"] = best_time(append_chunks, config.repeats) / config.appends * 1e6
+    for size in config.search_sizes:
+        if variant == "float" and size > 100_000:
+            continue  # the k-d tree over 10^6 float points is measured at 10^5 only (time budget)
+        row.update(bench_archive_search(variant, stream, config, workdir, rng, size))
+    if variant == "float":
+        row.update(geometric_filter(codec, symbols[:100_000], config, rng))
+    return row
+
+
+def bench_archive_search(variant, stream, config, workdir, rng, size) -> dict:
+    alphabet, symbols = stream["alphabet"], stream["symbols"][:size]
+    tag = f"1e{round(math.log10(size))}"
+    path = workdir / f"search-{variant}.fqa"
+    with Archive.create(path, alphabet, variant=variant, overwrite=True) as archive:
+        archive.append(symbols)
+    with Archive.open(path) as archive:
+        start = time.perf_counter()
+        archive.search_index()
+        build = time.perf_counter() - start
+        queries = sample_queries(symbols, config.queries, config.query_length, rng, size)
+        rows = [q for q in queries]
+        single = best_time(lambda: [archive.search(q) for q in rows], config.repeats) / len(rows) * 1e6
+        batched = best_time(lambda: archive.search_many(queries), config.repeats) / len(rows) * 1e6
+        recall_hits = recall_total = 0
+        for q in queries[:config.recall_queries]:
+            truth = brute_force_search(symbols, q)
+            got = archive.search(q)
+            recall_hits += np.intersect1d(truth, got).size
+            recall_total += truth.size
+            assert np.array_equal(got, truth)
+    return {f"search_us_{tag}": single, f"search_batched_us_{tag}": batched,
+            f"index_build_s_{tag}": build, f"recall_{tag}": recall_hits / recall_total}
+
+
+def geometric_filter(codec: FloatMapCodec, symbols: np.ndarray, config: BenchConfig, rng) -> dict:
+    """Recall and precision of the raw ball filter, float64 and float32 points, 10^5 positions."""
+    out = {}
+    queries = sample_queries(symbols, config.recall_queries, min(config.query_length, codec.segment), rng,
+                             symbols.shape[0])
+    for dtype in (np.float64, np.float32):
+        index = PointIndex(codec, symbols, dtype=dtype)
+        found = true = candidates = 0
+        for q in queries:
+            truth = brute_force_search(symbols, q)
+            cand = index.candidates(q)
+            cand = cand[cand >= len(q) - 1]
+            found += np.intersect1d(truth, cand).size
+            true += truth.size
+            candidates += cand.size
+        name = "f64" if dtype == np.float64 else "f32"
+        out[f"filter_recall_{name}"] = found / true
+        out[f"filter_precision_{name}"] = found / max(candidates, 1)
+    return out
+
+
+# ---------------------------------------------------------------- baselines
+def smallest_dtype(alphabet: int):
+    return np.uint8 if alphabet <= 256 else np.uint16 if alphabet <= 65536 else np.uint32
+
+
+def bench_raw(stream, config, workdir, rng) -> dict:
+    alphabet, symbols = stream["alphabet"], stream["symbols"]
+    n, dtype = symbols.shape[0], smallest_dtype(alphabet)
+    path = workdir / "raw.npy"
+    row = {"method": "raw-numpy"}
+    row["encode_us"] = best_time(lambda: symbols.astype(dtype), config.repeats) / n * 1e6
+    row["pack_us"] = best_time(lambda: np.save(path, symbols.astype(dtype)), config.repeats) / n * 1e6
+    row["bits_per_symbol"] = 8 * path.stat().st_size / n
+    mapped = np.load(path, mmap_mode="r")
+    positions = rng.integers(0, n, config.lookups).tolist()
+    row["random_access_us"] = time_lookups(lambda i: int(mapped[i]), positions, config.repeats)
+    appended = symbols[:config.appends].tolist()
+
+    def append_single():  # the archive's buffering without its encoding and checksums
+        pending = []
+        with open(workdir / "raw-append.bin", "wb") as handle:
+            for s in appended:
+                pending.append(s)
+                if len(pending) >= 8192:
+                    handle.write(np.array(pending, dtype=dtype).tobytes())
+                    pending.clear()
+            handle.write(np.array(pending, dtype=dtype).tobytes())
+    row["append_us"] = best_time(append_single, config.repeats) / len(appended) * 1e6
+    return row
+
+
+def bench_bitpack(stream, config, workdir, rng) -> dict:
+    alphabet, symbols = stream["alphabet"], stream["symbols"]
+    n, bits = symbols.shape[0], max(1, math.ceil(math.log2(alphabet)))
+
+    def encode():
+        bit_matrix = ((symbols[:, None] >> np.arange(bits)) & 1).astype(np.uint8)
+        return np.packbits(bit_matrix.reshape(-1), bitorder="little").tobytes()
+    row = {"method": "bitpack"}
+    row["encode_us"] = best_time(encode, config.repeats) / n * 1e6
+    packed = encode()
+    path = workdir / "bitpack.bin"
+    path.write_bytes(packed)
+    row["bits_per_symbol"] = 8 * len(packed) / n
+    mask = (1 << bits) - 1
+
+    def get(i):
+        start = i * bits
+        chunk = packed[start >> 3:(start + bits + 7 >> 3) + 1]
+        return (int.from_bytes(chunk, "little") >> (start & 7)) & mask
+    positions = rng.integers(0, n, config.lookups).tolist()
+    assert all(get(i) == symbols[i] for i in positions[:1000])
+    row["random_access_us"] = time_lookups(get, positions, config.repeats)
+    return row
+
+
+def bench_zstd(level: int, stream, config, workdir, rng) -> dict:
+    import zstandard
+
+    alphabet, symbols = stream["alphabet"], stream["symbols"]
+    n, dtype = symbols.shape[0], smallest_dtype(alphabet)
+    raw = symbols.astype(dtype)
+    frame = config.zstd_frame
+    compressor = zstandard.ZstdCompressor(level=level)
+
+    def encode():
+        return [compressor.compress(raw[s:s + frame].tobytes()) for s in range(0, n, frame)]
+    row = {"method": f"zstd-{level}"}
+    row["encode_us"] = best_time(encode, 1 if level > 10 else config.repeats) / n * 1e6
+    frames = encode()
+    offsets = np.cumsum([0] + [len(f) for f in frames]).tolist()
+    blob = b"".join(frames)
+    row["bits_per_symbol"] = 8 * (len(blob) + 8 * len(frames)) / n  # frames + an offset table
+    decompressor = zstandard.ZstdDecompressor()
+
+    def get(i):
+        k = i // frame
+        data = decompressor.decompress(blob[offsets[k]:offsets[k + 1]])
+        return int(np.frombuffer(data, dtype=dtype)[i - k * frame])
+    positions = rng.integers(0, n, config.zstd_lookups).tolist()
+    assert all(get(i) == symbols[i] for i in positions[:50])
+    row["random_access_us"] = time_lookups(get, positions, 1)
+    return row
+
+
+def bench_search_baselines(stream, config, rng) -> list[dict]:
+    import pydivsufsort
+
+    alphabet = stream["alphabet"]
+    rows = {"sorted-keys": {"method": "sorted-keys"}, "suffix-array": {"method": "suffix-array"}}
+    for size in config.search_sizes:
+        tag = f"1e{round(math.log10(size))}"
+        symbols = stream["symbols"][:size]
+        l = config.query_length
+        queries = sample_queries(symbols, config.queries, l, rng, size)
+        # sorted l-gram keys: the first m <= D symbols of every l-gram packed into a uint64,
+        # argsorted; the other l - m symbols are verified against the raw array.
+        m = min(l, key_depth(alphabet))
+        start = time.perf_counter()
+        keys = np.zeros(size - l + 1, dtype=np.uint64)
+        for j in range(m):
+            keys = keys * np.uint64(alphabet) + symbols[j:size - l + 1 + j].astype(np.uint64)
+        order = np.argsort(keys, kind="stable")
+        sorted_keys = keys[order]
+        rows["sorted-keys"][f"index_build_s_{tag}"] = time.perf_counter() - start
+
+        def gram_search(q):
+            key = 0
+            for c in q[:m].tolist():
+                key = key * alphabet + c
+            key = np.uint64(key)
+            hits = order[sorted_keys.searchsorted(key, "left"):sorted_keys.searchsorted(key, "right")]
+            for j in range(m, l):
+                hits = hits[symbols[hits + j] == q[j]]
+            return np.sort(hits) + (l - 1)
+        # suffix array
+        dtype = smallest_dtype(alphabet)
+        data = symbols.astype(dtype)
+        start = time.perf_counter()
+        sa = pydivsufsort.divsufsort(data)
+        rows["suffix-array"][f"index_build_s_{tag}"] = time.perf_counter() - start
+        if dtype == np.uint8:
+            def sa_find(q):
+                count, first = pydivsufsort.sa_search(data, sa, q.astype(np.uint8))
+                return np.sort(sa[first:first + count]).astype(np.int64) + (l - 1)
+        else:
+            big = data.astype(">u2").tobytes()
+            sa_list = sa.tolist()
+
+            def sa_find(q):
+                pattern = q.astype(">u2").tobytes()
+                width = len(pattern)
+                key = lambda p: big[2 * p:2 * p + width]  # noqa: E731
+                lo = bisect_left(sa_list, pattern, key=key)
+                hi = bisect_right(sa_list, pattern, key=key)
+                return np.sort(np.array(sa_list[lo:hi], dtype=np.int64)) + (l - 1)
+        rows["suffix-array"][f"search_us_{tag}"] = best_time(
+            lambda: [sa_find(q) for q in queries], config.repeats) / len(queries) * 1e6
+        for q in queries[:config.recall_queries]:
+            truth = brute_force_search(symbols, q)
+            assert np.array_equal(gram_search(q), truth) and np.array_equal(sa_find(q), truth)
+        for row in rows.values():
+            row[f"recall_{tag}"] = 1.0
+    return list(rows.values())
+
+
+# --------------------------------------------------------------------- run
+def run(config: BenchConfig = BenchConfig(), out_dir: str | Path = "results/archive",
+        variants: tuple[str, ...] = ("exact", "float")) -> dict:
+    """Run every method on every stream; write JSON, a Markdown table and a PNG plot."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(config.seed + 1)
+    streams = make_streams(config)
+    results = []
+    steps = len(streams) * (len(variants) + 5)
+    with tempfile.TemporaryDirectory() as tmp, tqdm(total=steps, desc="archive bench") as bar:
+        workdir = Path(tmp)
+        for stream in streams:
+            meta = {"stream": stream["stream"], "alphabet": stream["alphabet"], "note": stream["note"]}
+            jobs = [lambda v=v: bench_fractal(v, stream, config, workdir, rng) for v in variants]
+            jobs += [lambda: bench_raw(stream, config, workdir, rng),
+                     lambda: bench_bitpack(stream, config, workdir, rng),
+                     lambda: bench_zstd(3, stream, config, workdir, rng),
+                     lambda: bench_zstd(19, stream, config, workdir, rng)]
+            for job in jobs:
+                bar.set_postfix_str(stream["stream"])
+                results.append({**meta, **job()})
+                bar.update()
+            results.extend({**meta, **row} for row in bench_search_baselines(stream, config, rng))
+            bar.update()
+    report = {"config": asdict(config), "targets": TARGETS, "results": results,
+              "target_check": target_check(results, config)}
+    (out_dir / "archive_bench.json").write_text(json.dumps(report, indent=1, default=float))
+    table = format_table(results, config) + "\n\n" + format_targets(report["target_check"])
+    (out_dir / "archive_bench.md").write_text(table + "\n")
+    plot(results, out_dir / "archive_bench.png")
+    print(table)
+    return report
+
+
+def target_check(results: list[dict], config: BenchConfig) -> list[dict]:
+    checks = []
+    for row in results:
+        if row["method"] != "fractal-exact":
+            continue
+        log2n = math.log2(row["alphabet"])
+        measured = {
+            "encode_us": row["encode_us"], "random_access_us": row["random_access_us"],
+            "append_us": row["append_us"], "search_us_1e5": row.get("search_us_1e5"),
+            "recall": min(v for k, v in row.items() if k.startswith("recall_")),
+        }
+        if row["stream"].startswith("uniform"):
+            measured["bits_over_log2n_uniform"] = row["bits_per_symbol"] / log2n
+        for name, value in measured.items():
+            if value is None:
+                continue
+            ok = value >= TARGETS[name] if name == "recall" else value <= TARGETS[name]
+            checks.append({"stream": row["stream"], "target": name, "limit": TARGETS[name],
+                           "measured": value, "met": bool(ok)})
+    return checks
+
+
+COLUMNS = [("bits_per_symbol", "bits/sym", "{:.3f}"), ("encode_us", "encode µs/sym", "{:.4f}"),
+           ("pack_us", "pack µs/sym", "{:.4f}"), ("random_access_us", "access µs", "{:.2f}"),
+           ("append_us", "append µs/sym", "{:.3f}"), ("append_chunk_us", "append (1k chunks)", "{:.4f}"),
+           ("search_us_1e5", "search µs/q 1e5", "{:.2f}"), ("search_batched_us_1e5", "batched 1e5", "{:.2f}"),
+           ("search_us_1e6", "search µs/q 1e6", "{:.2f}"), ("search_batched_us_1e6", "batched 1e6", "{:.2f}"),
+           ("index_build_s_1e5", "index build s 1e5", "{:.3f}"), ("recall_1e5", "recall", "{:.2f}"),
+           ("filter_precision_f64", "filter prec f64", "{:.3f}"),
+           ("filter_precision_f32", "filter prec f32", "{:.3f}")]
+
+
+def format_table(results: list[dict], config: BenchConfig) -> str:
+    lines = [f"Fractal archive benchmark: {config.n_symbols} symbols per stream, query length "
+             f"{config.query_length}, {config.lookups} random lookups", ""]
+    header = ["stream", "N", "method"] + [title for _, title, _ in COLUMNS]
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in results:
+        cells = [row["stream"], str(row["alphabet"]), row["method"]]
+        cells += [fmt.format(row[key]) if row.get(key) is not None else "—" for key, _, fmt in COLUMNS]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Ratios to fractal-exact on the same stream (bits, encode, access, search at the "
+              "largest size; > 1 means the other method is larger/slower):", ""]
+    big = f"search_us_1e{round(math.log10(max(config.search_sizes)))}"
+    keys = [("bits_per_symbol", "bits"), ("encode_us", "encode"), ("random_access_us", "access"), (big, "search")]
+    lines += ["| stream | method | " + " | ".join(t for _, t in keys) + " |", "|---|---|" + "---|" * len(keys)]
+    for row in results:
+        if row["method"] == "fractal-exact":
+            continue
+        ref = next(r for r in results if r["stream"] == row["stream"] and r["method"] == "fractal-exact")
+        cells = [f"{row[k] / ref[k]:.2f}" if row.get(k) is not None and ref.get(k) else "—" for k, _ in keys]
+        lines.append(f"| {row['stream']} | {row['method']} | " + " | ".join(cells) + " |")
+    notes = sorted({f"{r['stream']}: {r['note']}" for r in results if r["note"]})
+    return "\n".join(lines + [""] + notes)
+
+
+def format_targets(checks: list[dict]) -> str:
+    lines = ["Targets (fractal-exact, the default variant):", "",
+             "| stream | target | limit | measured | met |", "|---|---|---|---|---|"]
+    for c in checks:
+        lines.append(f"| {c['stream']} | {c['target']} | {c['limit']} | {c['measured']:.4g} | "
+                     f"{'yes' if c['met'] else 'NO'} |")
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    streams = list(dict.fromkeys(r["stream"] for r in results))
+    methods = list(dict.fromkeys(r["method"] for r in results))
+    panels = [("bits_per_symbol", "bits / symbol on disk"), ("encode_us", "encode µs / symbol"),
+              ("random_access_us", "random access µs / lookup"), ("search_us_1e5", "search µs / query (10^5)")]
+    fig, axes = plt.subplots(2, 2, figsize=(15, 9))
+    width = 0.8 / len(methods)
+    for ax, (key, title) in zip(axes.flat, panels):
+        for m, method in enumerate(methods):
+            values = [next((r.get(key) for r in results if r["stream"] == s and r["method"] == method), None)
+                      for s in streams]
+            xs = [k + m * width for k, v in enumerate(values) if v]
+            ax.bar(xs, [v for v in values if v], width, label=method)
+        ax.set_yscale("log")
+        ax.set_title(title)
+        ax.set_xticks(np.arange(len(streams)) + 0.4 - width / 2)
+        ax.set_xticklabels(streams, rotation=30, fontsize=8)
+    axes[0, 0].legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def config_for(quick: bool) -> BenchConfig:
+    return QUICK if quick else BenchConfig()
+
+
+__all__ = ["BenchConfig", "QUICK", "TARGETS", "config_for", "make_streams", "run"]
