@@ -1,0 +1,134 @@
+"""`fibquant data fetch|list`, `fibquant eval canonical`, `fibquant eval mc`: real text and tasks.
+
+Only argument parsing and calls into fibquant.data / fibquant.eval live here.
+"""
+from __future__ import annotations
+
+import argparse
+
+
+# --------------------------------------------------------------------------- data
+
+def register(subparsers) -> None:
+    data = subparsers.add_parser("data", help="fetch and list the real texts and BIG-bench tasks")
+    data_sub = data.add_subparsers(dest="data_command", required=True)
+    fetch = data_sub.add_parser("fetch", help="download and cache texts (apt-get download) and/or BIG-bench tasks")
+    fetch.add_argument("--texts", action="store_true", help="fetch all texts (the default when nothing is named)")
+    fetch.add_argument("--bigbench", nargs="+", metavar="TASK", default=[],
+                       help="BIG-bench tasks to fetch, e.g. goal_step_wikihow (downloads the 358 MB sdist once)")
+    fetch.set_defaults(func=_fetch)
+    listing = data_sub.add_parser("list", help="list the available texts and the cached BIG-bench tasks")
+    listing.set_defaults(func=_list)
+
+
+def _fetch(args) -> int:
+    from fibquant.data.bigbench import load_bigbench_task
+    from fibquant.data.text import list_texts, load_text, paragraphs
+
+    if args.texts or not args.bigbench:
+        for name in list_texts():
+            text = load_text(name)
+            print(f"{name:24s} {len(text):>9,d} characters {len(paragraphs(text)):>6,d} paragraphs")
+    for task in args.bigbench:
+        examples = load_bigbench_task(task)
+        subtasks = sorted({e.subtask for e in examples})
+        print(f"{task}: {len(examples)} multiple-choice examples ({', '.join(subtasks)})")
+    return 0
+
+
+def _list(args) -> int:
+    from fibquant.data.bigbench import bigbench_cache_dir, cached_tasks
+    from fibquant.data.text import CLEANING_VERSION, TEXTS, text_cache_dir
+
+    folder = text_cache_dir()
+    print(f"texts (cache {folder}):")
+    for name, source in TEXTS.items():
+        cached = (folder / f"{name}.{CLEANING_VERSION}.txt").is_file()
+        print(f"  {name:24s} {source.title} ({source.author}), Debian {source.package} "
+              f"object {source.r_object}{'  [cached]' if cached else ''}")
+    tasks = cached_tasks()
+    print(f"BIG-bench tasks cached in {bigbench_cache_dir()}: {', '.join(tasks) if tasks else 'none'}")
+    return 0
+
+
+# --------------------------------------------------------------------------- eval
+
+def register_eval(eval_subparsers) -> None:
+    canonical = eval_subparsers.add_parser(
+        "canonical", help="experiment 1: KS test of k-block radii of real keys/values, rotated vs not")
+    add_canonical_arguments(canonical)
+    canonical.set_defaults(func=run_canonical_command)
+    mc = eval_subparsers.add_parser(
+        "mc", help="experiment 4: multiple-choice acc / acc_norm, fp vs compressed caches")
+    add_mc_arguments(mc)
+    mc.set_defaults(func=run_mc_command)
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="a .gguf file or local model directory (default: SmolLM2-135M)")
+    parser.add_argument("--out", default=None, help="results folder (default $FIBQUANT_RESULTS_DIR or ./results)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
+
+
+def add_canonical_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--text", default="emma", help="novel to read (fibquant data list)")
+    parser.add_argument("--tokens", type=int, default=1024, help="tokens of the novel to run")
+    parser.add_argument("--offset", type=int, default=0, help="first token of the excerpt")
+    parser.add_argument("--layers", type=int, nargs="+", default=[0, 7, 15, 29])
+    parser.add_argument("--block-sizes", type=int, nargs="+", default=[1, 2, 4, 8])
+    _common(parser)
+
+
+def run_canonical_command(args) -> int:
+    from fibquant.eval.canonical import CANONICAL_COLUMNS, CanonicalConfig, run_canonical, save_canonical
+    from fibquant.eval.kv_report import format_table
+    from fibquant.kv.model import load_model
+
+    config = CanonicalConfig(text=args.text, tokens=args.tokens, offset=args.offset, layers=tuple(args.layers),
+                             block_sizes=tuple(args.block_sizes), seed=args.seed)
+    model, tokenizer = load_model(args.model)
+    payload = run_canonical(model, tokenizer, config, progress=not args.no_progress)
+    print(f"Canonical source: {payload['model']}, {config.tokens} tokens of {config.text!r} "
+          f"(offset {config.offset}); KS statistic of squared k-block radii vs {payload['law']}")
+    print(format_table(payload["rows"], CANONICAL_COLUMNS))
+    paths = save_canonical(payload, args.out)
+    print(f"wrote {paths['json']} and {paths['png']}")
+    return 0
+
+
+def add_mc_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--task", default="goal_step_wikihow", help="BIG-bench task (or task/subtask)")
+    parser.add_argument("--limit", type=int, default=200, help="examples (seeded sample; 0 = all)")
+    parser.add_argument("--bits", type=float, nargs="+", default=[4.0, 2.0],
+                        help="FibQuant bits per coordinate for keys and values")
+    parser.add_argument("--sink-tokens", type=int, default=4, help="exact sink tokens of the standard window")
+    parser.add_argument("--recent-tokens", type=int, default=32, help="exact recent tokens of the standard window")
+    parser.add_argument("--small-window", type=int, nargs=2, default=[0, 0], metavar=("SINK", "RECENT"),
+                        help="also run every rate with this small window (contexts are short)")
+    parser.add_argument("--no-small-window", action="store_true", help="skip the small-window runs")
+    _common(parser)
+
+
+def run_mc_command(args) -> int:
+    from fibquant.eval.kv_report import format_table
+    from fibquant.eval.multiple_choice import (MC_COLUMNS, default_settings, run_multiple_choice,
+                                               save_multiple_choice)
+    from fibquant.kv.model import load_model
+
+    if args.limit < 0:
+        raise ValueError(f"--limit must be >= 0 (0 = all examples), got {args.limit}")
+    settings = default_settings(bits=args.bits, sink_tokens=args.sink_tokens, recent_tokens=args.recent_tokens,
+                                small_window=None if args.no_small_window else tuple(args.small_window))
+    model, tokenizer = load_model(args.model)
+    payload = run_multiple_choice(model, tokenizer, task=args.task, limit=args.limit or None, settings=settings,
+                                  seed=args.seed, progress=not args.no_progress)
+    print(f"Multiple choice: BIG-bench {payload['task']} (HellaSwag substitute), {payload['n_examples']} of "
+          f"{payload['pool_size']} examples (seed {payload['seed']}), {payload['model']}; "
+          f"chance {payload['chance_accuracy']:.3f}")
+    print(format_table(payload["rows"], MC_COLUMNS))
+    print("ctx tok: mean context tokens per question; coded tok: mean context tokens the scoring pass read "
+          "back from codes (outside the exact window)")
+    paths = save_multiple_choice(payload, args.out)
+    print(f"wrote {paths['json']} and {paths['png']}")
+    return 0
