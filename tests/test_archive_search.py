@@ -107,3 +107,16 @@ def test_empty_query_matches_everywhere(tmp_path):
     with Archive.create(tmp_path / "a.fqa", 16) as archive:
         archive.append([1, 2, 3])
         assert archive.search([]).tolist() == [0, 1, 2]
+
+
+def test_points_of_any_variant_lie_in_their_suffix_cells(tmp_path):
+    symbols = np.random.default_rng(8).integers(0, 16, 3000)
+    codec = FloatMapCodec(16)
+    with Archive.create(tmp_path / "a.fqa", 16) as archive:  # exact archive, 2-D points on demand
+        archive.append(symbols)
+        points = archive.points(1000, 1100)
+        assert np.allclose(points, codec.suffix_points(symbols, codec.segment)[1000:1100], atol=1e-15)
+        for offset, point in enumerate(points):
+            end = 1000 + offset
+            centre = np.array(codec.cell_centre(symbols[end - 2:end + 1]))
+            assert np.linalg.norm(point - centre) <= codec.r ** 3

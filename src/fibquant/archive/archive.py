@@ -361,6 +361,22 @@ class Archive:
             return index.search_many(flat)
         return [index.search(row) for row in flat]
 
+    def points(self, start: int = 0, stop: int | None = None, depth: int | None = None,
+               r: float | None = None) -> np.ndarray:
+        """2-D iterated-map points of positions [start, stop): float64 [m, 2] (for plots and
+        geometric queries; any variant). Position i's point encodes its last `depth`
+        symbols (default: what a float64 point resolves) with contraction r (default:
+        the float variant's safe default, or the archive's r for a float archive)."""
+        if r is None and not self._exact:
+            r = self.header.r
+        codec = FloatMapCodec(self.alphabet_size, r)
+        depth = codec.segment if depth is None else depth
+        stop = len(self) if stop is None else stop
+        if not 0 <= start <= stop <= len(self):
+            raise IndexError(f"range [{start}, {stop}) out of bounds for length {len(self)}")
+        history = max(0, start - depth + 1)
+        return codec.suffix_points(self.read(history, stop), depth)[start - history:]
+
     # ------------------------------------------------------------------- misc
     def info(self) -> dict:
         file_bytes = self._end

@@ -73,22 +73,24 @@ class SuffixKeyIndex:
 
     def _cell(self, chunk) -> tuple[int, int]:
         """[lo, hi) slots of the sorted keys inside the cell of `chunk`."""
+        width = self._powers[self.depth - len(chunk)]
         low = self._prefix(chunk)
-        high = low + self._powers[self.depth - len(chunk)]
-        lo = int(self.sorted_keys.searchsorted(np.uint64(low)))
+        high = low + width
         if high >= 1 << 64:  # the last cell ends at the top of the key range
-            return lo, self.length
-        return lo, int(self.sorted_keys.searchsorted(np.uint64(high)))
+            return int(self.sorted_keys.searchsorted(np.uint64(low))), self.length
+        lo, hi = self.sorted_keys.searchsorted(np.array((low, high), dtype=np.uint64)).tolist()
+        return lo, hi
 
     def search(self, query) -> np.ndarray:
         """Sorted int64 end positions of every occurrence of `query` (validated ints, list or array)."""
-        query = list(query)
+        query = query if type(query) is list else list(query)
         l, depth = len(query), self.depth
         if l == 0:
             return np.arange(self.length, dtype=np.int64)
         lo, hi = self._cell(query[-depth:] if l > depth else query)
         hits = self.order[lo:hi]
-        if l > 1 and bisect_left(self._early_slots, lo) < bisect_left(self._early_slots, hi):
+        early = self._early_slots
+        if l > depth or (l > 1 and early and bisect_left(early, lo) < bisect_left(early, hi)):
             hits = hits[hits >= l - 1]  # positions whose history is shorter than the query
         if l < depth:
             return np.sort(hits) if hits.size > 1 else hits.copy()
@@ -101,9 +103,14 @@ class SuffixKeyIndex:
                 scale = self._powers[depth - (e - start)]
                 checks.append((back, scale, self._prefix(query[start:e]) // scale))
                 e, back = start, back + depth
-            keys = self.keys
-            kept = [pos for pos in hits.tolist()
-                    if all(int(keys[pos - back]) // scale == want for back, scale, want in checks)]
+            item = self.keys.item
+            kept = []
+            for pos in hits.tolist():
+                for back, scale, want in checks:
+                    if item(pos - back) // scale != want:
+                        break
+                else:
+                    kept.append(pos)
             return np.array(kept, dtype=np.int64)
         while end > 0 and hits.size:  # chain: the earlier chunks by their keys
             start = max(0, end - depth)

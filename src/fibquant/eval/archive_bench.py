@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import tempfile
 import time
 from bisect import bisect_left, bisect_right
@@ -51,7 +52,7 @@ class BenchConfig:
     search_sizes: tuple[int, ...] = (100_000, 1_000_000)
     zstd_frame: int = 65_536
     text_names: tuple[str, ...] = ("emma", "persuasion")
-    repeats: int = 3
+    repeats: int = 5
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -327,6 +328,8 @@ def bench_search_baselines(stream, config, rng) -> list[dict]:
             for j in range(m, l):
                 hits = hits[symbols[hits + j] == q[j]]
             return np.sort(hits) + (l - 1)
+        rows["sorted-keys"][f"search_us_{tag}"] = best_time(
+            lambda: [gram_search(q) for q in queries], config.repeats) / len(queries) * 1e6
         # suffix array
         dtype = smallest_dtype(alphabet)
         data = symbols.astype(dtype)
@@ -365,6 +368,7 @@ def run(config: BenchConfig = BenchConfig(), out_dir: str | Path = "results/arch
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(config.seed + 1)
+    load_start = os.getloadavg()[0]  # timings are best-of-repeats, but a loaded machine still shows
     streams = make_streams(config)
     results = []
     steps = len(streams) * (len(variants) + 5)
@@ -383,10 +387,14 @@ def run(config: BenchConfig = BenchConfig(), out_dir: str | Path = "results/arch
                 bar.update()
             results.extend({**meta, **row} for row in bench_search_baselines(stream, config, rng))
             bar.update()
-    report = {"config": asdict(config), "targets": TARGETS, "results": results,
+    load = {"load_average_1min_start": load_start, "load_average_1min_end": os.getloadavg()[0],
+            "cpu_count": os.cpu_count()}
+    report = {"config": asdict(config), "targets": TARGETS, "machine": load, "results": results,
               "target_check": target_check(results, config)}
     (out_dir / "archive_bench.json").write_text(json.dumps(report, indent=1, default=float))
-    table = format_table(results, config) + "\n\n" + format_targets(report["target_check"])
+    table = (format_table(results, config) + "\n\n" + format_targets(report["target_check"])
+             + f"\n\nMachine: {load['cpu_count']} CPUs, 1-min load average {load['load_average_1min_start']:.1f} "
+               f"at start and {load['load_average_1min_end']:.1f} at end.")
     (out_dir / "archive_bench.md").write_text(table + "\n")
     plot(results, out_dir / "archive_bench.png")
     print(table)
