@@ -124,29 +124,41 @@ class SuffixKeyIndex:
             end, shift = start, shift + depth
         return hits if hits.base is None else hits.copy()
 
+    def _chunk_keys(self, chunks: np.ndarray) -> np.ndarray:
+        """Chunks int [q, w] (oldest first, w <= depth) -> their values, latest most significant."""
+        weights = np.array(self._powers[:chunks.shape[1]], dtype=np.uint64)
+        return (chunks.astype(np.uint64) * weights).sum(axis=1, dtype=np.uint64)
+
     def search_many(self, queries: np.ndarray) -> list[np.ndarray]:
-        """Batched search of equal-length queries int [q, l] with l <= depth (vectorised cells)."""
+        """Batched search of equal-length queries int [q, l]: every step vectorised over queries."""
         q, l = queries.shape
-        if l == 0 or l > self.depth:
-            return [self.search(row) for row in queries]
-        weights = np.array(self._powers[self.depth - l:self.depth], dtype=np.uint64)  # latest: N^(D-1)
-        low = (queries.astype(np.uint64) * weights).sum(axis=1, dtype=np.uint64)
-        width = self._powers[self.depth - l]
+        depth = self.depth
+        if l == 0:
+            return [self.search([]) for _ in range(q)]
+        width = min(l, depth)
+        scale = self._powers[depth - width]
+        low = self._chunk_keys(queries[:, l - width:]) * np.uint64(scale)
         bounds = np.searchsorted(self.sorted_keys, low)
         ends = np.full(q, self.length, dtype=np.int64)
-        fits = low <= np.uint64((1 << 64) - 1 - width)  # cells that do not end at 2^64
-        ends[fits] = np.searchsorted(self.sorted_keys, low[fits] + np.uint64(width))
+        fits = low <= np.uint64((1 << 64) - 1 - scale)  # cells that do not end at 2^64
+        ends[fits] = np.searchsorted(self.sorted_keys, low[fits] + np.uint64(scale))
         counts = ends - bounds
         starts_out = np.cumsum(counts) - counts
         flat = self.order[np.arange(int(counts.sum())) + np.repeat(bounds - starts_out, counts)]
-        if l > 1:
-            keep = flat >= l - 1
-            if not keep.all():
-                counts = np.bincount(np.repeat(np.arange(q), counts)[keep], minlength=q)
-                flat = flat[keep]
-        if l < self.depth and flat.size:  # several keys per cell: sort positions per query
-            owner = np.repeat(np.arange(q, dtype=np.int64), counts)
+        owner = np.repeat(np.arange(q), counts)
+        keep = flat >= l - 1  # positions whose history is shorter than the query
+        end, back = l - depth, depth
+        while end > 0:  # chain: the earlier chunks by their keys
+            start = max(0, end - depth)
+            chunk_scale = np.uint64(self._powers[depth - (end - start)])
+            expected = self._chunk_keys(queries[:, start:end])
+            earlier = self.keys[np.where(keep, flat - back, 0)]
+            keep &= earlier // chunk_scale == expected[owner]
+            end, back = start, back + depth
+        flat, owner = flat[keep], owner[keep]
+        if l < depth and flat.size:  # several keys per cell: sort positions per query
             flat = np.sort(owner * self.length + flat) - owner * self.length
+        counts = np.bincount(owner, minlength=q)
         edges = np.concatenate([[0], np.cumsum(counts)]).tolist()
         return [flat[a:b] for a, b in zip(edges[:-1], edges[1:])]
 
