@@ -14,7 +14,7 @@ Where the text comes from
     The `rdata` package parses the R serialization.
 
 Cleaning
-    Gutenberg header/footer (if present) are dropped, lines are joined into paragraphs at
+    Gutenberg header/footer, the transcriber's credit and notes (if present) are dropped, lines are joined into paragraphs at
     empty lines, whitespace inside a paragraph is collapsed to single spaces, and the
     paragraphs are joined with one empty line ("\\n\\n"). The result is cached as UTF-8
     under `<cache root>/text/<name>.<CLEANING_VERSION>.txt`, so later calls never touch apt.
@@ -37,7 +37,7 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
-CLEANING_VERSION = "v1"  # bump when the cleaning changes: old cached texts are then ignored
+CLEANING_VERSION = "v2"  # bump when the cleaning changes: old cached texts are then ignored
 
 
 class TextUnavailableError(RuntimeError):
@@ -147,6 +147,26 @@ _GUTENBERG_START = re.compile(r"^\*\*\*\s*START OF (THIS|THE) PROJECT GUTENBERG"
 _GUTENBERG_END = re.compile(r"^(\*\*\*\s*END OF (THIS|THE) PROJECT GUTENBERG|End of (the )?Project Gutenberg)",
                             re.IGNORECASE)
 _PRODUCER_NOTE = re.compile(r"^(Produced by|This etext was prepared by)", re.IGNORECASE)
+_TRANSCRIBER_NOTE = re.compile(r"^(Original )?Transcriber'?s Notes?:?$", re.IGNORECASE)
+
+
+def _is_heading(paragraph: str) -> bool:
+    letters = [c for c in paragraph if c.isalpha()]
+    return bool(letters) and all(c.isupper() for c in letters)
+
+
+def drop_transcriber_notes(paragraphs_in: list[str]) -> list[str]:
+    """Remove a "Transcriber's Notes:" block: the heading and what follows up to the next heading."""
+    kept, skipping = [], False
+    for paragraph in paragraphs_in:
+        if _TRANSCRIBER_NOTE.match(paragraph):
+            skipping = True
+            continue
+        if skipping and _is_heading(paragraph):
+            skipping = False
+        if not skipping:
+            kept.append(paragraph)
+    return kept
 
 
 def strip_gutenberg(lines: list[str]) -> list[str]:
@@ -167,9 +187,11 @@ def clean_text(lines: list[str]) -> str:
         elif current:
             result.append(" ".join(" ".join(current).split()))
             current = []
-    # A transcriber's credit right after the START marker is boilerplate, not the book.
+    # A transcriber's credit right after the START marker and transcriber notes are
+    # boilerplate, not the book.
     while result and _PRODUCER_NOTE.match(result[0]):
         result.pop(0)
+    result = drop_transcriber_notes(result)
     if not result:
         raise ValueError("the text is empty after cleaning")
     return "\n\n".join(result) + "\n"
