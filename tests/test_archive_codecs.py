@@ -12,7 +12,7 @@ from fibquant.archive.floatmap import FloatMapCodec, default_r, r_disc, r_star
 
 @st.composite
 def alphabet_and_stream(draw, max_n=5000, max_len=200):
-    n = draw(st.one_of(st.integers(2, 20), st.sampled_from([255, 256, 257, 1000, 4095, 4096, 65536]),
+    n = draw(st.one_of(st.integers(2, 20), st.sampled_from([139, 255, 256, 257, 1000, 4095, 4096, 65536, 65537]),
                        st.integers(2, max_n)))
     symbols = draw(st.lists(st.integers(0, n - 1), max_size=max_len))
     return n, np.array(symbols, dtype=np.int64)
@@ -45,23 +45,32 @@ def test_radix_key_is_the_iterated_map_point():
     assert math.isclose(key / 10 ** codec.group, p, rel_tol=1e-12)
 
 
-@pytest.mark.parametrize("n", [2, 3, 5, 7, 10, 16, 100, 256, 1000, 4096, 10007, 65536, 1 << 20])
+@pytest.mark.parametrize("n", [2, 3, 5, 7, 10, 16, 100, 139, 256, 1000, 4096, 10007, 65536, 65537,
+                               1 << 20, (1 << 24) + 1, (1 << 31) + 1, 1 << 32])
 def test_radix_is_bit_tight(n):
     codec = RadixCodec(n)
     assert math.log2(n) <= codec.bits_per_symbol <= 1.05 * math.log2(n)
 
 
 def test_grouping_examples():
-    assert choose_grouping(16) == (2, 1)
-    assert choose_grouping(256) == (1, 1)
-    assert choose_grouping(4096) == (2, 3)
+    assert choose_grouping(16) == (2, 8, True)  # (symbols per key, bits per key, byte-aligned)
+    assert choose_grouping(256) == (1, 8, True)
+    assert choose_grouping(4096) == (2, 24, True)
+    assert choose_grouping(1000) == (4, 40, True)
+    assert choose_grouping(139) == (8, 57, False)  # whole bytes would cost 12 % more
 
 
-def test_radix_rejects_bad_payload_keys():
-    codec = RadixCodec(10)  # keys must stay below 10^G
+def test_every_alphabet_is_within_five_percent_of_log2n():
+    for n in [*range(2, 5000), *range(65000, 66000), (1 << 24) + 1, (1 << 31) + 1]:
+        assert RadixCodec(n).bits_per_symbol <= 1.05 * math.log2(n), n
+
+
+@pytest.mark.parametrize("n", [10, 139])  # byte-aligned and bit-packed keys
+def test_radix_rejects_bad_payload_keys(n):
+    codec = RadixCodec(n)  # keys must stay below n^G
     assert codec.group > 1
     with pytest.raises(ValueError, match="key"):
-        codec.check_payload(b"\xff" * codec.key_bytes, codec.group)
+        codec.check_payload(b"\xff" * codec.payload_size(codec.group), codec.group)
     # A payload declared to hold one symbol must have zero padding digits.
     with pytest.raises(ValueError, match="padding"):
         codec.check_payload(codec.encode(np.array([9, 9])), 1)

@@ -104,7 +104,8 @@ class Archive:
         segment = codec.group if variant == "exact" else codec.segment
         if block_symbols is None:
             per_segment = codec.key_bytes if variant == "exact" else 16
-            block_symbols = segment * max(1, TARGET_BLOCK_BYTES // per_segment)
+            # A multiple of 8 segments: bit-packed keys then end each block on a byte boundary.
+            block_symbols = segment * max(8, TARGET_BLOCK_BYTES // per_segment // 8 * 8)
         header = Header(variant, codec.alphabet_size, 1.0 / codec.alphabet_size if variant == "exact" else codec.r,
                         segment, block_symbols)
         path = Path(path)
@@ -191,7 +192,7 @@ class Archive:
     def _write_blocks(self, symbols: np.ndarray) -> None:
         """Encode, checksum and write consecutive blocks (the last may be short)."""
         size = self.block_symbols
-        if self._exact and symbols.shape[0] >= size:
+        if self._exact and symbols.shape[0] >= size and (size // self._codec.group * self._codec.key_bits) % 8 == 0:
             # One vectorised encode for all blocks; each full block is a fixed byte range.
             payload = self._codec.encode(symbols)
             step = self._codec.payload_size(size)

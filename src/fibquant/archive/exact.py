@@ -1,15 +1,17 @@
 """The exact variant of the iterated map: radix packing in integer arithmetic.
 
 In one dimension with contraction r = 1/N and vertices V(c) = c/(N-1), the iterated map
-p_k = V(c_k) + r (p_{k-1} - V(c_k)) started at p_0 = 0 gives N^L p_L = sum_j c_j N^j
-(0-based j): the point of a group of L symbols is an integer key whose most significant
+p_k = V(c_k) + r (p_{k-1} - V(c_k)) started at p_0 = 0 gives N^G p_G = sum_j c_j N^j
+(0-based j): the point of a group of G symbols is an integer key whose most significant
 digit is the most recent symbol. Integer arithmetic makes it lossless by construction and
 identical on every platform.
 
-Keys are bit-tight up to byte rounding: G symbols form one key stored little-endian in B
-bytes, with (G, B) chosen to minimise B/G subject to N^G <= 2^64 (N=16: G=2, B=1;
-N=256: G=1, B=1; N=4096: G=2, B=3). A block payload of n symbols is ceil(n/G) keys; the
-last key is zero-padded.
+Keys are bit-tight: G symbols (N^G <= 2^64) form one key of w = bitlen(N^G - 1) bits.
+When whole bytes cost at most 1 % more (every power of two N, and e.g. N = 1000) keys are
+stored byte-aligned in B bytes (N=16: G=2, B=1; N=256: G=1, B=1; N=4096: G=2, B=3), the
+fast path; otherwise (e.g. N = 139 or 65537, where bytes would cost 12-17 % more) they are
+bit-packed at w bits each, little-endian. Either way bits/symbol <= log2(N) (1 + 1/32).
+A payload of n symbols is ceil(n/G) keys; the last key is zero-padded.
 
 `encode_reference` / `decode_reference` (plain Python integers, one symbol at a time) are
 the specification the vectorised paths are tested against.
@@ -22,83 +24,96 @@ from dataclasses import dataclass, field
 import numpy as np
 
 MAX_ALPHABET = 1 << 32
+BYTE_ALIGN_SLACK = 1.01  # byte-aligned keys are used when they cost at most 1 % more bits
 _WORK_DTYPES = {1: np.uint8, 2: np.uint16, 3: np.uint32, 4: np.uint32}
 
 
-def choose_grouping(alphabet_size: int) -> tuple[int, int]:
-    """(symbols per key G, bytes per key B) minimising bytes per symbol; ties -> smaller G."""
-    best: tuple[float, int, int] | None = None
+def choose_grouping(alphabet_size: int) -> tuple[int, int, bool]:
+    """(symbols per key G, bits per key w, byte_aligned); minimises stored bits per symbol."""
+    options = []
     group = 1
     while alphabet_size ** group <= 1 << 64:
-        key_bytes = math.ceil(((alphabet_size ** group) - 1).bit_length() / 8)
-        cost = key_bytes / group
-        if best is None or cost < best[0] - 1e-12:
-            best = (cost, group, key_bytes)
+        options.append((group, ((alphabet_size ** group) - 1).bit_length()))
         group += 1
-    assert best is not None
-    return best[1], best[2]
+    best_bits = min(options, key=lambda o: (o[1] / o[0], o[0]))
+    best_bytes = min(options, key=lambda o: (math.ceil(o[1] / 8) / o[0], o[0]))
+    byte_cost = 8 * math.ceil(best_bytes[1] / 8) / best_bytes[0]
+    if byte_cost <= BYTE_ALIGN_SLACK * best_bits[1] / best_bits[0]:
+        return best_bytes[0], 8 * math.ceil(best_bytes[1] / 8), True
+    return best_bits[0], best_bits[1], False
 
 
 @dataclass(frozen=True)
 class RadixCodec:
     """Exact radix codec for symbols in [0, alphabet_size).
 
-    encode(symbols int [n]) -> bytes of ceil(n/G)*B; decode(payload, n) -> int64 [n].
+    encode(symbols int [n]) -> payload_size(n) bytes; decode(payload, n) -> int64 [n].
     """
 
     alphabet_size: int
     group: int = field(init=False)
-    key_bytes: int = field(init=False)
+    key_bits: int = field(init=False)
+    byte_aligned: bool = field(init=False)
 
     def __post_init__(self) -> None:
         n = self.alphabet_size
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 2 <= int(n) <= MAX_ALPHABET:
             raise ValueError(f"alphabet_size must be an integer in 2..{MAX_ALPHABET}, got {n!r}")
-        object.__setattr__(self, "alphabet_size", int(n))
-        group, key_bytes = choose_grouping(int(n))
+        n = int(n)
+        object.__setattr__(self, "alphabet_size", n)
+        group, key_bits, aligned = choose_grouping(n)
         object.__setattr__(self, "group", group)
-        object.__setattr__(self, "key_bytes", key_bytes)
-        bits = int(n).bit_length() - 1
+        object.__setattr__(self, "key_bits", key_bits)
+        object.__setattr__(self, "byte_aligned", aligned)
+        bits = n.bit_length() - 1
         object.__setattr__(self, "_pow2_bits", bits if 1 << bits == n else 0)
-        object.__setattr__(self, "_powers", [int(n) ** j for j in range(group)])
+        object.__setattr__(self, "_powers", [n ** j for j in range(group)])
+        object.__setattr__(self, "_key_mask", (1 << key_bits) - 1)
 
     # ------------------------------------------------------------------ sizes
     @property
+    def key_bytes(self) -> int:
+        """Bytes per key when byte-aligned (else the bytes a key spans at most, rounded up)."""
+        return math.ceil(self.key_bits / 8)
+
+    @property
     def bits_per_symbol(self) -> float:
         """Stored bits per symbol of a full key."""
-        return 8.0 * self.key_bytes / self.group
+        return self.key_bits / self.group
 
     def payload_size(self, count: int) -> int:
-        return -(-count // self.group) * self.key_bytes
+        return math.ceil(-(-count // self.group) * self.key_bits / 8)
 
     # --------------------------------------------------------------- reference
     def encode_reference(self, symbols) -> bytes:
-        """Plain-Python specification: key = sum_j c_j N^j over each group of G symbols."""
-        out = bytearray()
+        """Plain-Python specification: key = sum_j c_j N^j over each group of G symbols,
+        keys of w bits concatenated little-endian."""
+        stream = 0
         syms = [int(s) for s in symbols]
-        for start in range(0, len(syms), self.group):
+        groups = -(-len(syms) // self.group)
+        for g in range(groups):
             key = 0
-            for c in reversed(syms[start:start + self.group]):
+            for c in reversed(syms[g * self.group:(g + 1) * self.group]):
                 key = key * self.alphabet_size + c  # Horner: the latest symbol ends up most significant
-            out += key.to_bytes(self.key_bytes, "little")
-        return bytes(out)
+            stream |= key << (g * self.key_bits)
+        return stream.to_bytes(self.payload_size(len(syms)), "little")
 
     def decode_reference(self, payload: bytes, count: int) -> list[int]:
+        stream = int.from_bytes(bytes(payload[:self.payload_size(count)]), "little")
         out: list[int] = []
         for g in range(-(-count // self.group)):
-            key = int.from_bytes(payload[g * self.key_bytes:(g + 1) * self.key_bytes], "little")
+            key = (stream >> (g * self.key_bits)) & self._key_mask
             for _ in range(self.group):
                 key, c = divmod(key, self.alphabet_size)
                 out.append(c)
         return out[:count]
 
     # -------------------------------------------------------------- vectorised
-    def encode(self, symbols: np.ndarray) -> bytes:
-        """Validated int array [n] -> payload bytes (vectorised)."""
+    def _keys(self, symbols: np.ndarray) -> np.ndarray:
+        """int [n] -> keys [ceil(n/G)] in the narrowest unsigned dtype that holds them."""
         n = symbols.shape[0]
         groups = -(-n // self.group)
-        width = self.key_bytes
-        work = _WORK_DTYPES.get(width, np.uint64)
+        work = _WORK_DTYPES.get(self.key_bytes, np.uint64) if self.byte_aligned else np.uint64
         if groups * self.group != n:
             padded = np.zeros(groups * self.group, dtype=work)
             padded[:n] = symbols
@@ -112,13 +127,30 @@ class RadixCodec:
                 keys = (keys << work(shift)) | table[:, j]
             else:
                 keys = keys * work(self.alphabet_size) + table[:, j]
-        return _keys_to_bytes(keys, width)
+        return keys
+
+    def encode(self, symbols: np.ndarray) -> bytes:
+        """Validated int array [n] -> payload bytes (vectorised)."""
+        keys = self._keys(symbols)
+        if self.byte_aligned:
+            return _keys_to_bytes(keys, self.key_bytes)
+        bits = np.unpackbits(keys.astype("<u8").view(np.uint8).reshape(-1, 8), axis=1, bitorder="little")
+        return np.packbits(bits[:, :self.key_bits].reshape(-1), bitorder="little").tobytes()
+
+    def decode_keys(self, payload, count: int) -> np.ndarray:
+        """The ceil(count/G) keys of a payload (uint)."""
+        groups = -(-count // self.group)
+        raw = np.frombuffer(payload, dtype=np.uint8, count=self.payload_size(count))
+        if self.byte_aligned:
+            return _bytes_to_keys(raw, self.key_bytes)
+        bits = np.unpackbits(raw, bitorder="little")[:groups * self.key_bits].reshape(groups, self.key_bits)
+        wide = np.zeros((groups, 64), dtype=np.uint8)
+        wide[:, :self.key_bits] = bits
+        return np.packbits(wide, axis=1, bitorder="little").view("<u8").reshape(-1)
 
     def decode(self, payload, count: int) -> np.ndarray:
         """payload (bytes-like, at least payload_size(count) bytes) -> int64 [count]."""
-        groups = -(-count // self.group)
-        raw = np.frombuffer(payload, dtype=np.uint8, count=groups * self.key_bytes)
-        keys = _bytes_to_keys(raw, self.key_bytes)
+        keys = self.decode_keys(payload, count)
         if self.group == 1:
             return keys[:count].astype(np.int64)
         if self._pow2_bits:
@@ -133,23 +165,31 @@ class RadixCodec:
     def decode_at(self, payload, index: int, base: int = 0) -> int:
         """Symbol `index` of the payload at payload[base:]: one key read, one div/mod."""
         g, t = divmod(index, self.group)
-        start = base + g * self.key_bytes
-        key = int.from_bytes(payload[start:start + self.key_bytes], "little")
+        if self.byte_aligned:
+            start = base + g * self.key_bytes
+            key = int.from_bytes(payload[start:start + self.key_bytes], "little")
+        else:
+            bit = g * self.key_bits
+            start = base + (bit >> 3)
+            stop = base + ((bit + self.key_bits + 7) >> 3)
+            key = (int.from_bytes(payload[start:stop], "little") >> (bit & 7)) & self._key_mask
         if self._pow2_bits:
             return (key >> (t * self._pow2_bits)) & (self.alphabet_size - 1)
         return (key // self._powers[t]) % self.alphabet_size
 
     def check_payload(self, payload, count: int) -> None:
-        """Every key of a payload must be < N^G (else the bytes are not a valid encoding)."""
-        groups = -(-count // self.group)
-        raw = np.frombuffer(payload, dtype=np.uint8, count=groups * self.key_bytes)
-        keys = _bytes_to_keys(raw, self.key_bytes).astype(np.uint64)
+        """Every key < N^G, zero padding digits and bits (else not a valid encoding)."""
+        keys = self.decode_keys(payload, count).astype(np.uint64)
         limit = self.alphabet_size ** self.group
         if limit < 1 << 64 and keys.size and int(keys.max()) >= limit:
             raise ValueError("payload holds a key >= N^G")
+        groups = keys.shape[0]
         last = count - (groups - 1) * self.group
         if groups and last < self.group and int(keys[-1]) >= self.alphabet_size ** last:
             raise ValueError("payload's padding digits are not zero")
+        spare = 8 * self.payload_size(count) - groups * self.key_bits
+        if spare and np.frombuffer(payload, np.uint8, count=self.payload_size(count))[-1] >> (8 - spare):
+            raise ValueError("payload's padding bits are not zero")
 
 
 def _keys_to_bytes(keys: np.ndarray, width: int) -> bytes:
