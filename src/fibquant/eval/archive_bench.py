@@ -486,20 +486,25 @@ def plot(results: list[dict], path: Path) -> None:
     methods = list(dict.fromkeys(r["method"] for r in results))
     panels = [("bits_per_symbol", "bits / symbol on disk"), ("encode_us", "encode µs / symbol"),
               ("random_access_us", "random access µs / lookup"), ("search_us_1e5", "search µs / query (10^5)")]
-    fig, axes = plt.subplots(2, 2, figsize=(15, 9))
+    from matplotlib.patches import Patch
+
+    colours = {method: plt.get_cmap("tab10")(k % 10) for k, method in enumerate(methods)}
+    fig, axes = plt.subplots(2, 2, figsize=(15, 9.5))
     width = 0.8 / len(methods)
     for ax, (key, title) in zip(axes.flat, panels):
         for m, method in enumerate(methods):
             values = [next((r.get(key) for r in results if r["stream"] == s and r["method"] == method), None)
                       for s in streams]
             xs = [k + m * width for k, v in enumerate(values) if v]
-            ax.bar(xs, [v for v in values if v], width, label=method)
+            if xs:
+                ax.bar(xs, [v for v in values if v], width, color=colours[method])
         ax.set_yscale("log")
         ax.set_title(title)
         ax.set_xticks(np.arange(len(streams)) + 0.4 - width / 2)
         ax.set_xticklabels(streams, rotation=30, fontsize=8)
-    axes[0, 0].legend(fontsize=8, ncol=2)
-    fig.tight_layout()
+    fig.legend([Patch(color=colours[m]) for m in methods], methods, loc="lower center", ncol=len(methods),
+               fontsize=9)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
