@@ -1,0 +1,70 @@
+"""`fibquant demo`, `fibquant eval fidelity`, `fibquant eval perplexity`: argument parsing only."""
+from __future__ import annotations
+
+import argparse
+
+
+def _methods(text: str) -> list[str]:
+    return [m.strip() for m in text.split(";") if m.strip()]
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("demo", help="compressed KV cache on the default model and a novel (~10 min)")
+    parser.add_argument("--text", default="emma", help="novel to run on (default: emma)")
+    parser.add_argument("--out", default=None, help="results directory (default: results/)")
+    parser.set_defaults(func=_demo)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from fibquant.eval.demo import DemoConfig, run_demo
+
+    run_demo(DemoConfig(text=args.text), out_dir=args.out)
+    return 0
+
+
+def register_eval(eval_subparsers) -> None:
+    fidelity = eval_subparsers.add_parser("fidelity", help="attention-output fidelity frontier (paper 4.2)")
+    fidelity.add_argument("--text", default="emma")
+    fidelity.add_argument("--calibration-text", default="persuasion", help="novel for the low-rank fits")
+    fidelity.add_argument("--tokens", type=int, default=1024)
+    fidelity.add_argument("--layers", default=None, help="comma-separated layer indices (default: all)")
+    fidelity.add_argument("--query-stride", type=int, default=1)
+    fidelity.add_argument("--sink-tokens", type=int, default=0, help="exact sinks per query (default 0)")
+    fidelity.add_argument("--recent-tokens", type=int, default=0, help="exact recent tokens per query (default 0)")
+    fidelity.add_argument("--methods", type=_methods, default=None,
+                          help="';'-separated specs, e.g. 'fp;fibquant:k=64,n=4096;turboquant:b=2'")
+    fidelity.add_argument("--build-codebooks", action="store_true",
+                          help="build FibQuant codebooks that are neither shipped nor cached (can be slow)")
+    fidelity.add_argument("--out", default=None)
+    fidelity.set_defaults(func=_fidelity)
+
+    perplexity = eval_subparsers.add_parser("perplexity", help="perplexity with the compressed cache (paper 4.3)")
+    perplexity.add_argument("--text", default="emma")
+    perplexity.add_argument("--tokens", type=int, default=20480)
+    perplexity.add_argument("--context", type=int, default=1024)
+    perplexity.add_argument("--chunk", type=int, default=32)
+    perplexity.add_argument("--batch-size", type=int, default=4)
+    perplexity.add_argument("--methods", type=_methods, default=None)
+    perplexity.add_argument("--build-codebooks", action="store_true")
+    perplexity.add_argument("--out", default=None)
+    perplexity.set_defaults(func=_perplexity)
+
+
+def _fidelity(args: argparse.Namespace) -> int:
+    from fibquant.eval.fidelity import FidelityConfig, main_fidelity
+
+    layers = None if args.layers is None else tuple(int(x) for x in args.layers.split(","))
+    config = FidelityConfig(text=args.text, calibration_text=args.calibration_text, tokens=args.tokens,
+                            layers=layers, query_stride=args.query_stride, sink_tokens=args.sink_tokens,
+                            recent_tokens=args.recent_tokens)
+    main_fidelity(config, args.methods, args.out, build_codebooks=args.build_codebooks)
+    return 0
+
+
+def _perplexity(args: argparse.Namespace) -> int:
+    from fibquant.eval.perplexity import PerplexityConfig, main_perplexity
+
+    config = PerplexityConfig(text=args.text, tokens=args.tokens, context=args.context, chunk=args.chunk,
+                              batch_size=args.batch_size)
+    main_perplexity(config, args.methods, args.out, build_codebooks=args.build_codebooks)
+    return 0

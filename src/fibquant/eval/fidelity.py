@@ -1,0 +1,327 @@
+"""Attention-fidelity frontier (experiment 2, FibQuant paper 4.2).
+
+Protocol: capture the real post-RoPE queries, keys and values of the chosen layers on a
+`tokens`-long span of one novel; replace every key and every value by its codec round trip
+(all positions, no exact window: this measures the codec); compute causal softmax attention
+with grouped-query attention for every query head and every query position in
+`query_positions`; score the cosine similarity between the compressed and the exact
+attention output vector ([head_dim]) per position, averaged over positions, heads and layers.
+The compression ratio counts every stored byte of a K/V pair: fp16 (2 * 2 * head_dim bytes)
+over key code_size + value code_size. Low-rank projections are fitted per layer and KV head
+on the same number of tokens of a different novel (their basis is per-model calibration
+state, not counted per token, as for the shared FibQuant/TurboQuant codebooks).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from tqdm.auto import tqdm
+
+from fibquant.codecs.lowrank import LowRankCodec
+from fibquant.eval.capture import CapturedAttention, capture_attention
+from fibquant.eval.methods import Method
+from fibquant.kv.cache import check_model_supported
+
+
+@dataclass(frozen=True)
+class FidelityConfig:
+    text: str = "emma"
+    calibration_text: str = "persuasion"
+    tokens: int = 1024
+    offset: int = 0
+    layers: tuple[int, ...] | None = None  # None: every layer
+    query_stride: int = 1  # score every query_stride-th position
+    sink_tokens: int = 0  # exact window as seen by a query in CompressedCache token-by-token decoding;
+    recent_tokens: int = 0  # 0/0 (default) compresses every position: the codec alone is measured
+
+    def __post_init__(self) -> None:
+        if self.text == self.calibration_text:
+            raise ValueError("the low-rank calibration text must differ from the evaluated text")
+        if self.tokens < 2 or self.offset < 0 or self.query_stride < 1:
+            raise ValueError(f"need tokens >= 2, offset >= 0, query_stride >= 1; got {self}")
+        if self.sink_tokens < 0 or self.recent_tokens < 0:
+            raise ValueError(f"exact window sizes must be >= 0, got {self.sink_tokens} and {self.recent_tokens}")
+        if self.sink_tokens + self.recent_tokens >= self.tokens:
+            raise ValueError(f"exact window {self.sink_tokens}+{self.recent_tokens} covers the whole "
+                             f"{self.tokens}-token context: nothing would be compressed")
+
+
+def exact_window_mask(positions: torch.Tensor, length: int, sink_tokens: int, recent_tokens: int) -> torch.Tensor:
+    """[P, T] bool: key j is exact for the query at position p (j < sinks or p - j < recent)."""
+    keys = torch.arange(length, device=positions.device)[None, :]
+    return (keys < sink_tokens) | (positions[:, None] - keys < recent_tokens)
+
+
+def causal_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
+                     positions: torch.Tensor, keys_hat: torch.Tensor | None = None,
+                     values_hat: torch.Tensor | None = None, exact: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal softmax attention with GQA.
+
+    queries [Hq, P, D] at sequence positions `positions` [P]; keys/values [Hkv, T, D] with
+    Hq a multiple of Hkv (query head h reads KV head h // (Hq / Hkv)). Returns [Hq, P, D].
+    With keys_hat/values_hat ([Hkv, T, D]) and `exact` ([P, T] bool), the query at row p
+    reads (keys, values)[j] where exact[p, j] and (keys_hat, values_hat)[j] elsewhere.
+    """
+    group = queries.shape[0] // keys.shape[0]
+    future = torch.arange(keys.shape[1], device=keys.device)[None, :] > positions[:, None].to(keys.device)
+    scores = (queries @ keys.repeat_interleave(group, dim=0).transpose(-1, -2)) * scaling  # [Hq, P, T]
+    if keys_hat is not None:
+        scores_hat = (queries @ keys_hat.repeat_interleave(group, dim=0).transpose(-1, -2)) * scaling
+        scores = torch.where(exact, scores, scores_hat)
+    weights = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
+    if values_hat is None:
+        return weights @ values.repeat_interleave(group, dim=0)
+    exact = exact.to(weights.dtype)
+    return ((weights * exact) @ values.repeat_interleave(group, dim=0)
+            + (weights * (1 - exact)) @ values_hat.repeat_interleave(group, dim=0))
+
+
+def exact_outputs(captured: CapturedAttention, positions: torch.Tensor) -> list[torch.Tensor]:
+    """Uncompressed attention outputs per layer, [Hq, P, D] each (computed once, reused per method)."""
+    return [causal_attention(captured.queries[layer][:, positions], captured.keys[layer], captured.values[layer],
+                             captured.scaling, positions) for layer in range(captured.num_layers)]
+
+
+def output_cosine(captured: CapturedAttention, keys_hat: torch.Tensor, values_hat: torch.Tensor,
+                  positions: torch.Tensor, sink_tokens: int = 0, recent_tokens: int = 0,
+                  reference: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """Mean cosine over `positions` of compressed vs exact attention output: [L, Hq].
+
+    Keys inside the exact window of a query (first `sink_tokens`, last `recent_tokens` up to
+    and including itself) keep their exact values, as in CompressedCache decoding.
+    """
+    reference = exact_outputs(captured, positions) if reference is None else reference
+    exact = exact_window_mask(positions, captured.keys.shape[2], sink_tokens, recent_tokens)
+    result = []
+    for layer in range(captured.num_layers):
+        q = captured.queries[layer][:, positions]
+        approx = causal_attention(q, captured.keys[layer], captured.values[layer], captured.scaling, positions,
+                                  keys_hat[layer], values_hat[layer], exact)
+        result.append(torch.nn.functional.cosine_similarity(approx, reference[layer], dim=-1).mean(-1))
+    return torch.stack(result)
+
+
+CodecFor = Callable[[int, int], object]  # (layer, kv_head) -> Codec
+
+
+def reconstruct(states: torch.Tensor, codec_for: CodecFor, shared: bool) -> torch.Tensor:
+    """Codec round trip of states [L, Hkv, T, D]; one call when the codec is shared by all heads."""
+    if shared:
+        return codec_for(0, 0).roundtrip(states)
+    out = torch.empty_like(states)
+    for layer in range(states.shape[0]):
+        for head in range(states.shape[1]):
+            out[layer, head] = codec_for(layer, head).roundtrip(states[layer, head])
+    return out
+
+
+@dataclass
+class LowRankBank:
+    """Per (layer, KV head) PCA fits of keys and values on a calibration capture."""
+
+    calibration: CapturedAttention
+    _cache: dict = field(default_factory=dict)
+
+    def codec(self, kind: str, rank: int, layer: int, head: int) -> LowRankCodec:
+        key = (kind, rank, layer, head)
+        if key not in self._cache:
+            samples = (self.calibration.keys if kind == "key" else self.calibration.values)[layer, head]
+            self._cache[key] = LowRankCodec.fit(samples, rank)
+        return self._cache[key]
+
+
+def evaluate_method(method: Method, captured: CapturedAttention, positions: torch.Tensor,
+                    bank: LowRankBank | None = None, sink_tokens: int = 0, recent_tokens: int = 0,
+                    reference: list[torch.Tensor] | None = None) -> dict:
+    """One row of the frontier: rate, ratio and attention cosine of `method` on `captured`."""
+    dim = captured.keys.shape[-1]
+    if method.family == "fp":
+        keys_hat, values_hat, code_bytes, bits = captured.keys, captured.values, 2 * dim, 16.0
+    elif method.calibrated:
+        if bank is None:
+            raise ValueError(f"{method.spec} needs a calibration capture")
+        key_for = lambda layer, head: bank.codec("key", method.rank, layer, head)  # noqa: E731
+        value_for = lambda layer, head: bank.codec("value", method.rank, layer, head)  # noqa: E731
+        keys_hat = reconstruct(captured.keys, key_for, shared=False)
+        values_hat = reconstruct(captured.values, value_for, shared=False)
+        code_bytes, bits = 2 * method.rank, 16.0 * method.rank / dim
+    else:
+        codec = method.build(dim)
+        keys_hat = reconstruct(captured.keys, lambda layer, head: codec, shared=True)
+        values_hat = reconstruct(captured.values, lambda layer, head: codec, shared=True)
+        code_bytes, bits = codec.code_size, codec.bits_per_coordinate
+    cosine = output_cosine(captured, keys_hat, values_hat, positions, sink_tokens, recent_tokens, reference)
+    return {
+        "method": method.label(dim), "spec": method.spec, "family": method.family,
+        "k": method.k, "n": method.n, "rank": method.rank,
+        "bits_per_coordinate": bits, "code_bytes_per_vector": code_bytes,
+        "stored_bits_per_coordinate": 8.0 * code_bytes / dim,
+        "compression_ratio": 2.0 * dim / code_bytes,
+        "cosine": float(cosine.mean()), "cosine_worst_layer": float(cosine.mean(1).min()),
+        "cosine_per_layer": [float(c) for c in cosine.mean(1)],
+    }
+
+
+def run_fidelity(model, tokenizer, methods: list[Method], config: FidelityConfig = FidelityConfig(),
+                 progress: bool = True) -> dict:
+    """Capture the evaluation (and, if needed, calibration) spans and score every method."""
+    from fibquant.eval.kv_report import text_tokens
+    from fibquant.kv.model import describe_model
+
+    ids = text_tokens(tokenizer, config.text, config.tokens, config.offset)
+    layers = None if config.layers is None else list(config.layers)
+    captured = capture_attention(model, ids, layers)
+    bank = None
+    if any(m.calibrated for m in methods):
+        calibration_ids = text_tokens(tokenizer, config.calibration_text, config.tokens, config.offset)
+        bank = LowRankBank(capture_attention(model, calibration_ids, layers))
+    positions = torch.arange(0, config.tokens, config.query_stride)
+    reference = exact_outputs(captured, positions)
+    rows = []
+    for method in tqdm(methods, desc="attention fidelity", disable=not progress):
+        rows.append(evaluate_method(method, captured, positions, bank, config.sink_tokens, config.recent_tokens,
+                                    reference))
+    return {
+        "experiment": "attention fidelity (FibQuant paper 4.2)",
+        "model": describe_model(model), "text": config.text, "calibration_text": config.calibration_text,
+        "tokens": config.tokens, "offset": config.offset,
+        "layers": layers if layers is not None else list(range(captured.num_layers)),
+        "query_positions": f"0..{config.tokens - 1} step {config.query_stride}",
+        "exact_window": {"sink_tokens": config.sink_tokens, "recent_tokens": config.recent_tokens},
+        "query_heads": captured.queries.shape[1], "kv_heads": captured.keys.shape[1],
+        "head_dim": captured.keys.shape[-1], "rows": rows,
+    }
+
+
+def plot_frontier(rows: list[dict], path, title: str) -> None:
+    """Cosine vs compression ratio (log x), one series per method family (FibQuant by block size)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series: dict[str, list[dict]] = {}
+    for row in rows:
+        if row["family"] == "fp":
+            continue
+        name = {"fibquant": "FibQuant", "turboquant": "TurboQuant", "int": "INT", "lowrank": "low-rank (calibrated)"}
+        series.setdefault(name[row["family"]], []).append(row)
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    styles = {"FibQuant": ("C3", "o"), "TurboQuant": ("C0", "s"), "INT": ("C2", "^"), "low-rank (calibrated)": ("C7", "D")}
+    for name, items in series.items():
+        items = sorted(items, key=lambda r: r["compression_ratio"])
+        color, marker = styles[name]
+        if name == "FibQuant":
+            ax.scatter([r["compression_ratio"] for r in items], [r["cosine"] for r in items], color=color,
+                       marker=marker, alpha=0.5)
+            front = pareto_front(items)
+            ax.plot([r["compression_ratio"] for r in front], [r["cosine"] for r in front], color=color,
+                    marker=marker, label="FibQuant (frontier; dots: all k, N)")
+        else:
+            ax.plot([r["compression_ratio"] for r in items], [r["cosine"] for r in items], color=color,
+                    marker=marker, label=name)
+    ax.set_xscale("log")
+    ax.set_xlabel("compression ratio vs fp16 (every stored byte)")
+    ax.set_ylabel("attention output cosine similarity")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+def pareto_front(rows: list[dict]) -> list[dict]:
+    """Rows not beaten in both ratio and cosine, sorted by ratio."""
+    best, front = -1.0, []
+    for row in sorted(rows, key=lambda r: (-r["compression_ratio"], -r["cosine"])):
+        if row["cosine"] > best:
+            front.append(row)
+            best = row["cosine"]
+    return sorted(front, key=lambda r: r["compression_ratio"])
+
+
+def frontier_at(rows: list[dict], ratio: float) -> float | None:
+    """Best cosine among `rows` with compression ratio >= `ratio` (None if none)."""
+    eligible = [r["cosine"] for r in rows if r["compression_ratio"] >= ratio - 1e-9]
+    return max(eligible) if eligible else None
+
+
+def compare_frontiers(rows: list[dict]) -> dict:
+    """Target checks: FibQuant's best cosine at every other method's ratio vs that method."""
+    fib = [r for r in rows if r["family"] == "fibquant"]
+    checks = []
+    for row in rows:
+        if row["family"] in ("fp", "fibquant"):
+            continue
+        mine = frontier_at(fib, row["compression_ratio"])
+        checks.append({"method": row["method"], "ratio": row["compression_ratio"], "cosine": row["cosine"],
+                       "fibquant_best_at_ratio": mine,
+                       "fibquant_above": mine is not None and mine > row["cosine"]})
+    return {"fibquant_best_at_5x": frontier_at(fib, 5.0), "fibquant_best_at_34x": frontier_at(fib, 34.0),
+            "matched_ratio_checks": checks}
+
+
+FIDELITY_METHODS = (
+    "fp",
+    # FibQuant over (k, N): k = d = 64 and k = d/2 = 32 included.
+    "fibquant:k=64,n=256", "fibquant:k=64,n=1024", "fibquant:k=64,n=4096",
+    "fibquant:k=32,n=256", "fibquant:k=32,n=4096",
+    "fibquant:k=16,n=256", "fibquant:k=16,n=4096",
+    "fibquant:k=8,n=256", "fibquant:k=8,n=4096",
+    "fibquant:k=4,n=256", "fibquant:k=4,n=1024", "fibquant:k=4,n=4096",
+    "fibquant:k=2,n=128", "fibquant:k=2,n=256",
+    "turboquant:b=1", "turboquant:b=2", "turboquant:b=3", "turboquant:b=4",
+    "int:b=2", "int:b=3", "int:b=4", "int:b=8",
+    "lowrank:r=1", "lowrank:r=2", "lowrank:r=4", "lowrank:r=8", "lowrank:r=12", "lowrank:r=16",
+    "lowrank:r=24", "lowrank:r=32", "lowrank:r=48",
+)
+
+FIDELITY_COLUMNS = [
+    ("method", "method", ""),
+    ("bits_per_coordinate", "bits/coord", ".4g"),
+    ("code_bytes_per_vector", "bytes/vector", "d"),
+    ("compression_ratio", "ratio vs fp16", ".2f"),
+    ("cosine", "attn cosine", ".4f"),
+    ("cosine_worst_layer", "worst layer", ".4f"),
+]
+
+
+def main_fidelity(config: FidelityConfig = FidelityConfig(), methods: list[str] | None = None, out_dir=None,
+                  build_codebooks: bool = False, model_and_tokenizer=None) -> dict:
+    """Run experiment 2, print the table and target checks, write JSON + PNG under results/."""
+    from fibquant.eval.kv_report import format_table, results_dir, write_json
+    from fibquant.eval.methods import parse_methods, split_ready
+    from fibquant.kv.model import load_model
+
+    model, tokenizer = model_and_tokenizer or load_model()
+    dim = check_model_supported(model)["head_dim"]
+    ready, skipped = split_ready(parse_methods(list(methods or FIDELITY_METHODS)), dim, build_codebooks)
+    result = run_fidelity(model, tokenizer, ready, config)
+    result["skipped"] = skipped
+    result["targets"] = compare_frontiers(result["rows"])
+    rows = sorted(result["rows"], key=lambda r: (r["family"], r["compression_ratio"]))
+    window = config.sink_tokens + config.recent_tokens
+    suffix = "" if window == 0 else f"_window{config.sink_tokens}+{config.recent_tokens}"
+    print(f"\nmodel: {result['model']}\ntext: {config.text} ({config.tokens} tokens from offset {config.offset}); "
+          f"low-rank calibrated on {config.calibration_text}\nlayers: {result['layers']}\n"
+          f"query positions: {result['query_positions']}; exact window per query: {config.sink_tokens} sinks + "
+          f"{config.recent_tokens} recent\n")
+    print(format_table(rows, FIDELITY_COLUMNS))
+    targets = result["targets"]
+    print(f"\nFibQuant best cosine at >= 5x: {targets['fibquant_best_at_5x']}; at >= 34x: "
+          f"{targets['fibquant_best_at_34x']}")
+    for check in targets["matched_ratio_checks"]:
+        print(f"  vs {check['method']:>16s} at {check['ratio']:6.2f}x: {check['cosine']:.4f}, FibQuant best "
+              f"{check['fibquant_best_at_ratio']} -> {'above' if check['fibquant_above'] else 'NOT above'}")
+    for note in skipped:
+        print(f"skipped: {note}")
+    out = results_dir(out_dir)
+    write_json(out / f"attention_fidelity{suffix}.json", result)
+    plot_frontier(result["rows"], out / f"attention_fidelity{suffix}.png",
+                  f"{result['model']}\n{config.text}, {config.tokens} tokens, exact window "
+                  f"{config.sink_tokens}+{config.recent_tokens}: attention cosine vs compression")
+    print(f"wrote {out / f'attention_fidelity{suffix}.json'} and .png")
+    return result

@@ -1,0 +1,226 @@
+"""Perplexity with the compressed cache in the loop (experiment 3, FibQuant paper 4.3).
+
+Protocol: the first `tokens` tokens of one novel (no special tokens added) are cut into
+non-overlapping windows of `context` tokens. Each window starts from a fresh cache and is fed
+in chunks of `chunk` tokens; every chunk's queries attend to the cache as it stands, so every
+token older than the exact window is read back from its codes (see kv/cache.py: a query sees
+the first `sink_tokens`, the previous `recent_tokens` and its own chunk exactly, everything
+else decoded). NLL is summed over every predicted token of every window (position i predicts
+i+1, so context-1 predictions per window), and separately over the second half of each
+window (positions >= context/2, where most of the context is compressed). The fp baseline
+uses a DynamicCache with the same windows and chunking. Several windows run as one batch.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+from transformers import DynamicCache
+
+from fibquant.eval.methods import Method
+from fibquant.kv.cache import CompressedCache, check_model_supported, dynamic_cache_nbytes
+
+
+@dataclass(frozen=True)
+class PerplexityConfig:
+    text: str = "emma"
+    tokens: int = 20480
+    context: int = 1024
+    chunk: int = 32
+    sink_tokens: int = 4
+    recent_tokens: int = 32
+    batch_size: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("tokens", "context", "chunk", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.sink_tokens < 0 or self.recent_tokens < 0:
+            raise ValueError(f"exact window sizes must be >= 0, got {self.sink_tokens} and {self.recent_tokens}")
+        if self.sink_tokens + self.recent_tokens >= self.context:
+            raise ValueError(f"exact window {self.sink_tokens} sinks + {self.recent_tokens} recent is not smaller "
+                             f"than the context of {self.context} tokens: nothing would be compressed")
+        if self.tokens < self.context:
+            raise ValueError(f"tokens ({self.tokens}) must be at least one context window ({self.context})")
+
+    @property
+    def windows(self) -> int:
+        return self.tokens // self.context
+
+
+def make_cache(method: Method, model, config: PerplexityConfig):
+    """A fresh cache for `method`: DynamicCache for fp, else a CompressedCache."""
+    if method.family == "fp":
+        return DynamicCache()
+    if method.calibrated:
+        raise ValueError(f"{method.spec}: calibrated methods are not supported in the perplexity loop")
+    head_dim = check_model_supported(model)["head_dim"]
+    codec = method.build(head_dim)
+    return CompressedCache.for_model(model, codec, codec, config.sink_tokens, config.recent_tokens)
+
+
+def cache_nbytes(cache) -> int:
+    return cache.nbytes() if isinstance(cache, CompressedCache) else dynamic_cache_nbytes(cache)
+
+
+@torch.no_grad()
+def window_nll(model, ids: torch.Tensor, cache, chunk: int) -> torch.Tensor:
+    """Token NLLs [B, T-1] of windows ids [B, T] fed in chunks through `cache` (position i predicts i+1)."""
+    losses = []
+    length = ids.shape[1]
+    for start in range(0, length, chunk):
+        piece = ids[:, start: start + chunk]
+        logits = model(input_ids=piece, past_key_values=cache, use_cache=True).logits.float()
+        targets = ids[:, start + 1: start + chunk + 1]
+        logits = logits[:, : targets.shape[1]]
+        losses.append(torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, reduction="none"))
+    return torch.cat(losses, dim=1)
+
+
+def run_perplexity(model, tokenizer, methods: list[Method], config: PerplexityConfig = PerplexityConfig(),
+                   progress: bool = True) -> dict:
+    """Perplexity (all tokens and second half) of each method; same windows for all."""
+    from fibquant.eval.kv_report import text_tokens
+    from fibquant.kv.model import describe_model
+
+    ids = text_tokens(tokenizer, config.text, config.windows * config.context).to(model.device)
+    windows = ids.reshape(config.windows, config.context)
+    batches = list(torch.split(windows, config.batch_size))
+    head_dim = check_model_supported(model)["head_dim"]
+    half = config.context // 2
+    rows = []
+    bar = tqdm(total=len(methods) * len(batches), desc="perplexity", disable=not progress)
+    for method in methods:
+        total, second, count, second_count, nbytes_per_token = 0.0, 0.0, 0, 0, None
+        bar.set_postfix_str(method.spec)
+        for batch in batches:
+            cache = make_cache(method, model, config)
+            nll = window_nll(model, batch, cache, config.chunk)
+            total += float(nll.sum())
+            count += nll.numel()
+            second += float(nll[:, half - 1:].sum())  # predictions of tokens at positions >= half
+            second_count += nll[:, half - 1:].numel()
+            nbytes_per_token = cache_nbytes(cache) / (batch.shape[0] * config.context)
+            bar.update(1)
+        code_bytes = 2 * head_dim if method.family == "fp" else method.build(head_dim).code_size
+        rows.append({
+            "method": method.label(head_dim), "spec": method.spec, "family": method.family,
+            "bits_per_coordinate": 16.0 if method.family == "fp" else method.build(head_dim).bits_per_coordinate,
+            "code_bytes_per_vector": code_bytes, "compression_ratio": 2.0 * head_dim / code_bytes,
+            "cache_bytes_per_token": nbytes_per_token,
+            "perplexity": math.exp(total / count), "perplexity_second_half": math.exp(second / second_count),
+            "nll": total / count, "predicted_tokens": count,
+        })
+    bar.close()
+    baseline = next((r for r in rows if r["family"] == "fp"), None)
+    for row in rows:
+        if baseline is not None:
+            row["perplexity_change_pct"] = 100.0 * (row["perplexity"] / baseline["perplexity"] - 1.0)
+            row["second_half_change_pct"] = 100.0 * (row["perplexity_second_half"]
+                                                     / baseline["perplexity_second_half"] - 1.0)
+            row["cache_ratio_vs_dynamic"] = baseline["cache_bytes_per_token"] / row["cache_bytes_per_token"]
+    return {
+        "experiment": "perplexity with the compressed cache in the loop (FibQuant paper 4.3)",
+        "model": describe_model(model), "text": config.text, "tokens": config.windows * config.context,
+        "context": config.context, "chunk": config.chunk, "windows": config.windows,
+        "exact_window": {"sink_tokens": config.sink_tokens, "recent_tokens": config.recent_tokens},
+        "model_dtype": str(next(model.parameters()).dtype), "rows": rows,
+    }
+
+
+def plot_perplexity(rows: list[dict], path, title: str) -> None:
+    """Perplexity vs bits per coordinate, one line per family, fp as a horizontal line (log y)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    names = {"fibquant": ("FibQuant", "C3", "o"), "turboquant": ("TurboQuant", "C0", "s"), "int": ("INT", "C2", "^")}
+    for family, (name, color, marker) in names.items():
+        items = sorted((r for r in rows if r["family"] == family), key=lambda r: r["bits_per_coordinate"])
+        if items:
+            ax.plot([r["bits_per_coordinate"] for r in items], [r["perplexity"] for r in items], color=color,
+                    marker=marker, label=name)
+    for row in rows:
+        if row["family"] == "fp":
+            ax.axhline(row["perplexity"], color="k", linestyle="--", label=f"fp ({row['perplexity']:.2f})")
+    ax.set_yscale("log")
+    ax.set_xlabel("bits per coordinate (index bits; codes also store a norm/scale)")
+    ax.set_ylabel("perplexity")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+PERPLEXITY_METHODS = (
+    "fp",
+    "fibquant:b=4", "fibquant:b=3.5", "fibquant:b=3", "fibquant:b=2.5", "fibquant:b=2", "fibquant:b=1",
+    "fibquant:b=0.5",
+    "turboquant:b=4", "turboquant:b=3", "turboquant:b=2",
+    "int:b=4", "int:b=3", "int:b=2",
+)
+
+PERPLEXITY_COLUMNS = [
+    ("method", "method", ""),
+    ("bits_per_coordinate", "bits/coord", ".4g"),
+    ("compression_ratio", "codes vs fp16", ".2f"),
+    ("cache_bytes_per_token", "cache B/token", ".0f"),
+    ("cache_ratio_vs_dynamic", "vs DynamicCache", ".2f"),
+    ("perplexity", "perplexity", ".3f"),
+    ("perplexity_change_pct", "change %", "+.2f"),
+    ("perplexity_second_half", "2nd half ppl", ".3f"),
+    ("second_half_change_pct", "2nd half %", "+.2f"),
+]
+
+
+def main_perplexity(config: PerplexityConfig = PerplexityConfig(), methods: list[str] | None = None,
+                    out_dir=None, build_codebooks: bool = False, model_and_tokenizer=None) -> dict:
+    """Run experiment 3, print the table and target checks, write JSON + PNG under results/."""
+    from fibquant.eval.kv_report import format_table, results_dir, write_json
+    from fibquant.eval.methods import parse_methods, split_ready
+    from fibquant.kv.model import load_model
+
+    model, tokenizer = model_and_tokenizer or load_model()
+    dim = check_model_supported(model)["head_dim"]
+    ready, skipped = split_ready(parse_methods(list(methods or PERPLEXITY_METHODS)), dim, build_codebooks)
+    result = run_perplexity(model, tokenizer, ready, config)
+    result["skipped"] = skipped
+    result["targets"] = perplexity_targets(result["rows"])
+    print(f"\nmodel: {result['model']}\ntext: {config.text}, {result['tokens']} tokens = {result['windows']} "
+          f"windows of {config.context}, chunks of {config.chunk}, exact window {config.sink_tokens} sinks + "
+          f"{config.recent_tokens} recent (model dtype {result['model_dtype']})\n")
+    print(format_table(result["rows"], PERPLEXITY_COLUMNS))
+    for name, value in result["targets"].items():
+        print(f"{name}: {value}")
+    for note in skipped:
+        print(f"skipped: {note}")
+    out = results_dir(out_dir)
+    write_json(out / "perplexity.json", result)
+    plot_perplexity(result["rows"], out / "perplexity.png",
+                    f"{result['model']}\n{config.text}, {result['tokens']} tokens, context {config.context}, "
+                    f"chunk {config.chunk}, exact window {config.sink_tokens}+{config.recent_tokens}")
+    print(f"wrote {out / 'perplexity.json'} and {out / 'perplexity.png'}")
+    return result
+
+
+def perplexity_targets(rows: list[dict]) -> dict:
+    """FibQuant b=4 change vs fp (target within 1 %); at b=2 FibQuant's increase / TurboQuant's (<= 1/3)."""
+    def find(family: str, bits: float):
+        return next((r for r in rows if r["family"] == family and abs(r["bits_per_coordinate"] - bits) < 1e-9),
+                    None)
+
+    out = {}
+    fib4, fib2, turbo2 = find("fibquant", 4.0), find("fibquant", 2.0), find("turboquant", 2.0)
+    if fib4 is not None and "perplexity_change_pct" in fib4:
+        out["fibquant_b4_change_pct (target <= 1)"] = fib4["perplexity_change_pct"]
+    if fib2 is not None and turbo2 is not None and "perplexity_change_pct" in fib2:
+        ratio = fib2["perplexity_change_pct"] / turbo2["perplexity_change_pct"] if turbo2[
+            "perplexity_change_pct"] > 0 else float("inf")
+        out["fibquant_b2_increase / turboquant_b2_increase (target <= 0.333)"] = ratio
+    return out

@@ -1,0 +1,135 @@
+"""Attention-fidelity experiment: capture, attention reference, window mixing, frontier logic, errors."""
+from __future__ import annotations
+
+import pytest
+import torch
+from _kv_helpers import real_model, tiny_llama
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import DynamicCache
+
+from fibquant.codecs.integer import IntCodec
+from fibquant.eval.capture import CapturedAttention, attention_modules, capture_attention
+from fibquant.eval.fidelity import (FidelityConfig, causal_attention, compare_frontiers, evaluate_method,
+                                    exact_window_mask, output_cosine, pareto_front, run_fidelity)
+from fibquant.eval.methods import Method, parse_method
+
+
+def loop_attention(q, k, v, k_hat, v_hat, scaling, positions, sinks, recent):
+    """Spec: one query at a time, exact K/V inside its window, compressed elsewhere."""
+    group = q.shape[0] // k.shape[0]
+    out = torch.zeros_like(q)
+    for head in range(q.shape[0]):
+        for row, p in enumerate(positions.tolist()):
+            keys = torch.stack([k[head // group, j] if (j < sinks or p - j < recent) else k_hat[head // group, j]
+                                for j in range(p + 1)])
+            values = torch.stack([v[head // group, j] if (j < sinks or p - j < recent) else v_hat[head // group, j]
+                                  for j in range(p + 1)])
+            weights = torch.softmax(keys @ q[head, row] * scaling, dim=0)
+            out[head, row] = weights @ values
+    return out
+
+
+@settings(max_examples=15, deadline=None)
+@given(tokens=st.integers(2, 12), sinks=st.integers(0, 3), recent=st.integers(0, 4), stride=st.integers(1, 3))
+def test_causal_attention_matches_per_query_loop(tokens, sinks, recent, stride):
+    generator = torch.Generator().manual_seed(tokens * 31 + sinks * 7 + recent)
+    k, v, k_hat, v_hat = (torch.randn(2, tokens, 8, generator=generator, dtype=torch.float64) for _ in range(4))
+    positions = torch.arange(0, tokens, stride)
+    q = torch.randn(4, positions.shape[0], 8, generator=generator, dtype=torch.float64)
+    got = causal_attention(q, k, v, 0.3, positions, k_hat, v_hat, exact_window_mask(positions, tokens, sinks, recent))
+    torch.testing.assert_close(got, loop_attention(q, k, v, k_hat, v_hat, 0.3, positions, sinks, recent))
+    plain = causal_attention(q, k, v, 0.3, positions)
+    torch.testing.assert_close(plain, loop_attention(q, k, v, k, v, 0.3, positions, 0, 0))
+
+
+def test_capture_reproduces_the_model_attention():
+    model = tiny_llama()
+    ids = torch.randint(0, 97, (1, 20), generator=torch.Generator().manual_seed(0))
+    captured = capture_attention(model, ids)
+    assert captured.queries.shape == (2, 4, 20, 16) and captured.keys.shape == (2, 2, 20, 16)
+    cache = DynamicCache()
+    outputs = {}
+    module = attention_modules(model)[1]
+
+    def keep_output(_module, _args, out):
+        outputs["attn"] = out[0]
+
+    handle = module.register_forward_hook(keep_output)
+    with torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True)
+    handle.remove()
+    torch.testing.assert_close(captured.keys[1], cache.layers[1].keys[0])  # post-RoPE keys, as cached
+    torch.testing.assert_close(captured.values[1], cache.layers[1].values[0])
+    positions = torch.arange(20)
+    attn = causal_attention(captured.queries[1], captured.keys[1], captured.values[1], captured.scaling, positions)
+    with torch.no_grad():
+        recomputed = module.o_proj(attn.transpose(0, 1).reshape(1, 20, -1))
+    torch.testing.assert_close(recomputed, outputs["attn"], rtol=1e-4, atol=1e-5)
+
+
+def _random_capture(tokens=32, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return CapturedAttention(torch.randn(2, 4, tokens, 16, generator=generator),
+                             torch.randn(2, 2, tokens, 16, generator=generator),
+                             torch.randn(2, 2, tokens, 16, generator=generator), 0.25)
+
+
+def test_cosine_is_one_for_fp_and_improves_with_bits_and_window():
+    captured = _random_capture()
+    positions = torch.arange(32)
+    assert evaluate_method(Method("fp"), captured, positions)["cosine"] == pytest.approx(1.0, abs=1e-6)
+    cosines = [evaluate_method(Method("int", bits=b), captured, positions)["cosine"] for b in (2, 4, 8)]
+    assert cosines[0] < cosines[1] < cosines[2] <= 1.0 + 1e-6
+    codec = IntCodec(16, 2)
+    k_hat, v_hat = codec.roundtrip(captured.keys), codec.roundtrip(captured.values)
+    no_window = output_cosine(captured, k_hat, v_hat, positions).mean()
+    window = output_cosine(captured, k_hat, v_hat, positions, sink_tokens=2, recent_tokens=8).mean()
+    full = output_cosine(captured, k_hat, v_hat, positions, sink_tokens=0, recent_tokens=32).mean()
+    assert no_window < window < 1.0 and float(full) == pytest.approx(1.0, abs=1e-6)
+    row = evaluate_method(Method("int", bits=4), captured, positions)
+    assert row["compression_ratio"] == pytest.approx(32 / IntCodec(16, 4).code_size)
+
+
+def test_frontier_logic():
+    rows = [{"method": "a", "family": "fibquant", "compression_ratio": 4.0, "cosine": 0.99},
+            {"method": "b", "family": "fibquant", "compression_ratio": 8.0, "cosine": 0.95},
+            {"method": "c", "family": "fibquant", "compression_ratio": 6.0, "cosine": 0.90},
+            {"method": "t", "family": "turboquant", "compression_ratio": 7.0, "cosine": 0.93},
+            {"method": "i", "family": "int", "compression_ratio": 3.0, "cosine": 0.995}]
+    assert [r["method"] for r in pareto_front(rows[:3])] == ["a", "b"]
+    checks = {c["method"]: c for c in compare_frontiers(rows)["matched_ratio_checks"]}
+    assert checks["t"]["fibquant_best_at_ratio"] == 0.95 and checks["t"]["fibquant_above"]
+    assert checks["i"]["fibquant_best_at_ratio"] == 0.99 and not checks["i"]["fibquant_above"]
+
+
+def test_method_specs_and_bad_input():
+    assert parse_method("fibquant:k=64,n=4096") == Method("fibquant", k=64, n=4096)
+    assert parse_method("turboquant:b=3").spec == "turboquant:b=3"
+    assert parse_method("lowrank:r=8").label() == "low-rank r=8"
+    with pytest.raises(ValueError, match="unknown method family"):
+        parse_method("pq:b=2")
+    with pytest.raises(ValueError, match="bad method parameter"):
+        parse_method("int:bits=4")
+    with pytest.raises(ValueError, match="needs r="):
+        parse_method("lowrank")
+    with pytest.raises(ValueError, match="must differ"):
+        FidelityConfig(text="emma", calibration_text="emma")
+    with pytest.raises(ValueError, match="covers the whole"):
+        FidelityConfig(tokens=32, sink_tokens=4, recent_tokens=28)
+    with pytest.raises(ValueError, match="needs a calibration"):
+        evaluate_method(Method("lowrank", rank=2), _random_capture(), torch.arange(4))
+    with pytest.raises(ValueError, match="one sequence"):
+        capture_attention(tiny_llama(), torch.zeros(2, 5, dtype=torch.long))
+
+
+@pytest.mark.model
+def test_fidelity_on_real_model_short(request):
+    model, tokenizer = real_model(request)
+    methods = [Method("fp"), Method("int", bits=8), Method("int", bits=2), Method("lowrank", rank=8)]
+    result = run_fidelity(model, tokenizer, methods, FidelityConfig(tokens=96, layers=(0, 15)), progress=False)
+    cosine = {r["spec"]: r["cosine"] for r in result["rows"]}
+    assert cosine["fp"] == pytest.approx(1.0, abs=1e-5)
+    assert cosine["int:b=8"] > 0.999 and cosine["int:b=2"] < cosine["int:b=8"]
+    assert 0.0 < cosine["lowrank:r=8"] < 1.0
+    assert result["layers"] == [0, 15] and result["text"] == "emma"

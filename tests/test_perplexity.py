@@ -1,0 +1,68 @@
+"""Perplexity with the compressed cache in the loop: chunked NLL, protocol errors, real-model integration."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from _kv_helpers import REAL_PROMPT, real_model, tiny_llama
+from transformers import DynamicCache
+
+from fibquant.codecs.integer import IntCodec
+from fibquant.eval.methods import Method
+from fibquant.eval.perplexity import PerplexityConfig, perplexity_targets, run_perplexity, window_nll
+from fibquant.kv.cache import CompressedCache
+
+
+def test_chunked_nll_equals_one_forward_pass():
+    model = tiny_llama()
+    ids = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = model(ids).logits
+    reference = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none")
+    for chunk in (1, 7, 40):
+        torch.testing.assert_close(window_nll(model, ids, DynamicCache(), chunk), reference, rtol=1e-4, atol=1e-4)
+    exact_window = CompressedCache(IntCodec(16, 2), IntCodec(16, 2), sink_tokens=4, recent_tokens=40)
+    torch.testing.assert_close(window_nll(model, ids, exact_window, 8), reference, rtol=1e-4, atol=1e-4)
+    lossy = window_nll(model, ids, CompressedCache(IntCodec(16, 2), IntCodec(16, 2), 1, 2), 8)
+    assert not torch.allclose(lossy, reference, atol=1e-3)  # codes really are read back
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="nothing would be compressed"):
+        PerplexityConfig(context=32, sink_tokens=4, recent_tokens=32)
+    with pytest.raises(ValueError, match="at least one context window"):
+        PerplexityConfig(tokens=100, context=1024)
+    with pytest.raises(ValueError, match="chunk must be"):
+        PerplexityConfig(chunk=0)
+    with pytest.raises(ValueError, match="exact window sizes"):
+        PerplexityConfig(sink_tokens=-1)
+
+
+def test_targets_arithmetic():
+    rows = [{"family": "fibquant", "bits_per_coordinate": 4.0, "perplexity_change_pct": 0.5},
+            {"family": "fibquant", "bits_per_coordinate": 2.0, "perplexity_change_pct": 3.0},
+            {"family": "turboquant", "bits_per_coordinate": 2.0, "perplexity_change_pct": 12.0}]
+    targets = perplexity_targets(rows)
+    assert targets["fibquant_b4_change_pct (target <= 1)"] == 0.5
+    assert targets["fibquant_b2_increase / turboquant_b2_increase (target <= 0.333)"] == 0.25
+
+
+@pytest.mark.model
+def test_real_model_compressed_generation_and_short_perplexity(request):
+    model, tokenizer = real_model(request)
+    inputs = tokenizer(REAL_PROMPT, return_tensors="pt")
+    cache = CompressedCache.for_model(model, IntCodec(64, 3), IntCodec(64, 3))
+    generated = model.generate(**inputs, past_key_values=cache, max_new_tokens=8, do_sample=False,
+                               pad_token_id=tokenizer.eos_token_id)
+    assert generated.shape[1] == inputs.input_ids.shape[1] + 8
+    assert cache.bytes_per_token() < 30 * 3 * 64 * 4 * 2 / 2  # under half of the fp32 DynamicCache
+    config = PerplexityConfig(tokens=256, context=256, chunk=32, batch_size=1)
+    methods = [Method("fp"), Method("int", bits=8), Method("int", bits=2)]
+    rows = {r["spec"]: r for r in run_perplexity(model, tokenizer, methods, config, progress=False)["rows"]}
+    fp = rows["fp"]["perplexity"]
+    assert math.isfinite(fp) and 1.0 < fp < 200.0
+    assert abs(rows["int:b=8"]["perplexity"] / fp - 1.0) < 0.01
+    assert rows["int:b=2"]["perplexity"] > rows["int:b=8"]["perplexity"] * 1.01
+    assert rows["int:b=2"]["cache_bytes_per_token"] < rows["int:b=8"]["cache_bytes_per_token"] < \
+        rows["fp"]["cache_bytes_per_token"]
