@@ -92,8 +92,8 @@ def parse_task(task: dict, subtask: str) -> list[MultipleChoiceExample]:
 
 
 def parse_task_dir(task_dir: Path, name: str) -> list[MultipleChoiceExample]:
-    """Examples of every task.json under `task_dir` (the task and its subtasks, sorted by path)."""
-    files = sorted(task_dir.rglob("task.json"))
+    """Examples of every task.json under `task_dir`: the task first, then its subtasks by path."""
+    files = sorted(task_dir.rglob("task.json"), key=lambda p: (len(p.parts), p))  # the task, then subtasks
     if not files:
         raise ValueError(f"no task.json under {task_dir}")
     examples = []
