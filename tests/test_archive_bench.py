@@ -1,0 +1,32 @@
+"""The benchmark library runs end to end on a tiny configuration (table, JSON, plot)."""
+import json
+
+import pytest
+
+from fibquant.eval.archive_bench import BenchConfig, run
+
+
+def test_tiny_benchmark_writes_every_method_and_labels_the_text_fallback(tmp_path, capsys):
+    config = BenchConfig(n_symbols=3000, alphabets=(16, 4096), lookups=200, zstd_lookups=20, appends=500,
+                         append_chunk=100, queries=20, recall_queries=5, search_sizes=(3000,), zstd_frame=1024,
+                         text_names=(), repeats=1)
+    report = run(config, out_dir=tmp_path)
+    saved = json.loads((tmp_path / "archive_bench.json").read_text())
+    assert (tmp_path / "archive_bench.png").stat().st_size > 10_000
+    assert "| stream | N | method" in (tmp_path / "archive_bench.md").read_text()
+    methods = {(r["stream"], r["method"]) for r in saved["results"]}
+    for stream in ("uniform-16", "zipf-16", "uniform-4096", "zipf-4096", "text-256"):
+        for method in ("fractal-exact", "fractal-float", "raw-numpy", "bitpack", "zstd-3", "zstd-19",
+                       "sorted-keys", "suffix-array"):
+            assert (stream, method) in methods
+    text_notes = {r["note"] for r in saved["results"] if r["stream"] == "text-256"}
+    assert len(text_notes) == 1 and text_notes.pop().startswith("FALLBACK")  # never silently synthetic
+    assert all(r["recall_1e3"] == 1.0 for r in saved["results"] if "recall_1e3" in r)
+    exact = [r for r in saved["results"] if r["method"] == "fractal-exact" and r["stream"] == "uniform-4096"][0]
+    assert exact["bits_per_symbol"] < 1.1 * 12
+    assert report["target_check"] and "Targets" in capsys.readouterr().out
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="search size"):
+        BenchConfig(n_symbols=1000, search_sizes=(5000,))
