@@ -111,7 +111,10 @@ class Archive:
         path = Path(path)
         if path.exists() and not overwrite:
             raise ArchiveError(f"{path} exists (pass overwrite=True to replace it)")
-        handle = open(path, "w+b")
+        try:
+            handle = open(path, "w+b")
+        except OSError as exc:
+            raise ArchiveError(f"cannot create archive {path}: {exc.strerror}") from None
         handle.write(header.pack())
         handle.flush()
         if durable:
