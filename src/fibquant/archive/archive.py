@@ -185,8 +185,8 @@ class Archive:
         if self._pending:
             head = np.concatenate([np.array(self._pending, dtype=np.int64), arr[:room]])
             arr = arr[room:]
-            self._pending.clear()
             self._write_blocks(head)
+            self._pending.clear()
         full = arr.shape[0] - arr.shape[0] % self.block_symbols
         if full:
             self._write_blocks(arr[:full])
@@ -204,19 +204,22 @@ class Archive:
         else:
             pieces = [(min(size, symbols.shape[0] - s), self._codec.encode(symbols[s:s + size]))
                       for s in range(0, symbols.shape[0], size)]
-        records = []
-        offset = self._end
+        records, entries = [], []
+        offset, first = self._end, self._sealed
         for count, payload in pieces:
-            record = pack_record(self._sealed, count, payload)
+            record = pack_record(first, count, payload)
             records.append(record)
-            self._register(offset + len(record) - len(payload), len(payload), count, zlib.crc32(payload))
-            self._verified[-1] = 1  # written from memory just now
+            entries.append((offset + len(record) - len(payload), len(payload), count, zlib.crc32(payload)))
             offset += len(record)
+            first += count
         self._handle.seek(self._end)
         self._handle.write(b"".join(records))
         self._handle.flush()
         if self._durable:
             os.fsync(self._handle.fileno())
+        for entry in entries:  # only once the bytes are written: a failed write leaves no phantom blocks
+            self._register(*entry)
+            self._verified[-1] = 1  # written from memory just now
         self._end = offset
 
     def _check_writable(self) -> None:
