@@ -200,3 +200,22 @@ def test_durable_mode_fsyncs_and_reads_back(tmp_path, monkeypatch):
     assert len(calls) == 3  # the short last block, sealed by close()
     with Archive.open(tmp_path / "a.fqa") as archive:
         assert np.array_equal(archive.read(), stream(200, 16))
+
+
+def test_a_failed_write_leaves_no_phantom_blocks(tmp_path):
+    symbols = stream(300, 16, seed=10)
+    archive = Archive.create(tmp_path / "a.fqa", 16, block_symbols=64)
+    archive.append(symbols[:50])
+    real_write = archive._handle.write
+
+    def disk_full(data):
+        raise OSError(28, "No space left on device")
+    archive._handle.write = disk_full
+    with pytest.raises(OSError):
+        archive.append(symbols[50:300])
+    assert len(archive) == 50 and np.array_equal(archive.read(), symbols[:50])
+    archive._handle.write = real_write
+    archive.append(symbols[50:300])
+    archive.close()
+    with Archive.open(tmp_path / "a.fqa") as reopened:
+        assert np.array_equal(reopened.read(), symbols)
