@@ -8,7 +8,10 @@ Recipe (part of construction version `CONSTRUCTION_VERSION`; changing it changes
 training samples S = clamp(SAMPLES_PER_CODEWORD * N, MIN_SAMPLES, MAX_SAMPLES) k-blocks of
 uniform points on S^{d-1}; RESTARTS restarts (restart 0 from the canonical quasi-uniform
 initialisation, restart r > 0 from the same construction with a seeded random sequence offset
-s); at most MAX_ITERATIONS Lloyd steps each, stopping at relative improvement < TOL.
+s). Each restart runs Lloyd in two phases: first on the first S/COARSE_FRACTION samples (cheap
+steps that do most of the moving), then on all S samples; each phase stops at relative
+improvement < TOL or after as many steps as its work budget (multiply-adds) allows, within
+[MIN_ITERATIONS, MAX_ITERATIONS]. The restart with the lowest MSE on all S samples wins.
 """
 from __future__ import annotations
 
@@ -29,14 +32,17 @@ from .scalar import lloyd_max_table
 from .search import nearest_codeword, nearest_codeword_reference, nearest_level
 
 CONSTRUCTION_VERSION = "v1"
-SAMPLES_PER_CODEWORD = 128
-MIN_SAMPLES = 1 << 16
-MAX_SAMPLES = 1 << 19
-RESTARTS = 3
-MAX_ITERATIONS = 60
-TOL = 1e-4
+MAX_SAMPLES = 1 << 18
+SAMPLES_PER_CODEWORD = 256
+MIN_SAMPLES = 1 << 18
+RESTARTS = 2
+COARSE_FRACTION = 4
+MAX_ITERATIONS = (60, 10)         # (coarse phase, full phase)
+PHASE_WORK = (1.5e11, 1e11)       # per phase and restart, in units of samples * N * (k + 8)
+MIN_ITERATIONS = 4
+TOL = 1e-5
 MAX_CODEWORDS = 1 << 16
-PROGRESS_WORK = 5e11  # show a progress bar when restarts * iterations * S * N * k exceeds this
+PROGRESS_WORK = 2e11  # show a progress bar when restarts * iterations * S * N * k exceeds this
 
 __all__ = [
     "CONSTRUCTION_VERSION", "Codebook", "CodebookSpec", "build_codebook", "load_codebook",
@@ -112,19 +118,34 @@ def _build_scalar(spec: CodebookSpec) -> tuple[torch.Tensor, float]:
     return torch.from_numpy(levels).to(torch.float32).unsqueeze(1), total_mse
 
 
+def phase_plan(spec: CodebookSpec) -> list[tuple[int, int]]:
+    """[(samples, max iterations)] of the coarse and the full Lloyd phase of one restart."""
+    total = spec.n_training_samples
+    plan = []
+    for samples, cap, budget in zip((total // COARSE_FRACTION, total), MAX_ITERATIONS, PHASE_WORK):
+        # search cost per sample and codeword: k multiply-adds plus ~8 for the argmin pass
+        steps = int(budget // (samples * spec.n_codewords * (spec.k + 8)))
+        plan.append((samples, max(MIN_ITERATIONS, min(cap, steps))))
+    return plan
+
+
 def _build_vector(spec: CodebookSpec, progress: bool | None) -> tuple[torch.Tensor, float]:
     samples = training_samples(spec)
-    work = samples.shape[0] * spec.n_codewords * spec.k * MAX_ITERATIONS * RESTARTS
+    plan = phase_plan(spec)
+    steps = RESTARTS * sum(cap for _, cap in plan)
+    work = RESTARTS * sum(n * cap for n, cap in plan) * spec.n_codewords * (spec.k + 8)
     show = progress if progress is not None else work > PROGRESS_WORK
     rng = np.random.default_rng(spec.derived_seed("restarts"))
     best, best_mse = None, math.inf
-    with tqdm(total=RESTARTS * MAX_ITERATIONS, disable=not show, leave=False,
+    with tqdm(total=steps, disable=not show, leave=False,
               desc=f"codebook d={spec.dim} k={spec.k} N={spec.n_codewords}") as bar:
         for restart in range(RESTARTS):
             offset = None if restart == 0 else rng.random(spec.k + 1)
-            init = initial_codebook(spec.dim, spec.k, spec.n_codewords, offset).to(torch.float32)
-            result = lloyd(samples, init, max_iterations=MAX_ITERATIONS, tol=TOL, progress=bar)
-            bar.update(MAX_ITERATIONS - result.iterations)
+            codewords = initial_codebook(spec.dim, spec.k, spec.n_codewords, offset).to(torch.float32)
+            for n, cap in plan:
+                result = lloyd(samples[:n], codewords, max_iterations=cap, tol=TOL, progress=bar)
+                bar.update(cap - result.iterations)
+                codewords = result.codewords
             if result.block_mse < best_mse:
                 best, best_mse = result.codewords, result.block_mse
     return best, best_mse * spec.dim / spec.k
