@@ -133,6 +133,9 @@ def load_text(name: str, *, cache_dir: str | os.PathLike | None = None) -> str:
     partial = cached.with_suffix(".tmp")
     partial.write_text(text, encoding="utf-8")
     partial.replace(cached)  # atomic: a killed run never leaves half a book in the cache
+    for stale in directory.glob(f"{source.name}.v*.txt"):  # texts from an older cleaning
+        if stale != cached:
+            stale.unlink(missing_ok=True)
     return text
 
 
