@@ -5,6 +5,23 @@ Only argument parsing and calls into fibquant.data / fibquant.eval live here.
 from __future__ import annotations
 
 import argparse
+import functools
+import sys
+
+
+def _reports_unavailable_data(func):
+    """Print a fetch failure (package/sdist unavailable: a RuntimeError) as one clear line, exit 1."""
+    @functools.wraps(func)
+    def wrapper(args) -> int:
+        from fibquant.data.bigbench import TaskUnavailableError
+        from fibquant.data.text import TextUnavailableError
+
+        try:
+            return func(args)
+        except (TextUnavailableError, TaskUnavailableError) as exc:
+            print(f"fibquant: error: {exc}", file=sys.stderr)
+            return 1
+    return wrapper
 
 
 # --------------------------------------------------------------------------- data
@@ -21,6 +38,7 @@ def register(subparsers) -> None:
     listing.set_defaults(func=_list)
 
 
+@_reports_unavailable_data
 def _fetch(args) -> int:
     from fibquant.data.bigbench import load_bigbench_task
     from fibquant.data.text import list_texts, load_text, paragraphs
@@ -91,6 +109,7 @@ def add_canonical_arguments(parser: argparse.ArgumentParser) -> None:
     _common(parser)
 
 
+@_reports_unavailable_data
 def run_canonical_command(args) -> int:
     from fibquant.eval.canonical import CANONICAL_COLUMNS, CanonicalConfig, run_canonical, save_canonical
     from fibquant.eval.kv_report import format_table
@@ -122,6 +141,7 @@ def add_mc_arguments(parser: argparse.ArgumentParser) -> None:
     _common(parser)
 
 
+@_reports_unavailable_data
 def run_mc_command(args) -> int:
     from fibquant.eval.kv_report import format_table
     from fibquant.eval.multiple_choice import (MC_COLUMNS, default_settings, run_multiple_choice,
