@@ -168,7 +168,7 @@ def extract_tasks(sdist: Path, names: list[str], dest: Path) -> None:
                     if member.name.startswith(prefix):
                         target = dest / name / member.name[len(prefix):]
                         target.parent.mkdir(parents=True, exist_ok=True)
-                        partial = target.with_suffix(".tmp")
+                        partial = target.with_name(f".{target.name}.{os.getpid()}.tmp")
                         partial.write_bytes(tar.extractfile(member).read())
                         partial.replace(target)
                         found[name] += 1

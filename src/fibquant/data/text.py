@@ -129,10 +129,7 @@ def load_text(name: str, *, cache_dir: str | os.PathLike | None = None) -> str:
     data_dir = _package_data_dir(source.package, directory)
     raw = read_lazyload_object(data_dir, source.r_object)
     text = clean_text(_as_lines(raw, source))
-    directory.mkdir(parents=True, exist_ok=True)
-    partial = cached.with_suffix(".tmp")
-    partial.write_text(text, encoding="utf-8")
-    partial.replace(cached)  # atomic: a killed run never leaves half a book in the cache
+    _write_atomically(cached, text.encode("utf-8"))
     for stale in directory.glob(f"{source.name}.v*.txt"):  # texts from an older cleaning
         if stale != cached:
             stale.unlink(missing_ok=True)
@@ -286,10 +283,18 @@ def _package_data_dir(package: str, directory: Path) -> Path:
         raise TextUnavailableError(
             f"cached Debian package {deb} is damaged ({exc}); delete it and run again to re-fetch "
             f"(`apt-get download {package}`)") from exc
-    data_dir.mkdir(parents=True, exist_ok=True)
     for member, content in members.items():
-        (data_dir / member.rsplit("/", 1)[-1]).write_bytes(content)
+        _write_atomically(data_dir / member.rsplit("/", 1)[-1], content)
     return data_dir
+
+
+def _write_atomically(path: Path, content: bytes) -> None:
+    """Write via a per-process temporary file and rename: a killed or concurrent run never
+    leaves (or reads) half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    partial.write_bytes(content)
+    partial.replace(path)
 
 
 def _fetch_hint(package: str) -> str:
