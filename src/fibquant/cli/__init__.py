@@ -21,7 +21,10 @@ _COMMAND_MODULES = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fibquant", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="fibquant",
+        description="Compress, evaluate, store and search transformer KV caches (FibQuant and baselines).",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     eval_parser = sub.add_parser("eval", help="run an evaluation / benchmark")
     eval_sub = eval_parser.add_subparsers(dest="experiment", required=True)
