@@ -66,19 +66,25 @@ def test_evaluate_counts_hits_per_subtask():
     assert result.to_dict()["by_subtask"] == {"a": {"n": 2, "acc": 0.5, "acc_norm": 0.5},
                                               "b": {"n": 2, "acc": 0.5, "acc_norm": 1.0}}
     assert result.context_tokens_compressed == 4
-    assert result.agreement(result) == 1.0
+    assert result.agreement(result) == 1.0 and result.agreement(result, normalised=True) == 1.0
     with pytest.raises(ValueError, match="no examples"):
         evaluate_multiple_choice([], LengthScorer("yes"), progress=False)
 
 
 def test_cache_setting_validation():
-    with pytest.raises(ValueError, match="bits must be a positive"):
-        CacheSetting(bits=-1)
+    with pytest.raises(ValueError, match="unknown method family 'zip'"):
+        CacheSetting("zip:b=2")
+    with pytest.raises(ValueError, match="calibrated methods"):
+        CacheSetting("lowrank:r=8")
     with pytest.raises(ValueError, match="recent_tokens must be a non-negative"):
-        CacheSetting(bits=2, recent_tokens=-3)
-    names = [s.name for s in default_settings(bits=(4, 2), small_window=(0, 4))]
-    assert names == ["fp", "fibquant b=4 (sink 4, recent 32)", "fibquant b=2 (sink 4, recent 32)",
-                     "fibquant b=4 (sink 0, recent 4)", "fibquant b=2 (sink 0, recent 4)"]
+        CacheSetting("fibquant:b=2", recent_tokens=-3)
+    settings = default_settings(bits=(4, 2), small_window=(0, 4), methods=["turboquant:b=2"])
+    assert [(s.method, s.sink_tokens, s.recent_tokens) for s in settings] == [
+        ("fp", 4, 32), ("fibquant:b=4", 4, 32), ("fibquant:b=2", 4, 32), ("turboquant:b=2", 4, 32),
+        ("fibquant:b=4", 0, 4), ("fibquant:b=2", 0, 4), ("turboquant:b=2", 0, 4)]
+    assert settings[0].name() == "fp"
+    assert settings[-1].name() == "TurboQuant b=2 (sink 0, recent 4)"
+    assert settings[0].cache_factory(64) is None
 
 
 class CharTokenizer:
@@ -126,7 +132,7 @@ def test_cache_scorer_matches_a_full_pass_and_reads_codes_back():
 def test_run_multiple_choice_on_the_tiny_model(monkeypatch):
     model, tokenizer = tiny_llama(), CharTokenizer()
     examples = [_example(["aa", "bbb", "c"], i % 3, f"question {i} is ") for i in range(6)]
-    settings = [CacheSetting(None), CacheSetting(4, sink_tokens=0, recent_tokens=0)]
+    settings = [CacheSetting("fp"), CacheSetting("int:b=4", sink_tokens=0, recent_tokens=0)]
     payload = run_multiple_choice(model, tokenizer, task="toy", limit=4, settings=settings, progress=False,
                                   examples=examples)
     fp, small = payload["rows"]
@@ -142,7 +148,7 @@ def test_run_multiple_choice_on_the_tiny_model(monkeypatch):
 @pytest.mark.model
 def test_real_goal_step_wikihow_three_questions(model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
-    settings = [CacheSetting(None), CacheSetting(4, sink_tokens=0, recent_tokens=4)]
+    settings = [CacheSetting("fp"), CacheSetting("fibquant:b=4", sink_tokens=0, recent_tokens=4)]
     payload = run_multiple_choice(model, tokenizer, limit=3, settings=settings, progress=False)
     fp, compressed = payload["rows"]
     assert payload["n_examples"] == 3 and payload["pool_size"] == 7053

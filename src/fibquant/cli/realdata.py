@@ -133,6 +133,8 @@ def add_mc_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=int, default=200, help="examples (seeded sample; 0 = all)")
     parser.add_argument("--bits", type=float, nargs="+", default=[4.0, 2.0],
                         help="FibQuant bits per coordinate for keys and values")
+    parser.add_argument("--methods", nargs="+", default=[], metavar="SPEC",
+                        help="extra cache codecs to compare, e.g. turboquant:b=2 int:b=4 (see fibquant.eval.methods)")
     parser.add_argument("--sink-tokens", type=int, default=4, help="exact sink tokens of the standard window")
     parser.add_argument("--recent-tokens", type=int, default=32, help="exact recent tokens of the standard window")
     parser.add_argument("--small-window", type=int, nargs=2, default=[0, 0], metavar=("SINK", "RECENT"),
@@ -151,7 +153,8 @@ def run_mc_command(args) -> int:
     if args.limit < 0:
         raise ValueError(f"--limit must be >= 0 (0 = all examples), got {args.limit}")
     settings = default_settings(bits=args.bits, sink_tokens=args.sink_tokens, recent_tokens=args.recent_tokens,
-                                small_window=None if args.no_small_window else tuple(args.small_window))
+                                small_window=None if args.no_small_window else tuple(args.small_window),
+                                methods=args.methods)
     _set_threads(args)
     model, tokenizer = load_model(args.model)
     payload = run_multiple_choice(model, tokenizer, task=args.task, limit=args.limit or None, settings=settings,

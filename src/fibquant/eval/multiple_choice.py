@@ -157,12 +157,15 @@ class MultipleChoiceResult:
     def stderr(p: float, n: int) -> float:
         return math.sqrt(p * (1 - p) / n) if n else float("nan")
 
-    def agreement(self, other: "MultipleChoiceResult") -> float:
-        """Fraction of examples where both configurations pick the same option (acc ranking)."""
-        if len(self.predictions) != len(other.predictions):
+    def agreement(self, other: "MultipleChoiceResult", normalised: bool = False) -> float:
+        """Fraction of examples where both configurations pick the same option (acc, or acc_norm
+        ranking when `normalised`)."""
+        mine, theirs = ((self.predictions_norm, other.predictions_norm) if normalised
+                        else (self.predictions, other.predictions))
+        if len(mine) != len(theirs):
             raise ValueError("results cover different numbers of examples")
-        same = sum(a == b for a, b in zip(self.predictions, other.predictions))
-        return same / len(self.predictions) if self.predictions else float("nan")
+        same = sum(a == b for a, b in zip(mine, theirs))
+        return same / len(mine) if mine else float("nan")
 
     def to_dict(self) -> dict:
         return {
@@ -205,46 +208,62 @@ def evaluate_multiple_choice(examples: Sequence[MultipleChoiceExample], scorer: 
 
 @dataclass(frozen=True)
 class CacheSetting:
-    """One cache configuration: fp (bits None) or FibQuant keys and values at `bits` per coordinate."""
+    """One cache configuration: `method` is a spec of `fibquant.eval.methods` ("fp",
+    "fibquant:b=2", "turboquant:b=2", "int:b=4", ...), used for keys and values alike, with an
+    exact window of `sink_tokens` + `recent_tokens` (ignored for fp)."""
 
-    bits: float | None = None
+    method: str = "fp"
     sink_tokens: int = 4
     recent_tokens: int = 32
 
     def __post_init__(self) -> None:
-        if self.bits is not None and (not isinstance(self.bits, (int, float)) or self.bits <= 0):
-            raise ValueError(f"bits must be a positive number or None (fp), got {self.bits!r}")
+        parsed = self.parsed  # raises ValueError on a bad spec
+        if parsed.calibrated:
+            raise ValueError(f"{self.method}: calibrated methods need fitting data and are not supported here")
         for label, value in (("sink_tokens", self.sink_tokens), ("recent_tokens", self.recent_tokens)):
-            if not isinstance(value, int) or value < 0:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{label} must be a non-negative integer, got {value!r}")
 
     @property
-    def name(self) -> str:
-        if self.bits is None:
+    def parsed(self):
+        from .methods import parse_method
+
+        if not isinstance(self.method, str):
+            raise ValueError(f"method must be a spec string such as 'fibquant:b=2', got {self.method!r}")
+        return parse_method(self.method)
+
+    @property
+    def is_fp(self) -> bool:
+        return self.parsed.family == "fp"
+
+    def name(self, head_dim: int = 64) -> str:
+        if self.is_fp:
             return "fp"
-        return f"fibquant b={self.bits:g} (sink {self.sink_tokens}, recent {self.recent_tokens})"
+        return f"{self.parsed.label(head_dim)} (sink {self.sink_tokens}, recent {self.recent_tokens})"
 
     def cache_factory(self, head_dim: int) -> Callable[[], object] | None:
-        """None for fp; else a factory of CompressedCache with one FibQuant codec built once."""
-        if self.bits is None:
+        """None for fp; else a factory of CompressedCache sharing one codec built once."""
+        if self.is_fp:
             return None
-        from ..codecs.fibquant import FibQuantCodec
         from ..kv.cache import CompressedCache
 
-        codec = FibQuantCodec.for_rate(head_dim, self.bits)
+        codec = self.parsed.build(head_dim)
         return lambda: CompressedCache(codec, codec, sink_tokens=self.sink_tokens, recent_tokens=self.recent_tokens)
 
 
 def default_settings(bits: Sequence[float] = (4, 2), sink_tokens: int = 4, recent_tokens: int = 32,
-                     small_window: tuple[int, int] | None = (0, 0)) -> list[CacheSetting]:
-    """fp, FibQuant at each rate with the standard window, and again with a small window.
+                     small_window: tuple[int, int] | None = (0, 0),
+                     methods: Sequence[str] = ()) -> list[CacheSetting]:
+    """fp, then FibQuant at each rate in `bits` plus the extra `methods` (baseline specs such as
+    "turboquant:b=2"), with the standard window and again with the small window.
 
-    BIG-bench questions are short (~20 tokens), so the standard 4 + 32 window keeps almost all
+    BIG-bench questions are short (~30 tokens), so the standard 4 + 32 window keeps almost all
     of them exact; `small_window` = (sink, recent) makes compression actually matter.
     """
-    settings = [CacheSetting(None)] + [CacheSetting(b, sink_tokens, recent_tokens) for b in bits]
+    specs = [f"fibquant:b={b:g}" for b in bits] + list(methods)
+    settings = [CacheSetting("fp")] + [CacheSetting(spec, sink_tokens, recent_tokens) for spec in specs]
     if small_window is not None and tuple(small_window) != (sink_tokens, recent_tokens):
-        settings += [CacheSetting(b, *small_window) for b in bits]
+        settings += [CacheSetting(spec, *small_window) for spec in specs]
     return settings
 
 
@@ -267,23 +286,24 @@ def run_multiple_choice(model, tokenizer, task: str = "goal_step_wikihow", limit
     from ..kv.model import describe_model
 
     settings = list(settings) if settings is not None else default_settings()
-    if not settings or settings[0].bits is not None:
-        settings = [CacheSetting(None)] + [s for s in settings if s.bits is not None]
+    if not settings or not settings[0].is_fp:  # fp first: every ratio and agreement refers to it
+        settings = [CacheSetting("fp")] + [s for s in settings if not s.is_fp]
     pool = list(examples) if examples is not None else load_bigbench_task(task)
     chosen = select_examples(pool, limit, seed)
     head_dim = model_head_dim(model)
     results = []
     for setting in settings:
         scorer = CacheScorer(model, tokenizer, setting.cache_factory(head_dim))
-        results.append((setting, evaluate_multiple_choice(chosen, scorer, setting.name, progress)))
+        results.append((setting, evaluate_multiple_choice(chosen, scorer, setting.name(head_dim), progress)))
     baseline = results[0][1]
     rows = []
     for setting, result in results:
         row = result.to_dict()
-        row.update(bits=setting.bits, sink_tokens=setting.sink_tokens, recent_tokens=setting.recent_tokens,
+        row.update(method=setting.method, sink_tokens=setting.sink_tokens, recent_tokens=setting.recent_tokens,
                    acc_ratio=result.acc / baseline.acc if baseline.acc else float("nan"),
                    acc_norm_ratio=result.acc_norm / baseline.acc_norm if baseline.acc_norm else float("nan"),
                    agreement_with_fp=result.agreement(baseline),
+                   agreement_norm_with_fp=result.agreement(baseline, normalised=True),
                    mean_context_tokens=result.context_tokens / result.n,
                    mean_compressed_tokens=result.context_tokens_compressed / result.n)
         rows.append(row)
@@ -297,7 +317,8 @@ def run_multiple_choice(model, tokenizer, task: str = "goal_step_wikihow", limit
 MC_COLUMNS = [("name", "cache", ""), ("acc", "acc", ".3f"), ("acc_stderr", "±", ".3f"),
               ("acc_norm", "acc_norm", ".3f"), ("acc_norm_stderr", "±", ".3f"),
               ("acc_ratio", "acc/fp", ".3f"), ("acc_norm_ratio", "norm/fp", ".3f"),
-              ("agreement_with_fp", "same as fp", ".3f"), ("mean_context_tokens", "ctx tok", ".1f"),
+              ("agreement_with_fp", "same as fp", ".3f"), ("agreement_norm_with_fp", "same (norm)", ".3f"),
+              ("mean_context_tokens", "ctx tok", ".1f"),
               ("mean_compressed_tokens", "coded tok", ".1f")]
 
 
