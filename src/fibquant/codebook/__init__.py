@@ -7,8 +7,9 @@ table); `load_codebook` returns the shipped or cached copy and builds + caches i
 Recipe (part of construction version `CONSTRUCTION_VERSION`; changing it changes the key):
 training samples S = clamp(SAMPLES_PER_CODEWORD * N, MIN_SAMPLES, MAX_SAMPLES) k-blocks of
 uniform points on S^{d-1}; RESTARTS restarts (restart 0 from the canonical quasi-uniform
-initialisation, restart r > 0 from the same construction with a seeded random sequence offset
-s). Each restart runs Lloyd in two phases: first on the first S/COARSE_FRACTION samples (cheap
+initialisation; restart 1 from N seeded random training samples, which in high dimension is a
+better start than a low-discrepancy sequence; further restarts from the quasi-uniform
+construction with a seeded random sequence offset s). Each restart runs Lloyd in two phases: first on the first S/COARSE_FRACTION samples (cheap
 steps that do most of the moving), then on all S samples; each phase stops at relative
 improvement < TOL or after as many steps as its work budget (multiply-adds) allows, within
 [MIN_ITERATIONS, MAX_ITERATIONS]. The restart with the lowest MSE on all S samples wins.
@@ -31,14 +32,14 @@ from .lloyd import lloyd
 from .scalar import lloyd_max_table
 from .search import nearest_codeword, nearest_codeword_reference, nearest_level
 
-CONSTRUCTION_VERSION = "v1"
+CONSTRUCTION_VERSION = "v2"  # v1: first recipe (3 restarts, fixed budget), never shipped
 MAX_SAMPLES = 1 << 18
 SAMPLES_PER_CODEWORD = 256
 MIN_SAMPLES = 1 << 18
 RESTARTS = 2
 COARSE_FRACTION = 4
 MAX_ITERATIONS = (60, 10)         # (coarse phase, full phase)
-PHASE_WORK = (1.5e11, 1e11)       # per phase and restart, in units of samples * N * (k + 8)
+PHASE_WORK = (6e11, 4e11)       # per phase and restart, in units of samples * N * (k + 8)
 MIN_ITERATIONS = 4
 TOL = 1e-5
 MAX_CODEWORDS = 1 << 16
@@ -140,8 +141,12 @@ def _build_vector(spec: CodebookSpec, progress: bool | None) -> tuple[torch.Tens
     with tqdm(total=steps, disable=not show, leave=False,
               desc=f"codebook d={spec.dim} k={spec.k} N={spec.n_codewords}") as bar:
         for restart in range(RESTARTS):
-            offset = None if restart == 0 else rng.random(spec.k + 1)
-            codewords = initial_codebook(spec.dim, spec.k, spec.n_codewords, offset).to(torch.float32)
+            if restart == 1:
+                picks = rng.choice(samples.shape[0], size=spec.n_codewords, replace=False)
+                codewords = samples[torch.from_numpy(np.sort(picks))].clone()
+            else:
+                offset = None if restart == 0 else rng.random(spec.k + 1)
+                codewords = initial_codebook(spec.dim, spec.k, spec.n_codewords, offset).to(torch.float32)
             for n, cap in plan:
                 result = lloyd(samples[:n], codewords, max_iterations=cap, tol=TOL, progress=bar)
                 bar.update(cap - result.iterations)

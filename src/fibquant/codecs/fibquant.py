@@ -27,12 +27,14 @@ from dataclasses import dataclass
 import torch
 
 from ..codebook import CodebookSpec, load_codebook
+from ..codebook.grid_search import GridSearch, default_cells
 from ..codebook.search import nearest_codeword
 from .base import Codec
 from .bitpack import pack_bits, packed_size, unpack_bits
 from .rotation import NORM_BYTES, RotationState
 
 MAX_SEARCH_CODEWORDS = 4096  # for_rate never picks more (search cost N*k per block)
+MAX_GRID_CODEWORDS = 1024    # the grid-pruned search's tables cost boxes * N to build
 
 
 @dataclass(frozen=True)
@@ -80,9 +82,13 @@ class FibQuantCodec(Codec):
     def __init__(self, dim: int, k: int, n_codewords: int, seed: int = 0):
         self.config = FibQuantConfig(dim, k, n_codewords, seed)
         self.dim, self.k, self.n_codewords, self.seed = dim, k, n_codewords, seed
-        self.codebook = load_codebook(dim, k, n_codewords, seed)
+        self._codebook = None  # loaded (or built) on first use: constructing a codec is cheap
         self._rotation = RotationState(dim, seed)
         self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._grids: dict[torch.device, GridSearch] = {}
+        cells = default_cells(k)
+        # Exact grid-pruned search for small k and N, chunked matmul search otherwise.
+        self.search_method = "grid" if cells is not None and n_codewords <= MAX_GRID_CODEWORDS else "matmul"
 
     @classmethod
     def for_rate(cls, dim: int, bits: float, seed: int = 0) -> "FibQuantCodec":
@@ -91,6 +97,13 @@ class FibQuantCodec(Codec):
             raise ValueError(f"dim must be an integer >= 2, got {dim!r}")
         k, n_codewords = choose_block(dim, bits)
         return cls(dim, k, n_codewords, seed)
+
+    @property
+    def codebook(self):
+        """The universal (dim, k, N, seed) `Codebook`, shipped/cached or built on first access."""
+        if self._codebook is None:
+            self._codebook = load_codebook(self.dim, self.k, self.n_codewords, self.seed)
+        return self._codebook
 
     @property
     def code_size(self) -> int:
@@ -111,9 +124,16 @@ class FibQuantCodec(Codec):
         return self._tables[device]
 
     def block_indices(self, u: torch.Tensor) -> torch.Tensor:
-        """Rotated unit rows u [n, dim] -> nearest-codeword indices [n, dim/k] (int64)."""
+        """Rotated unit rows u [n, dim] -> nearest-codeword indices [n, dim/k] (int64), exact
+        (the grid path prunes candidates provably, see codebook/grid_search.py)."""
         codewords, sq_norms = self._table(u.device)
-        flat = nearest_codeword(u.reshape(-1, self.k), codewords, sq_norms)
+        blocks = u.reshape(-1, self.k)
+        if self.search_method == "grid":
+            if u.device not in self._grids:
+                self._grids[u.device] = GridSearch(codewords, self.dim, default_cells(self.k))
+            flat = self._grids[u.device].search(blocks, codewords, sq_norms)
+        else:
+            flat = nearest_codeword(blocks, codewords, sq_norms)
         return flat.reshape(u.shape[0], self.config.n_blocks)
 
     def _encode_flat(self, x: torch.Tensor) -> torch.Tensor:

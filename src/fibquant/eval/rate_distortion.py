@@ -1,0 +1,279 @@
+"""Rate-distortion benchmark of the codecs on the canonical source (library side).
+
+Total MSE E||u - u_hat||^2 of unit vectors u uniform on S^{d-1} through each codec, on FRESH
+samples (a seed disjoint from every codebook's training samples), against the Shannon bound
+4^-b. FibQuant on a grid of (k, N), TurboQuant at 1-4 bits, INT at 2-8 bits; encode/decode
+throughput of FibQuant against TurboQuant at 2 and 4 bits; codebook build times.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+from ..codecs import FibQuantCodec, IntCodec, TurboQuantCodec
+from ..codecs.fibquant import MAX_SEARCH_CODEWORDS, choose_block
+from ..source import sample_sphere
+
+EVAL_SEED = 987_654_321  # the fresh test vectors; codebooks train on hash-derived seeds
+FOR_RATE_GRID = (0.1875, 0.25, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0)
+# Targets of issue 2 at d = 64: FibQuant best MSE / TurboQuant MSE, absolute sub-one-bit MSE,
+# and FibQuant / TurboQuant throughput at 2 and 4 bits.
+MSE_RATIO_TARGETS = {1.0: 0.87, 2.0: 0.85, 3.0: 0.85, 4.0: 0.85}
+SUB_ONE_BIT_TARGETS = {0.5: 0.57, 0.1875: 0.71}
+THROUGHPUT_TARGETS = {"encode": 0.3, "decode": 0.8}
+
+
+@dataclass(frozen=True)
+class RDConfig:
+    dims: tuple[int, ...] = (64, 128)
+    n_vectors: int = 1 << 16
+    quick: bool = False
+    throughput_vectors: int = 1 << 15
+    throughput_repeats: int = 3
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.dims or any(not isinstance(d, int) or d < 2 for d in self.dims):
+            raise ValueError(f"dims must be integers >= 2, got {self.dims!r}")
+        if self.n_vectors < 256 or self.throughput_vectors < 256:
+            raise ValueError("n_vectors and throughput_vectors must be >= 256")
+
+
+@dataclass
+class Point:
+    codec: str
+    dim: int
+    bits: float               # nominal index bits per coordinate
+    stored_bits: float        # every stored bit (norm / scales included) per coordinate
+    mse: float
+    k: int | None = None
+    n_codewords: int | None = None
+    train_mse: float | None = None
+    build_seconds: float | None = None
+    best: bool = False
+
+
+@dataclass
+class RDReport:
+    config: RDConfig
+    points: list[Point] = field(default_factory=list)
+    throughput: list[dict] = field(default_factory=list)
+    targets: list[dict] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {"config": asdict(self.config), "points": [asdict(p) for p in self.points],
+                "throughput": self.throughput, "targets": self.targets,
+                "note": "MSE = E||u - u_hat||^2 of unit vectors uniform on S^{d-1}, measured on fresh "
+                        "samples (not the codebooks' training samples); Shannon bound 4^-b."}
+
+
+def fibquant_grid(dim: int, quick: bool) -> list[tuple[int, int]]:
+    """(k, N) pairs: the for_rate choice at every grid rate, plus (full run) the other block sizes
+    k | dim with N = 2^(bits*k) in [4, MAX_SEARCH_CODEWORDS] at the same rates."""
+    pairs = []
+    for bits in FOR_RATE_GRID:
+        try:
+            best = choose_block(dim, bits)
+        except ValueError:
+            continue
+        pairs.append(best)
+        if quick:
+            continue
+        for k in range(2, best[0]):
+            index_bits = bits * k
+            if dim % k or abs(index_bits - round(index_bits)) > 1e-9:
+                continue
+            n = 1 << round(index_bits)
+            if 4 <= n <= MAX_SEARCH_CODEWORDS:
+                pairs.append((k, n))
+    return sorted(set(pairs), key=lambda kn: (math.log2(kn[1]) / kn[0], kn[0]))
+
+
+def unit_mse(codec, u: torch.Tensor, batch: int = 1 << 14) -> float:
+    """E||u - decode(encode(u))||^2 over rows of u [n, dim], in float64."""
+    total = 0.0
+    for start in range(0, u.shape[0], batch):
+        chunk = u[start:start + batch]
+        total += float(((codec.roundtrip(chunk) - chunk).double() ** 2).sum())
+    return total / u.shape[0]
+
+
+def _rate(seconds: float, n: int) -> float:
+    return n / seconds if seconds > 0 else float("inf")
+
+
+def measure_throughput(codec, u: torch.Tensor, repeats: int) -> tuple[float, float]:
+    """(encode, decode) vectors per second, best of `repeats` on the batch u [n, dim]."""
+    codes = codec.encode(u[:256])  # warm-up (tables onto the device, allocator)
+    codec.decode(codes)
+    enc, dec = math.inf, math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        codes = codec.encode(u)
+        mid = time.perf_counter()
+        codec.decode(codes)
+        end = time.perf_counter()
+        enc, dec = min(enc, mid - start), min(dec, end - mid)
+    return _rate(enc, u.shape[0]), _rate(dec, u.shape[0])
+
+
+def run_rate_distortion(config: RDConfig) -> RDReport:
+    report = RDReport(config)
+    for dim in config.dims:
+        u = sample_sphere(config.n_vectors, dim, seed=EVAL_SEED + dim)
+        grid = fibquant_grid(dim, config.quick)
+        fib_points = []
+        for k, n in tqdm(grid, desc=f"FibQuant d={dim}", leave=False):
+            start = time.perf_counter()
+            codec = FibQuantCodec(dim, k, n, seed=config.seed)
+            codebook = codec.codebook
+            load_seconds = time.perf_counter() - start
+            build = codebook.build_seconds if math.isfinite(codebook.build_seconds) else load_seconds
+            fib_points.append(Point("FibQuant", dim, codec.nominal_bits_per_coordinate,
+                                    codec.stored_bits_per_coordinate, unit_mse(codec, u), k, n,
+                                    codebook.total_mse, build))
+        by_rate: dict[float, list[Point]] = {}
+        for p in fib_points:
+            by_rate.setdefault(round(p.bits, 6), []).append(p)
+        for group in by_rate.values():
+            min(group, key=lambda p: p.mse).best = True
+        report.points += fib_points
+        for bits in (1, 2, 3, 4):
+            codec = TurboQuantCodec(dim, bits, seed=config.seed)
+            report.points.append(Point("TurboQuant", dim, bits, codec.stored_bits_per_coordinate,
+                                       unit_mse(codec, u), 1, 1 << bits))
+        for bits in range(2, 9):
+            codec = IntCodec(dim, bits)
+            report.points.append(Point("INT", dim, bits, codec.stored_bits_per_coordinate, unit_mse(codec, u)))
+        report.throughput += _throughput(dim, config)
+    report.targets = check_targets(report)
+    return report
+
+
+def _throughput(dim: int, config: RDConfig) -> list[dict]:
+    u = sample_sphere(config.throughput_vectors, dim, seed=EVAL_SEED + 1 + dim)
+    rows = []
+    for bits in (2, 4):
+        fib = FibQuantCodec.for_rate(dim, bits, seed=config.seed)
+        turbo = TurboQuantCodec(dim, bits, seed=config.seed)
+        fib_enc, fib_dec = measure_throughput(fib, u, config.throughput_repeats)
+        tq_enc, tq_dec = measure_throughput(turbo, u, config.throughput_repeats)
+        rows.append({"dim": dim, "bits": bits, "fibquant": f"k={fib.k} N={fib.n_codewords}",
+                     "fib_encode_vps": fib_enc, "fib_decode_vps": fib_dec,
+                     "turbo_encode_vps": tq_enc, "turbo_decode_vps": tq_dec,
+                     "encode_ratio": fib_enc / tq_enc, "decode_ratio": fib_dec / tq_dec,
+                     "threads": torch.get_num_threads()})
+    return rows
+
+
+def check_targets(report: RDReport, dim: int = 64) -> list[dict]:
+    """The issue-2 targets at `dim`, each with the measured figure and met / missed."""
+    points = [p for p in report.points if p.dim == dim]
+    if not points:
+        return []
+    out = []
+    best = {round(p.bits, 6): p for p in points if p.codec == "FibQuant" and p.best}
+    turbo = {p.bits: p for p in points if p.codec == "TurboQuant"}
+    for bits, limit in MSE_RATIO_TARGETS.items():
+        if bits in best and bits in turbo:
+            ratio = best[bits].mse / turbo[bits].mse
+            out.append({"target": f"FibQuant/TurboQuant MSE at b={bits:g} <= {limit}", "measured": ratio,
+                        "detail": f"k={best[bits].k} N={best[bits].n_codewords}: {best[bits].mse:.5g} vs "
+                                  f"{turbo[bits].mse:.5g}", "met": ratio <= limit})
+    for bits, limit in SUB_ONE_BIT_TARGETS.items():
+        key = round(bits, 6)
+        if key in best:
+            out.append({"target": f"FibQuant MSE at b={bits:g} <= {limit}", "measured": best[key].mse,
+                        "detail": f"k={best[key].k} N={best[key].n_codewords}", "met": best[key].mse <= limit})
+    for row in report.throughput:
+        if row["dim"] != dim:
+            continue
+        for kind, limit in THROUGHPUT_TARGETS.items():
+            ratio = row[f"{kind}_ratio"]
+            out.append({"target": f"FibQuant/TurboQuant {kind} throughput at b={row['bits']} >= {limit}",
+                        "measured": ratio, "detail": row["fibquant"], "met": ratio >= limit})
+    return out
+
+
+def format_report(report: RDReport) -> str:
+    lines = ["Total MSE E||u - u_hat||^2 of unit vectors (fresh samples), d = dimension",
+             f"{'codec':<10} {'d':>4} {'bits':>7} {'stored':>7} {'k':>4} {'N':>5} {'MSE':>10} "
+             f"{'4^-b':>9} {'MSE/4^-b':>8} {'train MSE':>10} {'build s':>8}"]
+    for p in sorted(report.points, key=lambda p: (p.dim, p.codec != "FibQuant", p.codec, p.bits, p.k or 0)):
+        shannon = 4.0 ** -p.bits
+        lines.append(
+            f"{p.codec + ('*' if p.best else ''):<10} {p.dim:>4} {p.bits:>7.4g} {p.stored_bits:>7.4g} "
+            f"{p.k if p.k else '':>4} {p.n_codewords if p.n_codewords else '':>5} {p.mse:>10.5g} "
+            f"{shannon:>9.4g} {p.mse / shannon:>8.3f} "
+            f"{(f'{p.train_mse:.5g}' if p.train_mse is not None else ''):>10} "
+            f"{(f'{p.build_seconds:.1f}' if p.build_seconds is not None else ''):>8}")
+    lines.append("* = best FibQuant block size at that rate; 'stored' counts the fp16 norm / scales too")
+    lines.append("")
+    lines.append("Throughput (vectors/s, best of repeats, CPU threads as shown)")
+    for row in report.throughput:
+        lines.append(f"d={row['dim']} b={row['bits']} FibQuant({row['fibquant']}): encode {row['fib_encode_vps']:.4g} "
+                     f"decode {row['fib_decode_vps']:.4g} | TurboQuant: encode {row['turbo_encode_vps']:.4g} "
+                     f"decode {row['turbo_decode_vps']:.4g} | ratio encode {row['encode_ratio']:.3f} "
+                     f"decode {row['decode_ratio']:.3f} (threads {row['threads']})")
+    lines.append("")
+    lines.append("Targets (d = 64)")
+    for t in report.targets:
+        lines.append(f"  [{'met' if t['met'] else 'MISSED'}] {t['target']}: measured {t['measured']:.4g} ({t['detail']})")
+    return "\n".join(lines)
+
+
+def plot_report(report: RDReport, path) -> None:
+    """log MSE against bits per coordinate, one panel per dimension, with the Shannon bound."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dims = sorted({p.dim for p in report.points})
+    fig, axes = plt.subplots(1, len(dims), figsize=(6 * len(dims), 4.5), squeeze=False)
+    for ax, dim in zip(axes[0], dims):
+        pts = [p for p in report.points if p.dim == dim]
+        rates = [x / 16 for x in range(2, 8 * 16 + 1)]
+        ax.plot(rates, [4.0 ** -b for b in rates], "k--", lw=1, label="Shannon 4^-b")
+        fib = [p for p in pts if p.codec == "FibQuant"]
+        ax.scatter([p.bits for p in fib], [p.mse for p in fib], s=14, c="tab:blue", alpha=0.4,
+                   label="FibQuant (all k)")
+        best = sorted((p for p in fib if p.best), key=lambda p: p.bits)
+        ax.plot([p.bits for p in best], [p.mse for p in best], "o-", c="tab:blue", label="FibQuant (best k)")
+        for p in best:
+            ax.annotate(f"k={p.k}", (p.bits, p.mse), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        for name, style in (("TurboQuant", "s-"), ("INT", "^-")):
+            sel = sorted((p for p in pts if p.codec == name), key=lambda p: p.bits)
+            ax.plot([p.bits for p in sel], [p.mse for p in sel], style, label=name)
+        ax.set_yscale("log")
+        ax.set_xlim(0, 8.2)
+        ax.set_xlabel("index bits per coordinate")
+        ax.set_ylabel("E||u - u_hat||^2 (unit vectors)")
+        ax.set_title(f"d = {dim}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_outputs(report: RDReport, out_dir) -> tuple:
+    """Write rate_distortion.json and rate_distortion.png under out_dir; returns both paths."""
+    import json
+    from pathlib import Path
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    json_path, png_path = out / "rate_distortion.json", out / "rate_distortion.png"
+    json_path.write_text(json.dumps(report.to_json(), indent=2))
+    plot_report(report, png_path)
+    return json_path, png_path
+
+
+def quick_config(dims=(64,), seed: int = 0) -> RDConfig:
+    """The quick setting: shipped codebooks only (for_rate choices), fewer vectors."""
+    return RDConfig(dims=tuple(dims), n_vectors=1 << 14, quick=True, throughput_vectors=1 << 14,
+                    throughput_repeats=3, seed=seed)
