@@ -76,7 +76,7 @@ def run_demo(config: DemoConfig = DemoConfig(), out_dir=None, model_and_tokenize
                "fidelity": fidelity, "perplexity": perplexity, "seconds": time.perf_counter() - start}
     write_json(out / "demo.json", payload)
     plot_frontier(fidelity["rows"], out / "demo_frontier.png",
-                  f"{fidelity['model']}, {config.text}: attention cosine vs compression (demo)")
+                  f"{fidelity['model']}\n{config.text}, {config.fidelity_tokens} tokens: attention cosine vs compression (demo)")
     print(f"\nwrote {out / 'demo.json'} and {out / 'demo_frontier.png'} "
           f"({payload['seconds']:.0f} s)")
     return payload

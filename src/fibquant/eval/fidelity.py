@@ -201,6 +201,7 @@ def plot_frontier(rows: list[dict], path, title: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker  # noqa: F401
 
     series: dict[str, list[dict]] = {}
     for row in rows:
@@ -223,6 +224,10 @@ def plot_frontier(rows: list[dict], path, title: str) -> None:
             ax.plot([r["compression_ratio"] for r in items], [r["cosine"] for r in items], color=color,
                     marker=marker, label=name)
     ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:g}x"))
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ratios = [r["compression_ratio"] for r in rows if r["family"] != "fp"]
+    ax.set_xticks([t for t in (1, 2, 4, 8, 16, 32, 64) if 0.8 * min(ratios) <= t <= 1.2 * max(ratios)])
     ax.set_xlabel("compression ratio vs fp16 (every stored byte)")
     ax.set_ylabel("attention output cosine similarity")
     ax.set_title(title, fontsize=9)
