@@ -34,8 +34,8 @@ from .search import nearest_codeword, nearest_codeword_reference, nearest_level
 
 CONSTRUCTION_VERSION = "v2"  # v1: first recipe (3 restarts, fixed budget), never shipped
 MAX_SAMPLES = 1 << 18
-SAMPLES_PER_CODEWORD = 256
-MIN_SAMPLES = 1 << 18
+SAMPLES_PER_CODEWORD = 1024
+MIN_SAMPLES = 1 << 14
 RESTARTS = 2
 COARSE_FRACTION = 4
 MAX_ITERATIONS = (60, 10)         # (coarse phase, full phase)
