@@ -141,6 +141,7 @@ def test_run_multiple_choice_on_the_tiny_model(monkeypatch):
     assert fp["name"] == "fp" and fp["agreement_with_fp"] == 1.0 and fp["mean_compressed_tokens"] == 0
     assert small["mean_compressed_tokens"] == pytest.approx(small["mean_context_tokens"] - 1)
     assert small["n"] == fp["n"] == 4
+    assert small["code_bytes"] == IntCodec(16, 4).code_size and fp["ratio_vs_fp16"] == 1.0
     if fp["acc"]:
         assert small["acc_ratio"] == pytest.approx(small["acc"] / fp["acc"])
 

@@ -163,8 +163,9 @@ def run_mc_command(args) -> int:
           f"{payload['pool_size']} examples (seed {payload['seed']}), {payload['model']}; "
           f"chance {payload['chance_accuracy']:.3f}")
     print(format_table(payload["rows"], MC_COLUMNS))
-    print("ctx tok: mean context tokens per question; coded tok: mean context tokens the scoring pass read "
-          "back from codes (outside the exact window)")
+    print("B/vec: stored bytes per key (or value) vector outside the window, x fp16: compression of those "
+          "vectors against fp16; same as fp: fraction of questions answered like fp; ctx tok: mean context "
+          "tokens per question; coded tok: mean context tokens the scoring pass read back from codes")
     paths = save_multiple_choice(payload, args.out)
     print(f"wrote {paths['json']} and {paths['png']}")
     return 0

@@ -241,13 +241,18 @@ class CacheSetting:
             return "fp"
         return f"{self.parsed.label(head_dim)} (sink {self.sink_tokens}, recent {self.recent_tokens})"
 
-    def cache_factory(self, head_dim: int) -> Callable[[], object] | None:
-        """None for fp; else a factory of CompressedCache sharing one codec built once."""
+    def build_codec(self, head_dim: int):
+        """The codec for keys and values (None for fp)."""
+        return None if self.is_fp else self.parsed.build(head_dim)
+
+    def cache_factory(self, head_dim: int, codec=None) -> Callable[[], object] | None:
+        """None for fp; else a factory of CompressedCache sharing one codec (built once here
+        unless given)."""
         if self.is_fp:
             return None
         from ..kv.cache import CompressedCache
 
-        codec = self.parsed.build(head_dim)
+        codec = codec if codec is not None else self.build_codec(head_dim)
         return lambda: CompressedCache(codec, codec, sink_tokens=self.sink_tokens, recent_tokens=self.recent_tokens)
 
 
@@ -291,15 +296,19 @@ def run_multiple_choice(model, tokenizer, task: str = "goal_step_wikihow", limit
     pool = list(examples) if examples is not None else load_bigbench_task(task)
     chosen = select_examples(pool, limit, seed)
     head_dim = model_head_dim(model)
-    results = []
+    results, code_bytes = [], {}
     for setting in settings:
-        scorer = CacheScorer(model, tokenizer, setting.cache_factory(head_dim))
+        codec = setting.build_codec(head_dim)
+        code_bytes[setting] = codec.code_size if codec is not None else 2 * head_dim  # fp16 reference
+        scorer = CacheScorer(model, tokenizer, setting.cache_factory(head_dim, codec))
         results.append((setting, evaluate_multiple_choice(chosen, scorer, setting.name(head_dim), progress)))
     baseline = results[0][1]
     rows = []
     for setting, result in results:
         row = result.to_dict()
-        row.update(method=setting.method, sink_tokens=setting.sink_tokens, recent_tokens=setting.recent_tokens,
+        row.update(method=setting.method, code_bytes=code_bytes[setting],
+                   ratio_vs_fp16=2 * head_dim / code_bytes[setting],
+                   sink_tokens=setting.sink_tokens, recent_tokens=setting.recent_tokens,
                    acc_ratio=result.acc / baseline.acc if baseline.acc else float("nan"),
                    acc_norm_ratio=result.acc_norm / baseline.acc_norm if baseline.acc_norm else float("nan"),
                    agreement_with_fp=result.agreement(baseline),
@@ -314,7 +323,8 @@ def run_multiple_choice(model, tokenizer, task: str = "goal_step_wikihow", limit
             "rows": rows}
 
 
-MC_COLUMNS = [("name", "cache", ""), ("acc", "acc", ".3f"), ("acc_stderr", "±", ".3f"),
+MC_COLUMNS = [("name", "cache", ""), ("code_bytes", "B/vec", "d"), ("ratio_vs_fp16", "x fp16", ".2f"),
+              ("acc", "acc", ".3f"), ("acc_stderr", "±", ".3f"),
               ("acc_norm", "acc_norm", ".3f"), ("acc_norm_stderr", "±", ".3f"),
               ("acc_ratio", "acc/fp", ".3f"), ("acc_norm_ratio", "norm/fp", ".3f"),
               ("agreement_with_fp", "same as fp", ".3f"), ("agreement_norm_with_fp", "same (norm)", ".3f"),
