@@ -231,10 +231,10 @@ def test_fast_search_property(k, n, m, chunk):
 
 @pytest.mark.parametrize("dim,k,n", [(64, 2, 64), (32, 3, 50), (16, 4, 40)])
 def test_grid_search_matches_reference(dim, k, n):
-    from fibquant.codebook.grid_search import GridSearch, default_cells
+    from fibquant.codebook.grid_search import GRID_CELLS, GridSearch
     gen = torch.Generator().manual_seed(dim + k + n)
     codewords = torch.randn(n, k, generator=gen) * (1.0 / math.sqrt(dim))
-    grid = GridSearch(codewords, dim, default_cells(k), max_candidates=16)
+    grid = GridSearch(codewords, dim, GRID_CELLS[k], max_candidates=16)
     blocks = torch.cat([sample_sphere(600, dim, seed=k).reshape(-1, k)[:2000],
                         torch.rand(300, k, generator=gen) * 2 - 1])  # canonical and far-out blocks
     fast = grid.search(blocks, codewords, (codewords ** 2).sum(1), chunk=500)

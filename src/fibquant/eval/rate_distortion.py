@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from tqdm.auto import tqdm
 
+from ..codebook import load_codebook
 from ..codecs import FibQuantCodec, IntCodec, TurboQuantCodec
 from ..codecs.fibquant import MAX_SEARCH_CODEWORDS, choose_block
 from ..source import sample_sphere
@@ -33,7 +34,10 @@ class RDConfig:
     n_vectors: int = 1 << 16
     quick: bool = False
     throughput_vectors: int = 1 << 15
-    throughput_repeats: int = 3
+    throughput_repeats: int = 5
+    # Throughput runs on this many CPU threads (None: torch's default). One thread by default:
+    # on a shared 2-core machine multi-threaded small ops are dominated by scheduling noise.
+    throughput_threads: int | None = 1
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -63,10 +67,11 @@ class RDReport:
     points: list[Point] = field(default_factory=list)
     throughput: list[dict] = field(default_factory=list)
     targets: list[dict] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return {"config": asdict(self.config), "points": [asdict(p) for p in self.points],
-                "throughput": self.throughput, "targets": self.targets,
+                "throughput": self.throughput, "targets": self.targets, "skipped": self.skipped,
                 "note": "MSE = E||u - u_hat||^2 of unit vectors uniform on S^{d-1}, measured on fresh "
                         "samples (not the codebooks' training samples); Shannon bound 4^-b."}
 
@@ -106,19 +111,24 @@ def _rate(seconds: float, n: int) -> float:
     return n / seconds if seconds > 0 else float("inf")
 
 
-def measure_throughput(codec, u: torch.Tensor, repeats: int) -> tuple[float, float]:
-    """(encode, decode) vectors per second, best of `repeats` on the batch u [n, dim]."""
-    codes = codec.encode(u[:256])  # warm-up (tables onto the device, allocator)
-    codec.decode(codes)
-    enc, dec = math.inf, math.inf
+def measure_throughput(codecs: dict, u: torch.Tensor, repeats: int) -> dict[str, tuple[float, float]]:
+    """{name: (encode, decode) vectors per second}, best of `repeats` on the batch u [n, dim].
+
+    The codecs take turns within each repeat, so a busy machine slows them alike.
+    """
+    best = {name: [math.inf, math.inf] for name in codecs}
+    for codec in codecs.values():  # warm-up: tables onto the device, search structures, allocator
+        codec.decode(codec.encode(u[:256]))
     for _ in range(repeats):
-        start = time.perf_counter()
-        codes = codec.encode(u)
-        mid = time.perf_counter()
-        codec.decode(codes)
-        end = time.perf_counter()
-        enc, dec = min(enc, mid - start), min(dec, end - mid)
-    return _rate(enc, u.shape[0]), _rate(dec, u.shape[0])
+        for name, codec in codecs.items():
+            start = time.perf_counter()
+            codes = codec.encode(u)
+            mid = time.perf_counter()
+            codec.decode(codes)
+            end = time.perf_counter()
+            best[name][0] = min(best[name][0], mid - start)
+            best[name][1] = min(best[name][1], end - mid)
+    return {name: (_rate(enc, u.shape[0]), _rate(dec, u.shape[0])) for name, (enc, dec) in best.items()}
 
 
 def run_rate_distortion(config: RDConfig) -> RDReport:
@@ -128,6 +138,13 @@ def run_rate_distortion(config: RDConfig) -> RDReport:
         grid = fibquant_grid(dim, config.quick)
         fib_points = []
         for k, n in tqdm(grid, desc=f"FibQuant d={dim}", leave=False):
+            if config.quick:  # the quick setting never builds: shipped or cached codebooks only
+                try:
+                    load_codebook(dim, k, n, config.seed, build=False)
+                except FileNotFoundError:
+                    report.skipped.append(f"d={dim} k={k} N={n}: codebook not shipped or cached "
+                                          f"(fibquant codebook build --dim {dim} --k {k} --n {n})")
+                    continue
             start = time.perf_counter()
             codec = FibQuantCodec(dim, k, n, seed=config.seed)
             codebook = codec.codebook
@@ -157,11 +174,23 @@ def run_rate_distortion(config: RDConfig) -> RDReport:
 def _throughput(dim: int, config: RDConfig) -> list[dict]:
     u = sample_sphere(config.throughput_vectors, dim, seed=EVAL_SEED + 1 + dim)
     rows = []
+    previous_threads = torch.get_num_threads()
+    if config.throughput_threads is not None and u.device.type == "cpu":
+        torch.set_num_threads(config.throughput_threads)
+    try:
+        rows = _throughput_rows(dim, config, u)
+    finally:
+        torch.set_num_threads(previous_threads)
+    return rows
+
+
+def _throughput_rows(dim: int, config: RDConfig, u: torch.Tensor) -> list[dict]:
+    rows = []
     for bits in (2, 4):
         fib = FibQuantCodec.for_rate(dim, bits, seed=config.seed)
         turbo = TurboQuantCodec(dim, bits, seed=config.seed)
-        fib_enc, fib_dec = measure_throughput(fib, u, config.throughput_repeats)
-        tq_enc, tq_dec = measure_throughput(turbo, u, config.throughput_repeats)
+        rates = measure_throughput({"fib": fib, "turbo": turbo}, u, config.throughput_repeats)
+        (fib_enc, fib_dec), (tq_enc, tq_dec) = rates["fib"], rates["turbo"]
         rows.append({"dim": dim, "bits": bits, "fibquant": f"k={fib.k} N={fib.n_codewords}",
                      "fib_encode_vps": fib_enc, "fib_decode_vps": fib_dec,
                      "turbo_encode_vps": tq_enc, "turbo_decode_vps": tq_dec,
@@ -212,8 +241,11 @@ def format_report(report: RDReport) -> str:
             f"{(f'{p.train_mse:.5g}' if p.train_mse is not None else ''):>10} "
             f"{(f'{p.build_seconds:.1f}' if p.build_seconds is not None else ''):>8}")
     lines.append("* = best FibQuant block size at that rate; 'stored' counts the fp16 norm / scales too")
+    for note in report.skipped:
+        lines.append(f"skipped: {note}")
     lines.append("")
-    lines.append("Throughput (vectors/s, best of repeats, CPU threads as shown)")
+    lines.append("Throughput (vectors/s incl. rotation, search and bit packing; best of repeats, "
+                 "CPU threads as shown)")
     for row in report.throughput:
         lines.append(f"d={row['dim']} b={row['bits']} FibQuant({row['fibquant']}): encode {row['fib_encode_vps']:.4g} "
                      f"decode {row['fib_decode_vps']:.4g} | TurboQuant: encode {row['turbo_encode_vps']:.4g} "
@@ -275,5 +307,5 @@ def write_outputs(report: RDReport, out_dir) -> tuple:
 
 def quick_config(dims=(64,), seed: int = 0) -> RDConfig:
     """The quick setting: shipped codebooks only (for_rate choices), fewer vectors."""
-    return RDConfig(dims=tuple(dims), n_vectors=1 << 14, quick=True, throughput_vectors=1 << 14,
-                    throughput_repeats=3, seed=seed)
+    return RDConfig(dims=tuple(dims), n_vectors=1 << 15, quick=True, throughput_vectors=1 << 14,
+                    throughput_repeats=5, seed=seed)
