@@ -18,6 +18,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dims", type=int, nargs="+", default=None, help="dimensions (default 64 128)")
     parser.add_argument("--vectors", type=int, default=None, help="fresh test vectors per dimension")
     parser.add_argument("--seed", type=int, default=0, help="codebook / rotation seed")
+    parser.add_argument("--no-build", action="store_true",
+                        help="use only shipped or cached codebooks (implied by --quick)")
     parser.add_argument("--out", type=Path, default=Path("results"), help="output folder")
 
 
@@ -31,6 +33,8 @@ def run(args: argparse.Namespace) -> int:
         config = RDConfig(dims=tuple(args.dims or (64, 128)), seed=args.seed)
     if args.vectors is not None:
         config = RDConfig(**{**config.__dict__, "n_vectors": args.vectors})
+    if args.no_build:
+        config = RDConfig(**{**config.__dict__, "build_missing": False})
     report = run_rate_distortion(config)
     print(format_report(report))
     json_path, png_path = write_outputs(report, args.out)

@@ -33,6 +33,7 @@ class RDConfig:
     dims: tuple[int, ...] = (64, 128)
     n_vectors: int = 1 << 16
     quick: bool = False
+    build_missing: bool = True  # False: use only shipped or cached codebooks, skip the rest
     throughput_vectors: int = 1 << 15
     throughput_repeats: int = 5
     # Throughput runs on this many CPU threads (None: torch's default). One thread by default:
@@ -138,7 +139,7 @@ def run_rate_distortion(config: RDConfig) -> RDReport:
         grid = fibquant_grid(dim, config.quick)
         fib_points = []
         for k, n in tqdm(grid, desc=f"FibQuant d={dim}", leave=False):
-            if config.quick:  # the quick setting never builds: shipped or cached codebooks only
+            if not config.build_missing:  # shipped or cached codebooks only
                 try:
                     load_codebook(dim, k, n, config.seed, build=False)
                 except FileNotFoundError:
@@ -277,9 +278,9 @@ def plot_report(report: RDReport, path) -> None:
         ax.plot([p.bits for p in best], [p.mse for p in best], "o-", c="tab:blue", label="FibQuant (best k)")
         for p in best:
             ax.annotate(f"k={p.k}", (p.bits, p.mse), fontsize=7, xytext=(3, 3), textcoords="offset points")
-        for name, style in (("TurboQuant", "s-"), ("INT", "^-")):
+        for name, style, colour in (("TurboQuant", "s-", "tab:green"), ("INT", "^-", "tab:orange")):
             sel = sorted((p for p in pts if p.codec == name), key=lambda p: p.bits)
-            ax.plot([p.bits for p in sel], [p.mse for p in sel], style, label=name)
+            ax.plot([p.bits for p in sel], [p.mse for p in sel], style, c=colour, label=name)
         ax.set_yscale("log")
         ax.set_xlim(0, 8.2)
         ax.set_xlabel("index bits per coordinate")
@@ -307,5 +308,5 @@ def write_outputs(report: RDReport, out_dir) -> tuple:
 
 def quick_config(dims=(64,), seed: int = 0) -> RDConfig:
     """The quick setting: shipped codebooks only (for_rate choices), fewer vectors."""
-    return RDConfig(dims=tuple(dims), n_vectors=1 << 15, quick=True, throughput_vectors=1 << 14,
-                    throughput_repeats=5, seed=seed)
+    return RDConfig(dims=tuple(dims), n_vectors=1 << 15, quick=True, build_missing=False,
+                    throughput_vectors=1 << 14, throughput_repeats=5, seed=seed)
