@@ -56,8 +56,12 @@ def test_real_model_compressed_generation_and_short_perplexity(request):
     generated = model.generate(**inputs, past_key_values=cache, max_new_tokens=8, do_sample=False,
                                pad_token_id=tokenizer.eos_token_id)
     assert generated.shape[1] == inputs.input_ids.shape[1] + 8
-    assert cache.bytes_per_token() < 30 * 3 * 64 * 4 * 2 / 2  # under half of the fp32 DynamicCache
-    config = PerplexityConfig(tokens=256, context=256, chunk=32, batch_size=1)
+    tokens = cache.get_seq_length()
+    assert tokens == generated.shape[1] - 1  # the last generated token is never fed back
+    coded = tokens - 36
+    expected = 30 * 3 * (36 * 64 * 4 * 2 + coded * 2 * IntCodec(64, 3).code_size)  # layers * kv heads * ...
+    assert cache.nbytes() == expected and cache.bytes_per_token() == expected / tokens
+    config = PerplexityConfig(tokens=192, context=192, chunk=32, batch_size=1)
     methods = [Method("fp"), Method("int", bits=8), Method("int", bits=2)]
     rows = {r["spec"]: r for r in run_perplexity(model, tokenizer, methods, config, progress=False)["rows"]}
     fp = rows["fp"]["perplexity"]
