@@ -36,6 +36,16 @@ def test_build_is_bit_identical_and_seeded(small_codebook):
     assert not torch.equal(small_codebook.codewords, other.codewords)
 
 
+def test_build_does_not_depend_on_thread_count(small_codebook):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        single = build_codebook(16, 2, 16, seed=1, progress=False)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(single.codewords, small_codebook.codewords)
+
+
 def test_lloyd_refinement_beats_initialisation_and_scalar_product(small_codebook):
     """Trained 2-D code (2 bits/coord) beats its own initialisation and TurboQuant's 2-bit scalar
     table on fresh samples (Theorem 2: vector beats scalar at equal rate)."""
