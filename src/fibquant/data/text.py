@@ -14,9 +14,10 @@ Where the text comes from
     The `rdata` package parses the R serialization.
 
 Cleaning
-    Gutenberg header/footer, the transcriber's credit and notes (if present) are dropped, lines are joined into paragraphs at
-    empty lines, whitespace inside a paragraph is collapsed to single spaces, and the
-    paragraphs are joined with one empty line ("\\n\\n"). The result is cached as UTF-8
+    Gutenberg header/footer, the transcriber's credit and notes (if present) are dropped,
+    lines are joined into paragraphs at empty lines, whitespace inside a paragraph is
+    collapsed to single spaces, and the paragraphs are joined with one empty line ("\\n\\n").
+    The result is cached as UTF-8
     under `<cache root>/text/<name>.<CLEANING_VERSION>.txt`, so later calls never touch apt.
 
 Cache root: `$FIBQUANT_CACHE_DIR` if set, else `~/.cache/fibquant`.

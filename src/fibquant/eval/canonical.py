@@ -45,7 +45,8 @@ class CanonicalConfig:
 
 
 @torch.no_grad()
-def cached_states(model, input_ids: torch.Tensor, layers: tuple[int, ...]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+def cached_states(model, input_ids: torch.Tensor,
+                  layers: tuple[int, ...]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """Run one sequence ([T] or [1, T]) with a DynamicCache; {layer: (keys, values)}, each
     [kv_heads, T, head_dim] float32 on the model's device (keys after RoPE, as cached)."""
     from transformers import DynamicCache
