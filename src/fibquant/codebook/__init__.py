@@ -5,7 +5,7 @@ canonical-source samples, keeping the best restart; k = 1 is the exact scalar Ll
 table); `load_codebook` returns the shipped or cached copy and builds + caches it if absent.
 
 Recipe (part of construction version `CONSTRUCTION_VERSION`; changing it changes the key):
-training samples S = clamp(SAMPLES_PER_CODEWORD * N, MIN_SAMPLES, MAX_SAMPLES) k-blocks of
+training samples S = clamp(SAMPLES_PER_CODEWORD * N, MIN_SAMPLES, MAX_SAMPLES * max(1, k // 16)) k-blocks of
 uniform points on S^{d-1}; RESTARTS restarts (restart 0 from the canonical quasi-uniform
 initialisation; restart 1 from N seeded random training samples, which in high dimension is a
 better start than a low-discrepancy sequence; further restarts from the quasi-uniform
@@ -39,7 +39,7 @@ MIN_SAMPLES = 1 << 14
 RESTARTS = 2
 COARSE_FRACTION = 4
 MAX_ITERATIONS = (60, 10)         # (coarse phase, full phase)
-PHASE_WORK = (6e11, 4e11)       # per phase and restart, in units of samples * N * (k + 8)
+PHASE_WORK = (1.5e12, 1.5e12)       # per phase and restart, in units of samples * N * (k + 8)
 MIN_ITERATIONS = 4
 TOL = 1e-5
 MAX_CODEWORDS = 1 << 16
@@ -82,7 +82,9 @@ class CodebookSpec:
 
     @property
     def n_training_samples(self) -> int:
-        return int(min(MAX_SAMPLES, max(MIN_SAMPLES, SAMPLES_PER_CODEWORD * self.n_codewords)))
+        # High-dimensional blocks need more samples per cell before Lloyd stops overfitting.
+        cap = MAX_SAMPLES * max(1, self.k // 16)
+        return int(min(cap, max(MIN_SAMPLES, SAMPLES_PER_CODEWORD * self.n_codewords)))
 
 
 @dataclass(frozen=True)
