@@ -113,6 +113,8 @@ def run_perplexity(model, tokenizer, methods: list[Method], config: PerplexityCo
             "perplexity": math.exp(total / count), "perplexity_second_half": math.exp(second / second_count),
             "nll": total / count, "predicted_tokens": count,
         })
+        bar.write(f"{rows[-1]['method']}: perplexity {rows[-1]['perplexity']:.3f} "
+                  f"(second half {rows[-1]['perplexity_second_half']:.3f})")
     bar.close()
     baseline = next((r for r in rows if r["family"] == "fp"), None)
     for row in rows:
