@@ -144,7 +144,8 @@ class FibQuantCodec(Codec):
     def _decode_flat(self, codes: torch.Tensor) -> torch.Tensor:
         n = codes.shape[0]
         index = unpack_bits(codes[:, NORM_BYTES:], self.config.index_bits, self.config.n_blocks)
-        if int(index.max()) >= self.n_codewords:
+        # Only a field wider than log2(N) can hold an invalid index (skip the pass otherwise).
+        if self.n_codewords != 1 << self.config.index_bits and int(index.max()) >= self.n_codewords:
             raise ValueError(f"{type(self).__name__}.decode: code holds index >= N={self.n_codewords}")
         codewords, _ = self._table(codes.device)
         u_hat = codewords[index].reshape(n, self.dim)
