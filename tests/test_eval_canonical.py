@@ -1,12 +1,14 @@
 """fibquant.eval.canonical: KS statistics on synthetic data (offline) and on real keys (model)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from scipy import stats
 
 from fibquant.eval.canonical import (CanonicalConfig, cached_states, canonical_ks, ks_statistic, run_canonical,
-                                     uniform_floor, unit_rows)
+                                     save_canonical, uniform_floor, unit_rows)
 from fibquant.source import block_radii, haar_rotation, sample_sphere
 
 
@@ -48,7 +50,7 @@ def test_unit_rows_and_config_validation():
 
 
 @pytest.mark.model
-def test_real_keys_are_far_more_canonical_after_rotation(model_and_tokenizer):
+def test_real_keys_are_far_more_canonical_after_rotation(model_and_tokenizer, tmp_path):
     model, tokenizer = model_and_tokenizer
     config = CanonicalConfig(tokens=256, layers=(0, 15), block_sizes=(1, 4))
     payload = run_canonical(model, tokenizer, config, progress=False)
@@ -59,5 +61,7 @@ def test_real_keys_are_far_more_canonical_after_rotation(model_and_tokenizer):
         assert row["ks_rotated"] < row["ks_unrotated"], row
         if row["kind"] == "keys":  # RoPE'd keys have strong outlier channels
             assert row["ks_unrotated"] > 0.05 and row["ks_rotated"] < row["ks_unrotated"] / 3, row
+    paths = save_canonical(payload, tmp_path)
+    assert Path(paths["png"]).stat().st_size > 10_000 and Path(paths["json"]).is_file()
     with pytest.raises(ValueError, match="out of range"):
         cached_states(model, torch.tensor([1, 2, 3]), (30,))

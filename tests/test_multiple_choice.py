@@ -2,6 +2,9 @@
 protocol on a tiny random Llama (offline), and 3 real goal_step_wikihow questions (model)."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from _kv_helpers import tiny_llama
@@ -10,7 +13,7 @@ from fibquant.codecs.integer import IntCodec
 from fibquant.data.bigbench import MultipleChoiceExample
 from fibquant.eval.multiple_choice import (CacheScorer, CacheSetting, ScoredOptions, default_settings,
                                            evaluate_multiple_choice, predictions, run_multiple_choice,
-                                           select_examples, split_context)
+                                           save_multiple_choice, select_examples, split_context)
 from fibquant.kv.cache import CompressedCache
 
 
@@ -129,7 +132,7 @@ def test_cache_scorer_matches_a_full_pass_and_reads_codes_back():
             assert max(abs(a - b) for a, b in zip(scored.logliks, reference)) > 1e-3
 
 
-def test_run_multiple_choice_on_the_tiny_model(monkeypatch):
+def test_run_multiple_choice_on_the_tiny_model(tmp_path):
     model, tokenizer = tiny_llama(), CharTokenizer()
     examples = [_example(["aa", "bbb", "c"], i % 3, f"question {i} is ") for i in range(6)]
     settings = [CacheSetting("fp"), CacheSetting("int:b=4", sink_tokens=0, recent_tokens=0)]
@@ -142,6 +145,9 @@ def test_run_multiple_choice_on_the_tiny_model(monkeypatch):
     assert small["mean_compressed_tokens"] == pytest.approx(small["mean_context_tokens"] - 1)
     assert small["n"] == fp["n"] == 4
     assert small["code_bytes"] == IntCodec(16, 4).code_size and fp["ratio_vs_fp16"] == 1.0
+    paths = save_multiple_choice(payload, tmp_path)
+    assert json.loads(Path(paths["json"]).read_text())["rows"][1]["method"] == "int:b=4"
+    assert Path(paths["png"]).stat().st_size > 10_000
     if fp["acc"]:
         assert small["acc_ratio"] == pytest.approx(small["acc"] / fp["acc"])
 

@@ -333,25 +333,32 @@ MC_COLUMNS = [("name", "cache", ""), ("code_bytes", "B/vec", "d"), ("ratio_vs_fp
 
 
 def plot_multiple_choice(payload: dict, path) -> None:
-    """Bar chart of acc and acc_norm per setting, with standard-error bars and the chance level."""
+    """Left: acc and acc_norm per setting (standard-error bars, chance level). Right: fraction of
+    questions where each setting picks the same option as fp (more sensitive than accuracy)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = payload["rows"]
-    x = range(len(rows))
-    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(rows)), 4.5))
+    x = list(range(len(rows)))
+    labels = [r["name"].replace(" (", "\n(") for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(max(10, 2.6 * len(rows)), 4.8))
     width = 0.38
-    ax.bar([i - width / 2 for i in x], [r["acc"] for r in rows], width, yerr=[r["acc_stderr"] for r in rows],
-           label="acc", capsize=3)
-    ax.bar([i + width / 2 for i in x], [r["acc_norm"] for r in rows], width,
-           yerr=[r["acc_norm_stderr"] for r in rows], label="acc_norm", capsize=3)
-    ax.axhline(payload["chance_accuracy"], color="grey", linestyle="--", label="chance")
-    ax.set_xticks(list(x), [r["name"].replace(" (", "\n(") for r in rows], fontsize=7)
-    ax.set_ylabel("accuracy")
-    ax.set_title(f"{payload['task']} (n={payload['n_examples']}), {payload['model']}", fontsize=8)
-    ax.legend(fontsize=8)
+    for ax, keys, title in ((left, ("acc", "acc_norm"), "accuracy"),
+                            (right, ("agreement_with_fp", "agreement_norm_with_fp"), "same choice as fp")):
+        for shift, key in zip((-width / 2, width / 2), keys):
+            errors = [r[f"{key}_stderr"] for r in rows] if f"{key}_stderr" in rows[0] else None
+            ax.bar([i + shift for i in x], [r[key] for r in rows], width, yerr=errors, capsize=3,
+                   label=key.replace("agreement_with_fp", "acc ranking").replace("agreement_norm_with_fp",
+                                                                                 "acc_norm ranking"))
+        ax.set_xticks(x, labels, fontsize=6)
+        ax.set_ylabel(title)
+        ax.legend(fontsize=7, loc="lower left")
+    left.axhline(payload["chance_accuracy"], color="grey", linestyle="--", label="chance")
+    left.legend(fontsize=7, loc="lower left")
+    right.set_ylim(0, 1.05)
+    fig.suptitle(f"BIG-bench {payload['task']} (n={payload['n_examples']}), {payload['model']}", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
