@@ -5,8 +5,8 @@ canonical-source samples, keeping the best restart; k = 1 is the exact scalar Ll
 table); `load_codebook` returns the shipped or cached copy and builds + caches it if absent.
 
 Recipe (part of construction version `CONSTRUCTION_VERSION`; changing it changes the key):
-training samples S = clamp(SAMPLES_PER_CODEWORD * N, MIN_SAMPLES, MAX_SAMPLES * max(1, k // 16)) k-blocks of
-uniform points on S^{d-1}; RESTARTS restarts (restart 0 from the canonical quasi-uniform
+training samples S = clamp(SAMPLES_PER_CODEWORD * N, MIN_SAMPLES, MAX_SAMPLES * max(1, k // 16))
+k-blocks of uniform points on S^{d-1}; RESTARTS restarts (restart 0 from the canonical quasi-uniform
 initialisation; restart 1 from N seeded random training samples, which in high dimension is a
 better start than a low-discrepancy sequence; further restarts from the quasi-uniform
 construction with a seeded random sequence offset s). Each restart runs Lloyd in two phases: first on the first S/COARSE_FRACTION samples (cheap
