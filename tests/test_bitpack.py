@@ -67,3 +67,9 @@ def test_float16_bytes_roundtrip():
     raw = float16_to_bytes(x)
     assert raw.shape == (5, 2) and raw.dtype == torch.uint8
     assert torch.equal(bytes_to_float16(raw), x.to(torch.float16).to(torch.float32))
+
+
+def test_float16_bytes_from_an_odd_length_row_slice():
+    codes = float16_to_bytes(torch.tensor([1.0, 2.0, 3.0])).reshape(1, 6)
+    odd_rows = torch.cat([codes, torch.zeros(1, 1, dtype=torch.uint8)], dim=1).repeat(2, 1)  # stride 7
+    assert bytes_to_float16(odd_rows[:, 2:4]).tolist() == [2.0, 2.0]

@@ -20,7 +20,7 @@ SHIPPED_BUDGET_BYTES = 2 * 1024 * 1024
 @pytest.fixture()
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("FIBQUANT_CACHE_DIR", str(tmp_path))
-    return tmp_path
+    return tmp_path / "codebooks"
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,8 @@
 """Codebook files: safetensors (never pickle), one file per (d, k, N, seed, construction version).
 
 Lookup order: the codebooks shipped inside the package (`codebook/shipped/`), then the user
-cache directory (`$FIBQUANT_CACHE_DIR`, default `~/.cache/fibquant/codebooks`).
+cache directory `<cache root>/codebooks`, the root being `$FIBQUANT_CACHE_DIR` or `~/.cache/fibquant`
+(the same root the text and BIG-bench caches use).
 """
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ CACHE_ENV = "FIBQUANT_CACHE_DIR"
 
 
 def cache_dir() -> Path:
-    """The user codebook cache: $FIBQUANT_CACHE_DIR or ~/.cache/fibquant/codebooks."""
+    """The user codebook cache: $FIBQUANT_CACHE_DIR/codebooks or ~/.cache/fibquant/codebooks."""
     override = os.environ.get(CACHE_ENV)
-    return Path(override).expanduser() if override else Path.home() / ".cache" / "fibquant" / "codebooks"
+    root = Path(override).expanduser() if override else Path.home() / ".cache" / "fibquant"
+    return root / "codebooks"
 
 
 def file_name(dim: int, k: int, n_codewords: int, seed: int, version: str) -> str:

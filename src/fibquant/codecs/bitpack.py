@@ -62,4 +62,6 @@ def float16_to_bytes(values: torch.Tensor) -> torch.Tensor:
 
 def bytes_to_float16(raw: torch.Tensor) -> torch.Tensor:
     """uint8 [..., 2] -> float32 [...] (inverse of `float16_to_bytes`)."""
-    return raw.contiguous().view(torch.float16).squeeze(-1).to(torch.float32)
+    # A fresh dense copy: a row slice of an odd-length code keeps an odd stride that view() rejects.
+    dense = raw.clone(memory_format=torch.contiguous_format)
+    return dense.view(torch.float16).squeeze(-1).to(torch.float32)

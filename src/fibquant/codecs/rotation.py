@@ -49,6 +49,6 @@ class RotationState:
     def unrotate_scale(self, u_hat: torch.Tensor, norm_bytes: torch.Tensor) -> torch.Tensor:
         """u_hat [n, dim] (any float) and fp16 norm bytes [n, 2] -> x_hat [n, dim] float32."""
         # A fresh dense copy: a [1, 2] slice of a code row can carry an odd row stride.
-        norms = bytes_to_float16(norm_bytes.clone(memory_format=torch.contiguous_format)).to(torch.float64)
+        norms = bytes_to_float16(norm_bytes).to(torch.float64)
         x_hat = (u_hat.to(torch.float64) @ self.inverse_matrix(u_hat.device)) * norms.unsqueeze(1)
         return x_hat.to(torch.float32)
