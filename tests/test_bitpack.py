@@ -10,6 +10,7 @@ from fibquant.codecs.bitpack import (
     pack_bits,
     packed_size,
     unpack_bits,
+    unpack_bits_reference,
 )
 
 
@@ -22,6 +23,16 @@ def test_roundtrip_is_exact(bits, count, rows, seed):
     assert packed.dtype == torch.uint8
     assert packed.shape == (rows, packed_size(count, bits))
     assert torch.equal(unpack_bits(packed, bits, count), values)
+    assert torch.equal(unpack_bits_reference(packed, bits, count), values)
+
+
+@settings(max_examples=60, deadline=None)
+@given(bits=st.integers(1, 32), count=st.integers(0, 40), seed=st.integers(0, 2**31))
+def test_fast_unpack_equals_reference_on_any_bytes(bits, count, seed):
+    # arbitrary bytes, including nonzero padding bits that no value owns
+    gen = torch.Generator().manual_seed(seed)
+    packed = torch.randint(0, 256, (3, packed_size(count, bits)), generator=gen, dtype=torch.uint8)
+    assert torch.equal(unpack_bits(packed, bits, count), unpack_bits_reference(packed, bits, count))
 
 
 def test_layout_is_little_endian_bit_stream():
@@ -58,8 +69,9 @@ def test_out_of_range_values():
 
 
 def test_wrong_packed_length():
-    with pytest.raises(ValueError, match="packed bytes"):
-        unpack_bits(torch.zeros(3, dtype=torch.uint8), 4, 8)
+    for unpack in (unpack_bits, unpack_bits_reference):
+        with pytest.raises(ValueError, match="packed bytes"):
+            unpack(torch.zeros(3, dtype=torch.uint8), 4, 8)
 
 
 def test_float16_bytes_roundtrip():

@@ -40,19 +40,46 @@ def pack_bits(values: torch.Tensor, bits: int) -> torch.Tensor:
     return (bit_stream.reshape(*lead, nbytes, 8) * weights).sum(-1).to(torch.uint8)
 
 
-def unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
-    """Inverse of `pack_bits`: uint8 [..., packed_size(count, bits)] -> int64 [..., count]."""
+def unpack_bits_reference(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """Plain bit-by-bit inverse of `pack_bits` (the spec `unpack_bits` is tested against)."""
     _check_bits(bits)
     *lead, nbytes = packed.shape
-    if nbytes != packed_size(count, bits):
-        raise ValueError(
-            f"expected {packed_size(count, bits)} packed bytes for {count}x{bits} bits, got {nbytes}"
-        )
+    _check_packed_length(nbytes, bits, count)
     shifts = torch.arange(8, device=packed.device, dtype=torch.int64)
     bit_stream = ((packed.to(torch.int64).unsqueeze(-1) >> shifts) & 1).reshape(*lead, nbytes * 8)
     bit_stream = bit_stream[..., : count * bits].reshape(*lead, count, bits)
     weights = 1 << torch.arange(bits, device=packed.device, dtype=torch.int64)
     return (bit_stream * weights).sum(-1)
+
+
+def unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """Inverse of `pack_bits`: uint8 [..., packed_size(count, bits)] -> int64 [..., count].
+
+    Value j starts at bit j*bits; it is read from the (at most 5) bytes that hold it, gathered
+    at once for all values, so the cost is ~5 byte reads per value instead of 8 per byte plus
+    `bits` per value for the bit-by-bit reference.
+    """
+    _check_bits(bits)
+    *lead, nbytes = packed.shape
+    _check_packed_length(nbytes, bits, count)
+    if 8 % bits == 0:  # 1, 2, 4, 8 bits: values never straddle a byte
+        shifts = torch.arange(0, 8, bits, device=packed.device, dtype=torch.int64)
+        values = (packed.to(torch.int64).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+        return values.reshape(*lead, nbytes * (8 // bits))[..., :count]
+    starts = torch.arange(count, device=packed.device, dtype=torch.int64) * bits
+    span = (7 + bits + 7) // 8  # bytes a value can touch, whatever its bit offset
+    byte_index = (starts // 8).unsqueeze(1) + torch.arange(span, device=packed.device)
+    padded = torch.nn.functional.pad(packed, (0, span))  # reads past the end see zeros
+    gathered = padded.to(torch.int64)[..., byte_index.reshape(-1)].reshape(*lead, count, span)
+    words = (gathered << (8 * torch.arange(span, device=packed.device, dtype=torch.int64))).sum(-1)
+    return (words >> (starts % 8)) & ((1 << bits) - 1)
+
+
+def _check_packed_length(nbytes: int, bits: int, count: int) -> None:
+    if nbytes != packed_size(count, bits):
+        raise ValueError(
+            f"expected {packed_size(count, bits)} packed bytes for {count}x{bits} bits, got {nbytes}"
+        )
 
 
 def float16_to_bytes(values: torch.Tensor) -> torch.Tensor:
