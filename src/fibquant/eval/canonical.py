@@ -168,10 +168,6 @@ def plot_canonical(payload: dict, path) -> None:
 
 def save_canonical(payload: dict, out_dir) -> dict[str, str]:
     """Write canonical_source.json and canonical_source.png under out_dir; return their paths."""
-    from .kv_report import results_dir, write_json
+    from .kv_report import save_report
 
-    folder = results_dir(out_dir)
-    json_path = write_json(folder / "canonical_source.json", payload)
-    png_path = folder / "canonical_source.png"
-    plot_canonical(payload, png_path)
-    return {"json": str(json_path), "png": str(png_path)}
+    return save_report(payload, out_dir, "canonical_source", plot_canonical)

@@ -57,3 +57,12 @@ def write_json(path: Path, payload: dict) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2, default=float))
     return path
+
+
+def save_report(payload: dict, out_dir, stem: str, plot) -> dict[str, str]:
+    """Write `<stem>.json` and `<stem>.png` (drawn by `plot(payload, path)`) under `out_dir`."""
+    folder = results_dir(out_dir)
+    json_path = write_json(folder / f"{stem}.json", payload)
+    png_path = folder / f"{stem}.png"
+    plot(payload, png_path)
+    return {"json": str(json_path), "png": str(png_path)}

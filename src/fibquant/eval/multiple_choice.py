@@ -366,10 +366,6 @@ def plot_multiple_choice(payload: dict, path) -> None:
 
 def save_multiple_choice(payload: dict, out_dir) -> dict[str, str]:
     """Write multiple_choice.json and multiple_choice.png under out_dir; return their paths."""
-    from .kv_report import results_dir, write_json
+    from .kv_report import save_report
 
-    folder = results_dir(out_dir)
-    json_path = write_json(folder / "multiple_choice.json", payload)
-    png_path = folder / "multiple_choice.png"
-    plot_multiple_choice(payload, png_path)
-    return {"json": str(json_path), "png": str(png_path)}
+    return save_report(payload, out_dir, "multiple_choice", plot_multiple_choice)
