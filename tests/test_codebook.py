@@ -4,7 +4,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from scipy import integrate, special
+from scipy import integrate
 
 import fibquant.codebook as cbmod
 from fibquant.codebook import (CONSTRUCTION_VERSION, CodebookSpec, build_codebook, load_codebook,

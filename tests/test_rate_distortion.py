@@ -2,7 +2,6 @@
 import json
 
 import pytest
-import torch
 
 from fibquant.codecs import TurboQuantCodec
 from fibquant.codecs.fibquant import choose_block

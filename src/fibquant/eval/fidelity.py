@@ -22,7 +22,6 @@ from tqdm.auto import tqdm
 from fibquant.codecs.lowrank import LowRankCodec
 from fibquant.eval.capture import CapturedAttention, capture_attention
 from fibquant.eval.methods import Method
-from fibquant.kv.cache import check_model_supported
 
 
 @dataclass(frozen=True)
@@ -298,12 +297,9 @@ def main_fidelity(config: FidelityConfig = FidelityConfig(), methods: list[str] 
                   build_codebooks: bool = False, model_and_tokenizer=None) -> dict:
     """Run experiment 2, print the table and target checks, write JSON + PNG under results/."""
     from fibquant.eval.kv_report import format_table, results_dir, write_json
-    from fibquant.eval.methods import parse_methods, split_ready
-    from fibquant.kv.model import load_model
+    from fibquant.eval.methods import prepare_run
 
-    model, tokenizer = model_and_tokenizer or load_model()
-    dim = check_model_supported(model)["head_dim"]
-    ready, skipped = split_ready(parse_methods(list(methods or FIDELITY_METHODS)), dim, build_codebooks)
+    model, tokenizer, ready, skipped = prepare_run(methods or FIDELITY_METHODS, build_codebooks, model_and_tokenizer)
     result = run_fidelity(model, tokenizer, ready, config)
     result["skipped"] = skipped
     result["targets"] = compare_frontiers(result["rows"])

@@ -185,12 +185,9 @@ def main_perplexity(config: PerplexityConfig = PerplexityConfig(), methods: list
                     out_dir=None, build_codebooks: bool = False, model_and_tokenizer=None) -> dict:
     """Run experiment 3, print the table and target checks, write JSON + PNG under results/."""
     from fibquant.eval.kv_report import format_table, results_dir, write_json
-    from fibquant.eval.methods import parse_methods, split_ready
-    from fibquant.kv.model import load_model
+    from fibquant.eval.methods import prepare_run
 
-    model, tokenizer = model_and_tokenizer or load_model()
-    dim = check_model_supported(model)["head_dim"]
-    ready, skipped = split_ready(parse_methods(list(methods or PERPLEXITY_METHODS)), dim, build_codebooks)
+    model, tokenizer, ready, skipped = prepare_run(methods or PERPLEXITY_METHODS, build_codebooks, model_and_tokenizer)
     result = run_perplexity(model, tokenizer, ready, config)
     result["skipped"] = skipped
     result["targets"] = perplexity_targets(result["rows"])
