@@ -60,3 +60,15 @@ def test_config_validation():
         RDConfig(dims=(1,))
     with pytest.raises(ValueError, match="n_vectors"):
         RDConfig(n_vectors=10)
+    with pytest.raises(ValueError, match="max_codewords"):
+        RDConfig(max_codewords=1)
+
+
+def test_max_codewords_limits_the_fibquant_grid():
+    from fibquant.eval.rate_distortion import run_rate_distortion
+
+    config = RDConfig(dims=(64,), n_vectors=256, throughput_vectors=256, throughput_repeats=1,
+                      quick=True, build_missing=False, max_codewords=256)
+    report = run_rate_distortion(config)
+    sizes = {p.n_codewords for p in report.points if p.codec.lower().startswith("fibquant")}
+    assert sizes and max(sizes) <= 256  # the shipped N=1024/4096 codebooks are left out

@@ -20,6 +20,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="codebook / rotation seed")
     parser.add_argument("--no-build", action="store_true",
                         help="use only shipped or cached codebooks (implied by --quick)")
+    parser.add_argument("--max-codewords", type=int, default=None,
+                        help="skip FibQuant codebooks larger than this (they take long to build)")
     parser.add_argument("--out", type=Path, default=Path("results"), help="output folder")
 
 
@@ -35,6 +37,8 @@ def run(args: argparse.Namespace) -> int:
         config = RDConfig(**{**config.__dict__, "n_vectors": args.vectors})
     if args.no_build:
         config = RDConfig(**{**config.__dict__, "build_missing": False})
+    if args.max_codewords is not None:
+        config = RDConfig(**{**config.__dict__, "max_codewords": args.max_codewords})
     report = run_rate_distortion(config)
     print(format_report(report))
     json_path, png_path = write_outputs(report, args.out)

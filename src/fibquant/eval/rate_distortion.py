@@ -34,6 +34,7 @@ class RDConfig:
     n_vectors: int = 1 << 16
     quick: bool = False
     build_missing: bool = True  # False: use only shipped or cached codebooks, skip the rest
+    max_codewords: int = MAX_SEARCH_CODEWORDS  # lower it to skip codebooks that take long to build
     throughput_vectors: int = 1 << 15
     throughput_repeats: int = 5
     # Throughput runs on this many CPU threads (None: torch's default). One thread by default:
@@ -44,6 +45,8 @@ class RDConfig:
     def __post_init__(self) -> None:
         if not self.dims or any(not isinstance(d, int) or d < 2 for d in self.dims):
             raise ValueError(f"dims must be integers >= 2, got {self.dims!r}")
+        if not 2 <= self.max_codewords <= MAX_SEARCH_CODEWORDS:
+            raise ValueError(f"max_codewords must be in 2..{MAX_SEARCH_CODEWORDS}, got {self.max_codewords}")
         if self.n_vectors < 256 or self.throughput_vectors < 256:
             raise ValueError("n_vectors and throughput_vectors must be >= 256")
 
@@ -136,7 +139,7 @@ def run_rate_distortion(config: RDConfig) -> RDReport:
     report = RDReport(config)
     for dim in config.dims:
         u = sample_sphere(config.n_vectors, dim, seed=EVAL_SEED + dim)
-        grid = fibquant_grid(dim, config.quick)
+        grid = [(k, n) for k, n in fibquant_grid(dim, config.quick) if n <= config.max_codewords]
         fib_points = []
         for k, n in tqdm(grid, desc=f"FibQuant d={dim}", leave=False):
             if not config.build_missing:  # shipped or cached codebooks only
