@@ -10,8 +10,8 @@ from transformers import DynamicCache
 
 from fibquant.codecs.integer import IntCodec
 from fibquant.eval.capture import CapturedAttention, attention_modules, capture_attention
-from fibquant.eval.fidelity import (FidelityConfig, causal_attention, compare_frontiers, evaluate_method,
-                                    exact_window_mask, output_cosine, pareto_front, run_fidelity)
+from fibquant.eval.fidelity import (CalibrationBank, FidelityConfig, causal_attention, compare_frontiers,
+                                    evaluate_method, exact_window_mask, output_cosine, pareto_front, run_fidelity)
 from fibquant.eval.methods import Method, parse_method
 
 
@@ -91,6 +91,16 @@ def test_cosine_is_one_for_fp_and_improves_with_bits_and_window():
     assert row["compression_ratio"] == pytest.approx(32 / IntCodec(16, 4).code_size)
 
 
+def test_calibrated_rvq_per_head_improves_with_stages():
+    captured, calibration = _random_capture(tokens=64, seed=0), _random_capture(tokens=64, seed=1)
+    bank = CalibrationBank(calibration)
+    positions = torch.arange(64)
+    rows = [evaluate_method(Method("rvq", stages=s, n=8), captured, positions, bank=bank) for s in (1, 3)]
+    assert rows[0]["code_bytes_per_vector"] == 1 and rows[1]["code_bytes_per_vector"] == 2  # 3 and 9 bits
+    assert rows[0]["cosine"] < rows[1]["cosine"] < 1.0
+    assert bank.codec("key", Method("rvq", stages=3, n=8), 1, 1) is bank.codec("key", Method("rvq", stages=3, n=8), 1, 1)
+
+
 def test_frontier_logic():
     rows = [{"method": "a", "family": "fibquant", "compression_ratio": 4.0, "cosine": 0.99},
             {"method": "b", "family": "fibquant", "compression_ratio": 8.0, "cosine": 0.95},
@@ -107,6 +117,10 @@ def test_method_specs_and_bad_input():
     assert parse_method("fibquant:k=64,n=4096") == Method("fibquant", k=64, n=4096)
     assert parse_method("turboquant:b=3").spec == "turboquant:b=3"
     assert parse_method("lowrank:r=8").label() == "low-rank r=8"
+    assert parse_method("rvq:s=2,n=256") == Method("rvq", stages=2, n=256)
+    assert parse_method("rvq:s=2,n=256").calibrated
+    with pytest.raises(ValueError, match="needs s="):
+        parse_method("rvq:n=256")
     with pytest.raises(ValueError, match="unknown method family"):
         parse_method("pq:b=2")
     with pytest.raises(ValueError, match="bad method parameter"):

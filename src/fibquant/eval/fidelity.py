@@ -19,7 +19,9 @@ from typing import Callable
 import torch
 from tqdm.auto import tqdm
 
+from fibquant.codecs.base import Codec
 from fibquant.codecs.lowrank import LowRankCodec
+from fibquant.codecs.rvq import RVQCodec
 from fibquant.eval.capture import CapturedAttention, capture_attention
 from fibquant.eval.methods import Method
 
@@ -117,22 +119,25 @@ def reconstruct(states: torch.Tensor, codec_for: CodecFor, shared: bool) -> torc
 
 
 @dataclass
-class LowRankBank:
-    """Per (layer, KV head) PCA fits of keys and values on a calibration capture."""
+class CalibrationBank:
+    """Per (layer, KV head) fits of the calibrated methods (PCA, RVQ) on a calibration capture."""
 
     calibration: CapturedAttention
     _cache: dict = field(default_factory=dict)
 
-    def codec(self, kind: str, rank: int, layer: int, head: int) -> LowRankCodec:
-        key = (kind, rank, layer, head)
+    def codec(self, kind: str, method: Method, layer: int, head: int) -> Codec:
+        key = (kind, method.spec, layer, head)
         if key not in self._cache:
             samples = (self.calibration.keys if kind == "key" else self.calibration.values)[layer, head]
-            self._cache[key] = LowRankCodec.fit(samples, rank)
+            if method.family == "rvq":
+                self._cache[key] = RVQCodec.fit(samples, method.stages, method.n)
+            else:
+                self._cache[key] = LowRankCodec.fit(samples, method.rank)
         return self._cache[key]
 
 
 def evaluate_method(method: Method, captured: CapturedAttention, positions: torch.Tensor,
-                    bank: LowRankBank | None = None, sink_tokens: int = 0, recent_tokens: int = 0,
+                    bank: CalibrationBank | None = None, sink_tokens: int = 0, recent_tokens: int = 0,
                     reference: list[torch.Tensor] | None = None) -> dict:
     """One row of the frontier: rate, ratio and attention cosine of `method` on `captured`."""
     dim = captured.keys.shape[-1]
@@ -141,11 +146,11 @@ def evaluate_method(method: Method, captured: CapturedAttention, positions: torc
     elif method.calibrated:
         if bank is None:
             raise ValueError(f"{method.spec} needs a calibration capture")
-        key_for = lambda layer, head: bank.codec("key", method.rank, layer, head)  # noqa: E731
-        value_for = lambda layer, head: bank.codec("value", method.rank, layer, head)  # noqa: E731
+        key_for = lambda layer, head: bank.codec("key", method, layer, head)  # noqa: E731
+        value_for = lambda layer, head: bank.codec("value", method, layer, head)  # noqa: E731
         keys_hat = reconstruct(captured.keys, key_for, shared=False)
         values_hat = reconstruct(captured.values, value_for, shared=False)
-        code_bytes, bits = 2 * method.rank, 16.0 * method.rank / dim
+        code_bytes, bits = key_for(0, 0).code_size, key_for(0, 0).bits_per_coordinate
     else:
         codec = method.build(dim)
         keys_hat = reconstruct(captured.keys, lambda layer, head: codec, shared=True)
@@ -175,7 +180,7 @@ def run_fidelity(model, tokenizer, methods: list[Method], config: FidelityConfig
     bank = None
     if any(m.calibrated for m in methods):
         calibration_ids = text_tokens(tokenizer, config.calibration_text, config.tokens, config.offset)
-        bank = LowRankBank(capture_attention(model, calibration_ids, layers))
+        bank = CalibrationBank(capture_attention(model, calibration_ids, layers))
     positions = torch.arange(0, config.tokens, config.query_stride)
     reference = exact_outputs(captured, positions)
     rows = []
@@ -206,10 +211,12 @@ def plot_frontier(rows: list[dict], path, title: str) -> None:
     for row in rows:
         if row["family"] == "fp":
             continue
-        name = {"fibquant": "FibQuant", "turboquant": "TurboQuant", "int": "INT", "lowrank": "low-rank (calibrated)"}
+        name = {"fibquant": "FibQuant", "turboquant": "TurboQuant", "int": "INT", "lowrank": "low-rank (calibrated)",
+                "rvq": "RVQ per head (calibrated)"}
         series.setdefault(name[row["family"]], []).append(row)
     fig, ax = plt.subplots(figsize=(7.5, 5))
-    styles = {"FibQuant": ("C3", "o"), "TurboQuant": ("C0", "s"), "INT": ("C2", "^"), "low-rank (calibrated)": ("C7", "D")}
+    styles = {"FibQuant": ("C3", "o"), "TurboQuant": ("C0", "s"), "INT": ("C2", "^"), "low-rank (calibrated)": ("C7", "D"),
+              "RVQ per head (calibrated)": ("C4", "v")}
     for name, items in series.items():
         items = sorted(items, key=lambda r: r["compression_ratio"])
         color, marker = styles[name]
@@ -281,6 +288,7 @@ FIDELITY_METHODS = (
     "int:b=2", "int:b=3", "int:b=4", "int:b=8",
     "lowrank:r=1", "lowrank:r=2", "lowrank:r=4", "lowrank:r=8", "lowrank:r=12", "lowrank:r=16",
     "lowrank:r=24", "lowrank:r=32", "lowrank:r=48",
+    "rvq:s=1,n=256", "rvq:s=2,n=256", "rvq:s=4,n=256",
 )
 
 FIDELITY_COLUMNS = [

@@ -7,6 +7,7 @@ Spec strings (also accepted on the command line):
     turboquant:b=3          TurboQuant (scalar Lloyd-Max after a rotation), integer bits 1..4
     int:b=4                 per-token asymmetric INT quantization
     lowrank:r=8             calibrated PCA projection (fitted per layer and KV head)
+    rvq:s=2,n=256           learned residual VQ, s stages of n codewords (fitted per layer and KV head)
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 from fibquant.codecs.base import Codec
 
-FAMILIES = ("fp", "fibquant", "turboquant", "int", "lowrank")
+FAMILIES = ("fp", "fibquant", "turboquant", "int", "lowrank", "rvq")
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,7 @@ class Method:
     k: int | None = None
     n: int | None = None
     rank: int | None = None
+    stages: int | None = None
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -34,10 +36,12 @@ class Method:
             raise ValueError(f"{self.family} needs b=<bits>")
         if self.family == "lowrank" and self.rank is None:
             raise ValueError("lowrank needs r=<rank>")
+        if self.family == "rvq" and (self.stages is None or self.n is None):
+            raise ValueError("rvq needs s=<stages> and n=<codewords>")
 
     @property
     def calibrated(self) -> bool:
-        return self.family == "lowrank"
+        return self.family in ("lowrank", "rvq")
 
     @property
     def spec(self) -> str:
@@ -45,6 +49,8 @@ class Method:
             return "fp"
         if self.family == "lowrank":
             return f"lowrank:r={self.rank}"
+        if self.family == "rvq":
+            return f"rvq:s={self.stages},n={self.n}"
         if self.family == "fibquant" and self.k is not None:
             return f"fibquant:k={self.k},n={self.n}"
         return f"{self.family}:b={self.bits:g}"
@@ -54,6 +60,8 @@ class Method:
             return "fp (uncompressed)"
         if self.family == "lowrank":
             return f"low-rank r={self.rank}"
+        if self.family == "rvq":
+            return f"RVQ {self.stages}x{self.n} per head"
         if self.family == "int":
             return f"INT{self.bits:g}"
         if self.family == "turboquant":
@@ -79,7 +87,7 @@ class Method:
             from fibquant.codecs.integer import IntCodec
 
             return IntCodec(dim, int(self.bits))
-        raise ValueError(f"{self.spec} has no stand-alone codec (fp is uncompressed, lowrank needs calibration)")
+        raise ValueError(f"{self.spec} has no stand-alone codec (fp is uncompressed, lowrank/rvq need calibration)")
 
 
 def parse_method(text: str) -> Method:
@@ -88,9 +96,9 @@ def parse_method(text: str) -> Method:
     values: dict[str, float | int] = {}
     for item in filter(None, params.split(",")):
         key, eq, raw = item.partition("=")
-        names = {"b": "bits", "k": "k", "n": "n", "r": "rank"}
+        names = {"b": "bits", "k": "k", "n": "n", "r": "rank", "s": "stages"}
         if not eq or key.strip() not in names:
-            raise ValueError(f"bad method parameter {item!r} in {text!r}; expected b=, k=, n= or r=")
+            raise ValueError(f"bad method parameter {item!r} in {text!r}; expected b=, k=, n=, r= or s=")
         try:
             number = float(raw)
         except ValueError as exc:
