@@ -25,7 +25,7 @@ def _demo(args: argparse.Namespace) -> int:
 def register_eval(eval_subparsers) -> None:
     fidelity = eval_subparsers.add_parser("fidelity", help="attention-output fidelity frontier (paper 4.2)")
     fidelity.add_argument("--text", default="emma")
-    fidelity.add_argument("--calibration-text", default="persuasion", help="novel for the low-rank fits")
+    fidelity.add_argument("--calibration-text", default="persuasion", help="novel for the calibrated fits (low-rank, RVQ)")
     fidelity.add_argument("--tokens", type=int, default=1024)
     fidelity.add_argument("--layers", default=None, help="comma-separated layer indices (default: all)")
     fidelity.add_argument("--query-stride", type=int, default=1)
