@@ -8,6 +8,7 @@ from fibquant.codecs.bitpack import (
     bytes_to_float16,
     float16_to_bytes,
     pack_bits,
+    pack_bits_reference,
     packed_size,
     unpack_bits,
     unpack_bits_reference,
@@ -24,6 +25,7 @@ def test_roundtrip_is_exact(bits, count, rows, seed):
     assert packed.shape == (rows, packed_size(count, bits))
     assert torch.equal(unpack_bits(packed, bits, count), values)
     assert torch.equal(unpack_bits_reference(packed, bits, count), values)
+    assert torch.equal(pack_bits_reference(values, bits), packed)
 
 
 @settings(max_examples=60, deadline=None)
@@ -62,10 +64,11 @@ def test_bad_width(bits):
 
 
 def test_out_of_range_values():
-    with pytest.raises(ValueError, match="out of range"):
-        pack_bits(torch.tensor([8]), 3)
-    with pytest.raises(ValueError, match="out of range"):
-        pack_bits(torch.tensor([-1]), 3)
+    for pack in (pack_bits, pack_bits_reference):
+        with pytest.raises(ValueError, match="out of range"):
+            pack(torch.tensor([8]), 3)
+        with pytest.raises(ValueError, match="out of range"):
+            pack(torch.tensor([-1]), 3)
 
 
 def test_wrong_packed_length():
