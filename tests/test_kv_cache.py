@@ -196,3 +196,16 @@ def test_int8_greedy_generate_equals_uncompressed_on_real_model(request):
     assert torch.equal(compressed, reference), tokenizer.decode(compressed[0]) + " | " + tokenizer.decode(reference[0])
     assert cache.layers[0].num_coded > 0
     assert len(cache.layers) == 30
+
+
+def test_shared_state_counts_codebook_and_rotation_once():
+    from fibquant.codecs.fibquant import FibQuantCodec
+    from fibquant.kv.cache import codec_state_nbytes
+
+    codec = FibQuantCodec(64, 4, 256)
+    codec.decode(codec.encode(torch.randn(3, 64)))
+    codebook = 256 * 4 * 4 + 256 * 4             # codewords + their squared norms, float32
+    rotation = 64 * 64 * 4 + 64 * 64 * 8         # Pi^T float32 (encode) + Pi float64 (decode)
+    assert codec_state_nbytes(codec) == codebook + rotation
+    cache = CompressedCache(codec, codec)
+    assert cache.shared_nbytes() == codebook + rotation  # one codec for keys and values: counted once

@@ -298,12 +298,27 @@ def _per_token(total: int, cache: Cache) -> float:
 
 
 def codec_state_nbytes(codec) -> int:
-    """Bytes of the torch tensors a codec holds as attributes (codebooks, rotations)."""
-    seen, total = set(), 0
-    for value in vars(codec).values():
-        if isinstance(value, torch.Tensor) and value.data_ptr() not in seen:
-            seen.add(value.data_ptr())
-            total += value.untyped_storage().nbytes()
+    """Bytes of the tensors a codec holds (codebooks, rotations, per-device tables), each storage once.
+
+    Walks attributes, dicts, lists and fibquant objects (e.g. the lazily loaded `Codebook` and
+    `RotationState`), so state kept behind helper objects is counted too.
+    """
+    seen, total, stack = set(), 0, [codec]
+    visited = set()
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            storage = item.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif type(item).__module__.startswith("fibquant") and hasattr(item, "__dict__") and id(item) not in visited:
+            visited.add(id(item))
+            stack.extend(vars(item).values())
     return total
 
 
