@@ -98,7 +98,8 @@ class RVQCodec(Codec):
 
     def _decode_flat(self, codes: torch.Tensor) -> torch.Tensor:
         indices = unpack_bits(codes, self.config.index_bits, self.stages)
-        if int(indices.max()) >= self.n_codewords:
+        # Only a field wider than log2(N) can hold an invalid index (skip the pass otherwise).
+        if self.n_codewords != 1 << self.config.index_bits and int(indices.max()) >= self.n_codewords:
             raise ValueError(f"RVQCodec.decode: code holds index >= N={self.n_codewords}")
         codebooks = self.codebooks.to(codes.device)
         out = torch.zeros(codes.shape[0], self.dim, dtype=torch.float32, device=codes.device)
