@@ -74,8 +74,11 @@ def test_only_codes_outside_window_and_exact_accounting():
     held = layer.tensors()
     assert layer.nbytes() == sum(t.numel() * t.element_size() for t in held)
     float_bytes = 2 * 3 * (4 + 8) * DIM * 4 * 2  # batch*heads*(sinks+recent)*dim*fp32*(K and V)
-    code_bytes = 2 * 3 * 28 * (IntCodec(DIM, 4).code_size + IntCodec(DIM, 3).code_size)
-    assert layer.nbytes() == float_bytes + code_bytes
+    code_row_bytes = IntCodec(DIM, 4).code_size + IntCodec(DIM, 3).code_size
+    assert layer.used_nbytes() == float_bytes + 2 * 3 * 28 * code_row_bytes
+    # 28 rows arrived as 23 (prefill overflow) then one per step: capacity max(64, 23) = 64 rows reserved.
+    assert layer.key_buffer.capacity == layer.value_buffer.capacity == 64
+    assert layer.nbytes() == float_bytes + 2 * 3 * 64 * code_row_bytes
 
 
 def test_cache_nbytes_sums_layers_and_beats_dynamic_cache():
@@ -88,12 +91,13 @@ def test_cache_nbytes_sums_layers_and_beats_dynamic_cache():
         model(ids, past_key_values=dynamic, use_cache=True)
     assert len(cache.layers) == 2 and cache.get_seq_length() == 120
     assert cache.nbytes() == sum(layer.nbytes() for layer in cache.layers)
-    assert cache.bytes_per_token() == pytest.approx(cache.nbytes() / (2 * 120))
+    assert cache.bytes_per_token() == pytest.approx(cache.used_nbytes() / (2 * 120))
     assert dynamic_cache_nbytes(dynamic) == 2 * 2 * 2 * 120 * DIM * 4 * 2  # layers*B*H*T*D*fp32*(K,V)
     assert dynamic_cache_bytes_per_token(dynamic) == pytest.approx(2 * 2 * DIM * 4 * 2)
     window_bytes = (4 + 8) * DIM * 4 * 2  # exact tokens * dim * fp32 * (K and V), per layer/batch/head
     code_bytes = (120 - 12) * 2 * IntCodec(DIM, 4).code_size
-    assert cache.nbytes() == 2 * 2 * 2 * (window_bytes + code_bytes)
+    assert cache.used_nbytes() == 2 * 2 * 2 * (window_bytes + code_bytes)
+    assert cache.nbytes() == cache.used_nbytes()  # one prefill reserves exactly what it encodes
     assert cache.nbytes() < dynamic_cache_nbytes(dynamic) / 3
 
 
@@ -152,13 +156,13 @@ def test_cache_level_crop_and_mask_sizes():
     cache = CompressedCache(IntCodec(DIM, 8), IntCodec(DIM, 8), sink_tokens=4, recent_tokens=8)
     with torch.no_grad():
         model(ids, past_key_values=cache, use_cache=True)
-    assert cache.get_mask_sizes(torch.arange(50, 53), 0) == (53, 0)
-    cache.crop(45)
+    assert cache.get_mask_sizes(3, 0) == (53, 0)
+    cache.crop(-5)  # transformers 5: crop takes the number of tokens to drop, negative
     assert cache.get_seq_length() == 45
     with torch.no_grad():
         logits = model(ids[:, 45:], past_key_values=cache, use_cache=True).logits
     assert logits.shape == (1, 5, 97) and torch.isfinite(logits).all()
-    assert cache[0][0].shape == (1, 2, 50, DIM)  # legacy indexing decodes on request
+    assert cache.layers[0].keys.shape == (1, 2, 50, DIM)  # decoded on request
 
 
 def test_bad_input_errors():

@@ -22,6 +22,7 @@ _EXPORTS = {
     "load_codebook": "fibquant.codebook",
     # KV cache and real components
     "CompressedCache": "fibquant.kv.cache",
+    "use_coded_attention": "fibquant.kv.attention",
     "load_model": "fibquant.kv.model",
     "load_text": "fibquant.data.text",
     "load_bigbench_task": "fibquant.data.bigbench",

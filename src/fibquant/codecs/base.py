@@ -8,11 +8,28 @@ arithmetic, and decoding one row gives exactly the vector the batch decode gives
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 FP16_MAX = float(torch.finfo(torch.float16).max)
+
+
+@dataclass(frozen=True)
+class RotatedCodebook:
+    """What attention on codes needs from a rotate-then-quantize codec (FibQuant, TurboQuant).
+
+    A code row [nu (fp16), idx_0 .. idx_{dim/k-1} (index_bits each)] decodes to
+    x_hat = nu * concat_j(codewords[idx_j]) @ forward.T, so for any query q,
+    q . x_hat = nu * (q @ forward) . concat_j(codewords[idx_j]): rotate the query once, never a key.
+
+    forward: float32 [dim, dim] (Pi^T, u = x @ forward); codewords: float32 [N, k]; both on one device.
+    """
+
+    forward: torch.Tensor
+    codewords: torch.Tensor
+    index_bits: int
 
 
 class Codec(ABC):
@@ -72,6 +89,11 @@ class Codec(ABC):
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
         """decode(encode(x)) in x's dtype."""
         return self.decode(self.encode(x), dtype=x.dtype)
+
+    def rotated_codebook(self, device: torch.device) -> RotatedCodebook | None:
+        """The codec's rotated-domain structure on `device`, or None when it has none (then
+        attention on codes falls back to decoding this codec's codes to floats)."""
+        return None
 
     def check_input(self, x: torch.Tensor) -> None:
         if not isinstance(x, torch.Tensor):

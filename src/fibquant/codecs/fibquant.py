@@ -29,7 +29,7 @@ import torch
 from ..codebook import CodebookSpec, load_codebook
 from ..codebook.grid_search import GridSearch, default_cells
 from ..codebook.search import nearest_codeword
-from .base import Codec
+from .base import Codec, RotatedCodebook
 from .bitpack import pack_bits, packed_size, unpack_bits
 from .rotation import NORM_BYTES, RotationState
 
@@ -122,6 +122,10 @@ class FibQuantCodec(Codec):
             codewords = self.codebook.codewords.to(device)
             self._tables[device] = (codewords, (codewords ** 2).sum(-1))
         return self._tables[device]
+
+    def rotated_codebook(self, device: torch.device) -> RotatedCodebook:
+        codewords, _ = self._table(torch.device(device))
+        return RotatedCodebook(self._rotation.forward_matrix(torch.device(device)), codewords, self.config.index_bits)
 
     def block_indices(self, u: torch.Tensor) -> torch.Tensor:
         """Rotated unit rows u [n, dim] -> nearest-codeword indices [n, dim/k] (int64), exact

@@ -16,7 +16,7 @@ import torch
 
 from ..codebook import load_codebook
 from ..codebook.search import nearest_level
-from .base import Codec
+from .base import Codec, RotatedCodebook
 from .bitpack import pack_bits, packed_size, unpack_bits
 from .rotation import NORM_BYTES, RotationState
 
@@ -61,6 +61,10 @@ class TurboQuantCodec(Codec):
         if device not in self._tables:
             self._tables[device] = (self.levels.to(device), self.thresholds.to(device))
         return self._tables[device]
+
+    def rotated_codebook(self, device: torch.device) -> RotatedCodebook:
+        levels, _ = self._table(torch.device(device))
+        return RotatedCodebook(self._rotation.forward_matrix(torch.device(device)), levels.reshape(-1, 1), self.bits)
 
     def _encode_flat(self, x: torch.Tensor) -> torch.Tensor:
         norm_bytes, u = self._rotation.normalise_rotate(x, type(self).__name__)

@@ -7,27 +7,38 @@ Layout of one layer (tensors are [batch, kv_heads, tokens, ...]):
                [B, H, s, D]     [B, H, m, code_size]       [B, H, r, D]
 
 with s <= sink_tokens and r <= recent_tokens. Tokens between the sinks and the recent
-window exist only as the codec's uint8 codes; no float copy of them is kept anywhere.
+window exist only as the codec's uint8 codes; no float copy of them is kept anywhere. The
+codes live in a buffer [B, H, capacity, code_size] grown by doubling, so appending a token
+copies nothing already stored (amortised O(1)); `nbytes()` counts the reserved capacity,
+`used_nbytes()` only the stored tokens.
 
 Semantics of one `update(key_states, value_states)` with T new tokens (a prefill chunk or
-one decoded token): the returned keys/values, which the queries of those T tokens attend
-to (under the model's causal mask), are
+one decoded token): the new tokens attend to
 
-    [exact sinks, decode(codes), exact recent window, exact new T tokens]
+    [exact sinks, the coded tokens, exact recent window, exact new T tokens]
 
-i.e. every token archived *before* this update is read back by decoding its codes, while
-the tokens of the current chunk are seen exactly (they are being computed in this pass).
-After building that output the new tokens enter the cache: the first `sink_tokens` of the
-sequence stay exact forever, the newest `recent_tokens` stay exact, and whatever slides
-out of the recent window is encoded and its float copy dropped. Hence a query at offset o
-of a chunk of C tokens sees between `recent_tokens + 1` and `recent_tokens + C` newest
-tokens exactly (more than the window only inside its own chunk); with token-by-token
-decoding (C = 1) it sees exactly the sinks, the previous `recent_tokens` tokens and itself.
+i.e. every token archived *before* this update is read through its codes, while the tokens
+of the current chunk are seen exactly (they are being computed in this pass). After that
+the new tokens enter the cache: the first `sink_tokens` of the sequence stay exact forever,
+the newest `recent_tokens` stay exact, and whatever slides out of the recent window is
+encoded and its float copy dropped. Hence a query at offset o of a chunk of C tokens sees
+between `recent_tokens + 1` and `recent_tokens + C` newest tokens exactly; with
+token-by-token decoding (C = 1) it sees exactly the sinks, the previous `recent_tokens`
+tokens and itself.
 
-Tested against the Cache / CacheLayerMixin contract of transformers 4.56-4.57.
+Two ways to read the coded part (`attention=`):
+
+- "decode" (the reference): `update` returns float keys/values with the coded part decoded,
+  for any attention implementation;
+- "codes": `update` returns a `CodedKV` snapshot (no float copy of the coded part) that the
+  attention function of `fibquant.kv.attention` scores directly from the codes; the model
+  must use it (`CompressedCache.for_model` sets that up).
+
+Tested against the Cache / CacheLayerMixin contract of transformers 5.x.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -35,7 +46,9 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from fibquant.codecs.base import Codec
 
-_FIELDS = ("sink_keys", "sink_values", "key_codes", "value_codes", "recent_keys", "recent_values")
+_FLOAT_FIELDS = ("sink_keys", "sink_values", "recent_keys", "recent_values")
+ATTENTION_MODES = ("codes", "decode")
+MIN_CAPACITY = 64  # code rows reserved on the first encode of a layer
 
 
 def _owned(tensor: torch.Tensor) -> torch.Tensor:
@@ -56,25 +69,143 @@ def _check_window(value, name: str) -> int:
     return value
 
 
+def _check_attention(value) -> str:
+    if value not in ATTENTION_MODES:
+        raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {value!r}")
+    return value
+
+
+class CodeBuffer:
+    """Append-only rows of uint8 codes [B, H, capacity, code_size], grown by capacity doubling.
+
+    `view()` is [B, H, used, code_size]; a view taken before an append stays valid (appends
+    write past it, and growth copies into a new buffer without touching the old one).
+    """
+
+    def __init__(self, batch: int, heads: int, code_size: int, device: torch.device):
+        self.data = torch.empty(batch, heads, 0, code_size, dtype=torch.uint8, device=device)
+        self.used = 0
+
+    @classmethod
+    def from_rows(cls, rows: torch.Tensor) -> "CodeBuffer":
+        buffer = cls(rows.shape[0], rows.shape[1], rows.shape[-1], rows.device)
+        buffer.data, buffer.used = _owned(rows), rows.shape[-2]
+        return buffer
+
+    @property
+    def capacity(self) -> int:
+        return self.data.shape[-2]
+
+    def view(self) -> torch.Tensor:
+        return self.data[..., : self.used, :]
+
+    def append(self, rows: torch.Tensor) -> None:
+        """rows: uint8 [B, H, n, code_size]."""
+        n = rows.shape[-2]
+        if self.used + n > self.capacity:
+            capacity = max(2 * self.capacity, self.used + n, MIN_CAPACITY)
+            grown = torch.empty(*self.data.shape[:2], capacity, self.data.shape[-1], dtype=torch.uint8,
+                                device=self.data.device)
+            grown[..., : self.used, :] = self.view()
+            self.data = grown
+        self.data[..., self.used: self.used + n, :] = rows
+        self.used += n
+
+    def truncate(self, used: int) -> None:
+        self.used = min(self.used, max(used, 0))
+
+    def remap(self, fn) -> None:
+        """Apply a batch edit (select, repeat, move) to the stored rows; capacity shrinks to fit."""
+        self.data = _owned(fn(self.view()))
+        self.used = self.data.shape[-2]
+
+    def nbytes(self) -> int:
+        return self.data.untyped_storage().nbytes()
+
+    def used_nbytes(self) -> int:
+        return self.view().numel()
+
+
+@dataclass(frozen=True)
+class CodedKV:
+    """What the new tokens of one update attend to, with the coded part still as codes.
+
+    Column order (= absolute token order): sinks [B,H,s,D], coded [B,H,m,code_size] (uint8),
+    recent [B,H,r,D], new [B,H,T,D]. Returned by `CompressedLayer.update` in "codes" mode in
+    place of both the key and the value tensor; `materialize()` gives the reference floats.
+    """
+
+    sink_keys: torch.Tensor
+    sink_values: torch.Tensor
+    key_codes: torch.Tensor
+    value_codes: torch.Tensor
+    recent_keys: torch.Tensor
+    recent_values: torch.Tensor
+    new_keys: torch.Tensor
+    new_values: torch.Tensor
+    key_codec: Codec
+    value_codec: Codec
+
+    @property
+    def num_sink(self) -> int:
+        return self.sink_keys.shape[-2]
+
+    @property
+    def num_coded(self) -> int:
+        return self.key_codes.shape[-2]
+
+    @property
+    def length(self) -> int:
+        return self.num_sink + self.num_coded + self.recent_keys.shape[-2] + self.new_keys.shape[-2]
+
+    def exact(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The exact part after the codes (recent window + new tokens), [B, H, r+T, D] each."""
+        dtype_k, dtype_v = self.new_keys.dtype, self.new_values.dtype
+        return (torch.cat([self.recent_keys.to(dtype_k), self.new_keys], dim=-2),
+                torch.cat([self.recent_values.to(dtype_v), self.new_values], dim=-2))
+
+    def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Float keys and values [B, H, length, D]: the coded part decoded (the reference path)."""
+        exact_keys, exact_values = self.exact()
+        keys = torch.cat([self.sink_keys.to(exact_keys.dtype),
+                          self.key_codec.decode(self.key_codes, dtype=exact_keys.dtype), exact_keys], dim=-2)
+        values = torch.cat([self.sink_values.to(exact_values.dtype),
+                            self.value_codec.decode(self.value_codes, dtype=exact_values.dtype), exact_values], dim=-2)
+        return keys, values
+
+    def __getattr__(self, name: str):
+        # Only reached for attributes a CodedKV does not have, i.e. when an attention function
+        # other than fibquant's treats it as a tensor: say what to do instead of failing obscurely.
+        raise AttributeError(
+            f"CodedKV has no attribute {name!r}: a CompressedCache with attention='codes' must be used by a model "
+            "whose attention implementation is 'fibquant' (CompressedCache.for_model or "
+            "fibquant.kv.attention.use_coded_attention(model) set it), or create the cache with attention='decode'")
+
+
 class CompressedLayer(CacheLayerMixin):
     """One layer of a `CompressedCache` (see the module docstring for the semantics)."""
 
     is_sliding = False
     is_compileable = False
+    is_croppable = False  # a crop inside the coded part cannot restore the exact recent window
 
-    def __init__(self, key_codec: Codec, value_codec: Codec, sink_tokens: int, recent_tokens: int):
+    def __init__(self, key_codec: Codec, value_codec: Codec, sink_tokens: int, recent_tokens: int,
+                 attention: str = "decode"):
         # CacheLayerMixin.__init__ would create float `keys`/`values` slots; this layer has none.
         self.key_codec = key_codec
         self.value_codec = value_codec
         self.sink_tokens = sink_tokens
         self.recent_tokens = recent_tokens
+        self.attention = _check_attention(attention)
         self.is_initialized = False
-        for name in _FIELDS:
+        for name in _FLOAT_FIELDS:
             setattr(self, name, None)
+        self.key_buffer: Optional[CodeBuffer] = None
+        self.value_buffer: Optional[CodeBuffer] = None
 
     def __repr__(self) -> str:
         return (f"CompressedLayer(tokens={self.get_seq_length()}, sinks={self.num_sink}, "
-                f"coded={self.num_coded}, recent={self.num_recent})")
+                f"coded={self.num_coded}, recent={self.num_recent}, attention={self.attention!r})")
 
     # ----------------------------------------------------------------- bookkeeping
     @property
@@ -83,19 +214,41 @@ class CompressedLayer(CacheLayerMixin):
 
     @property
     def num_coded(self) -> int:
-        return 0 if self.key_codes is None else self.key_codes.shape[-2]
+        return 0 if self.key_buffer is None else self.key_buffer.used
 
     @property
     def num_recent(self) -> int:
         return 0 if self.recent_keys is None else self.recent_keys.shape[-2]
 
+    @property
+    def key_codes(self) -> Optional[torch.Tensor]:
+        """Stored key codes, uint8 [B, H, num_coded, key code_size] (a view of the buffer)."""
+        return None if self.key_buffer is None else self.key_buffer.view()
+
+    @property
+    def value_codes(self) -> Optional[torch.Tensor]:
+        return None if self.value_buffer is None else self.value_buffer.view()
+
+    @property
+    def batch_size(self) -> int:
+        return self.sink_keys.shape[0] if self.is_initialized else -1
+
     def tensors(self) -> list[torch.Tensor]:
-        """Every tensor this layer holds (empty before the first update)."""
-        return [] if not self.is_initialized else [getattr(self, name) for name in _FIELDS]
+        """Every tensor this layer holds (code buffers with their reserved capacity)."""
+        if not self.is_initialized:
+            return []
+        return [getattr(self, name) for name in _FLOAT_FIELDS] + [self.key_buffer.data, self.value_buffer.data]
 
     def nbytes(self) -> int:
-        """Bytes of storage held by this layer (each tensor owns exactly its bytes)."""
+        """Bytes of storage held by this layer, reserved code capacity included."""
         return sum(t.untyped_storage().nbytes() for t in self.tensors())
+
+    def used_nbytes(self) -> int:
+        """Bytes of the stored tokens only: exact window + num_coded code rows."""
+        if not self.is_initialized:
+            return 0
+        floats = sum(t.numel() * t.element_size() for t in (getattr(self, n) for n in _FLOAT_FIELDS))
+        return floats + self.key_buffer.used_nbytes() + self.value_buffer.used_nbytes()
 
     # ----------------------------------------------------------------- contract
     def lazy_initialization(self, key_states: torch.Tensor, value_states: Optional[torch.Tensor] = None):
@@ -110,8 +263,8 @@ class CompressedLayer(CacheLayerMixin):
         self.sink_keys, self.recent_keys = empty(self.key_codec.dim, self.dtype), empty(self.key_codec.dim, self.dtype)
         self.sink_values = empty(self.value_codec.dim, value_states.dtype)
         self.recent_values = empty(self.value_codec.dim, value_states.dtype)
-        self.key_codes = empty(self.key_codec.code_size, torch.uint8)
-        self.value_codes = empty(self.value_codec.code_size, torch.uint8)
+        self.key_buffer = CodeBuffer(batch, heads, self.key_codec.code_size, self.device)
+        self.value_buffer = CodeBuffer(batch, heads, self.value_codec.code_size, self.device)
         self.is_initialized = True
 
     def _check_states(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -120,6 +273,8 @@ class CompressedLayer(CacheLayerMixin):
                 shape = tuple(states.shape) if isinstance(states, torch.Tensor) else type(states).__name__
                 raise ValueError(f"CompressedCache expects {name} of shape [batch, kv_heads, tokens, head_dim], "
                                  f"got {shape}")
+            if not states.is_floating_point():
+                raise ValueError(f"CompressedCache expects floating {name}, got dtype {states.dtype}")
         if key_states.shape[-1] != self.key_codec.dim:
             raise ValueError(f"key head_dim {key_states.shape[-1]} differs from the key codec dim "
                              f"{self.key_codec.dim} ({self.key_codec!r})")
@@ -133,52 +288,55 @@ class CompressedLayer(CacheLayerMixin):
             raise ValueError(f"[batch, kv_heads] changed from {tuple(self.sink_keys.shape[:2])} to "
                              f"{tuple(key_states.shape[:2])}; use batch_select_indices/reorder_cache")
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor,
-               cache_kwargs: Optional[dict[str, Any]] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return the keys/values the new tokens attend to, then archive what left the window.
+    def snapshot(self, key_states: torch.Tensor, value_states: torch.Tensor) -> CodedKV:
+        """What tokens `key_states`/`value_states` [B, H, T, D] attend to, before they are stored."""
+        return CodedKV(self.sink_keys, self.sink_values, self.key_codes, self.value_codes, self.recent_keys,
+                       self.recent_values, key_states, value_states, self.key_codec, self.value_codec)
 
-        key_states, value_states: [batch, kv_heads, T, head_dim]. Returns two tensors
-        [batch, kv_heads, seq_length_before + T, head_dim] in the dtype of the inputs.
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Return what the new tokens attend to, then archive what left the window.
+
+        key_states, value_states: [batch, kv_heads, T, head_dim]. "decode" mode returns two
+        float tensors [batch, kv_heads, seq_length_before + T, head_dim] in the inputs' dtype;
+        "codes" mode returns the same `CodedKV` twice (read by fibquant's attention function).
         """
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self._check_states(key_states, value_states)
-        keys_out = torch.cat([self.sink_keys.to(key_states.dtype),
-                              self.key_codec.decode(self.key_codes, dtype=key_states.dtype),
-                              self.recent_keys.to(key_states.dtype), key_states], dim=-2)
-        values_out = torch.cat([self.sink_values.to(value_states.dtype),
-                                self.value_codec.decode(self.value_codes, dtype=value_states.dtype),
-                                self.recent_values.to(value_states.dtype), value_states], dim=-2)
+        view = self.snapshot(key_states, value_states)
         self._absorb(key_states, value_states)
-        return keys_out, values_out
+        if self.attention == "codes":
+            return view, view
+        return view.materialize()
 
     def _absorb(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Store new tokens: fill the sinks first, then the recent window; encode the overflow."""
-        to_sink = min(self.sink_tokens - self.num_sink, key_states.shape[-2])
+        to_sink = max(min(self.sink_tokens - self.num_sink, key_states.shape[-2]), 0)
         if to_sink > 0:
             self.sink_keys = _owned(torch.cat([self.sink_keys, key_states[..., :to_sink, :]], dim=-2))
             self.sink_values = _owned(torch.cat([self.sink_values, value_states[..., :to_sink, :]], dim=-2))
-        to_sink = max(to_sink, 0)
         recent_keys = torch.cat([self.recent_keys, key_states[..., to_sink:, :]], dim=-2)
         recent_values = torch.cat([self.recent_values, value_states[..., to_sink:, :]], dim=-2)
         overflow = recent_keys.shape[-2] - self.recent_tokens
         if overflow > 0:
-            new_key_codes = self.key_codec.encode(recent_keys[..., :overflow, :])
-            new_value_codes = self.value_codec.encode(recent_values[..., :overflow, :])
-            self.key_codes = _owned(torch.cat([self.key_codes, new_key_codes], dim=-2))
-            self.value_codes = _owned(torch.cat([self.value_codes, new_value_codes], dim=-2))
+            self.key_buffer.append(self.key_codec.encode(recent_keys[..., :overflow, :]))
+            self.value_buffer.append(self.value_codec.encode(recent_values[..., :overflow, :]))
             recent_keys, recent_values = recent_keys[..., overflow:, :], recent_values[..., overflow:, :]
         # The recent slice is copied so the dropped (now encoded) floats are really freed.
         self.recent_keys, self.recent_values = _owned(recent_keys), _owned(recent_values)
 
-    def get_mask_sizes(self, cache_position: torch.Tensor) -> tuple[int, int]:
-        return self.get_seq_length() + cache_position.shape[0], 0
+    def get_mask_sizes(self, query_length) -> tuple[int, int]:
+        if isinstance(query_length, torch.Tensor):  # transformers < 5 passed cache_position
+            query_length = query_length.shape[0]
+        return self.get_seq_length() + query_length, 0
 
     def get_seq_length(self) -> int:
         return self.num_sink + self.num_coded + self.num_recent
 
-    def get_max_cache_shape(self) -> int:
+    def get_max_length(self) -> int:
         return -1
+
+    get_max_cache_shape = get_max_length
 
     # ----------------------------------------------------------------- read-back views
     @property
@@ -201,14 +359,17 @@ class CompressedLayer(CacheLayerMixin):
     # ----------------------------------------------------------------- editing
     def _apply(self, fn) -> None:
         if self.is_initialized:
-            for name in _FIELDS:
+            for name in _FLOAT_FIELDS:
                 setattr(self, name, _owned(fn(getattr(self, name))))
+            self.key_buffer.remap(fn)
+            self.value_buffer.remap(fn)
 
     def reset(self) -> None:
         self._apply(lambda t: t[..., :0, :])
 
     def crop(self, max_length: int) -> None:
-        """Keep the first `max_length` tokens (negative: drop that many from the end).
+        """Drop `-max_length` tokens from the end (transformers 5 passes a negative count);
+        a non-negative value keeps the first `max_length` tokens.
 
         Tokens keep the form they are stored in: if the cut falls inside the coded part, the
         recent window is empty until new tokens arrive (nothing is re-created exactly).
@@ -225,8 +386,8 @@ class CompressedLayer(CacheLayerMixin):
             for kind in ("keys", "values"):
                 name = f"{prefix}_{kind}"
                 setattr(self, name, _owned(getattr(self, name)[..., :keep, :]))
-        self.key_codes = _owned(self.key_codes[..., :keep_coded, :])
-        self.value_codes = _owned(self.value_codes[..., :keep_coded, :])
+        self.key_buffer.truncate(keep_coded)
+        self.value_buffer.truncate(keep_coded)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         self._apply(lambda t: t.repeat_interleave(repeats, dim=0))
@@ -250,39 +411,86 @@ class CompressedCache(Cache):
 
     key_codec / value_codec: fibquant codecs whose `dim` equals the model's head_dim (checked
     at the first update). sink_tokens / recent_tokens: sizes of the exact window (first and
-    last tokens kept in the model's dtype). Layers are created lazily on first update.
-    Pass it as `past_key_values=` to a forward pass or to `model.generate`.
+    last tokens kept in the model's dtype). attention: "decode" (update returns floats, works
+    with any attention implementation) or "codes" (attention runs on the codes; the model must
+    use fibquant's attention function: build the cache with `for_model`, which sets it up).
+    Layers are created lazily on first update. Pass it as `past_key_values=` to a forward pass
+    or to `model.generate`.
     """
 
-    def __init__(self, key_codec: Codec, value_codec: Codec, sink_tokens: int = 4, recent_tokens: int = 32):
+    def __init__(self, key_codec: Codec, value_codec: Codec, sink_tokens: int = 4, recent_tokens: int = 32,
+                 attention: str = "decode"):
         _check_codec(key_codec, "key_codec")
         _check_codec(value_codec, "value_codec")
         self.key_codec, self.value_codec = key_codec, value_codec
         self.sink_tokens = _check_window(sink_tokens, "sink_tokens")
         self.recent_tokens = _check_window(recent_tokens, "recent_tokens")
+        self.attention = _check_attention(attention)
         super().__init__(layer_class_to_replicate=self._new_layer)
 
     def _new_layer(self) -> CompressedLayer:
-        return CompressedLayer(self.key_codec, self.value_codec, self.sink_tokens, self.recent_tokens)
+        return CompressedLayer(self.key_codec, self.value_codec, self.sink_tokens, self.recent_tokens, self.attention)
 
     @classmethod
     def for_model(cls, model, key_codec: Codec, value_codec: Codec, sink_tokens: int = 4,
-                  recent_tokens: int = 32) -> "CompressedCache":
-        """A cache for `model` after checking that the model's attention is supported."""
+                  recent_tokens: int = 32, attention: str = "codes") -> "CompressedCache":
+        """A cache for `model` after checking that the model's attention is supported.
+
+        attention="codes" switches the model to fibquant's attention function (which serves
+        every other cache as SDPA does); a model that cannot use it gets "decode" with a
+        one-time warning.
+        """
         check_model_supported(model, key_codec, value_codec)
-        return cls(key_codec, value_codec, sink_tokens, recent_tokens)
+        attention = _check_attention(attention)
+        if attention == "codes":
+            from fibquant.kv.attention import try_use_coded_attention
+
+            if not try_use_coded_attention(model):
+                attention = "decode"
+        return cls(key_codec, value_codec, sink_tokens, recent_tokens, attention)
+
+    @classmethod
+    def from_cache(cls, cache: Cache, key_codec: Codec, value_codec: Codec, sink_tokens: int = 4,
+                   recent_tokens: int = 32, attention: str = "decode", model=None) -> "CompressedCache":
+        """Compress an already computed cache (e.g. a `DynamicCache` after a float prefill).
+
+        The result holds what this cache would hold had it seen the same tokens in one update:
+        the first `sink_tokens` and last `recent_tokens` exact, the rest as codes. The source is
+        left untouched. With `model` given, `for_model`'s checks and attention set-up apply.
+        """
+        if model is not None:
+            target = cls.for_model(model, key_codec, value_codec, sink_tokens, recent_tokens, attention)
+        else:
+            target = cls(key_codec, value_codec, sink_tokens, recent_tokens, attention)
+        for index, layer in enumerate(cache.layers):
+            keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+            if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor):
+                raise ValueError(f"from_cache: layer {index} of the source ({type(layer).__name__}) holds no "
+                                 "float keys/values tensors (e.g. a linear-attention or uninitialised layer)")
+            new_layer = target._new_layer()
+            if keys.ndim == 4 and keys.shape[-2] > 0:
+                new_layer.lazy_initialization(keys, values)
+                new_layer._absorb(keys, values)
+            target.layers.append(new_layer)
+        return target
 
     def __repr__(self) -> str:
         return (f"CompressedCache(key={self.key_codec!r}, value={self.value_codec!r}, "
-                f"sinks={self.sink_tokens}, recent={self.recent_tokens}, layers={len(self.layers)})")
+                f"sinks={self.sink_tokens}, recent={self.recent_tokens}, attention={self.attention!r}, "
+                f"layers={len(self.layers)})")
 
     def nbytes(self) -> int:
-        """Real bytes held by the cache: codes, exact sinks and recent windows, every layer."""
+        """Real bytes held by the cache: code buffers (reserved capacity included), exact sinks
+        and recent windows, every layer."""
         return sum(layer.nbytes() for layer in self.layers)
 
+    def used_nbytes(self) -> int:
+        """Bytes of the stored tokens only (code rows in use + exact windows), every layer."""
+        return sum(layer.used_nbytes() for layer in self.layers)
+
     def bytes_per_token(self) -> float:
-        """nbytes / (batch * tokens): all layers, keys and values, window included."""
-        return _per_token(self.nbytes(), self)
+        """used_nbytes / (batch * tokens): all layers, keys and values, window included."""
+        return _per_token(self.used_nbytes(), self)
 
     def shared_nbytes(self) -> int:
         """Bytes of the codecs' shared state (codebooks, rotations), held once for the model."""
@@ -293,7 +501,7 @@ def _per_token(total: int, cache: Cache) -> float:
     tokens = cache.get_seq_length()
     if tokens == 0 or not cache.layers or not cache.layers[0].is_initialized:
         return 0.0
-    batch = cache.layers[0].tensors()[0].shape[0] if isinstance(cache, CompressedCache) else cache.layers[0].keys.shape[0]
+    batch = cache.layers[0].batch_size if isinstance(cache, CompressedCache) else cache.layers[0].keys.shape[0]
     return total / (batch * tokens)
 
 

@@ -1,0 +1,198 @@
+"""Attention computed from the codes of a `CompressedCache`, plugged into transformers.
+
+transformers calls an attention function from its registry (`AttentionInterface`) with the
+keys/values that `cache.update` returned. In "codes" mode `CompressedLayer.update` returns a
+`CodedKV` (exact sinks, the coded tokens as uint8 code rows, exact recent window and the
+new tokens) and `coded_attention_forward`, registered as "fibquant", attends to it:
+
+- keys: for FibQuant/TurboQuant, q . x_hat_i = nu_i * (q @ Pi^T) . u_hat_i, so each query is
+  rotated once and scored against every code row by `coded_kernels.coded_scores` (a per-query
+  lookup table of block dot products), never un-rotating or decoding a key;
+- values: sum_i p_i x_hat_i = (sum_i p_i nu_i u_hat_i) @ Pi: the weighted sum is accumulated
+  in the rotated domain (`coded_weighted_sum`) and un-rotated once per query;
+- the exact columns (sinks, recent window, the current chunk) are scored as floats; all
+  scores of a query go through one softmax over the full row, so the merge of coded and
+  exact parts is exact (no approximation of the normaliser);
+- queries are processed in blocks so a long prefill chunk never builds a [T, L] score
+  matrix larger than a few MB per head.
+
+Anything else falls back, never silently wrongly: a codec without a rotated codebook (INT,
+low-rank, RVQ) has its codes decoded to floats for that role (one-time warning); options the
+path does not implement (softcapping, sliding windows, attention sinks `s_aux`, dropout)
+decode the whole `CodedKV` and run SDPA on it (one-time warning); caches other than a
+`CompressedCache` in "codes" mode are served by transformers' SDPA unchanged.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from fibquant.codecs.base import Codec
+from fibquant.kv.cache import CodedKV
+
+ATTENTION_NAME = "fibquant"
+QUERY_ROWS_PER_BLOCK = 2048      # query rows (query heads x tokens) per KV head scored at once
+_UNSUPPORTED_KWARGS = ("softcap", "sliding_window", "s_aux", "position_bias")
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def register_coded_attention() -> None:
+    """Register "fibquant" in transformers' attention and mask registries (idempotent)."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    ALL_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, coded_attention_forward)
+    # SDPA's boolean mask (or None for a plain causal one), which coded_attention_forward reads.
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, sdpa_mask)
+
+
+def unsupported_reason(model) -> str | None:
+    """Why `model` cannot run attention on codes, or None when it can."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "set_attn_implementation"):
+        return f"{type(model).__name__} is not a transformers PreTrainedModel"
+    can_set = getattr(type(model), "_can_set_attn_implementation", None)
+    if can_set is not None and not can_set():
+        return f"{type(model).__name__} does not dispatch attention through transformers' AttentionInterface"
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    if getattr(text, "attn_logit_softcapping", None):
+        return "attention logit softcapping is not implemented on codes"
+    return None
+
+
+def use_coded_attention(model) -> None:
+    """Switch `model` to the "fibquant" attention function; raise ValueError naming what is unsupported.
+
+    Caches other than a CompressedCache in "codes" mode keep working (they are served by SDPA).
+    """
+    reason = unsupported_reason(model)
+    if reason is not None:
+        raise ValueError(f"attention on codes is unsupported for this model: {reason}")
+    register_coded_attention()
+    model.set_attn_implementation(ATTENTION_NAME)
+    if getattr(model.config, "_attn_implementation", None) != ATTENTION_NAME:
+        raise ValueError(f"attention on codes is unsupported: {type(model).__name__} kept attention "
+                         f"implementation {model.config._attn_implementation!r}")
+
+
+def try_use_coded_attention(model) -> bool:
+    """`use_coded_attention`, or False with a one-time warning (the cache then decodes)."""
+    try:
+        use_coded_attention(model)
+    except ValueError as exc:
+        _warn_once(f"model:{type(model).__name__}", f"{exc}; the CompressedCache falls back to attention='decode'")
+        return False
+    return True
+
+
+# --------------------------------------------------------------------- one codec role
+def _scores_from_codes(codec: Codec, queries: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """queries float32 [B, H, Q, D] (already scaled) . decoded codes [B, H, M, C] -> [B, H, Q, M]."""
+    from fibquant.kv.coded_kernels import coded_scores
+
+    rotated = codec.rotated_codebook(queries.device)
+    if rotated is None:
+        _warn_once(f"codec:{type(codec).__name__}", f"{type(codec).__name__} has no rotated codebook: its codes are "
+                   "decoded to floats for attention (the 'decode' path for this role)")
+        return queries @ codec.decode(codes).transpose(-1, -2)
+    return coded_scores(queries @ rotated.forward, codes, rotated.codewords, rotated.index_bits)
+
+
+def _values_from_codes(codec: Codec, weights: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """weights float32 [B, H, Q, M] x decoded codes [B, H, M, C] -> float32 [B, H, Q, D]."""
+    from fibquant.kv.coded_kernels import coded_weighted_sum
+
+    rotated = codec.rotated_codebook(weights.device)
+    if rotated is None:
+        return weights @ codec.decode(codes)
+    return coded_weighted_sum(weights, codes, rotated.codewords, rotated.index_bits) @ rotated.forward.T
+
+
+# --------------------------------------------------------------------- the attention function
+def _bias_block(mask: torch.Tensor | None, rows: slice, length: int, past: int, device) -> torch.Tensor | None:
+    """Additive float32 bias [B or 1, 1 or Hq, t, L] for query tokens `rows` (None: nothing masked)."""
+    if mask is None:  # SDPA's skipped causal mask: query t sees columns <= past + t
+        t = torch.arange(rows.start, rows.stop, device=device).unsqueeze(1)
+        cols = torch.arange(length, device=device).unsqueeze(0)
+        if past + rows.stop - 1 >= length - 1 and rows.stop - rows.start == 1:
+            return None  # one token seeing every column
+        blocked = cols > past + t
+        return torch.zeros(blocked.shape, device=device).masked_fill_(blocked, float("-inf"))[None, None]
+    block = mask[:, :, rows, :length]
+    if block.dtype == torch.bool:
+        return torch.zeros(block.shape, device=device).masked_fill_(~block, float("-inf"))
+    return block.to(torch.float32)
+
+
+def attend_codes(query: torch.Tensor, kv: CodedKV, attention_mask: torch.Tensor | None,
+                 scaling: float) -> torch.Tensor:
+    """Attention of query [B, Hq, T, D] over a `CodedKV` -> [B, T, Hq, Dv] in query's dtype.
+
+    attention_mask: None (plain causal, as SDPA's skipped mask), bool [B, 1|Hq, T, L] (True =
+    attend) or additive float of that shape. Fully masked query rows give zeros.
+    """
+    batch, q_heads, tokens, dim = query.shape
+    heads = kv.new_keys.shape[1]
+    if q_heads % heads:
+        raise ValueError(f"{q_heads} query heads are not a multiple of {heads} KV heads")
+    groups = q_heads // heads
+    length, sinks, coded = kv.length, kv.num_sink, kv.num_coded
+    past = length - tokens
+    exact_keys, exact_values = (t.to(torch.float32) for t in kv.exact())
+    sink_keys, sink_values = kv.sink_keys.to(torch.float32), kv.sink_values.to(torch.float32)
+    value_dim = exact_values.shape[-1]
+    queries = query.to(torch.float32).reshape(batch, heads, groups, tokens, dim) * scaling
+    out = torch.empty(batch, heads, groups, tokens, value_dim, dtype=torch.float32, device=query.device)
+    step = max(1, QUERY_ROWS_PER_BLOCK // groups)
+    for start in range(0, tokens, step):
+        rows = slice(start, min(start + step, tokens))
+        width = rows.stop - rows.start
+        block = queries[:, :, :, rows].reshape(batch, heads, groups * width, dim)
+        scores = torch.cat([block @ sink_keys.transpose(-1, -2),
+                            _scores_from_codes(kv.key_codec, block, kv.key_codes),
+                            block @ exact_keys.transpose(-1, -2)], dim=-1)
+        bias = _bias_block(attention_mask, rows, length, past, query.device)
+        if bias is not None:
+            shaped = scores.view(batch, heads, groups, width, length)
+            if bias.shape[1] == 1:
+                shaped += bias.unsqueeze(1)
+            else:
+                shaped += bias.reshape(bias.shape[0], heads, groups, width, length)
+        weights = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # a fully masked row: zeros, not NaN
+        mixed = weights[..., :sinks] @ sink_values + weights[..., sinks + coded:] @ exact_values
+        if coded:
+            mixed += _values_from_codes(kv.value_codec, weights[..., sinks:sinks + coded].contiguous(), kv.value_codes)
+        out[:, :, :, rows] = mixed.view(batch, heads, groups, width, value_dim)
+    return out.reshape(batch, q_heads, tokens, value_dim).transpose(1, 2).contiguous().to(query.dtype)
+
+
+def coded_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
+                            scaling: float | None = None, **kwargs):
+    """transformers attention function: on codes for a `CodedKV`, SDPA for plain tensors.
+
+    query [B, Hq, T, D]; returns (attn_output [B, T, Hq, D], None) as every transformers
+    attention function does.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if not isinstance(key, CodedKV):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    unsupported = [name for name in _UNSUPPORTED_KWARGS if kwargs.get(name) is not None]
+    if dropout:
+        unsupported.append("dropout")
+    if unsupported:
+        _warn_once(f"kwargs:{unsupported}", f"attention on codes does not implement {unsupported}: this call "
+                   "decodes the coded part and runs SDPA (the 'decode' path)")
+        keys, values = key.materialize()
+        return sdpa_attention_forward(module, query, keys, values, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    return attend_codes(query, key, attention_mask, scaling), None
