@@ -32,8 +32,11 @@ class PerplexityConfig:
     sink_tokens: int = 4
     recent_tokens: int = 32
     batch_size: int = 4
+    attention: str = "codes"  # "codes" (attention on the codes) or "decode" (the reference path)
 
     def __post_init__(self) -> None:
+        if self.attention not in ("codes", "decode"):
+            raise ValueError(f"attention must be 'codes' or 'decode', got {self.attention!r}")
         for name in ("tokens", "context", "chunk", "batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -58,7 +61,8 @@ def make_cache(method: Method, model, config: PerplexityConfig):
         raise ValueError(f"{method.spec}: calibrated methods are not supported in the perplexity loop")
     head_dim = check_model_supported(model)["head_dim"]
     codec = method.build(head_dim)
-    return CompressedCache.for_model(model, codec, codec, config.sink_tokens, config.recent_tokens)
+    return CompressedCache.for_model(model, codec, codec, config.sink_tokens, config.recent_tokens,
+                                     attention=config.attention)
 
 
 def cache_nbytes(cache) -> int:
