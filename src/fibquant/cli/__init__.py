@@ -17,6 +17,7 @@ _COMMAND_MODULES = (
     "fibquant.cli.kv",         # fibquant demo, fibquant eval fidelity|perplexity
     "fibquant.cli.realdata",   # fibquant eval canonical|mc, fibquant data fetch
     "fibquant.cli.archive",    # fibquant archive pack|get|search|info, fibquant eval archive
+    "fibquant.cli.speed",      # fibquant eval speed
 )
 
 

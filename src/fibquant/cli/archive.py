@@ -6,6 +6,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ._threads import add_threads_argument, apply_threads
+
 
 def _read_symbols(path: Path, input_format: str) -> tuple[np.ndarray, int]:
     """(symbols, default alphabet size) of a .npy of ints or of any file read as bytes."""
@@ -118,11 +120,14 @@ def register_eval(eval_subparsers) -> None:
     parser = eval_subparsers.add_parser("archive", help="fractal archive benchmark (table, JSON, plot)")
     parser.add_argument("--quick", action="store_true", help="10^5 symbols per stream")
     parser.add_argument("--out", default="results/archive")
+    add_threads_argument(parser)
     parser.set_defaults(func=_eval)
 
 
 def _eval(args) -> int:
     from ..eval.archive_bench import config_for, run
 
-    run(config_for(args.quick), out_dir=args.out)
+    config = config_for(args.quick)
+    apply_threads(args)
+    run(config, out_dir=args.out)
     return 0

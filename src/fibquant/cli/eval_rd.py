@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ._threads import add_threads_argument, apply_threads
+
 
 def register_eval(eval_subparsers) -> None:
     parser = eval_subparsers.add_parser(
@@ -23,6 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-codewords", type=int, default=None,
                         help="skip FibQuant codebooks larger than this (they take long to build)")
     parser.add_argument("--out", type=Path, default=Path("results"), help="output folder")
+    add_threads_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -39,6 +42,7 @@ def run(args: argparse.Namespace) -> int:
         config = RDConfig(**{**config.__dict__, "build_missing": False})
     if args.max_codewords is not None:
         config = RDConfig(**{**config.__dict__, "max_codewords": args.max_codewords})
+    apply_threads(args)
     report = run_rate_distortion(config)
     print(format_report(report))
     json_path, png_path = write_outputs(report, args.out)

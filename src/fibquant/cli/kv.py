@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 
+from ._threads import add_threads_argument, apply_threads
+
 
 def _methods(text: str) -> list[str]:
     return [m.strip() for m in text.split(";") if m.strip()]
@@ -12,13 +14,16 @@ def register(subparsers) -> None:
     parser = subparsers.add_parser("demo", help="compressed KV cache on the default model and a novel (~10 min)")
     parser.add_argument("--text", default="emma", help="novel to run on (default: emma)")
     parser.add_argument("--out", default=None, help="results directory (default: results/)")
+    add_threads_argument(parser)
     parser.set_defaults(func=_demo)
 
 
 def _demo(args: argparse.Namespace) -> int:
     from fibquant.eval.demo import DemoConfig, run_demo
 
-    run_demo(DemoConfig(text=args.text), out_dir=args.out)
+    config = DemoConfig(text=args.text)
+    apply_threads(args)
+    run_demo(config, out_dir=args.out)
     return 0
 
 
@@ -36,6 +41,7 @@ def register_eval(eval_subparsers) -> None:
     fidelity.add_argument("--build-codebooks", action="store_true",
                           help="build FibQuant codebooks that are neither shipped nor cached (can be slow)")
     fidelity.add_argument("--out", default=None)
+    add_threads_argument(fidelity)
     fidelity.set_defaults(func=_fidelity)
 
     perplexity = eval_subparsers.add_parser("perplexity", help="perplexity with the compressed cache (paper 4.3)")
@@ -47,6 +53,7 @@ def register_eval(eval_subparsers) -> None:
     perplexity.add_argument("--methods", type=_methods, default=None)
     perplexity.add_argument("--build-codebooks", action="store_true")
     perplexity.add_argument("--out", default=None)
+    add_threads_argument(perplexity)
     perplexity.set_defaults(func=_perplexity)
 
 
@@ -57,6 +64,7 @@ def _fidelity(args: argparse.Namespace) -> int:
     config = FidelityConfig(text=args.text, calibration_text=args.calibration_text, tokens=args.tokens,
                             layers=layers, query_stride=args.query_stride, sink_tokens=args.sink_tokens,
                             recent_tokens=args.recent_tokens)
+    apply_threads(args)
     main_fidelity(config, args.methods, args.out, build_codebooks=args.build_codebooks)
     return 0
 
@@ -66,5 +74,6 @@ def _perplexity(args: argparse.Namespace) -> int:
 
     config = PerplexityConfig(text=args.text, tokens=args.tokens, context=args.context, chunk=args.chunk,
                               batch_size=args.batch_size)
+    apply_threads(args)
     main_perplexity(config, args.methods, args.out, build_codebooks=args.build_codebooks)
     return 0

@@ -8,6 +8,8 @@ import argparse
 import functools
 import sys
 
+from ._threads import add_threads_argument, apply_threads
+
 
 def _reports_unavailable_data(func):
     """Print a fetch failure (package/sdist unavailable: a RuntimeError) as one clear line, exit 1."""
@@ -87,17 +89,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, help="results folder (default $FIBQUANT_RESULTS_DIR or ./results)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch CPU threads (default: torch's choice; 1 is much faster on a busy machine)")
-
-
-def _set_threads(args) -> None:
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {args.threads}")
-        import torch
-
-        torch.set_num_threads(args.threads)
+    add_threads_argument(parser)
 
 
 def add_canonical_arguments(parser: argparse.ArgumentParser) -> None:
@@ -117,7 +109,7 @@ def run_canonical_command(args) -> int:
 
     config = CanonicalConfig(text=args.text, tokens=args.tokens, offset=args.offset, layers=tuple(args.layers),
                              block_sizes=tuple(args.block_sizes), seed=args.seed)
-    _set_threads(args)
+    apply_threads(args)
     model, tokenizer = load_model(args.model)
     payload = run_canonical(model, tokenizer, config, progress=not args.no_progress)
     print(f"Canonical source: {payload['model']}, {config.tokens} tokens of {config.text!r} "
@@ -155,7 +147,7 @@ def run_mc_command(args) -> int:
     settings = default_settings(bits=args.bits, sink_tokens=args.sink_tokens, recent_tokens=args.recent_tokens,
                                 small_window=None if args.no_small_window else tuple(args.small_window),
                                 methods=args.methods)
-    _set_threads(args)
+    apply_threads(args)
     model, tokenizer = load_model(args.model)
     payload = run_multiple_choice(model, tokenizer, task=args.task, limit=args.limit or None, settings=settings,
                                   seed=args.seed, progress=not args.no_progress)

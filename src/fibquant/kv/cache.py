@@ -8,8 +8,9 @@ Layout of one layer (tensors are [batch, kv_heads, tokens, ...]):
 
 with s <= sink_tokens and r <= recent_tokens. Tokens between the sinks and the recent
 window exist only as the codec's uint8 codes; no float copy of them is kept anywhere. The
-codes live in a buffer [B, H, capacity, code_size] grown by doubling, so appending a token
-copies nothing already stored (amortised O(1)); `nbytes()` counts the reserved capacity,
+codes live in a buffer [B, H, capacity, code_size] grown geometrically (by 1/8), so appending
+a token copies nothing already stored but at a growth (amortised O(1)); `nbytes()` counts the
+reserved capacity,
 `used_nbytes()` only the stored tokens.
 
 Semantics of one `update(key_states, value_states)` with T new tokens (a prefill chunk or
@@ -48,7 +49,8 @@ from fibquant.codecs.base import Codec
 
 _FLOAT_FIELDS = ("sink_keys", "sink_values", "recent_keys", "recent_values")
 ATTENTION_MODES = ("codes", "decode")
-MIN_CAPACITY = 64  # code rows reserved on the first encode of a layer
+MIN_GROWTH = 64      # code rows added at least when a buffer grows
+GROWTH_FRACTION = 8  # ... and at least capacity / 8: copies stay amortised O(1), reserve <= 12.5 %
 
 
 def _owned(tensor: torch.Tensor) -> torch.Tensor:
@@ -76,7 +78,10 @@ def _check_attention(value) -> str:
 
 
 class CodeBuffer:
-    """Append-only rows of uint8 codes [B, H, capacity, code_size], grown by capacity doubling.
+    """Append-only rows of uint8 codes [B, H, capacity, code_size], grown geometrically.
+
+    Growth adds max(capacity / 8, 64) rows (or what the append needs): each stored row is copied
+    O(1) times on average, and the reserve never exceeds 12.5 % of the capacity (+64 rows).
 
     `view()` is [B, H, used, code_size]; a view taken before an append stays valid (appends
     write past it, and growth copies into a new buffer without touching the old one).
@@ -103,7 +108,7 @@ class CodeBuffer:
         """rows: uint8 [B, H, n, code_size]."""
         n = rows.shape[-2]
         if self.used + n > self.capacity:
-            capacity = max(2 * self.capacity, self.used + n, MIN_CAPACITY)
+            capacity = max(self.capacity + max(self.capacity // GROWTH_FRACTION, MIN_GROWTH), self.used + n)
             grown = torch.empty(*self.data.shape[:2], capacity, self.data.shape[-1], dtype=torch.uint8,
                                 device=self.data.device)
             grown[..., : self.used, :] = self.view()

@@ -1,0 +1,46 @@
+"""`fibquant eval speed`: decode ms/token, cache bytes and peak memory per KV cache (argument parsing only)."""
+from __future__ import annotations
+
+import argparse
+
+from ._threads import add_threads_argument, apply_threads
+
+
+def register_eval(eval_subparsers) -> None:
+    parser = eval_subparsers.add_parser(
+        "speed", help="decode speed and memory: DynamicCache vs CompressedCache vs QuantizedCache")
+    add_speed_arguments(parser)
+    parser.set_defaults(func=run_speed_command)
+
+
+def add_speed_arguments(parser: argparse.ArgumentParser) -> None:
+    from fibquant.eval.decode_speed import DEFAULT_CACHES  # torch-free at import
+
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048, 4096, 8192],
+                        help="context lengths in tokens (cut to leave room for the decoded tokens)")
+    parser.add_argument("--decode-tokens", type=int, default=32, help="greedy decode steps per run")
+    parser.add_argument("--caches", nargs="+", default=list(DEFAULT_CACHES), metavar="NAME",
+                        help="caches to compare (DynamicCache always runs): dynamic, fibquantB, turboquantB, "
+                             "with -old for the decode-the-whole-cache path, quantoB, hqqB "
+                             f"(default: {' '.join(DEFAULT_CACHES)})")
+    parser.add_argument("--text", default="emma", help="novel to take the contexts from")
+    parser.add_argument("--sink-tokens", type=int, default=4)
+    parser.add_argument("--recent-tokens", type=int, default=32)
+    parser.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up run of each cache")
+    parser.add_argument("--model", default=None, help="a .gguf file or local model directory (default: SmolLM2-135M)")
+    parser.add_argument("--out", default=None, help="results folder (default $FIBQUANT_RESULTS_DIR or ./results)")
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    add_threads_argument(parser)
+
+
+def run_speed_command(args: argparse.Namespace) -> int:
+    from fibquant.eval.decode_speed import DecodeSpeedConfig, main_decode_speed
+    from fibquant.kv.model import load_model
+
+    config = DecodeSpeedConfig(contexts=tuple(args.contexts), decode_tokens=args.decode_tokens,
+                               caches=tuple(args.caches), text=args.text, sink_tokens=args.sink_tokens,
+                               recent_tokens=args.recent_tokens, warmup=not args.no_warmup)
+    apply_threads(args)
+    model_and_tokenizer = load_model(args.model)
+    main_decode_speed(config, args.out, model_and_tokenizer, progress=not args.no_progress)
+    return 0

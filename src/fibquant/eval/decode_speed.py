@@ -1,0 +1,758 @@
+"""Decode speed and memory of KV caches on a real model and real text.
+
+Protocol, per context length L (the first L tokens of one novel, no special tokens):
+
+1. one float prefill: the model runs once over the L tokens with a `DynamicCache` (only the
+   last position's logits are computed); its greedy next token starts every decode below;
+2. every cache under test is built from that prefill, so all start from the same state and
+   the same first input token:
+   - "dynamic": a `DynamicCache` copy (the prefill's own cache stays untouched),
+   - ours (`fibquant4`, `turboquant2`, ...): `CompressedCache.from_cache(prefill, codec, codec,
+     sink_tokens, recent_tokens, attention="codes" | "decode")`; the conversion is timed and
+     reported next to the prefill time,
+   - transformers' `QuantizedCache` (quanto / hqq backends): the prefill keys/values are fed
+     layer by layer through its `update`, which is exactly what its own prefill would store
+     (the first update of a `QuantizedLayer` quantizes all states and keeps no float residual);
+3. `decode_tokens` greedy steps, one token per forward pass with the cache (not `generate`):
+   each step is timed (forward + argmax); the median is the decode ms/token;
+4. the cache's bytes after decoding, and the peak resident memory the process added during
+   the decode loop over its RSS just before it (see `PeakRSS`).
+
+Every ratio is against the DynamicCache measured in the same run at the same context. The
+model runs in float32, so its DynamicCache is float32; `dynamic_fp16_bytes` (half of it) is
+what an fp16 DynamicCache would hold, the usual reference for compression claims.
+"""
+from __future__ import annotations
+
+import ctypes
+import gc
+import inspect
+import os
+import platform
+import statistics
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+# ----------------------------------------------------------------------------- cache names
+
+OUR_FAMILIES = {"fibquant": "FibQuant", "turboquant": "TurboQuant"}
+PEER_BACKENDS = {"quanto": "optimum-quanto", "hqq": "hqq"}
+OUR_CACHES = ("fibquant4", "fibquant3", "fibquant2", "turboquant4", "turboquant2")
+PEER_CACHES = ("quanto4", "quanto2", "hqq4", "hqq2")
+DEFAULT_CACHES = ("dynamic", *OUR_CACHES, *PEER_CACHES, *(f"{name}-old" for name in OUR_CACHES))
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """One cache under test, parsed from a name such as `fibquant4`, `turboquant2-old`, `hqq4`."""
+
+    name: str
+    kind: str                        # "dynamic" | "compressed" | "quantized"
+    family: str = "dynamic"          # fibquant | turboquant | quanto | hqq | dynamic
+    bits: Optional[int] = None
+    attention: Optional[str] = None  # "codes" | "decode" for ours
+
+    @property
+    def label(self) -> str:
+        if self.kind == "dynamic":
+            return "DynamicCache"
+        if self.kind == "compressed":
+            return f"{OUR_FAMILIES[self.family]} {self.bits}b ({self.attention})"
+        return f"QuantizedCache {self.family} {self.bits}b"
+
+
+def parse_cache_name(name: str) -> CacheSpec:
+    """`dynamic`, `fibquant{2,3,4,...}`, `turboquant{1..4}` (+ `-old`: decode path), `quanto{2,4}`, `hqq{1,2,3,4,8}`."""
+    text = name.strip().lower()
+    if text == "dynamic":
+        return CacheSpec("dynamic", "dynamic")
+    old = text.endswith("-old")
+    stem = text[: -len("-old")] if old else text
+    family = stem.rstrip("0123456789")
+    digits = stem[len(family):]
+    if not digits:
+        raise ValueError(f"cache name {name!r} has no bit count (e.g. fibquant4, quanto2)")
+    bits = int(digits)
+    if family in OUR_FAMILIES:
+        if not 1 <= bits <= 8:
+            raise ValueError(f"cache name {name!r}: bits must be in 1..8")
+        return CacheSpec(text, "compressed", family, bits, "decode" if old else "codes")
+    if family in PEER_BACKENDS and not old:
+        allowed = (2, 4) if family == "quanto" else (1, 2, 3, 4, 8)
+        if bits not in allowed:
+            raise ValueError(f"cache name {name!r}: the {family} backend takes nbits in {allowed}")
+        return CacheSpec(text, "quantized", family, bits)
+    raise ValueError(f"unknown cache name {name!r}: expected dynamic, fibquantB, turboquantB (optionally -old), "
+                     f"quantoB or hqqB, e.g. {' '.join(DEFAULT_CACHES[:4])}")
+
+
+# ----------------------------------------------------------------------------- config
+
+@dataclass(frozen=True)
+class DecodeSpeedConfig:
+    contexts: tuple[int, ...] = (1024, 2048, 4096, 8192)
+    decode_tokens: int = 32
+    caches: tuple[str, ...] = DEFAULT_CACHES
+    text: str = "emma"
+    sink_tokens: int = 4
+    recent_tokens: int = 32
+    # QuantizedCache settings (transformers' defaults): group size and float residual length.
+    q_group_size: int = 64
+    residual_length: int = 128
+    warmup: bool = True                 # one short untimed run of every cache first (JIT, codebook loads)
+    memory_interval_s: float = 0.002    # RSS sampling period of the memory monitor
+
+    def __post_init__(self) -> None:
+        if not self.contexts or any(int(c) < 2 for c in self.contexts):
+            raise ValueError(f"contexts must be integers >= 2, got {self.contexts}")
+        if self.decode_tokens < 1:
+            raise ValueError(f"decode_tokens must be >= 1, got {self.decode_tokens}")
+        if self.sink_tokens < 0 or self.recent_tokens < 0:
+            raise ValueError("sink_tokens and recent_tokens must be >= 0")
+        if not self.caches:
+            raise ValueError("no caches to run")
+        for name in self.caches:
+            parse_cache_name(name)  # raises ValueError on a bad name
+
+    def specs(self) -> list[CacheSpec]:
+        """Parsed caches, DynamicCache first (always run: it is the reference of every ratio)."""
+        specs = [parse_cache_name(name) for name in self.caches]
+        unique = {spec.name: spec for spec in [CacheSpec("dynamic", "dynamic"), *specs]}
+        return list(unique.values())
+
+
+# ----------------------------------------------------------------------------- memory
+
+def _page_size() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 4096
+
+
+def rss_reader():
+    """(a function returning the process RSS in bytes, its name): /proc/self/statm, else psutil."""
+    if os.path.exists("/proc/self/statm"):
+        page = _page_size()
+
+        def read_statm() -> int:
+            with open("/proc/self/statm", "rb") as handle:
+                return int(handle.read().split()[1]) * page
+        return read_statm, "/proc/self/statm"
+    try:
+        import psutil
+
+        process = psutil.Process()
+        return (lambda: process.memory_info().rss), "psutil"
+    except ImportError:
+        import resource
+
+        # Last resort: the lifetime peak (kB on Linux, bytes on macOS); deltas are then lower bounds.
+        scale = 1 if sys.platform == "darwin" else 1024
+        return (lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale), "getrusage maxrss"
+
+
+def _reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS counter VmHWM (Linux >= 4.0); False where that is not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _read_peak_rss() -> Optional[int]:
+    try:
+        with open("/proc/self/status") as handle:
+            for line in handle:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def release_free_memory() -> None:
+    """gc.collect, then hand free heap pages back to the OS (glibc malloc_trim) so RSS deltas start clean."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+class PeakRSS:
+    """Peak resident memory added while the `with` block runs, over the RSS at its start.
+
+    A daemon thread samples the RSS every `interval_s` (torch kernels release the GIL, so it
+    runs during the forward passes); on Linux the kernel's own high-water mark (VmHWM, reset
+    at entry through /proc/self/clear_refs) is read at exit too, which misses no spike. The
+    peak is the larger of the two.
+    """
+
+    def __init__(self, interval_s: float = 0.002):
+        self.interval_s = interval_s
+        self.read, self.method = rss_reader()
+        self.start = self.peak = 0
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._hwm = False
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.peak = max(self.peak, self.read())
+
+    def __enter__(self) -> "PeakRSS":
+        self._hwm = _reset_peak_rss()
+        self.start = self.peak = self.read()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.read())
+        if self._hwm:
+            hwm = _read_peak_rss()
+            if hwm is not None:
+                self.peak = max(self.peak, hwm)
+
+    @property
+    def added(self) -> int:
+        return max(self.peak - self.start, 0)
+
+    @property
+    def description(self) -> str:
+        extra = " + kernel VmHWM (reset via /proc/self/clear_refs)" if self._hwm else ""
+        return f"RSS sampled every {self.interval_s * 1000:g} ms from {self.method}{extra}"
+
+
+# ----------------------------------------------------------------------------- bytes
+
+def _storage_nbytes(obj, seen: set) -> int:
+    """Bytes of every distinct storage reachable from `obj`: tensors, tensor subclasses
+    (through `__tensor_flatten__`, e.g. quanto's packed tensors), tuples, lists and dicts."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        if type(obj) is not torch.Tensor and hasattr(obj, "__tensor_flatten__"):
+            names, _ = obj.__tensor_flatten__()
+            return sum(_storage_nbytes(getattr(obj, n), seen) for n in names)
+        storage = obj.untyped_storage()
+        key = (storage.data_ptr(), storage.nbytes())
+        if storage.nbytes() == 0 or key in seen:
+            return 0
+        seen.add(key)
+        return storage.nbytes()
+    if isinstance(obj, dict):
+        return sum(_storage_nbytes(v, seen) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_storage_nbytes(v, seen) for v in obj)
+    return 0
+
+
+def quantized_cache_nbytes(cache) -> dict:
+    """Bytes held by a transformers `QuantizedCache`: {"quantized", "residual", "total"}.
+
+    quantized: storage of every layer's `_quantized_keys` / `_quantized_values` (quanto: the
+    packed integer data plus per-group scale and shift; hqq: the packed uint8 tensor plus the
+    scale and zero tensors of its meta dict), each storage counted once at its real size;
+    residual: storage of the float residual window (`keys` / `values`) each layer keeps.
+    """
+    seen: set = set()
+    quantized = residual = 0
+    for layer in cache.layers:
+        quantized += _storage_nbytes([getattr(layer, "_quantized_keys", None),
+                                      getattr(layer, "_quantized_values", None)], seen)
+        residual += _storage_nbytes([getattr(layer, "keys", None), getattr(layer, "values", None)], seen)
+    return {"quantized": quantized, "residual": residual, "total": quantized + residual}
+
+
+# ----------------------------------------------------------------------------- availability
+
+def peer_unavailable_reason(backend: str) -> Optional[str]:
+    """None when transformers' QuantizedCache can use `backend` here, else why not."""
+    module = {"quanto": "optimum.quanto", "hqq": "hqq.core.quantize"}[backend]
+    try:
+        __import__(module)
+    except Exception as exc:  # any import failure (missing package, broken build) means: skip
+        return (f"{PEER_BACKENDS[backend]} is not importable ({type(exc).__name__}: {exc}); "
+                f"install the peers extra: pip install 'fibquant[peers]'")
+    try:
+        from transformers import QuantizedCache  # noqa: F401
+    except ImportError as exc:
+        return f"this transformers has no QuantizedCache ({exc})"
+    return None
+
+
+def compressed_unavailable_reason() -> Optional[str]:
+    """None when CompressedCache has the from_cache / attention= API this benchmark uses."""
+    from fibquant.kv.cache import CompressedCache
+
+    if not hasattr(CompressedCache, "from_cache"):
+        return "this CompressedCache has no from_cache()"
+    if "attention" not in inspect.signature(CompressedCache.from_cache).parameters:
+        return "this CompressedCache.from_cache takes no attention= argument"
+    return None
+
+
+def _package_version(name: str) -> Optional[str]:
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+# ----------------------------------------------------------------------------- model calls
+
+def _forward_kwargs(model) -> dict:
+    """Name of the cache argument of `model.forward` (transformers 5 renamed past_key_values to cache)."""
+    params = inspect.signature(model.forward).parameters
+    return {"cache_arg": "cache" if "cache" in params else "past_key_values",
+            "logits_to_keep": "logits_to_keep" in params}
+
+
+def _step(model, ids: torch.Tensor, cache, call: dict, last_only: bool = False) -> torch.Tensor:
+    """Logits of the last position [vocab] after running `ids` [1, T] through `model` with `cache`."""
+    kwargs = {call["cache_arg"]: cache, "use_cache": True}
+    if last_only and call["logits_to_keep"]:
+        kwargs["logits_to_keep"] = 1
+    return model(input_ids=ids, **kwargs).logits[0, -1]
+
+
+def _dynamic_copy(prefill, config) -> object:
+    """A DynamicCache holding copies of the prefill cache's keys/values (the source stays untouched)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=config)
+    for index, layer in enumerate(prefill.layers):
+        cache.update(layer.keys.clone(), layer.values.clone(), index)
+    return cache
+
+
+def _build_cache(spec: CacheSpec, prefill, model, head_dim: int, config: DecodeSpeedConfig):
+    """The cache of `spec`, built from the prefill DynamicCache."""
+    if spec.kind == "dynamic":
+        return _dynamic_copy(prefill, model.config)
+    if spec.kind == "compressed":
+        from fibquant.codecs.fibquant import FibQuantCodec
+        from fibquant.codecs.turboquant import TurboQuantCodec
+        from fibquant.kv.cache import CompressedCache
+
+        codec = (FibQuantCodec.for_rate(head_dim, spec.bits) if spec.family == "fibquant"
+                 else TurboQuantCodec(head_dim, spec.bits))
+        return CompressedCache.from_cache(prefill, codec, codec, sink_tokens=config.sink_tokens,
+                                          recent_tokens=config.recent_tokens, attention=spec.attention,
+                                          model=model)
+    from transformers import QuantizedCache
+
+    cache = QuantizedCache(spec.family, model.config, nbits=spec.bits, q_group_size=config.q_group_size,
+                           residual_length=config.residual_length)
+    for index, layer in enumerate(prefill.layers):
+        cache.update(layer.keys, layer.values, index)
+    return cache
+
+
+def cache_bytes(spec: CacheSpec, cache) -> dict:
+    """{"held", "used", and parts}: bytes of `cache` counted as described in `BYTES_COUNTING`."""
+    if spec.kind == "dynamic":
+        from fibquant.kv.cache import dynamic_cache_nbytes
+
+        held = dynamic_cache_nbytes(cache)
+        return {"held": held, "used": held}
+    if spec.kind == "compressed":
+        return {"held": cache.nbytes(), "used": cache.used_nbytes(), "codec_shared": cache.shared_nbytes()}
+    parts = quantized_cache_nbytes(cache)
+    return {"held": parts["total"], "used": parts["total"], "quantized": parts["quantized"],
+            "residual": parts["residual"]}
+
+
+BYTES_COUNTING = {
+    "dynamic": "fibquant.kv.cache.dynamic_cache_nbytes: storage of every layer's keys/values (float32 here); "
+               "dynamic_fp16_bytes = that / element size * 2, what an fp16 DynamicCache holds",
+    "compressed": "CompressedCache.nbytes(): exact sinks + recent window (float32) + code buffers including "
+                  "their reserved capacity (grown by doubling); used = used_nbytes(): only stored code rows; "
+                  "the codecs' shared codebook/rotation (codec_shared, once per model) is not included",
+    "quantized": "storage of every layer's _quantized_keys/_quantized_values (quanto: packed integer data + "
+                 "per-group scale and shift, through the tensor subclass's __tensor_flatten__; hqq: packed "
+                 "uint8 tensor + the scale/zero tensors of its meta dict; scales are in the model dtype, "
+                 "float32 here) + the float residual keys/values window (< residual_length tokens); each "
+                 "storage once at its real size",
+}
+
+
+@dataclass
+class _Prefill:
+    tokens: int
+    cache: object
+    first_token: torch.Tensor
+    seconds: float
+
+
+def _prefill(model, ids: torch.Tensor, call: dict) -> _Prefill:
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    start = time.perf_counter()
+    logits = _step(model, ids[None], cache, call, last_only=True)
+    seconds = time.perf_counter() - start
+    return _Prefill(ids.shape[0], cache, logits.argmax().view(1, 1), seconds)
+
+
+def _restore_attention(model, implementation) -> None:
+    if implementation is not None and getattr(model.config, "_attn_implementation", None) != implementation:
+        model.set_attn_implementation(implementation)
+
+
+def _run_one(spec: CacheSpec, prefill: _Prefill, model, head_dim: int, config: DecodeSpeedConfig,
+             call: dict, decode_tokens: int, measure_memory: bool = True) -> dict:
+    """Build `spec`'s cache from the prefill, decode greedily, return the measurements."""
+    attention_before = getattr(model.config, "_attn_implementation", None)
+    try:
+        release_free_memory()
+        start = time.perf_counter()
+        cache = _build_cache(spec, prefill.cache, model, head_dim, config)
+        conversion = time.perf_counter() - start
+        token, tokens, step_ms, first_logits = prefill.first_token, [], [], None
+        release_free_memory()
+        monitor = PeakRSS(config.memory_interval_s)
+        with monitor:
+            for _ in range(decode_tokens):
+                begin = time.perf_counter()
+                logits = _step(model, token, cache, call)
+                token = logits.argmax().view(1, 1)
+                step_ms.append(1000.0 * (time.perf_counter() - begin))
+                if first_logits is None:
+                    first_logits = logits.detach().float().clone()
+                tokens.append(int(token))
+        nbytes = cache_bytes(spec, cache)
+        attention_used = getattr(cache, "attention", None)
+        seq_length = cache.get_seq_length()
+        del cache
+    finally:
+        _restore_attention(model, attention_before)
+    if spec.kind == "compressed":
+        cache_dtype = str(next(model.parameters()).dtype)
+    else:
+        cache_dtype = str(prefill.cache.layers[0].keys.dtype)
+    row = {
+        "cache": spec.name, "label": spec.label, "kind": spec.kind, "family": spec.family, "bits": spec.bits,
+        "attention": spec.attention, "attention_used": attention_used,
+        "context": None, "tokens": prefill.tokens, "cache_tokens_after": seq_length,
+        "dynamic_prefill_s": prefill.seconds,
+        "conversion_s": 0.0 if spec.kind == "dynamic" else conversion,
+        "prefill_s": prefill.seconds + (0.0 if spec.kind == "dynamic" else conversion),
+        "decode_ms_median": statistics.median(step_ms), "decode_ms_mean": statistics.fmean(step_ms),
+        "decode_ms_min": min(step_ms), "step_ms": step_ms,
+        "cache_bytes": nbytes["held"], "cache_used_bytes": nbytes["used"],
+        "bytes_parts": {k: v for k, v in nbytes.items() if k not in ("held", "used")},
+        "cache_float_dtype": cache_dtype,
+        "peak_rss_added_bytes": monitor.added, "rss_before_decode_bytes": monitor.start,
+        "memory_method": monitor.description,
+        "generated_tokens": tokens, "_first_logits": first_logits,
+    }
+    return row
+
+
+def _add_ratios(rows: list[dict]) -> None:
+    """Ratios of each row to the DynamicCache row of the same context (value / dynamic's value)."""
+    by_context: dict[int, dict] = {r["tokens"]: r for r in rows if r["kind"] == "dynamic"}
+    for row in rows:
+        ref = by_context.get(row["tokens"])
+        if ref is None:
+            continue
+        fp16 = ref["dynamic_fp16_bytes"]
+        row["decode_vs_dynamic"] = row["decode_ms_median"] / ref["decode_ms_median"]
+        row["prefill_vs_dynamic"] = row["prefill_s"] / ref["prefill_s"]
+        row["bytes_vs_dynamic"] = row["cache_bytes"] / ref["cache_bytes"]
+        row["bytes_vs_fp16_dynamic"] = row["cache_bytes"] / fp16
+        row["used_bytes_vs_fp16_dynamic"] = row["cache_used_bytes"] / fp16
+        row["compression_vs_fp16_dynamic"] = fp16 / row["cache_bytes"]
+        ref_mem = ref["peak_rss_added_bytes"]
+        row["peak_rss_vs_dynamic"] = row["peak_rss_added_bytes"] / ref_mem if ref_mem > 0 else None
+        matches = sum(a == b for a, b in zip(row["generated_tokens"], ref["generated_tokens"]))
+        row["tokens_match_dynamic"] = matches / max(len(ref["generated_tokens"]), 1)
+        mine, theirs = row.get("_first_logits"), ref.get("_first_logits")
+        row["first_step_logits_max_abs_diff"] = (None if mine is None or theirs is None
+                                                 else float((mine - theirs).abs().max()))
+
+
+def context_tokens(model, contexts, decode_tokens: int) -> list[tuple[int, int]]:
+    """(requested context, prefill tokens): contexts are cut so that context + decoded tokens fit
+    the model's `max_position_embeddings`."""
+    text_config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") \
+        else model.config
+    limit = getattr(text_config, "max_position_embeddings", None)
+    out = []
+    for context in contexts:
+        tokens = int(context)
+        if limit and tokens + decode_tokens > limit:
+            tokens = limit - decode_tokens
+        if tokens < 2:
+            raise ValueError(f"context {context}: the model's limit {limit} leaves no room for the prompt")
+        out.append((int(context), tokens))
+    return out
+
+
+def run_decode_speed(config: DecodeSpeedConfig = DecodeSpeedConfig(), model_and_tokenizer=None,
+                     token_ids: Optional[torch.Tensor] = None, progress: bool = True) -> dict:
+    """Measure every cache of `config` at every context; returns the JSON-ready payload.
+
+    model_and_tokenizer: (model, tokenizer), default `fibquant.load_model()`. token_ids: a 1-D
+    tensor of token ids to use instead of tokenising `config.text` (e.g. for a random model).
+    """
+    import torch
+
+    with torch.no_grad():
+        return _run_decode_speed(config, model_and_tokenizer, token_ids, progress)
+
+
+def _run_decode_speed(config, model_and_tokenizer, token_ids, progress) -> dict:
+    import torch
+    from tqdm.auto import tqdm
+
+    from fibquant.kv.cache import check_model_supported
+    from fibquant.kv.model import describe_model
+
+    if model_and_tokenizer is None:
+        from fibquant.kv.model import load_model
+
+        model_and_tokenizer = load_model()
+    model, tokenizer = model_and_tokenizer
+    head_dim = check_model_supported(model)["head_dim"]
+    call = _forward_kwargs(model)
+    plan = context_tokens(model, config.contexts, config.decode_tokens)
+    longest = max(tokens for _, tokens in plan)
+    if token_ids is None:
+        from fibquant.eval.kv_report import text_tokens
+
+        token_ids = text_tokens(tokenizer, config.text, longest)
+        source = config.text
+    else:
+        if token_ids.ndim != 1 or token_ids.shape[0] < longest:
+            raise ValueError(f"token_ids must be 1-D with at least {longest} ids, got {tuple(token_ids.shape)}")
+        source = "token_ids given by the caller"
+    token_ids = token_ids.to(model.device)
+
+    skipped, specs = [], []
+    compressed_reason = None
+    for spec in config.specs():
+        reason = None
+        if spec.kind == "quantized":
+            reason = peer_unavailable_reason(spec.family)
+        elif spec.kind == "compressed":
+            compressed_reason = compressed_reason or compressed_unavailable_reason()
+            reason = compressed_reason
+        if reason is None:
+            specs.append(spec)
+        else:
+            skipped.append({"cache": spec.name, "reason": reason})
+            print(f"skipping {spec.name}: {reason}", file=sys.stderr, flush=True)
+
+    if config.warmup:
+        _warmup(specs, model, head_dim, config, call, token_ids, skipped, progress)
+        specs = [s for s in specs if s.name not in {x["cache"] for x in skipped}]
+
+    rows = []
+    bar = tqdm(total=len(plan) * len(specs), desc="decode speed", disable=not progress)
+    started = time.perf_counter()
+    for context, tokens in plan:
+        release_free_memory()
+        bar.set_postfix_str(f"prefill {tokens}")
+        prefill = _prefill(model, token_ids[:tokens], call)
+        for spec in specs:
+            bar.set_postfix_str(f"{tokens} {spec.name}")
+            try:
+                row = _run_one(spec, prefill, model, head_dim, config, call, config.decode_tokens)
+            except Exception as exc:
+                if spec.kind != "quantized":
+                    raise
+                # A third-party backend failing at run time is reported, never fatal.
+                reason = f"failed at context {tokens}: {type(exc).__name__}: {exc}"
+                skipped.append({"cache": spec.name, "reason": reason})
+                bar.write(f"skipping {spec.name}: {reason}")
+                bar.update(1)
+                continue
+            row["context"] = context
+            if spec.kind == "dynamic":
+                element = prefill.cache.layers[0].keys.element_size()
+                row["dynamic_fp16_bytes"] = row["cache_bytes"] * 2 // element
+            rows.append(row)
+            bar.update(1)
+        del prefill
+    bar.close()
+    _add_ratios(rows)
+    for row in rows:
+        row.pop("_first_logits", None)
+    return {
+        "experiment": "decode speed and memory of KV caches (one shared float prefill per context, greedy decode)",
+        "model": describe_model(model), "model_dtype": str(next(model.parameters()).dtype),
+        "text": source, "head_dim": head_dim,
+        "config": {**asdict(config), "contexts": list(config.contexts), "caches": list(config.caches)},
+        "contexts": [{"context": c, "tokens": t} for c, t in plan],
+        "threads": torch.get_num_threads(),
+        "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                     "transformers": _package_version("transformers"), "numba": _package_version("numba"),
+                     "optimum-quanto": _package_version("optimum-quanto"), "hqq": _package_version("hqq"),
+                     "fibquant": _package_version("fibquant")},
+        "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count()},
+        "protocol": {
+            "prefill": "one DynamicCache forward over the context (last-position logits only); every cache is "
+                       "built from it: DynamicCache copy, CompressedCache.from_cache (timed: conversion_s; "
+                       "prefill_s = dynamic_prefill_s + conversion_s), QuantizedCache fed the prefill keys/values "
+                       "through update() layer by layer (what its own prefill stores; timed the same way)",
+            "decode": "greedy, one token per forward with the cache; each step timed (forward + argmax); "
+                      "decode_ms_median is the median over the steps; untimed warm-up run of every cache first"
+                      if config.warmup else "greedy, one token per forward with the cache; median step time",
+            "quantized_cache": f"QuantizedCache(backend, config, nbits, q_group_size={config.q_group_size}, "
+                               f"residual_length={config.residual_length}); it re-quantizes everything each time "
+                               f"the residual reaches residual_length tokens, which {config.decode_tokens} decode "
+                               f"steps after a fresh prefill "
+                               f"{'do not reach' if config.decode_tokens < config.residual_length else 'reach'}",
+            "memory": "peak_rss_added_bytes: peak resident set size during the decode loop minus the RSS just "
+                      "before it (after gc + malloc_trim); cache and prefill already exist at that point, so "
+                      "this is the working memory decoding adds (growth of the cache + transient buffers)",
+            "ratios": "x_vs_dynamic = value / the DynamicCache value at the same context (same run); "
+                      "bytes_vs_fp16_dynamic = cache bytes / (DynamicCache bytes in fp16)",
+            "bytes": BYTES_COUNTING,
+        },
+        "rows": rows, "skipped": skipped, "seconds": time.perf_counter() - started,
+    }
+
+
+def _warmup(specs, model, head_dim, config, call, token_ids, skipped, progress) -> None:
+    """One short untimed run of every cache (first-call costs: codebook loads, numba JIT, extension builds)."""
+    tokens = min(int(token_ids.shape[0]), max(2 * (config.sink_tokens + config.recent_tokens) + 16, 64))
+    if progress:
+        print(f"warm-up: {len(specs)} caches on {tokens} tokens ...", file=sys.stderr, flush=True)
+    prefill = _prefill(model, token_ids[:tokens], call)
+    for spec in specs:
+        try:
+            _run_one(spec, prefill, model, head_dim, config, call, decode_tokens=2)
+        except Exception as exc:
+            if spec.kind != "quantized":
+                raise
+            reason = f"failed in the warm-up: {type(exc).__name__}: {exc}"
+            skipped.append({"cache": spec.name, "reason": reason})
+            print(f"skipping {spec.name}: {reason}", file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------- reports
+
+MIB = 1024 * 1024
+
+DECODE_SPEED_COLUMNS = [
+    ("tokens", "context", "d"),
+    ("cache", "cache", ""),
+    ("prefill_s", "prefill s", ".2f"),
+    ("conversion_s", "of which convert s", ".3f"),
+    ("decode_ms_median", "decode ms/tok", ".1f"),
+    ("decode_vs_dynamic", "x dynamic", ".2f"),
+    ("cache_mib", "cache MiB", ".2f"),
+    ("used_mib", "used MiB", ".2f"),
+    ("bytes_vs_fp16_dynamic", "bytes / fp16 dyn", ".3f"),
+    ("peak_rss_added_mib", "peak MiB added", ".1f"),
+    ("tokens_match_dynamic", "tokens = dyn", ".2f"),
+]
+
+
+def format_decode_speed(payload: dict) -> str:
+    """Header lines + the table of `payload` (from `run_decode_speed`)."""
+    from fibquant.eval.kv_report import format_table
+
+    rows = [dict(r, cache_mib=r["cache_bytes"] / MIB, used_mib=r["cache_used_bytes"] / MIB,
+                 peak_rss_added_mib=r["peak_rss_added_bytes"] / MIB) for r in payload["rows"]]
+    dyn = {r["tokens"]: r for r in payload["rows"] if r["kind"] == "dynamic"}
+    cut = [f"{c['context']} -> {c['tokens']}" for c in payload["contexts"] if c["context"] != c["tokens"]]
+    lines = [
+        f"model: {payload['model']} ({payload['model_dtype']}), text: {payload['text']}, "
+        f"{payload['config']['decode_tokens']} greedy decode steps, {payload['threads']} torch threads",
+        f"exact window of ours: {payload['config']['sink_tokens']} sinks + {payload['config']['recent_tokens']} "
+        f"recent; '-old' = attention='decode' (whole cache decoded every step), else attention on the codes",
+        "prefill s: shared DynamicCache prefill + conversion into the cache; decode ms/tok: median step; "
+        "x dynamic: vs DynamicCache decode; cache MiB: bytes held (CompressedCache: code buffers with their "
+        "reserved capacity), used MiB: stored tokens only; bytes / fp16 dyn: held bytes over an fp16 "
+        "DynamicCache's; tokens = dyn: share of greedy tokens equal to DynamicCache's, position by position",
+        "fp16 DynamicCache MiB: " + ", ".join(f"{t}: {r['dynamic_fp16_bytes'] / MIB:.2f}" for t, r in dyn.items()),
+    ]
+    if cut:
+        lines.append("contexts cut to leave room for the decoded tokens: " + ", ".join(cut))
+    text = "\n".join(lines) + "\n\n" + format_table(rows, DECODE_SPEED_COLUMNS)
+    fallbacks = sorted({r["cache"] for r in payload["rows"]
+                        if r["kind"] == "compressed" and r["attention_used"] != r["attention"]})
+    if fallbacks:
+        text += f"\nnote: {', '.join(fallbacks)} ran with attention='decode' (the model cannot run attention on codes)"
+    for item in payload.get("skipped", []):
+        text += f"\nskipped {item['cache']}: {item['reason']}"
+    return text
+
+
+def plot_decode_speed(payload: dict, path) -> None:
+    """Two panels vs context: decode ms/token and cache bytes, one line per cache."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = payload["rows"]
+    names = list(dict.fromkeys(r["cache"] for r in rows))
+    fig, (ax_time, ax_bytes) = plt.subplots(1, 2, figsize=(13, 5))
+    markers = {"dynamic": "s", "fibquant": "o", "turboquant": "^", "quanto": "D", "hqq": "v"}
+    colors = {"dynamic": "k"}
+    palette = iter(plt.get_cmap("tab20").colors * 2)
+    for name in names:
+        items = sorted((r for r in rows if r["cache"] == name), key=lambda r: r["tokens"])
+        stem = name[: -len("-old")] if name.endswith("-old") else name
+        color = colors.setdefault(stem, next(palette))
+        style = dict(color=color, marker=markers.get(items[0]["family"], "o"), markersize=4,
+                     linestyle="--" if name.endswith("-old") else "-")
+        x = [r["tokens"] for r in items]
+        ax_time.plot(x, [r["decode_ms_median"] for r in items], label=name, **style)
+        ax_bytes.plot(x, [r["cache_bytes"] for r in items], label=name, **style)
+    dyn = sorted((r for r in rows if r["kind"] == "dynamic"), key=lambda r: r["tokens"])
+    if dyn:
+        ax_bytes.plot([r["tokens"] for r in dyn], [r["dynamic_fp16_bytes"] for r in dyn], color="0.5",
+                      marker="s", markersize=4, linestyle=":", label="dynamic, fp16 equivalent")
+    for ax, ylabel in ((ax_time, "decode ms / token (median)"),
+                       (ax_bytes, "cache bytes held after decoding")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("context tokens")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+    ax_bytes.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
+    fig.suptitle(f"{payload['model']} ({payload['model_dtype']}), {payload['text']}, "
+                 f"{payload['threads']} threads; dashed: attention='decode' path", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+def write_decode_speed(payload: dict, out_dir=None, stem: str = "decode_speed") -> dict[str, str]:
+    """Write `<stem>.json` and `<stem>.png` under `out_dir` (default $FIBQUANT_RESULTS_DIR or results/)."""
+    from fibquant.eval.kv_report import save_report
+
+    return save_report(payload, out_dir, stem, plot_decode_speed)
+
+
+def main_decode_speed(config: DecodeSpeedConfig = DecodeSpeedConfig(), out_dir=None, model_and_tokenizer=None,
+                      progress: bool = True) -> dict:
+    """Run, print the table, write results/decode_speed.json and .png; returns the payload."""
+    if model_and_tokenizer is None:
+        from fibquant.kv.model import load_model
+
+        print("loading the default model ...", file=sys.stderr, flush=True)
+        model_and_tokenizer = load_model()
+    payload = run_decode_speed(config, model_and_tokenizer, progress=progress)
+    print("\n" + format_decode_speed(payload))
+    paths = write_decode_speed(payload, out_dir)
+    print(f"\nwrote {paths['json']} and {paths['png']} ({payload['seconds']:.0f} s)")
+    return payload

@@ -1,0 +1,134 @@
+"""fibquant.eval.decode_speed: structure of the payload, table and files; ratio consistency."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from _kv_helpers import real_model, tiny_llama
+from fibquant.eval.decode_speed import (DEFAULT_CACHES, DecodeSpeedConfig, PeakRSS, context_tokens,
+                                        format_decode_speed, parse_cache_name, quantized_cache_nbytes,
+                                        run_decode_speed, write_decode_speed)
+
+
+def _tiny():
+    # head_dim 64, so the shipped d = 64 FibQuant codebooks apply.
+    return tiny_llama(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64)
+
+
+def _check_payload(payload: dict, caches: list[str], tokens: int, decode_tokens: int) -> None:
+    rows = {r["cache"]: r for r in payload["rows"]}
+    assert list(rows) == caches
+    dyn = rows["dynamic"]
+    assert dyn["kind"] == "dynamic" and dyn["conversion_s"] == 0.0
+    assert dyn["dynamic_fp16_bytes"] * 2 == dyn["cache_bytes"]  # float32 model: fp16 is half
+    for row in rows.values():
+        assert row["tokens"] == tokens and row["cache_tokens_after"] == tokens + decode_tokens
+        assert len(row["step_ms"]) == decode_tokens == len(row["generated_tokens"])
+        assert row["decode_ms_median"] > 0 and row["cache_bytes"] > 0 and row["peak_rss_added_bytes"] >= 0
+        assert math.isclose(row["prefill_s"], row["dynamic_prefill_s"] + row["conversion_s"])
+        assert row["dynamic_prefill_s"] == dyn["dynamic_prefill_s"]  # one shared prefill
+        assert math.isclose(row["decode_vs_dynamic"], row["decode_ms_median"] / dyn["decode_ms_median"])
+        assert math.isclose(row["bytes_vs_dynamic"], row["cache_bytes"] / dyn["cache_bytes"])
+        assert math.isclose(row["bytes_vs_fp16_dynamic"], 2 * row["bytes_vs_dynamic"])
+        assert math.isclose(row["compression_vs_fp16_dynamic"] * row["bytes_vs_fp16_dynamic"], 1.0)
+        assert 0.0 <= row["tokens_match_dynamic"] <= 1.0
+    assert dyn["decode_vs_dynamic"] == 1.0 and dyn["tokens_match_dynamic"] == 1.0
+    assert dyn["first_step_logits_max_abs_diff"] == 0.0
+    assert json.loads(json.dumps(payload, default=float))["rows"][0]["cache"] == "dynamic"
+    for key in ("model", "text", "threads", "versions", "protocol", "config", "skipped"):
+        assert key in payload
+    assert {"torch", "transformers"} <= set(payload["versions"])
+
+
+def test_cache_names_parse_and_reject():
+    assert parse_cache_name("fibquant4").attention == "codes"
+    old = parse_cache_name("turboquant2-old")
+    assert (old.kind, old.family, old.bits, old.attention) == ("compressed", "turboquant", 2, "decode")
+    assert parse_cache_name("hqq2").kind == "quantized"
+    for name in DEFAULT_CACHES:
+        parse_cache_name(name)
+    for bad in ("fibquant", "quanto3", "hqq4-old", "int4", "dynamic-old"):
+        with pytest.raises(ValueError):
+            parse_cache_name(bad)
+    with pytest.raises(ValueError):
+        DecodeSpeedConfig(decode_tokens=0)
+
+
+def test_contexts_leave_room_for_decoded_tokens():
+    model = _tiny()  # max_position_embeddings 512
+    assert context_tokens(model, (64, 512), 8) == [(64, 64), (512, 504)]
+
+
+def test_peak_rss_sees_an_allocation():
+    with PeakRSS(0.001) as monitor:
+        block = torch.ones(64 * 1024 * 1024 // 4)  # 64 MiB, touched
+        del block
+    assert monitor.added >= 32 * 1024 * 1024
+
+
+def test_decode_speed_on_a_tiny_model(tmp_path):
+    torch.set_num_threads(1)
+    model = _tiny()
+    ids = torch.randint(0, model.config.vocab_size, (64,), generator=torch.Generator().manual_seed(0))
+    config = DecodeSpeedConfig(contexts=(64,), decode_tokens=2, caches=("dynamic", "fibquant4", "fibquant4-old"))
+    payload = run_decode_speed(config, (model, None), token_ids=ids, progress=False)
+    assert not payload["skipped"], payload["skipped"]
+    _check_payload(payload, ["dynamic", "fibquant4", "fibquant4-old"], 64, 2)
+    rows = {r["cache"]: r for r in payload["rows"]}
+    for name in ("fibquant4", "fibquant4-old"):
+        row = rows[name]
+        assert row["cache_used_bytes"] <= row["cache_bytes"] < rows["dynamic"]["cache_bytes"]
+        assert row["conversion_s"] > 0
+    assert rows["fibquant4"]["attention_used"] == "codes" and rows["fibquant4-old"]["attention_used"] == "decode"
+    # The model's attention implementation is restored after the attention-on-codes run.
+    assert model.config._attn_implementation != "fibquant"
+    table = format_decode_speed(payload)
+    assert "fibquant4-old" in table and "decode ms/tok" in table and "fp16 DynamicCache MiB" in table
+    paths = write_decode_speed(payload, tmp_path)
+    saved = json.loads(open(paths["json"]).read())
+    assert [r["cache"] for r in saved["rows"]] == ["dynamic", "fibquant4", "fibquant4-old"]
+    assert (tmp_path / "decode_speed.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("backend", ["quanto", "hqq"])
+def test_quantized_cache_from_prefill_and_its_bytes(backend):
+    pytest.importorskip("optimum.quanto" if backend == "quanto" else "hqq.core.quantize")
+    torch.set_num_threads(1)
+    model = _tiny()
+    ids = torch.randint(0, model.config.vocab_size, (64,), generator=torch.Generator().manual_seed(1))
+    config = DecodeSpeedConfig(contexts=(64,), decode_tokens=2, caches=("dynamic", f"{backend}4"), warmup=False)
+    payload = run_decode_speed(config, (model, None), token_ids=ids, progress=False)
+    assert not payload["skipped"], payload["skipped"]
+    _check_payload(payload, ["dynamic", f"{backend}4"], 64, 2)
+    row = payload["rows"][1]
+    # 4-bit codes (32 B per 64-dim vector) + float32 group scale/zero (8 B) for 64 tokens, 2 float residual tokens.
+    layers, heads, dim = model.config.num_hidden_layers, model.config.num_key_value_heads, 64
+    assert row["bytes_parts"]["residual"] == layers * 2 * heads * 2 * dim * 4
+    assert row["bytes_parts"]["quantized"] == layers * 2 * heads * 64 * (32 + 8)
+
+
+def test_quantized_cache_bytes_counts_storage_once():
+    class Layer:
+        def __init__(self, t):
+            self._quantized_keys = (t, {"scale": t[:1], "zero": torch.zeros(4)})
+            self._quantized_values = None
+            self.keys = self.values = torch.zeros(2, 8)
+
+    class Cache:
+        layers = [Layer(torch.zeros(16, dtype=torch.uint8))]
+
+    parts = quantized_cache_nbytes(Cache())
+    assert parts == {"quantized": 16 + 16, "residual": 64, "total": 96}
+
+
+@pytest.mark.model
+def test_decode_speed_on_the_real_model(request, tmp_path):
+    torch.set_num_threads(1)
+    config = DecodeSpeedConfig(contexts=(128,), decode_tokens=2, caches=("dynamic", "fibquant2"))
+    payload = run_decode_speed(config, real_model(request), progress=False)
+    _check_payload(payload, ["dynamic", "fibquant2"], 128, 2)
+    assert payload["text"] == "emma" and "SmolLM2" in payload["model"]
+    assert payload["rows"][1]["bytes_vs_fp16_dynamic"] < 1.0  # float32 exact window of 36 of 130 tokens
