@@ -15,25 +15,44 @@ from fibquant.kv.cache import (CompressedCache, CompressedLayer, check_model_sup
 DIM = 16
 
 
-def reference_view(keys: torch.Tensor, past: int, codec, sinks: int, recent: int) -> torch.Tensor:
-    """What an update adding tokens [past, n) must return: the spec of the window semantics.
+def reference_view(keys: torch.Tensor, archived: range, codec) -> torch.Tensor:
+    """What an update must return: tokens in `archived` codec round-tripped, all others exact.
 
-    keys: [B, H, n, D], all tokens so far. Tokens < past are exact if inside the sinks or the
-    last `recent` of the past, else codec round-tripped; the new tokens are exact.
+    keys: [B, H, n, D], all tokens so far (including the new ones, which are never archived).
     """
     out = keys.clone()
-    archived = [j for j in range(past) if j >= sinks and j < past - recent]
-    if archived:
+    if len(archived):
         out[..., archived, :] = codec.roundtrip(keys[..., archived, :])
     return out
 
 
-@settings(max_examples=25, deadline=None)
-@given(chunks=st.lists(st.integers(1, 9), min_size=1, max_size=6), sinks=st.integers(0, 5),
-       recent=st.integers(0, 6), batch=st.integers(1, 2))
-def test_update_matches_window_reference(chunks, sinks, recent, batch):
+class WindowModel:
+    """The window rules in plain integers: the spec of which tokens are stored as codes."""
+
+    def __init__(self, sinks: int, recent: int, encode_batch: int):
+        self.sinks, self.recent, self.encode_batch = sinks, recent, encode_batch
+        self.n_sink = self.n_coded = self.n_recent = 0
+
+    def archived(self) -> range:
+        return range(self.n_sink, self.n_sink + self.n_coded)
+
+    def add(self, tokens: int) -> None:
+        to_sink = min(self.sinks - self.n_sink, tokens)
+        self.n_sink += to_sink
+        self.n_recent += tokens - to_sink
+        overflow = self.n_recent - self.recent
+        if overflow >= self.encode_batch:
+            self.n_coded += overflow
+            self.n_recent = self.recent
+
+
+@settings(max_examples=30, deadline=None)
+@given(chunks=st.lists(st.integers(1, 9), min_size=1, max_size=8), sinks=st.integers(0, 5),
+       recent=st.integers(0, 6), batch=st.integers(1, 2), encode_batch=st.integers(1, 4))
+def test_update_matches_window_reference(chunks, sinks, recent, batch, encode_batch):
     key_codec, value_codec = IntCodec(DIM, 3), IntCodec(DIM, 2)
-    layer = CompressedLayer(key_codec, value_codec, sinks, recent)
+    layer = CompressedLayer(key_codec, value_codec, sinks, recent, encode_batch=encode_batch)
+    spec = WindowModel(sinks, recent, encode_batch)
     generator = torch.Generator().manual_seed(len(chunks) * 100 + sinks * 10 + recent)
     total = sum(chunks)
     keys = torch.randn(batch, 2, total, DIM, generator=generator)
@@ -43,16 +62,16 @@ def test_update_matches_window_reference(chunks, sinks, recent, batch):
         new = slice(past, past + size)
         got_keys, got_values = layer.update(keys[..., new, :], values[..., new, :])
         assert got_keys.shape == (batch, 2, past + size, DIM)
-        torch.testing.assert_close(got_keys, reference_view(keys[..., : past + size, :], past, key_codec, sinks, recent),
+        torch.testing.assert_close(got_keys, reference_view(keys[..., : past + size, :], spec.archived(), key_codec),
                                    rtol=0, atol=0)
         torch.testing.assert_close(got_values,
-                                   reference_view(values[..., : past + size, :], past, value_codec, sinks, recent),
+                                   reference_view(values[..., : past + size, :], spec.archived(), value_codec),
                                    rtol=0, atol=0)
         past += size
+        spec.add(size)
         assert layer.get_seq_length() == past
-        assert layer.num_sink == min(sinks, past)
-        assert layer.num_recent == min(recent, past - layer.num_sink)
-        assert layer.num_coded == past - layer.num_sink - layer.num_recent
+        assert (layer.num_sink, layer.num_coded, layer.num_recent) == (spec.n_sink, spec.n_coded, spec.n_recent)
+        assert layer.num_recent < recent + encode_batch
 
 
 def _filled_layer(tokens=40, sinks=4, recent=8, batch=2, heads=3):
@@ -117,7 +136,7 @@ def test_generate_with_compressed_cache_batch_and_gqa():
     model = tiny_llama()
     ids = torch.randint(3, 97, (2, 24), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(ids)
-    cache = CompressedCache(IntCodec(DIM, 8), IntCodec(DIM, 8), sink_tokens=2, recent_tokens=4)
+    cache = CompressedCache(IntCodec(DIM, 8), IntCodec(DIM, 8), sink_tokens=2, recent_tokens=4, encode_batch=1)
     out = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, past_key_values=cache,
                          pad_token_id=0)
     reference = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
@@ -195,7 +214,8 @@ def test_int8_greedy_generate_equals_uncompressed_on_real_model(request):
     assert inputs.input_ids.shape[1] > 36  # the prompt is longer than the exact window
     kwargs = dict(max_new_tokens=20, do_sample=False, pad_token_id=tokenizer.eos_token_id)
     reference = model.generate(**inputs, **kwargs)
-    cache = CompressedCache.for_model(model, IntCodec(64, 8), IntCodec(64, 8), sink_tokens=4, recent_tokens=32)
+    cache = CompressedCache.for_model(model, IntCodec(64, 8), IntCodec(64, 8), sink_tokens=4, recent_tokens=32,
+                                      encode_batch=1)
     compressed = model.generate(**inputs, past_key_values=cache, **kwargs)
     assert torch.equal(compressed, reference), tokenizer.decode(compressed[0]) + " | " + tokenizer.decode(reference[0])
     assert cache.layers[0].num_coded > 0

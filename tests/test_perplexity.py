@@ -52,7 +52,7 @@ def test_targets_arithmetic():
 def test_real_model_compressed_generation_and_short_perplexity(request):
     model, tokenizer = real_model(request)
     inputs = tokenizer(REAL_PROMPT, return_tensors="pt")
-    cache = CompressedCache.for_model(model, IntCodec(64, 3), IntCodec(64, 3))
+    cache = CompressedCache.for_model(model, IntCodec(64, 3), IntCodec(64, 3), encode_batch=1)
     generated = model.generate(**inputs, past_key_values=cache, max_new_tokens=8, do_sample=False,
                                pad_token_id=tokenizer.eos_token_id)
     assert generated.shape[1] == inputs.input_ids.shape[1] + 8

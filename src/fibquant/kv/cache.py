@@ -6,7 +6,7 @@ Layout of one layer (tensors are [batch, kv_heads, tokens, ...]):
     storage:   exact sinks      packed codes (uint8 rows)  exact recent window
                [B, H, s, D]     [B, H, m, code_size]       [B, H, r, D]
 
-with s <= sink_tokens and r <= recent_tokens. Tokens between the sinks and the recent
+with s <= sink_tokens and r < recent_tokens + encode_batch. Tokens between the sinks and the recent
 window exist only as the codec's uint8 codes; no float copy of them is kept anywhere. The
 codes live in a buffer [B, H, capacity, code_size] grown geometrically (by 1/8), so appending
 a token copies nothing already stored but at a growth (amortised O(1)); `nbytes()` counts the
@@ -21,8 +21,10 @@ one decoded token): the new tokens attend to
 i.e. every token archived *before* this update is read through its codes, while the tokens
 of the current chunk are seen exactly (they are being computed in this pass). After that
 the new tokens enter the cache: the first `sink_tokens` of the sequence stay exact forever,
-the newest `recent_tokens` stay exact, and whatever slides out of the recent window is
-encoded and its float copy dropped. Hence a query at offset o of a chunk of C tokens sees
+the newest `recent_tokens` stay exact, and once at least `encode_batch` tokens have slid out
+of the recent window they are encoded together and their float copies dropped (encoding one
+token per layer per step costs more in call overhead than the attention itself; with
+`encode_batch=1` every token is encoded as soon as it leaves the window). Hence a query at offset o of a chunk of C tokens sees
 between `recent_tokens + 1` and `recent_tokens + C` newest tokens exactly; with
 token-by-token decoding (C = 1) it sees exactly the sinks, the previous `recent_tokens`
 tokens and itself.
@@ -195,12 +197,13 @@ class CompressedLayer(CacheLayerMixin):
     is_croppable = False  # a crop inside the coded part cannot restore the exact recent window
 
     def __init__(self, key_codec: Codec, value_codec: Codec, sink_tokens: int, recent_tokens: int,
-                 attention: str = "decode"):
+                 attention: str = "decode", encode_batch: int = 1):
         # CacheLayerMixin.__init__ would create float `keys`/`values` slots; this layer has none.
         self.key_codec = key_codec
         self.value_codec = value_codec
         self.sink_tokens = sink_tokens
         self.recent_tokens = recent_tokens
+        self.encode_batch = max(1, encode_batch)
         self.attention = _check_attention(attention)
         self.is_initialized = False
         for name in _FLOAT_FIELDS:
@@ -323,7 +326,7 @@ class CompressedLayer(CacheLayerMixin):
         recent_keys = torch.cat([self.recent_keys, key_states[..., to_sink:, :]], dim=-2)
         recent_values = torch.cat([self.recent_values, value_states[..., to_sink:, :]], dim=-2)
         overflow = recent_keys.shape[-2] - self.recent_tokens
-        if overflow > 0:
+        if overflow >= self.encode_batch:
             self.key_buffer.append(self.key_codec.encode(recent_keys[..., :overflow, :]))
             self.value_buffer.append(self.value_codec.encode(recent_values[..., :overflow, :]))
             recent_keys, recent_values = recent_keys[..., overflow:, :], recent_values[..., overflow:, :]
@@ -416,7 +419,8 @@ class CompressedCache(Cache):
 
     key_codec / value_codec: fibquant codecs whose `dim` equals the model's head_dim (checked
     at the first update). sink_tokens / recent_tokens: sizes of the exact window (first and
-    last tokens kept in the model's dtype). attention: "decode" (update returns floats, works
+    last tokens kept in the model's dtype). encode_batch: tokens leaving the window are encoded
+    once this many have gathered (the window then holds up to recent_tokens + encode_batch - 1). attention: "decode" (update returns floats, works
     with any attention implementation) or "codes" (attention runs on the codes; the model must
     use fibquant's attention function: build the cache with `for_model`, which sets it up).
     Layers are created lazily on first update. Pass it as `past_key_values=` to a forward pass
@@ -424,21 +428,25 @@ class CompressedCache(Cache):
     """
 
     def __init__(self, key_codec: Codec, value_codec: Codec, sink_tokens: int = 4, recent_tokens: int = 32,
-                 attention: str = "decode"):
+                 attention: str = "decode", encode_batch: int = 16):
         _check_codec(key_codec, "key_codec")
         _check_codec(value_codec, "value_codec")
         self.key_codec, self.value_codec = key_codec, value_codec
         self.sink_tokens = _check_window(sink_tokens, "sink_tokens")
         self.recent_tokens = _check_window(recent_tokens, "recent_tokens")
+        self.encode_batch = _check_window(encode_batch, "encode_batch")
+        if self.encode_batch < 1:
+            raise ValueError(f"encode_batch must be >= 1, got {encode_batch}")
         self.attention = _check_attention(attention)
         super().__init__(layer_class_to_replicate=self._new_layer)
 
     def _new_layer(self) -> CompressedLayer:
-        return CompressedLayer(self.key_codec, self.value_codec, self.sink_tokens, self.recent_tokens, self.attention)
+        return CompressedLayer(self.key_codec, self.value_codec, self.sink_tokens, self.recent_tokens,
+                               self.attention, self.encode_batch)
 
     @classmethod
     def for_model(cls, model, key_codec: Codec, value_codec: Codec, sink_tokens: int = 4,
-                  recent_tokens: int = 32, attention: str = "codes") -> "CompressedCache":
+                  recent_tokens: int = 32, attention: str = "codes", encode_batch: int = 16) -> "CompressedCache":
         """A cache for `model` after checking that the model's attention is supported.
 
         attention="codes" switches the model to fibquant's attention function (which serves
@@ -452,11 +460,12 @@ class CompressedCache(Cache):
 
             if not try_use_coded_attention(model):
                 attention = "decode"
-        return cls(key_codec, value_codec, sink_tokens, recent_tokens, attention)
+        return cls(key_codec, value_codec, sink_tokens, recent_tokens, attention, encode_batch)
 
     @classmethod
     def from_cache(cls, cache: Cache, key_codec: Codec, value_codec: Codec, sink_tokens: int = 4,
-                   recent_tokens: int = 32, attention: str = "decode", model=None) -> "CompressedCache":
+                   recent_tokens: int = 32, attention: str = "decode", model=None,
+                   encode_batch: int = 16) -> "CompressedCache":
         """Compress an already computed cache (e.g. a `DynamicCache` after a float prefill).
 
         The result holds what this cache would hold had it seen the same tokens in one update:
@@ -464,9 +473,9 @@ class CompressedCache(Cache):
         left untouched. With `model` given, `for_model`'s checks and attention set-up apply.
         """
         if model is not None:
-            target = cls.for_model(model, key_codec, value_codec, sink_tokens, recent_tokens, attention)
+            target = cls.for_model(model, key_codec, value_codec, sink_tokens, recent_tokens, attention, encode_batch)
         else:
-            target = cls(key_codec, value_codec, sink_tokens, recent_tokens, attention)
+            target = cls(key_codec, value_codec, sink_tokens, recent_tokens, attention, encode_batch)
         for index, layer in enumerate(cache.layers):
             keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
             if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor):
