@@ -28,6 +28,10 @@ def add_speed_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recent-tokens", type=int, default=32)
     parser.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up run of each cache")
     parser.add_argument("--model", default=None, help="a .gguf file or local model directory (default: SmolLM2-135M)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (model and caches on the GPU)")
+    parser.add_argument("--random-weights", action="store_true",
+                        help="SmolLM2-135M's architecture with random weights and random token ids (speed only; "
+                             "for machines that cannot load the model file)")
     parser.add_argument("--out", default=None, help="results folder (default $FIBQUANT_RESULTS_DIR or ./results)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     add_threads_argument(parser)
@@ -39,8 +43,13 @@ def run_speed_command(args: argparse.Namespace) -> int:
 
     config = DecodeSpeedConfig(contexts=tuple(args.contexts), decode_tokens=args.decode_tokens,
                                caches=tuple(args.caches), text=args.text, sink_tokens=args.sink_tokens,
-                               recent_tokens=args.recent_tokens, warmup=not args.no_warmup)
+                               recent_tokens=args.recent_tokens, warmup=not args.no_warmup, device=args.device,
+                               random_weights=args.random_weights)
     apply_threads(args)
-    model_and_tokenizer = load_model(args.model)
+    if args.random_weights or args.model is None:
+        model_and_tokenizer = None  # load_benchmark_model(config) decides
+    else:
+        model, tokenizer = load_model(args.model)
+        model_and_tokenizer = (model.to(args.device), tokenizer)
     main_decode_speed(config, args.out, model_and_tokenizer, progress=not args.no_progress)
     return 0

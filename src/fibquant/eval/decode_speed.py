@@ -103,6 +103,8 @@ class DecodeSpeedConfig:
     q_group_size: int = 64
     residual_length: int = 128
     warmup: bool = True                 # one short untimed run of every cache first (JIT, codebook loads)
+    device: str = "cpu"                 # "cuda": model and caches on the GPU (timed with synchronize)
+    random_weights: bool = False        # the default model's architecture with random weights, random ids
     memory_interval_s: float = 0.002    # RSS sampling period of the memory monitor
 
     def __post_init__(self) -> None:
@@ -114,6 +116,8 @@ class DecodeSpeedConfig:
             raise ValueError("sink_tokens and recent_tokens must be >= 0")
         if not self.caches:
             raise ValueError("no caches to run")
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         for name in self.caches:
             parse_cache_name(name)  # raises ValueError on a bad name
 
@@ -231,6 +235,54 @@ class PeakRSS:
     def description(self) -> str:
         extra = " + kernel VmHWM (reset via /proc/self/clear_refs)" if self._hwm else ""
         return f"RSS sampled every {self.interval_s * 1000:g} ms from {self.method}{extra}"
+
+
+class PeakCUDA:
+    """Peak GPU memory allocated by torch while the `with` block runs, over the amount at its start."""
+
+    def __init__(self, device):
+        import torch
+
+        self.device, self.torch = device, torch
+        self.start = self.peak = 0
+
+    def __enter__(self) -> "PeakCUDA":
+        self.torch.cuda.synchronize(self.device)
+        self.torch.cuda.reset_peak_memory_stats(self.device)
+        self.start = self.torch.cuda.memory_allocated(self.device)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.torch.cuda.synchronize(self.device)
+        self.peak = self.torch.cuda.max_memory_allocated(self.device)
+
+    @property
+    def added(self) -> int:
+        return max(self.peak - self.start, 0)
+
+    @property
+    def description(self) -> str:
+        return "torch.cuda.max_memory_allocated during the loop minus memory_allocated at its start"
+
+
+def _synchronize(device) -> None:
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)
+
+
+def load_benchmark_model(config: "DecodeSpeedConfig"):
+    """(model, tokenizer) on config.device: the default model, or its architecture with random
+    weights (tokenizer None) where the weights cannot be loaded (e.g. a GPU machine offline)."""
+    import torch
+
+    from fibquant.kv.model import load_model, random_model
+
+    if config.random_weights:
+        return random_model(torch.float32, config.device), None
+    model, tokenizer = load_model()
+    return model.to(config.device), tokenizer
 
 
 # ----------------------------------------------------------------------------- bytes
@@ -379,7 +431,7 @@ BYTES_COUNTING = {
     "dynamic": "fibquant.kv.cache.dynamic_cache_nbytes: storage of every layer's keys/values (float32 here); "
                "dynamic_fp16_bytes = that / element size * 2, what an fp16 DynamicCache holds",
     "compressed": "CompressedCache.nbytes(): exact sinks + recent window (float32) + code buffers including "
-                  "their reserved capacity (grown by doubling); used = used_nbytes(): only stored code rows; "
+                  "their reserved capacity (grown by 1/8 of their capacity); used = used_nbytes(): only stored code rows; "
                   "the codecs' shared codebook/rotation (codec_shared, once per model) is not included",
     "quantized": "storage of every layer's _quantized_keys/_quantized_values (quanto: packed integer data + "
                  "per-group scale and shift, through the tensor subclass's __tensor_flatten__; hqq: packed "
@@ -423,12 +475,14 @@ def _run_one(spec: CacheSpec, prefill: _Prefill, model, head_dim: int, config: D
         conversion = time.perf_counter() - start
         token, tokens, step_ms, first_logits = prefill.first_token, [], [], None
         release_free_memory()
-        monitor = PeakRSS(config.memory_interval_s)
+        monitor = PeakCUDA(model.device) if model.device.type == "cuda" else PeakRSS(config.memory_interval_s)
         with monitor:
             for _ in range(decode_tokens):
+                _synchronize(model.device)
                 begin = time.perf_counter()
                 logits = _step(model, token, cache, call)
                 token = logits.argmax().view(1, 1)
+                _synchronize(model.device)
                 step_ms.append(1000.0 * (time.perf_counter() - begin))
                 if first_logits is None:
                     first_logits = logits.detach().float().clone()
@@ -471,6 +525,8 @@ def _add_ratios(rows: list[dict]) -> None:
             continue
         fp16 = ref["dynamic_fp16_bytes"]
         row["decode_vs_dynamic"] = row["decode_ms_median"] / ref["decode_ms_median"]
+        # The mean counts the steps that encode a batch of tokens (every encode_batch-th step).
+        row["decode_mean_vs_dynamic"] = row["decode_ms_mean"] / ref["decode_ms_mean"]
         row["prefill_vs_dynamic"] = row["prefill_s"] / ref["prefill_s"]
         row["bytes_vs_dynamic"] = row["cache_bytes"] / ref["cache_bytes"]
         row["bytes_vs_fp16_dynamic"] = row["cache_bytes"] / fp16
@@ -523,14 +579,15 @@ def _run_decode_speed(config, model_and_tokenizer, token_ids, progress) -> dict:
     from fibquant.kv.model import describe_model
 
     if model_and_tokenizer is None:
-        from fibquant.kv.model import load_model
-
-        model_and_tokenizer = load_model()
+        model_and_tokenizer = load_benchmark_model(config)
     model, tokenizer = model_and_tokenizer
     head_dim = check_model_supported(model)["head_dim"]
     call = _forward_kwargs(model)
     plan = context_tokens(model, config.contexts, config.decode_tokens)
     longest = max(tokens for _, tokens in plan)
+    if token_ids is None and tokenizer is None:  # random weights: random ids (speed does not depend on them)
+        generator = torch.Generator().manual_seed(0)
+        token_ids = torch.randint(0, model.config.vocab_size, (longest,), generator=generator)
     if token_ids is None:
         from fibquant.eval.kv_report import text_tokens
 
@@ -603,7 +660,8 @@ def _run_decode_speed(config, model_and_tokenizer, token_ids, progress) -> dict:
                      "transformers": _package_version("transformers"), "numba": _package_version("numba"),
                      "optimum-quanto": _package_version("optimum-quanto"), "hqq": _package_version("hqq"),
                      "fibquant": _package_version("fibquant")},
-        "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count()},
+        "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "device": str(model.device),
+                    "gpu": torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else None},
         "protocol": {
             "prefill": "one DynamicCache forward over the context (last-position logits only); every cache is "
                        "built from it: DynamicCache copy, CompressedCache.from_cache (timed: conversion_s; "
@@ -656,6 +714,8 @@ DECODE_SPEED_COLUMNS = [
     ("conversion_s", "of which convert s", ".3f"),
     ("decode_ms_median", "decode ms/tok", ".1f"),
     ("decode_vs_dynamic", "x dynamic", ".2f"),
+    ("decode_ms_mean", "mean ms/tok", ".1f"),
+    ("decode_mean_vs_dynamic", "mean x dyn", ".2f"),
     ("cache_mib", "cache MiB", ".2f"),
     ("used_mib", "used MiB", ".2f"),
     ("bytes_vs_fp16_dynamic", "bytes / fp16 dyn", ".3f"),
@@ -747,10 +807,8 @@ def main_decode_speed(config: DecodeSpeedConfig = DecodeSpeedConfig(), out_dir=N
                       progress: bool = True) -> dict:
     """Run, print the table, write results/decode_speed.json and .png; returns the payload."""
     if model_and_tokenizer is None:
-        from fibquant.kv.model import load_model
-
-        print("loading the default model ...", file=sys.stderr, flush=True)
-        model_and_tokenizer = load_model()
+        print("loading the model ...", file=sys.stderr, flush=True)
+        model_and_tokenizer = load_benchmark_model(config)
     payload = run_decode_speed(config, model_and_tokenizer, progress=progress)
     print("\n" + format_decode_speed(payload))
     paths = write_decode_speed(payload, out_dir)

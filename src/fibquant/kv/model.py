@@ -55,6 +55,30 @@ def load_model(name_or_path: str | os.PathLike | None = None, dtype=None):
 def describe_model(model) -> str:
     """A one-line name for reports."""
     path = getattr(model.config, "_name_or_path", "") or ""
+    if path == RANDOM_MODEL_NAME:
+        return path
     if "smollm2" in str(path).lower():
         return DEFAULT_MODEL_NAME
     return str(path) or type(model).__name__
+
+
+# SmolLM2-135M's architecture (read from the GGUF's config), for runs where its weights cannot
+# travel (e.g. a GPU machine with no network): speed and memory do not depend on the weights.
+SMOLLM2_135M_ARCHITECTURE = dict(
+    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+    num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
+    rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True, hidden_act="silu",
+)
+RANDOM_MODEL_NAME = "SmolLM2-135M architecture with random weights (speed only)"
+
+
+def random_model(dtype=None, device="cpu", seed: int = 0):
+    """A LlamaForCausalLM with the default model's architecture and random weights, eval mode."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(**SMOLLM2_135M_ARCHITECTURE)
+    config.name_or_path = RANDOM_MODEL_NAME
+    model = LlamaForCausalLM(config).to(device=device, dtype=dtype or torch.float32)
+    return model.eval()
