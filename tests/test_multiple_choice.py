@@ -123,7 +123,7 @@ def test_cache_scorer_matches_a_full_pass_and_reads_codes_back():
     head_dim = model.config.hidden_size // model.config.num_attention_heads
     for bits, tolerance in ((8, 0.05), (2, None)):
         codec = IntCodec(head_dim, bits)
-        scored = CacheScorer(model, tokenizer, lambda: CompressedCache(codec, codec, 2, 3))(context, continuations)
+        scored = CacheScorer(model, tokenizer, lambda: CompressedCache(codec, codec, 2, 3, encode_batch=1))(context, continuations)
         # all context tokens but the last are prefilled; 2 sinks + 3 recent stay exact
         assert scored.context_tokens_compressed == len(context) - 1 - 5
         if tolerance is not None:  # 8-bit codes: close to exact

@@ -253,7 +253,9 @@ class CacheSetting:
         from ..kv.cache import CompressedCache
 
         codec = codec if codec is not None else self.build_codec(head_dim)
-        return lambda: CompressedCache(codec, codec, sink_tokens=self.sink_tokens, recent_tokens=self.recent_tokens)
+        # encode_batch=1: every context token outside the window is compressed, however short the context.
+        return lambda: CompressedCache(codec, codec, sink_tokens=self.sink_tokens, recent_tokens=self.recent_tokens,
+                                       encode_batch=1)
 
 
 def default_settings(bits: Sequence[float] = (4, 2), sink_tokens: int = 4, recent_tokens: int = 32,
