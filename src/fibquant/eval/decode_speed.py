@@ -24,14 +24,11 @@ what an fp16 DynamicCache would hold, the usual reference for compression claims
 """
 from __future__ import annotations
 
-import ctypes
-import gc
 import inspect
 import os
 import platform
 import statistics
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass
 from typing import Optional
@@ -89,6 +86,9 @@ def parse_cache_name(name: str) -> CacheSpec:
                      f"quantoB or hqqB, e.g. {' '.join(DEFAULT_CACHES[:4])}")
 
 
+from fibquant.eval.memory import (PeakCUDA, PeakRSS, _synchronize, quantized_cache_nbytes,  # noqa: F401
+                                  release_free_memory)
+
 # ----------------------------------------------------------------------------- config
 
 @dataclass(frozen=True)
@@ -128,150 +128,6 @@ class DecodeSpeedConfig:
         return list(unique.values())
 
 
-# ----------------------------------------------------------------------------- memory
-
-def _page_size() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return 4096
-
-
-def rss_reader():
-    """(a function returning the process RSS in bytes, its name): /proc/self/statm, else psutil."""
-    if os.path.exists("/proc/self/statm"):
-        page = _page_size()
-
-        def read_statm() -> int:
-            with open("/proc/self/statm", "rb") as handle:
-                return int(handle.read().split()[1]) * page
-        return read_statm, "/proc/self/statm"
-    try:
-        import psutil
-
-        process = psutil.Process()
-        return (lambda: process.memory_info().rss), "psutil"
-    except ImportError:
-        import resource
-
-        # Last resort: the lifetime peak (kB on Linux, bytes on macOS); deltas are then lower bounds.
-        scale = 1 if sys.platform == "darwin" else 1024
-        return (lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale), "getrusage maxrss"
-
-
-def _reset_peak_rss() -> bool:
-    """Reset the kernel's peak-RSS counter VmHWM (Linux >= 4.0); False where that is not possible."""
-    try:
-        with open("/proc/self/clear_refs", "w") as handle:
-            handle.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _read_peak_rss() -> Optional[int]:
-    try:
-        with open("/proc/self/status") as handle:
-            for line in handle:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def release_free_memory() -> None:
-    """gc.collect, then hand free heap pages back to the OS (glibc malloc_trim) so RSS deltas start clean."""
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-class PeakRSS:
-    """Peak resident memory added while the `with` block runs, over the RSS at its start.
-
-    A daemon thread samples the RSS every `interval_s` (torch kernels release the GIL, so it
-    runs during the forward passes); on Linux the kernel's own high-water mark (VmHWM, reset
-    at entry through /proc/self/clear_refs) is read at exit too, which misses no spike. The
-    peak is the larger of the two.
-    """
-
-    def __init__(self, interval_s: float = 0.002):
-        self.interval_s = interval_s
-        self.read, self.method = rss_reader()
-        self.start = self.peak = 0
-        self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
-        self._hwm = False
-
-    def _sample(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self.peak = max(self.peak, self.read())
-
-    def __enter__(self) -> "PeakRSS":
-        self._hwm = _reset_peak_rss()
-        self.start = self.peak = self.read()
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self.read())
-        if self._hwm:
-            hwm = _read_peak_rss()
-            if hwm is not None:
-                self.peak = max(self.peak, hwm)
-
-    @property
-    def added(self) -> int:
-        return max(self.peak - self.start, 0)
-
-    @property
-    def description(self) -> str:
-        extra = " + kernel VmHWM (reset via /proc/self/clear_refs)" if self._hwm else ""
-        return f"RSS sampled every {self.interval_s * 1000:g} ms from {self.method}{extra}"
-
-
-class PeakCUDA:
-    """Peak GPU memory allocated by torch while the `with` block runs, over the amount at its start."""
-
-    def __init__(self, device):
-        import torch
-
-        self.device, self.torch = device, torch
-        self.start = self.peak = 0
-
-    def __enter__(self) -> "PeakCUDA":
-        self.torch.cuda.synchronize(self.device)
-        self.torch.cuda.reset_peak_memory_stats(self.device)
-        self.start = self.torch.cuda.memory_allocated(self.device)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.torch.cuda.synchronize(self.device)
-        self.peak = self.torch.cuda.max_memory_allocated(self.device)
-
-    @property
-    def added(self) -> int:
-        return max(self.peak - self.start, 0)
-
-    @property
-    def description(self) -> str:
-        return "torch.cuda.max_memory_allocated during the loop minus memory_allocated at its start"
-
-
-def _synchronize(device) -> None:
-    if device.type == "cuda":
-        import torch
-
-        torch.cuda.synchronize(device)
-
-
 def load_benchmark_model(config: "DecodeSpeedConfig"):
     """(model, tokenizer) on config.device: the default model, or its architecture with random
     weights (tokenizer None) where the weights cannot be loaded (e.g. a GPU machine offline)."""
@@ -283,47 +139,6 @@ def load_benchmark_model(config: "DecodeSpeedConfig"):
         return random_model(torch.float32, config.device), None
     model, tokenizer = load_model()
     return model.to(config.device), tokenizer
-
-
-# ----------------------------------------------------------------------------- bytes
-
-def _storage_nbytes(obj, seen: set) -> int:
-    """Bytes of every distinct storage reachable from `obj`: tensors, tensor subclasses
-    (through `__tensor_flatten__`, e.g. quanto's packed tensors), tuples, lists and dicts."""
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        if type(obj) is not torch.Tensor and hasattr(obj, "__tensor_flatten__"):
-            names, _ = obj.__tensor_flatten__()
-            return sum(_storage_nbytes(getattr(obj, n), seen) for n in names)
-        storage = obj.untyped_storage()
-        key = (storage.data_ptr(), storage.nbytes())
-        if storage.nbytes() == 0 or key in seen:
-            return 0
-        seen.add(key)
-        return storage.nbytes()
-    if isinstance(obj, dict):
-        return sum(_storage_nbytes(v, seen) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(_storage_nbytes(v, seen) for v in obj)
-    return 0
-
-
-def quantized_cache_nbytes(cache) -> dict:
-    """Bytes held by a transformers `QuantizedCache`: {"quantized", "residual", "total"}.
-
-    quantized: storage of every layer's `_quantized_keys` / `_quantized_values` (quanto: the
-    packed integer data plus per-group scale and shift; hqq: the packed uint8 tensor plus the
-    scale and zero tensors of its meta dict), each storage counted once at its real size;
-    residual: storage of the float residual window (`keys` / `values`) each layer keeps.
-    """
-    seen: set = set()
-    quantized = residual = 0
-    for layer in cache.layers:
-        quantized += _storage_nbytes([getattr(layer, "_quantized_keys", None),
-                                      getattr(layer, "_quantized_values", None)], seen)
-        residual += _storage_nbytes([getattr(layer, "keys", None), getattr(layer, "values", None)], seen)
-    return {"quantized": quantized, "residual": residual, "total": quantized + residual}
 
 
 # ----------------------------------------------------------------------------- availability
