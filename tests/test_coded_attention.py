@@ -256,3 +256,43 @@ def test_real_model_codes_path_equals_decode_path(request):
     assert torch.equal(results["codes"].sequences, results["decode"].sequences)
     for got, want in zip(results["codes"].scores, results["decode"].scores):
         torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+
+
+def test_centring_codes_path_equals_decode_path_and_beats_uncentred():
+    """Centred caches: the attention on codes adds q.mu and (sum p) mu exactly as decoding does,
+    and keys with a large common offset (as real keys have) are reconstructed far better."""
+    generator = torch.Generator().manual_seed(11)
+    offset = 4.0 * torch.randn(1, 2, 1, DIM, generator=generator)  # a shared per-head mean
+    keys = torch.randn(1, 2, 80, DIM, generator=generator) + offset
+    values = torch.randn(1, 2, 80, DIM, generator=generator) + offset
+    errors, used = {}, {}
+    for centre in (False, True):
+        layer = CompressedLayer(FibQuantCodec(DIM, 4, 256), FibQuantCodec(DIM, 4, 256), 4, 8,
+                                attention="codes", centre=centre)
+        layer.update(keys[..., :79, :], values[..., :79, :])
+        assert (layer.key_mean is not None) == centre
+        kv, _ = layer.update(keys[..., 79:, :], values[..., 79:, :])
+        query = torch.randn(1, 4, 1, DIM, generator=generator)
+        got = attend_codes(query, kv, None, DIM ** -0.5)
+        torch.testing.assert_close(got, reference_attention(query, kv, None, DIM ** -0.5), rtol=1e-4, atol=1e-5)
+        decoded = layer.keys[..., 4:4 + layer.num_coded, :]
+        original = keys[..., 4:4 + layer.num_coded, :]
+        errors[centre] = float(((decoded - original) ** 2).sum() / (original ** 2).sum())
+        used[centre] = layer.used_nbytes()
+    assert layer.key_mean.shape == (1, 2, DIM)
+    assert used[True] - used[False] == 2 * 1 * 2 * DIM * 4  # K and V means [B, H, D] float32: side information
+    assert errors[True] < 0.5 * errors[False], errors
+
+
+def test_centring_batch_edits_and_reset():
+    layer = CompressedLayer(TurboQuantCodec(DIM, 3), TurboQuantCodec(DIM, 3), 2, 4, attention="codes", centre=True)
+    layer.update(torch.randn(3, 2, 20, DIM) + 2.0, torch.randn(3, 2, 20, DIM))
+    means = layer.key_mean.clone()
+    full = layer.keys
+    layer.batch_select_indices(torch.tensor([2, 0]))
+    torch.testing.assert_close(layer.key_mean, means[[2, 0]])
+    torch.testing.assert_close(layer.keys, full[[2, 0]])
+    layer.reset()
+    assert layer.key_mean is None and layer.get_seq_length() == 0
+    with pytest.raises(ValueError, match="centre"):
+        CompressedCache(TurboQuantCodec(DIM, 3), TurboQuantCodec(DIM, 3), centre="yes")

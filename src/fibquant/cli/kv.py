@@ -52,6 +52,10 @@ def register_eval(eval_subparsers) -> None:
     perplexity.add_argument("--batch-size", type=int, default=4)
     perplexity.add_argument("--methods", type=_methods, default=None)
     perplexity.add_argument("--build-codebooks", action="store_true")
+    perplexity.add_argument("--attention", choices=("codes", "decode"), default="codes",
+                            help="attention on the codes (default) or decode the cache every step (reference)")
+    perplexity.add_argument("--centre", action="store_true",
+                            help="quantise keys/values minus a per-layer, per-head mean fixed at the first encode")
     perplexity.add_argument("--out", default=None)
     add_threads_argument(perplexity)
     perplexity.set_defaults(func=_perplexity)
@@ -73,7 +77,7 @@ def _perplexity(args: argparse.Namespace) -> int:
     from fibquant.eval.perplexity import PerplexityConfig, main_perplexity
 
     config = PerplexityConfig(text=args.text, tokens=args.tokens, context=args.context, chunk=args.chunk,
-                              batch_size=args.batch_size)
+                              batch_size=args.batch_size, attention=args.attention, centre=args.centre)
     apply_threads(args)
     main_perplexity(config, args.methods, args.out, build_codebooks=args.build_codebooks)
     return 0

@@ -33,6 +33,7 @@ class PerplexityConfig:
     recent_tokens: int = 32
     batch_size: int = 4
     attention: str = "codes"  # "codes" (attention on the codes) or "decode" (the reference path)
+    centre: bool = False      # quantise keys/values minus a per-layer, per-head mean (CompressedCache centre=)
 
     def __post_init__(self) -> None:
         if self.attention not in ("codes", "decode"):
@@ -62,7 +63,7 @@ def make_cache(method: Method, model, config: PerplexityConfig):
     head_dim = check_model_supported(model)["head_dim"]
     codec = method.build(head_dim)
     return CompressedCache.for_model(model, codec, codec, config.sink_tokens, config.recent_tokens,
-                                     attention=config.attention)
+                                     attention=config.attention, centre=config.centre)
 
 
 def cache_nbytes(cache) -> int:

@@ -155,8 +155,10 @@ def attend_codes(query: torch.Tensor, kv: CodedKV, attention_mask: torch.Tensor 
         rows = slice(start, min(start + step, tokens))
         width = rows.stop - rows.start
         block = queries[:, :, :, rows].reshape(batch, heads, groups * width, dim)
-        scores = torch.cat([block @ sink_keys.transpose(-1, -2),
-                            _scores_from_codes(kv.key_codec, block, kv.key_codes),
+        coded_scores = _scores_from_codes(kv.key_codec, block, kv.key_codes)
+        if kv.key_mean is not None:  # centred keys: q . (x_hat + mu) = q . x_hat + q . mu
+            coded_scores = coded_scores + block @ kv.key_mean.unsqueeze(-1)
+        scores = torch.cat([block @ sink_keys.transpose(-1, -2), coded_scores,
                             block @ exact_keys.transpose(-1, -2)], dim=-1)
         bias = _bias_block(attention_mask, rows, length, past, query.device)
         if bias is not None:
@@ -168,7 +170,10 @@ def attend_codes(query: torch.Tensor, kv: CodedKV, attention_mask: torch.Tensor 
         weights = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # a fully masked row: zeros, not NaN
         mixed = weights[..., :sinks] @ sink_values + weights[..., sinks + coded:] @ exact_values
         if coded:
-            mixed += _values_from_codes(kv.value_codec, weights[..., sinks:sinks + coded].contiguous(), kv.value_codes)
+            coded_weights = weights[..., sinks:sinks + coded].contiguous()
+            mixed += _values_from_codes(kv.value_codec, coded_weights, kv.value_codes)
+            if kv.value_mean is not None:  # centred values: sum_i p_i mu = (sum_i p_i) mu
+                mixed += coded_weights.sum(-1, keepdim=True) * kv.value_mean.unsqueeze(-2)
         out[:, :, :, rows] = mixed.view(batch, heads, groups, width, value_dim)
     return out.reshape(batch, q_heads, tokens, value_dim).transpose(1, 2).contiguous().to(query.dtype)
 
