@@ -24,10 +24,14 @@ the new tokens enter the cache: the first `sink_tokens` of the sequence stay exa
 the newest `recent_tokens` stay exact, and once at least `encode_batch` tokens have slid out
 of the recent window they are encoded together and their float copies dropped (encoding one
 token per layer per step costs more in call overhead than the attention itself; with
-`encode_batch=1` every token is encoded as soon as it leaves the window). Hence a query at offset o of a chunk of C tokens sees
-between `recent_tokens + 1` and `recent_tokens + C` newest tokens exactly; with
+`encode_batch=1` every token is encoded as soon as it leaves the window). Hence a query at
+offset o of a chunk of C tokens sees at least `recent_tokens + 1` newest tokens exactly; with
 token-by-token decoding (C = 1) it sees exactly the sinks, the previous `recent_tokens`
-tokens and itself.
+(to `recent_tokens + encode_batch - 1`) tokens and itself.
+
+With `centre=True` a layer subtracts a fixed mean key and mean value [B, H, D] (of the first
+tokens it encodes, e.g. the prefill: calibration-free, one vector per head) before encoding,
+and adds it back on every read: the codec's bits go to what varies between tokens.
 
 Two ways to read the coded part (`attention=`):
 
@@ -152,6 +156,8 @@ class CodedKV:
     new_values: torch.Tensor
     key_codec: Codec
     value_codec: Codec
+    key_mean: Optional[torch.Tensor] = None    # [B, H, D] float32 added back to decoded keys (centring)
+    value_mean: Optional[torch.Tensor] = None  # [B, H, D] float32 added back to decoded values
 
     @property
     def num_sink(self) -> int:
@@ -175,9 +181,11 @@ class CodedKV:
         """Float keys and values [B, H, length, D]: the coded part decoded (the reference path)."""
         exact_keys, exact_values = self.exact()
         keys = torch.cat([self.sink_keys.to(exact_keys.dtype),
-                          self.key_codec.decode(self.key_codes, dtype=exact_keys.dtype), exact_keys], dim=-2)
+                          _decode_centred(self.key_codec, self.key_codes, self.key_mean, exact_keys.dtype),
+                          exact_keys], dim=-2)
         values = torch.cat([self.sink_values.to(exact_values.dtype),
-                            self.value_codec.decode(self.value_codes, dtype=exact_values.dtype), exact_values], dim=-2)
+                            _decode_centred(self.value_codec, self.value_codes, self.value_mean, exact_values.dtype),
+                            exact_values], dim=-2)
         return keys, values
 
     def __getattr__(self, name: str):
@@ -189,6 +197,13 @@ class CodedKV:
             "fibquant.kv.attention.use_coded_attention(model) set it), or create the cache with attention='decode'")
 
 
+def _decode_centred(codec: Codec, codes: torch.Tensor, mean: Optional[torch.Tensor], dtype) -> torch.Tensor:
+    """codec.decode(codes) [B, H, m, D], plus the layer's mean [B, H, D] when the cache centres."""
+    if mean is None:
+        return codec.decode(codes, dtype=dtype)
+    return (codec.decode(codes) + mean.unsqueeze(-2)).to(dtype)
+
+
 class CompressedLayer(CacheLayerMixin):
     """One layer of a `CompressedCache` (see the module docstring for the semantics)."""
 
@@ -197,7 +212,7 @@ class CompressedLayer(CacheLayerMixin):
     is_croppable = False  # a crop inside the coded part cannot restore the exact recent window
 
     def __init__(self, key_codec: Codec, value_codec: Codec, sink_tokens: int, recent_tokens: int,
-                 attention: str = "decode", encode_batch: int = 1):
+                 attention: str = "decode", encode_batch: int = 1, centre: bool = False):
         # CacheLayerMixin.__init__ would create float `keys`/`values` slots; this layer has none.
         self.key_codec = key_codec
         self.value_codec = value_codec
@@ -205,6 +220,11 @@ class CompressedLayer(CacheLayerMixin):
         self.recent_tokens = recent_tokens
         self.encode_batch = max(1, encode_batch)
         self.attention = _check_attention(attention)
+        self.centre = bool(centre)
+        # Centring: the mean key / value [B, H, D] (float32) of the first tokens this layer encodes,
+        # subtracted before every encode and added back on every read; None until then.
+        self.key_mean: Optional[torch.Tensor] = None
+        self.value_mean: Optional[torch.Tensor] = None
         self.is_initialized = False
         for name in _FLOAT_FIELDS:
             setattr(self, name, None)
@@ -245,7 +265,8 @@ class CompressedLayer(CacheLayerMixin):
         """Every tensor this layer holds (code buffers with their reserved capacity)."""
         if not self.is_initialized:
             return []
-        return [getattr(self, name) for name in _FLOAT_FIELDS] + [self.key_buffer.data, self.value_buffer.data]
+        means = [t for t in (self.key_mean, self.value_mean) if t is not None]
+        return [getattr(self, name) for name in _FLOAT_FIELDS] + [self.key_buffer.data, self.value_buffer.data] + means
 
     def nbytes(self) -> int:
         """Bytes of storage held by this layer, reserved code capacity included."""
@@ -255,8 +276,10 @@ class CompressedLayer(CacheLayerMixin):
         """Bytes of the stored tokens only: exact window + num_coded code rows."""
         if not self.is_initialized:
             return 0
-        floats = sum(t.numel() * t.element_size() for t in (getattr(self, n) for n in _FLOAT_FIELDS))
-        return floats + self.key_buffer.used_nbytes() + self.value_buffer.used_nbytes()
+        floats = [getattr(self, n) for n in _FLOAT_FIELDS] + [t for t in (self.key_mean, self.value_mean)
+                                                              if t is not None]
+        return (sum(t.numel() * t.element_size() for t in floats)
+                + self.key_buffer.used_nbytes() + self.value_buffer.used_nbytes())
 
     # ----------------------------------------------------------------- contract
     def lazy_initialization(self, key_states: torch.Tensor, value_states: Optional[torch.Tensor] = None):
@@ -299,7 +322,8 @@ class CompressedLayer(CacheLayerMixin):
     def snapshot(self, key_states: torch.Tensor, value_states: torch.Tensor) -> CodedKV:
         """What tokens `key_states`/`value_states` [B, H, T, D] attend to, before they are stored."""
         return CodedKV(self.sink_keys, self.sink_values, self.key_codes, self.value_codes, self.recent_keys,
-                       self.recent_values, key_states, value_states, self.key_codec, self.value_codec)
+                       self.recent_values, key_states, value_states, self.key_codec, self.value_codec,
+                       self.key_mean, self.value_mean)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Return what the new tokens attend to, then archive what left the window.
@@ -327,8 +351,15 @@ class CompressedLayer(CacheLayerMixin):
         recent_values = torch.cat([self.recent_values, value_states[..., to_sink:, :]], dim=-2)
         overflow = recent_keys.shape[-2] - self.recent_tokens
         if overflow >= self.encode_batch:
-            self.key_buffer.append(self.key_codec.encode(recent_keys[..., :overflow, :]))
-            self.value_buffer.append(self.value_codec.encode(recent_values[..., :overflow, :]))
+            leaving_keys, leaving_values = recent_keys[..., :overflow, :], recent_values[..., :overflow, :]
+            if self.centre:
+                if self.key_mean is None:  # fixed once, from the first tokens encoded (e.g. the prefill)
+                    self.key_mean = leaving_keys.to(torch.float32).mean(dim=-2)
+                    self.value_mean = leaving_values.to(torch.float32).mean(dim=-2)
+                leaving_keys = leaving_keys.to(torch.float32) - self.key_mean.unsqueeze(-2)
+                leaving_values = leaving_values.to(torch.float32) - self.value_mean.unsqueeze(-2)
+            self.key_buffer.append(self.key_codec.encode(leaving_keys))
+            self.value_buffer.append(self.value_codec.encode(leaving_values))
             recent_keys, recent_values = recent_keys[..., overflow:, :], recent_values[..., overflow:, :]
         # The recent slice is copied so the dropped (now encoded) floats are really freed.
         self.recent_keys, self.recent_values = _owned(recent_keys), _owned(recent_values)
@@ -352,7 +383,8 @@ class CompressedLayer(CacheLayerMixin):
         """All keys [batch, kv_heads, seq, head_dim], decoded on request (not stored)."""
         if not self.is_initialized:
             return None
-        return torch.cat([self.sink_keys, self.key_codec.decode(self.key_codes, dtype=self.sink_keys.dtype),
+        return torch.cat([self.sink_keys,
+                          _decode_centred(self.key_codec, self.key_codes, self.key_mean, self.sink_keys.dtype),
                           self.recent_keys], dim=-2)
 
     @property
@@ -361,8 +393,30 @@ class CompressedLayer(CacheLayerMixin):
         if not self.is_initialized:
             return None
         return torch.cat([self.sink_values,
-                          self.value_codec.decode(self.value_codes, dtype=self.sink_values.dtype),
+                          _decode_centred(self.value_codec, self.value_codes, self.value_mean, self.sink_values.dtype),
                           self.recent_values], dim=-2)
+
+    # ----------------------------------------------------------------- persistence (kv/persist.py)
+    @classmethod
+    def from_state(cls, key_codec: Codec, value_codec: Codec, sink_tokens: int, recent_tokens: int,
+                   state: dict, key_codes: torch.Tensor, value_codes: torch.Tensor, attention: str = "decode",
+                   encode_batch: int = 1) -> "CompressedLayer":
+        """An initialised layer holding `state` (sink_keys, sink_values, recent_keys, recent_values:
+        [B, H, s|r, D] floats, copied) and the code rows uint8 [B, H, m, code_size] (owned)."""
+        layer = cls(key_codec, value_codec, sink_tokens, recent_tokens, attention, encode_batch)
+        layer.lazy_initialization(state["sink_keys"], state["sink_values"])
+        for name in _FLOAT_FIELDS:
+            setattr(layer, name, state[name].clone())
+        for role, codes, codec in (("key", key_codes, key_codec), ("value", value_codes, value_codec)):
+            if codes.dtype != torch.uint8 or codes.ndim != 4 or codes.shape[-1] != codec.code_size \
+                    or tuple(codes.shape[:2]) != tuple(state["sink_keys"].shape[:2]):
+                raise ValueError(f"{role} codes must be uint8 [B, H, m, {codec.code_size}], got "
+                                 f"{codes.dtype} {tuple(codes.shape)}")
+        if key_codes.shape[-2] != value_codes.shape[-2]:
+            raise ValueError(f"{key_codes.shape[-2]} key code rows but {value_codes.shape[-2]} value code rows")
+        layer.key_buffer = CodeBuffer.from_rows(key_codes)
+        layer.value_buffer = CodeBuffer.from_rows(value_codes)
+        return layer
 
     # ----------------------------------------------------------------- editing
     def _apply(self, fn) -> None:
@@ -371,8 +425,11 @@ class CompressedLayer(CacheLayerMixin):
                 setattr(self, name, _owned(fn(getattr(self, name))))
             self.key_buffer.remap(fn)
             self.value_buffer.remap(fn)
+            if self.key_mean is not None:  # [B, H, D]: batch edits apply, token edits do not
+                self.key_mean, self.value_mean = fn(self.key_mean), fn(self.value_mean)
 
     def reset(self) -> None:
+        self.key_mean = self.value_mean = None
         self._apply(lambda t: t[..., :0, :])
 
     def crop(self, max_length: int) -> None:
@@ -419,16 +476,18 @@ class CompressedCache(Cache):
 
     key_codec / value_codec: fibquant codecs whose `dim` equals the model's head_dim (checked
     at the first update). sink_tokens / recent_tokens: sizes of the exact window (first and
-    last tokens kept in the model's dtype). encode_batch: tokens leaving the window are encoded
-    once this many have gathered (the window then holds up to recent_tokens + encode_batch - 1). attention: "decode" (update returns floats, works
+    last tokens kept in the model's dtype). attention: "decode" (update returns floats, works
     with any attention implementation) or "codes" (attention runs on the codes; the model must
     use fibquant's attention function: build the cache with `for_model`, which sets it up).
+    encode_batch: tokens leaving the window are encoded once this many have gathered (the
+    window then holds up to recent_tokens + encode_batch - 1). centre: quantise keys and values
+    minus a per-layer, per-head mean fixed at the first encode (see the module docstring).
     Layers are created lazily on first update. Pass it as `past_key_values=` to a forward pass
     or to `model.generate`.
     """
 
     def __init__(self, key_codec: Codec, value_codec: Codec, sink_tokens: int = 4, recent_tokens: int = 32,
-                 attention: str = "decode", encode_batch: int = 16):
+                 attention: str = "decode", encode_batch: int = 16, centre: bool = False):
         _check_codec(key_codec, "key_codec")
         _check_codec(value_codec, "value_codec")
         self.key_codec, self.value_codec = key_codec, value_codec
@@ -438,15 +497,19 @@ class CompressedCache(Cache):
         if self.encode_batch < 1:
             raise ValueError(f"encode_batch must be >= 1, got {encode_batch}")
         self.attention = _check_attention(attention)
+        if not isinstance(centre, bool):
+            raise ValueError(f"centre must be True or False, got {centre!r}")
+        self.centre = centre
         super().__init__(layer_class_to_replicate=self._new_layer)
 
     def _new_layer(self) -> CompressedLayer:
         return CompressedLayer(self.key_codec, self.value_codec, self.sink_tokens, self.recent_tokens,
-                               self.attention, self.encode_batch)
+                               self.attention, self.encode_batch, self.centre)
 
     @classmethod
     def for_model(cls, model, key_codec: Codec, value_codec: Codec, sink_tokens: int = 4,
-                  recent_tokens: int = 32, attention: str = "codes", encode_batch: int = 16) -> "CompressedCache":
+                  recent_tokens: int = 32, attention: str = "codes", encode_batch: int = 16,
+                  centre: bool = False) -> "CompressedCache":
         """A cache for `model` after checking that the model's attention is supported.
 
         attention="codes" switches the model to fibquant's attention function (which serves
@@ -460,12 +523,12 @@ class CompressedCache(Cache):
 
             if not try_use_coded_attention(model):
                 attention = "decode"
-        return cls(key_codec, value_codec, sink_tokens, recent_tokens, attention, encode_batch)
+        return cls(key_codec, value_codec, sink_tokens, recent_tokens, attention, encode_batch, centre)
 
     @classmethod
     def from_cache(cls, cache: Cache, key_codec: Codec, value_codec: Codec, sink_tokens: int = 4,
                    recent_tokens: int = 32, attention: str = "decode", model=None,
-                   encode_batch: int = 16) -> "CompressedCache":
+                   encode_batch: int = 16, centre: bool = False) -> "CompressedCache":
         """Compress an already computed cache (e.g. a `DynamicCache` after a float prefill).
 
         The result holds what this cache would hold had it seen the same tokens in one update:
@@ -473,9 +536,10 @@ class CompressedCache(Cache):
         left untouched. With `model` given, `for_model`'s checks and attention set-up apply.
         """
         if model is not None:
-            target = cls.for_model(model, key_codec, value_codec, sink_tokens, recent_tokens, attention, encode_batch)
+            target = cls.for_model(model, key_codec, value_codec, sink_tokens, recent_tokens, attention,
+                                   encode_batch, centre)
         else:
-            target = cls(key_codec, value_codec, sink_tokens, recent_tokens, attention, encode_batch)
+            target = cls(key_codec, value_codec, sink_tokens, recent_tokens, attention, encode_batch, centre)
         for index, layer in enumerate(cache.layers):
             keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
             if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor):
@@ -509,6 +573,64 @@ class CompressedCache(Cache):
     def shared_nbytes(self) -> int:
         """Bytes of the codecs' shared state (codebooks, rotations), held once for the model."""
         return sum(codec_state_nbytes(c) for c in {id(c): c for c in (self.key_codec, self.value_codec)}.values())
+
+    # ----------------------------------------------------------------- persistence (kv/persist.py)
+    def coded_rows_since(self, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Key and value code rows of coded tokens [start, num_coded) of every layer:
+        uint8 [L, B, H, n, code_size] each (what a persistent writer appends)."""
+        layers = [layer for layer in self.layers if layer.is_initialized]
+        if not layers:
+            raise ValueError("coded_rows_since: the cache has not seen a token")
+        return (torch.stack([layer.key_codes[..., start:, :] for layer in layers]),
+                torch.stack([layer.value_codes[..., start:, :] for layer in layers]))
+
+    def save(self, path, model, token_ids=None, *, append: bool = False, overwrite: bool = False,
+             durable: bool = False, checkpoint_every: int = 64):
+        """Write this cache (and its token ids) to the directory `path` (fibquant.kv.persist).
+
+        `model` is the model that filled the cache (its config fingerprint is stored). With
+        append=False the store is sealed and closed (returned closed). With append=True a
+        `CacheWriter` is returned that stays open: pass it to `model.generate(...,
+        stopping_criteria=[writer])` and every newly coded token is appended to the archive
+        after each step (checkpoint every `checkpoint_every` tokens); `writer.close()` (or a
+        `with` block) seals the end. See docs/persistent-cache.md."""
+        from fibquant.kv.persist import save_cache
+
+        if not append:
+            return save_cache(self, path, model, token_ids, overwrite=overwrite, durable=durable)
+        from fibquant.kv.persist import PersistentCache
+        from fibquant.kv.persist_generate import CacheWriter
+
+        save_cache(self, path, model, token_ids, overwrite=overwrite, durable=durable)
+        store = PersistentCache.open(path, "a", model=model, durable=durable)
+        return CacheWriter(store, self, checkpoint_every)
+
+    @classmethod
+    def load(cls, path, model=None, attention: Optional[str] = None) -> "CompressedCache":
+        """The cache saved at `path`, bit for bit. With `model`, its fingerprint must match the
+        saved one (ValueError otherwise) and the attention is set up as `for_model` does; the
+        saved token ids are attached as `cache.token_ids` (int64 [n])."""
+        from fibquant.kv.persist import PersistentCache
+
+        with PersistentCache.open(path, model=model) as store:
+            cache = store.to_cache(model, attention)
+            cache.token_ids = store.token_ids()
+        return cache
+
+    @classmethod
+    def from_layers(cls, layers: list["CompressedLayer"], attention: Optional[str] = None) -> "CompressedCache":
+        """A cache made of already built layers (e.g. `CompressedLayer.from_state`), sharing their
+        codecs and window; attention defaults to the first layer's."""
+        if not layers:
+            raise ValueError("from_layers needs at least one layer")
+        first = layers[0]
+        cache = cls(first.key_codec, first.value_codec, first.sink_tokens, first.recent_tokens,
+                    attention or first.attention, first.encode_batch)
+        for layer in layers:
+            if attention is not None:
+                layer.attention = _check_attention(attention)
+            cache.layers.append(layer)
+        return cache
 
 
 def _per_token(total: int, cache: Cache) -> float:
