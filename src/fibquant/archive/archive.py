@@ -313,11 +313,15 @@ class Archive:
                 if not self._verified[block]:
                     self._verify(block)
                 offset, length, count = self._offsets[block], self._lengths[block], self._counts[block]
+                base = self._starts[block]
+                a, b = max(start - base, 0), min(sealed_stop - base, count)
+                if self._exact and 4 * (b - a) < count:  # a short range: decode only its keys
+                    parts.append(self._codec.decode_range(self._map, a, b, offset))
+                    continue
                 view = memoryview(self._map)[offset:offset + length]
                 symbols = self._codec.decode(view, count)
                 del view
-                base = self._starts[block]
-                parts.append(symbols[max(start - base, 0):min(sealed_stop - base, count)])
+                parts.append(symbols[a:b])
         if stop > self._sealed:
             parts.append(np.array(self._pending[max(start - self._sealed, 0):stop - self._sealed], dtype=np.int64))
         return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)

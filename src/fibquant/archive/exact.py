@@ -162,6 +162,22 @@ class RadixCodec:
             digits = (keys[:, None] // powers) % np.uint64(self.alphabet_size)
         return digits.reshape(-1)[:count].astype(np.int64)
 
+    def decode_range(self, payload, start: int, stop: int, base: int = 0) -> np.ndarray:
+        """Symbols [start, stop) of the payload at payload[base:], decoding only the keys that
+        hold them (int64 [stop - start]); the same values as decode(...)[start:stop]."""
+        if stop <= start:
+            return np.empty(0, dtype=np.int64)
+        if not self.byte_aligned:
+            return np.array([self.decode_at(payload, i, base) for i in range(start, stop)], dtype=np.int64)
+        first, last = start // self.group, -(-stop // self.group)
+        view = memoryview(payload)[base + first * self.key_bytes: base + last * self.key_bytes]
+        try:
+            symbols = self.decode(view, (last - first) * self.group)
+        finally:
+            view.release()
+        offset = first * self.group
+        return symbols[start - offset: stop - offset]
+
     def decode_at(self, payload, index: int, base: int = 0) -> int:
         """Symbol `index` of the payload at payload[base:]: one key read, one div/mod."""
         g, t = divmod(index, self.group)

@@ -18,6 +18,7 @@ _COMMAND_MODULES = (
     "fibquant.cli.realdata",   # fibquant eval canonical|mc, fibquant data fetch
     "fibquant.cli.archive",    # fibquant archive pack|get|search|info, fibquant eval archive
     "fibquant.cli.speed",      # fibquant eval speed
+    "fibquant.cli.cache",      # fibquant cache save|info|generate, fibquant eval archive-kv
 )
 
 

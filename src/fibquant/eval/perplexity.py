@@ -133,6 +133,7 @@ def run_perplexity(model, tokenizer, methods: list[Method], config: PerplexityCo
         "model": describe_model(model), "text": config.text, "tokens": config.windows * config.context,
         "context": config.context, "chunk": config.chunk, "windows": config.windows,
         "exact_window": {"sink_tokens": config.sink_tokens, "recent_tokens": config.recent_tokens},
+        "attention": config.attention, "centre": config.centre,
         "model_dtype": str(next(model.parameters()).dtype), "rows": rows,
     }
 
@@ -198,7 +199,8 @@ def main_perplexity(config: PerplexityConfig = PerplexityConfig(), methods: list
     result["targets"] = perplexity_targets(result["rows"])
     print(f"\nmodel: {result['model']}\ntext: {config.text}, {result['tokens']} tokens = {result['windows']} "
           f"windows of {config.context}, chunks of {config.chunk}, exact window {config.sink_tokens} sinks + "
-          f"{config.recent_tokens} recent (model dtype {result['model_dtype']})\n")
+          f"{config.recent_tokens} recent (model dtype {result['model_dtype']}), attention={config.attention}, "
+          f"centre={config.centre}\n")
     print(format_table(result["rows"], PERPLEXITY_COLUMNS))
     for name, value in result["targets"].items():
         print(f"{name}: {value}")
