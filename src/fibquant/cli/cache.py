@@ -1,0 +1,134 @@
+"""`fibquant cache save|info|generate`: a compressed KV cache on disk (argument parsing only)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ._threads import add_threads_argument, apply_threads
+
+
+def _prompt_ids(args, tokenizer):
+    import torch
+
+    if (args.prompt is None) == (args.text is None):
+        raise ValueError("give the prompt with --prompt STRING or --text NOVEL (with --tokens N), not both")
+    if args.prompt is not None:
+        return tokenizer(args.prompt, return_tensors="pt").input_ids[0]
+    from fibquant.eval.kv_report import text_tokens
+
+    return text_tokens(tokenizer, args.text, args.tokens).to(torch.long)
+
+
+def _save(args) -> int:
+    from fibquant.eval.methods import parse_method
+    from fibquant.kv.model import load_model
+    from fibquant.kv.persist_generate import generate_persistent
+
+    apply_threads(args)
+    model, tokenizer = load_model(args.model)
+    head_dim = model.config.head_dim if getattr(model.config, "head_dim", None) else \
+        model.config.hidden_size // model.config.num_attention_heads
+    codec = parse_method(args.method).build(head_dim)
+    ids = _prompt_ids(args, tokenizer)
+    out = generate_persistent(model, ids, args.output, codec, codec, sink_tokens=args.sink_tokens,
+                              recent_tokens=args.recent_tokens, max_new_tokens=args.max_new_tokens,
+                              overwrite=args.overwrite, checkpoint_every=args.checkpoint_every)
+    print(tokenizer.decode(out[0, ids.shape[0]:]))
+    return _info_of(args.output)
+
+
+def _info_of(path) -> int:
+    from fibquant.kv.persist import PersistentCache
+
+    with PersistentCache.open(path) as store:
+        print(json.dumps(store.info(), indent=1))
+    return 0
+
+
+def _info(args) -> int:
+    return _info_of(args.cache)
+
+
+def _generate(args) -> int:
+    from fibquant.kv.model import load_model
+    from fibquant.kv.persist_generate import resume_generate
+
+    apply_threads(args)
+    model, tokenizer = load_model(args.model)
+    extra = None if args.prompt is None else tokenizer(args.prompt, add_special_tokens=False,
+                                                       return_tensors="pt").input_ids[0]
+    before = None
+    from fibquant.kv.persist import PersistentCache
+
+    with PersistentCache.open(args.cache) as store:
+        before = len(store.tokens) + (0 if extra is None else extra.shape[0])
+    out = resume_generate(model, args.cache, extra, max_new_tokens=args.max_new_tokens,
+                          checkpoint_every=args.checkpoint_every)
+    print(tokenizer.decode(out[0, before:]))
+    print(f"cache: {args.cache}, {out.shape[1]} token ids", file=sys.stderr)
+    return 0
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("cache", help="save, inspect and resume a compressed KV cache on disk")
+    sub = parser.add_subparsers(dest="cache_command", required=True)
+    save = sub.add_parser("save", help="generate from a prompt with a compressed cache written to OUTPUT")
+    save.add_argument("output")
+    save.add_argument("--prompt", default=None)
+    save.add_argument("--text", default=None, help="use the first --tokens tokens of this novel as the prompt")
+    save.add_argument("--tokens", type=int, default=512)
+    save.add_argument("--method", default="fibquant:b=2", help="codec spec (fibquant:b=2, turboquant:b=3, int:b=4)")
+    save.add_argument("--sink-tokens", type=int, default=4)
+    save.add_argument("--recent-tokens", type=int, default=32)
+    save.add_argument("--max-new-tokens", type=int, default=32)
+    save.add_argument("--checkpoint-every", type=int, default=64)
+    save.add_argument("--model", default=None, help="a .gguf file or model directory (default: SmolLM2-135M)")
+    save.add_argument("--overwrite", action="store_true")
+    add_threads_argument(save)
+    save.set_defaults(func=_save)
+    info = sub.add_parser("info", help="manifest, sizes and recovered length of a saved cache")
+    info.add_argument("cache")
+    info.set_defaults(func=_info)
+    generate = sub.add_parser("generate", help="continue generating from a saved cache (appends to it)")
+    generate.add_argument("cache")
+    generate.add_argument("--prompt", default=None, help="text appended before generating (e.g. a new turn)")
+    generate.add_argument("--max-new-tokens", type=int, default=32)
+    generate.add_argument("--checkpoint-every", type=int, default=64)
+    generate.add_argument("--model", default=None)
+    add_threads_argument(generate)
+    generate.set_defaults(func=_generate)
+
+
+def register_eval(eval_subparsers) -> None:
+    parser = eval_subparsers.add_parser("archive-kv", help="saved-cache benchmarks: prefix reuse TTFT, code search")
+    parser.add_argument("--prefix-tokens", type=int, default=1024)
+    parser.add_argument("--suffix-tokens", type=int, default=16)
+    parser.add_argument("--text", default="emma")
+    parser.add_argument("--method", default="fibquant:b=2")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--parts", default="ttft,search,store,study",
+                        help="comma-separated subset of ttft,search,store,study (default: all)")
+    parser.add_argument("--search-sizes", default="100000,1000000",
+                        help="stored tokens of the search-at-scale part (comma-separated)")
+    parser.add_argument("--study-windows", type=int, default=2, help="windows of --study-context tokens of emma")
+    parser.add_argument("--study-context", type=int, default=1024)
+    parser.add_argument("--name", default="archive_kv", help="report file name (results/NAME.json|.png)")
+    parser.add_argument("--out", default=None, help="results folder (default $FIBQUANT_RESULTS_DIR or ./results)")
+    add_threads_argument(parser)
+    parser.set_defaults(func=_eval)
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from fibquant.eval.archive_kv import ArchiveKVConfig, main_archive_kv
+
+    config = ArchiveKVConfig(text=args.text, prefix_tokens=args.prefix_tokens, suffix_tokens=args.suffix_tokens,
+                             method=args.method, repeats=args.repeats)
+    from fibquant.eval.archive_study import StudyConfig
+
+    study = StudyConfig(windows=args.study_windows, context=args.study_context)
+    parts = tuple(p.strip() for p in args.parts.split(",") if p.strip())
+    sizes = tuple(int(x) for x in args.search_sizes.split(",") if x.strip())
+    apply_threads(args)
+    main_archive_kv(config, args.out, parts=parts, study=study, search_sizes=sizes, name=args.name)
+    return 0

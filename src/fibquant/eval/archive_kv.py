@@ -1,0 +1,229 @@
+"""Saved-cache benchmarks (`fibquant eval archive-kv`, `benchmarks/archive_kv.py`).
+
+1. Prefix reuse, time to first token: a novel's first `prefix_tokens` tokens are prefilled
+   into a `CompressedCache` and saved; the prompt is that prefix plus `suffix_tokens` more.
+   Measured in the same run, best of `repeats`: cold = fresh cache, whole prompt in one
+   forward; warm = `prefill_with_prefix` (open + rebuild the saved cache from disk, then the
+   suffix only); fp = `DynamicCache`, whole prompt. Next-token logits of warm and cold are
+   compared with fp's (max |diff|, same argmax).
+2. Code-stream search: queries are the layer-0, head-0 value codes of sampled coded tokens.
+   Layer-0 values carry no position (no RoPE on values, no earlier attention), so equal
+   tokens have equal codes: a code search finds a token's other occurrences. The archive's
+   in-place suffix search over the whole value index stream (every layer and head, hits kept
+   when row-aligned, on layer 0 head 0 and with the same norm) is timed against a numpy scan
+   of the layer-0/head-0 code rows; recall against code equality must be 1, and
+   precision/recall against token identity is reported.
+"""
+from __future__ import annotations
+
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class ArchiveKVConfig:
+    text: str = "emma"
+    prefix_tokens: int = 1024
+    suffix_tokens: int = 16
+    method: str = "fibquant:b=2"
+    sink_tokens: int = 4
+    recent_tokens: int = 32
+    repeats: int = 3
+    queries: int = 200
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("prefix_tokens", "suffix_tokens", "repeats", "queries"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.prefix_tokens <= self.sink_tokens + self.recent_tokens:
+            raise ValueError("prefix_tokens must exceed the exact window, or nothing is coded")
+
+
+def _best(fn, repeats: int):
+    times, result = [], None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - start)
+    return min(times), result
+
+
+@torch.no_grad()
+def measure_prefix_ttft(model, tokenizer, config: ArchiveKVConfig, workdir: Path) -> dict:
+    from transformers import DynamicCache
+
+    from fibquant.eval.kv_report import text_tokens
+    from fibquant.eval.methods import parse_method
+    from fibquant.kv.cache import CompressedCache, check_model_supported
+    from fibquant.kv.persist import PersistentCache, save_cache
+    from fibquant.kv.prefix import prefill_with_prefix
+
+    codec = parse_method(config.method).build(check_model_supported(model)["head_dim"])
+    ids = text_tokens(tokenizer, config.text, config.prefix_tokens + config.suffix_tokens)
+    prefix = ids[: config.prefix_tokens]
+
+    def fresh():
+        return CompressedCache.for_model(model, codec, codec, config.sink_tokens, config.recent_tokens)
+
+    cache = fresh()
+    model(input_ids=prefix[None], past_key_values=cache, use_cache=True)
+    path = workdir / "prefix.fqkv"
+    save_s, _ = _best(lambda: save_cache(cache, path, model, prefix, overwrite=True), 1)
+    with PersistentCache.open(path) as store:
+        disk = store.nbytes()
+
+    def cold():
+        return model(input_ids=ids[None], past_key_values=fresh(), use_cache=True).logits[:, -1]
+
+    def fp():
+        return model(input_ids=ids[None], past_key_values=DynamicCache(), use_cache=True).logits[:, -1]
+
+    cold_s, cold_logits = _best(cold, config.repeats)
+    fp_s, fp_logits = _best(fp, config.repeats)
+    warm_s, (_, warm_logits, stats) = _best(lambda: prefill_with_prefix(model, ids, path), config.repeats)
+    config_kv = check_model_supported(model)
+    fp16_bytes = 2 * 2 * config_kv["layers"] * config_kv["kv_heads"] * config_kv["head_dim"] * config.prefix_tokens
+    return {
+        "prompt_tokens": int(ids.shape[0]), "reused_tokens": stats["reused_tokens"],
+        "computed_tokens": stats["computed_tokens"], "codec": repr(codec),
+        "ttft_cold_s": cold_s, "ttft_warm_s": warm_s, "ttft_fp_s": fp_s,
+        "warm_load_s": stats["load_s"], "warm_prefill_s": stats["prefill_s"],
+        "speedup_vs_cold": cold_s / warm_s, "speedup_vs_fp": fp_s / warm_s, "save_s": save_s,
+        "disk_bytes": disk, "disk_total_bytes": sum(disk.values()), "fp16_kv_bytes_of_prefix": fp16_bytes,
+        "warm_vs_fp_max_abs_logit": float((warm_logits - fp_logits).abs().max()),
+        "cold_vs_fp_max_abs_logit": float((cold_logits - fp_logits).abs().max()),
+        "warm_same_argmax_as_fp": bool(warm_logits.argmax() == fp_logits.argmax()),
+        "cold_same_argmax_as_fp": bool(cold_logits.argmax() == fp_logits.argmax()),
+        "path": str(path),
+    }
+
+
+def measure_code_search(path, config: ArchiveKVConfig) -> dict:
+    from fibquant.kv.persist import PersistentCache
+
+    with PersistentCache.open(path) as store:
+        stream = store.value_stream
+        if stream.layout is None:
+            raise ValueError("code search needs a [norm][indices] codec (FibQuant, TurboQuant)")
+        m, nb = store.manifest, stream.layout.n_blocks
+        rows_per_token, coded, sinks = m.rows_per_token, store.num_coded, store.num_sinks
+        index_archive, norm_archive = stream.archives
+        token_ids = store.token_ids().numpy()
+        all_codes = stream.read(0, coded * rows_per_token)          # [coded * R, code_size]
+        layer0 = np.ascontiguousarray(all_codes[0::rows_per_token])   # layer 0, batch 0, head 0: [coded, code_size]
+        indices = index_archive.read().reshape(-1, nb)[0::rows_per_token]
+        norms = norm_archive.read()
+        rng = np.random.default_rng(config.seed)
+        picks = rng.choice(coded, size=min(config.queries, coded), replace=False)
+        start = time.perf_counter()
+        index_archive.search_index()
+        build_s = time.perf_counter() - start
+        found, timings = [], []
+        for t in picks:
+            start = time.perf_counter()
+            ends = index_archive.search(indices[t])
+            aligned = ends[(ends + 1) % nb == 0]
+            rows = (aligned + 1) // nb - 1
+            rows = rows[rows % rows_per_token == 0]
+            rows = rows[norms[rows] == norms[t * rows_per_token]]
+            timings.append(time.perf_counter() - start)
+            found.append(np.sort(rows // rows_per_token))
+        scan, truth = [], []
+        for t in picks:
+            start = time.perf_counter()
+            hits = np.flatnonzero((layer0 == layer0[t]).all(axis=1))
+            scan.append(time.perf_counter() - start)
+            truth.append(hits)
+        recall = np.mean([np.isin(b, a).mean() for a, b in zip(found, truth)])
+        exact = all(np.array_equal(a, b) for a, b in zip(found, truth))
+        same_token = [np.flatnonzero(token_ids[sinks:sinks + coded] == token_ids[sinks + t]) for t in picks]
+        precision_tok = np.mean([np.isin(a, b).mean() for a, b in zip(found, same_token)])
+        recall_tok = np.mean([np.isin(b, a).mean() for a, b in zip(found, same_token)])
+        return {
+            "coded_tokens": coded, "stream_symbols": len(index_archive), "queries": len(picks),
+            "query_symbols": nb, "index_build_s": build_s,
+            "archive_search_us": 1e6 * float(np.median(timings)), "numpy_scan_us": 1e6 * float(np.median(scan)),
+            "recall_vs_code_equality": float(recall), "identical_to_scan": exact,
+            "precision_vs_token_identity": float(precision_tok), "recall_vs_token_identity": float(recall_tok),
+            "mean_hits": float(np.mean([a.size for a in found])),
+        }
+
+
+PARTS = ("ttft", "search", "store", "study")
+
+
+def run_archive_kv(model, tokenizer, config: ArchiveKVConfig, workdir=None, parts=PARTS, study=None,
+                   search_sizes=(100_000, 1_000_000)) -> dict:
+    """The parts of `fibquant eval archive-kv` asked for (see PARTS and the module docstrings of
+    eval/archive_store.py and eval/archive_study.py)."""
+    from fibquant.eval import archive_store
+
+    unknown = set(parts) - set(PARTS)
+    if unknown:
+        raise ValueError(f"unknown parts {sorted(unknown)}; choose from {PARTS}")
+    payload = {"config": asdict(config), "threads": torch.get_num_threads(), "parts": list(parts)}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(workdir or tmp)
+        if "ttft" in parts or "search" in parts:
+            ttft = measure_prefix_ttft(model, tokenizer, config, folder)
+            payload["prefix_ttft"] = ttft
+        if "search" in parts:
+            payload["code_search"] = measure_code_search(ttft["path"], config)
+            payload["find_in_cache"] = archive_store.measure_find(ttft["path"])
+            payload["search_scale"] = archive_store.measure_search_scale(model, tokenizer, search_sizes)
+        if "store" in parts:
+            payload["store_8k"] = archive_store.measure_store(model, workdir=folder)
+    if "study" in parts:
+        from fibquant.eval.archive_study import StudyConfig, run_study, study_table
+
+        payload["study"] = run_study(model, tokenizer, study or StudyConfig())
+        print(study_table(payload["study"]["rows"]))
+    return payload
+
+
+def _plot(payload: dict, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if "study" in payload:
+        from fibquant.eval.archive_study import plot_study
+
+        alone = "prefix_ttft" not in payload
+        plot_study(payload["study"]["rows"], path if alone else Path(path).with_name(Path(path).stem + "_study.png"))
+    if "prefix_ttft" not in payload:
+        return
+    t = payload["prefix_ttft"]
+    fig, ax = plt.subplots(figsize=(5, 3))
+    names = ["fp (DynamicCache)", "cold CompressedCache", "warm: saved prefix"]
+    values = [t["ttft_fp_s"], t["ttft_cold_s"], t["ttft_warm_s"]]
+    ax.barh(names, values, color=["grey", "tab:blue", "tab:green"])
+    ax.set_xlabel("time to first token (s)")
+    ax.set_title(f"{t['prompt_tokens']}-token prompt, {t['reused_tokens']} reused")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main_archive_kv(config: ArchiveKVConfig = ArchiveKVConfig(), out_dir=None, parts=PARTS, study=None,
+                    search_sizes=(100_000, 1_000_000), name: str = "archive_kv") -> dict:
+    import json
+
+    from fibquant.eval.kv_report import save_report
+    from fibquant.kv.model import describe_model, load_model
+
+    model, tokenizer = load_model()
+    payload = run_archive_kv(model, tokenizer, config, parts=parts, study=study, search_sizes=search_sizes)
+    payload["model"] = describe_model(model)
+    if "prefix_ttft" in payload:
+        payload["prefix_ttft"].pop("path")
+    print(json.dumps({k: v for k, v in payload.items() if k != "study"}, indent=1, default=float))
+    payload["files"] = save_report(payload, out_dir, name, _plot)
+    return payload

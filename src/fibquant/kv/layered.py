@@ -1,0 +1,135 @@
+"""Per-layer and per-head codecs for a `CompressedCache` (learned codebooks fitted per head).
+
+A `CompressedCache` holds one codec per role (keys, values) shared by every layer and head,
+which is right for FibQuant's universal codebook but not for calibrated codecs such as
+`RVQCodec`, whose codebooks are fitted per layer and KV head ("per head") or once on all of
+them ("pooled", which a plain `CompressedCache` already serves). Two small pieces close the gap:
+
+- `HeadwiseCodec([codec_h for each KV head])` encodes/decodes a [..., H, n, D] tensor with
+  codec h on head h (every codec has the same dim and code_size, so code rows keep the
+  cache's [B, H, n, code_size] layout);
+- `LayerwiseCompressedCache(key_codecs, value_codecs, ...)` gives layer l the codecs
+  key_codecs[l] / value_codecs[l] (layers are created in order by transformers, so the
+  index is the number of layers already made).
+
+`Fp16Codec` stores a vector as its fp16 bytes (2*dim bytes: no compression), the "exact"
+role of K-only / V-only compression studies.
+
+    codecs = [HeadwiseCodec([RVQCodec.fit(keys[l, h], 4) for h in range(H)]) for l in range(L)]
+    cache = LayerwiseCompressedCache(codecs, value_codecs, sink_tokens=4, recent_tokens=32)
+
+Attention on codes needs a rotated codebook; these codecs have none, so the cache's
+"codes" attention decodes them (use attention="decode", the default here). Such caches
+cannot be saved with `fibquant.kv.persist` (CodecSpec refuses them with a ValueError).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from fibquant.codecs.base import Codec
+from fibquant.kv.cache import CompressedCache, CompressedLayer, _check_codec
+
+
+class Fp16Codec(Codec):
+    """A vector as its fp16 bit pattern: float [..., dim] <-> uint8 [..., 2*dim] (ratio 1.0)."""
+
+    def __init__(self, dim: int):
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
+            raise ValueError(f"dim must be a positive integer, got {dim!r}")
+        self.dim = dim
+
+    @property
+    def code_size(self) -> int:
+        return 2 * self.dim
+
+    @property
+    def bits_per_coordinate(self) -> float:
+        return 16.0
+
+    def _encode_flat(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(torch.float16).contiguous().view(torch.uint8)
+
+    def _decode_flat(self, codes: torch.Tensor) -> torch.Tensor:
+        return codes.contiguous().view(torch.float16).to(torch.float32)
+
+
+class HeadwiseCodec(Codec):
+    """One codec per KV head: codec h encodes/decodes head h of a [..., H, n, D] tensor."""
+
+    def __init__(self, codecs: Sequence[Codec]):
+        codecs = list(codecs)
+        if not codecs:
+            raise ValueError("HeadwiseCodec needs at least one codec")
+        for i, codec in enumerate(codecs):
+            _check_codec(codec, f"codecs[{i}]")
+        if len({(c.dim, c.code_size) for c in codecs}) != 1:
+            raise ValueError("HeadwiseCodec: every head's codec must have the same dim and code_size, got "
+                             f"{sorted({(c.dim, c.code_size) for c in codecs})}")
+        self.codecs = codecs
+        self.dim = codecs[0].dim
+
+    @property
+    def heads(self) -> int:
+        return len(self.codecs)
+
+    @property
+    def code_size(self) -> int:
+        return self.codecs[0].code_size
+
+    @property
+    def bits_per_coordinate(self) -> float:
+        return self.codecs[0].bits_per_coordinate
+
+    def _check_heads(self, tensor: torch.Tensor, what: str) -> None:
+        if tensor.ndim < 3 or tensor.shape[-3] != self.heads:
+            raise ValueError(f"HeadwiseCodec with {self.heads} heads expects {what} [..., {self.heads}, n, last], "
+                             f"got shape {tuple(tensor.shape)}")
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_heads(x, "x")
+        return torch.stack([codec.encode(x[..., h, :, :]) for h, codec in enumerate(self.codecs)], dim=-3)
+
+    def decode(self, codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        self._check_heads(codes, "codes")
+        return torch.stack([codec.decode(codes[..., h, :, :], dtype=dtype) for h, codec in enumerate(self.codecs)],
+                           dim=-3)
+
+    def _encode_flat(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - encode is overridden
+        raise ValueError("HeadwiseCodec needs the head axis: call encode on [..., H, n, D]")
+
+    _decode_flat = _encode_flat
+
+    def __repr__(self) -> str:
+        return f"HeadwiseCodec({self.heads} x {self.codecs[0]!r})"
+
+
+class LayerwiseCompressedCache(CompressedCache):
+    """A `CompressedCache` whose layer l uses key_codecs[l] and value_codecs[l]."""
+
+    def __init__(self, key_codecs: Sequence[Codec], value_codecs: Sequence[Codec], sink_tokens: int = 4,
+                 recent_tokens: int = 32, attention: str = "decode", encode_batch: int = 16):
+        key_codecs, value_codecs = list(key_codecs), list(value_codecs)
+        if not key_codecs or len(key_codecs) != len(value_codecs):
+            raise ValueError(f"need one key and one value codec per layer, got {len(key_codecs)} and "
+                             f"{len(value_codecs)}")
+        for role, codecs in (("key_codecs", key_codecs), ("value_codecs", value_codecs)):
+            for i, codec in enumerate(codecs):
+                _check_codec(codec, f"{role}[{i}]")
+        self.key_codecs, self.value_codecs = key_codecs, value_codecs
+        super().__init__(key_codecs[0], value_codecs[0], sink_tokens, recent_tokens, attention, encode_batch)
+
+    def _new_layer(self) -> CompressedLayer:
+        index = len(self.layers)
+        if index >= len(self.key_codecs):
+            raise ValueError(f"LayerwiseCompressedCache has codecs for {len(self.key_codecs)} layers; "
+                             f"the model asked for layer {index}")
+        return CompressedLayer(self.key_codecs[index], self.value_codecs[index], self.sink_tokens,
+                               self.recent_tokens, self.attention, self.encode_batch)
+
+    def shared_nbytes(self) -> int:
+        from fibquant.kv.cache import codec_state_nbytes
+
+        unique = {id(c): c for c in self.key_codecs + self.value_codecs}
+        return sum(codec_state_nbytes(c) for c in unique.values())

@@ -1,0 +1,56 @@
+"""Saved caches on the real model (SmolLM2-135M): resumed generation identical, CLI round trip."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _kv_helpers import REAL_PROMPT, real_model
+from fibquant.codecs.fibquant import FibQuantCodec
+from fibquant.kv.cache import CompressedCache
+from fibquant.kv.persist import PersistentCache
+from fibquant.kv.persist_generate import generate_persistent, resume_generate
+
+pytestmark = pytest.mark.model
+
+
+@pytest.fixture
+def model_tok(request):
+    torch.set_num_threads(1)
+    return real_model(request)
+
+
+def test_real_model_resume_is_identical(model_tok, tmp_path):
+    model, tokenizer = model_tok
+    codec = FibQuantCodec.for_rate(64, 2.0)
+    ids = tokenizer(REAL_PROMPT, return_tensors="pt").input_ids
+    cache = CompressedCache.for_model(model, codec, codec, 4, 32)
+    reference = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+                               do_sample=False, max_new_tokens=40, output_scores=True, return_dict_in_generate=True)
+    first = generate_persistent(model, ids, tmp_path / "c", codec, codec, max_new_tokens=20, checkpoint_every=8)
+    assert torch.equal(first[0], reference.sequences[0, : ids.shape[1] + 20])
+    with PersistentCache.open(tmp_path / "c", model=model) as store:
+        assert store.num_coded > 0 and store.num_tokens == ids.shape[1] + 19
+    second = resume_generate(model, tmp_path / "c", max_new_tokens=20, output_scores=True,
+                             return_dict_in_generate=True)
+    assert torch.equal(second.sequences[0], reference.sequences[0])
+    for a, b in zip(second.scores, reference.scores[20:]):
+        assert torch.equal(a, b)  # resumed logits identical
+
+
+def test_cli_cache_save_info_generate(model_tok, tmp_path, capsys):
+    from fibquant.cli import main
+
+    out = tmp_path / "cli.fqkv"
+    assert main(["cache", "save", str(out), "--prompt", REAL_PROMPT, "--max-new-tokens", "6", "--threads", "1"]) == 0
+    assert main(["cache", "info", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert '"tokens"' in text and "fibquant" in text
+    assert main(["cache", "generate", str(out), "--max-new-tokens", "4", "--threads", "1"]) == 0
+    with PersistentCache.open(out) as store:
+        assert len(store.tokens) == len(tokenizer_ids(model_tok[1])) + 10
+    assert main(["cache", "info", str(tmp_path / "missing")]) == 2  # a clear error, no traceback
+    assert "no saved KV cache" in capsys.readouterr().err
+
+
+def tokenizer_ids(tokenizer):
+    return tokenizer(REAL_PROMPT).input_ids
