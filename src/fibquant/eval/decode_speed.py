@@ -246,7 +246,7 @@ BYTES_COUNTING = {
     "dynamic": "fibquant.kv.cache.dynamic_cache_nbytes: storage of every layer's keys/values (float32 here); "
                "dynamic_fp16_bytes = that / element size * 2, what an fp16 DynamicCache holds",
     "compressed": "CompressedCache.nbytes(): exact sinks + recent window (float32) + code buffers including "
-                  "their reserved capacity (grown by 1/8 of their capacity); used = used_nbytes(): only stored code rows; "
+                  "their reserved capacity (grown by 1/16 of their capacity); used = used_nbytes(): only stored code rows; "
                   "the codecs' shared codebook/rotation (codec_shared, once per model) is not included",
     "quantized": "storage of every layer's _quantized_keys/_quantized_values (quanto: packed integer data + "
                  "per-group scale and shift, through the tensor subclass's __tensor_flatten__; hqq: packed "

@@ -8,7 +8,7 @@ Layout of one layer (tensors are [batch, kv_heads, tokens, ...]):
 
 with s <= sink_tokens and r < recent_tokens + encode_batch. Tokens between the sinks and the recent
 window exist only as the codec's uint8 codes; no float copy of them is kept anywhere. The
-codes live in a buffer [B, H, capacity, code_size] grown geometrically (by 1/8), so appending
+codes live in a buffer [B, H, capacity, code_size] grown geometrically (by 1/16), so appending
 a token copies nothing already stored but at a growth (amortised O(1)); `nbytes()` counts the
 reserved capacity,
 `used_nbytes()` only the stored tokens.
@@ -56,7 +56,7 @@ from fibquant.codecs.base import Codec
 _FLOAT_FIELDS = ("sink_keys", "sink_values", "recent_keys", "recent_values")
 ATTENTION_MODES = ("codes", "decode")
 MIN_GROWTH = 64      # code rows added at least when a buffer grows
-GROWTH_FRACTION = 8  # ... and at least capacity / 8: copies stay amortised O(1), reserve <= 12.5 %
+GROWTH_FRACTION = 16  # ... and at least capacity / 16: copies stay amortised O(1), reserve <= 6.25 %
 
 
 def _owned(tensor: torch.Tensor) -> torch.Tensor:
@@ -86,8 +86,9 @@ def _check_attention(value) -> str:
 class CodeBuffer:
     """Append-only rows of uint8 codes [B, H, capacity, code_size], grown geometrically.
 
-    Growth adds max(capacity / 8, 64) rows (or what the append needs): each stored row is copied
-    O(1) times on average, and the reserve never exceeds 12.5 % of the capacity (+64 rows).
+    Growth adds max(capacity / 16, 64) rows (or what the append needs): each stored row is copied
+    O(1) times on average (at most ~16 times), and the reserve never exceeds 6.25 % of the
+    capacity (+64 rows).
 
     `view()` is [B, H, used, code_size]; a view taken before an append stays valid (appends
     write past it, and growth copies into a new buffer without touching the old one).
