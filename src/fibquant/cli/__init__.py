@@ -19,6 +19,7 @@ _COMMAND_MODULES = (
     "fibquant.cli.archive",    # fibquant archive pack|get|search|info, fibquant eval archive
     "fibquant.cli.speed",      # fibquant eval speed
     "fibquant.cli.cache",      # fibquant cache save|info|generate, fibquant eval archive-kv
+    "fibquant.cli.needle",     # fibquant eval needle
 )
 
 

@@ -24,6 +24,7 @@ from fibquant.codecs.lowrank import LowRankCodec
 from fibquant.codecs.rvq import RVQCodec
 from fibquant.eval.capture import CapturedAttention, capture_attention
 from fibquant.eval.methods import Method
+from fibquant.eval.peers import PEERS, PeerSpec, build_peer
 
 
 @dataclass(frozen=True)
@@ -136,11 +137,33 @@ class CalibrationBank:
         return self._cache[key]
 
 
-def evaluate_method(method: Method, captured: CapturedAttention, positions: torch.Tensor,
-                    bank: CalibrationBank | None = None, sink_tokens: int = 0, recent_tokens: int = 0,
-                    reference: list[torch.Tensor] | None = None) -> dict:
-    """One row of the frontier: rate, ratio and attention cosine of `method` on `captured`."""
+def peer_reconstruct(spec: PeerSpec, captured: CapturedAttention, model=None) -> tuple:
+    """(keys_hat, values_hat, bytes per vector) of a peer's round trip, one layer at a time (positions
+    0..T-1, as captured)."""
     dim = captured.keys.shape[-1]
+    key_q, value_q = build_peer(spec, dim, "key", model), build_peer(spec, dim, "value", model)
+    keys_hat = torch.cat([key_q.roundtrip(captured.keys[i: i + 1], 0) for i in range(captured.num_layers)])
+    values_hat = torch.cat([value_q.roundtrip(captured.values[i: i + 1], 0) for i in range(captured.num_layers)])
+    return keys_hat, values_hat, key_q.bytes_per_vector
+
+
+def evaluate_method(method: Method | PeerSpec, captured: CapturedAttention, positions: torch.Tensor,
+                    bank: CalibrationBank | None = None, sink_tokens: int = 0, recent_tokens: int = 0,
+                    reference: list[torch.Tensor] | None = None, model=None) -> dict:
+    """One row of the frontier: rate, ratio and attention cosine of `method` (a Method, or a peer of
+    `fibquant.eval.peers`, whose bytes are its format's fixed-rate size) on `captured`."""
+    dim = captured.keys.shape[-1]
+    if isinstance(method, PeerSpec):
+        keys_hat, values_hat, code_bytes = peer_reconstruct(method, captured, model)
+        cosine = output_cosine(captured, keys_hat, values_hat, positions, sink_tokens, recent_tokens, reference)
+        return {
+            "method": method.label, "spec": method.spec, "family": method.family, "peer": True,
+            "k": None, "n": None, "rank": None, "bits_per_coordinate": 8.0 * code_bytes / dim,
+            "code_bytes_per_vector": code_bytes, "stored_bits_per_coordinate": 8.0 * code_bytes / dim,
+            "compression_ratio": 2.0 * dim / code_bytes, "bytes_note": PEERS[method.family].bytes_note,
+            "cosine": float(cosine.mean()), "cosine_worst_layer": float(cosine.mean(1).min()),
+            "cosine_per_layer": [float(c) for c in cosine.mean(1)],
+        }
     if method.family == "fp":
         keys_hat, values_hat, code_bytes, bits = captured.keys, captured.values, 2 * dim, 16.0
     elif method.calibrated:
@@ -168,7 +191,7 @@ def evaluate_method(method: Method, captured: CapturedAttention, positions: torc
     }
 
 
-def run_fidelity(model, tokenizer, methods: list[Method], config: FidelityConfig = FidelityConfig(),
+def run_fidelity(model, tokenizer, methods: list[Method | PeerSpec], config: FidelityConfig = FidelityConfig(),
                  progress: bool = True) -> dict:
     """Capture the evaluation (and, if needed, calibration) spans and score every method."""
     from fibquant.eval.kv_report import text_tokens
@@ -178,7 +201,7 @@ def run_fidelity(model, tokenizer, methods: list[Method], config: FidelityConfig
     layers = None if config.layers is None else list(config.layers)
     captured = capture_attention(model, ids, layers)
     bank = None
-    if any(m.calibrated for m in methods):
+    if any(getattr(m, "calibrated", False) for m in methods):
         calibration_ids = text_tokens(tokenizer, config.calibration_text, config.tokens, config.offset)
         bank = CalibrationBank(capture_attention(model, calibration_ids, layers))
     positions = torch.arange(0, config.tokens, config.query_stride)
@@ -186,7 +209,7 @@ def run_fidelity(model, tokenizer, methods: list[Method], config: FidelityConfig
     rows = []
     for method in tqdm(methods, desc="attention fidelity", disable=not progress):
         rows.append(evaluate_method(method, captured, positions, bank, config.sink_tokens, config.recent_tokens,
-                                    reference))
+                                    reference, model))
     return {
         "experiment": "attention fidelity (FibQuant paper 4.2)",
         "model": describe_model(model), "text": config.text, "calibration_text": config.calibration_text,
@@ -213,13 +236,14 @@ def plot_frontier(rows: list[dict], path, title: str) -> None:
             continue
         name = {"fibquant": "FibQuant", "turboquant": "TurboQuant", "int": "INT", "lowrank": "low-rank (calibrated)",
                 "rvq": "RVQ per head (calibrated)"}
-        series.setdefault(name[row["family"]], []).append(row)
+        series.setdefault(name.get(row["family"], row["family"]), []).append(row)
     fig, ax = plt.subplots(figsize=(7.5, 5))
     styles = {"FibQuant": ("C3", "o"), "TurboQuant": ("C0", "s"), "INT": ("C2", "^"), "low-rank (calibrated)": ("C7", "D"),
               "RVQ per head (calibrated)": ("C4", "v")}
     for name, items in series.items():
         items = sorted(items, key=lambda r: r["compression_ratio"])
-        color, marker = styles[name]
+        color, marker = styles.get(name, (f"C{5 + len(styles) % 5}", "x"))
+        styles.setdefault(name, (color, marker))
         if name == "FibQuant":
             ax.scatter([r["compression_ratio"] for r in items], [r["cosine"] for r in items], color=color,
                        marker=marker, alpha=0.5)
@@ -289,12 +313,15 @@ FIDELITY_METHODS = (
     "lowrank:r=1", "lowrank:r=2", "lowrank:r=4", "lowrank:r=8", "lowrank:r=12", "lowrank:r=16",
     "lowrank:r=24", "lowrank:r=32", "lowrank:r=48",
     "rvq:s=1,n=256", "rvq:s=2,n=256", "rvq:s=4,n=256",
+    # peers, run from their own packages (skipped with a note when absent)
+    "quanto:b=2", "quanto:b=4", "hqq:b=2", "hqq:b=4", "kakeya-e8:q=1", "kakeya-e8:q=2", "kakeya-e8:q=4",
+    "kakeya-d4:q=1", "kakeya-d4:q=2", "kakeya-d4:q=4", "nexus:b=2", "nexus:b=3", "nexus:b=4",
 )
 
 FIDELITY_COLUMNS = [
     ("method", "method", ""),
     ("bits_per_coordinate", "bits/coord", ".4g"),
-    ("code_bytes_per_vector", "bytes/vector", "d"),
+    ("code_bytes_per_vector", "bytes/vector", ".4g"),
     ("compression_ratio", "ratio vs fp16", ".2f"),
     ("cosine", "attn cosine", ".4f"),
     ("cosine_worst_layer", "worst layer", ".4f"),
@@ -306,8 +333,18 @@ def main_fidelity(config: FidelityConfig = FidelityConfig(), methods: list[str] 
     """Run experiment 2, print the table and target checks, write JSON + PNG under results/."""
     from fibquant.eval.kv_report import format_table, results_dir, write_json
     from fibquant.eval.methods import prepare_run
+    from fibquant.eval.peers import is_peer, parse_peer, unavailable_reason
 
-    model, tokenizer, ready, skipped = prepare_run(methods or FIDELITY_METHODS, build_codebooks, model_and_tokenizer)
+    specs = list(methods or FIDELITY_METHODS)
+    peers = [parse_peer(s) for s in specs if is_peer(s)]
+    model, tokenizer, ready, skipped = prepare_run([s for s in specs if not is_peer(s)], build_codebooks,
+                                                   model_and_tokenizer)
+    for peer in peers:
+        reason = unavailable_reason(peer)
+        if reason is None:
+            ready.append(peer)
+        else:
+            skipped.append(f"{peer.spec} ({reason})")
     result = run_fidelity(model, tokenizer, ready, config)
     result["skipped"] = skipped
     result["targets"] = compare_frontiers(result["rows"])

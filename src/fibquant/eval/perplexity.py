@@ -9,6 +9,11 @@ else decoded). NLL is summed over every predicted token of every window (positio
 i+1, so context-1 predictions per window), and separately over the second half of each
 window (positions >= context/2, where most of the context is compressed). The fp baseline
 uses a DynamicCache with the same windows and chunking. Several windows run as one batch.
+
+A method is any `fibquant.eval.cache_specs` spec: keys and values may use different codecs
+('fibquant:b=4/fibquant:b=2'), and a peer ('quanto:b=2', 'kakeya-e8:q=2', ...; see
+`fibquant.eval.peers`) runs in a `RoundTripCache` with the same exact window, its bytes counted
+from its own format.
 """
 from __future__ import annotations
 
@@ -17,7 +22,6 @@ from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
-from transformers import DynamicCache
 
 from fibquant.eval.methods import Method
 from fibquant.kv.cache import CompressedCache, check_model_supported, dynamic_cache_nbytes
@@ -54,20 +58,39 @@ class PerplexityConfig:
         return self.tokens // self.context
 
 
-def make_cache(method: Method, model, config: PerplexityConfig):
-    """A fresh cache for `method`: DynamicCache for fp, else a CompressedCache."""
-    if method.family == "fp":
-        return DynamicCache()
-    if method.calibrated:
-        raise ValueError(f"{method.spec}: calibrated methods are not supported in the perplexity loop")
-    head_dim = check_model_supported(model)["head_dim"]
-    codec = method.build(head_dim)
-    return CompressedCache.for_model(model, codec, codec, config.sink_tokens, config.recent_tokens,
-                                     attention=config.attention, centre=config.centre)
+def as_cache_spec(method):
+    """A `cache_specs.CacheSpec` from a Method, a spec string or a CacheSpec."""
+    from fibquant.eval.cache_specs import CacheSpec, from_method, parse_cache_spec
+
+    if isinstance(method, CacheSpec):
+        return method
+    if isinstance(method, str):
+        return parse_cache_spec(method)
+    if isinstance(method, Method):
+        if method.calibrated:
+            raise ValueError(f"{method.spec}: calibrated methods are not supported in the perplexity loop")
+        return from_method(method)
+    raise ValueError(f"expected a Method, CacheSpec or spec string, got {type(method).__name__}")
 
 
-def cache_nbytes(cache) -> int:
-    return cache.nbytes() if isinstance(cache, CompressedCache) else dynamic_cache_nbytes(cache)
+def make_cache(method, model, config: PerplexityConfig):
+    """A fresh cache for `method` (Method, CacheSpec or spec string such as 'fibquant:b=4/fibquant:b=2'):
+    DynamicCache for fp, CompressedCache for our codecs, RoundTripCache when a peer is involved."""
+    spec = as_cache_spec(method)
+    centre = getattr(config, "centre", False) and not spec.is_fp and not spec.uses_peer  # peers: never centred
+    return spec.build(model, config.sink_tokens, config.recent_tokens, config.attention, centre=centre)
+
+
+def cache_nbytes(cache, spec=None, head_dim: int = 64) -> int:
+    """Bytes held: CompressedCache.nbytes(), a DynamicCache's storage, or a RoundTripCache's format
+    (exact window in the model dtype + the peer's bytes per stored vector)."""
+    from fibquant.kv.roundtrip import RoundTripCache
+
+    if isinstance(cache, CompressedCache):
+        return cache.nbytes()
+    if isinstance(cache, RoundTripCache):
+        return cache.format_nbytes(spec.key_bytes(head_dim), spec.value_bytes(head_dim))
+    return dynamic_cache_nbytes(cache)
 
 
 @torch.no_grad()
@@ -84,9 +107,10 @@ def window_nll(model, ids: torch.Tensor, cache, chunk: int) -> torch.Tensor:
     return torch.cat(losses, dim=1)
 
 
-def run_perplexity(model, tokenizer, methods: list[Method], config: PerplexityConfig = PerplexityConfig(),
+def run_perplexity(model, tokenizer, methods: list, config: PerplexityConfig = PerplexityConfig(),
                    progress: bool = True) -> dict:
-    """Perplexity (all tokens and second half) of each method; same windows for all."""
+    """Perplexity (all tokens and second half) of each method (Method, CacheSpec or spec string:
+    keys and values may differ, peers allowed); same windows for all."""
     from fibquant.eval.kv_report import text_tokens
     from fibquant.kv.model import describe_model
 
@@ -97,7 +121,7 @@ def run_perplexity(model, tokenizer, methods: list[Method], config: PerplexityCo
     half = config.context // 2
     rows = []
     bar = tqdm(total=len(methods) * len(batches), desc="perplexity", disable=not progress)
-    for method in methods:
+    for method in map(as_cache_spec, methods):
         total, second, count, second_count, nbytes_per_token = 0.0, 0.0, 0, 0, None
         bar.set_postfix_str(method.spec)
         for batch in batches:
@@ -107,13 +131,15 @@ def run_perplexity(model, tokenizer, methods: list[Method], config: PerplexityCo
             count += nll.numel()
             second += float(nll[:, half - 1:].sum())  # predictions of tokens at positions >= half
             second_count += nll[:, half - 1:].numel()
-            nbytes_per_token = cache_nbytes(cache) / (batch.shape[0] * config.context)
+            nbytes_per_token = cache_nbytes(cache, method, head_dim) / (batch.shape[0] * config.context)
             bar.update(1)
-        code_bytes = 2 * head_dim if method.family == "fp" else method.build(head_dim).code_size
+        key_bytes, value_bytes = method.key_bytes(head_dim), method.value_bytes(head_dim)
         rows.append({
             "method": method.label(head_dim), "spec": method.spec, "family": method.family,
-            "bits_per_coordinate": 16.0 if method.family == "fp" else method.build(head_dim).bits_per_coordinate,
-            "code_bytes_per_vector": code_bytes, "compression_ratio": 2.0 * head_dim / code_bytes,
+            "bits_per_coordinate": method.bits_per_coordinate(head_dim),
+            "key_bytes_per_vector": key_bytes, "value_bytes_per_vector": value_bytes,
+            "code_bytes_per_vector": 0.5 * (key_bytes + value_bytes), "compression_ratio": method.codes_ratio(head_dim),
+            "peer": method.uses_peer,
             "cache_bytes_per_token": nbytes_per_token,
             "perplexity": math.exp(total / count), "perplexity_second_half": math.exp(second / second_count),
             "nll": total / count, "predicted_tokens": count,
@@ -139,24 +165,29 @@ def run_perplexity(model, tokenizer, methods: list[Method], config: PerplexityCo
 
 
 def plot_perplexity(rows: list[dict], path, title: str) -> None:
-    """Perplexity vs bits per coordinate, one line per family, fp as a horizontal line (log y)."""
+    """Perplexity against K+V compression vs fp16 (stored bytes), one line per codec family, peers and
+    asymmetric K/V as labelled points, fp as a horizontal line (log y)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(8, 5))
     names = {"fibquant": ("FibQuant", "C3", "o"), "turboquant": ("TurboQuant", "C0", "s"), "int": ("INT", "C2", "^")}
     for family, (name, color, marker) in names.items():
-        items = sorted((r for r in rows if r["family"] == family), key=lambda r: r["bits_per_coordinate"])
+        items = sorted((r for r in rows if r["family"] == family), key=lambda r: r["compression_ratio"])
         if items:
-            ax.plot([r["bits_per_coordinate"] for r in items], [r["perplexity"] for r in items], color=color,
+            ax.plot([r["compression_ratio"] for r in items], [r["perplexity"] for r in items], color=color,
                     marker=marker, label=name)
     for row in rows:
         if row["family"] == "fp":
             ax.axhline(row["perplexity"], color="k", linestyle="--", label=f"fp ({row['perplexity']:.2f})")
+        elif row["family"] not in names:
+            color = "C1" if row["family"] == "kv" and not row.get("peer") else "0.4"
+            ax.scatter(row["compression_ratio"], row["perplexity"], color=color, marker="x" if row.get("peer") else "D")
+            ax.annotate(row["method"], (row["compression_ratio"], row["perplexity"]), fontsize=6, rotation=15)
     ax.set_yscale("log")
-    ax.set_xlabel("bits per coordinate (index bits; codes also store a norm/scale)")
+    ax.set_xlabel("key + value compression vs fp16 (stored bytes per vector, side information included)")
     ax.set_ylabel("perplexity")
     ax.set_title(title, fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
@@ -177,7 +208,9 @@ PERPLEXITY_METHODS = (
 PERPLEXITY_COLUMNS = [
     ("method", "method", ""),
     ("bits_per_coordinate", "bits/coord", ".4g"),
-    ("compression_ratio", "codes vs fp16", ".2f"),
+    ("key_bytes_per_vector", "K B/vec", ".4g"),
+    ("value_bytes_per_vector", "V B/vec", ".4g"),
+    ("compression_ratio", "K+V vs fp16", ".2f"),
     ("cache_bytes_per_token", "cache B/token", ".0f"),
     ("cache_ratio_vs_dynamic", "vs DynamicCache", ".2f"),
     ("perplexity", "perplexity", ".3f"),
@@ -190,10 +223,13 @@ PERPLEXITY_COLUMNS = [
 def main_perplexity(config: PerplexityConfig = PerplexityConfig(), methods: list[str] | None = None,
                     out_dir=None, build_codebooks: bool = False, model_and_tokenizer=None) -> dict:
     """Run experiment 3, print the table and target checks, write JSON + PNG under results/."""
+    from fibquant.eval.cache_specs import parse_cache_specs, split_available
     from fibquant.eval.kv_report import format_table, results_dir, write_json
-    from fibquant.eval.methods import prepare_run
+    from fibquant.kv.model import load_model
 
-    model, tokenizer, ready, skipped = prepare_run(methods or PERPLEXITY_METHODS, build_codebooks, model_and_tokenizer)
+    model, tokenizer = model_and_tokenizer or load_model()
+    head_dim = check_model_supported(model)["head_dim"]
+    ready, skipped = split_available(parse_cache_specs(list(methods or PERPLEXITY_METHODS)), head_dim, build_codebooks)
     result = run_perplexity(model, tokenizer, ready, config)
     result["skipped"] = skipped
     result["targets"] = perplexity_targets(result["rows"])
@@ -223,6 +259,16 @@ def perplexity_targets(rows: list[dict]) -> dict:
 
     out = {}
     fib4, fib2, turbo2 = find("fibquant", 4.0), find("fibquant", 2.0), find("turboquant", 2.0)
+    if fib2 is not None and "perplexity_change_pct" in fib2:
+        # Every peer at equal or fewer bytes per vector than FibQuant b=2 must do no better.
+        peers = [r for r in rows if r.get("peer") and r["code_bytes_per_vector"] <= fib2["code_bytes_per_vector"]
+                 and "perplexity_change_pct" in r]
+        if peers:
+            best = min(peers, key=lambda r: r["perplexity_change_pct"])
+            out["fibquant_b2_change_pct vs best peer at <= its bytes (target: FibQuant <= peer)"] = (
+                f"{fib2['perplexity_change_pct']:+.2f} % vs {best['perplexity_change_pct']:+.2f} % ({best['method']}, "
+                f"{best['code_bytes_per_vector']:.4g} B/vector): "
+                f"{'met' if fib2['perplexity_change_pct'] <= best['perplexity_change_pct'] else 'missed'}")
     if fib4 is not None and "perplexity_change_pct" in fib4:
         out["fibquant_b4_change_pct (target <= 1)"] = fib4["perplexity_change_pct"]
     if fib2 is not None and turbo2 is not None and "perplexity_change_pct" in fib2:

@@ -1,0 +1,13 @@
+"""Long-context passkey retrieval on Austen text with each cache compressing the haystack.
+
+Usage: .venv/bin/python benchmarks/needle.py [--lengths 1024 2048] [--depths 0 0.25 0.5 0.75 1] [--keys 2]
+       [--caches 'fp;fibquant:b=2;fibquant:b=2/fibquant:b=1;quanto:b=2'] [--threads 1]
+Prints the table and the >= 10x target; writes results/needle.json and .png.
+Same as `fibquant eval needle`.
+"""
+import sys
+
+from fibquant.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main(["eval", "needle", *sys.argv[1:]]))

@@ -1,0 +1,233 @@
+"""Cache specs for the in-the-loop experiments (perplexity, needle): one string -> one KV cache.
+
+    fp                              the uncompressed DynamicCache (reference)
+    fibquant:b=2                    keys and values with the same codec (any `fibquant.eval.methods` spec
+                                    with a stand-alone codec: fibquant, turboquant, int)
+    fibquant:b=2/fibquant:b=1       keys / values at different rates (or different codecs)
+    quanto:b=2, kakeya-e8:q=2 ...   a peer (`fibquant.eval.peers`), keys and values; `KEY/VALUE` works too
+
+Our codecs on both sides give a `CompressedCache` (codes stored, attention on the codes); a peer on
+either side gives a `RoundTripCache` (`fibquant.kv.roundtrip`) with the same exact window (sinks +
+recent tokens), so every cache compresses the same positions and only the quantizer differs.
+
+Bytes are counted per stored vector from each side's format (`bytes_per_vector`): our codecs'
+`code_size`, the peers' fixed-rate size (see `peers.PEERS[...].bytes_note`). `context_ratio` is
+the whole cache of a `tokens`-long context against fp16, the exact window counted at fp16.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from fibquant.eval.methods import Method, parse_method
+from fibquant.eval.peers import PeerSpec, build_peer, is_peer, parse_peer, unavailable_reason
+
+
+@dataclass(frozen=True)
+class Side:
+    """The quantizer of one role: one of our codec methods or a peer."""
+
+    quantizer: Union[Method, PeerSpec]
+
+    def __post_init__(self) -> None:
+        if isinstance(self.quantizer, Method) and self.quantizer.family in ("fp", "lowrank", "rvq"):
+            raise ValueError(f"{self.quantizer.spec}: a cache side needs a stand-alone codec (fibquant, turboquant, "
+                             f"int) or a peer; write 'fp' alone for the uncompressed cache")
+
+    @property
+    def is_peer(self) -> bool:
+        return isinstance(self.quantizer, PeerSpec)
+
+    @property
+    def spec(self) -> str:
+        return self.quantizer.spec
+
+    def label(self, dim: int) -> str:
+        return self.quantizer.label if self.is_peer else self.quantizer.label(dim)
+
+    def build(self, dim: int, role: str, model=None):
+        """A fibquant Codec, or a peers.PeerQuantizer."""
+        return build_peer(self.quantizer, dim, role, model) if self.is_peer else self.quantizer.build(dim)
+
+    def bytes_per_vector(self, dim: int) -> float:
+        if self.is_peer:
+            from fibquant.eval.peers import PEERS
+
+            return float(PEERS[self.quantizer.family].bytes_per_vector(self.quantizer.value, dim))
+        return float(self.quantizer.build(dim).code_size)
+
+    def bits_per_coordinate(self, dim: int) -> float:
+        """Index bits per coordinate for our codecs; every stored bit per coordinate for a peer."""
+        if self.is_peer:
+            return 8.0 * self.bytes_per_vector(dim) / dim
+        return float(self.quantizer.build(dim).bits_per_coordinate)
+
+
+def _parse_side(text: str) -> Side:
+    return Side(parse_peer(text) if is_peer(text) else parse_method(text))
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """fp (key = value = None) or a key side and a value side."""
+
+    key: Optional[Side] = None
+    value: Optional[Side] = None
+
+    def __post_init__(self) -> None:
+        if (self.key is None) != (self.value is None):
+            raise ValueError("a cache spec has both a key and a value side, or neither (fp)")
+
+    @property
+    def is_fp(self) -> bool:
+        return self.key is None
+
+    @property
+    def symmetric(self) -> bool:
+        return self.is_fp or self.key.spec == self.value.spec
+
+    @property
+    def spec(self) -> str:
+        if self.is_fp:
+            return "fp"
+        return self.key.spec if self.symmetric else f"{self.key.spec}/{self.value.spec}"
+
+    @property
+    def family(self) -> str:
+        """fp, a codec family, a peer family, or 'kv' for different key and value quantizers."""
+        if self.is_fp:
+            return "fp"
+        if not self.symmetric:
+            return "kv"
+        return self.key.quantizer.family
+
+    @property
+    def uses_peer(self) -> bool:
+        return not self.is_fp and (self.key.is_peer or self.value.is_peer)
+
+    def label(self, dim: int = 64) -> str:
+        if self.is_fp:
+            return "fp (uncompressed)"
+        if self.symmetric:
+            return self.key.label(dim)
+        return f"K {self.key.label(dim)} / V {self.value.label(dim)}"
+
+    def unavailable_reason(self) -> Optional[str]:
+        for side in (self.key, self.value):
+            if side is not None and side.is_peer:
+                reason = unavailable_reason(side.quantizer)
+                if reason is not None:
+                    return reason
+        return None
+
+    # ------------------------------------------------------------------ bytes
+    def key_bytes(self, dim: int) -> float:
+        return 2.0 * dim if self.is_fp else self.key.bytes_per_vector(dim)
+
+    def value_bytes(self, dim: int) -> float:
+        return 2.0 * dim if self.is_fp else self.value.bytes_per_vector(dim)
+
+    def bits_per_coordinate(self, dim: int) -> float:
+        """Mean of the key and value sides' bits per coordinate (16 for fp)."""
+        if self.is_fp:
+            return 16.0
+        return 0.5 * (self.key.bits_per_coordinate(dim) + self.value.bits_per_coordinate(dim))
+
+    def codes_ratio(self, dim: int) -> float:
+        """fp16 key + value (4 * dim bytes) over the stored key + value vector bytes."""
+        return 4.0 * dim / (self.key_bytes(dim) + self.value_bytes(dim))
+
+    def context_ratio(self, dim: int, tokens: int, sink_tokens: int, recent_tokens: int) -> float:
+        """fp16 bytes of a `tokens`-long context over this cache's, exact window counted at fp16."""
+        if self.is_fp:
+            return 1.0
+        exact = min(tokens, sink_tokens + recent_tokens)
+        stored = exact * 4.0 * dim + (tokens - exact) * (self.key_bytes(dim) + self.value_bytes(dim))
+        return tokens * 4.0 * dim / stored
+
+    # ------------------------------------------------------------------ caches
+    def build(self, model, sink_tokens: int = 4, recent_tokens: int = 32, attention: str = "codes", prefill=None,
+              centre: bool = False):
+        """A fresh cache for `model`, or (prefill = a DynamicCache) one holding the prefill compressed.
+
+        fp: a DynamicCache (a copy of the prefill). Our codecs on both sides: CompressedCache
+        (`for_model` / `from_cache`, `centre` passed on). A peer on either side: RoundTripCache with
+        the same window (no centring: ValueError when asked).
+        """
+        from transformers import DynamicCache
+
+        from fibquant.kv.cache import CompressedCache, check_model_supported
+
+        if self.is_fp:
+            cache = DynamicCache(config=model.config)
+            if prefill is not None:
+                for index, layer in enumerate(prefill.layers):
+                    cache.update(layer.keys.clone(), layer.values.clone(), index)
+            return cache
+        dim = check_model_supported(model)["head_dim"]
+        key, value = self.key.build(dim, "key", model), self.value.build(dim, "value", model)
+        if not self.uses_peer:
+            options = {"centre": True} if centre else {}  # only passed when asked (older caches lack it)
+            if prefill is None:
+                return CompressedCache.for_model(model, key, value, sink_tokens, recent_tokens, attention=attention,
+                                                 **options)
+            return CompressedCache.from_cache(prefill, key, value, sink_tokens, recent_tokens, attention=attention,
+                                              model=model, **options)
+        if centre:
+            raise ValueError(f"{self.spec}: centring applies to our codecs (CompressedCache), not to a peer")
+        from fibquant.kv.roundtrip import RoundTripCache
+
+        def as_roundtrip(quantizer):
+            if hasattr(quantizer, "encode"):  # one of our codecs
+                return lambda x, start: quantizer.roundtrip(x)
+            return quantizer.roundtrip
+
+        if prefill is None:
+            return RoundTripCache(as_roundtrip(key), as_roundtrip(value), sink_tokens, recent_tokens)
+        return RoundTripCache.from_cache(prefill, as_roundtrip(key), as_roundtrip(value), sink_tokens, recent_tokens)
+
+
+def parse_cache_spec(text: str) -> CacheSpec:
+    """'fp', 'fibquant:b=2', 'fibquant:b=2/fibquant:b=1', 'quanto:b=2' (see the module docstring)."""
+    text = text.strip()
+    if not text:
+        raise ValueError("empty cache spec")
+    if text.lower() == "fp":
+        return CacheSpec()
+    parts = text.split("/")
+    if len(parts) > 2:
+        raise ValueError(f"cache spec {text!r} has more than one '/': write KEY/VALUE")
+    key = _parse_side(parts[0])
+    value = _parse_side(parts[1]) if len(parts) == 2 else key
+    return CacheSpec(key, value)
+
+
+def parse_cache_specs(texts) -> list[CacheSpec]:
+    """A ';'-separated string or a list of spec strings."""
+    if isinstance(texts, str):
+        texts = [t for t in texts.split(";") if t.strip()]
+    return [parse_cache_spec(t) for t in texts]
+
+
+def from_method(method: Method) -> CacheSpec:
+    """The symmetric cache spec of a `fibquant.eval.methods.Method` (fp stays fp)."""
+    return CacheSpec() if method.family == "fp" else CacheSpec(Side(method), Side(method))
+
+
+def split_available(specs: list[CacheSpec], dim: int, build_codebooks: bool) -> tuple[list[CacheSpec], list[str]]:
+    """Specs that can run now and notes on the rest (a peer package absent, a codebook not shipped)."""
+    from fibquant.eval.methods import split_ready
+
+    ready, skipped = [], []
+    for spec in specs:
+        reason = spec.unavailable_reason()
+        if reason is not None:
+            skipped.append(f"{spec.spec} ({reason})")
+            continue
+        methods = [] if spec.is_fp else [s.quantizer for s in (spec.key, spec.value) if not s.is_peer]
+        _, notes = split_ready(methods, dim, build_codebooks)
+        if notes:
+            skipped.extend(notes)
+            continue
+        ready.append(spec)
+    return ready, skipped

@@ -1,0 +1,334 @@
+"""Long-context retrieval (passkey / needle in a haystack) on real text, each cache compressing the haystack.
+
+Protocol, per context length L, depth d and key (all fixed by `seed`):
+
+1. the haystack is L tokens: the chat template's opening (system turn, start of the user turn),
+   an instruction, and tokens of an Austen novel (`fibquant.load_text`, starting `rep * L` tokens
+   in for repetition `rep`) with the needle sentence "The secret passkey is NNNNN. Remember it:
+   NNNNN is the secret passkey." (a random 5-digit key) inserted at the sentence or paragraph
+   boundary nearest to depth d of the novel's tokens (d = 0: first, d = 1: last);
+2. one float prefill of the haystack (a `DynamicCache`) is shared by every cache under test:
+   each is built from it (`CacheSpec.build(prefill=...)`: `CompressedCache.from_cache`,
+   `RoundTripCache.from_cache` for peers, a copy for fp), so the haystack outside the exact
+   window (sinks + recent tokens) is read only through the cache's codes;
+3. the question (end of the user turn: "What is the secret passkey hidden in the text above?
+   Answer with the five-digit number only.", then the assistant turn's opening and the answer
+   prefix "The secret passkey is") is fed through the cache in one pass, then `max_new_tokens` greedy tokens are decoded (stopping at the end
+   of turn);
+4. exact match: the first run of digits in the answer equals the key.
+
+Accuracy per length and depth and overall, and the bytes of every cache against fp16
+(`CacheSpec.codes_ratio`: key + value vector bytes, side information included;
+`context_ratio`: the whole haystack, exact window counted at fp16).
+"""
+from __future__ import annotations
+
+import random
+import re
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+NEEDLE = "The secret passkey is {key}. Remember it: {key} is the secret passkey."
+INSTRUCTION = "Read the following text. A secret passkey is hidden in it; remember it.\n\n"
+QUESTION = "\n\nWhat is the secret passkey hidden in the text above? Answer with the five-digit number only."
+ANSWER_PREFIX = "The secret passkey is"  # starts the assistant turn, so the key comes first
+MARKER = "\x00NEEDLE-CONTENT\x00"
+
+NEEDLE_CACHES = (
+    "fp",
+    "fibquant:b=4", "fibquant:b=3", "fibquant:b=2", "fibquant:b=1.5", "fibquant:b=1",
+    "fibquant:b=3/fibquant:b=1.5", "fibquant:b=2/fibquant:b=1", "fibquant:b=2/fibquant:b=0.5",
+    "fibquant:b=1.5/fibquant:b=1", "fibquant:b=1.5/fibquant:b=0.5",
+    "turboquant:b=4", "turboquant:b=2",
+    "quanto:b=4", "quanto:b=2", "hqq:b=4", "hqq:b=2",
+    "kakeya-e8:q=2", "kakeya-e8:q=1", "kakeya-d4:q=2", "nexus:b=3", "nexus:b=2",
+)
+
+
+@dataclass(frozen=True)
+class NeedleConfig:
+    text: str = "emma"
+    lengths: tuple = (1024, 2048)
+    depths: tuple = (0.0, 0.25, 0.5, 0.75, 1.0)
+    keys_per_cell: int = 2
+    seed: int = 0
+    sink_tokens: int = 4
+    recent_tokens: int = 32
+    max_new_tokens: int = 8
+    attention: str = "codes"
+
+    def __post_init__(self) -> None:
+        if not self.lengths or any(not isinstance(n, int) or isinstance(n, bool) or n < 128 for n in self.lengths):
+            raise ValueError(f"lengths must be integers >= 128 tokens, got {self.lengths!r}")
+        if not self.depths or any(not 0.0 <= float(d) <= 1.0 for d in self.depths):
+            raise ValueError(f"depths must lie in [0, 1], got {self.depths!r}")
+        for name in ("keys_per_cell", "max_new_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.sink_tokens < 0 or self.recent_tokens < 0:
+            raise ValueError(f"exact window sizes must be >= 0, got {self.sink_tokens} and {self.recent_tokens}")
+        if self.sink_tokens + self.recent_tokens >= min(self.lengths) // 2:
+            raise ValueError(f"exact window {self.sink_tokens} + {self.recent_tokens} is not small against the "
+                             f"shortest haystack ({min(self.lengths)} tokens): little would be compressed")
+        if self.attention not in ("codes", "decode"):
+            raise ValueError(f"attention must be 'codes' or 'decode', got {self.attention!r}")
+
+
+@dataclass(frozen=True)
+class NeedleTrial:
+    """One haystack: prefill ids [L] (template opening + instruction + novel with the needle),
+    question ids [Q] (question + assistant opening), the key, and where the needle starts."""
+
+    length: int
+    depth: float
+    rep: int
+    key: str
+    prefill_ids: torch.Tensor
+    question_ids: torch.Tensor
+    needle_start: int
+
+
+def make_key(seed: int, length: int, depth: float, rep: int) -> str:
+    """The 5-digit key of one trial (a fixed function of its coordinates)."""
+    return str(random.Random(f"needle-{seed}-{length}-{depth:.6f}-{rep}").randint(10000, 99999))
+
+
+def template_parts(tokenizer) -> tuple[str, str]:
+    """(text before, text after) the user message in the chat template with the generation prompt;
+    a tokenizer without a chat template gets ('', '\\n')."""
+    if not getattr(tokenizer, "chat_template", None):
+        return "", "\n"
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": MARKER}], tokenize=False,
+                                             add_generation_prompt=True)
+    before, found, after = rendered.partition(MARKER)
+    if not found:
+        raise ValueError("the chat template does not reproduce the user message verbatim")
+    return before, after
+
+
+def boundaries(tokenizer, ids: torch.Tensor) -> list[int]:
+    """Positions i (0..len) where a sentence or paragraph ends just before token i."""
+    out = [0]
+    for i, token in enumerate(ids.tolist(), start=1):
+        piece = tokenizer.decode([token])
+        if "\n" in piece or piece.rstrip().endswith((".", "!", "?", '."', '!"', '?"')):
+            out.append(i)
+    if out[-1] != len(ids):
+        out.append(len(ids))
+    return out
+
+
+def _ids(tokenizer, text: str) -> torch.Tensor:
+    return tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
+
+
+def build_trial(tokenizer, config: NeedleConfig, length: int, depth: float, rep: int) -> NeedleTrial:
+    """The haystack of (length, depth, rep); ValueError when the novel is too short."""
+    from fibquant.eval.kv_report import text_tokens
+
+    before, after = template_parts(tokenizer)
+    key = make_key(config.seed, length, depth, rep)
+    prefix = _ids(tokenizer, before + INSTRUCTION)
+    needle = _ids(tokenizer, " " + NEEDLE.format(key=key) + " ")
+    question = _ids(tokenizer, QUESTION + after + ANSWER_PREFIX)
+    body_length = length - prefix.shape[0] - needle.shape[0]
+    if body_length < 16:
+        raise ValueError(f"a {length}-token haystack leaves no room for the novel after the template and needle")
+    body = text_tokens(tokenizer, config.text, body_length, offset=rep * length)
+    cuts = boundaries(tokenizer, body)
+    cut = min(cuts, key=lambda c: (abs(c - depth * body_length), c))
+    prefill = torch.cat([prefix, body[:cut], needle, body[cut:]])
+    return NeedleTrial(length, float(depth), rep, key, prefill, question, prefix.shape[0] + cut)
+
+
+def extract_answer(text: str) -> Optional[str]:
+    """The first run of digits in a generated answer (None when there is none)."""
+    match = re.search(r"\d+", text)
+    return match.group(0) if match else None
+
+
+def _forward(model, ids: torch.Tensor, cache):
+    """model(ids, cache) with only the last position's logits (transformers >= 5.x names the cache `cache`)."""
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    kwargs = {"cache" if "cache" in params else "past_key_values": cache, "use_cache": True}
+    if "logits_to_keep" in params:
+        kwargs["logits_to_keep"] = 1
+    return model(input_ids=ids, **kwargs).logits[0, -1]
+
+
+@torch.no_grad()
+def prefill(model, ids: torch.Tensor):
+    """A DynamicCache holding the float keys/values of ids [L] (only the last logits computed)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    _forward(model, ids.unsqueeze(0).to(model.device), cache)
+    return cache
+
+
+@torch.no_grad()
+def answer(model, tokenizer, cache, question_ids: torch.Tensor, max_new_tokens: int) -> str:
+    """Feed the question through `cache` in one pass, then decode greedily; the answer text."""
+    stops = {t for t in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")) if isinstance(t, int)}
+    ids, out = question_ids.unsqueeze(0).to(model.device), []
+    for _ in range(max_new_tokens):
+        logits = _forward(model, ids, cache)
+        token = int(logits.argmax())
+        if token in stops:
+            break
+        out.append(token)
+        ids = torch.tensor([[token]], device=model.device)
+    return tokenizer.decode(out, skip_special_tokens=True)
+
+
+def run_needle(model, tokenizer, specs, config: NeedleConfig = NeedleConfig(), progress: bool = True) -> dict:
+    """Every trial with every cache spec (`fibquant.eval.cache_specs.CacheSpec`); results as a payload."""
+    from tqdm.auto import tqdm
+
+    from fibquant.kv.cache import check_model_supported
+    from fibquant.kv.model import describe_model
+
+    dim = check_model_supported(model)["head_dim"]
+    cells = [(n, d, r) for n in config.lengths for r in range(config.keys_per_cell) for d in config.depths]
+    trials, timing = [], {"prefill_s": 0.0, "caches_s": 0.0}
+    bar = tqdm(total=len(cells) * len(specs), desc="needle", disable=not progress)
+    for length, depth, rep in cells:
+        trial = build_trial(tokenizer, config, length, depth, rep)
+        start = time.perf_counter()
+        source = prefill(model, trial.prefill_ids)
+        timing["prefill_s"] += time.perf_counter() - start
+        for spec in specs:
+            bar.set_postfix_str(f"L={length} d={depth:g} {spec.spec}")
+            start = time.perf_counter()
+            cache = spec.build(model, config.sink_tokens, config.recent_tokens, config.attention, prefill=source)
+            text = answer(model, tokenizer, cache, trial.question_ids, config.max_new_tokens)
+            timing["caches_s"] += time.perf_counter() - start
+            trials.append({"spec": spec.spec, "length": length, "depth": depth, "rep": rep, "key": trial.key,
+                           "needle_start": trial.needle_start, "answer": text,
+                           "correct": extract_answer(text) == trial.key})
+            bar.update(1)
+        del source
+    bar.close()
+    rows = summarise(trials, specs, config, dim)
+    return {
+        "experiment": "needle in a haystack (passkey retrieval) with each cache compressing the haystack",
+        "model": describe_model(model), "text": config.text, "config": {
+            "lengths": list(config.lengths), "depths": list(config.depths), "keys_per_cell": config.keys_per_cell,
+            "seed": config.seed, "sink_tokens": config.sink_tokens, "recent_tokens": config.recent_tokens,
+            "max_new_tokens": config.max_new_tokens, "attention": config.attention},
+        "needle": NEEDLE, "question": QUESTION.strip(), "answer_prefix": ANSWER_PREFIX, "timing": timing, "rows": rows, "trials": trials,
+    }
+
+
+def summarise(trials: list[dict], specs, config: NeedleConfig, dim: int) -> list[dict]:
+    """One row per spec: bytes, ratios, accuracy overall / per length / per (length, depth), agreement with fp."""
+    fp = {(t["length"], t["depth"], t["rep"]): t["correct"] for t in trials if t["spec"] == "fp"}
+    rows = []
+    for spec in specs:
+        mine = [t for t in trials if t["spec"] == spec.spec]
+        row = {"method": spec.label(dim), "spec": spec.spec, "family": spec.family,
+               "key_bytes": spec.key_bytes(dim), "value_bytes": spec.value_bytes(dim),
+               "bits_per_coordinate": spec.bits_per_coordinate(dim), "codes_ratio": spec.codes_ratio(dim),
+               "accuracy": sum(t["correct"] for t in mine) / max(len(mine), 1), "trials": len(mine)}
+        for length in config.lengths:
+            at = [t for t in mine if t["length"] == length]
+            row[f"acc_{length}"] = sum(t["correct"] for t in at) / max(len(at), 1)
+            row[f"ratio_{length}"] = spec.context_ratio(dim, length, config.sink_tokens, config.recent_tokens)
+            row[f"by_depth_{length}"] = {
+                f"{d:g}": sum(t["correct"] for t in at if t["depth"] == d) / max(sum(t["depth"] == d for t in at), 1)
+                for d in config.depths}
+        if fp:
+            row["misses_where_fp_right"] = sum(1 for t in mine if fp.get((t["length"], t["depth"], t["rep"]))
+                                               and not t["correct"])
+            row["equals_fp"] = row["misses_where_fp_right"] == 0 and all(
+                t["correct"] or not fp.get((t["length"], t["depth"], t["rep"])) for t in mine)
+        rows.append(row)
+    return rows
+
+
+def needle_targets(rows: list[dict]) -> dict:
+    """The issue's target: retrieval equal to fp (every trial fp answers) at >= 10x key+value compression."""
+    matching = [r for r in rows if r["family"] != "fp" and r.get("equals_fp")]
+    best = max(matching, key=lambda r: r["codes_ratio"], default=None)
+    fib = [r for r in matching if r["spec"].startswith("fibquant")]
+    best_fib = max(fib, key=lambda r: r["codes_ratio"], default=None)
+    return {
+        "best ratio with fp-equal retrieval (any cache)": None if best is None else
+        f"{best['codes_ratio']:.2f}x ({best['method']})",
+        "best FibQuant ratio with fp-equal retrieval (target >= 10x)": None if best_fib is None else
+        f"{best_fib['codes_ratio']:.2f}x ({best_fib['method']}): "
+        f"{'met' if best_fib['codes_ratio'] >= 10 else 'missed'}",
+    }
+
+
+def needle_columns(lengths) -> list[tuple[str, str, str]]:
+    columns = [("method", "cache", ""), ("key_bytes", "K B/vec", ".4g"), ("value_bytes", "V B/vec", ".4g"),
+               ("codes_ratio", "K+V vs fp16", ".2f")]
+    for length in lengths:
+        columns += [(f"ratio_{length}", f"ctx {length} ratio", ".2f"), (f"acc_{length}", f"acc {length}", ".2f")]
+    return columns + [("accuracy", "acc", ".3f"), ("misses_where_fp_right", "misses vs fp", "d")]
+
+
+def plot_needle(payload: dict, path) -> None:
+    """Accuracy against K+V compression vs fp16, one point per cache (FibQuant red, peers grey)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for row in payload["rows"]:
+        ours = row["spec"].split(":")[0] in ("fibquant", "turboquant", "int", "fp")
+        color = "C3" if row["spec"].startswith("fibquant") else ("C0" if ours else "0.5")
+        ax.scatter(row["codes_ratio"], row["accuracy"], color=color, s=30)
+        ax.annotate(row["method"], (row["codes_ratio"], row["accuracy"]), fontsize=6, rotation=20)
+    ax.axvline(10, color="k", linestyle=":", linewidth=1)
+    ax.set_xscale("log")
+    ax.set_xlabel("key + value compression vs fp16 (stored bytes per vector, side information included)")
+    ax.set_ylabel("passkey accuracy")
+    config = payload["config"]
+    ax.set_title(f"{payload['model']}\n{payload['text']}, lengths {config['lengths']}, depths {config['depths']}, "
+                 f"{config['keys_per_cell']} keys per cell, window {config['sink_tokens']}+{config['recent_tokens']}",
+                 fontsize=8)
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+def main_needle(config: NeedleConfig = NeedleConfig(), caches=None, out_dir=None, build_codebooks: bool = False,
+                model_and_tokenizer=None, progress: bool = True) -> dict:
+    """Run the task, print the table and the target, write needle.json and needle.png."""
+    from fibquant.eval.cache_specs import parse_cache_specs, split_available
+    from fibquant.eval.kv_report import format_table, save_report
+    from fibquant.eval.peers import package_versions
+    from fibquant.kv.cache import check_model_supported
+    from fibquant.kv.model import load_model
+
+    model, tokenizer = model_and_tokenizer or load_model()
+    dim = check_model_supported(model)["head_dim"]
+    specs, skipped = split_available(parse_cache_specs(list(caches or NEEDLE_CACHES)), dim, build_codebooks)
+    if not specs or not specs[0].is_fp:
+        specs = [s for s in specs if not s.is_fp]
+        specs.insert(0, parse_cache_specs("fp")[0])
+    payload = run_needle(model, tokenizer, specs, config, progress)
+    payload["skipped"], payload["peer_versions"] = skipped, package_versions()
+    payload["targets"] = needle_targets(payload["rows"])
+    print(f"\nmodel: {payload['model']}\ntext: {config.text}; lengths {list(config.lengths)}, depths "
+          f"{list(config.depths)}, {config.keys_per_cell} keys per (length, depth), seed {config.seed}; exact window "
+          f"{config.sink_tokens} sinks + {config.recent_tokens} recent; attention {config.attention}\n")
+    print(format_table(payload["rows"], needle_columns(config.lengths)))
+    for name, value in payload["targets"].items():
+        print(f"{name}: {value}")
+    for note in skipped:
+        print(f"skipped: {note}")
+    paths = save_report(payload, out_dir, "needle", plot_needle)
+    print(f"wrote {paths['json']} and {paths['png']} (prefill {payload['timing']['prefill_s']:.0f} s, "
+          f"caches {payload['timing']['caches_s']:.0f} s)")
+    return payload

@@ -1,0 +1,221 @@
+"""Peers (kakeyalattice, nexusquant-kv, transformers QuantizedCache's quanto/HQQ), the round-trip cache
+with CompressedCache's exact window, and the cache specs of the in-the-loop experiments."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from _kv_helpers import tiny_llama
+from transformers import DynamicCache
+
+from fibquant.codecs.integer import IntCodec
+from fibquant.eval.cache_specs import CacheSpec, parse_cache_spec, parse_cache_specs, split_available
+from fibquant.eval.peers import (PEERS, build_peer, kakeya_bits, nexus_block_points, nexus_bytes, parse_peer,
+                                 unavailable_reason)
+from fibquant.eval.perplexity import PerplexityConfig, cache_nbytes, make_cache, window_nll
+from fibquant.kv.cache import CompressedCache
+from fibquant.kv.roundtrip import RoundTripCache, RoundTripLayer
+
+DIM = 16
+
+
+def _skip_unless(spec: str) -> None:
+    reason = unavailable_reason(spec)
+    if reason is not None:
+        pytest.skip(reason)
+
+
+# ----------------------------------------------------------------------------- peer specs and bytes
+
+def test_parse_peer_and_errors():
+    assert parse_peer("kakeya-e8:q=2").spec == "kakeya-e8:q=2"
+    assert parse_peer(" Quanto:b=4 ").value == 4
+    for bad, match in (("zip:b=2", "unknown peer"), ("quanto:q=2", "needs b="), ("quanto:b=3", "not supported"),
+                       ("kakeya-d4:q=0", "not supported"), ("nexus:b=two", "bad integer"), ("hqq", "needs b=")):
+        with pytest.raises(ValueError, match=match):
+            parse_peer(bad)
+
+
+def test_byte_counts_follow_the_documented_formats():
+    # kakeyalattice: (D / block) * ceil(bits per block) + 32; its docstring's D = 128 points.
+    assert kakeya_bits("e8", 38, 128) == 848 and kakeya_bits("e8", 37, 128) == 832
+    assert kakeya_bits("d4", 38, 128) == 832 and kakeya_bits("d4", 152, 128) == 1088
+    assert kakeya_bits("e8", 1, 64) == 8 * 13 + 32 and kakeya_bits("d4", 1, 64) == 16 * 6 + 32
+    # nexusquant's relaxed E8 at 2 bits (levels 4): 5^8 / 2 even-sum integer points + 4^8 half-integer points.
+    assert nexus_block_points(4) == (5 ** 8 + 1) // 2 + 4 ** 8
+    assert nexus_bytes(2, 64) == (math.ceil(8 * math.log2(nexus_block_points(4))) + 16) / 8 == 20.0
+    # quanto / HQQ: b bits per element + fp16 scale and zero per group of 64.
+    assert PEERS["quanto"].bytes_per_vector(2, 64) == 20 and PEERS["hqq"].bytes_per_vector(4, 64) == 36
+
+
+def test_kakeya_count_equals_the_package_own():
+    _skip_unless("kakeya-e8:q=1")
+    import kakeyalattice
+
+    for q in (1, 2, 10):
+        assert kakeyalattice.V15KakeyaZamirE8GPU(64, q, device="cpu").bits_per_token_per_head == kakeya_bits("e8", q, 64)
+        assert kakeyalattice.V14KakeyaZamirLatticeGPU(64, q, device="cpu").bits_per_token_per_head == kakeya_bits(
+            "d4", q, 64)
+
+
+@pytest.mark.parametrize("spec", ["quanto:b=4", "hqq:b=4", "kakeya-e8:q=4", "kakeya-d4:q=4", "nexus:b=4"])
+def test_peer_roundtrip_shape_dtype_and_error(spec):
+    _skip_unless(spec)
+    torch.manual_seed(0)
+    model = tiny_llama(head_dim=64, hidden_size=256, num_attention_heads=4) if spec.startswith("nexus") else None
+    x = torch.randn(1, 2, 70, 64)
+    for role in ("key", "value"):
+        peer = build_peer(spec, 64, role, model)
+        y = peer.roundtrip(x, start=5)
+        assert y.shape == x.shape and y.dtype == x.dtype
+        assert float((y - x).norm() / x.norm()) < 0.3, spec
+        assert peer.roundtrip(x[..., :0, :]).shape[-2] == 0
+    with pytest.raises(ValueError, match="expected"):
+        peer.roundtrip(x[0])
+
+
+def test_unavailable_reason_names_the_install_command(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def fake_import(name, *args, **kwargs):
+        if name == "kakeyalattice":
+            raise ImportError("not here")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", fake_import)
+    reason = unavailable_reason("kakeya-e8:q=2")
+    assert "kakeyalattice" in reason and "fibquant[peers]" in reason
+    with pytest.raises(ValueError, match="fibquant\\[peers\\]"):
+        build_peer("kakeya-e8:q=2", 64)
+    ready, skipped = split_available(parse_cache_specs("fp;kakeya-e8:q=2;int:b=4"), 64, build_codebooks=False)
+    assert [s.spec for s in ready] == ["fp", "int:b=4"] and "kakeya-e8:q=2" in skipped[0]
+
+
+# ----------------------------------------------------------------------------- RoundTripCache
+
+def test_roundtrip_layer_window_semantics():
+    """Chunked updates: returned states = archived tokens round-tripped, sinks/recent/new exact."""
+    marks = []
+
+    def rt(x, start):
+        marks.append((start, x.shape[-2]))
+        return x + 100.0
+
+    layer = RoundTripLayer(rt, rt, sink_tokens=2, recent_tokens=3)
+    keys = torch.randn(1, 2, 12, DIM)
+    seen = 0
+    for size in (4, 1, 5, 2):
+        chunk = keys[..., seen: seen + size, :]
+        out, _ = layer.update(chunk, chunk.clone())
+        expected = keys[..., : seen + size, :].clone()
+        expected[..., 2:max(seen - 3, 2), :] += 100.0  # tokens that had left the window before this update
+        assert torch.equal(out, expected), size
+        seen += size
+    assert layer.archived == 12 - 3
+    # keys then values, each token once, with its absolute start position
+    assert marks == [(2, 5), (2, 5), (7, 2), (7, 2)]
+
+
+def test_roundtrip_cache_equals_compressed_cache_decode_path():
+    """Same window, same quantizer: RoundTripCache(INT round trip) gives CompressedCache's logits."""
+    model = tiny_llama()
+    ids = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(1))
+    codec = IntCodec(DIM, 3)
+    config = dict(sink_tokens=3, recent_tokens=5)
+    coded = CompressedCache(codec, codec, attention="decode", encode_batch=1, **config)
+    rt = RoundTripCache(lambda x, s: codec.roundtrip(x), lambda x, s: codec.roundtrip(x), **config)
+    a = window_nll(model, ids, coded, chunk=7)
+    b = window_nll(model, ids, rt, chunk=7)
+    assert torch.allclose(a, b, atol=1e-5)
+    # from_cache = one update with every prefill token
+    source = DynamicCache()
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=source, use_cache=True)
+    built = RoundTripCache.from_cache(source, lambda x, s: codec.roundtrip(x), lambda x, s: codec.roundtrip(x), **config)
+    assert built.get_seq_length() == 40 and built.layers[0].archived == 35
+    assert torch.equal(built.layers[0].keys[..., :3, :], source.layers[0].keys[..., :3, :])
+    assert not torch.equal(built.layers[0].keys[..., 3:35, :], source.layers[0].keys[..., 3:35, :])
+    # format bytes: exact window in float32 + 2 * 12 code bytes per archived token, 2 layers x B=2 x H=2
+    assert built.format_nbytes(12, 12) == 2 * 2 * 2 * (8 * DIM * 4 * 2 + 32 * 24)
+
+
+def test_roundtrip_cache_errors():
+    with pytest.raises(ValueError, match="callable"):
+        RoundTripCache(None, lambda x, s: x)
+    with pytest.raises(ValueError, match="sink_tokens"):
+        RoundTripCache(lambda x, s: x, lambda x, s: x, sink_tokens=-1)
+    with pytest.raises(ValueError, match="batch, kv_heads"):
+        RoundTripCache(lambda x, s: x, lambda x, s: x).update(torch.zeros(2, 3, 4), torch.zeros(2, 3, 4), 0)
+
+
+# ----------------------------------------------------------------------------- cache specs
+
+def test_cache_spec_parsing_bytes_and_errors():
+    fp = parse_cache_spec("fp")
+    assert fp.is_fp and fp.codes_ratio(64) == 1.0 and fp.context_ratio(64, 1000, 4, 32) == 1.0
+    sym = parse_cache_spec("int:b=4")
+    assert sym.symmetric and sym.family == "int" and sym.key_bytes(64) == 36
+    asym = parse_cache_spec("int:b=4/int:b=2")
+    assert asym.family == "kv" and asym.spec == "int:b=4/int:b=2" and asym.label(64) == "K INT4 / V INT2"
+    assert asym.codes_ratio(64) == 256 / (36 + 20) and asym.bits_per_coordinate(64) == 3.0
+    # 36 exact tokens at fp16 + 964 coded ones
+    assert asym.context_ratio(64, 1000, 4, 32) == pytest.approx(1000 * 256 / (36 * 256 + 964 * 56))
+    peer = parse_cache_spec("quanto:b=2/fibquant:b=1")
+    assert peer.uses_peer and peer.key_bytes(64) == 20 and peer.value_bytes(64) == 10
+    for bad, match in (("", "empty"), ("int:b=4/int:b=2/int:b=3", "more than one"), ("lowrank:r=8", "stand-alone"),
+                       ("fp/int:b=2", "stand-alone"), ("zip:b=2", "unknown method family")):
+        with pytest.raises(ValueError, match=match):
+            parse_cache_spec(bad)
+    with pytest.raises(ValueError, match="both a key and a value"):
+        CacheSpec(key=sym.key)
+
+
+def test_asymmetric_and_peer_caches_in_the_perplexity_loop():
+    model = tiny_llama()
+    config = PerplexityConfig(tokens=64, context=64, chunk=16, sink_tokens=2, recent_tokens=4, attention="decode")
+    cache = make_cache("int:b=4/int:b=2", model, config)
+    assert isinstance(cache, CompressedCache) and cache.key_codec.bits == 4 and cache.value_codec.bits == 2
+    ids = torch.randint(0, 97, (1, 64), generator=torch.Generator().manual_seed(2))
+    window_nll(model, ids, cache, 16)
+    assert cache_nbytes(cache) == cache.nbytes()
+
+
+def test_peer_cache_in_the_perplexity_loop():
+    _skip_unless("quanto:b=4")
+    model = tiny_llama(head_dim=64, hidden_size=256, num_attention_heads=4)
+    config = PerplexityConfig(tokens=64, context=64, chunk=16, sink_tokens=2, recent_tokens=4)
+    spec = parse_cache_spec("quanto:b=4/int:b=4")
+    cache = make_cache(spec, model, config)
+    assert isinstance(cache, RoundTripCache)
+    ids = torch.randint(0, 97, (1, 64), generator=torch.Generator().manual_seed(3))
+    nll = window_nll(model, ids, cache, 16)
+    assert torch.isfinite(nll).all()
+    # 6 exact tokens (float32) + 58 coded at 36 + 36 bytes, 2 layers x 2 KV heads
+    assert cache_nbytes(cache, spec, 64) == 2 * 2 * (6 * 64 * 4 * 2 + 58 * 72)
+
+
+def test_peer_row_in_the_fidelity_frontier():
+    _skip_unless("kakeya-e8:q=4")
+    from fibquant.eval.capture import CapturedAttention
+    from fibquant.eval.fidelity import compare_frontiers, evaluate_method
+
+    generator = torch.Generator().manual_seed(4)
+    captured = CapturedAttention(torch.randn(2, 4, 40, 64, generator=generator),
+                                 torch.randn(2, 2, 40, 64, generator=generator),
+                                 torch.randn(2, 2, 40, 64, generator=generator), 0.125)
+    positions = torch.arange(0, 40, 4)
+    row = evaluate_method(parse_peer("kakeya-e8:q=4"), captured, positions, sink_tokens=1, recent_tokens=4)
+    assert row["peer"] and row["code_bytes_per_vector"] == kakeya_bits("e8", 4, 64) / 8
+    assert row["compression_ratio"] == 128 / row["code_bytes_per_vector"] and 0.5 < row["cosine"] < 1.0
+    checks = compare_frontiers([row])["matched_ratio_checks"]
+    assert checks[0]["method"] == "KakeyaLattice E8 Q=4" and checks[0]["fibquant_best_at_ratio"] is None
+
+
+def test_peer_cache_refuses_centring():
+    _skip_unless("quanto:b=4")
+    model = tiny_llama(head_dim=64, hidden_size=256, num_attention_heads=4)
+    with pytest.raises(ValueError, match="centring"):
+        parse_cache_spec("quanto:b=4").build(model, 2, 4, centre=True)
