@@ -539,6 +539,10 @@ def save_cache(cache: CompressedCache, path, model, token_ids=None, *, overwrite
     layers = [layer for layer in cache.layers if layer.is_initialized]
     if not layers:
         raise ValueError("cannot save an empty cache (no layer has seen a token)")
+    if getattr(cache, "centre", False) or any(getattr(layer, "key_mean", None) is not None for layer in layers):
+        # The format has no place for the layers' means yet: saving would lose them silently.
+        raise ValueError("saving a centred cache (centre=True) is not supported yet: the per-layer means are "
+                         "not part of the saved format")
     batch = layers[0].batch_size
     if token_ids is not None:
         n = torch.as_tensor(token_ids).reshape(-1).shape[0]
