@@ -147,3 +147,17 @@ def test_fidelity_on_real_model_short(request):
     assert cosine["int:b=8"] > 0.999 and cosine["int:b=2"] < cosine["int:b=8"]
     assert 0.0 < cosine["lowrank:r=8"] < 1.0
     assert result["layers"] == [0, 15] and result["text"] == "emma"
+
+
+def test_reconstruct_with_centring_is_mean_shifted_round_trip():
+    from fibquant.codecs.fibquant import FibQuantCodec
+    from fibquant.eval.fidelity import reconstruct
+
+    generator = torch.Generator().manual_seed(3)
+    states = torch.randn(2, 3, 40, 64, generator=generator) + 5.0 * torch.randn(2, 3, 1, 64, generator=generator)
+    codec = FibQuantCodec(64, 4, 256)
+    centred = reconstruct(states, lambda layer, head: codec, shared=True, centre_from=4)
+    mean = states[:, :, 4:].mean(dim=2, keepdim=True)
+    torch.testing.assert_close(centred, codec.roundtrip(states - mean) + mean)
+    plain = reconstruct(states, lambda layer, head: codec, shared=True)
+    assert ((centred - states) ** 2).sum() < 0.5 * ((plain - states) ** 2).sum()

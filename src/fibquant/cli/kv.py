@@ -36,6 +36,8 @@ def register_eval(eval_subparsers) -> None:
     fidelity.add_argument("--query-stride", type=int, default=1)
     fidelity.add_argument("--sink-tokens", type=int, default=0, help="exact sinks per query (default 0)")
     fidelity.add_argument("--recent-tokens", type=int, default=0, help="exact recent tokens per query (default 0)")
+    fidelity.add_argument("--centre", action="store_true",
+                          help="calibration-free codecs quantise keys/values minus their (layer, head) mean")
     fidelity.add_argument("--methods", type=_methods, default=None,
                           help="';'-separated specs, e.g. 'fp;fibquant:k=64,n=4096;turboquant:b=2'")
     fidelity.add_argument("--build-codebooks", action="store_true",
@@ -67,7 +69,7 @@ def _fidelity(args: argparse.Namespace) -> int:
     layers = None if args.layers is None else tuple(int(x) for x in args.layers.split(","))
     config = FidelityConfig(text=args.text, calibration_text=args.calibration_text, tokens=args.tokens,
                             layers=layers, query_stride=args.query_stride, sink_tokens=args.sink_tokens,
-                            recent_tokens=args.recent_tokens)
+                            recent_tokens=args.recent_tokens, centre=args.centre)
     apply_threads(args)
     main_fidelity(config, args.methods, args.out, build_codebooks=args.build_codebooks)
     return 0

@@ -37,6 +37,8 @@ class FidelityConfig:
     query_stride: int = 1  # score every query_stride-th position
     sink_tokens: int = 0  # exact window as seen by a query in CompressedCache token-by-token decoding;
     recent_tokens: int = 0  # 0/0 (default) compresses every position: the codec alone is measured
+    centre: bool = False  # calibration-free codecs quantise states minus their (layer, head) mean, as the
+    #                       cache's centre=True does (mean of the positions after the sinks: the prefill's)
 
     def __post_init__(self) -> None:
         if self.text == self.calibration_text:
@@ -108,8 +110,14 @@ def output_cosine(captured: CapturedAttention, keys_hat: torch.Tensor, values_ha
 CodecFor = Callable[[int, int], object]  # (layer, kv_head) -> Codec
 
 
-def reconstruct(states: torch.Tensor, codec_for: CodecFor, shared: bool) -> torch.Tensor:
-    """Codec round trip of states [L, Hkv, T, D]; one call when the codec is shared by all heads."""
+def reconstruct(states: torch.Tensor, codec_for: CodecFor, shared: bool, centre_from: int | None = None) -> torch.Tensor:
+    """Codec round trip of states [L, Hkv, T, D]; one call when the codec is shared by all heads.
+
+    centre_from: quantise states minus their mean over positions >= centre_from, per (layer, head)
+    (the cache's centring; one [L, Hkv, D] side vector), and add it back."""
+    if centre_from is not None:
+        mean = states[:, :, centre_from:].mean(dim=2, keepdim=True)
+        return reconstruct(states - mean, codec_for, shared) + mean
     if shared:
         return codec_for(0, 0).roundtrip(states)
     out = torch.empty_like(states)
@@ -149,7 +157,7 @@ def peer_reconstruct(spec: PeerSpec, captured: CapturedAttention, model=None) ->
 
 def evaluate_method(method: Method | PeerSpec, captured: CapturedAttention, positions: torch.Tensor,
                     bank: CalibrationBank | None = None, sink_tokens: int = 0, recent_tokens: int = 0,
-                    reference: list[torch.Tensor] | None = None, model=None) -> dict:
+                    reference: list[torch.Tensor] | None = None, model=None, centre: bool = False) -> dict:
     """One row of the frontier: rate, ratio and attention cosine of `method` (a Method, or a peer of
     `fibquant.eval.peers`, whose bytes are its format's fixed-rate size) on `captured`."""
     dim = captured.keys.shape[-1]
@@ -176,8 +184,9 @@ def evaluate_method(method: Method | PeerSpec, captured: CapturedAttention, posi
         code_bytes, bits = key_for(0, 0).code_size, key_for(0, 0).bits_per_coordinate
     else:
         codec = method.build(dim)
-        keys_hat = reconstruct(captured.keys, lambda layer, head: codec, shared=True)
-        values_hat = reconstruct(captured.values, lambda layer, head: codec, shared=True)
+        centre_from = sink_tokens if centre else None
+        keys_hat = reconstruct(captured.keys, lambda layer, head: codec, shared=True, centre_from=centre_from)
+        values_hat = reconstruct(captured.values, lambda layer, head: codec, shared=True, centre_from=centre_from)
         code_bytes, bits = codec.code_size, codec.bits_per_coordinate
     cosine = output_cosine(captured, keys_hat, values_hat, positions, sink_tokens, recent_tokens, reference)
     return {
@@ -209,7 +218,7 @@ def run_fidelity(model, tokenizer, methods: list[Method | PeerSpec], config: Fid
     rows = []
     for method in tqdm(methods, desc="attention fidelity", disable=not progress):
         rows.append(evaluate_method(method, captured, positions, bank, config.sink_tokens, config.recent_tokens,
-                                    reference, model))
+                                    reference, model, centre=config.centre))
     return {
         "experiment": "attention fidelity (FibQuant paper 4.2)",
         "model": describe_model(model), "text": config.text, "calibration_text": config.calibration_text,
@@ -217,6 +226,7 @@ def run_fidelity(model, tokenizer, methods: list[Method | PeerSpec], config: Fid
         "layers": layers if layers is not None else list(range(captured.num_layers)),
         "query_positions": f"0..{config.tokens - 1} step {config.query_stride}",
         "exact_window": {"sink_tokens": config.sink_tokens, "recent_tokens": config.recent_tokens},
+        "centre": config.centre,
         "query_heads": captured.queries.shape[1], "kv_heads": captured.keys.shape[1],
         "head_dim": captured.keys.shape[-1], "rows": rows,
     }
