@@ -196,7 +196,7 @@ def main(argv=None) -> int:
         "torch": torch.__version__, "numba": numba.__version__, "machine": platform.machine(),
         "processor": platform.processor() or platform.uname().machine, "cpu_count": os.cpu_count(),
         "dense": "torch.einsum q.K^T + p.V, float32 K/V [B,H,M,D]",
-        "numba": "coded_scores + coded_weighted_sum, backend='numba'",
+        "numba_path": "coded_scores + coded_weighted_sum, backend='numba'",
         "torch_reference": "coded_scores_reference + coded_weighted_sum_reference",
     }
     path = out_dir / ("coded_kernels_hot.json" if args.hot else "coded_kernels.json")

@@ -157,22 +157,18 @@ class CacheSpec:
         from transformers import DynamicCache
 
         from fibquant.kv.cache import CompressedCache, check_model_supported
+        from fibquant.kv.model import copy_dynamic_cache
 
         if self.is_fp:
-            cache = DynamicCache(config=model.config)
-            if prefill is not None:
-                for index, layer in enumerate(prefill.layers):
-                    cache.update(layer.keys.clone(), layer.values.clone(), index)
-            return cache
+            return DynamicCache(config=model.config) if prefill is None else copy_dynamic_cache(prefill, model.config)
         dim = check_model_supported(model)["head_dim"]
         key, value = self.key.build(dim, "key", model), self.value.build(dim, "value", model)
         if not self.uses_peer:
-            options = {"centre": True} if centre else {}  # only passed when asked (older caches lack it)
             if prefill is None:
                 return CompressedCache.for_model(model, key, value, sink_tokens, recent_tokens, attention=attention,
-                                                 **options)
+                                                 centre=centre)
             return CompressedCache.from_cache(prefill, key, value, sink_tokens, recent_tokens, attention=attention,
-                                              model=model, **options)
+                                              model=model, centre=centre)
         if centre:
             raise ValueError(f"{self.spec}: centring applies to our codecs (CompressedCache), not to a peer")
         from fibquant.kv.roundtrip import RoundTripCache

@@ -24,7 +24,6 @@ what an fp16 DynamicCache would hold, the usual reference for compression claims
 """
 from __future__ import annotations
 
-import inspect
 import os
 import platform
 import statistics
@@ -32,6 +31,10 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Optional
+
+from fibquant.eval.memory import (PeakCUDA, PeakRSS, _synchronize, quantized_cache_nbytes,  # noqa: F401
+                                  release_free_memory)
+from fibquant.kv.model import copy_dynamic_cache, last_logits
 
 # ----------------------------------------------------------------------------- cache names
 
@@ -85,9 +88,6 @@ def parse_cache_name(name: str) -> CacheSpec:
     raise ValueError(f"unknown cache name {name!r}: expected dynamic, fibquantB, turboquantB (optionally -old), "
                      f"quantoB or hqqB, e.g. {' '.join(DEFAULT_CACHES[:4])}")
 
-
-from fibquant.eval.memory import (PeakCUDA, PeakRSS, _synchronize, quantized_cache_nbytes,  # noqa: F401
-                                  release_free_memory)
 
 # ----------------------------------------------------------------------------- config
 
@@ -158,17 +158,6 @@ def peer_unavailable_reason(backend: str) -> Optional[str]:
     return None
 
 
-def compressed_unavailable_reason() -> Optional[str]:
-    """None when CompressedCache has the from_cache / attention= API this benchmark uses."""
-    from fibquant.kv.cache import CompressedCache
-
-    if not hasattr(CompressedCache, "from_cache"):
-        return "this CompressedCache has no from_cache()"
-    if "attention" not in inspect.signature(CompressedCache.from_cache).parameters:
-        return "this CompressedCache.from_cache takes no attention= argument"
-    return None
-
-
 def _package_version(name: str) -> Optional[str]:
     from importlib import metadata
 
@@ -180,35 +169,10 @@ def _package_version(name: str) -> Optional[str]:
 
 # ----------------------------------------------------------------------------- model calls
 
-def _forward_kwargs(model) -> dict:
-    """Name of the cache argument of `model.forward` (transformers 5 renamed past_key_values to cache)."""
-    params = inspect.signature(model.forward).parameters
-    return {"cache_arg": "cache" if "cache" in params else "past_key_values",
-            "logits_to_keep": "logits_to_keep" in params}
-
-
-def _step(model, ids: torch.Tensor, cache, call: dict, last_only: bool = False) -> torch.Tensor:
-    """Logits of the last position [vocab] after running `ids` [1, T] through `model` with `cache`."""
-    kwargs = {call["cache_arg"]: cache, "use_cache": True}
-    if last_only and call["logits_to_keep"]:
-        kwargs["logits_to_keep"] = 1
-    return model(input_ids=ids, **kwargs).logits[0, -1]
-
-
-def _dynamic_copy(prefill, config) -> object:
-    """A DynamicCache holding copies of the prefill cache's keys/values (the source stays untouched)."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=config)
-    for index, layer in enumerate(prefill.layers):
-        cache.update(layer.keys.clone(), layer.values.clone(), index)
-    return cache
-
-
 def _build_cache(spec: CacheSpec, prefill, model, head_dim: int, config: DecodeSpeedConfig):
     """The cache of `spec`, built from the prefill DynamicCache."""
     if spec.kind == "dynamic":
-        return _dynamic_copy(prefill, model.config)
+        return copy_dynamic_cache(prefill, model.config)
     if spec.kind == "compressed":
         from fibquant.codecs.fibquant import FibQuantCodec
         from fibquant.codecs.turboquant import TurboQuantCodec
@@ -264,12 +228,12 @@ class _Prefill:
     seconds: float
 
 
-def _prefill(model, ids: torch.Tensor, call: dict) -> _Prefill:
+def _prefill(model, ids: torch.Tensor) -> _Prefill:
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
     start = time.perf_counter()
-    logits = _step(model, ids[None], cache, call, last_only=True)
+    logits = last_logits(model, ids[None], cache)
     seconds = time.perf_counter() - start
     return _Prefill(ids.shape[0], cache, logits.argmax().view(1, 1), seconds)
 
@@ -280,7 +244,7 @@ def _restore_attention(model, implementation) -> None:
 
 
 def _run_one(spec: CacheSpec, prefill: _Prefill, model, head_dim: int, config: DecodeSpeedConfig,
-             call: dict, decode_tokens: int, measure_memory: bool = True) -> dict:
+             decode_tokens: int) -> dict:
     """Build `spec`'s cache from the prefill, decode greedily, return the measurements."""
     attention_before = getattr(model.config, "_attn_implementation", None)
     try:
@@ -295,7 +259,7 @@ def _run_one(spec: CacheSpec, prefill: _Prefill, model, head_dim: int, config: D
             for _ in range(decode_tokens):
                 _synchronize(model.device)
                 begin = time.perf_counter()
-                logits = _step(model, token, cache, call)
+                logits = last_logits(model, token, cache)
                 token = logits.argmax().view(1, 1)
                 _synchronize(model.device)
                 step_ms.append(1000.0 * (time.perf_counter() - begin))
@@ -397,7 +361,6 @@ def _run_decode_speed(config, model_and_tokenizer, token_ids, progress) -> dict:
         model_and_tokenizer = load_benchmark_model(config)
     model, tokenizer = model_and_tokenizer
     head_dim = check_model_supported(model)["head_dim"]
-    call = _forward_kwargs(model)
     plan = context_tokens(model, config.contexts, config.decode_tokens)
     longest = max(tokens for _, tokens in plan)
     if token_ids is None and tokenizer is None:  # random weights: random ids (speed does not depend on them)
@@ -415,14 +378,8 @@ def _run_decode_speed(config, model_and_tokenizer, token_ids, progress) -> dict:
     token_ids = token_ids.to(model.device)
 
     skipped, specs = [], []
-    compressed_reason = None
     for spec in config.specs():
-        reason = None
-        if spec.kind == "quantized":
-            reason = peer_unavailable_reason(spec.family)
-        elif spec.kind == "compressed":
-            compressed_reason = compressed_reason or compressed_unavailable_reason()
-            reason = compressed_reason
+        reason = peer_unavailable_reason(spec.family) if spec.kind == "quantized" else None
         if reason is None:
             specs.append(spec)
         else:
@@ -430,7 +387,7 @@ def _run_decode_speed(config, model_and_tokenizer, token_ids, progress) -> dict:
             print(f"skipping {spec.name}: {reason}", file=sys.stderr, flush=True)
 
     if config.warmup:
-        _warmup(specs, model, head_dim, config, call, token_ids, skipped, progress)
+        _warmup(specs, model, head_dim, config, token_ids, skipped, progress)
         specs = [s for s in specs if s.name not in {x["cache"] for x in skipped}]
 
     rows = []
@@ -439,11 +396,11 @@ def _run_decode_speed(config, model_and_tokenizer, token_ids, progress) -> dict:
     for context, tokens in plan:
         release_free_memory()
         bar.set_postfix_str(f"prefill {tokens}")
-        prefill = _prefill(model, token_ids[:tokens], call)
+        prefill = _prefill(model, token_ids[:tokens])
         for spec in specs:
             bar.set_postfix_str(f"{tokens} {spec.name}")
             try:
-                row = _run_one(spec, prefill, model, head_dim, config, call, config.decode_tokens)
+                row = _run_one(spec, prefill, model, head_dim, config, config.decode_tokens)
             except Exception as exc:
                 if spec.kind != "quantized":
                     raise
@@ -501,15 +458,15 @@ def _run_decode_speed(config, model_and_tokenizer, token_ids, progress) -> dict:
     }
 
 
-def _warmup(specs, model, head_dim, config, call, token_ids, skipped, progress) -> None:
+def _warmup(specs, model, head_dim, config, token_ids, skipped, progress) -> None:
     """One short untimed run of every cache (first-call costs: codebook loads, numba JIT, extension builds)."""
     tokens = min(int(token_ids.shape[0]), max(2 * (config.sink_tokens + config.recent_tokens) + 16, 64))
     if progress:
         print(f"warm-up: {len(specs)} caches on {tokens} tokens ...", file=sys.stderr, flush=True)
-    prefill = _prefill(model, token_ids[:tokens], call)
+    prefill = _prefill(model, token_ids[:tokens])
     for spec in specs:
         try:
-            _run_one(spec, prefill, model, head_dim, config, call, decode_tokens=2)
+            _run_one(spec, prefill, model, head_dim, config, decode_tokens=2)
         except Exception as exc:
             if spec.kind != "quantized":
                 raise

@@ -31,6 +31,8 @@ from typing import Optional
 
 import torch
 
+from fibquant.kv.model import last_logits
+
 NEEDLE = "The secret passkey is {key}. Remember it: {key} is the secret passkey."
 INSTRUCTION = "Read the following text. A secret passkey is hidden in it; remember it.\n\n"
 QUESTION = "\n\nWhat is the secret passkey hidden in the text above? Answer with the five-digit number only."
@@ -151,24 +153,13 @@ def extract_answer(text: str) -> Optional[str]:
     return match.group(0) if match else None
 
 
-def _forward(model, ids: torch.Tensor, cache):
-    """model(ids, cache) with only the last position's logits (transformers >= 5.x names the cache `cache`)."""
-    import inspect
-
-    params = inspect.signature(model.forward).parameters
-    kwargs = {"cache" if "cache" in params else "past_key_values": cache, "use_cache": True}
-    if "logits_to_keep" in params:
-        kwargs["logits_to_keep"] = 1
-    return model(input_ids=ids, **kwargs).logits[0, -1]
-
-
 @torch.no_grad()
 def prefill(model, ids: torch.Tensor):
     """A DynamicCache holding the float keys/values of ids [L] (only the last logits computed)."""
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
-    _forward(model, ids.unsqueeze(0).to(model.device), cache)
+    last_logits(model, ids.unsqueeze(0).to(model.device), cache)
     return cache
 
 
@@ -178,7 +169,7 @@ def answer(model, tokenizer, cache, question_ids: torch.Tensor, max_new_tokens: 
     stops = {t for t in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")) if isinstance(t, int)}
     ids, out = question_ids.unsqueeze(0).to(model.device), []
     for _ in range(max_new_tokens):
-        logits = _forward(model, ids, cache)
+        logits = last_logits(model, ids, cache)
         token = int(logits.argmax())
         if token in stops:
             break

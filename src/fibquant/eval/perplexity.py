@@ -77,7 +77,7 @@ def make_cache(method, model, config: PerplexityConfig):
     """A fresh cache for `method` (Method, CacheSpec or spec string such as 'fibquant:b=4/fibquant:b=2'):
     DynamicCache for fp, CompressedCache for our codecs, RoundTripCache when a peer is involved."""
     spec = as_cache_spec(method)
-    centre = getattr(config, "centre", False) and not spec.is_fp and not spec.uses_peer  # peers: never centred
+    centre = config.centre and not spec.is_fp and not spec.uses_peer  # peers: never centred
     return spec.build(model, config.sink_tokens, config.recent_tokens, config.attention, centre=centre)
 
 

@@ -27,9 +27,11 @@ from __future__ import annotations
 import warnings
 
 import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from fibquant.codecs.base import Codec
 from fibquant.kv.cache import CodedKV
+from fibquant.kv.coded_kernels import coded_scores, coded_weighted_sum
 
 ATTENTION_NAME = "fibquant"
 QUERY_ROWS_PER_BLOCK = 2048      # query rows (query heads x tokens) per KV head scored at once
@@ -95,8 +97,6 @@ def try_use_coded_attention(model) -> bool:
 # --------------------------------------------------------------------- one codec role
 def _scores_from_codes(codec: Codec, queries: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
     """queries float32 [B, H, Q, D] (already scaled) . decoded codes [B, H, M, C] -> [B, H, Q, M]."""
-    from fibquant.kv.coded_kernels import coded_scores
-
     rotated = codec.rotated_codebook(queries.device)
     if rotated is None:
         _warn_once(f"codec:{type(codec).__name__}", f"{type(codec).__name__} has no rotated codebook: its codes are "
@@ -107,8 +107,6 @@ def _scores_from_codes(codec: Codec, queries: torch.Tensor, codes: torch.Tensor)
 
 def _values_from_codes(codec: Codec, weights: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
     """weights float32 [B, H, Q, M] x decoded codes [B, H, M, C] -> float32 [B, H, Q, D]."""
-    from fibquant.kv.coded_kernels import coded_weighted_sum
-
     rotated = codec.rotated_codebook(weights.device)
     if rotated is None:
         return weights @ codec.decode(codes)
@@ -119,11 +117,10 @@ def _values_from_codes(codec: Codec, weights: torch.Tensor, codes: torch.Tensor)
 def _bias_block(mask: torch.Tensor | None, rows: slice, length: int, past: int, device) -> torch.Tensor | None:
     """Additive float32 bias [B or 1, 1 or Hq, t, L] for query tokens `rows` (None: nothing masked)."""
     if mask is None:  # SDPA's skipped causal mask: query t sees columns <= past + t
+        if rows.stop - rows.start == 1 and past + rows.start >= length - 1:
+            return None  # one token seeing every column (a decode step)
         t = torch.arange(rows.start, rows.stop, device=device).unsqueeze(1)
-        cols = torch.arange(length, device=device).unsqueeze(0)
-        if past + rows.stop - 1 >= length - 1 and rows.stop - rows.start == 1:
-            return None  # one token seeing every column
-        blocked = cols > past + t
+        blocked = torch.arange(length, device=device).unsqueeze(0) > past + t
         return torch.zeros(blocked.shape, device=device).masked_fill_(blocked, float("-inf"))[None, None]
     block = mask[:, :, rows, :length]
     if block.dtype == torch.bool:
@@ -185,8 +182,6 @@ def coded_attention_forward(module, query, key, value, attention_mask, dropout: 
     query [B, Hq, T, D]; returns (attn_output [B, T, Hq, D], None) as every transformers
     attention function does.
     """
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     if not isinstance(key, CodedKV):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)

@@ -46,7 +46,7 @@ Tested against the Cache / CacheLayerMixin contract of transformers 5.x.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -262,24 +262,26 @@ class CompressedLayer(CacheLayerMixin):
     def batch_size(self) -> int:
         return self.sink_keys.shape[0] if self.is_initialized else -1
 
+    def _float_tensors(self) -> list[torch.Tensor]:
+        """The exact window (sinks, recent) and, when centring, the means: every float tensor held."""
+        means = [t for t in (self.key_mean, self.value_mean) if t is not None]
+        return [getattr(self, name) for name in _FLOAT_FIELDS] + means
+
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor this layer holds (code buffers with their reserved capacity)."""
         if not self.is_initialized:
             return []
-        means = [t for t in (self.key_mean, self.value_mean) if t is not None]
-        return [getattr(self, name) for name in _FLOAT_FIELDS] + [self.key_buffer.data, self.value_buffer.data] + means
+        return self._float_tensors() + [self.key_buffer.data, self.value_buffer.data]
 
     def nbytes(self) -> int:
         """Bytes of storage held by this layer, reserved code capacity included."""
         return sum(t.untyped_storage().nbytes() for t in self.tensors())
 
     def used_nbytes(self) -> int:
-        """Bytes of the stored tokens only: exact window + num_coded code rows."""
+        """Bytes of the stored tokens only: exact window (+ means) + num_coded code rows."""
         if not self.is_initialized:
             return 0
-        floats = [getattr(self, n) for n in _FLOAT_FIELDS] + [t for t in (self.key_mean, self.value_mean)
-                                                              if t is not None]
-        return (sum(t.numel() * t.element_size() for t in floats)
+        return (sum(t.numel() * t.element_size() for t in self._float_tensors())
                 + self.key_buffer.used_nbytes() + self.value_buffer.used_nbytes())
 
     # ----------------------------------------------------------------- contract

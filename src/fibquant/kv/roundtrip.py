@@ -22,13 +22,9 @@ from typing import Callable
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from fibquant.kv.cache import _check_window
+
 RoundTrip = Callable[[torch.Tensor, int], torch.Tensor]  # x [B, H, n, D], start position -> same shape
-
-
-def _check_window(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
-    return value
 
 
 class RoundTripLayer(DynamicLayer):
