@@ -3,6 +3,9 @@ import json
 
 import pytest
 
+import numpy as np
+
+from fibquant.eval.archive_baselines import BenchmarkCheckError, check_lookups, search_quality
 from fibquant.eval.archive_bench import BenchConfig, run
 
 
@@ -21,7 +24,12 @@ def test_tiny_benchmark_writes_every_method_and_labels_the_text_fallback(tmp_pat
             assert (stream, method) in methods
     text_notes = {r["note"] for r in saved["results"] if r["stream"] == "text-256"}
     assert len(text_notes) == 1 and text_notes.pop().startswith("FALLBACK")  # never silently synthetic
-    assert all(r["recall_1e3"] == 1.0 for r in saved["results"] if "recall_1e3" in r)
+    searched = [r for r in saved["results"] if "recall_1e3" in r]
+    # Recall and precision are measured for every search method, baselines included.
+    assert {r["method"] for r in searched} == {"fractal-exact", "fractal-float", "sorted-keys", "suffix-array"}
+    assert all(r["recall_1e3"] == 1.0 and r["precision_1e3"] == 1.0 for r in searched)
+    assert all(r["recall_batched_1e3"] == r["precision_batched_1e3"] == 1.0
+               for r in searched if r["method"].startswith("fractal"))
     exact = [r for r in saved["results"] if r["method"] == "fractal-exact" and r["stream"] == "uniform-4096"][0]
     assert exact["bits_per_symbol"] < 1.1 * 12
     assert report["target_check"] and "Targets" in capsys.readouterr().out
@@ -30,3 +38,18 @@ def test_tiny_benchmark_writes_every_method_and_labels_the_text_fallback(tmp_pat
 def test_config_validation():
     with pytest.raises(ValueError, match="search size"):
         BenchConfig(n_symbols=1000, search_sizes=(5000,))
+
+
+def test_search_quality_reports_missed_and_spurious_hits():
+    symbols = np.array([1, 2, 1, 2, 1, 2, 3])
+    queries = [np.array([1, 2])]  # true end positions 1, 3, 5
+    assert search_quality(lambda q: np.array([1, 3, 5]), symbols, queries) == (1.0, 1.0)
+    assert search_quality(lambda q: np.array([1, 5]), symbols, queries) == (2 / 3, 1.0)
+    assert search_quality(lambda q: np.array([1, 3, 5, 6]), symbols, queries) == (1.0, 0.75)
+
+
+def test_wrong_lookups_raise_an_explicit_error():
+    symbols = np.arange(10)
+    check_lookups("identity", lambda i: i, symbols, list(range(10)))
+    with pytest.raises(BenchmarkCheckError, match="off-by-one: 10 of 10 lookups"):
+        check_lookups("off-by-one", lambda i: i + 1, symbols, list(range(10)))

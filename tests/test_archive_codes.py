@@ -78,3 +78,68 @@ def test_fibquant_codes_roundtrip(tmp_path):
         decoded = codec.decode(codes)
         for i in (0, 99, 199):
             assert torch.equal(archive.decode(i, codec), decoded[i])
+
+
+def test_turboquant_codes_roundtrip_and_search(tmp_path):
+    from fibquant.archive import brute_force_search
+    from fibquant.codecs.turboquant import TurboQuantCodec
+
+    codec = TurboQuantCodec(16, 3)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(120, 16, generator=gen)
+    x[60:80] = x[:20]  # repeated vectors: their codes must be found again by search
+    codes = codec.encode(x)
+    assert codec.code_layout == CodeLayout(8, 16) and CodeLayout.from_codec(codec).code_size == codec.code_size
+    with CodeArchive.for_codec(tmp_path / "tq", codec) as archive:
+        archive.append(codes[:50])
+        archive.append(codes[50:])
+    with CodeArchive.open(tmp_path / "tq") as archive:
+        assert archive.layout == codec.code_layout
+        assert torch.equal(torch.from_numpy(archive.codes()), codes)
+        decoded = codec.decode(codes)
+        for i in (0, 61, 119):
+            assert torch.equal(archive.decode(i, codec), decoded[i])
+        # Search the index stream for vector 5's levels: its end positions, aligned to whole
+        # vectors, are exactly the vectors whose levels equal vector 5's.
+        indices, _ = archive.layout.split(codes)
+        stream = indices.reshape(-1)
+        hits = archive.indices.search(indices[5])
+        assert np.array_equal(hits, brute_force_search(stream, indices[5]))
+        aligned = hits[(hits + 1) % 16 == 0] // 16
+        expected = np.flatnonzero((indices == indices[5]).all(axis=1))
+        assert np.array_equal(aligned, expected) and {5, 65} <= set(aligned.tolist())
+
+
+def test_codec_layout_is_required_and_checked(tmp_path):
+    from fibquant.codecs.integer import IntCodec
+    from fibquant.codecs.turboquant import TurboQuantCodec
+
+    with pytest.raises(ValueError, match="code_layout"):
+        CodeArchive.for_codec(tmp_path / "int", IntCodec(16, 4))  # [scales][levels]: not this layout
+    with pytest.raises(ArchiveError, match="CodeLayout"):
+        CodeArchive.create(tmp_path / "x", TurboQuantCodec(16, 3))
+    with CodeArchive.for_codec(tmp_path / "tq", TurboQuantCodec(16, 3)) as archive:
+        archive.append(TurboQuantCodec(16, 3).encode(torch.ones(2, 16)))
+        with pytest.raises(ArchiveError, match="layout"):
+            archive.decode(0, TurboQuantCodec(16, 2))  # 2-bit levels cannot read 3-bit codes
+
+
+def test_codes_without_a_norm_roundtrip(tmp_path):
+    # Residual VQ codes are packed stage indices only: a layout with norm_bytes = 0.
+    from fibquant.codecs.rvq import RVQCodec
+
+    codec = RVQCodec(torch.randn(3, 10, 8, generator=torch.Generator().manual_seed(2)))
+    codes = codec.encode(torch.randn(90, 8, generator=torch.Generator().manual_seed(3)))
+    layout = CodeLayout(10, 3, norm_bytes=0)
+    assert layout.code_size == codec.code_size
+    with CodeArchive.create(tmp_path / "rvq", layout) as archive:
+        archive.append(codes)
+    assert not (tmp_path / "rvq" / "norms.fqa").exists()
+    with CodeArchive.open(tmp_path / "rvq") as archive:
+        assert len(archive) == 90 and archive.norms is None
+        assert torch.equal(torch.from_numpy(archive.codes()), codes)
+        assert np.array_equal(archive.code(-1), codes[-1].numpy())
+    with Archive.open(tmp_path / "rvq" / "indices.fqa", "a") as indices:
+        indices.append([1])  # a vector cut short by a crash
+    with pytest.raises(ArchiveError, match="interrupted"):
+        CodeArchive.open(tmp_path / "rvq")

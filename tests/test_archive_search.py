@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fibquant.archive import Archive, brute_force_search
-from fibquant.archive.floatmap import FloatMapCodec
+from fibquant.archive.floatmap import FloatMapCoder
 from fibquant.archive.search import PointIndex, SuffixKeyIndex, key_depth
 
 
@@ -78,9 +78,9 @@ def test_archive_search_recall_is_one(tmp_path, variant, alphabet):
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize("alphabet", [16, 256])
 def test_geometric_filter_has_full_recall(dtype, alphabet):
-    codec = FloatMapCodec(alphabet)
+    coder = FloatMapCoder(alphabet)
     symbols = np.random.default_rng(3).integers(0, alphabet, 5000)
-    index = PointIndex(codec, symbols, dtype=dtype)
+    index = PointIndex(coder, symbols, dtype=dtype)
     for length in (1, 2, 3, 4):
         for end in range(length + 10, 5000, 397):
             query = symbols[end - length + 1:end + 1]
@@ -93,9 +93,9 @@ def test_geometric_filter_has_full_recall(dtype, alphabet):
 def test_float64_filter_is_precise_for_short_suffixes():
     # Disjoint bounding discs: with float64 points the ball holds only true matches
     # (plus the first positions, whose missing history maps to the centre).
-    codec = FloatMapCodec(16)
+    coder = FloatMapCoder(16)
     symbols = np.random.default_rng(4).integers(0, 16, 5000)
-    index = PointIndex(codec, symbols)
+    index = PointIndex(coder, symbols)
     for end in range(40, 5000, 211):
         query = symbols[end - 2:end + 1]
         candidates = index.candidates(query)
@@ -111,12 +111,12 @@ def test_empty_query_matches_everywhere(tmp_path):
 
 def test_points_of_any_variant_lie_in_their_suffix_cells(tmp_path):
     symbols = np.random.default_rng(8).integers(0, 16, 3000)
-    codec = FloatMapCodec(16)
+    coder = FloatMapCoder(16)
     with Archive.create(tmp_path / "a.fqa", 16) as archive:  # exact archive, 2-D points on demand
         archive.append(symbols)
         points = archive.points(1000, 1100)
-        assert np.allclose(points, codec.suffix_points(symbols, codec.segment)[1000:1100], atol=1e-15)
+        assert np.allclose(points, coder.suffix_points(symbols, coder.segment)[1000:1100], atol=1e-15)
         for offset, point in enumerate(points):
             end = 1000 + offset
-            centre = np.array(codec.cell_centre(symbols[end - 2:end + 1]))
-            assert np.linalg.norm(point - centre) <= codec.r ** 3
+            centre = np.array(coder.cell_centre(symbols[end - 2:end + 1]))
+            assert np.linalg.norm(point - centre) <= coder.r ** 3

@@ -1,5 +1,9 @@
 """All codecs through the shared Codec interface: layout, exactness, errors, MSE bounds.
 
+The contract suite (CODECS) holds at least one codec of every family registered in
+`fibquant.eval.methods.REGISTRY` (checked by `test_contract_covers_every_registered_family`);
+calibrated codecs are fitted on small synthetic data (`_calibration`).
+
 MSE bounds (total E||u - u_hat||^2 of unit vectors drawn uniformly on S^{dim-1}, fresh samples):
 
 | codec                         | bound  | why                                                     |
@@ -13,6 +17,10 @@ MSE bounds (total E||u - u_hat||^2 of unit vectors drawn uniformly on S^{dim-1},
 | FibQuant d=32 k=4 N=6         | 0.62   | measured 0.58 (log2(6)/4 = 0.65 bits/coord)             |
 | INT4 d=64 (per token)         | 0.020  | measured 0.0125: step = range/15                        |
 | INT3 d=64 group 16            | 0.040  | measured 0.028                                          |
+| fp16 identity d=64            | 1e-6   | fp16 rounding only (measured ~4e-8 relative)            |
+
+Calibrated codecs are bounded on held-out vectors of their calibration distribution, relative
+to the error of the calibration mean: low-rank r=8 0.75 (measured 0.70), RVQ 2x16 0.90 (0.82).
 """
 import math
 
@@ -22,6 +30,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fibquant import FibQuantCodec, IntCodec, TurboQuantCodec
+from fibquant.codecs import IdentityCodec, LowRankCodec, RVQCodec
 from fibquant.codebook import lloyd_max_table, nearest_codeword, nearest_codeword_reference, nearest_level
 from fibquant.codecs.fibquant import choose_block
 from fibquant.source import sample_sphere
@@ -47,10 +56,22 @@ CODECS = {
     "fib_d64_rate1": lambda: FibQuantCodec.for_rate(64, 1),  # shipped k=8, N=256
     "fib_d16_k2_n16": lambda: FibQuantCodec(16, 2, 16),
     "fib_d32_k4_n6": lambda: FibQuantCodec(32, 4, 6),
+    "fp16": lambda: IdentityCodec(64),
+    "lowrank_r8": lambda: LowRankCodec.fit(_calibration(), 8),
+    "rvq_2x16": lambda: RVQCodec.fit(_calibration(), 2, 16, max_iterations=5),
 }
 MSE_BOUND = {"int4": 0.020, "int3_g16": 0.040, "turbo1": 0.375, "turbo2": 0.120, "turbo3": 0.035,
-             "turbo4": 0.0097, "fib_d64_rate1": 0.335, "fib_d16_k2_n16": 0.120, "fib_d32_k4_n6": 0.62}
+             "turbo4": 0.0097, "fib_d64_rate1": 0.335, "fib_d16_k2_n16": 0.120, "fib_d32_k4_n6": 0.62,
+             "fp16": 1e-6}
+CALIBRATED_BOUND = {"lowrank_r8": 0.75, "rvq_2x16": 0.90}  # held-out MSE / MSE of the calibration mean
+# Float32 matmuls round differently for one row than for a batch: a low-rank code depends on the batch.
+NOT_ROW_EXACT = {"lowrank_r8"}
 _built: dict = {}
+
+
+def _calibration(n=512, seed=11):
+    """Synthetic calibration vectors [n, 64] with anisotropic scales (a fitted codec's training set)."""
+    return _inputs(64, n, seed=seed)
 
 
 def codec_for(name):
@@ -79,7 +100,16 @@ def test_shapes_and_dtypes(name, dtype):
     assert empty.shape == (0, codec.code_size)
 
 
-@pytest.mark.parametrize("name", CODECS)
+def test_contract_covers_every_registered_family():
+    from fibquant.eval.methods import codec_classes
+
+    assert {codec_for(name).family for name in CODECS} == set(codec_classes())
+    assert set(CALIBRATED_BOUND) == {name for name in CODECS if codec_for(name).calibrated}
+
+
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.xfail(
+    strict=True, reason="float32 projection: one row and a batch round differently")) if name in NOT_ROW_EXACT
+    else name for name in CODECS])
 def test_single_row_decode_and_byte_offset_random_access(name):
     codec = codec_for(name)
     codes = codec.encode(_inputs(codec.dim, 50, seed=1))
@@ -124,7 +154,7 @@ def test_for_rate_table():
             FibQuantCodec.for_rate(64, bad)
 
 
-@pytest.mark.parametrize("name", CODECS)
+@pytest.mark.parametrize("name", [name for name in CODECS if name not in CALIBRATED_BOUND])
 def test_zero_vector_round_trips_to_zero(name):
     codec = codec_for(name)
     x = _inputs(codec.dim, 4)
@@ -183,7 +213,16 @@ def test_out_of_range_index_in_code_is_rejected():
         codec.decode(codes)
 
 
-@pytest.mark.parametrize("name", CODECS)
+@pytest.mark.parametrize("name", CALIBRATED_BOUND)
+def test_calibrated_codec_beats_the_mean_on_held_out_vectors(name):
+    codec = codec_for(name)
+    train, held_out = _calibration(), _calibration(2000, seed=12)
+    error = float(((codec.roundtrip(held_out) - held_out) ** 2).sum(1).mean())
+    baseline = float(((held_out - train.mean(0)) ** 2).sum(1).mean())
+    assert error / baseline < CALIBRATED_BOUND[name], f"{name}: relative MSE {error / baseline:.4g}"
+
+
+@pytest.mark.parametrize("name", MSE_BOUND)
 def test_unit_vector_mse_below_documented_bound(name):
     codec = codec_for(name)
     u = sample_sphere(1 << 14, codec.dim, seed=4242)  # fresh: not the codebooks' training samples

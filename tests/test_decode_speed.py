@@ -8,9 +8,11 @@ import pytest
 import torch
 
 from _kv_helpers import real_model, tiny_llama
-from fibquant.eval.decode_speed import (DEFAULT_CACHES, DecodeSpeedConfig, PeakRSS, context_tokens,
-                                        format_decode_speed, parse_cache_name, quantized_cache_nbytes,
-                                        run_decode_speed, write_decode_speed)
+from fibquant.eval.decode_speed import context_tokens, run_decode_speed
+from fibquant.eval.decode_speed_config import DEFAULT_CACHES, DecodeSpeedConfig, parse_cache_name
+from fibquant.eval.decode_speed_report import format_decode_speed, write_decode_speed
+from fibquant.eval.memory import PeakRSS
+from fibquant.kv.memory import quantized_cache_nbytes
 
 
 def _tiny():

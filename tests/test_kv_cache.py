@@ -9,8 +9,9 @@ from hypothesis import strategies as st
 from transformers import DynamicCache, LlamaConfig
 
 from fibquant.codecs.integer import IntCodec
-from fibquant.kv.cache import (CompressedCache, CompressedLayer, check_model_supported, dynamic_cache_nbytes,
-                               dynamic_cache_bytes_per_token)
+from fibquant.kv.cache import CompressedCache, CompressedLayer
+from fibquant.kv.memory import cache_nbytes, dynamic_cache_bytes_per_token, dynamic_cache_nbytes
+from fibquant.kv.model import check_model_supported
 
 DIM = 16
 
@@ -118,6 +119,17 @@ def test_cache_nbytes_sums_layers_and_beats_dynamic_cache():
     assert cache.used_nbytes() == 2 * 2 * 2 * (window_bytes + code_bytes)
     assert cache.nbytes() == cache.used_nbytes()  # one prefill reserves exactly what it encodes
     assert cache.nbytes() < dynamic_cache_nbytes(dynamic) / 3
+    assert cache_nbytes(cache) == cache.nbytes() and cache_nbytes(dynamic) == dynamic_cache_nbytes(dynamic)
+
+
+def test_cache_nbytes_counts_a_roundtrip_cache_in_its_format():
+    from fibquant.kv.roundtrip import RoundTripCache
+
+    cache = RoundTripCache(lambda x, start: x, lambda x, start: x, sink_tokens=2, recent_tokens=3)
+    cache.update(torch.zeros(1, 2, 10, DIM), torch.zeros(1, 2, 10, DIM), 0)
+    with pytest.raises(ValueError, match="format_bytes"):
+        cache_nbytes(cache)
+    assert cache_nbytes(cache, (6, 6)) == cache.format_nbytes(6, 6) == 2 * (5 * DIM * 4 * 2 + 5 * 12)
 
 
 def test_prefill_then_decode_matches_dynamic_cache_when_window_covers_everything():
@@ -224,7 +236,7 @@ def test_int8_greedy_generate_equals_uncompressed_on_real_model(request):
 
 def test_shared_state_counts_codebook_and_rotation_once():
     from fibquant.codecs.fibquant import FibQuantCodec
-    from fibquant.kv.cache import codec_state_nbytes
+    from fibquant.kv.memory import codec_state_nbytes
 
     codec = FibQuantCodec(64, 4, 256)
     codec.decode(codec.encode(torch.randn(3, 64)))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from _kv_helpers import tiny_llama
-from fibquant.archive.exact import RadixCodec
+from fibquant.archive.exact import RadixCoder
 from fibquant.codecs.fibquant import FibQuantCodec
 from fibquant.codecs.integer import IntCodec
 from fibquant.codecs.rvq import RVQCodec
@@ -137,13 +137,13 @@ def test_find_code_sequences(model, codec, tmp_path):
 
 @pytest.mark.parametrize("alphabet", [2, 3, 97, 256, 1000, 1 << 16, 49152])
 def test_radix_decode_range_matches_decode(alphabet):
-    codec = RadixCodec(alphabet)
+    codec = RadixCoder(alphabet)
     rng = np.random.default_rng(alphabet)
     symbols = rng.integers(0, alphabet, size=1000)
     payload = b"xy" + codec.encode(symbols)
     full = codec.decode(payload[2:], 1000)
     for start, stop in ((0, 0), (0, 1), (5, 21), (999, 1000), (17, 800), (0, 1000)):
-        assert np.array_equal(codec.decode_range(payload, start, stop, 2), full[start:stop])
+        assert np.array_equal(codec.decode_range(payload, 1000, start, stop, 2), full[start:stop])
 
 
 def test_archive_short_reads_match(tmp_path):

@@ -23,52 +23,36 @@ from pathlib import Path
 
 import numpy as np
 
-from .exact import RadixCodec
-from .floatmap import FloatMapCodec
+from .exact import RadixCoder
+from .floatmap import FloatMapCoder
 from .format import (HEADER_SIZE, ArchiveCorruptError, ArchiveError, Header, RecoveryWarning,
                      pack_record, scan_records, unpack_header)
-from .search import PointIndex, SuffixKeyIndex
+from .payload import PayloadCoder, as_symbols
 
 DEFAULT_VARIANT = "exact"
 TARGET_BLOCK_BYTES = 8192  # a block costs one CRC on first touch; ~8 KB keeps that ~1 us
 
 
-def as_symbols(symbols, alphabet_size: int, what: str = "symbols") -> np.ndarray:
-    """Validate one int or a 1-D integer sequence/array/tensor -> int64 [n]."""
-    if hasattr(symbols, "detach") and hasattr(symbols, "cpu"):  # a torch tensor on any device
-        symbols = symbols.detach().cpu().numpy()
-    if isinstance(symbols, (bool, np.bool_)):
-        raise ArchiveError(f"{what} must be integers, got a bool")
-    arr = np.asarray(symbols)
-    if arr.dtype == object or arr.dtype.kind not in "iu":
-        raise ArchiveError(f"{what} must have an integer dtype, got {arr.dtype}")
-    if arr.ndim == 0:
-        arr = arr.reshape(1)
-    if arr.ndim != 1:
-        raise ArchiveError(f"{what} must be one int or a 1-D sequence, got shape {arr.shape}")
-    if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= alphabet_size):
-        bad = int(arr.min()) if int(arr.min()) < 0 else int(arr.max())
-        raise ArchiveError(f"{what} must lie in [0, {alphabet_size}), got {bad}")
-    return arr.astype(np.int64, copy=False)
+PAYLOAD_CODERS: dict[str, type[PayloadCoder]] = {RadixCoder.variant: RadixCoder, FloatMapCoder.variant: FloatMapCoder}
 
 
-def make_codec(header: Header):
-    if header.variant == "exact":
-        return RadixCodec(header.alphabet_size)
-    return FloatMapCodec(header.alphabet_size, header.r)
+def make_coder(variant: str, alphabet_size: int, r: float | None = None) -> PayloadCoder:
+    """The payload coder of an archive variant ("exact" or "float")."""
+    if variant not in PAYLOAD_CODERS:
+        raise ArchiveError(f"variant must be one of {sorted(PAYLOAD_CODERS)}, got {variant!r}")
+    return PAYLOAD_CODERS[variant].make(alphabet_size, r)
 
 
 class Archive:
     """A fractal archive file. Build with `Archive.create` or `Archive.open`."""
 
-    def __init__(self, path: Path, header: Header, handle, writable: bool, durable: bool):
+    def __init__(self, path: Path, header: Header, coder: PayloadCoder, handle, writable: bool, durable: bool):
         self.path = path
         self.header = header
         self.alphabet_size = header.alphabet_size
         self.variant = header.variant
         self.block_symbols = header.block_symbols
-        self._codec = make_codec(header)
-        self._exact = header.variant == "exact"
+        self._coder = coder
         self._handle = handle
         self._writable = writable
         self._durable = durable
@@ -96,18 +80,11 @@ class Archive:
         variant "exact" (default: radix keys, bit-tight, platform independent) or "float"
         (the paper's 2-D map, float64 anchors; r defaults below the disc bound, r > r*(N) is
         refused). durable=True fsyncs after every sealed block."""
-        if variant not in ("exact", "float"):
-            raise ArchiveError(f"variant must be 'exact' or 'float', got {variant!r}")
-        if variant == "exact" and r is not None:
-            raise ArchiveError("r is fixed to 1/N in the exact variant; pass r only with variant='float'")
-        codec = RadixCodec(alphabet_size) if variant == "exact" else FloatMapCodec(alphabet_size, r)
-        segment = codec.group if variant == "exact" else codec.segment
+        coder = make_coder(variant, alphabet_size, r)
         if block_symbols is None:
-            per_segment = codec.key_bytes if variant == "exact" else 16
             # A multiple of 8 segments: bit-packed keys then end each block on a byte boundary.
-            block_symbols = segment * max(8, TARGET_BLOCK_BYTES // per_segment // 8 * 8)
-        header = Header(variant, codec.alphabet_size, 1.0 / codec.alphabet_size if variant == "exact" else codec.r,
-                        segment, block_symbols)
+            block_symbols = coder.segment * max(8, TARGET_BLOCK_BYTES // coder.segment_bytes // 8 * 8)
+        header = Header(coder.variant, coder.alphabet_size, coder.r, coder.segment, block_symbols)
         path = Path(path)
         if path.exists() and not overwrite:
             raise ArchiveError(f"{path} exists (pass overwrite=True to replace it)")
@@ -119,7 +96,7 @@ class Archive:
         handle.flush()
         if durable:
             os.fsync(handle.fileno())
-        return cls(path, header, handle, True, durable)
+        return cls(path, header, coder, handle, True, durable)
 
     @classmethod
     def open(cls, path, mode: str = "r", *, durable: bool = False) -> "Archive":
@@ -137,7 +114,11 @@ class Archive:
         try:
             size = os.fstat(handle.fileno()).st_size
             header = unpack_header(handle.read(HEADER_SIZE))
-            archive = cls(path, header, handle, mode == "a", durable)
+            try:
+                coder = make_coder(header.variant, header.alphabet_size, header.r)
+            except ValueError as exc:  # a header with a valid checksum but impossible fields
+                raise ArchiveCorruptError(f"{path}: inconsistent archive header: {exc}") from None
+            archive = cls(path, header, coder, handle, mode == "a", durable)
             archive._remap(size)
             index = scan_records(archive._map, size, header.block_symbols)
         except BaseException:
@@ -195,18 +176,11 @@ class Archive:
     def _write_blocks(self, symbols: np.ndarray) -> None:
         """Encode, checksum and write consecutive blocks (the last may be short)."""
         size = self.block_symbols
-        if self._exact and symbols.shape[0] >= size and (size // self._codec.group * self._codec.key_bits) % 8 == 0:
-            # One vectorised encode for all blocks; each full block is a fixed byte range.
-            payload = self._codec.encode(symbols)
-            step = self._codec.payload_size(size)
-            pieces = [(min(size, symbols.shape[0] - k * size), payload[k * step:(k + 1) * step])
-                      for k in range(-(-symbols.shape[0] // size))]
-        else:
-            pieces = [(min(size, symbols.shape[0] - s), self._codec.encode(symbols[s:s + size]))
-                      for s in range(0, symbols.shape[0], size)]
+        payloads = self._coder.encode_blocks(symbols, size)
         records, entries = [], []
         offset, first = self._end, self._sealed
-        for count, payload in pieces:
+        for k, payload in enumerate(payloads):
+            count = min(size, symbols.shape[0] - k * size)
             record = pack_record(first, count, payload)
             records.append(record)
             entries.append((offset + len(record) - len(payload), len(payload), count, zlib.crc32(payload)))
@@ -246,12 +220,7 @@ class Archive:
             if zlib.crc32(view) != self._crcs[block]:
                 raise ArchiveCorruptError(f"{self.path}: checksum mismatch in block {block} (offset {offset})")
             try:
-                if self._exact:
-                    if length != self._codec.payload_size(count):
-                        raise ValueError("payload length does not match its symbol count")
-                    self._codec.check_payload(view, count)
-                elif length != self._codec.payload_size(view, count):
-                    raise ValueError("payload length does not match its fallback bitmap")
+                self._coder.check_payload(view, count)
             except ValueError as exc:
                 raise ArchiveCorruptError(f"{self.path}: block {block}: {exc}") from None
         finally:
@@ -290,9 +259,7 @@ class Archive:
         block, j = self._locate(i)
         if not self._verified[block]:
             self._verify(block)
-        if self._exact:
-            return self._codec.decode_at(self._map, j, self._offsets[block])
-        return self._codec.decode_at(self._map, self._counts[block], j, self._offsets[block])
+        return self._coder.decode_at(self._map, self._counts[block], j, self._offsets[block])
 
     def read(self, start: int = 0, stop: int | None = None) -> np.ndarray:
         """Symbols [start, stop) as int64, decoding only the blocks they touch."""
@@ -312,16 +279,9 @@ class Archive:
             for block in range(first, last + 1):
                 if not self._verified[block]:
                     self._verify(block)
-                offset, length, count = self._offsets[block], self._lengths[block], self._counts[block]
-                base = self._starts[block]
-                a, b = max(start - base, 0), min(sealed_stop - base, count)
-                if self._exact and 4 * (b - a) < count:  # a short range: decode only its keys
-                    parts.append(self._codec.decode_range(self._map, a, b, offset))
-                    continue
-                view = memoryview(self._map)[offset:offset + length]
-                symbols = self._codec.decode(view, count)
-                del view
-                parts.append(symbols[a:b])
+                first_symbol, count = self._starts[block], self._counts[block]
+                a, b = max(start - first_symbol, 0), min(sealed_stop - first_symbol, count)
+                parts.append(self._coder.decode_range(self._map, count, a, b, self._offsets[block]))
         if stop > self._sealed:
             parts.append(np.array(self._pending[max(start - self._sealed, 0):stop - self._sealed], dtype=np.int64))
         return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
@@ -338,12 +298,7 @@ class Archive:
     def search_index(self):
         """The (cached) suffix index; rebuilt after appends."""
         if self._index is None or self._index.length != len(self):
-            symbols = self.read()
-            if self._exact:
-                self._index = SuffixKeyIndex(symbols, self.alphabet_size)
-            else:
-                self._index = PointIndex(self._codec, symbols)
-                self._index.length = symbols.shape[0]
+            self._index = self._coder.search_index(self.read())
         return self._index
 
     def search(self, query) -> np.ndarray:
@@ -367,10 +322,7 @@ class Archive:
         if arr.ndim != 2:
             raise ArchiveError(f"queries must be a 2-D int array [q, l], got shape {arr.shape}")
         flat = as_symbols(arr.reshape(-1), self.alphabet_size, "queries").reshape(arr.shape)
-        index = self.search_index()
-        if isinstance(index, SuffixKeyIndex):
-            return index.search_many(flat)
-        return [index.search(row) for row in flat]
+        return self.search_index().search_many(flat)
 
     def points(self, start: int = 0, stop: int | None = None, depth: int | None = None,
                r: float | None = None) -> np.ndarray:
@@ -378,15 +330,14 @@ class Archive:
         geometric queries; any variant). Position i's point encodes its last `depth`
         symbols (default: what a float64 point resolves) with contraction r (default:
         the float variant's safe default, or the archive's r for a float archive)."""
-        if r is None and not self._exact:
-            r = self.header.r
-        codec = FloatMapCodec(self.alphabet_size, r)
-        depth = codec.segment if depth is None else depth
+        own_map = r is None and isinstance(self._coder, FloatMapCoder)
+        coder = self._coder if own_map else FloatMapCoder(self.alphabet_size, r)
+        depth = coder.segment if depth is None else depth
         stop = len(self) if stop is None else stop
         if not 0 <= start <= stop <= len(self):
             raise IndexError(f"range [{start}, {stop}) out of bounds for length {len(self)}")
         history = max(0, start - depth + 1)
-        return codec.suffix_points(self.read(history, stop), depth)[start - history:]
+        return coder.suffix_points(self.read(history, stop), depth)[start - history:]
 
     # ------------------------------------------------------------------- misc
     def info(self) -> dict:

@@ -1,11 +1,13 @@
-"""Archiving FibQuant code streams: one symbol per block index, alphabet N.
+"""Archiving codec code streams: one symbol per index, alphabet N.
 
-A FibQuant code of one vector is [fp16 norm (2 bytes)][n_blocks indices of
-ceil(log2 N) bits, bit-packed little-endian] (see `fibquant.codecs.fibquant`). A
-`CodeArchive` is a directory with two archives and the layout:
+Any codec whose code of one vector is [fp16 norm (2 bytes)][n_blocks indices of
+ceil(log2 N) bits, bit-packed little-endian] declares it as `codec.code_layout` (a
+`fibquant.codecs.layout.CodeLayout`; FibQuant and TurboQuant do). A `CodeArchive` is a
+directory with two archives and the layout:
 
     indices.fqa   the block indices of vector 0, then vector 1, ... (alphabet N)
-    norms.fqa     the fp16 norm bit patterns, one symbol per vector (alphabet 2^16)
+    norms.fqa     the fp16 norm bit patterns, one symbol per vector (alphabet 2^16);
+                  absent when the layout has no norm (norm_bytes = 0)
     layout.json   n_codewords, n_blocks, norm_bytes
 
 so the index stream costs log2(N) bits per index up to byte rounding (instead of
@@ -15,90 +17,44 @@ ceil(log2 N) bits), and vector i is decoded by position: symbols [i*n_blocks,
 from __future__ import annotations
 
 import json
-import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from ..codecs.bitpack import pack_bits, packed_size, unpack_bits
+from ..codecs.layout import CodeLayout
 from .archive import Archive
 from .format import ArchiveError
 
 NORM_ALPHABET = 1 << 16
 
 
-@dataclass(frozen=True)
-class CodeLayout:
-    """Byte layout of a [norm][packed block indices] code; code_size bytes per vector."""
-
-    n_codewords: int
-    n_blocks: int
-    norm_bytes: int = 2
-
-    def __post_init__(self) -> None:
-        for name in ("n_codewords", "n_blocks"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < (2 if name == "n_codewords" else 1):
-                raise ValueError(f"{name} must be a positive integer (n_codewords >= 2), got {value!r}")
-        if self.norm_bytes != 2:
-            raise ValueError(f"only 2-byte (fp16) norms are supported, got norm_bytes={self.norm_bytes!r}")
-
-    @classmethod
-    def from_codec(cls, codec) -> "CodeLayout":
-        """Layout of a FibQuantCodec (public attributes n_codewords, dim, k, code_size)."""
-        layout = cls(int(codec.n_codewords), int(codec.dim) // int(codec.k))
-        if layout.code_size != codec.code_size:
-            raise ValueError(f"codec code_size {codec.code_size} does not match the [fp16 norm][packed indices] "
-                             f"layout ({layout.code_size} bytes)")
-        return layout
-
-    @property
-    def index_bits(self) -> int:
-        return max(1, math.ceil(math.log2(self.n_codewords)))
-
-    @property
-    def code_size(self) -> int:
-        return self.norm_bytes + packed_size(self.n_blocks, self.index_bits)
-
-    def split(self, codes) -> tuple[np.ndarray, np.ndarray]:
-        """uint8 [n, code_size] -> (indices int64 [n, n_blocks], norm bit patterns int64 [n])."""
-        if isinstance(codes, np.ndarray):
-            codes = torch.from_numpy(codes)
-        if not isinstance(codes, torch.Tensor) or codes.dtype != torch.uint8:
-            raise ValueError(f"codes must be a uint8 tensor/array, got {getattr(codes, 'dtype', type(codes))}")
-        if codes.ndim != 2 or codes.shape[1] != self.code_size:
-            raise ValueError(f"codes must have shape [n, {self.code_size}], got {tuple(codes.shape)}")
-        codes = codes.detach().cpu()
-        indices = unpack_bits(codes[:, self.norm_bytes:], self.index_bits, self.n_blocks).numpy()
-        if indices.size and int(indices.max()) >= self.n_codewords:
-            raise ValueError(f"codes hold a block index >= n_codewords={self.n_codewords}")
-        norms = codes[:, :2].numpy().astype(np.int64)
-        return indices, norms[:, 0] | (norms[:, 1] << 8)
-
-    def join(self, indices: np.ndarray, norms: np.ndarray) -> np.ndarray:
-        """Inverse of `split`: -> uint8 [n, code_size], byte-identical to the codec's output."""
-        packed = pack_bits(torch.from_numpy(np.ascontiguousarray(indices, dtype=np.int64)), self.index_bits)
-        norm_bytes = np.stack([norms & 0xFF, norms >> 8], axis=1).astype(np.uint8)
-        return np.concatenate([norm_bytes, packed.numpy()], axis=1)
-
-
 class CodeArchive:
     """Directory archive of fixed-size codes; vector i decodes by position."""
 
-    def __init__(self, path: Path, layout: CodeLayout, indices: Archive, norms: Archive):
+    def __init__(self, path: Path, layout: CodeLayout, indices: Archive, norms: Archive | None = None):
+        if (norms is None) != (layout.norm_bytes == 0):
+            raise ArchiveError(f"a norms archive is needed exactly when the layout has a norm ({layout})")
         self.path, self.layout, self.indices, self.norms = path, layout, indices, norms
 
     @classmethod
+    def for_codec(cls, path, codec, *, overwrite: bool = False) -> "CodeArchive":
+        """New empty archive for the codes of `codec` (any codec with a `code_layout`)."""
+        return cls.create(path, CodeLayout.from_codec(codec), overwrite=overwrite)
+
+    @classmethod
     def create(cls, path, layout: CodeLayout, *, overwrite: bool = False) -> "CodeArchive":
+        if not isinstance(layout, CodeLayout):
+            raise ArchiveError(f"layout must be a CodeLayout (use CodeArchive.for_codec for a codec), "
+                               f"got {type(layout).__name__}")
         path = Path(path)
         if path.exists() and not overwrite:
             raise ArchiveError(f"{path} exists (pass overwrite=True to replace it)")
         path.mkdir(parents=True, exist_ok=True)
         (path / "layout.json").write_text(json.dumps(asdict(layout)))
         indices = Archive.create(path / "indices.fqa", layout.n_codewords, overwrite=True)
-        norms = Archive.create(path / "norms.fqa", NORM_ALPHABET, overwrite=True)
+        norms = Archive.create(path / "norms.fqa", NORM_ALPHABET, overwrite=True) if layout.norm_bytes else None
         return cls(path, layout, indices, norms)
 
     @classmethod
@@ -109,21 +65,32 @@ class CodeArchive:
         except (OSError, ValueError, TypeError) as exc:
             raise ArchiveError(f"{path}: not a code archive ({exc})") from None
         indices = Archive.open(path / "indices.fqa", mode)
-        norms = Archive.open(path / "norms.fqa", mode)
-        if len(indices) != len(norms) * layout.n_blocks:
-            # The two archives seal blocks independently: a crash can leave them out of step.
-            raise ArchiveError(f"{path}: {len(indices)} indices do not match {len(norms)} norms "
-                               f"x {layout.n_blocks} blocks (interrupted append)")
+        norms = None
+        try:
+            if layout.norm_bytes:
+                norms = Archive.open(path / "norms.fqa", mode)
+            vectors = len(norms) if norms is not None else len(indices) // layout.n_blocks
+            if len(indices) != vectors * layout.n_blocks:
+                # Archives seal blocks independently: a crash can leave the indices mid-vector
+                # or out of step with the norms.
+                raise ArchiveError(f"{path}: {len(indices)} indices do not make {vectors} vectors "
+                                   f"x {layout.n_blocks} blocks (interrupted append)")
+        except BaseException:
+            indices.close()
+            if norms is not None:
+                norms.close()
+            raise
         return cls(path, layout, indices, norms)
 
     def append(self, codes) -> None:
         """Append codes uint8 [n, code_size] (torch on any device, or numpy)."""
         indices, norms = self.layout.split(codes)
         self.indices.append(indices.reshape(-1))
-        self.norms.append(norms)
+        if self.norms is not None:
+            self.norms.append(norms)
 
     def __len__(self) -> int:
-        return len(self.norms)
+        return len(self.norms) if self.norms is not None else len(self.indices) // self.layout.n_blocks
 
     def codes(self, start: int = 0, stop: int | None = None) -> np.ndarray:
         """Codes of vectors [start, stop): uint8 [m, code_size], as the codec produced them."""
@@ -132,7 +99,8 @@ class CodeArchive:
             raise IndexError(f"vector range [{start}, {stop}) out of bounds for {len(self)} vectors")
         nb = self.layout.n_blocks
         indices = self.indices.read(start * nb, stop * nb).reshape(stop - start, nb)
-        return self.layout.join(indices, self.norms.read(start, stop))
+        norms = self.norms.read(start, stop) if self.norms is not None else None
+        return self.layout.join(indices, norms)
 
     def code(self, i: int) -> np.ndarray:
         if not -len(self) <= i < len(self):
@@ -142,11 +110,14 @@ class CodeArchive:
 
     def decode(self, i: int, codec, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Vector i through `codec.decode`: float [dim]."""
+        if getattr(codec, "code_layout", None) != self.layout:
+            raise ArchiveError(f"{type(codec).__name__} does not have this archive's layout {self.layout}")
         return codec.decode(torch.from_numpy(self.code(i)), dtype=dtype)
 
     def close(self) -> None:
         self.indices.close()
-        self.norms.close()
+        if self.norms is not None:
+            self.norms.close()
 
     def __enter__(self) -> "CodeArchive":
         return self

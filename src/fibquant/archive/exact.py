@@ -20,8 +20,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
+
+from .format import ArchiveError
+from .payload import PayloadCoder
+from .search import SuffixKeyIndex
 
 MAX_ALPHABET = 1 << 32
 BYTE_ALIGN_SLACK = 1.01  # byte-aligned keys are used when they cost at most 1 % more bits
@@ -44,12 +49,13 @@ def choose_grouping(alphabet_size: int) -> tuple[int, int, bool]:
 
 
 @dataclass(frozen=True)
-class RadixCodec:
-    """Exact radix codec for symbols in [0, alphabet_size).
+class RadixCoder(PayloadCoder):
+    """Exact radix payload coder for symbols in [0, alphabet_size) (the "exact" variant).
 
     encode(symbols int [n]) -> payload_size(n) bytes; decode(payload, n) -> int64 [n].
     """
 
+    variant: ClassVar[str] = "exact"
     alphabet_size: int
     group: int = field(init=False)
     key_bits: int = field(init=False)
@@ -70,7 +76,27 @@ class RadixCodec:
         object.__setattr__(self, "_powers", [n ** j for j in range(group)])
         object.__setattr__(self, "_key_mask", (1 << key_bits) - 1)
 
+    @classmethod
+    def make(cls, alphabet_size: int, r: float | None = None) -> "RadixCoder":
+        if r is not None and r != 1.0 / alphabet_size:
+            raise ArchiveError("r is fixed to 1/N in the exact variant; pass r only with variant='float'")
+        return cls(alphabet_size)
+
     # ------------------------------------------------------------------ sizes
+    @property
+    def r(self) -> float:
+        """The contraction of the 1-D map whose points the keys are (see the module docstring)."""
+        return 1.0 / self.alphabet_size
+
+    @property
+    def segment(self) -> int:
+        """Symbols per key: the unit decoded on its own."""
+        return self.group
+
+    @property
+    def segment_bytes(self) -> int:
+        return self.key_bytes
+
     @property
     def key_bytes(self) -> int:
         """Bytes per key when byte-aligned (else the bytes a key spans at most, rounded up)."""
@@ -162,13 +188,15 @@ class RadixCodec:
             digits = (keys[:, None] // powers) % np.uint64(self.alphabet_size)
         return digits.reshape(-1)[:count].astype(np.int64)
 
-    def decode_range(self, payload, start: int, stop: int, base: int = 0) -> np.ndarray:
-        """Symbols [start, stop) of the payload at payload[base:], decoding only the keys that
-        hold them (int64 [stop - start]); the same values as decode(...)[start:stop]."""
+    def decode_range(self, payload, count: int, start: int, stop: int, base: int = 0) -> np.ndarray:
+        """Symbols [start, stop) of the count-symbol payload at payload[base:] (int64); a short
+        range decodes only the keys that hold it, a long one the whole block at once."""
         if stop <= start:
             return np.empty(0, dtype=np.int64)
+        if 4 * (stop - start) >= count:  # one vectorised pass beats per-key work
+            return self.decode(memoryview(payload)[base:base + self.payload_size(count)], count)[start:stop]
         if not self.byte_aligned:
-            return np.array([self.decode_at(payload, i, base) for i in range(start, stop)], dtype=np.int64)
+            return np.array([self.decode_at(payload, count, i, base) for i in range(start, stop)], dtype=np.int64)
         first, last = start // self.group, -(-stop // self.group)
         view = memoryview(payload)[base + first * self.key_bytes: base + last * self.key_bytes]
         try:
@@ -178,8 +206,9 @@ class RadixCodec:
         offset = first * self.group
         return symbols[start - offset: stop - offset]
 
-    def decode_at(self, payload, index: int, base: int = 0) -> int:
-        """Symbol `index` of the payload at payload[base:]: one key read, one div/mod."""
+    def decode_at(self, payload, count: int, index: int, base: int = 0) -> int:
+        """Symbol `index` of the payload at payload[base:]: one key read, one div/mod (the
+        keys sit at fixed offsets, so `count` is not needed)."""
         g, t = divmod(index, self.group)
         if self.byte_aligned:
             start = base + g * self.key_bytes
@@ -193,8 +222,23 @@ class RadixCodec:
             return (key >> (t * self._pow2_bits)) & (self.alphabet_size - 1)
         return (key // self._powers[t]) % self.alphabet_size
 
+    def encode_blocks(self, symbols: np.ndarray, block_symbols: int) -> list[bytes]:
+        """Block payloads; when full blocks end on a byte boundary, one vectorised encode of
+        the whole run is cut into fixed byte ranges."""
+        keys_per_block, spare = divmod(block_symbols, self.group)
+        if symbols.shape[0] < block_symbols or spare or (keys_per_block * self.key_bits) % 8:
+            return super().encode_blocks(symbols, block_symbols)
+        payload = self.encode(symbols)
+        step = self.payload_size(block_symbols)
+        return [payload[k * step:(k + 1) * step] for k in range(-(-symbols.shape[0] // block_symbols))]
+
+    def search_index(self, symbols: np.ndarray) -> SuffixKeyIndex:
+        return SuffixKeyIndex(symbols, self.alphabet_size)
+
     def check_payload(self, payload, count: int) -> None:
-        """Every key < N^G, zero padding digits and bits (else not a valid encoding)."""
+        """Length payload_size(count), every key < N^G, zero padding digits and bits."""
+        if len(payload) != self.payload_size(count):
+            raise ValueError("payload length does not match its symbol count")
         keys = self.decode_keys(payload, count).astype(np.uint64)
         limit = self.alphabet_size ** self.group
         if limit < 1 << 64 and keys.size and int(keys.max()) >= limit:

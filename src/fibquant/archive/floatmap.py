@@ -27,10 +27,13 @@ from __future__ import annotations
 import math
 import struct
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 
-from .exact import RadixCodec
+from .exact import RadixCoder
+from .payload import PayloadCoder
+from .search import PointIndex
 
 MANTISSA_BITS = 53
 GUARD_BITS = 1  # measured: 0 fallbacks in 2e5 uniform symbols for N = 16, 256, 4096
@@ -60,13 +63,16 @@ def segment_length(r: float) -> int:
 
 
 @dataclass(frozen=True)
-class FloatMapCodec:
-    """Float64 iterated-map codec with verified segments and an exact fallback.
+class FloatMapCoder(PayloadCoder):
+    """Float64 iterated-map payload coder with verified segments and an exact fallback
+    (the "float" variant).
 
     encode(symbols int [n]) -> payload bytes; decode(payload, n) -> int64 [n].
     Payload: anchors float64 [n_seg, 2] | fallback bitmap | exact bytes of flagged segments.
     """
 
+    variant: ClassVar[str] = "float"
+    segment_bytes: ClassVar[int] = 16  # one anchor, two float64 (fallback segments cost extra)
     alphabet_size: int
     r: float | None = None
     segment: int = field(init=False)
@@ -94,7 +100,7 @@ class FloatMapCodec:
         object.__setattr__(self, "_ax_list", ax.tolist())
         object.__setattr__(self, "_ay_list", ay.tolist())
         object.__setattr__(self, "_weights", (1 - r) * float(r) ** np.arange(self.segment - 1, -1, -1))
-        object.__setattr__(self, "_fallback", RadixCodec(n))
+        object.__setattr__(self, "_fallback", RadixCoder(n))
 
     @property
     def exact_segment_bytes(self) -> int:
@@ -170,8 +176,8 @@ class FloatMapCodec:
                                bitorder="little")[:n_seg].astype(bool)
         return n_seg, bitmap, bitmap_at + (n_seg + 7) // 8
 
-    def payload_size(self, payload, count: int) -> int:
-        """Size the payload must have given its fallback bitmap (a format check)."""
+    def check_payload(self, payload, count: int) -> None:
+        """The payload's length must be what its fallback bitmap implies."""
         n_seg = -(-count // self.segment)
         bitmap_at, bitmap_bytes = 16 * n_seg, (n_seg + 7) // 8
         if len(payload) < bitmap_at + bitmap_bytes:
@@ -179,7 +185,8 @@ class FloatMapCodec:
         flags = int.from_bytes(payload[bitmap_at:bitmap_at + bitmap_bytes], "little")
         if flags >> n_seg:
             raise ValueError("float payload bitmap has bits beyond its last segment")
-        return bitmap_at + bitmap_bytes + flags.bit_count() * self.exact_segment_bytes
+        if len(payload) != bitmap_at + bitmap_bytes + flags.bit_count() * self.exact_segment_bytes:
+            raise ValueError("payload length does not match its fallback bitmap")
 
     def decode(self, payload, count: int) -> np.ndarray:
         seg = self.segment
@@ -210,7 +217,7 @@ class FloatMapCodec:
         if flags >> s & 1:
             rank = (flags & ((1 << s) - 1)).bit_count()
             start = bitmap_at + (n_seg + 7) // 8 + rank * self.exact_segment_bytes
-            return self._fallback.decode_at(payload, t, start)
+            return self._fallback.decode_at(payload, seg, t, start)
         x, y = struct.unpack_from("<dd", payload, base + 16 * s)
         length = min(seg, count - s * seg)
         ax, ay, r = self._ax_list, self._ay_list, self.r
@@ -221,6 +228,9 @@ class FloatMapCodec:
             x = (x - ax[c]) / r
             y = (y - ay[c]) / r
         return int(round(math.atan2(y, x) * scale)) % n
+
+    def search_index(self, symbols: np.ndarray) -> PointIndex:
+        return PointIndex(self, symbols)
 
     # ------------------------------------------------------------ geometry
     def suffix_points(self, symbols: np.ndarray, depth: int) -> np.ndarray:

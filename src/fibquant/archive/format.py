@@ -3,7 +3,7 @@
     file   = header (64 B) , record*
     header = magic "FQARCHV\\0" (8) | version u16 | variant u16 | alphabet_size u64 |
              r f64 | segment u32 | block_symbols u32 | zero padding (24) | crc32 of bytes 0..59 u32
-    record = record header (24 B) , payload
+    record = record header (32 B) , payload
     record header = magic "FQSG" | n_symbols u32 | payload_len u32 | flags u32 |
                     first symbol index u64 | crc32(payload) u32 | crc32 of the 28 bytes before u32
 

@@ -14,6 +14,8 @@ earlier chunks, all by integer comparison, without decoding symbols.
 the cell of a suffix s is inside the disc of radius r^|s| around its centre, so a ball
 query has recall 1 and its candidates are verified against the symbols.
 
+Both have `length` (positions indexed), `search(query)` and `search_many(queries)`, and are
+built by the payload coder of their variant (`PayloadCoder.search_index`).
 `brute_force_search` is the specification both are tested against.
 """
 from __future__ import annotations
@@ -166,11 +168,12 @@ class SuffixKeyIndex:
 class PointIndex:
     """k-d tree over the 2-D suffix points of the float map (float64 or float32 coordinates)."""
 
-    def __init__(self, codec, symbols: np.ndarray, dtype=np.float64):
-        self.codec = codec
+    def __init__(self, coder, symbols: np.ndarray, dtype=np.float64):
+        self.coder = coder
         self.symbols = symbols
-        self.depth = codec.segment
-        points = codec.suffix_points(symbols, self.depth)
+        self.length = symbols.shape[0]
+        self.depth = coder.segment
+        points = coder.suffix_points(symbols, self.depth)
         self.points = points.astype(dtype)
         # Rounding the coordinates moves each point by at most half an ulp per coordinate.
         self.slack = 4 * float(np.finfo(dtype).eps)
@@ -179,8 +182,8 @@ class PointIndex:
     def candidates(self, query: np.ndarray) -> np.ndarray:
         """Raw geometric filter: positions whose point is in the ball of the query cell."""
         tail = query[-self.depth:]
-        centre = self.codec.cell_centre(tail)
-        radius = self.codec.r ** len(tail) * (1 + 1e-9) + self.slack
+        centre = self.coder.cell_centre(tail)
+        radius = self.coder.r ** len(tail) * (1 + 1e-9) + self.slack
         return np.asarray(self.tree.query_ball_point(centre, radius), dtype=np.int64)
 
     def search(self, query) -> np.ndarray:
@@ -196,3 +199,7 @@ class PointIndex:
                 break
             hits = hits[self.symbols[hits - j] == query[l - 1 - j]]
         return hits
+
+    def search_many(self, queries: np.ndarray) -> list[np.ndarray]:
+        """One sorted array of end positions per query row (int [q, l])."""
+        return [self.search(row) for row in queries]

@@ -1,15 +1,13 @@
-"""Codecs sharing one vocabulary (see base.Codec): encode float [..., dim] -> uint8 codes."""
+"""Codecs sharing one vocabulary (see base.Codec): encode float [..., dim] -> uint8 codes.
+
+The families used by the experiments are registered in `fibquant.eval.methods.REGISTRY`.
+"""
 from .base import Codec
 from .fibquant import FibQuantCodec
+from .identity import IdentityCodec
 from .integer import IntCodec
+from .lowrank import LowRankCodec
+from .rvq import RVQCodec
 from .turboquant import TurboQuantCodec
 
-__all__ = ["Codec", "FibQuantCodec", "IntCodec", "TurboQuantCodec", "LowRankCodec"]
-
-
-def __getattr__(name: str):
-    # LowRankCodec lives in codecs/lowrank.py (another module owner); import it lazily.
-    if name == "LowRankCodec":
-        from .lowrank import LowRankCodec
-        return LowRankCodec
-    raise AttributeError(f"module 'fibquant.codecs' has no attribute {name!r}")
+__all__ = ["Codec", "FibQuantCodec", "IdentityCodec", "IntCodec", "LowRankCodec", "RVQCodec", "TurboQuantCodec"]

@@ -6,9 +6,9 @@ Code layout of one vector (code_size bytes, vector i of a flat batch at byte i *
     bytes [2, code_size)    dim/k block indices, ceil(log2 N) bits each, bit-packed little-endian
                             (index j at bits [j*w, (j+1)*w) of this byte range, w = ceil(log2 N))
 
-code_size = 2 + ceil((dim/k) * ceil(log2 N) / 8). `bits_per_coordinate` counts the stored index
-bits, ceil(log2 N) / k; for N not a power of two the information rate log2(N)/k is smaller and
-is `nominal_bits_per_coordinate`. `stored_bits_per_coordinate` = 8 * code_size / dim adds the norm.
+code_size = 2 + ceil((dim/k) * ceil(log2 N) / 8). `bits_per_coordinate` (the index stream, see
+codecs/base.py) is ceil(log2 N) / k; for N not a power of two the information rate log2(N)/k is
+smaller and is `nominal_bits_per_coordinate`. `stored_bits_per_coordinate` adds the norm.
 A zero vector stores nu = 0 and decodes to zero.
 
 `for_rate(dim, bits)` picks (k, N) with log2(N)/k = bits: among the block sizes k dividing dim
@@ -29,8 +29,9 @@ import torch
 from ..codebook import CodebookSpec, load_codebook
 from ..codebook.grid_search import GridSearch, default_cells
 from ..codebook.search import nearest_codeword
-from .base import Codec, RotatedCodebook
+from .base import Codec, PlotStyle, RotatedCodebook, SpecParam
 from .bitpack import pack_bits, packed_size, unpack_bits
+from .layout import CodeLayout
 from .rotation import NORM_BYTES, RotationState
 
 MAX_SEARCH_CODEWORDS = 4096  # for_rate never picks more (search cost N*k per block)
@@ -77,15 +78,20 @@ def choose_block(dim: int, bits: float, max_codewords: int = MAX_SEARCH_CODEWORD
 
 
 class FibQuantCodec(Codec):
-    """Universal vector quantizer: encode float [..., dim] -> uint8 [..., code_size] and back."""
+    """Universal vector quantizer: encode float [..., dim] -> uint8 [..., code_size] and back.
+
+    Spec strings: "fibquant:b=2" (`for_rate`) or "fibquant:k=64,n=4096" (explicit block and size).
+    """
+
+    family = "fibquant"
+    spec_params = (SpecParam("b", "bits", float), SpecParam("k", "k"), SpecParam("n", "n"))
+    style = PlotStyle("FibQuant", "C3", "o", frontier="frontier; dots: all k, N")
 
     def __init__(self, dim: int, k: int, n_codewords: int, seed: int = 0):
-        self.config = FibQuantConfig(dim, k, n_codewords, seed)
-        self.dim, self.k, self.n_codewords, self.seed = dim, k, n_codewords, seed
+        super().__init__(FibQuantConfig(dim, k, n_codewords, seed))
+        self.k, self.n_codewords, self.seed = k, n_codewords, seed
         self._codebook = None  # loaded (or built) on first use: constructing a codec is cheap
-        self._rotation = RotationState(dim, seed)
-        self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._grids: dict[torch.device, GridSearch] = {}
+        self._rotation = RotationState(dim, seed, self.device_state)
         cells = default_cells(k)
         # Exact grid-pruned search for small k and N, chunked matmul search otherwise.
         self.search_method = "grid" if cells is not None and n_codewords <= MAX_GRID_CODEWORDS else "matmul"
@@ -97,6 +103,39 @@ class FibQuantCodec(Codec):
             raise ValueError(f"dim must be an integer >= 2, got {dim!r}")
         k, n_codewords = choose_block(dim, bits)
         return cls(dim, k, n_codewords, seed)
+
+    @staticmethod
+    def block_of(dim: int, bits: float | None = None, k: int | None = None, n: int | None = None) -> tuple[int, int]:
+        """(k, N) of a spec: the explicit pair, else `choose_block(dim, bits)`."""
+        return (k, n) if k is not None else choose_block(dim, bits)
+
+    @classmethod
+    def check_spec(cls, params: dict) -> None:
+        explicit = params.get("k") is not None or params.get("n") is not None
+        if params.get("bits") is None and (params.get("k") is None or params.get("n") is None):
+            raise ValueError("fibquant needs b=<bits> or both k=<block> and n=<codewords>")
+        if params.get("bits") is not None and explicit:
+            raise ValueError("fibquant takes b=<bits> or k=<block>,n=<codewords>, not both")
+
+    @classmethod
+    def spec_label(cls, dim: int, bits: float | None = None, k: int | None = None, n: int | None = None) -> str:
+        k, n = cls.block_of(dim, bits, k, n)
+        return f"FibQuant b={(n - 1).bit_length() / k:.4g} (k={k},N={n})"
+
+    @classmethod
+    def from_spec(cls, dim: int, bits: float | None = None, k: int | None = None,
+                  n: int | None = None) -> "FibQuantCodec":
+        return cls(dim, k, n) if k is not None else cls.for_rate(dim, bits)
+
+    @classmethod
+    def spec_unavailable(cls, dim: int, bits: float | None = None, k: int | None = None,
+                         n: int | None = None) -> str | None:
+        k, n = cls.block_of(dim, bits, k, n)
+        try:
+            load_codebook(dim, k, n, build=False)
+        except FileNotFoundError:
+            return f"codebook d={dim} k={k} N={n} neither shipped nor cached; pass --build-codebooks to build it"
+        return None
 
     @property
     def codebook(self):
@@ -117,11 +156,17 @@ class FibQuantCodec(Codec):
     def nominal_bits_per_coordinate(self) -> float:
         return math.log2(self.n_codewords) / self.k
 
+    def shared_tensors(self) -> list[torch.Tensor]:
+        loaded = [self._codebook.codewords] if self._codebook is not None else []
+        return loaded + super().shared_tensors()
+
     def _table(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        if device not in self._tables:
+        """(codewords [N, k], their squared norms [N]) on `device`, float32."""
+        def build(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
             codewords = self.codebook.codewords.to(device)
-            self._tables[device] = (codewords, (codewords ** 2).sum(-1))
-        return self._tables[device]
+            return codewords, (codewords ** 2).sum(-1)
+
+        return self.device_state.get("codewords", device, build)
 
     def rotated_codebook(self, device: torch.device) -> RotatedCodebook:
         codewords, _ = self._table(torch.device(device))
@@ -133,9 +178,9 @@ class FibQuantCodec(Codec):
         codewords, sq_norms = self._table(u.device)
         blocks = u.reshape(-1, self.k)
         if self.search_method == "grid":
-            if u.device not in self._grids:
-                self._grids[u.device] = GridSearch(codewords, self.dim, default_cells(self.k))
-            flat = self._grids[u.device].search(blocks, codewords, sq_norms)
+            grid = self.device_state.get("grid", u.device,
+                                         lambda d: GridSearch(codewords, self.dim, default_cells(self.k)))
+            flat = grid.search(blocks, codewords, sq_norms)
         else:
             flat = nearest_codeword(blocks, codewords, sq_norms)
         return flat.reshape(u.shape[0], self.config.n_blocks)
@@ -154,6 +199,11 @@ class FibQuantCodec(Codec):
         codewords, _ = self._table(codes.device)
         u_hat = codewords[index].reshape(n, self.dim)
         return self._rotation.unrotate_scale(u_hat, codes[:, :NORM_BYTES])
+
+    @property
+    def code_layout(self) -> CodeLayout:
+        """[fp16 norm][n_blocks packed indices in [0, N)]: what `CodeArchive` needs to store the codes."""
+        return CodeLayout(self.n_codewords, self.config.n_blocks, NORM_BYTES)
 
     def __repr__(self) -> str:
         return (f"FibQuantCodec(dim={self.dim}, k={self.k}, N={self.n_codewords}, seed={self.seed}, "

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import FP16_MAX, Codec
+from .base import FP16_MAX, Codec, PlotStyle, SpecParam
 from .bitpack import bytes_to_float16, float16_to_bytes, pack_bits, packed_size, unpack_bits
 
 SIDE_BYTES_PER_GROUP = 4  # fp16 minimum + fp16 step
@@ -40,14 +40,31 @@ class IntCodec(Codec):
     """Asymmetric INT-`bits` quantization per token (and per group).
 
     encode: float [..., dim] -> uint8 [..., code_size]; decode: the reverse.
+    Spec string: "int:b=4" (per token, no groups).
     """
 
+    family = "int"
+    spec_params = (SpecParam("b", "bits"),)
+    style = PlotStyle("INT", "C2", "^")
+
     def __init__(self, dim: int, bits: int, group_size: int | None = None):
-        self.config = IntConfig(dim, bits, group_size)
-        self.dim = dim
+        super().__init__(IntConfig(dim, bits, group_size))
         self.bits = bits
         self.groups = dim // self.config.group
         self._levels = (1 << bits) - 1
+
+    @classmethod
+    def check_spec(cls, params: dict) -> None:
+        if params.get("bits") is None:
+            raise ValueError("int needs b=<bits>")
+
+    @classmethod
+    def spec_label(cls, dim: int, bits: int) -> str:
+        return f"INT{bits:g}"
+
+    @classmethod
+    def from_spec(cls, dim: int, bits: int) -> "IntCodec":
+        return cls(dim, bits)
 
     @property
     def code_size(self) -> int:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import FP16_MAX, Codec
+from .base import FP16_MAX, Codec, PlotStyle, SpecParam
 from .bitpack import bytes_to_float16, float16_to_bytes
 
 
@@ -33,13 +33,19 @@ class LowRankCodec(Codec):
 
     basis: [rank, dim] with orthonormal rows; mean: [dim] or None (no centring).
     encode: float [..., dim] -> uint8 [..., 2*rank]; decode: the reverse.
+    Spec string: "lowrank:r=8" (fitted per layer and KV head by the experiments).
     """
+
+    family = "lowrank"
+    calibrated = True
+    spec_params = (SpecParam("r", "rank"),)
+    style = PlotStyle("low-rank (calibrated)", "C7", "D")
 
     def __init__(self, basis: torch.Tensor, mean: torch.Tensor | None = None):
         if not isinstance(basis, torch.Tensor) or basis.ndim != 2 or not basis.is_floating_point():
             raise ValueError("basis must be a floating tensor of shape [rank, dim]")
-        self.config = LowRankConfig(int(basis.shape[1]), int(basis.shape[0]))
-        self.dim, self.rank = self.config.dim, self.config.rank
+        super().__init__(LowRankConfig(int(basis.shape[1]), int(basis.shape[0])))
+        self.rank = self.config.rank
         gram = basis.to(torch.float64) @ basis.to(torch.float64).T
         if not torch.allclose(gram, torch.eye(self.rank, dtype=torch.float64, device=basis.device), atol=1e-4):
             raise ValueError("basis rows must be orthonormal")
@@ -70,6 +76,33 @@ class LowRankCodec(Codec):
             basis = full[:, :rank].T
         return cls(basis.to(torch.float32), None if mean is None else mean.to(torch.float32))
 
+    @classmethod
+    def check_spec(cls, params: dict) -> None:
+        if params.get("rank") is None:
+            raise ValueError("lowrank needs r=<rank>")
+
+    @classmethod
+    def spec_label(cls, dim: int, rank: int) -> str:
+        return f"low-rank r={rank}"
+
+    @classmethod
+    def fit_spec(cls, samples: torch.Tensor, rank: int) -> "LowRankCodec":
+        return cls.fit(samples, rank)
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return {"basis": self.basis} if self.mean is None else {"basis": self.basis, "mean": self.mean}
+
+    @classmethod
+    def from_state(cls, config: dict, tensors: dict[str, torch.Tensor]) -> "LowRankCodec":
+        if "basis" not in tensors or set(tensors) - {"basis", "mean"}:
+            raise ValueError(f"a low-rank codec file holds 'basis' and optionally 'mean', got {sorted(tensors)}")
+        return cls(tensors["basis"], tensors.get("mean"))
+
+    def _on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(basis [rank, dim], mean [dim] or None) on `device`."""
+        return self.device_state.get("basis", device, lambda d: (
+            self.basis.to(d), None if self.mean is None else self.mean.to(d)))
+
     @property
     def code_size(self) -> int:
         return 2 * self.rank
@@ -79,14 +112,15 @@ class LowRankCodec(Codec):
         return 16.0 * self.rank / self.dim
 
     def _encode_flat(self, x: torch.Tensor) -> torch.Tensor:
-        basis = self.basis.to(x.device)
-        centred = x - self.mean.to(x.device) if self.mean is not None else x
+        basis, mean = self._on(x.device)
+        centred = x - mean if mean is not None else x
         coefficients = centred @ basis.T
         if float(coefficients.abs().max()) > FP16_MAX:
             raise ValueError("LowRankCodec: projection coefficients exceed the fp16 range")
         return float16_to_bytes(coefficients).reshape(x.shape[0], self.code_size)
 
     def _decode_flat(self, codes: torch.Tensor) -> torch.Tensor:
+        basis, mean = self._on(codes.device)
         coefficients = bytes_to_float16(codes.reshape(codes.shape[0], self.rank, 2))
-        out = coefficients @ self.basis.to(codes.device)
-        return out + self.mean.to(codes.device) if self.mean is not None else out
+        out = coefficients @ basis
+        return out + mean if mean is not None else out

@@ -1,4 +1,5 @@
-"""Shared normalise + Haar-rotate step of FibQuant and TurboQuant, kept per device.
+"""Shared normalise + Haar-rotate step of FibQuant and TurboQuant, kept per device (in the
+owning codec's `device_state`, so its memory is counted with the codec's).
 
 Encode side: nu = ||x|| and u = Pi x / nu (rows: u = (x / nu) @ Pi^T), in float32.
 Decode side: x_hat = nu * (u_hat @ Pi) computed in float64 and rounded to float32: a float32
@@ -10,32 +11,29 @@ from __future__ import annotations
 import torch
 
 from ..source import haar_rotation
-from .base import FP16_MAX
+from .base import FP16_MAX, DeviceState
 from .bitpack import bytes_to_float16, float16_to_bytes
 
 NORM_BYTES = 2  # the norm nu is stored as IEEE fp16
 
 
 class RotationState:
-    """Holds Pi [dim, dim] for one (dim, seed) on every device it is used on."""
+    """Pi [dim, dim] for one (dim, seed), built on each device on first use and kept in `state`."""
 
-    def __init__(self, dim: int, seed: int):
+    def __init__(self, dim: int, seed: int, state: DeviceState | None = None):
         self.dim = dim
         self.seed = seed
-        self._encode: dict[torch.device, torch.Tensor] = {}
-        self._decode: dict[torch.device, torch.Tensor] = {}
+        self.state = state if state is not None else DeviceState()
 
     def forward_matrix(self, device: torch.device) -> torch.Tensor:
         """Pi^T in float32 on `device`: u = x @ Pi^T."""
-        if device not in self._encode:
-            self._encode[device] = haar_rotation(self.dim, self.seed, device=device).T.to(torch.float32).contiguous()
-        return self._encode[device]
+        return self.state.get("rotation_forward", device, lambda d: haar_rotation(self.dim, self.seed, device=d)
+                              .T.to(torch.float32).contiguous())
 
     def inverse_matrix(self, device: torch.device) -> torch.Tensor:
         """Pi in float64 on `device`: x = u @ Pi."""
-        if device not in self._decode:
-            self._decode[device] = haar_rotation(self.dim, self.seed, device=device, dtype=torch.float64)
-        return self._decode[device]
+        return self.state.get("rotation_inverse", device,
+                              lambda d: haar_rotation(self.dim, self.seed, device=d, dtype=torch.float64))
 
     def normalise_rotate(self, x: torch.Tensor, codec_name: str) -> tuple[torch.Tensor, torch.Tensor]:
         """x [n, dim] float32 -> (fp16 norm bytes [n, 2], rotated unit rows u [n, dim] float32)."""

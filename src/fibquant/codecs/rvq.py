@@ -18,7 +18,7 @@ import torch
 
 from ..codebook.lloyd import lloyd
 from ..codebook.search import nearest_codeword
-from .base import Codec
+from .base import Codec, PlotStyle, SpecParam
 from .bitpack import pack_bits, packed_size, unpack_bits
 
 
@@ -42,7 +42,15 @@ class RVQConfig:
 
 
 class RVQCodec(Codec):
-    """Residual VQ with codebooks [stages, N, dim]: float [..., dim] <-> uint8 [..., code_size]."""
+    """Residual VQ with codebooks [stages, N, dim]: float [..., dim] <-> uint8 [..., code_size].
+
+    Spec string: "rvq:s=2,n=256" (fitted per layer and KV head by the experiments).
+    """
+
+    family = "rvq"
+    calibrated = True
+    spec_params = (SpecParam("s", "stages"), SpecParam("n", "n"))
+    style = PlotStyle("RVQ per head (calibrated)", "C4", "v")
 
     def __init__(self, codebooks: torch.Tensor):
         if not isinstance(codebooks, torch.Tensor) or codebooks.ndim != 3 or not codebooks.is_floating_point():
@@ -50,8 +58,8 @@ class RVQCodec(Codec):
         if not bool(torch.isfinite(codebooks).all()):
             raise ValueError("codebooks contain NaN or Inf")
         stages, n_codewords, dim = (int(s) for s in codebooks.shape)
-        self.config = RVQConfig(dim, stages, n_codewords)
-        self.dim, self.stages, self.n_codewords = dim, stages, n_codewords
+        super().__init__(RVQConfig(dim, stages, n_codewords))
+        self.stages, self.n_codewords = stages, n_codewords
         self.codebooks = codebooks.to(torch.float32).contiguous()
 
     @classmethod
@@ -78,6 +86,32 @@ class RVQCodec(Codec):
             codebooks.append(codewords)
         return cls(torch.stack(codebooks))
 
+    @classmethod
+    def check_spec(cls, params: dict) -> None:
+        if params.get("stages") is None or params.get("n") is None:
+            raise ValueError("rvq needs s=<stages> and n=<codewords>")
+
+    @classmethod
+    def spec_label(cls, dim: int, stages: int, n: int) -> str:
+        return f"RVQ {stages}x{n} per head"
+
+    @classmethod
+    def fit_spec(cls, samples: torch.Tensor, stages: int, n: int) -> "RVQCodec":
+        return cls.fit(samples, stages, n)
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return {"codebooks": self.codebooks}
+
+    @classmethod
+    def from_state(cls, config: dict, tensors: dict[str, torch.Tensor]) -> "RVQCodec":
+        if set(tensors) != {"codebooks"}:
+            raise ValueError(f"an RVQ codec file holds 'codebooks', got {sorted(tensors)}")
+        return cls(tensors["codebooks"])
+
+    def _codebooks_on(self, device: torch.device) -> torch.Tensor:
+        """codebooks [stages, N, dim] float32 on `device`."""
+        return self.device_state.get("codebooks", device, lambda d: self.codebooks.to(d))
+
     @property
     def code_size(self) -> int:
         return packed_size(self.stages, self.config.index_bits)
@@ -87,7 +121,7 @@ class RVQCodec(Codec):
         return self.stages * self.config.index_bits / self.dim
 
     def _encode_flat(self, x: torch.Tensor) -> torch.Tensor:
-        codebooks = self.codebooks.to(x.device)
+        codebooks = self._codebooks_on(x.device)
         residual = x.clone()
         indices = []
         for stage in codebooks:
@@ -101,7 +135,7 @@ class RVQCodec(Codec):
         # Only a field wider than log2(N) can hold an invalid index (skip the pass otherwise).
         if self.n_codewords != 1 << self.config.index_bits and int(indices.max()) >= self.n_codewords:
             raise ValueError(f"RVQCodec.decode: code holds index >= N={self.n_codewords}")
-        codebooks = self.codebooks.to(codes.device)
+        codebooks = self._codebooks_on(codes.device)
         out = torch.zeros(codes.shape[0], self.dim, dtype=torch.float32, device=codes.device)
         for stage, index in zip(codebooks, indices.T):
             out += stage[index]

@@ -16,8 +16,9 @@ import torch
 
 from ..codebook import load_codebook
 from ..codebook.search import nearest_level
-from .base import Codec, RotatedCodebook
+from .base import Codec, PlotStyle, RotatedCodebook, SpecParam
 from .bitpack import pack_bits, packed_size, unpack_bits
+from .layout import CodeLayout
 from .rotation import NORM_BYTES, RotationState
 
 SUPPORTED_BITS = (1, 2, 3, 4)
@@ -39,15 +40,52 @@ class TurboQuantConfig:
 
 
 class TurboQuantCodec(Codec):
-    """Scalar Lloyd-Max after a random rotation: float [..., dim] <-> uint8 [..., code_size]."""
+    """Scalar Lloyd-Max after a random rotation: float [..., dim] <-> uint8 [..., code_size].
+
+    Spec string: "turboquant:b=3". The level table loads on first use.
+    """
+
+    family = "turboquant"
+    spec_params = (SpecParam("b", "bits"),)
+    style = PlotStyle("TurboQuant", "C0", "s")
 
     def __init__(self, dim: int, bits: int, seed: int = 0):
-        self.config = TurboQuantConfig(dim, bits, seed)
-        self.dim, self.bits, self.seed = dim, bits, seed
-        self.levels = load_codebook(dim, 1, 1 << bits, seed).codewords.flatten()  # ascending [2^bits]
-        self.thresholds = 0.5 * (self.levels[1:] + self.levels[:-1])
-        self._rotation = RotationState(dim, seed)
-        self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        super().__init__(TurboQuantConfig(dim, bits, seed))
+        self.bits, self.seed = bits, seed
+        self._levels: torch.Tensor | None = None
+        self._thresholds: torch.Tensor | None = None
+        self._rotation = RotationState(dim, seed, self.device_state)
+
+    @classmethod
+    def check_spec(cls, params: dict) -> None:
+        if params.get("bits") is None:
+            raise ValueError("turboquant needs b=<bits>")
+
+    @classmethod
+    def spec_label(cls, dim: int, bits: int) -> str:
+        return f"TurboQuant b={bits:g}"
+
+    @classmethod
+    def from_spec(cls, dim: int, bits: int) -> "TurboQuantCodec":
+        return cls(dim, bits)
+
+    @property
+    def levels(self) -> torch.Tensor:
+        """The 2^bits Lloyd-Max levels, ascending, float32 on the CPU (loaded on first access)."""
+        if self._levels is None:
+            self._levels = load_codebook(self.dim, 1, 1 << self.bits, self.seed).codewords.flatten()
+        return self._levels
+
+    @property
+    def thresholds(self) -> torch.Tensor:
+        """The 2^bits - 1 midpoints between consecutive levels."""
+        if self._thresholds is None:
+            self._thresholds = 0.5 * (self.levels[1:] + self.levels[:-1])
+        return self._thresholds
+
+    def shared_tensors(self) -> list[torch.Tensor]:
+        loaded = [t for t in (self._levels, self._thresholds) if t is not None]
+        return loaded + super().shared_tensors()
 
     @property
     def code_size(self) -> int:
@@ -58,9 +96,8 @@ class TurboQuantCodec(Codec):
         return float(self.bits)
 
     def _table(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        if device not in self._tables:
-            self._tables[device] = (self.levels.to(device), self.thresholds.to(device))
-        return self._tables[device]
+        """(levels [2^bits], thresholds [2^bits - 1]) on `device`, float32."""
+        return self.device_state.get("levels", device, lambda d: (self.levels.to(d), self.thresholds.to(d)))
 
     def rotated_codebook(self, device: torch.device) -> RotatedCodebook:
         levels, _ = self._table(torch.device(device))
@@ -75,3 +112,8 @@ class TurboQuantCodec(Codec):
         levels, _ = self._table(codes.device)
         index = unpack_bits(codes[:, NORM_BYTES:], self.bits, self.dim)
         return self._rotation.unrotate_scale(levels[index], codes[:, :NORM_BYTES])
+
+    @property
+    def code_layout(self) -> CodeLayout:
+        """[fp16 norm][dim packed level indices in [0, 2^bits)]: what `CodeArchive` needs to store the codes."""
+        return CodeLayout(1 << self.bits, self.dim, NORM_BYTES)

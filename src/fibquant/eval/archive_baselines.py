@@ -8,6 +8,11 @@
 
 Timing: vectorised jobs are the best of a few repeats of the whole job; per-call costs
 (lookups, queries) are the fastest batch of calls over all calls (`time_lookups`).
+
+Checks: every method's lookups are compared with the stream (`check_lookups`: a store that
+gives back other symbols raises `BenchmarkCheckError`, its timings would mean nothing), and
+every search method's recall and precision are measured against brute force
+(`search_quality`), so a missed or spurious hit shows in the results.
 """
 from __future__ import annotations
 
@@ -19,6 +24,31 @@ import numpy as np
 
 from ..archive import brute_force_search
 from ..archive.search import key_depth
+
+
+class BenchmarkCheckError(RuntimeError):
+    """A benchmarked store gave back other symbols than it was given."""
+
+
+def check_lookups(method: str, get, symbols: np.ndarray, positions: list[int]) -> None:
+    """Raise BenchmarkCheckError unless get(i) == symbols[i] at every position."""
+    wrong = [i for i in positions if get(i) != symbols[i]]
+    if wrong:
+        raise BenchmarkCheckError(f"{method}: {len(wrong)} of {len(positions)} lookups returned wrong symbols "
+                                  f"(first at position {wrong[0]}: {get(wrong[0])} != {symbols[wrong[0]]})")
+
+
+def search_quality(search, symbols: np.ndarray, queries) -> tuple[float, float]:
+    """(recall, precision) of `search(query) -> end positions` against brute force, pooled
+    over the queries (nan when no query has a true match / nothing was returned)."""
+    found = true = returned = 0
+    for query in queries:
+        truth = brute_force_search(symbols, query)
+        got = np.unique(np.asarray(search(query), dtype=np.int64))
+        found += np.intersect1d(truth, got).size
+        true += truth.size
+        returned += got.size
+    return (found / true if true else math.nan), (found / returned if returned else math.nan)
 
 
 def best_time(fn, repeats: int) -> float:
@@ -49,7 +79,6 @@ def time_lookups(get, items: list, repeats: int, batch: int = 1000) -> float:
 def sample_queries(symbols: np.ndarray, count: int, length: int, rng, limit: int) -> np.ndarray:
     ends = rng.integers(length - 1, limit, count)
     return np.stack([symbols[e - length + 1:e + 1] for e in ends])
-
 
 
 def smallest_dtype(alphabet: int):
@@ -102,7 +131,7 @@ def bench_bitpack(stream, config, workdir, rng) -> dict:
         chunk = packed[start >> 3:(start + bits + 7 >> 3) + 1]
         return (int.from_bytes(chunk, "little") >> (start & 7)) & mask
     positions = rng.integers(0, n, config.lookups).tolist()
-    assert all(get(i) == symbols[i] for i in positions[:1000])
+    check_lookups("bitpack", get, symbols, positions[:1000])
     row["random_access_us"] = time_lookups(get, positions, config.repeats)
     return row
 
@@ -131,7 +160,7 @@ def bench_zstd(level: int, stream, config, workdir, rng) -> dict:
         data = decompressor.decompress(blob[offsets[k]:offsets[k + 1]])
         return int(np.frombuffer(data, dtype=dtype)[i - k * frame])
     positions = rng.integers(0, n, config.zstd_lookups).tolist()
-    assert all(get(i) == symbols[i] for i in positions[:50])
+    check_lookups(row["method"], get, symbols, positions[:50])
     row["random_access_us"] = time_lookups(get, positions, 1, batch=50)
     return row
 
@@ -189,9 +218,7 @@ def bench_search_baselines(stream, config, rng) -> list[dict]:
                 hi = bisect_right(sa_list, pattern, key=key)
                 return np.sort(np.array(sa_list[lo:hi], dtype=np.int64)) + (l - 1)
         rows["suffix-array"][f"search_us_{tag}"] = time_lookups(sa_find, list(queries), config.repeats, 100)
-        for q in queries[:config.recall_queries]:
-            truth = brute_force_search(symbols, q)
-            assert np.array_equal(gram_search(q), truth) and np.array_equal(sa_find(q), truth)
-        for row in rows.values():
-            row[f"recall_{tag}"] = 1.0
+        for name, search in (("sorted-keys", gram_search), ("suffix-array", sa_find)):
+            recall, precision = search_quality(search, symbols, queries[:config.recall_queries])
+            rows[name][f"recall_{tag}"], rows[name][f"precision_{tag}"] = recall, precision
     return list(rows.values())

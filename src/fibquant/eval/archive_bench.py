@@ -29,10 +29,10 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from ..archive import Archive, FloatMapCodec, RadixCodec, brute_force_search
+from ..archive import Archive, FloatMapCoder, brute_force_search, make_coder
 from ..archive.search import PointIndex
-from .archive_baselines import (bench_bitpack, bench_raw, bench_search_baselines, bench_zstd, best_time,
-                                sample_queries, time_lookups)
+from .archive_baselines import (BenchmarkCheckError, bench_bitpack, bench_raw, bench_search_baselines, bench_zstd,
+                                best_time, check_lookups, sample_queries, search_quality, time_lookups)
 
 TARGETS = {  # 100x the paper's figures (BRIEF section 3)
     "encode_us": 0.0068, "random_access_us": 3.1, "append_us": 1.75, "search_us_1e5": 9.0,
@@ -107,11 +107,11 @@ def text_stream(config: BenchConfig, rng) -> dict:
 def bench_fractal(variant: str, stream: dict, config: BenchConfig, workdir: Path, rng) -> dict:
     alphabet, symbols = stream["alphabet"], stream["symbols"]
     n = symbols.shape[0]
-    codec = RadixCodec(alphabet) if variant == "exact" else FloatMapCodec(alphabet)
+    coder = make_coder(variant, alphabet)
     row = {"method": f"fractal-{variant}"}
     repeats = config.repeats if variant == "exact" else 1
     # A few-ms vectorised job: 3x the repeats, so that one of them runs uninterrupted.
-    row["encode_us"] = best_time(lambda: codec.encode(symbols), 3 * repeats) / n * 1e6
+    row["encode_us"] = best_time(lambda: coder.encode(symbols), 3 * repeats) / n * 1e6
     path = workdir / f"{variant}.fqa"
 
     def pack():
@@ -123,8 +123,9 @@ def bench_fractal(variant: str, stream: dict, config: BenchConfig, workdir: Path
     with Archive.open(path) as archive:
         # The first pass also verifies each block's CRC once; the best pass is the steady state.
         row["random_access_us"] = time_lookups(archive.__getitem__, positions, config.repeats)
-        assert all(archive[i] == symbols[i] for i in positions[:1000])
-        assert np.array_equal(archive.read(), symbols)
+        check_lookups(row["method"], archive.__getitem__, symbols, positions[:1000])
+        if not np.array_equal(archive.read(), symbols):
+            raise BenchmarkCheckError(f"{row['method']}: reading the whole archive gave other symbols")
 
     appended = symbols[:config.appends].tolist()
 
@@ -145,7 +146,7 @@ def bench_fractal(variant: str, stream: dict, config: BenchConfig, workdir: Path
             continue  # the k-d tree over 10^6 float points is measured at 10^5 only (time budget)
         row.update(bench_archive_search(variant, stream, config, workdir, rng, size))
     if variant == "float":
-        row.update(geometric_filter(codec, symbols[:100_000], config, rng))
+        row.update(geometric_filter(coder, symbols[:100_000], config, rng))
     return row
 
 
@@ -163,24 +164,22 @@ def bench_archive_search(variant, stream, config, workdir, rng, size) -> dict:
         rows = [q for q in queries]
         single = time_lookups(archive.search, rows, config.repeats, batch=100)
         batched = best_time(lambda: archive.search_many(queries), config.repeats) / len(rows) * 1e6
-        recall_hits = recall_total = 0
-        for q in queries[:config.recall_queries]:
-            truth = brute_force_search(symbols, q)
-            got = archive.search(q)
-            recall_hits += np.intersect1d(truth, got).size
-            recall_total += truth.size
-            assert np.array_equal(got, truth)
-    return {f"search_us_{tag}": single, f"search_batched_us_{tag}": batched,
-            f"index_build_s_{tag}": build, f"recall_{tag}": recall_hits / recall_total}
+        checked = queries[:config.recall_queries]
+        recall, precision = search_quality(archive.search, symbols, checked)
+        answers = iter(archive.search_many(checked))  # the batched path, checked query by query
+        recall_batched, precision_batched = search_quality(lambda q: next(answers), symbols, checked)
+    return {f"search_us_{tag}": single, f"search_batched_us_{tag}": batched, f"index_build_s_{tag}": build,
+            f"recall_{tag}": recall, f"precision_{tag}": precision,
+            f"recall_batched_{tag}": recall_batched, f"precision_batched_{tag}": precision_batched}
 
 
-def geometric_filter(codec: FloatMapCodec, symbols: np.ndarray, config: BenchConfig, rng) -> dict:
+def geometric_filter(coder: FloatMapCoder, symbols: np.ndarray, config: BenchConfig, rng) -> dict:
     """Recall and precision of the raw ball filter, float64 and float32 points, 10^5 positions."""
     out = {}
-    queries = sample_queries(symbols, config.recall_queries, min(config.query_length, codec.segment), rng,
+    queries = sample_queries(symbols, config.recall_queries, min(config.query_length, coder.segment), rng,
                              symbols.shape[0])
     for dtype in (np.float64, np.float32):
-        index = PointIndex(codec, symbols, dtype=dtype)
+        index = PointIndex(coder, symbols, dtype=dtype)
         found = true = candidates = 0
         for q in queries:
             truth = brute_force_search(symbols, q)

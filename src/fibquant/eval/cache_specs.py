@@ -2,7 +2,7 @@
 
     fp                              the uncompressed DynamicCache (reference)
     fibquant:b=2                    keys and values with the same codec (any `fibquant.eval.methods` spec
-                                    with a stand-alone codec: fibquant, turboquant, int)
+                                    of a calibration-free codec: fibquant, turboquant, int, ...)
     fibquant:b=2/fibquant:b=1       keys / values at different rates (or different codecs)
     quanto:b=2, kakeya-e8:q=2 ...   a peer (`fibquant.eval.peers`), keys and values; `KEY/VALUE` works too
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from fibquant.eval.methods import Method, parse_method
+from fibquant.eval.methods import Method, parse_method, reference_method
 from fibquant.eval.peers import PeerSpec, build_peer, is_peer, parse_peer, unavailable_reason
 
 
@@ -30,9 +30,9 @@ class Side:
     quantizer: Union[Method, PeerSpec]
 
     def __post_init__(self) -> None:
-        if isinstance(self.quantizer, Method) and self.quantizer.family in ("fp", "lowrank", "rvq"):
-            raise ValueError(f"{self.quantizer.spec}: a cache side needs a stand-alone codec (fibquant, turboquant, "
-                             f"int) or a peer; write 'fp' alone for the uncompressed cache")
+        if isinstance(self.quantizer, Method) and (self.quantizer.reference or self.quantizer.calibrated):
+            raise ValueError(f"{self.quantizer.spec}: a cache side needs a stand-alone codec (a calibration-free "
+                             f"registered codec) or a peer; write 'fp' alone for the uncompressed cache")
 
     @property
     def is_peer(self) -> bool:
@@ -89,14 +89,14 @@ class CacheSpec:
     @property
     def spec(self) -> str:
         if self.is_fp:
-            return "fp"
+            return reference_method().spec
         return self.key.spec if self.symmetric else f"{self.key.spec}/{self.value.spec}"
 
     @property
     def family(self) -> str:
         """fp, a codec family, a peer family, or 'kv' for different key and value quantizers."""
         if self.is_fp:
-            return "fp"
+            return reference_method().family
         if not self.symmetric:
             return "kv"
         return self.key.quantizer.family
@@ -107,7 +107,7 @@ class CacheSpec:
 
     def label(self, dim: int = 64) -> str:
         if self.is_fp:
-            return "fp (uncompressed)"
+            return reference_method().label(dim)
         if self.symmetric:
             return self.key.label(dim)
         return f"K {self.key.label(dim)} / V {self.value.label(dim)}"
@@ -146,23 +146,35 @@ class CacheSpec:
         return tokens * 4.0 * dim / stored
 
     # ------------------------------------------------------------------ caches
+    def quantizers(self, model) -> tuple:
+        """(key, value) for `model`: our `Codec`s or peers' `PeerQuantizer`s; (None, None) for fp.
+
+        Build them once and pass them to `build` to give many caches the same codecs (codebooks
+        read and search tables built once)."""
+        if self.is_fp:
+            return None, None
+        from fibquant.kv.model import check_model_supported
+
+        dim = check_model_supported(model)["head_dim"]
+        return self.key.build(dim, "key", model), self.value.build(dim, "value", model)
+
     def build(self, model, sink_tokens: int = 4, recent_tokens: int = 32, attention: str = "codes", prefill=None,
-              centre: bool = False):
+              centre: bool = False, quantizers: Optional[tuple] = None):
         """A fresh cache for `model`, or (prefill = a DynamicCache) one holding the prefill compressed.
 
         fp: a DynamicCache (a copy of the prefill). Our codecs on both sides: CompressedCache
         (`for_model` / `from_cache`, `centre` passed on). A peer on either side: RoundTripCache with
-        the same window (no centring: ValueError when asked).
+        the same window (no centring: ValueError when asked). `quantizers`: (key, value) from
+        `self.quantizers(model)`, built here when None.
         """
         from transformers import DynamicCache
 
-        from fibquant.kv.cache import CompressedCache, check_model_supported
+        from fibquant.kv.cache import CompressedCache
         from fibquant.kv.model import copy_dynamic_cache
 
         if self.is_fp:
             return DynamicCache(config=model.config) if prefill is None else copy_dynamic_cache(prefill, model.config)
-        dim = check_model_supported(model)["head_dim"]
-        key, value = self.key.build(dim, "key", model), self.value.build(dim, "value", model)
+        key, value = quantizers if quantizers is not None else self.quantizers(model)
         if not self.uses_peer:
             if prefill is None:
                 return CompressedCache.for_model(model, key, value, sink_tokens, recent_tokens, attention=attention,
@@ -188,9 +200,9 @@ def parse_cache_spec(text: str) -> CacheSpec:
     text = text.strip()
     if not text:
         raise ValueError("empty cache spec")
-    if text.lower() == "fp":
-        return CacheSpec()
     parts = text.split("/")
+    if len(parts) == 1 and not is_peer(text) and parse_method(text).reference:
+        return CacheSpec()
     if len(parts) > 2:
         raise ValueError(f"cache spec {text!r} has more than one '/': write KEY/VALUE")
     key = _parse_side(parts[0])
@@ -206,8 +218,8 @@ def parse_cache_specs(texts) -> list[CacheSpec]:
 
 
 def from_method(method: Method) -> CacheSpec:
-    """The symmetric cache spec of a `fibquant.eval.methods.Method` (fp stays fp)."""
-    return CacheSpec() if method.family == "fp" else CacheSpec(Side(method), Side(method))
+    """The symmetric cache spec of a `fibquant.eval.methods.Method` (the reference, fp, stays fp)."""
+    return CacheSpec() if method.reference else CacheSpec(Side(method), Side(method))
 
 
 def split_available(specs: list[CacheSpec], dim: int, build_codebooks: bool) -> tuple[list[CacheSpec], list[str]]:

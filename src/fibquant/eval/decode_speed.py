@@ -30,142 +30,20 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-from fibquant.eval.memory import (PeakCUDA, PeakRSS, _synchronize, quantized_cache_nbytes,  # noqa: F401
-                                  release_free_memory)
+from fibquant.eval.decode_speed_config import (DEFAULT_CACHES, CacheSpec, DecodeSpeedConfig, _package_version,
+                                               load_benchmark_model, peer_unavailable_reason)
+from fibquant.eval.decode_speed_report import format_decode_speed, write_decode_speed
+from fibquant.eval.memory import PeakCUDA, PeakRSS, _synchronize, release_free_memory
 from fibquant.kv.model import copy_dynamic_cache, last_logits
 
-# ----------------------------------------------------------------------------- cache names
-
-OUR_FAMILIES = {"fibquant": "FibQuant", "turboquant": "TurboQuant"}
-PEER_BACKENDS = {"quanto": "optimum-quanto", "hqq": "hqq"}
-OUR_CACHES = ("fibquant4", "fibquant3", "fibquant2", "turboquant4", "turboquant2")
-PEER_CACHES = ("quanto4", "quanto2", "hqq4", "hqq2")
-DEFAULT_CACHES = ("dynamic", *OUR_CACHES, *PEER_CACHES, *(f"{name}-old" for name in OUR_CACHES))
-
-
-@dataclass(frozen=True)
-class CacheSpec:
-    """One cache under test, parsed from a name such as `fibquant4`, `turboquant2-old`, `hqq4`."""
-
-    name: str
-    kind: str                        # "dynamic" | "compressed" | "quantized"
-    family: str = "dynamic"          # fibquant | turboquant | quanto | hqq | dynamic
-    bits: Optional[int] = None
-    attention: Optional[str] = None  # "codes" | "decode" for ours
-
-    @property
-    def label(self) -> str:
-        if self.kind == "dynamic":
-            return "DynamicCache"
-        if self.kind == "compressed":
-            return f"{OUR_FAMILIES[self.family]} {self.bits}b ({self.attention})"
-        return f"QuantizedCache {self.family} {self.bits}b"
-
-
-def parse_cache_name(name: str) -> CacheSpec:
-    """`dynamic`, `fibquant{2,3,4,...}`, `turboquant{1..4}` (+ `-old`: decode path), `quanto{2,4}`, `hqq{1,2,3,4,8}`."""
-    text = name.strip().lower()
-    if text == "dynamic":
-        return CacheSpec("dynamic", "dynamic")
-    old = text.endswith("-old")
-    stem = text[: -len("-old")] if old else text
-    family = stem.rstrip("0123456789")
-    digits = stem[len(family):]
-    if not digits:
-        raise ValueError(f"cache name {name!r} has no bit count (e.g. fibquant4, quanto2)")
-    bits = int(digits)
-    if family in OUR_FAMILIES:
-        if not 1 <= bits <= 8:
-            raise ValueError(f"cache name {name!r}: bits must be in 1..8")
-        return CacheSpec(text, "compressed", family, bits, "decode" if old else "codes")
-    if family in PEER_BACKENDS and not old:
-        allowed = (2, 4) if family == "quanto" else (1, 2, 3, 4, 8)
-        if bits not in allowed:
-            raise ValueError(f"cache name {name!r}: the {family} backend takes nbits in {allowed}")
-        return CacheSpec(text, "quantized", family, bits)
-    raise ValueError(f"unknown cache name {name!r}: expected dynamic, fibquantB, turboquantB (optionally -old), "
-                     f"quantoB or hqqB, e.g. {' '.join(DEFAULT_CACHES[:4])}")
-
-
-# ----------------------------------------------------------------------------- config
-
-@dataclass(frozen=True)
-class DecodeSpeedConfig:
-    contexts: tuple[int, ...] = (1024, 2048, 4096, 8192)
-    decode_tokens: int = 32
-    caches: tuple[str, ...] = DEFAULT_CACHES
-    text: str = "emma"
-    sink_tokens: int = 4
-    recent_tokens: int = 32
-    # QuantizedCache settings (transformers' defaults): group size and float residual length.
-    q_group_size: int = 64
-    residual_length: int = 128
-    warmup: bool = True                 # one short untimed run of every cache first (JIT, codebook loads)
-    device: str = "cpu"                 # "cuda": model and caches on the GPU (timed with synchronize)
-    random_weights: bool = False        # the default model's architecture with random weights, random ids
-    memory_interval_s: float = 0.002    # RSS sampling period of the memory monitor
-
-    def __post_init__(self) -> None:
-        if not self.contexts or any(int(c) < 2 for c in self.contexts):
-            raise ValueError(f"contexts must be integers >= 2, got {self.contexts}")
-        if self.decode_tokens < 1:
-            raise ValueError(f"decode_tokens must be >= 1, got {self.decode_tokens}")
-        if self.sink_tokens < 0 or self.recent_tokens < 0:
-            raise ValueError("sink_tokens and recent_tokens must be >= 0")
-        if not self.caches:
-            raise ValueError("no caches to run")
-        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
-        for name in self.caches:
-            parse_cache_name(name)  # raises ValueError on a bad name
-
-    def specs(self) -> list[CacheSpec]:
-        """Parsed caches, DynamicCache first (always run: it is the reference of every ratio)."""
-        specs = [parse_cache_name(name) for name in self.caches]
-        unique = {spec.name: spec for spec in [CacheSpec("dynamic", "dynamic"), *specs]}
-        return list(unique.values())
-
-
-def load_benchmark_model(config: "DecodeSpeedConfig"):
-    """(model, tokenizer) on config.device: the default model, or its architecture with random
-    weights (tokenizer None) where the weights cannot be loaded (e.g. a GPU machine offline)."""
+if TYPE_CHECKING:
     import torch
 
-    from fibquant.kv.model import load_model, random_model
-
-    if config.random_weights:
-        return random_model(torch.float32, config.device), None
-    model, tokenizer = load_model()
-    return model.to(config.device), tokenizer
-
-
-# ----------------------------------------------------------------------------- availability
-
-def peer_unavailable_reason(backend: str) -> Optional[str]:
-    """None when transformers' QuantizedCache can use `backend` here, else why not."""
-    module = {"quanto": "optimum.quanto", "hqq": "hqq.core.quantize"}[backend]
-    try:
-        __import__(module)
-    except Exception as exc:  # any import failure (missing package, broken build) means: skip
-        return (f"{PEER_BACKENDS[backend]} is not importable ({type(exc).__name__}: {exc}); "
-                f"install the peers extra: pip install 'fibquant[peers]'")
-    try:
-        from transformers import QuantizedCache  # noqa: F401
-    except ImportError as exc:
-        return f"this transformers has no QuantizedCache ({exc})"
-    return None
-
-
-def _package_version(name: str) -> Optional[str]:
-    from importlib import metadata
-
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
-
+# The cache names, the config and the report live in decode_speed_config.py / decode_speed_report.py.
+__all__ = ["BYTES_COUNTING", "DEFAULT_CACHES", "DecodeSpeedConfig", "cache_bytes", "context_tokens",
+           "main_decode_speed", "run_decode_speed"]
 
 # ----------------------------------------------------------------------------- model calls
 
@@ -194,20 +72,19 @@ def _build_cache(spec: CacheSpec, prefill, model, head_dim: int, config: DecodeS
 
 def cache_bytes(spec: CacheSpec, cache) -> dict:
     """{"held", "used", and parts}: bytes of `cache` counted as described in `BYTES_COUNTING`."""
-    if spec.kind == "dynamic":
-        from fibquant.kv.cache import dynamic_cache_nbytes
+    from fibquant.kv.memory import cache_nbytes, quantized_cache_nbytes
 
-        held = dynamic_cache_nbytes(cache)
+    held = cache_nbytes(cache)
+    if spec.kind == "dynamic":
         return {"held": held, "used": held}
     if spec.kind == "compressed":
-        return {"held": cache.nbytes(), "used": cache.used_nbytes(), "codec_shared": cache.shared_nbytes()}
+        return {"held": held, "used": cache.used_nbytes(), "codec_shared": cache.shared_nbytes()}
     parts = quantized_cache_nbytes(cache)
-    return {"held": parts["total"], "used": parts["total"], "quantized": parts["quantized"],
-            "residual": parts["residual"]}
+    return {"held": held, "used": held, "quantized": parts["quantized"], "residual": parts["residual"]}
 
 
 BYTES_COUNTING = {
-    "dynamic": "fibquant.kv.cache.dynamic_cache_nbytes: storage of every layer's keys/values (float32 here); "
+    "dynamic": "fibquant.kv.memory.cache_nbytes: storage of every layer's keys/values (float32 here); "
                "dynamic_fp16_bytes = that / element size * 2, what an fp16 DynamicCache holds",
     "compressed": "CompressedCache.nbytes(): exact sinks + recent window (float32) + code buffers including "
                   "their reserved capacity (grown by 1/16 of their capacity); used = used_nbytes(): only stored code rows; "
@@ -354,8 +231,7 @@ def _run_decode_speed(config, model_and_tokenizer, token_ids, progress) -> dict:
     import torch
     from tqdm.auto import tqdm
 
-    from fibquant.kv.cache import check_model_supported
-    from fibquant.kv.model import describe_model
+    from fibquant.kv.model import check_model_supported, describe_model
 
     if model_and_tokenizer is None:
         model_and_tokenizer = load_benchmark_model(config)
@@ -473,106 +349,6 @@ def _warmup(specs, model, head_dim, config, token_ids, skipped, progress) -> Non
             reason = f"failed in the warm-up: {type(exc).__name__}: {exc}"
             skipped.append({"cache": spec.name, "reason": reason})
             print(f"skipping {spec.name}: {reason}", file=sys.stderr, flush=True)
-
-
-# ----------------------------------------------------------------------------- reports
-
-MIB = 1024 * 1024
-
-DECODE_SPEED_COLUMNS = [
-    ("tokens", "context", "d"),
-    ("cache", "cache", ""),
-    ("prefill_s", "prefill s", ".2f"),
-    ("conversion_s", "of which convert s", ".3f"),
-    ("decode_ms_median", "decode ms/tok", ".1f"),
-    ("decode_vs_dynamic", "x dynamic", ".2f"),
-    ("decode_ms_mean", "mean ms/tok", ".1f"),
-    ("decode_mean_vs_dynamic", "mean x dyn", ".2f"),
-    ("cache_mib", "cache MiB", ".2f"),
-    ("used_mib", "used MiB", ".2f"),
-    ("bytes_vs_fp16_dynamic", "bytes / fp16 dyn", ".3f"),
-    ("peak_rss_added_mib", "peak MiB added", ".1f"),
-    ("tokens_match_dynamic", "tokens = dyn", ".2f"),
-]
-
-
-def format_decode_speed(payload: dict) -> str:
-    """Header lines + the table of `payload` (from `run_decode_speed`)."""
-    from fibquant.eval.kv_report import format_table
-
-    rows = [dict(r, cache_mib=r["cache_bytes"] / MIB, used_mib=r["cache_used_bytes"] / MIB,
-                 peak_rss_added_mib=r["peak_rss_added_bytes"] / MIB) for r in payload["rows"]]
-    dyn = {r["tokens"]: r for r in payload["rows"] if r["kind"] == "dynamic"}
-    cut = [f"{c['context']} -> {c['tokens']}" for c in payload["contexts"] if c["context"] != c["tokens"]]
-    lines = [
-        f"model: {payload['model']} ({payload['model_dtype']}), text: {payload['text']}, "
-        f"{payload['config']['decode_tokens']} greedy decode steps, {payload['threads']} torch threads",
-        f"exact window of ours: {payload['config']['sink_tokens']} sinks + {payload['config']['recent_tokens']} "
-        f"recent; '-old' = attention='decode' (whole cache decoded every step), else attention on the codes",
-        "prefill s: shared DynamicCache prefill + conversion into the cache; decode ms/tok: median step; "
-        "x dynamic: vs DynamicCache decode; cache MiB: bytes held (CompressedCache: code buffers with their "
-        "reserved capacity), used MiB: stored tokens only; bytes / fp16 dyn: held bytes over an fp16 "
-        "DynamicCache's; tokens = dyn: share of greedy tokens equal to DynamicCache's, position by position",
-        "fp16 DynamicCache MiB: " + ", ".join(f"{t}: {r['dynamic_fp16_bytes'] / MIB:.2f}" for t, r in dyn.items()),
-    ]
-    if cut:
-        lines.append("contexts cut to leave room for the decoded tokens: " + ", ".join(cut))
-    text = "\n".join(lines) + "\n\n" + format_table(rows, DECODE_SPEED_COLUMNS)
-    fallbacks = sorted({r["cache"] for r in payload["rows"]
-                        if r["kind"] == "compressed" and r["attention_used"] != r["attention"]})
-    if fallbacks:
-        text += f"\nnote: {', '.join(fallbacks)} ran with attention='decode' (the model cannot run attention on codes)"
-    for item in payload.get("skipped", []):
-        text += f"\nskipped {item['cache']}: {item['reason']}"
-    return text
-
-
-def plot_decode_speed(payload: dict, path) -> None:
-    """Two panels vs context: decode ms/token and cache bytes, one line per cache."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = payload["rows"]
-    names = list(dict.fromkeys(r["cache"] for r in rows))
-    fig, (ax_time, ax_bytes) = plt.subplots(1, 2, figsize=(13, 5))
-    markers = {"dynamic": "s", "fibquant": "o", "turboquant": "^", "quanto": "D", "hqq": "v"}
-    colors = {"dynamic": "k"}
-    palette = iter(plt.get_cmap("tab20").colors * 2)
-    for name in names:
-        items = sorted((r for r in rows if r["cache"] == name), key=lambda r: r["tokens"])
-        stem = name[: -len("-old")] if name.endswith("-old") else name
-        color = colors.setdefault(stem, next(palette))
-        style = dict(color=color, marker=markers.get(items[0]["family"], "o"), markersize=4,
-                     linestyle="--" if name.endswith("-old") else "-")
-        x = [r["tokens"] for r in items]
-        ax_time.plot(x, [r["decode_ms_median"] for r in items], label=name, **style)
-        ax_bytes.plot(x, [r["cache_bytes"] for r in items], label=name, **style)
-    dyn = sorted((r for r in rows if r["kind"] == "dynamic"), key=lambda r: r["tokens"])
-    if dyn:
-        ax_bytes.plot([r["tokens"] for r in dyn], [r["dynamic_fp16_bytes"] for r in dyn], color="0.5",
-                      marker="s", markersize=4, linestyle=":", label="dynamic, fp16 equivalent")
-    for ax, ylabel in ((ax_time, "decode ms / token (median)"),
-                       (ax_bytes, "cache bytes held after decoding")):
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("context tokens")
-        ax.set_ylabel(ylabel)
-        ax.grid(True, which="both", alpha=0.3)
-    ax_bytes.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
-    fig.suptitle(f"{payload['model']} ({payload['model_dtype']}), {payload['text']}, "
-                 f"{payload['threads']} threads; dashed: attention='decode' path", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-
-
-def write_decode_speed(payload: dict, out_dir=None, stem: str = "decode_speed") -> dict[str, str]:
-    """Write `<stem>.json` and `<stem>.png` under `out_dir` (default $FIBQUANT_RESULTS_DIR or results/)."""
-    from fibquant.eval.kv_report import save_report
-
-    return save_report(payload, out_dir, stem, plot_decode_speed)
 
 
 def main_decode_speed(config: DecodeSpeedConfig = DecodeSpeedConfig(), out_dir=None, model_and_tokenizer=None,

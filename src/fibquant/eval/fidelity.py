@@ -20,10 +20,8 @@ import torch
 from tqdm.auto import tqdm
 
 from fibquant.codecs.base import Codec
-from fibquant.codecs.lowrank import LowRankCodec
-from fibquant.codecs.rvq import RVQCodec
 from fibquant.eval.capture import CapturedAttention, capture_attention
-from fibquant.eval.methods import Method
+from fibquant.eval.methods import Method, codec_classes, is_reference, plot_style
 from fibquant.eval.peers import PEERS, PeerSpec, build_peer
 
 
@@ -129,19 +127,17 @@ def reconstruct(states: torch.Tensor, codec_for: CodecFor, shared: bool, centre_
 
 @dataclass
 class CalibrationBank:
-    """Per (layer, KV head) fits of the calibrated methods (PCA, RVQ) on a calibration capture."""
+    """Per (layer, KV head) fits of the calibrated methods (PCA, RVQ, ...) on a calibration capture."""
 
     calibration: CapturedAttention
     _cache: dict = field(default_factory=dict)
 
     def codec(self, kind: str, method: Method, layer: int, head: int) -> Codec:
+        """`method` fitted on the calibration keys (kind "key") or values [T, D] of (layer, head), once."""
         key = (kind, method.spec, layer, head)
         if key not in self._cache:
             samples = (self.calibration.keys if kind == "key" else self.calibration.values)[layer, head]
-            if method.family == "rvq":
-                self._cache[key] = RVQCodec.fit(samples, method.stages, method.n)
-            else:
-                self._cache[key] = LowRankCodec.fit(samples, method.rank)
+            self._cache[key] = method.fit(samples)
         return self._cache[key]
 
 
@@ -172,9 +168,7 @@ def evaluate_method(method: Method | PeerSpec, captured: CapturedAttention, posi
             "cosine": float(cosine.mean()), "cosine_worst_layer": float(cosine.mean(1).min()),
             "cosine_per_layer": [float(c) for c in cosine.mean(1)],
         }
-    if method.family == "fp":
-        keys_hat, values_hat, code_bytes, bits = captured.keys, captured.values, 2 * dim, 16.0
-    elif method.calibrated:
+    if method.calibrated:
         if bank is None:
             raise ValueError(f"{method.spec} needs a calibration capture")
         key_for = lambda layer, head: bank.codec("key", method, layer, head)  # noqa: E731
@@ -185,13 +179,16 @@ def evaluate_method(method: Method | PeerSpec, captured: CapturedAttention, posi
     else:
         codec = method.build(dim)
         centre_from = sink_tokens if centre else None
-        keys_hat = reconstruct(captured.keys, lambda layer, head: codec, shared=True, centre_from=centre_from)
-        values_hat = reconstruct(captured.values, lambda layer, head: codec, shared=True, centre_from=centre_from)
+        if method.reference:  # the exact states; the codec gives the fp16 bytes
+            keys_hat, values_hat = captured.keys, captured.values
+        else:
+            keys_hat = reconstruct(captured.keys, lambda layer, head: codec, shared=True, centre_from=centre_from)
+            values_hat = reconstruct(captured.values, lambda layer, head: codec, shared=True, centre_from=centre_from)
         code_bytes, bits = codec.code_size, codec.bits_per_coordinate
     cosine = output_cosine(captured, keys_hat, values_hat, positions, sink_tokens, recent_tokens, reference)
     return {
         "method": method.label(dim), "spec": method.spec, "family": method.family,
-        "k": method.k, "n": method.n, "rank": method.rank,
+        "k": method.param("k"), "n": method.param("n"), "rank": method.param("rank"),
         "bits_per_coordinate": bits, "code_bytes_per_vector": code_bytes,
         "stored_bits_per_coordinate": 8.0 * code_bytes / dim,
         "compression_ratio": 2.0 * dim / code_bytes,
@@ -240,33 +237,36 @@ def plot_frontier(rows: list[dict], path, title: str) -> None:
     import matplotlib.pyplot as plt
     import matplotlib.ticker  # noqa: F401
 
+    registered = {family: plot_style(family) for family in codec_classes() if not is_reference(family)}
     series: dict[str, list[dict]] = {}
+    frontier: dict[str, str] = {}  # series name -> legend note of a family plotted as its Pareto front
     for row in rows:
-        if row["family"] == "fp":
+        if is_reference(row["family"]):
             continue
-        name = {"fibquant": "FibQuant", "turboquant": "TurboQuant", "int": "INT", "lowrank": "low-rank (calibrated)",
-                "rvq": "RVQ per head (calibrated)"}
-        series.setdefault(name.get(row["family"], row["family"]), []).append(row)
+        style = registered.get(row["family"])
+        name = style.name if style is not None else row["family"]
+        if style is not None and style.frontier:
+            frontier[name] = style.frontier
+        series.setdefault(name, []).append(row)
     fig, ax = plt.subplots(figsize=(7.5, 5))
-    styles = {"FibQuant": ("C3", "o"), "TurboQuant": ("C0", "s"), "INT": ("C2", "^"), "low-rank (calibrated)": ("C7", "D"),
-              "RVQ per head (calibrated)": ("C4", "v")}
+    styles = {style.name: (style.color, style.marker) for style in registered.values()}
     for name, items in series.items():
         items = sorted(items, key=lambda r: r["compression_ratio"])
         color, marker = styles.get(name, (f"C{5 + len(styles) % 5}", "x"))
         styles.setdefault(name, (color, marker))
-        if name == "FibQuant":
+        if name in frontier:
             ax.scatter([r["compression_ratio"] for r in items], [r["cosine"] for r in items], color=color,
                        marker=marker, alpha=0.5)
             front = pareto_front(items)
             ax.plot([r["compression_ratio"] for r in front], [r["cosine"] for r in front], color=color,
-                    marker=marker, label="FibQuant (frontier; dots: all k, N)")
+                    marker=marker, label=f"{name} ({frontier[name]})")
         else:
             ax.plot([r["compression_ratio"] for r in items], [r["cosine"] for r in items], color=color,
                     marker=marker, label=name)
     ax.set_xscale("log")
     ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:g}x"))
     ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-    ratios = [r["compression_ratio"] for r in rows if r["family"] != "fp"]
+    ratios = [r["compression_ratio"] for r in rows if not is_reference(r["family"])]
     ax.set_xticks([t for t in (1, 2, 4, 8, 16, 32, 64) if 0.8 * min(ratios) <= t <= 1.2 * max(ratios)])
     ax.set_xlabel("compression ratio vs fp16 (every stored byte)")
     ax.set_ylabel("attention output cosine similarity")
@@ -299,7 +299,7 @@ def compare_frontiers(rows: list[dict]) -> dict:
     fib = [r for r in rows if r["family"] == "fibquant"]
     checks = []
     for row in rows:
-        if row["family"] in ("fp", "fibquant"):
+        if is_reference(row["family"]) or row["family"] == "fibquant":
             continue
         mine = frontier_at(fib, row["compression_ratio"])
         checks.append({"method": row["method"], "ratio": row["compression_ratio"], "cosine": row["cosine"],

@@ -1,6 +1,5 @@
 """Memory measurement for benchmarks: peak process RSS or peak CUDA allocation while a block
-runs, and the real storage bytes of caches held as tensor subclasses (transformers'
-QuantizedCache with quanto / HQQ), each storage counted once.
+runs. The bytes a cache holds are counted by `fibquant.kv.memory`.
 """
 from __future__ import annotations
 
@@ -10,6 +9,7 @@ import os
 import sys
 import threading
 from typing import Optional
+
 
 def _page_size() -> int:
     try:
@@ -151,42 +151,3 @@ def _synchronize(device) -> None:
         import torch
 
         torch.cuda.synchronize(device)
-
-
-def _storage_nbytes(obj, seen: set) -> int:
-    """Bytes of every distinct storage reachable from `obj`: tensors, tensor subclasses
-    (through `__tensor_flatten__`, e.g. quanto's packed tensors), tuples, lists and dicts."""
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        if type(obj) is not torch.Tensor and hasattr(obj, "__tensor_flatten__"):
-            names, _ = obj.__tensor_flatten__()
-            return sum(_storage_nbytes(getattr(obj, n), seen) for n in names)
-        storage = obj.untyped_storage()
-        key = (storage.data_ptr(), storage.nbytes())
-        if storage.nbytes() == 0 or key in seen:
-            return 0
-        seen.add(key)
-        return storage.nbytes()
-    if isinstance(obj, dict):
-        return sum(_storage_nbytes(v, seen) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(_storage_nbytes(v, seen) for v in obj)
-    return 0
-
-
-def quantized_cache_nbytes(cache) -> dict:
-    """Bytes held by a transformers `QuantizedCache`: {"quantized", "residual", "total"}.
-
-    quantized: storage of every layer's `_quantized_keys` / `_quantized_values` (quanto: the
-    packed integer data plus per-group scale and shift; hqq: the packed uint8 tensor plus the
-    scale and zero tensors of its meta dict), each storage counted once at its real size;
-    residual: storage of the float residual window (`keys` / `values`) each layer keeps.
-    """
-    seen: set = set()
-    quantized = residual = 0
-    for layer in cache.layers:
-        quantized += _storage_nbytes([getattr(layer, "_quantized_keys", None),
-                                      getattr(layer, "_quantized_values", None)], seen)
-        residual += _storage_nbytes([getattr(layer, "keys", None), getattr(layer, "values", None)], seen)
-    return {"quantized": quantized, "residual": residual, "total": quantized + residual}

@@ -1,4 +1,4 @@
-"""Named compression methods for the KV experiments: one spec -> one codec (per layer/head if calibrated).
+"""The codec registry: one spec string -> one codec (per layer/head when calibrated).
 
 Spec strings (also accepted on the command line):
     fp                      no compression (the reference)
@@ -8,103 +8,159 @@ Spec strings (also accepted on the command line):
     int:b=4                 per-token asymmetric INT quantization
     lowrank:r=8             calibrated PCA projection (fitted per layer and KV head)
     rvq:s=2,n=256           learned residual VQ, s stages of n codewords (fitted per layer and KV head)
+
+Everything family-specific lives on the codec class (`fibquant.codecs.base.Codec`: `family`,
+`calibrated`, `reference`, `spec_params`, `style`, `check_spec`, `spec_label`, `from_spec` or
+`fit_spec`, `spec_unavailable`). Adding a codec is one new file under `fibquant/codecs/` and one
+line in `REGISTRY` below; every experiment, table and plot then accepts its spec strings.
 """
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
 
-from fibquant.codecs.base import Codec
+import torch
 
-FAMILIES = ("fp", "fibquant", "turboquant", "int", "lowrank", "rvq")
+from fibquant.codecs.base import Codec, PlotStyle, read_codec_file
+
+REGISTRY = (
+    "fibquant.codecs.identity.IdentityCodec",
+    "fibquant.codecs.fibquant.FibQuantCodec",
+    "fibquant.codecs.turboquant.TurboQuantCodec",
+    "fibquant.codecs.integer.IntCodec",
+    "fibquant.codecs.lowrank.LowRankCodec",
+    "fibquant.codecs.rvq.RVQCodec",
+)
 
 
-@dataclass(frozen=True)
+@lru_cache(maxsize=None)
+def codec_classes() -> dict[str, type[Codec]]:
+    """family -> codec class, in registry order (ValueError on a duplicate family)."""
+    classes: dict[str, type[Codec]] = {}
+    for path in REGISTRY:
+        module, _, name = path.rpartition(".")
+        cls = getattr(importlib.import_module(module), name)
+        if not cls.family or cls.family in classes:
+            raise ValueError(f"{path}: codec family {cls.family!r} is empty or registered twice")
+        classes[cls.family] = cls
+    return classes
+
+
+def codec_class(family: str) -> type[Codec]:
+    classes = codec_classes()
+    if family not in classes:
+        raise ValueError(f"unknown method family {family!r}; expected one of {tuple(classes)}")
+    return classes[family]
+
+
+def plot_style(family: str) -> PlotStyle | None:
+    """The registered plot style of `family`, None for an unregistered one (e.g. a peer)."""
+    cls = codec_classes().get(family)
+    return None if cls is None else cls.style
+
+
+def is_reference(family: str) -> bool:
+    """True for the uncompressed reference family ("fp")."""
+    cls = codec_classes().get(family)
+    return cls is not None and cls.reference
+
+
+def reference_method() -> "Method":
+    """The Method of the registered uncompressed reference (spec "fp")."""
+    return Method(next(family for family, cls in codec_classes().items() if cls.reference))
+
+
+@dataclass(frozen=True, init=False)
 class Method:
-    family: str
-    bits: float | None = None
-    k: int | None = None
-    n: int | None = None
-    rank: int | None = None
-    stages: int | None = None
+    """One registered codec family and its spec parameters, e.g. Method("fibquant", bits=2).
 
-    def __post_init__(self) -> None:
-        if self.family not in FAMILIES:
-            raise ValueError(f"unknown method family {self.family!r}; expected one of {FAMILIES}")
-        if self.family == "fibquant" and self.bits is None and (self.k is None or self.n is None):
-            raise ValueError("fibquant needs b=<bits> or both k=<block> and n=<codewords>")
-        if self.family in ("turboquant", "int") and self.bits is None:
-            raise ValueError(f"{self.family} needs b=<bits>")
-        if self.family == "lowrank" and self.rank is None:
-            raise ValueError("lowrank needs r=<rank>")
-        if self.family == "rvq" and (self.stages is None or self.n is None):
-            raise ValueError("rvq needs s=<stages> and n=<codewords>")
+    params: ((keyword, value), ...) in the order the family's `spec_params` declare them.
+    Validated on construction (ValueError for an unknown family, parameter or missing value).
+    """
+
+    family: str
+    params: tuple[tuple[str, int | float], ...]
+
+    def __init__(self, family: str, **params: int | float | None) -> None:
+        cls = codec_class(family)
+        declared = {p.name: p for p in cls.spec_params}
+        given = {name: value for name, value in params.items() if value is not None}
+        unknown = sorted(set(given) - set(declared))
+        if unknown:
+            raise ValueError(f"{family} takes no parameter {unknown}; its parameters are "
+                             f"{[p.key + '=' for p in cls.spec_params]}")
+        values = {name: declared[name].convert(value, family) for name, value in given.items()}
+        cls.check_spec(values)
+        object.__setattr__(self, "family", family)
+        object.__setattr__(self, "params", tuple((p.name, values[p.name]) for p in cls.spec_params
+                                                 if p.name in values))
+
+    @property
+    def codec_class(self) -> type[Codec]:
+        return codec_class(self.family)
+
+    @property
+    def kwargs(self) -> dict[str, int | float]:
+        return dict(self.params)
+
+    def param(self, name: str) -> int | float | None:
+        """The value of keyword `name` (e.g. "bits", "k", "rank"), None when not given."""
+        return self.kwargs.get(name)
 
     @property
     def calibrated(self) -> bool:
-        return self.family in ("lowrank", "rvq")
+        return self.codec_class.calibrated
+
+    @property
+    def reference(self) -> bool:
+        return self.codec_class.reference
+
+    @property
+    def style(self) -> PlotStyle | None:
+        return self.codec_class.style
 
     @property
     def spec(self) -> str:
-        if self.family == "fp":
-            return "fp"
-        if self.family == "lowrank":
-            return f"lowrank:r={self.rank}"
-        if self.family == "rvq":
-            return f"rvq:s={self.stages},n={self.n}"
-        if self.family == "fibquant" and self.k is not None:
-            return f"fibquant:k={self.k},n={self.n}"
-        return f"{self.family}:b={self.bits:g}"
+        keys = {p.name: p.key for p in self.codec_class.spec_params}
+        text = ",".join(f"{keys[name]}={value:g}" for name, value in self.params)
+        return f"{self.family}:{text}" if text else self.family
 
     def label(self, dim: int = 64) -> str:
-        if self.family == "fp":
-            return "fp (uncompressed)"
-        if self.family == "lowrank":
-            return f"low-rank r={self.rank}"
-        if self.family == "rvq":
-            return f"RVQ {self.stages}x{self.n} per head"
-        if self.family == "int":
-            return f"INT{self.bits:g}"
-        if self.family == "turboquant":
-            return f"TurboQuant b={self.bits:g}"
-        from fibquant.codecs.fibquant import choose_block
-
-        k, n = (self.k, self.n) if self.k is not None else choose_block(dim, self.bits)
-        return f"FibQuant b={(n - 1).bit_length() / k:.4g} (k={k},N={n})"
+        return self.codec_class.spec_label(dim, **self.kwargs)
 
     def build(self, dim: int) -> Codec:
-        """The codec for head dimension `dim` (not for fp or calibrated methods)."""
-        if self.family == "fibquant":
-            from fibquant.codecs.fibquant import FibQuantCodec
+        """The codec for head dimension `dim` (ValueError for calibrated methods: use `fit`)."""
+        if self.calibrated:
+            raise ValueError(f"{self.spec} has no stand-alone codec (calibrated: fit it per layer and head)")
+        return self.codec_class.from_spec(dim, **self.kwargs)
 
-            if self.k is not None:
-                return FibQuantCodec(dim, self.k, self.n)
-            return FibQuantCodec.for_rate(dim, self.bits)
-        if self.family == "turboquant":
-            from fibquant.codecs.turboquant import TurboQuantCodec
+    def fit(self, samples: torch.Tensor) -> Codec:
+        """The codec fitted on calibration vectors `samples` [n, dim] (calibrated methods only)."""
+        return self.codec_class.fit_spec(samples, **self.kwargs)
 
-            return TurboQuantCodec(dim, int(self.bits))
-        if self.family == "int":
-            from fibquant.codecs.integer import IntCodec
-
-            return IntCodec(dim, int(self.bits))
-        raise ValueError(f"{self.spec} has no stand-alone codec (fp is uncompressed, lowrank/rvq need calibration)")
+    def unavailable_reason(self, dim: int) -> str | None:
+        """Why this method cannot run without building assets (a codebook not shipped), or None."""
+        return self.codec_class.spec_unavailable(dim, **self.kwargs)
 
 
 def parse_method(text: str) -> Method:
     """Parse a spec string such as 'fibquant:k=64,n=4096' (see the module docstring)."""
     family, _, params = text.strip().partition(":")
-    values: dict[str, float | int] = {}
+    cls = codec_class(family.strip().lower())
+    by_key = {p.key: p for p in cls.spec_params}
+    values: dict[str, float] = {}
     for item in filter(None, params.split(",")):
         key, eq, raw = item.partition("=")
-        names = {"b": "bits", "k": "k", "n": "n", "r": "rank", "s": "stages"}
-        if not eq or key.strip() not in names:
-            raise ValueError(f"bad method parameter {item!r} in {text!r}; expected b=, k=, n=, r= or s=")
+        if not eq or key.strip() not in by_key:
+            expected = ", ".join(f"{k}=" for k in by_key) or "no parameters"
+            raise ValueError(f"bad method parameter {item!r} in {text!r}; expected {expected}")
         try:
-            number = float(raw)
+            values[by_key[key.strip()].name] = float(raw)
         except ValueError as exc:
             raise ValueError(f"bad number {raw!r} in method {text!r}") from exc
-        values[names[key.strip()]] = number if key.strip() == "b" else int(number)
-    return Method(family.strip().lower(), **values)
+    return Method(cls.family, **values)
 
 
 def parse_methods(texts: list[str] | str) -> list[Method]:
@@ -113,31 +169,24 @@ def parse_methods(texts: list[str] | str) -> list[Method]:
     return [parse_method(t) for t in texts]
 
 
-def fibquant_block(method: Method, dim: int) -> tuple[int, int]:
-    """(k, N) of a FibQuant method."""
-    from fibquant.codecs.fibquant import choose_block
-
-    return (method.k, method.n) if method.k is not None else choose_block(dim, method.bits)
+def load_codec(path: str | Path) -> Codec:
+    """A codec written by `Codec.save` (e.g. a fitted low-rank or RVQ codec), any registered family."""
+    family, _, _ = read_codec_file(path)
+    return codec_class(family).load(path)
 
 
 def split_ready(methods: list[Method], dim: int, build_codebooks: bool) -> tuple[list[Method], list[str]]:
-    """Methods whose codebooks are shipped or cached (all when `build_codebooks`), and notes on the rest.
+    """Methods whose assets are shipped or cached (all when `build_codebooks`), and notes on the rest.
 
     Building a large FibQuant codebook (e.g. k=64, N=4096) takes long on a small CPU; the
     experiments use what is shipped/cached unless asked to build.
     """
-    from fibquant.codebook import load_codebook
-
     ready, skipped = [], []
     for method in methods:
-        if method.family == "fibquant" and not build_codebooks:
-            k, n = fibquant_block(method, dim)
-            try:
-                load_codebook(dim, k, n, build=False)
-            except FileNotFoundError:
-                skipped.append(f"{method.spec} (codebook d={dim} k={k} N={n} neither shipped nor cached; "
-                               f"pass --build-codebooks to build it)")
-                continue
+        reason = None if build_codebooks else method.unavailable_reason(dim)
+        if reason is not None:
+            skipped.append(f"{method.spec} ({reason})")
+            continue
         ready.append(method)
     return ready, skipped
 
@@ -147,8 +196,7 @@ def prepare_run(specs: list[str], build_codebooks: bool, model_and_tokenizer=Non
 
     Returns (model, tokenizer, ready methods, skip notes).
     """
-    from fibquant.kv.cache import check_model_supported
-    from fibquant.kv.model import load_model
+    from fibquant.kv.model import check_model_supported, load_model
 
     model, tokenizer = model_and_tokenizer or load_model()
     dim = check_model_supported(model)["head_dim"]

@@ -210,7 +210,7 @@ def evaluate_multiple_choice(examples: Sequence[MultipleChoiceExample], scorer: 
 class CacheSetting:
     """One cache configuration: `method` is a spec of `fibquant.eval.methods` ("fp",
     "fibquant:b=2", "turboquant:b=2", "int:b=4", ...), used for keys and values alike, with an
-    exact window of `sink_tokens` + `recent_tokens` (ignored for fp)."""
+    exact window of `sink_tokens` + `recent_tokens` (ignored for the uncompressed reference, fp)."""
 
     method: str = "fp"
     sink_tokens: int = 4
@@ -234,20 +234,21 @@ class CacheSetting:
 
     @property
     def is_fp(self) -> bool:
-        return self.parsed.family == "fp"
+        """True for the uncompressed reference (scored without a cache)."""
+        return self.parsed.reference
 
     def name(self, head_dim: int = 64) -> str:
         if self.is_fp:
-            return "fp"
+            return self.parsed.spec
         return f"{self.parsed.label(head_dim)} (sink {self.sink_tokens}, recent {self.recent_tokens})"
 
     def build_codec(self, head_dim: int):
-        """The codec for keys and values (None for fp)."""
-        return None if self.is_fp else self.parsed.build(head_dim)
+        """The codec for keys and values (for fp the fp16 identity codec: it gives the bytes)."""
+        return self.parsed.build(head_dim)
 
     def cache_factory(self, head_dim: int, codec=None) -> Callable[[], object] | None:
-        """None for fp; else a factory of CompressedCache sharing one codec (built once here
-        unless given)."""
+        """None for fp (no cache); else a factory of CompressedCache sharing one codec (built once
+        here unless given)."""
         if self.is_fp:
             return None
         from ..kv.cache import CompressedCache
@@ -301,7 +302,7 @@ def run_multiple_choice(model, tokenizer, task: str = "goal_step_wikihow", limit
     results, code_bytes = [], {}
     for setting in settings:
         codec = setting.build_codec(head_dim)
-        code_bytes[setting] = codec.code_size if codec is not None else 2 * head_dim  # fp16 reference
+        code_bytes[setting] = codec.code_size
         scorer = CacheScorer(model, tokenizer, setting.cache_factory(head_dim, codec))
         results.append((setting, evaluate_multiple_choice(chosen, scorer, setting.name(head_dim), progress)))
     baseline = results[0][1]

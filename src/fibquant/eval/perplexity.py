@@ -23,8 +23,9 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from fibquant.eval.methods import Method
-from fibquant.kv.cache import CompressedCache, check_model_supported, dynamic_cache_nbytes
+from fibquant.eval.methods import Method, codec_classes, is_reference, plot_style
+from fibquant.kv.cache import CompressedCache, dynamic_cache_nbytes
+from fibquant.kv.model import check_model_supported
 
 
 @dataclass(frozen=True)
@@ -73,12 +74,23 @@ def as_cache_spec(method):
     raise ValueError(f"expected a Method, CacheSpec or spec string, got {type(method).__name__}")
 
 
-def make_cache(method, model, config: PerplexityConfig):
+def make_cache(method, model, config: PerplexityConfig, quantizers: tuple | None = None):
     """A fresh cache for `method` (Method, CacheSpec or spec string such as 'fibquant:b=4/fibquant:b=2'):
-    DynamicCache for fp, CompressedCache for our codecs, RoundTripCache when a peer is involved."""
+    DynamicCache for fp, CompressedCache for our codecs, RoundTripCache when a peer is involved.
+    `quantizers`: the (key, value) codecs of `cache_factory`, built here when None."""
     spec = as_cache_spec(method)
     centre = config.centre and not spec.is_fp and not spec.uses_peer  # peers: never centred
-    return spec.build(model, config.sink_tokens, config.recent_tokens, config.attention, centre=centre)
+    return spec.build(model, config.sink_tokens, config.recent_tokens, config.attention, centre=centre,
+                      quantizers=quantizers)
+
+
+def cache_factory(method, model, config: PerplexityConfig):
+    """A function returning a fresh cache for `method` per call; our codecs are built once here and
+    shared by every cache (codebooks read and search tables built once per method, not per batch).
+    Peers are rebuilt per cache, as their quantizers are not ours to share."""
+    spec = as_cache_spec(method)
+    quantizers = None if spec.is_fp or spec.uses_peer else spec.quantizers(model)
+    return lambda: make_cache(spec, model, config, quantizers)
 
 
 def cache_nbytes(cache, spec=None, head_dim: int = 64) -> int:
@@ -124,8 +136,9 @@ def run_perplexity(model, tokenizer, methods: list, config: PerplexityConfig = P
     for method in map(as_cache_spec, methods):
         total, second, count, second_count, nbytes_per_token = 0.0, 0.0, 0, 0, None
         bar.set_postfix_str(method.spec)
+        fresh_cache = cache_factory(method, model, config)
         for batch in batches:
-            cache = make_cache(method, model, config)
+            cache = fresh_cache()
             nll = window_nll(model, batch, cache, config.chunk)
             total += float(nll.sum())
             count += nll.numel()
@@ -147,7 +160,7 @@ def run_perplexity(model, tokenizer, methods: list, config: PerplexityConfig = P
         bar.write(f"{rows[-1]['method']}: perplexity {rows[-1]['perplexity']:.3f} "
                   f"(second half {rows[-1]['perplexity_second_half']:.3f})")
     bar.close()
-    baseline = next((r for r in rows if r["family"] == "fp"), None)
+    baseline = next((r for r in rows if is_reference(r["family"])), None)
     for row in rows:
         if baseline is not None:
             row["perplexity_change_pct"] = 100.0 * (row["perplexity"] / baseline["perplexity"] - 1.0)
@@ -173,16 +186,18 @@ def plot_perplexity(rows: list[dict], path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5))
-    names = {"fibquant": ("FibQuant", "C3", "o"), "turboquant": ("TurboQuant", "C0", "s"), "int": ("INT", "C2", "^")}
-    for family, (name, color, marker) in names.items():
+    lines = [family for family in codec_classes() if not is_reference(family)]  # registry order
+    for family in lines:
+        style = plot_style(family)
         items = sorted((r for r in rows if r["family"] == family), key=lambda r: r["compression_ratio"])
         if items:
-            ax.plot([r["compression_ratio"] for r in items], [r["perplexity"] for r in items], color=color,
-                    marker=marker, label=name)
+            ax.plot([r["compression_ratio"] for r in items], [r["perplexity"] for r in items], color=style.color,
+                    marker=style.marker, label=style.name)
     for row in rows:
-        if row["family"] == "fp":
-            ax.axhline(row["perplexity"], color="k", linestyle="--", label=f"fp ({row['perplexity']:.2f})")
-        elif row["family"] not in names:
+        if is_reference(row["family"]):
+            ax.axhline(row["perplexity"], color=plot_style(row["family"]).color, linestyle="--",
+                       label=f"{row['family']} ({row['perplexity']:.2f})")
+        elif row["family"] not in lines:
             color = "C1" if row["family"] == "kv" and not row.get("peer") else "0.4"
             ax.scatter(row["compression_ratio"], row["perplexity"], color=color, marker="x" if row.get("peer") else "D")
             ax.annotate(row["method"], (row["compression_ratio"], row["perplexity"]), fontsize=6, rotation=15)

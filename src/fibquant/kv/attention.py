@@ -30,7 +30,7 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from fibquant.codecs.base import Codec
-from fibquant.kv.cache import CodedKV
+from fibquant.kv.codes import CodedKV
 from fibquant.kv.coded_kernels import coded_scores, coded_weighted_sum
 
 ATTENTION_NAME = "fibquant"

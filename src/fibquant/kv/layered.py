@@ -29,7 +29,8 @@ from typing import Sequence
 import torch
 
 from fibquant.codecs.base import Codec
-from fibquant.kv.cache import CompressedCache, CompressedLayer, _check_codec
+from fibquant.kv.cache import CompressedCache, _check_codec
+from fibquant.kv.layer import CompressedLayer
 
 
 class Fp16Codec(Codec):
@@ -129,7 +130,7 @@ class LayerwiseCompressedCache(CompressedCache):
                                self.recent_tokens, self.attention, self.encode_batch)
 
     def shared_nbytes(self) -> int:
-        from fibquant.kv.cache import codec_state_nbytes
+        from fibquant.kv.memory import codec_state_nbytes
 
         unique = {id(c): c for c in self.key_codecs + self.value_codecs}
         return sum(codec_state_nbytes(c) for c in unique.values())

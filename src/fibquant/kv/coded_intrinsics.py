@@ -1,0 +1,237 @@
+"""LLVM vector intrinsics of the numba kernels of `fibquant.kv.coded_numba` (numba and llvmlite
+are imported only when `_build_intrinsics` runs)."""
+from __future__ import annotations
+
+import math
+
+
+def _build_intrinsics():
+    """The vector intrinsics: LLVM-level code keeping L query lanes in one <L x float> register.
+
+    Field p of code row i of `rows` (2-d uint8, any row stride, bytes of a row contiguous) is
+    f(p) = bits [p*bits, (p+1)*bits) of the row's bytes 2.. (little-endian), clamped to limit - 1,
+    and its table entry is o(p) = p * pstride + f(p) * estride. Fields p < safe are read with one
+    `word`-byte load (a literal 4, enough for bits <= 25, or 8; LLVM merges the byte loads), the
+    others byte by byte, reading only the bytes that hold them (see `_safe_fields`). With a
+    literal `bits`, the loop is unrolled over whole bytes so every shift is a constant.
+    _lut_sum(table, rows, i, n, bits, pstride, estride, limit, safe, word, L, res, q0, nq, nu):
+        s = sum_{p < n} table[o(p)*L : o(p)*L + L]   (4 interleaved vector accumulators);
+        res[q0 + t, i] = nu * s[t] for t < nq
+    _hist_add(table, rows, i, n, bits, pstride, estride, limit, safe, word, L, wts, q0, nq, nu):
+        w[t] = wts[q0 + t, i] * nu for t < nq, 0 for nq <= t < L;
+        table[o(p)*L : o(p)*L + L] += w for p < n, in order
+    (res / wts: 2-d float32 arrays, any strides; nq <= L.)
+    _copy4(dst, d, src, s):  dst[d*4 : d*4 + 4] = src[s*4 : s*4 + 4]
+    _add4(dst, d, src, s):   dst[d*4 : d*4 + 4] += src[s*4 : s*4 + 4]
+    _sum4(dst, d, a, x, b, y):  dst[d*4 : d*4 + 4] = a[x*4 : x*4 + 4] + b[y*4 : y*4 + 4]
+    Tables are 1-d float32 C arrays; L (`lanes`) is a literal 4, 8 or 16. The callers
+    guarantee in-range offsets (the clamp keeps f(p) < limit) and rows whose bytes are contiguous.
+    Literal arguments (bits 8, strides 256 and 1, limit 256) fold into the address arithmetic.
+    """
+    from llvmlite import ir
+    from numba.core import cgutils, types
+    from numba.extending import intrinsic
+
+    f32 = ir.FloatType()
+    i32 = ir.IntType(32)
+    i64 = ir.IntType(64)
+    no_wrap = ["nuw", "nsw"]
+
+    def const(value):
+        return ir.Constant(i64, value)
+
+    def _is_table(ty):
+        return isinstance(ty, types.Array) and ty.ndim == 1 and ty.dtype == types.float32 and ty.layout == "C"
+
+    def _literal(ty, allowed):
+        return isinstance(ty, types.IntegerLiteral) and ty.literal_value in allowed
+
+    def _typed(table, rows, scalars, word, lanes, mat, q0, nq, nu):
+        return (_is_table(table) and isinstance(rows, types.Array) and rows.ndim == 2
+                and rows.dtype == types.uint8 and isinstance(mat, types.Array) and mat.ndim == 2
+                and mat.dtype == types.float32 and nu == types.float32
+                and all(isinstance(x, types.Integer) for x in (*scalars, q0, nq))
+                and _literal(word, (4, 8)) and _literal(lanes, (4, 8, 16)))
+
+    def _lane_pointers(context, builder, signature, args, lanes):
+        """(nq as i64, [float* of mat[q0 + t, i] for t < lanes]) for _lut_sum / _hist_add."""
+        mat = context.make_array(signature.args[11])(context, builder, args[11])
+        i_v, q0_v, nq_v = [context.cast(builder, args[x], signature.args[x], types.int64) for x in (2, 12, 13)]
+        row_stride = builder.extract_value(mat.strides, 0)
+        column = builder.add(builder.mul(q0_v, row_stride), builder.mul(i_v, builder.extract_value(mat.strides, 1)))
+        base = builder.bitcast(mat.data, ir.IntType(8).as_pointer())
+        pointers = [builder.bitcast(builder.gep(base, [builder.add(column, builder.mul(const(t), row_stride))]),
+                                    f32.as_pointer()) for t in range(lanes)]
+        return nq_v, pointers
+
+    def _slot(context, builder, table_ty, table_v, offset, lanes):
+        """<lanes x float>* to table[offset*lanes : (offset + 1)*lanes] (offset an i64)."""
+        table = context.make_array(table_ty)(context, builder, table_v)
+        at = builder.mul(offset, const(lanes), flags=no_wrap)
+        return builder.bitcast(builder.gep(table.data, [at], inbounds=True), ir.VectorType(f32, lanes).as_pointer())
+
+    def _fields(context, builder, signature, args):
+        """-> (n, safe, entry, groups): entry(p, whole_word[, at, shift]) is the vector pointer of
+        field p's table entry; groups(body) runs body(u, p, at, shift) over the fields p < safe in
+        an unrolled loop (u = the position in the unroll); with a literal `bits` the unroll spans
+        whole bytes, so each field's byte offset from the group's and its shift are constants."""
+        table_ty, rows_ty = signature.args[0], signature.args[1]
+        rows = context.make_array(rows_ty)(context, builder, args[1])
+        i_v, n_v, bits_v, pstride_v, estride_v, limit_v, safe_v = [
+            context.cast(builder, v, t, types.int64) for v, t in zip(args[2:9], signature.args[2:9])]
+        word_bytes = signature.args[9].literal_value
+        lanes = signature.args[10].literal_value
+        row_stride = builder.extract_value(rows.strides, 0)
+        payload = builder.gep(rows.data, [builder.add(builder.mul(i_v, row_stride), const(2))])
+        mask = builder.sub(builder.shl(const(1), bits_v), const(1))
+        top = builder.sub(limit_v, const(1))
+
+        def byte(at):
+            return builder.zext(builder.load(builder.gep(payload, [at])), i64)
+
+        def entry(p, whole_word, at=None, shift=None):
+            if at is None:
+                bit = builder.mul(p, bits_v, flags=no_wrap)  # no wrap: (p*8) >> 3 folds to p
+                at = builder.lshr(bit, const(3))
+                shift = builder.and_(bit, const(7))
+            if whole_word:
+                value = byte(at)
+                for b in range(1, word_bytes):
+                    piece = byte(builder.add(at, const(b), flags=no_wrap))
+                    value = builder.or_(value, builder.shl(piece, const(8 * b)))
+            else:
+                n_bytes = builder.lshr(builder.add(builder.add(shift, bits_v), const(7)), const(3))
+                slot = cgutils.alloca_once_value(builder, const(0))
+                with cgutils.for_range(builder, n_bytes) as loop:
+                    piece = builder.shl(byte(builder.add(at, loop.index)), builder.mul(loop.index, const(8)))
+                    builder.store(builder.or_(builder.load(slot), piece), slot)
+                value = builder.load(slot)
+            field = builder.and_(builder.lshr(value, shift), mask)
+            field = builder.select(builder.icmp_unsigned("<", field, limit_v), field, top)
+            offset = builder.add(builder.mul(p, pstride_v, flags=no_wrap),
+                                 builder.mul(field, estride_v, flags=no_wrap), flags=no_wrap)
+            return _slot(context, builder, table_ty, args[0], offset, lanes)
+
+        safe_v = builder.select(builder.icmp_signed("<", safe_v, n_v), safe_v, n_v)
+        bits_ty = signature.args[4]
+        literal_bits = bits_ty.literal_value if isinstance(bits_ty, types.IntegerLiteral) else None
+
+        def groups(body):
+            if literal_bits is not None:
+                unroll = math.lcm(4, 8 // math.gcd(literal_bits, 8))
+                group_bytes = unroll * literal_bits // 8
+            else:
+                unroll, group_bytes = 4, None
+            count = builder.udiv(safe_v, const(unroll))
+            with cgutils.for_range(builder, count) as loop:
+                first = builder.mul(loop.index, const(unroll), flags=no_wrap)
+                if group_bytes is not None:
+                    base = builder.mul(loop.index, const(group_bytes), flags=no_wrap)
+                for u in range(unroll):
+                    p = builder.add(first, const(u), flags=no_wrap)
+                    if group_bytes is None:
+                        body(u, p, None, None)
+                    else:
+                        at = builder.add(base, const((u * literal_bits) >> 3), flags=no_wrap)
+                        body(u, p, at, const((u * literal_bits) & 7))
+            with cgutils.for_range(builder, safe_v, start=builder.mul(count, const(unroll))) as loop:
+                body(0, loop.index, None, None)
+
+        return n_v, safe_v, entry, groups, lanes
+
+    @intrinsic
+    def lut_sum(typingctx, table, rows, i, n, bits, pstride, estride, limit, safe, word, lanes, res, q0, nq, nu):
+        if not _typed(table, rows, (i, n, bits, pstride, estride, limit, safe), word, lanes, res, q0, nq, nu):
+            return None
+        sig = types.void(table, rows, i, n, bits, pstride, estride, limit, safe, word, lanes, res, q0, nq, nu)
+
+        def codegen(context, builder, signature, args):
+            n_v, safe_v, entry, groups, width = _fields(context, builder, signature, args)
+            vec = ir.VectorType(f32, width)
+            accs = [cgutils.alloca_once_value(builder, ir.Constant(vec, [0.0] * width)) for _ in range(4)]
+
+            def accumulate(acc, pointer):
+                builder.store(builder.fadd(builder.load(acc), builder.load(pointer, align=4)), acc)
+
+            groups(lambda u, p, at, shift: accumulate(accs[u % 4], entry(p, True, at, shift)))
+            with cgutils.for_range(builder, n_v, start=safe_v) as loop:
+                accumulate(accs[1], entry(loop.index, False))
+            total = builder.fadd(builder.fadd(builder.load(accs[0]), builder.load(accs[1])),
+                                 builder.fadd(builder.load(accs[2]), builder.load(accs[3])))
+            nu_v = builder.insert_element(ir.Constant(vec, ir.Undefined), args[14], ir.Constant(i32, 0))
+            total = builder.fmul(total, builder.shuffle_vector(nu_v, nu_v, ir.Constant(ir.VectorType(i32, width),
+                                                                                          [0] * width)))
+            nq_v, pointers = _lane_pointers(context, builder, signature, args, width)
+            for t, pointer in enumerate(pointers):
+                with builder.if_then(builder.icmp_signed(">", nq_v, const(t)), likely=True):
+                    builder.store(builder.extract_element(total, ir.Constant(i32, t)), pointer)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def hist_add(typingctx, table, rows, i, n, bits, pstride, estride, limit, safe, word, lanes, wts, q0, nq, nu):
+        if not _typed(table, rows, (i, n, bits, pstride, estride, limit, safe), word, lanes, wts, q0, nq, nu):
+            return None
+        sig = types.void(table, rows, i, n, bits, pstride, estride, limit, safe, word, lanes, wts, q0, nq, nu)
+
+        def codegen(context, builder, signature, args):
+            n_v, safe_v, entry, groups, width = _fields(context, builder, signature, args)
+            vec = ir.VectorType(f32, width)
+            nq_v, pointers = _lane_pointers(context, builder, signature, args, width)
+            slot = cgutils.alloca_once_value(builder, ir.Constant(vec, [0.0] * width))
+            for t, pointer in enumerate(pointers):
+                with builder.if_then(builder.icmp_signed(">", nq_v, const(t)), likely=True):
+                    lane = builder.fmul(builder.load(pointer), args[14])
+                    builder.store(builder.insert_element(builder.load(slot), lane, ir.Constant(i32, t)), slot)
+            add = builder.load(slot)
+
+            def scatter(pointer):
+                builder.store(builder.fadd(builder.load(pointer, align=4), add), pointer, align=4)
+
+            groups(lambda u, p, at, shift: scatter(entry(p, True, at, shift)))
+            with cgutils.for_range(builder, n_v, start=safe_v) as loop:
+                scatter(entry(loop.index, False))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    def _mover(accumulate):
+        def typer(typingctx, dst, d, src, s):
+            if not (_is_table(dst) and _is_table(src) and isinstance(d, types.Integer)
+                    and isinstance(s, types.Integer)):
+                return None
+            sig = types.void(dst, d, src, s)
+
+            def codegen(context, builder, signature, args):
+                d_v, s_v = [context.cast(builder, args[x], signature.args[x], types.int64) for x in (1, 3)]
+                target = _slot(context, builder, signature.args[0], args[0], d_v, 4)
+                value = builder.load(_slot(context, builder, signature.args[2], args[2], s_v, 4), align=4)
+                if accumulate:
+                    value = builder.fadd(builder.load(target, align=4), value)
+                builder.store(value, target, align=4)
+                return context.get_dummy_value()
+
+            return sig, codegen
+
+        typer.__name__ = "add4" if accumulate else "copy4"
+        return intrinsic(typer)
+
+    @intrinsic
+    def sum4(typingctx, dst, d, a, x, b, y):
+        if not (_is_table(dst) and _is_table(a) and _is_table(b)
+                and all(isinstance(v, types.Integer) for v in (d, x, y))):
+            return None
+        sig = types.void(dst, d, a, x, b, y)
+
+        def codegen(context, builder, signature, args):
+            d_v, x_v, y_v = [context.cast(builder, args[i], signature.args[i], types.int64) for i in (1, 3, 5)]
+            left = builder.load(_slot(context, builder, signature.args[2], args[2], x_v, 4), align=4)
+            right = builder.load(_slot(context, builder, signature.args[4], args[4], y_v, 4), align=4)
+            target = _slot(context, builder, signature.args[0], args[0], d_v, 4)
+            builder.store(builder.fadd(left, right), target, align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return lut_sum, hist_add, _mover(False), _mover(True), sum4

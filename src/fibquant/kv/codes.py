@@ -1,0 +1,143 @@
+"""Where coded tokens live: `CodeBuffer` (append-only uint8 code rows) and `CodedKV` (what one
+update of a `CompressedCache` layer attends to, with the coded part still as codes)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from fibquant.codecs.base import Codec
+
+MIN_GROWTH = 64      # code rows added at least when a buffer grows
+GROWTH_FRACTION = 16  # ... and at least capacity / 16: copies stay amortised O(1), reserve <= 6.25 %
+
+
+def _owned(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor that owns exactly its bytes (a slice would keep its parent's storage alive)."""
+    if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size() or not tensor.is_contiguous():
+        return tensor.contiguous().clone()
+    return tensor
+
+
+class CodeBuffer:
+    """Append-only rows of uint8 codes [B, H, capacity, code_size], grown geometrically.
+
+    Growth adds max(capacity / 16, 64) rows (or what the append needs): each stored row is copied
+    O(1) times on average (at most ~16 times), and the reserve never exceeds 6.25 % of the
+    capacity (+64 rows).
+
+    `view()` is [B, H, used, code_size]; a view taken before an append stays valid (appends
+    write past it, and growth copies into a new buffer without touching the old one).
+    """
+
+    def __init__(self, batch: int, heads: int, code_size: int, device: torch.device):
+        self.data = torch.empty(batch, heads, 0, code_size, dtype=torch.uint8, device=device)
+        self.used = 0
+
+    @classmethod
+    def from_rows(cls, rows: torch.Tensor) -> "CodeBuffer":
+        buffer = cls(rows.shape[0], rows.shape[1], rows.shape[-1], rows.device)
+        buffer.data, buffer.used = _owned(rows), rows.shape[-2]
+        return buffer
+
+    @property
+    def capacity(self) -> int:
+        return self.data.shape[-2]
+
+    def view(self) -> torch.Tensor:
+        return self.data[..., : self.used, :]
+
+    def append(self, rows: torch.Tensor) -> None:
+        """rows: uint8 [B, H, n, code_size]."""
+        n = rows.shape[-2]
+        if self.used + n > self.capacity:
+            capacity = max(self.capacity + max(self.capacity // GROWTH_FRACTION, MIN_GROWTH), self.used + n)
+            grown = torch.empty(*self.data.shape[:2], capacity, self.data.shape[-1], dtype=torch.uint8,
+                                device=self.data.device)
+            grown[..., : self.used, :] = self.view()
+            self.data = grown
+        self.data[..., self.used: self.used + n, :] = rows
+        self.used += n
+
+    def truncate(self, used: int) -> None:
+        self.used = min(self.used, max(used, 0))
+
+    def remap(self, fn) -> None:
+        """Apply a batch edit (select, repeat, move) to the stored rows; capacity shrinks to fit."""
+        self.data = _owned(fn(self.view()))
+        self.used = self.data.shape[-2]
+
+    def nbytes(self) -> int:
+        return self.data.untyped_storage().nbytes()
+
+    def used_nbytes(self) -> int:
+        return self.view().numel()
+
+
+@dataclass(frozen=True)
+class CodedKV:
+    """What the new tokens of one update attend to, with the coded part still as codes.
+
+    Column order (= absolute token order): sinks [B,H,s,D], coded [B,H,m,code_size] (uint8),
+    recent [B,H,r,D], new [B,H,T,D]. Returned by `CompressedLayer.update` in "codes" mode in
+    place of both the key and the value tensor; `materialize()` gives the reference floats.
+    """
+
+    sink_keys: torch.Tensor
+    sink_values: torch.Tensor
+    key_codes: torch.Tensor
+    value_codes: torch.Tensor
+    recent_keys: torch.Tensor
+    recent_values: torch.Tensor
+    new_keys: torch.Tensor
+    new_values: torch.Tensor
+    key_codec: Codec
+    value_codec: Codec
+    key_mean: Optional[torch.Tensor] = None    # [B, H, D] float32 added back to decoded keys (centring)
+    value_mean: Optional[torch.Tensor] = None  # [B, H, D] float32 added back to decoded values
+
+    @property
+    def num_sink(self) -> int:
+        return self.sink_keys.shape[-2]
+
+    @property
+    def num_coded(self) -> int:
+        return self.key_codes.shape[-2]
+
+    @property
+    def length(self) -> int:
+        return self.num_sink + self.num_coded + self.recent_keys.shape[-2] + self.new_keys.shape[-2]
+
+    def exact(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The exact part after the codes (recent window + new tokens), [B, H, r+T, D] each."""
+        dtype_k, dtype_v = self.new_keys.dtype, self.new_values.dtype
+        return (torch.cat([self.recent_keys.to(dtype_k), self.new_keys], dim=-2),
+                torch.cat([self.recent_values.to(dtype_v), self.new_values], dim=-2))
+
+    def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Float keys and values [B, H, length, D]: the coded part decoded (the reference path)."""
+        exact_keys, exact_values = self.exact()
+        keys = torch.cat([self.sink_keys.to(exact_keys.dtype),
+                          _decode_centred(self.key_codec, self.key_codes, self.key_mean, exact_keys.dtype),
+                          exact_keys], dim=-2)
+        values = torch.cat([self.sink_values.to(exact_values.dtype),
+                            _decode_centred(self.value_codec, self.value_codes, self.value_mean, exact_values.dtype),
+                            exact_values], dim=-2)
+        return keys, values
+
+    def __getattr__(self, name: str):
+        # Only reached for attributes a CodedKV does not have, i.e. when an attention function
+        # other than fibquant's treats it as a tensor: say what to do instead of failing obscurely.
+        raise AttributeError(
+            f"CodedKV has no attribute {name!r}: a CompressedCache with attention='codes' must be used by a model "
+            "whose attention implementation is 'fibquant' (CompressedCache.for_model or "
+            "fibquant.kv.attention.use_coded_attention(model) set it), or create the cache with attention='decode'")
+
+
+def _decode_centred(codec: Codec, codes: torch.Tensor, mean: Optional[torch.Tensor], dtype) -> torch.Tensor:
+    """codec.decode(codes) [B, H, m, D], plus the layer's mean [B, H, D] when the cache centres."""
+    if mean is None:
+        return codec.decode(codes, dtype=dtype)
+    return (codec.decode(codes) + mean.unsqueeze(-2)).to(dtype)
+

@@ -1,0 +1,288 @@
+"""`CompressedLayer`: one layer of a `CompressedCache` (semantics in the `fibquant.kv.cache` docstring)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from fibquant.codecs.base import Codec
+from fibquant.kv.codes import CodeBuffer, CodedKV, _decode_centred, _owned
+
+_FLOAT_FIELDS = ("sink_keys", "sink_values", "recent_keys", "recent_values")
+ATTENTION_MODES = ("codes", "decode")
+
+
+def _check_attention(value) -> str:
+    if value not in ATTENTION_MODES:
+        raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {value!r}")
+    return value
+
+
+class CompressedLayer(CacheLayerMixin):
+    """One layer of a `CompressedCache` (see the `fibquant.kv.cache` docstring for the semantics)."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False  # a crop inside the coded part cannot restore the exact recent window
+
+    def __init__(self, key_codec: Codec, value_codec: Codec, sink_tokens: int, recent_tokens: int,
+                 attention: str = "decode", encode_batch: int = 1, centre: bool = False):
+        # CacheLayerMixin.__init__ would create float `keys`/`values` slots; this layer has none.
+        self.key_codec = key_codec
+        self.value_codec = value_codec
+        self.sink_tokens = sink_tokens
+        self.recent_tokens = recent_tokens
+        self.encode_batch = max(1, encode_batch)
+        self.attention = _check_attention(attention)
+        self.centre = bool(centre)
+        # Centring: the mean key / value [B, H, D] (float32) of the first tokens this layer encodes,
+        # subtracted before every encode and added back on every read; None until then.
+        self.key_mean: Optional[torch.Tensor] = None
+        self.value_mean: Optional[torch.Tensor] = None
+        self.is_initialized = False
+        for name in _FLOAT_FIELDS:
+            setattr(self, name, None)
+        self.key_buffer: Optional[CodeBuffer] = None
+        self.value_buffer: Optional[CodeBuffer] = None
+
+    def __repr__(self) -> str:
+        return (f"CompressedLayer(tokens={self.get_seq_length()}, sinks={self.num_sink}, "
+                f"coded={self.num_coded}, recent={self.num_recent}, attention={self.attention!r})")
+
+    # ----------------------------------------------------------------- bookkeeping
+    @property
+    def num_sink(self) -> int:
+        return 0 if self.sink_keys is None else self.sink_keys.shape[-2]
+
+    @property
+    def num_coded(self) -> int:
+        return 0 if self.key_buffer is None else self.key_buffer.used
+
+    @property
+    def num_recent(self) -> int:
+        return 0 if self.recent_keys is None else self.recent_keys.shape[-2]
+
+    @property
+    def key_codes(self) -> Optional[torch.Tensor]:
+        """Stored key codes, uint8 [B, H, num_coded, key code_size] (a view of the buffer)."""
+        return None if self.key_buffer is None else self.key_buffer.view()
+
+    @property
+    def value_codes(self) -> Optional[torch.Tensor]:
+        return None if self.value_buffer is None else self.value_buffer.view()
+
+    @property
+    def batch_size(self) -> int:
+        return self.sink_keys.shape[0] if self.is_initialized else -1
+
+    def _float_tensors(self) -> list[torch.Tensor]:
+        """The exact window (sinks, recent) and, when centring, the means: every float tensor held."""
+        means = [t for t in (self.key_mean, self.value_mean) if t is not None]
+        return [getattr(self, name) for name in _FLOAT_FIELDS] + means
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor this layer holds (code buffers with their reserved capacity)."""
+        if not self.is_initialized:
+            return []
+        return self._float_tensors() + [self.key_buffer.data, self.value_buffer.data]
+
+    def nbytes(self) -> int:
+        """Bytes of storage held by this layer, reserved code capacity included."""
+        return sum(t.untyped_storage().nbytes() for t in self.tensors())
+
+    def used_nbytes(self) -> int:
+        """Bytes of the stored tokens only: exact window (+ means) + num_coded code rows."""
+        if not self.is_initialized:
+            return 0
+        return (sum(t.numel() * t.element_size() for t in self._float_tensors())
+                + self.key_buffer.used_nbytes() + self.value_buffer.used_nbytes())
+
+    # ----------------------------------------------------------------- contract
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: Optional[torch.Tensor] = None):
+        value_states = key_states if value_states is None else value_states
+        self._check_states(key_states, value_states)
+        self.dtype, self.device = key_states.dtype, key_states.device
+        batch, heads = key_states.shape[:2]
+
+        def empty(last: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.empty(batch, heads, 0, last, dtype=dtype, device=self.device)
+
+        self.sink_keys, self.recent_keys = empty(self.key_codec.dim, self.dtype), empty(self.key_codec.dim, self.dtype)
+        self.sink_values = empty(self.value_codec.dim, value_states.dtype)
+        self.recent_values = empty(self.value_codec.dim, value_states.dtype)
+        self.key_buffer = CodeBuffer(batch, heads, self.key_codec.code_size, self.device)
+        self.value_buffer = CodeBuffer(batch, heads, self.value_codec.code_size, self.device)
+        self.is_initialized = True
+
+    def _check_states(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        for name, states in (("key_states", key_states), ("value_states", value_states)):
+            if not isinstance(states, torch.Tensor) or states.ndim != 4:
+                shape = tuple(states.shape) if isinstance(states, torch.Tensor) else type(states).__name__
+                raise ValueError(f"CompressedCache expects {name} of shape [batch, kv_heads, tokens, head_dim], "
+                                 f"got {shape}")
+            if not states.is_floating_point():
+                raise ValueError(f"CompressedCache expects floating {name}, got dtype {states.dtype}")
+        if key_states.shape[-1] != self.key_codec.dim:
+            raise ValueError(f"key head_dim {key_states.shape[-1]} differs from the key codec dim "
+                             f"{self.key_codec.dim} ({self.key_codec!r})")
+        if value_states.shape[-1] != self.value_codec.dim:
+            raise ValueError(f"value head_dim {value_states.shape[-1]} differs from the value codec dim "
+                             f"{self.value_codec.dim} ({self.value_codec!r})")
+        if key_states.shape[:3] != value_states.shape[:3]:
+            raise ValueError(f"key and value states disagree on [batch, heads, tokens]: "
+                             f"{tuple(key_states.shape)} vs {tuple(value_states.shape)}")
+        if self.is_initialized and tuple(key_states.shape[:2]) != tuple(self.sink_keys.shape[:2]):
+            raise ValueError(f"[batch, kv_heads] changed from {tuple(self.sink_keys.shape[:2])} to "
+                             f"{tuple(key_states.shape[:2])}; use batch_select_indices/reorder_cache")
+
+    def snapshot(self, key_states: torch.Tensor, value_states: torch.Tensor) -> CodedKV:
+        """What tokens `key_states`/`value_states` [B, H, T, D] attend to, before they are stored."""
+        return CodedKV(self.sink_keys, self.sink_values, self.key_codes, self.value_codes, self.recent_keys,
+                       self.recent_values, key_states, value_states, self.key_codec, self.value_codec,
+                       self.key_mean, self.value_mean)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Return what the new tokens attend to, then archive what left the window.
+
+        key_states, value_states: [batch, kv_heads, T, head_dim]. "decode" mode returns two
+        float tensors [batch, kv_heads, seq_length_before + T, head_dim] in the inputs' dtype;
+        "codes" mode returns the same `CodedKV` twice (read by fibquant's attention function).
+        """
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self._check_states(key_states, value_states)
+        view = self.snapshot(key_states, value_states)
+        self._absorb(key_states, value_states)
+        if self.attention == "codes":
+            return view, view
+        return view.materialize()
+
+    def _absorb(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Store new tokens: fill the sinks first, then the recent window; encode the overflow."""
+        to_sink = max(min(self.sink_tokens - self.num_sink, key_states.shape[-2]), 0)
+        if to_sink > 0:
+            self.sink_keys = _owned(torch.cat([self.sink_keys, key_states[..., :to_sink, :]], dim=-2))
+            self.sink_values = _owned(torch.cat([self.sink_values, value_states[..., :to_sink, :]], dim=-2))
+        recent_keys = torch.cat([self.recent_keys, key_states[..., to_sink:, :]], dim=-2)
+        recent_values = torch.cat([self.recent_values, value_states[..., to_sink:, :]], dim=-2)
+        overflow = recent_keys.shape[-2] - self.recent_tokens
+        if overflow >= self.encode_batch:
+            leaving_keys, leaving_values = recent_keys[..., :overflow, :], recent_values[..., :overflow, :]
+            if self.centre:
+                if self.key_mean is None:  # fixed once, from the first tokens encoded (e.g. the prefill)
+                    self.key_mean = leaving_keys.to(torch.float32).mean(dim=-2)
+                    self.value_mean = leaving_values.to(torch.float32).mean(dim=-2)
+                leaving_keys = leaving_keys.to(torch.float32) - self.key_mean.unsqueeze(-2)
+                leaving_values = leaving_values.to(torch.float32) - self.value_mean.unsqueeze(-2)
+            self.key_buffer.append(self.key_codec.encode(leaving_keys))
+            self.value_buffer.append(self.value_codec.encode(leaving_values))
+            recent_keys, recent_values = recent_keys[..., overflow:, :], recent_values[..., overflow:, :]
+        # The recent slice is copied so the dropped (now encoded) floats are really freed.
+        self.recent_keys, self.recent_values = _owned(recent_keys), _owned(recent_values)
+
+    def get_mask_sizes(self, query_length) -> tuple[int, int]:
+        if isinstance(query_length, torch.Tensor):  # transformers < 5 passed cache_position
+            query_length = query_length.shape[0]
+        return self.get_seq_length() + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.num_sink + self.num_coded + self.num_recent
+
+    def get_max_length(self) -> int:
+        return -1
+
+    get_max_cache_shape = get_max_length
+
+    # ----------------------------------------------------------------- read-back views
+    @property
+    def keys(self) -> Optional[torch.Tensor]:
+        """All keys [batch, kv_heads, seq, head_dim], decoded on request (not stored)."""
+        if not self.is_initialized:
+            return None
+        return torch.cat([self.sink_keys,
+                          _decode_centred(self.key_codec, self.key_codes, self.key_mean, self.sink_keys.dtype),
+                          self.recent_keys], dim=-2)
+
+    @property
+    def values(self) -> Optional[torch.Tensor]:
+        """All values [batch, kv_heads, seq, head_dim], decoded on request (not stored)."""
+        if not self.is_initialized:
+            return None
+        return torch.cat([self.sink_values,
+                          _decode_centred(self.value_codec, self.value_codes, self.value_mean, self.sink_values.dtype),
+                          self.recent_values], dim=-2)
+
+    # ----------------------------------------------------------------- persistence (kv/persist.py)
+    @classmethod
+    def from_state(cls, key_codec: Codec, value_codec: Codec, sink_tokens: int, recent_tokens: int,
+                   state: dict, key_codes: torch.Tensor, value_codes: torch.Tensor, attention: str = "decode",
+                   encode_batch: int = 1) -> "CompressedLayer":
+        """An initialised layer holding `state` (sink_keys, sink_values, recent_keys, recent_values:
+        [B, H, s|r, D] floats, copied) and the code rows uint8 [B, H, m, code_size] (owned)."""
+        layer = cls(key_codec, value_codec, sink_tokens, recent_tokens, attention, encode_batch)
+        layer.lazy_initialization(state["sink_keys"], state["sink_values"])
+        for name in _FLOAT_FIELDS:
+            setattr(layer, name, state[name].clone())
+        for role, codes, codec in (("key", key_codes, key_codec), ("value", value_codes, value_codec)):
+            if codes.dtype != torch.uint8 or codes.ndim != 4 or codes.shape[-1] != codec.code_size \
+                    or tuple(codes.shape[:2]) != tuple(state["sink_keys"].shape[:2]):
+                raise ValueError(f"{role} codes must be uint8 [B, H, m, {codec.code_size}], got "
+                                 f"{codes.dtype} {tuple(codes.shape)}")
+        if key_codes.shape[-2] != value_codes.shape[-2]:
+            raise ValueError(f"{key_codes.shape[-2]} key code rows but {value_codes.shape[-2]} value code rows")
+        layer.key_buffer = CodeBuffer.from_rows(key_codes)
+        layer.value_buffer = CodeBuffer.from_rows(value_codes)
+        return layer
+
+    # ----------------------------------------------------------------- editing
+    def _apply(self, fn) -> None:
+        if self.is_initialized:
+            for name in _FLOAT_FIELDS:
+                setattr(self, name, _owned(fn(getattr(self, name))))
+            self.key_buffer.remap(fn)
+            self.value_buffer.remap(fn)
+            if self.key_mean is not None:  # [B, H, D]: batch edits apply, token edits do not
+                self.key_mean, self.value_mean = fn(self.key_mean), fn(self.value_mean)
+
+    def reset(self) -> None:
+        self.key_mean = self.value_mean = None
+        self._apply(lambda t: t[..., :0, :])
+
+    def crop(self, max_length: int) -> None:
+        """Drop `-max_length` tokens from the end (transformers 5 passes a negative count);
+        a non-negative value keeps the first `max_length` tokens.
+
+        Tokens keep the form they are stored in: if the cut falls inside the coded part, the
+        recent window is empty until new tokens arrive (nothing is re-created exactly).
+        """
+        if max_length < 0:
+            max_length = self.get_seq_length() - abs(max_length)
+        max_length = max(max_length, 0)
+        if self.get_seq_length() <= max_length:
+            return
+        keep_sink = min(self.num_sink, max_length)
+        keep_coded = min(self.num_coded, max_length - keep_sink)
+        keep_recent = max_length - keep_sink - keep_coded
+        for prefix, keep in (("sink", keep_sink), ("recent", keep_recent)):
+            for kind in ("keys", "values"):
+                name = f"{prefix}_{kind}"
+                setattr(self, name, _owned(getattr(self, name)[..., :keep, :]))
+        self.key_buffer.truncate(keep_coded)
+        self.value_buffer.truncate(keep_coded)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._apply(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._apply(lambda t: t[indices.to(t.device)])
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._apply(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def offload(self) -> None:
+        self._apply(lambda t: t.to("cpu"))
+
+    def prefetch(self) -> None:
+        if self.is_initialized:
+            self._apply(lambda t: t.to(self.device))
