@@ -1,0 +1,1 @@
+"""Bridges to serving engines and model formats (optional: each imports its engine lazily)."""

@@ -1,0 +1,70 @@
+"""The one switch of the vLLM plugin: `FIBQUANT_VLLM_CACHE`, a cache spec read in every vLLM process.
+
+    unset / empty               the plugin does nothing: vLLM runs exactly as without it
+    fibquant:b=4                keys and values with FibQuant at 4 bits/coordinate
+    fibquant:b=4/fibquant:b=2   keys / values at different rates (or codecs: turboquant:b=3, ...)
+
+Any calibration-free codec spec of `fibquant.eval.methods` works on each side; codecs with a rotated
+codebook (FibQuant, TurboQuant) are attended on their codes, others are decoded for attention.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+ENV_VAR = "FIBQUANT_VLLM_CACHE"
+
+
+@dataclass(frozen=True)
+class VllmCacheConfig:
+    """Key and value codec specs (validated on construction)."""
+
+    key_spec: str
+    value_spec: str
+
+    def __post_init__(self) -> None:
+        for spec in (self.key_spec, self.value_spec):
+            method = _method(spec)
+            if method.calibrated or getattr(method, "reference", method.family == "fp"):
+                raise ValueError(f"{ENV_VAR}: {spec!r} is not a calibration-free codec; "
+                                 "use e.g. fibquant:b=4 or turboquant:b=3")
+
+    @classmethod
+    def parse(cls, text: str) -> "VllmCacheConfig":
+        parts = [part.strip() for part in text.split("/")]
+        if len(parts) > 2 or not all(parts):
+            raise ValueError(f"{ENV_VAR}={text!r}: expected SPEC or KEY_SPEC/VALUE_SPEC, e.g. fibquant:b=4/fibquant:b=2")
+        return cls(parts[0], parts[-1])
+
+    @property
+    def spec(self) -> str:
+        return self.key_spec if self.key_spec == self.value_spec else f"{self.key_spec}/{self.value_spec}"
+
+    def codecs(self, head_dim: int):
+        """(key codec, value codec) for `head_dim`, shared by every layer of the process."""
+        return _codec(self.key_spec, head_dim), _codec(self.value_spec, head_dim)
+
+    def slot_bytes(self, head_dim: int) -> int:
+        """Bytes of one token of one KV head in a page: key code, value code, padded to an even
+        count because vLLM views the page in the model dtype (2 bytes) before handing it over."""
+        key, value = self.codecs(head_dim)
+        size = key.code_size + value.code_size
+        return size + (size % 2)
+
+
+def _method(spec: str):
+    from fibquant.eval.methods import parse_method
+
+    return parse_method(spec)
+
+
+@functools.lru_cache(maxsize=None)
+def _codec(spec: str, head_dim: int):
+    return _method(spec).build(head_dim)
+
+
+def active_config() -> VllmCacheConfig | None:
+    """The config named by `FIBQUANT_VLLM_CACHE`, or None when the switch is off."""
+    text = os.environ.get(ENV_VAR, "").strip()
+    return VllmCacheConfig.parse(text) if text else None

@@ -1,0 +1,139 @@
+"""Run a vLLM engine in a child process, with or without the FibQuant cache, and return plain data.
+
+Why a child process: the plugin registers its backend when vLLM starts, once per process, so a
+bf16 engine and a FibQuant engine (or two rates) cannot share one. Tests and the serving benchmark
+call `run_task`; the child runs `python -m fibquant.integrations.vllm.engine` on a JSON task.
+
+Tasks (JSON in, JSON out; every result also has `kv_capacity_tokens`, `load_s` and `task_s`):
+    {"task": "greedy", "prompts": [str], "max_tokens": int}
+        -> {"token_ids": [[int]], "texts": [str]}
+    {"task": "prompt_logprobs", "token_ids": [int]}
+        -> {"logprobs": [float]}  (log p of tokens 1..n-1 given their prefix)
+    {"task": "throughput", "prompt_token_ids": [[int]], "max_tokens": int}
+        -> {"seconds": float, "ttft_s": float, "generated": int}
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+from fibquant.integrations.vllm.config import ENV_VAR
+
+RESULT_MARK = "FIBQUANT_RESULT "
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What the engine is started with. `kv_cache_gib` sets VLLM_CPU_KVCACHE_SPACE (the CPU KV budget);
+    `chunk_tokens` caps the tokens of one forward (chunked prefill), which is also what decides how
+    many earlier tokens a prompt token sees through codes."""
+
+    model_dir: str
+    cache_spec: str | None = None
+    max_model_len: int = 2048
+    chunk_tokens: int = 2048
+    kv_cache_gib: float = 1.0
+    dtype: str = "bfloat16"
+    max_num_seqs: int = 16
+
+    def __post_init__(self) -> None:
+        if self.chunk_tokens < 1 or self.max_model_len < 2 or self.kv_cache_gib <= 0:
+            raise ValueError(f"bad engine settings: {self}")
+
+
+def run_task(settings: EngineSettings, task: dict, timeout: float = 1800.0, python: str | None = None) -> dict:
+    """Start a child vLLM engine with `settings`, run `task`, return its JSON result.
+
+    Raises RuntimeError with the child's last output lines when it fails.
+    """
+    env = dict(os.environ)
+    env.pop(ENV_VAR, None)
+    if settings.cache_spec:
+        env[ENV_VAR] = settings.cache_spec
+    env["VLLM_CPU_KVCACHE_SPACE"] = f"{settings.kv_cache_gib:g}"
+    env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    payload = json.dumps({"settings": asdict(settings), "task": task})
+    done = subprocess.run([python or sys.executable, "-m", "fibquant.integrations.vllm.engine"], input=payload,
+                          capture_output=True, text=True, env=env, timeout=timeout)
+    for line in reversed(done.stdout.splitlines()):
+        if line.startswith(RESULT_MARK):
+            return json.loads(line[len(RESULT_MARK):])
+    tail = "\n".join((done.stdout + done.stderr).splitlines()[-30:])
+    raise RuntimeError(f"vLLM child exited with {done.returncode} and no result:\n{tail}")
+
+
+def _engine(settings: EngineSettings):
+    from vllm import LLM
+
+    return LLM(model=settings.model_dir, dtype=settings.dtype, enforce_eager=True,
+               max_model_len=settings.max_model_len, enable_chunked_prefill=True,
+               max_num_batched_tokens=settings.chunk_tokens, max_num_seqs=settings.max_num_seqs,
+               enable_prefix_caching=False, seed=0)
+
+
+def _capacity(llm) -> int:
+    config = llm.llm_engine.vllm_config.cache_config
+    return int(config.num_gpu_blocks or 0) * int(config.block_size)
+
+
+def _greedy(llm, task: dict) -> dict:
+    from vllm import SamplingParams
+
+    outputs = llm.generate(task["prompts"], SamplingParams(max_tokens=task["max_tokens"], temperature=0.0),
+                           use_tqdm=False)
+    return {"token_ids": [list(o.outputs[0].token_ids) for o in outputs],
+            "texts": [o.outputs[0].text for o in outputs]}
+
+
+def _prompt_logprobs(llm, task: dict) -> dict:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    ids = task["token_ids"]
+    output = llm.generate([TokensPrompt(prompt_token_ids=ids)],
+                          SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0), use_tqdm=False)[0]
+    values = [entry[token].logprob for entry, token in zip(output.prompt_logprobs[1:], ids[1:])]
+    return {"logprobs": values}
+
+
+def _throughput(llm, task: dict) -> dict:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in task["prompt_token_ids"]]
+    params = SamplingParams(max_tokens=task["max_tokens"], temperature=0.0, ignore_eos=True)
+    first = time.perf_counter()
+    llm.generate(prompts[:1], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+    ttft = time.perf_counter() - first
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "ttft_s": ttft, "generated": sum(len(o.outputs[0].token_ids) for o in outputs),
+            "prompt_tokens": sum(len(ids) for ids in task["prompt_token_ids"])}
+
+
+TASKS = {"greedy": _greedy, "prompt_logprobs": _prompt_logprobs, "throughput": _throughput}
+
+
+def _main() -> None:
+    request = json.loads(sys.stdin.read())
+    settings, task = EngineSettings(**request["settings"]), request["task"]
+    if task.get("task") not in TASKS:
+        raise ValueError(f"unknown task {task.get('task')!r}; expected one of {sorted(TASKS)}")
+    start = time.perf_counter()
+    llm = _engine(settings)
+    result = {"load_s": time.perf_counter() - start, "kv_capacity_tokens": _capacity(llm),
+              "cache_spec": settings.cache_spec}
+    start = time.perf_counter()
+    result.update(TASKS[task["task"]](llm, task))
+    result["task_s"] = time.perf_counter() - start
+    print(RESULT_MARK + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    _main()

@@ -1,0 +1,74 @@
+"""Same text, same cache semantics, two engines: perplexity through vLLM's `prompt_logprobs` with the
+FibQuant backend against transformers with `CompressedCache(sink_tokens=0, recent_tokens=0)`.
+
+Both feed the text in chunks of `chunk` tokens; a chunk attends to itself exactly and to every
+earlier token through its codes (vLLM: chunked prefill with `max_num_batched_tokens=chunk`). The
+comparison is of each engine's increase over its own uncompressed run, because the engines differ
+in weight precision (vLLM bf16 from the exported directory, transformers float32 from the GGUF).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from fibquant.integrations.vllm.engine import EngineSettings, run_task
+
+
+@dataclass(frozen=True)
+class ParityRow:
+    spec: str
+    transformers_ppl: float
+    vllm_ppl: float
+    transformers_increase: float  # ppl / uncompressed ppl - 1, same engine
+    vllm_increase: float
+
+
+def held_token_ids(tokenizer, tokens: int, text: str = "emma", offset_chars: int = 200_000) -> list[int]:
+    """`tokens` ids of a public-domain text, taken from `offset_chars` on (away from the title page)."""
+    from fibquant.data.text import load_text
+
+    body = load_text(text)
+    if len(body) <= offset_chars:
+        raise ValueError(f"text {text!r} has {len(body)} characters, fewer than offset {offset_chars}")
+    ids = tokenizer(body[offset_chars: offset_chars + 8 * tokens])["input_ids"][:tokens]
+    if len(ids) < tokens:
+        raise ValueError(f"text {text!r} gave {len(ids)} tokens after the offset, fewer than {tokens}")
+    return ids
+
+
+def _ppl(logprobs) -> float:
+    return math.exp(-sum(logprobs) / len(logprobs))
+
+
+def transformers_ppl(model, ids: list[int], spec: str | None, chunk: int) -> float:
+    """Perplexity of ids[1:] with the transformers model fed in chunks (None: DynamicCache)."""
+    import torch
+    from transformers import DynamicCache
+
+    from fibquant.eval.perplexity import window_nll
+    from fibquant.integrations.vllm.config import VllmCacheConfig
+    from fibquant.kv.cache import CompressedCache
+
+    if spec is None:
+        cache = DynamicCache(config=model.config)
+    else:
+        key, value = VllmCacheConfig.parse(spec).codecs(model.config.head_dim)
+        cache = CompressedCache.for_model(model, key, value, sink_tokens=0, recent_tokens=0, encode_batch=1)
+    with torch.no_grad():
+        nll = window_nll(model, torch.tensor([ids]), cache, chunk)
+    return math.exp(float(nll.mean()))
+
+
+def vllm_ppl(model_dir: str, ids: list[int], spec: str | None, chunk: int) -> float:
+    settings = EngineSettings(model_dir, cache_spec=spec, max_model_len=max(len(ids) + 8, 64), chunk_tokens=chunk,
+                              max_num_seqs=1)
+    return _ppl(run_task(settings, {"task": "prompt_logprobs", "token_ids": ids})["logprobs"])
+
+
+def parity(model, model_dir: str, ids: list[int], specs: list[str], chunk: int) -> list[ParityRow]:
+    base_tf, base_vllm = transformers_ppl(model, ids, None, chunk), vllm_ppl(model_dir, ids, None, chunk)
+    rows = []
+    for spec in specs:
+        tf, vl = transformers_ppl(model, ids, spec, chunk), vllm_ppl(model_dir, ids, spec, chunk)
+        rows.append(ParityRow(spec, tf, vl, tf / base_tf - 1.0, vl / base_vllm - 1.0))
+    return rows
