@@ -56,3 +56,12 @@ def test_exported_default_model_reloads_with_the_same_predictions(tmp_path):
     with torch.no_grad():
         want, got = reference(ids).logits, exported(ids).logits
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
+
+
+def test_cli_export_refuses_a_non_empty_directory_with_a_clear_error(tmp_path, capsys):
+    from fibquant.cli import main
+
+    (tmp_path / "keep.txt").write_text("mine")
+    assert main(["model", "export-hf", str(tmp_path)]) == 2
+    assert "not empty" in capsys.readouterr().err
+    assert (tmp_path / "keep.txt").read_text() == "mine"

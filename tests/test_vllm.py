@@ -43,6 +43,14 @@ def test_config_refuses_bad_specs(text):
         VllmCacheConfig.parse(text)
 
 
+@pytest.mark.parametrize("value", ["-1", "two", "1.5"])
+def test_sink_tokens_switch_refuses_non_integers(monkeypatch, value):
+    monkeypatch.setenv(ENV_VAR, "fibquant:b=4")
+    monkeypatch.setenv("FIBQUANT_VLLM_SINK_TOKENS", value)
+    with pytest.raises(ValueError, match="FIBQUANT_VLLM_SINK_TOKENS"):
+        active_config()
+
+
 def test_slot_bytes_are_both_codes_padded_even():
     config = VllmCacheConfig.parse("fibquant:b=4/fibquant:b=2")
     key, value = config.codecs(64)
@@ -111,44 +119,50 @@ def test_unsupported_model_features_are_refused(monkeypatch):
 
 
 @needs_vllm
-def test_paged_codes_attention_equals_decoded_reference(monkeypatch):
-    """Two requests in one batch (a prefill chunk after 37 cached tokens, a decode after 5), pages
-    scattered over blocks: output = softmax attention over decoded earlier codes + exact own chunk."""
+@pytest.mark.parametrize("sink_tokens", [0, 3])
+def test_paged_codes_attention_equals_decoded_reference(monkeypatch, sink_tokens):
+    """Three requests, pages scattered over blocks. Forward 1 prefills each request's earlier tokens
+    (37, 5, 20); forward 2 batches a 6-token chunk and two decodes (padded to the longer context).
+    Forward 2's output = softmax attention over: the first `sink_tokens` exact, the other earlier
+    tokens decoded from their codes, the own chunk exact (causal)."""
     import torch
 
     monkeypatch.setenv(ENV_VAR, "fibquant:b=4/fibquant:b=2")
+    monkeypatch.setenv("FIBQUANT_VLLM_SINK_TOKENS", str(sink_tokens))
     from fibquant.integrations.vllm.backend import FibQuantAttentionImpl, FibQuantMetadata
 
     torch.manual_seed(0)
     heads, kv_heads, dim, block = 4, 2, 64, 8
     impl = FibQuantAttentionImpl(heads, dim, dim ** -0.5, kv_heads)
     slot = VllmCacheConfig.parse("fibquant:b=4/fibquant:b=2").slot_bytes(dim)
-    kv_cache = torch.zeros(12, kv_heads, block, slot // 2, dtype=torch.bfloat16)
-    tables = torch.tensor([[7, 2, 9, 4, 11, 0], [5, 1, 3, 6, 8, 10]], dtype=torch.int32)
-    lengths, news = [37 + 6, 5 + 1], [6, 1]
-
-    def slots(request, positions):
-        return torch.tensor([int(tables[request, p // block]) * block + p % block for p in positions])
-
+    kv_cache = torch.zeros(16, kv_heads, block, slot // 2, dtype=torch.bfloat16)
+    tables = torch.tensor([[7, 2, 9, 4, 11, 0], [5, 1, 3, 6, 8, 10], [12, 14, 13, 15, 99, 99]], dtype=torch.int32)
+    lengths, news = [37 + 6, 5 + 1, 20 + 1], [6, 1, 1]
+    pasts = [n - t for n, t in zip(lengths, news)]
+    requests = range(len(lengths))
     keys = [torch.randn(n, kv_heads, dim) for n in lengths]
     values = [torch.randn(n, kv_heads, dim) for n in lengths]
-    for r in range(2):  # the earlier tokens, written as a previous forward would have
-        past = lengths[r] - news[r]
-        impl.do_kv_cache_update(None, keys[r][:past].reshape(past, -1), values[r][:past].reshape(past, -1),
-                                kv_cache, slots(r, range(past)))
-    new_k = torch.cat([keys[r][-news[r]:] for r in range(2)]).reshape(sum(news), -1)
-    new_v = torch.cat([values[r][-news[r]:] for r in range(2)]).reshape(sum(news), -1)
-    mapping = torch.cat([slots(r, range(lengths[r] - news[r], lengths[r])) for r in range(2)])
-    impl.do_kv_cache_update(None, new_k, new_v, kv_cache, mapping)
-    query = torch.randn(sum(news), heads * dim)
-    meta = FibQuantMetadata(sum(news), [0, news[0], sum(news)], lengths, tables, mapping)
-    out = impl.forward(None, query, new_k, new_v, kv_cache, meta, torch.empty(sum(news), heads * dim))
+
+    def forward(parts, totals):  # parts: per request the positions of this forward's tokens
+        mapping = torch.tensor([int(tables[r, p // block]) * block + p % block for r in requests for p in parts[r]])
+        k = torch.cat([keys[r][parts[r]] for r in requests]).reshape(len(mapping), -1)
+        v = torch.cat([values[r][parts[r]] for r in requests]).reshape(len(mapping), -1)
+        starts = [0]
+        for r in requests:
+            starts.append(starts[-1] + len(parts[r]))
+        impl.do_kv_cache_update(None, k, v, kv_cache, mapping)
+        query = torch.randn(len(mapping), heads * dim)
+        meta = FibQuantMetadata(len(mapping), starts, totals, tables, mapping)
+        return query, impl.forward(None, query, k, v, kv_cache, meta, torch.empty(len(mapping), heads * dim))
+
+    forward([list(range(p)) for p in pasts], pasts)
+    query, out = forward([list(range(p, n)) for p, n in zip(pasts, lengths)], lengths)
 
     start = 0
-    for r in range(2):
-        past, n = lengths[r] - news[r], news[r]
-        k = torch.cat([impl.key_codec.roundtrip(keys[r][:past]), keys[r][past:]])  # [L, Hk, D]
-        v = torch.cat([impl.value_codec.roundtrip(values[r][:past]), values[r][past:]])
+    for r in requests:
+        past, n, sinks = pasts[r], news[r], min(sink_tokens, pasts[r])
+        k = torch.cat([keys[r][:sinks], impl.key_codec.roundtrip(keys[r][sinks:past]), keys[r][past:]])
+        v = torch.cat([values[r][:sinks], impl.value_codec.roundtrip(values[r][sinks:past]), values[r][past:]])
         q = query[start:start + n].reshape(n, heads, dim)
         k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
         scores = torch.einsum("qhd,khd->hqk", q, k) * dim ** -0.5
@@ -157,3 +171,27 @@ def test_paged_codes_attention_equals_decoded_reference(monkeypatch):
         expected = torch.einsum("hqk,khd->qhd", weights, v).reshape(n, -1)
         torch.testing.assert_close(out[start:start + n], expected, rtol=1e-4, atol=1e-4)
         start += n
+
+
+def test_sink_store_keeps_only_complete_entries():
+    import torch
+
+    from fibquant.integrations.vllm.sinks import SinkStore
+
+    store = SinkStore(sink_tokens=4, max_entries=2)
+    tokens = torch.arange(6 * 2 * 3, dtype=torch.float32).reshape(6, 2, 3)
+    store.record(7, 0, tokens[:2], -tokens[:2])        # positions 0, 1
+    assert store.lookup(7, 3) is None                    # position 2 is missing: codes, not a guess
+    store.record(7, 2, tokens[2:6], -tokens[2:6])      # positions 2..5: only 2, 3 are sinks
+    keys, values = store.lookup(7, 10)
+    assert torch.equal(keys, tokens[:4]) and torch.equal(values, -tokens[:4])
+    assert torch.equal(store.lookup(7, 2)[0], tokens[:2])
+    store.record(7, 0, tokens[3:4], tokens[3:4])         # a new sequence on block 7: the old entry is gone
+    assert store.lookup(7, 2) is None
+    store.record(9, 5, tokens[:1], tokens[:1])           # past the sinks: nothing to keep
+    assert store.lookup(9, 6) is None
+    for block in (1, 2, 3):                              # at most two entries: the oldest goes first
+        store.record(block, 0, tokens[:4], tokens[:4])
+    assert store.lookup(1, 4) is None and store.lookup(3, 4) is not None
+    with pytest.raises(ValueError):
+        SinkStore(sink_tokens=-1, max_entries=1)

@@ -1,4 +1,4 @@
-"""The canonical source of FibQuant (Theorem 1 of the brief).
+"""The canonical source of FibQuant: rotated unit vectors and the law of their k-blocks.
 
 For any nonzero x in R^d, u = Pi x / ||x|| with one shared Haar-random orthogonal Pi is
 uniform on the unit sphere S^{d-1}. Every block y of k consecutive coordinates of u then has

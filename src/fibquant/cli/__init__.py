@@ -2,7 +2,9 @@
 
 Each command group lives in its own module exposing `register(subparsers)` (top-level
 commands) and/or `register_eval(eval_subparsers)` (under `fibquant eval`). A parser sets
-`func` to a callable taking the parsed namespace and returning an exit code.
+`func` to a callable taking the parsed namespace and returning an exit code. Arguments
+shared by several commands (`--methods`, `--out`, `--text`, `--model`, `--threads`) are
+defined once in `_common`; experiments run through `_common.run_experiment`.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ _COMMAND_MODULES = (
     "fibquant.cli.speed",      # fibquant eval speed
     "fibquant.cli.cache",      # fibquant cache save|info|generate, fibquant eval archive-kv
     "fibquant.cli.needle",     # fibquant eval needle
+    "fibquant.cli.model",      # fibquant model export-hf
 )
 
 
@@ -35,13 +38,14 @@ def build_parser() -> argparse.ArgumentParser:
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as exc:
-            if exc.name != name:  # a real missing dependency, not an absent command module
-                raise
-            continue
-        if hasattr(module, "register"):
-            module.register(sub)
-        if hasattr(module, "register_eval"):
-            module.register_eval(eval_sub)
+            raise ImportError(f"fibquant command module {name} cannot be imported: {exc}") from exc
+        registers = [getattr(module, f, None) for f in ("register", "register_eval")]
+        if not any(registers):
+            raise TypeError(f"fibquant command module {name} defines neither register nor register_eval")
+        if registers[0]:
+            registers[0](sub)
+        if registers[1]:
+            registers[1](eval_sub)
     return parser
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ._threads import add_threads_argument, apply_threads
+from ._common import add_threads_argument, apply_threads
 
 
 def _read_symbols(path: Path, input_format: str) -> tuple[np.ndarray, int]:
@@ -119,9 +119,17 @@ def register(subparsers) -> None:
 def register_eval(eval_subparsers) -> None:
     parser = eval_subparsers.add_parser("archive", help="fractal archive benchmark (table, JSON, plot)")
     parser.add_argument("--quick", action="store_true", help="10^5 symbols per stream")
-    parser.add_argument("--out", default="results/archive")
+    parser.add_argument("--out", default=None,
+                        help="output folder (default $FIBQUANT_RESULTS_DIR/archive, else ./results/archive)")
     add_threads_argument(parser)
     parser.set_defaults(func=_eval)
+
+
+def eval_out_dir(out) -> Path:
+    """`--out`, else `<results directory>/archive` (fibquant.paths)."""
+    from ..paths import results_root
+
+    return Path(out) if out else results_root() / "archive"
 
 
 def _eval(args) -> int:
@@ -129,5 +137,5 @@ def _eval(args) -> int:
 
     config = config_for(args.quick)
     apply_threads(args)
-    run(config, out_dir=args.out)
+    run(config, out_dir=eval_out_dir(args.out))
     return 0

@@ -5,7 +5,8 @@ import argparse
 import json
 import sys
 
-from ._threads import add_threads_argument, apply_threads
+from ._common import (add_list_argument, add_model_argument, add_out_argument, add_text_argument,
+                      add_threads_argument, apply_threads)
 
 
 def _prompt_ids(args, tokenizer):
@@ -83,7 +84,7 @@ def register(subparsers) -> None:
     save.add_argument("--recent-tokens", type=int, default=32)
     save.add_argument("--max-new-tokens", type=int, default=32)
     save.add_argument("--checkpoint-every", type=int, default=64)
-    save.add_argument("--model", default=None, help="a .gguf file or model directory (default: SmolLM2-135M)")
+    add_model_argument(save)
     save.add_argument("--overwrite", action="store_true")
     add_threads_argument(save)
     save.set_defaults(func=_save)
@@ -95,7 +96,7 @@ def register(subparsers) -> None:
     generate.add_argument("--prompt", default=None, help="text appended before generating (e.g. a new turn)")
     generate.add_argument("--max-new-tokens", type=int, default=32)
     generate.add_argument("--checkpoint-every", type=int, default=64)
-    generate.add_argument("--model", default=None)
+    add_model_argument(generate)
     add_threads_argument(generate)
     generate.set_defaults(func=_generate)
 
@@ -104,17 +105,17 @@ def register_eval(eval_subparsers) -> None:
     parser = eval_subparsers.add_parser("archive-kv", help="saved-cache benchmarks: prefix reuse TTFT, code search")
     parser.add_argument("--prefix-tokens", type=int, default=1024)
     parser.add_argument("--suffix-tokens", type=int, default=16)
-    parser.add_argument("--text", default="emma")
+    add_text_argument(parser)
     parser.add_argument("--method", default="fibquant:b=2")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--parts", default="ttft,search,store,study",
-                        help="comma-separated subset of ttft,search,store,study (default: all)")
-    parser.add_argument("--search-sizes", default="100000,1000000",
-                        help="stored tokens of the search-at-scale part (comma-separated)")
+    add_list_argument(parser, "--parts", type=str, default=["ttft", "search", "store", "study"], metavar="PART",
+                      help="subset of ttft search store study (default: all)")
+    add_list_argument(parser, "--search-sizes", default=[100_000, 1_000_000],
+                      help="stored tokens of the search-at-scale part (default: 100000 1000000)")
     parser.add_argument("--study-windows", type=int, default=2, help="windows of --study-context tokens of emma")
     parser.add_argument("--study-context", type=int, default=1024)
     parser.add_argument("--name", default="archive_kv", help="report file name (results/NAME.json|.png)")
-    parser.add_argument("--out", default=None, help="results folder (default $FIBQUANT_RESULTS_DIR or ./results)")
+    add_out_argument(parser)
     add_threads_argument(parser)
     parser.set_defaults(func=_eval)
 
@@ -127,8 +128,7 @@ def _eval(args: argparse.Namespace) -> int:
     from fibquant.eval.archive_study import StudyConfig
 
     study = StudyConfig(windows=args.study_windows, context=args.study_context)
-    parts = tuple(p.strip() for p in args.parts.split(",") if p.strip())
-    sizes = tuple(int(x) for x in args.search_sizes.split(",") if x.strip())
+    parts, sizes = tuple(args.parts), tuple(args.search_sizes)
     apply_threads(args)
     main_archive_kv(config, args.out, parts=parts, study=study, search_sizes=sizes, name=args.name)
     return 0

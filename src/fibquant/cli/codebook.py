@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ._common import add_list_argument
+
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser("codebook", help="build or inspect universal FibQuant codebooks")
@@ -13,8 +15,8 @@ def register(subparsers) -> None:
     build.add_argument("--dim", type=int, required=True, help="vector dimension d")
     build.add_argument("--k", type=int, help="block size k (divides d)")
     build.add_argument("--n", type=int, help="number of codewords N")
-    build.add_argument("--rates", type=float, nargs="+",
-                       help="instead of --k/--n: the (k, N) FibQuantCodec.for_rate picks for these bit rates")
+    add_list_argument(build, "--rates", type=float, metavar="B",
+                      help="instead of --k/--n: the (k, N) FibQuantCodec.for_rate picks for these bit rates")
     build.add_argument("--seed", type=int, default=0)
     build.add_argument("--out", type=Path, default=None,
                        help="also copy the files to this folder (default: only the cache)")

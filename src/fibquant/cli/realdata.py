@@ -8,7 +8,8 @@ import argparse
 import functools
 import sys
 
-from ._threads import add_threads_argument, apply_threads
+from ._common import (add_list_argument, add_model_argument, add_out_argument, add_specs_argument, add_text_argument,
+                      add_threads_argument, apply_threads, run_experiment)
 
 
 def _reports_unavailable_data(func):
@@ -75,69 +76,63 @@ def _list(args) -> int:
 
 def register_eval(eval_subparsers) -> None:
     canonical = eval_subparsers.add_parser(
-        "canonical", help="experiment 1: KS test of k-block radii of real keys/values, rotated vs not")
+        "canonical", help="the canonical source on real KV: KS test of k-block radii, rotated vs not")
     add_canonical_arguments(canonical)
     canonical.set_defaults(func=run_canonical_command)
     mc = eval_subparsers.add_parser(
-        "mc", help="experiment 4: multiple-choice acc / acc_norm, fp vs compressed caches")
+        "mc", help="multiple-choice acc / acc_norm, fp vs compressed caches")
     add_mc_arguments(mc)
     mc.set_defaults(func=run_mc_command)
 
 
-def _common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="a .gguf file or local model directory (default: SmolLM2-135M)")
-    parser.add_argument("--out", default=None, help="results folder (default $FIBQUANT_RESULTS_DIR or ./results)")
+def _model_run_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_argument(parser)
+    add_out_argument(parser)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
     add_threads_argument(parser)
 
 
 def add_canonical_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--text", default="emma", help="novel to read (fibquant data list)")
+    add_text_argument(parser)
     parser.add_argument("--tokens", type=int, default=1024, help="tokens of the novel to run")
     parser.add_argument("--offset", type=int, default=0, help="first token of the excerpt")
-    parser.add_argument("--layers", type=int, nargs="+", default=[0, 7, 15, 29])
-    parser.add_argument("--block-sizes", type=int, nargs="+", default=[1, 2, 4, 8])
-    _common(parser)
+    add_list_argument(parser, "--layers", default=[0, 7, 15, 29], help="layer indices")
+    add_list_argument(parser, "--block-sizes", default=[1, 2, 4, 8], metavar="K", help="block sizes k")
+    _model_run_arguments(parser)
 
 
 @_reports_unavailable_data
 def run_canonical_command(args) -> int:
-    from fibquant.eval.canonical import CANONICAL_COLUMNS, CanonicalConfig, run_canonical, save_canonical
-    from fibquant.eval.kv_report import format_table
+    from fibquant.eval.canonical import CanonicalConfig
     from fibquant.kv.model import load_model
 
     config = CanonicalConfig(text=args.text, tokens=args.tokens, offset=args.offset, layers=tuple(args.layers),
                              block_sizes=tuple(args.block_sizes), seed=args.seed)
     apply_threads(args)
-    model, tokenizer = load_model(args.model)
-    payload = run_canonical(model, tokenizer, config, progress=not args.no_progress)
-    print(f"Canonical source: {payload['model']}, {config.tokens} tokens of {config.text!r} "
-          f"(offset {config.offset}); KS statistic of squared k-block radii vs {payload['law']}")
-    print(format_table(payload["rows"], CANONICAL_COLUMNS))
-    paths = save_canonical(payload, args.out)
-    print(f"wrote {paths['json']} and {paths['png']}")
+    run_experiment("canonical", config, args.out, model_and_tokenizer=load_model(args.model),
+                   progress=not args.no_progress)
     return 0
 
 
 def add_mc_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--task", default="goal_step_wikihow", help="BIG-bench task (or task/subtask)")
     parser.add_argument("--limit", type=int, default=200, help="examples (seeded sample; 0 = all)")
-    parser.add_argument("--bits", type=float, nargs="+", default=[4.0, 2.0],
-                        help="FibQuant bits per coordinate for keys and values")
-    parser.add_argument("--methods", nargs="+", default=[], metavar="SPEC",
-                        help="extra cache codecs to compare, e.g. turboquant:b=2 int:b=4 (see fibquant.eval.methods)")
+    add_list_argument(parser, "--bits", type=float, default=[4.0, 2.0], metavar="B",
+                      help="FibQuant bits per coordinate for keys and values")
+    add_specs_argument(parser, default=[],
+                       help="extra cache codecs to compare, e.g. turboquant:b=2 int:b=4 (see fibquant.eval.methods)")
     parser.add_argument("--sink-tokens", type=int, default=4, help="exact sink tokens of the standard window")
     parser.add_argument("--recent-tokens", type=int, default=32, help="exact recent tokens of the standard window")
     parser.add_argument("--small-window", type=int, nargs=2, default=[0, 0], metavar=("SINK", "RECENT"),
                         help="also run every rate with this small window (contexts are short)")
     parser.add_argument("--no-small-window", action="store_true", help="skip the small-window runs")
-    _common(parser)
+    _model_run_arguments(parser)
 
 
 @_reports_unavailable_data
 def run_mc_command(args) -> int:
-    from fibquant.eval.kv_report import format_table
+    from fibquant.eval.report import format_table
     from fibquant.eval.multiple_choice import (MC_COLUMNS, default_settings, run_multiple_choice,
                                                save_multiple_choice)
     from fibquant.kv.model import load_model

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import argparse
 
-from ._threads import add_threads_argument, apply_threads
+from ._common import (add_list_argument, add_model_argument, add_out_argument, add_specs_argument, add_text_argument,
+                      add_threads_argument, apply_threads)
 
 
 def register_eval(eval_subparsers) -> None:
@@ -16,23 +17,23 @@ def register_eval(eval_subparsers) -> None:
 def add_speed_arguments(parser: argparse.ArgumentParser) -> None:
     from fibquant.eval.decode_speed import DEFAULT_CACHES  # torch-free at import
 
-    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048, 4096, 8192],
-                        help="context lengths in tokens (cut to leave room for the decoded tokens)")
+    add_list_argument(parser, "--contexts", default=[1024, 2048, 4096, 8192],
+                      help="context lengths in tokens (cut to leave room for the decoded tokens)")
     parser.add_argument("--decode-tokens", type=int, default=32, help="greedy decode steps per run")
-    parser.add_argument("--caches", nargs="+", default=list(DEFAULT_CACHES), metavar="NAME",
-                        help="caches to compare (DynamicCache always runs): dynamic, fibquantB, turboquantB, "
-                             "with -old for the decode-the-whole-cache path, quantoB, hqqB "
-                             f"(default: {' '.join(DEFAULT_CACHES)})")
-    parser.add_argument("--text", default="emma", help="novel to take the contexts from")
+    add_specs_argument(parser, "--caches", default=list(DEFAULT_CACHES),
+                       help="caches to compare (DynamicCache always runs): dynamic, fibquantB, turboquantB, "
+                            "with -old for the decode-the-whole-cache path, quantoB, hqqB "
+                            f"(default: {' '.join(DEFAULT_CACHES)})")
+    add_text_argument(parser, help="novel to take the contexts from")
     parser.add_argument("--sink-tokens", type=int, default=4)
     parser.add_argument("--recent-tokens", type=int, default=32)
     parser.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up run of each cache")
-    parser.add_argument("--model", default=None, help="a .gguf file or local model directory (default: SmolLM2-135M)")
+    add_model_argument(parser)
     parser.add_argument("--device", default="cpu", help="cpu or cuda (model and caches on the GPU)")
     parser.add_argument("--random-weights", action="store_true",
                         help="SmolLM2-135M's architecture with random weights and random token ids (speed only; "
                              "for machines that cannot load the model file)")
-    parser.add_argument("--out", default=None, help="results folder (default $FIBQUANT_RESULTS_DIR or ./results)")
+    add_out_argument(parser)
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     add_threads_argument(parser)
 

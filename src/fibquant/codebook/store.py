@@ -2,7 +2,7 @@
 
 Lookup order: the codebooks shipped inside the package (`codebook/shipped/`), then the user
 cache directory `<cache root>/codebooks`, the root being `$FIBQUANT_CACHE_DIR` or `~/.cache/fibquant`
-(the same root the text and BIG-bench caches use).
+(`fibquant.paths.cache_root`, the same root the text and BIG-bench caches use).
 """
 from __future__ import annotations
 
@@ -13,15 +13,14 @@ import torch
 from safetensors.torch import load_file, save_file
 from safetensors import safe_open
 
+from ..paths import cache_root
+
 SHIPPED_DIR = Path(__file__).resolve().parent / "shipped"
-CACHE_ENV = "FIBQUANT_CACHE_DIR"
 
 
 def cache_dir() -> Path:
-    """The user codebook cache: $FIBQUANT_CACHE_DIR/codebooks or ~/.cache/fibquant/codebooks."""
-    override = os.environ.get(CACHE_ENV)
-    root = Path(override).expanduser() if override else Path.home() / ".cache" / "fibquant"
-    return root / "codebooks"
+    """The user codebook cache: `<cache root>/codebooks` (see fibquant.paths)."""
+    return cache_root() / "codebooks"
 
 
 def file_name(dim: int, k: int, n_codewords: int, seed: int, version: str) -> str:

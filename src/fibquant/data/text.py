@@ -20,7 +20,7 @@ Cleaning
     The result is cached as UTF-8
     under `<cache root>/text/<name>.<CLEANING_VERSION>.txt`, so later calls never touch apt.
 
-Cache root: `$FIBQUANT_CACHE_DIR` if set, else `~/.cache/fibquant`.
+Cache root: `$FIBQUANT_CACHE_DIR` if set, else `~/.cache/fibquant` (`fibquant.paths.cache_root`).
 """
 from __future__ import annotations
 
@@ -37,6 +37,8 @@ import tarfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+
+from ..paths import cache_root  # re-exported: fibquant.data.bigbench imports it from here
 
 CLEANING_VERSION = "v2"  # bump when the cleaning changes: old cached texts are then ignored
 
@@ -103,12 +105,6 @@ def resolve_text_name(name: str) -> TextSource:
     if canonical is None:
         raise ValueError(f"unknown text {name!r}; available: {', '.join(list_texts())}")
     return TEXTS[canonical]
-
-
-def cache_root() -> Path:
-    """`$FIBQUANT_CACHE_DIR`, or `~/.cache/fibquant`."""
-    env = os.environ.get("FIBQUANT_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "fibquant"
 
 
 def text_cache_dir(cache_dir: str | os.PathLike | None = None) -> Path:

@@ -16,13 +16,17 @@
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 import tempfile
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from fibquant.eval.report import Experiment, figure
+from fibquant.eval.timing import Stopwatch, best_of, timed
 
 
 @dataclass(frozen=True)
@@ -45,15 +49,6 @@ class ArchiveKVConfig:
             raise ValueError("prefix_tokens must exceed the exact window, or nothing is coded")
 
 
-def _best(fn, repeats: int):
-    times, result = [], None
-    for _ in range(repeats):
-        start = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - start)
-    return min(times), result
-
-
 @torch.no_grad()
 def measure_prefix_ttft(model, tokenizer, config: ArchiveKVConfig, workdir: Path) -> dict:
     from transformers import DynamicCache
@@ -74,7 +69,7 @@ def measure_prefix_ttft(model, tokenizer, config: ArchiveKVConfig, workdir: Path
     cache = fresh()
     model(input_ids=prefix[None], past_key_values=cache, use_cache=True)
     path = workdir / "prefix.fqkv"
-    save_s, _ = _best(lambda: save_cache(cache, path, model, prefix, overwrite=True), 1)
+    save_s, _ = timed(lambda: save_cache(cache, path, model, prefix, overwrite=True))
     with PersistentCache.open(path) as store:
         disk = store.nbytes()
 
@@ -84,9 +79,9 @@ def measure_prefix_ttft(model, tokenizer, config: ArchiveKVConfig, workdir: Path
     def fp():
         return model(input_ids=ids[None], past_key_values=DynamicCache(), use_cache=True).logits[:, -1]
 
-    cold_s, cold_logits = _best(cold, config.repeats)
-    fp_s, fp_logits = _best(fp, config.repeats)
-    warm_s, (_, warm_logits, stats) = _best(lambda: prefill_with_prefix(model, ids, path), config.repeats)
+    cold_s, cold_logits = best_of(cold, config.repeats)
+    fp_s, fp_logits = best_of(fp, config.repeats)
+    warm_s, (_, warm_logits, stats) = best_of(lambda: prefill_with_prefix(model, ids, path), config.repeats)
     config_kv = check_model_supported(model)
     fp16_bytes = 2 * 2 * config_kv["layers"] * config_kv["kv_heads"] * config_kv["head_dim"] * config.prefix_tokens
     return {
@@ -121,24 +116,21 @@ def measure_code_search(path, config: ArchiveKVConfig) -> dict:
         norms = norm_archive.read()
         rng = np.random.default_rng(config.seed)
         picks = rng.choice(coded, size=min(config.queries, coded), replace=False)
-        start = time.perf_counter()
-        index_archive.search_index()
-        build_s = time.perf_counter() - start
+        build_s, _ = timed(index_archive.search_index)
         found, timings = [], []
         for t in picks:
-            start = time.perf_counter()
-            ends = index_archive.search(indices[t])
-            aligned = ends[(ends + 1) % nb == 0]
-            rows = (aligned + 1) // nb - 1
-            rows = rows[rows % rows_per_token == 0]
-            rows = rows[norms[rows] == norms[t * rows_per_token]]
-            timings.append(time.perf_counter() - start)
+            with Stopwatch() as watch:
+                ends = index_archive.search(indices[t])
+                aligned = ends[(ends + 1) % nb == 0]
+                rows = (aligned + 1) // nb - 1
+                rows = rows[rows % rows_per_token == 0]
+                rows = rows[norms[rows] == norms[t * rows_per_token]]
+            timings.append(watch.seconds)
             found.append(np.sort(rows // rows_per_token))
         scan, truth = [], []
         for t in picks:
-            start = time.perf_counter()
-            hits = np.flatnonzero((layer0 == layer0[t]).all(axis=1))
-            scan.append(time.perf_counter() - start)
+            seconds, hits = timed(lambda: np.flatnonzero((layer0 == layer0[t]).all(axis=1)))
+            scan.append(seconds)
             truth.append(hits)
         recall = np.mean([np.isin(b, a).mean() for a, b in zip(found, truth)])
         exact = all(np.array_equal(a, b) for a, b in zip(found, truth))
@@ -158,15 +150,20 @@ def measure_code_search(path, config: ArchiveKVConfig) -> dict:
 PARTS = ("ttft", "search", "store", "study")
 
 
+def check_parts(parts) -> None:
+    """ValueError unless every part is one of PARTS."""
+    unknown = set(parts) - set(PARTS)
+    if unknown:
+        raise ValueError(f"unknown parts {sorted(unknown)}; choose from {PARTS}")
+
+
 def run_archive_kv(model, tokenizer, config: ArchiveKVConfig, workdir=None, parts=PARTS, study=None,
                    search_sizes=(100_000, 1_000_000)) -> dict:
     """The parts of `fibquant eval archive-kv` asked for (see PARTS and the module docstrings of
     eval/archive_store.py and eval/archive_study.py)."""
     from fibquant.eval import archive_store
 
-    unknown = set(parts) - set(PARTS)
-    if unknown:
-        raise ValueError(f"unknown parts {sorted(unknown)}; choose from {PARTS}")
+    check_parts(parts)
     payload = {"config": asdict(config), "threads": torch.get_num_threads(), "parts": list(parts)}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(workdir or tmp)
@@ -180,19 +177,15 @@ def run_archive_kv(model, tokenizer, config: ArchiveKVConfig, workdir=None, part
         if "store" in parts:
             payload["store_8k"] = archive_store.measure_store(model, workdir=folder)
     if "study" in parts:
-        from fibquant.eval.archive_study import StudyConfig, run_study, study_table
+        from fibquant.eval.archive_study import StudyConfig, run_study
 
         payload["study"] = run_study(model, tokenizer, study or StudyConfig())
-        print(study_table(payload["study"]["rows"]))
     return payload
 
 
-def _plot(payload: dict, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot_archive_kv(payload: dict, path) -> None:
+    """Time to first token bars; the study's plot goes to `path` when there is no TTFT part, else
+    next to it as `<stem>_study.png`."""
     if "study" in payload:
         from fibquant.eval.archive_study import plot_study
 
@@ -201,29 +194,88 @@ def _plot(payload: dict, path) -> None:
     if "prefix_ttft" not in payload:
         return
     t = payload["prefix_ttft"]
-    fig, ax = plt.subplots(figsize=(5, 3))
-    names = ["fp (DynamicCache)", "cold CompressedCache", "warm: saved prefix"]
-    values = [t["ttft_fp_s"], t["ttft_cold_s"], t["ttft_warm_s"]]
-    ax.barh(names, values, color=["grey", "tab:blue", "tab:green"])
-    ax.set_xlabel("time to first token (s)")
-    ax.set_title(f"{t['prompt_tokens']}-token prompt, {t['reused_tokens']} reused")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with figure(path, figsize=(5, 3)) as (fig, ax):
+        names = ["fp (DynamicCache)", "cold CompressedCache", "warm: saved prefix"]
+        values = [t["ttft_fp_s"], t["ttft_cold_s"], t["ttft_warm_s"]]
+        ax.barh(names, values, color=["grey", "tab:blue", "tab:green"])
+        ax.set_xlabel("time to first token (s)")
+        ax.set_title(f"{t['prompt_tokens']}-token prompt, {t['reused_tokens']} reused")
 
 
-def main_archive_kv(config: ArchiveKVConfig = ArchiveKVConfig(), out_dir=None, parts=PARTS, study=None,
-                    search_sizes=(100_000, 1_000_000), name: str = "archive_kv") -> dict:
-    import json
+def archive_kv_table(payload: dict) -> str:
+    """The study's table (when run), then every other part's figures as JSON."""
+    text = json.dumps({k: v for k, v in payload.items() if k not in ("study", "files")}, indent=1, default=float)
+    if "study" not in payload:
+        return text
+    from fibquant.eval.archive_study import study_table
 
-    from fibquant.eval.kv_report import save_report
+    return study_table(payload["study"]["rows"]) + "\n" + text
+
+
+def run(config: ArchiveKVConfig = ArchiveKVConfig(), parts=PARTS, study=None, search_sizes=(100_000, 1_000_000),
+        model_and_tokenizer=None) -> dict:
+    """`run_archive_kv` on the default model (or `model_and_tokenizer`), with the model described."""
     from fibquant.kv.model import describe_model, load_model
 
-    model, tokenizer = load_model()
+    check_parts(parts)
+    model, tokenizer = model_and_tokenizer or load_model()
     payload = run_archive_kv(model, tokenizer, config, parts=parts, study=study, search_sizes=search_sizes)
     payload["model"] = describe_model(model)
     if "prefix_ttft" in payload:
         payload["prefix_ttft"].pop("path")
-    print(json.dumps({k: v for k, v in payload.items() if k != "study"}, indent=1, default=float))
-    payload["files"] = save_report(payload, out_dir, name, _plot)
+    return payload
+
+
+# The saved-cache targets (store part: an 8k-token cache; search parts: per unbatched query).
+OPEN_MS_TARGET = 50.0           # open a saved 8k-token cache
+TOKEN_READ_US_TARGET = 50.0     # read one token's K/V of one (layer, head), median
+DISK_OVER_MEMORY_TARGET = 1.02  # on-disk code bytes per token vs in memory
+SEARCH_US_TARGET = 50.0         # one code search at ~10^6 stored symbols, median
+
+
+def archive_kv_targets(payload: dict) -> list[dict]:
+    """The targets of the parts present in `payload`, each met / missed on the measured figure."""
+    from fibquant.eval.archive_study import PAPER
+    from fibquant.eval.report import target
+
+    out = []
+    if "store_8k" in payload:
+        s = payload["store_8k"]
+        out += [target(f"open an 8k-token saved cache <= {OPEN_MS_TARGET:g} ms", s["open_ms_median"],
+                       s["open_ms_median"] <= OPEN_MS_TARGET, "median of fresh opens"),
+                target(f"read one token's K/V <= {TOKEN_READ_US_TARGET:g} us (median, warm)",
+                       s["token_read_us_median_warm"], s["token_read_us_median_warm"] <= TOKEN_READ_US_TARGET,
+                       f"cold {s['token_read_us_median_cold']:.3g} us"),
+                target(f"on-disk <= {DISK_OVER_MEMORY_TARGET:g}x in-memory code bytes", s["disk_over_memory"],
+                       s["disk_over_memory"] <= DISK_OVER_MEMORY_TARGET),
+                target("token reads equal the codec's decode", s["token_read_mismatches_vs_codec_decode"],
+                       s["token_read_mismatches_vs_codec_decode"] == 0, "mismatches")]
+    if "code_search" in payload:
+        c = payload["code_search"]
+        out.append(target(f"in-place code search <= {SEARCH_US_TARGET:g} us, recall 1", c["archive_search_us"],
+                          c["archive_search_us"] <= SEARCH_US_TARGET and c["recall_vs_code_equality"] == 1.0,
+                          f"{c['stream_symbols']} symbols, recall {c['recall_vs_code_equality']:.3g}"))
+    for row in payload.get("search_scale", []):
+        out.append(target(f"CodeArchive search of {row['query_tokens']} tokens <= {SEARCH_US_TARGET:g} us, recall 1",
+                          row["search_us_median"], row["search_us_median"] <= SEARCH_US_TARGET
+                          and row["recall"] == 1.0, f"{row['stored_tokens']} tokens, recall {row['recall']:.3g}"))
+    for basis, verdict in payload.get("study", {}).get("verdict", {}).items():
+        best = verdict["best"]
+        out.append(target(f"a hybrid at >= {PAPER['ratio']:g}x vs fp16 below +{PAPER['perplexity_change_pct']:g} % "
+                          f"perplexity ({basis})",
+                          None if best is None else best["ratio"], verdict["met"],
+                          "" if best is None else f"{best['name']}: {best['perplexity_change_pct']:+.2f} %"))
+    return out
+
+
+EXPERIMENT = Experiment(name="archive-kv", stem="archive_kv", config=ArchiveKVConfig, run=run,
+                        table=archive_kv_table, plot=plot_archive_kv, targets=archive_kv_targets)
+
+
+def main_archive_kv(config: ArchiveKVConfig = ArchiveKVConfig(), out_dir=None, parts=PARTS, study=None,
+                    search_sizes=(100_000, 1_000_000), name: str = "archive_kv") -> dict:
+    """Run the parts, print their figures, write `<name>.json` and `<name>.png` (see EXPERIMENT)."""
+    experiment = dataclasses.replace(EXPERIMENT, stem=name)
+    payload = run(config, parts=parts, study=study, search_sizes=search_sizes)
+    payload["files"] = experiment.report(payload, out_dir)
     return payload

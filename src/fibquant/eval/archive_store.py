@@ -26,15 +26,12 @@ from __future__ import annotations
 
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-
-def _median_us(times) -> float:
-    return 1e6 * float(statistics.median(times))
+from fibquant.eval.timing import Stopwatch, median_us, timed
 
 
 @torch.no_grad()
@@ -54,21 +51,18 @@ def measure_store(model, tokens: int = 8192, method: str = "fibquant:b=2", reads
     for layer in range(L):
         source.update(torch.randn(1, H, tokens, D, generator=generator),
                       torch.randn(1, H, tokens, D, generator=generator), layer)
-    start = time.perf_counter()
-    cache = CompressedCache.from_cache(source, codec, codec, 4, 32)
-    encode_s = time.perf_counter() - start
+    with Stopwatch() as encode:
+        cache = CompressedCache.from_cache(source, codec, codec, 4, 32)
+    encode_s = encode.seconds
     del source
     ids = torch.randint(0, model.config.vocab_size, (tokens,), generator=generator)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(workdir or tmp) / "store8k.fqkv"
-        start = time.perf_counter()
-        cache.save(path, model, ids, overwrite=True)
-        save_s = time.perf_counter() - start
+        save_s, _ = timed(lambda: cache.save(path, model, ids, overwrite=True))
         open_times = []
         for _ in range(opens):
-            start = time.perf_counter()
-            store = PersistentCache.open(path)
-            open_times.append(time.perf_counter() - start)
+            seconds, store = timed(lambda: PersistentCache.open(path))
+            open_times.append(seconds)
             store.close()
         rng = np.random.default_rng(seed)
         picks = [(int(rng.integers(L)), int(rng.integers(H)), int(rng.integers(4, tokens - 32))) for _ in range(reads)]
@@ -77,14 +71,13 @@ def measure_store(model, tokens: int = 8192, method: str = "fibquant:b=2", reads
             for phase in ("cold", "warm"):
                 times, mismatches = [], 0
                 for layer, head, i in picks:
-                    start = time.perf_counter()
-                    k, v = store.token(layer, head, i)
-                    times.append(time.perf_counter() - start)
+                    seconds, (k, v) = timed(lambda: store.token(layer, head, i))
+                    times.append(seconds)
                     if phase == "warm":
                         ref = cache.layers[layer]
                         mismatches += not torch.equal(k, codec.decode(ref.key_codes[0, head, i - 4:i - 3])[0])
                         mismatches += not torch.equal(v, codec.decode(ref.value_codes[0, head, i - 4:i - 3])[0])
-                results[phase] = (_median_us(times), mismatches)
+                results[phase] = (median_us(times), mismatches)
             disk = store.nbytes()
             coded = store.num_coded
             with_header = disk["keys"] + disk["values"]
@@ -125,9 +118,8 @@ def measure_find(path, lengths=(1, 4, 16), queries: int = 100, seed: int = 0) ->
                         int(rng.integers(coded - n + 1))
                     head_rows = all_rows[:, layer, 0, head]                   # [coded, cs]
                     query = head_rows[t:t + n]
-                    start = time.perf_counter()
-                    found = store.find(query, layer, head, role)
-                    times.append(time.perf_counter() - start)
+                    seconds, found = timed(lambda: store.find(query, layer, head, role))
+                    times.append(seconds)
                     match = np.ones(coded - n + 1, dtype=bool)
                     for j in range(n):
                         match &= (head_rows[j:coded - n + 1 + j] == query[j]).all(axis=1)
@@ -136,7 +128,7 @@ def measure_find(path, lengths=(1, 4, 16), queries: int = 100, seed: int = 0) ->
                     exact &= np.array_equal(truth, found)
                     hits.append(truth.size)
                 out[f"{role}_n{n}"] = {"query_tokens": n, "query_symbols": n * stream.layout.n_blocks,
-                                       "search_us_median": _median_us(times), "recall": float(np.mean(recall)),
+                                       "search_us_median": median_us(times), "recall": float(np.mean(recall)),
                                        "identical_to_brute_force": bool(exact), "mean_hits": float(np.mean(hits))}
         out["stream_index_symbols"] = len(store.key_stream.archives[0])
         out["coded_tokens"] = coded
@@ -189,9 +181,7 @@ def measure_search_scale(model, tokenizer, sizes=(100_000, 1_000_000), lengths=(
             archive.append(codes)
             archive.close()
             archive = CodeArchive.open(path)
-            start = time.perf_counter()
-            archive.indices.search_index()
-            build_s = time.perf_counter() - start
+            build_s, _ = timed(archive.indices.search_index)
             norms = archive.norms.read()
             q_indices, q_norms = layout.split(codes)
             for n in lengths:
@@ -199,7 +189,7 @@ def measure_search_scale(model, tokenizer, sizes=(100_000, 1_000_000), lengths=(
                 starts = rng.integers(0, size - n + 1, size=queries)
                 for t in starts.tolist():
                     query = q_indices[t:t + n].reshape(-1)
-                    begin = time.perf_counter()
+                    watch = Stopwatch()
                     ends = archive.indices.search(query)
                     ends = ends[(ends + 1) % nb == 0]
                     first = (ends + 1) // nb - n                      # row of the query's first token
@@ -207,7 +197,7 @@ def measure_search_scale(model, tokenizer, sizes=(100_000, 1_000_000), lengths=(
                         found = first[(norms[first[:, None] + np.arange(n)] == q_norms[t:t + n]).all(axis=1)]
                     else:
                         found = first
-                    times.append(time.perf_counter() - begin)
+                    times.append(watch.stop())
                     match = np.flatnonzero((codes[: size - n + 1] == codes[t]).all(axis=1))
                     for j in range(1, n):
                         match = match[(codes[match + j] == codes[t + j]).all(axis=1)]
@@ -216,7 +206,7 @@ def measure_search_scale(model, tokenizer, sizes=(100_000, 1_000_000), lengths=(
                     hits.append(match.size)
                 rows.append({"stored_tokens": size, "stored_index_symbols": size * nb, "query_tokens": n,
                              "query_symbols": n * nb, "index_build_s": build_s,
-                             "search_us_median": _median_us(times), "search_us_p90": 1e6 * float(np.percentile(times, 90)),
+                             "search_us_median": median_us(times), "search_us_p90": 1e6 * float(np.percentile(times, 90)),
                              "recall": float(np.mean(recall)), "identical_to_brute_force": bool(exact),
                              "mean_hits": float(np.mean(hits)), "queries": queries, "batched": False})
             archive.close()

@@ -21,10 +21,11 @@ held) and not amortised. Ratios are against the fp16 cache, 2*L*H*D*2 bytes per 
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import asdict, dataclass
 
 import torch
+
+from fibquant.eval.timing import Stopwatch
 
 PAPER = {"model": "GPT-2 small", "text": "WikiText-103", "hybrid": "K4/V2 (4 sinks + 32 recent exact)",
          "ratio": 36.0, "perplexity_change_pct": 11.2, "bytes_per_token": 1025}
@@ -70,7 +71,7 @@ class RVQBank:
         self.layers, self.heads = keys.shape[:2]
         self.pooled, self.per_head = {}, {}
         generator = torch.Generator().manual_seed(config.seed)
-        start = time.perf_counter()
+        watch = Stopwatch()
         for role, states in (("key", keys), ("value", values)):
             flat = states.reshape(-1, states.shape[-1])
             pick = torch.randperm(flat.shape[0], generator=generator)[: config.pooled_samples]
@@ -78,7 +79,7 @@ class RVQBank:
             self.per_head[role] = [[RVQCodec.fit(states[layer, head], config.max_depth, config.n_codewords,
                                                  seed=config.seed).codebooks for head in range(self.heads)]
                                    for layer in range(self.layers)]
-        self.fit_s = time.perf_counter() - start
+        self.fit_s = watch.stop()
 
     def codecs(self, role: str, depth: int, kind: str) -> list:
         """One codec per layer for `role` at `depth` stages; kind 'pooled' or 'head'."""
@@ -182,23 +183,23 @@ def run_study(model, tokenizer, config: StudyConfig = StudyConfig(), progress: b
     from fibquant.kv.cache import check_model_supported
 
     info = check_model_supported(model)
-    start = time.perf_counter()
+    watch = Stopwatch()
     calibration = capture_attention(model, text_tokens(tokenizer, config.calibration_text,
                                                        config.calibration_tokens))
     keys, values = calibration.keys, calibration.values
     del calibration
     bank = RVQBank(keys, values, config)
-    calibration_s = time.perf_counter() - start
+    calibration_s = watch.stop()
     ids = text_tokens(tokenizer, config.text, config.windows * config.context).reshape(config.windows,
                                                                                      config.context)
     rows = []
     for row in study_configs(config):
-        began = time.perf_counter()
+        began = Stopwatch()
         cache = build_cache(row, bank, model, config, info)
         nll = window_nll(model, ids, cache, config.chunk)
         result = {**row, **row_bytes(row, bank, config, info), "nll": float(nll.mean()),
                   "perplexity": math.exp(float(nll.mean())), "predicted_tokens": nll.numel(),
-                  "seconds": time.perf_counter() - began}
+                  "seconds": began.stop()}
         rows.append(result)
         if progress:
             print(f"{row['name']}: perplexity {result['perplexity']:.3f}, {result['code_bytes_per_token']} B/token "
@@ -211,7 +212,8 @@ def run_study(model, tokenizer, config: StudyConfig = StudyConfig(), progress: b
 
 
 def verdict(rows: list[dict]) -> dict:
-    """The issue's target: a hybrid at >= 36x vs fp16 with a perplexity increase below the paper's +11.2 %."""
+    """The study's target: a hybrid at >= PAPER["ratio"] (36x) vs fp16 with a perplexity increase below the
+    paper's (+11.2 %), judged on each of the three byte counts."""
     hybrids = [r for r in rows if r["group"] == "hybrid"]
     out = {}
     for basis in ("ratio_marginal", "ratio_at_8192", "ratio_at_context"):
@@ -232,41 +234,34 @@ STUDY_COLUMNS = [("name", "configuration", ""), ("key_code_bytes", "K B/vec", "d
 
 
 def study_table(rows: list[dict]) -> str:
-    head = "| " + " | ".join(title for _, title, _ in STUDY_COLUMNS) + " |"
-    lines = [head, "|" + "---|" * len(STUDY_COLUMNS)]
-    for row in rows:
-        lines.append("| " + " | ".join(format(row[key], fmt) if fmt else str(row[key])
-                                       for key, _, fmt in STUDY_COLUMNS) + " |")
-    return "\n".join(lines)
+    """The study as a Markdown table (STUDY_COLUMNS)."""
+    from fibquant.eval.report import format_table
+
+    return format_table(rows, STUDY_COLUMNS, markdown=True)
 
 
 def plot_study(rows: list[dict], path) -> None:
-    import matplotlib
+    """Perplexity increase against compression (log-log), one marker per group, the paper's point."""
+    from fibquant.eval.report import figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    styles = {"universal": ("C3", "o"), "rvq pooled": ("C0", "s"), "rvq per-head": ("C2", "^"),
-              "one role": ("C4", "D"), "hybrid": ("C1", "*")}
-    for group, (color, marker) in styles.items():
-        items = [r for r in rows if r["group"] == group]
-        if items:
-            ax.scatter([r["ratio_marginal"] for r in items], [max(r["perplexity_change_pct"], 0.01) for r in items],
-                       color=color, marker=marker, label=group, s=60 if group == "hybrid" else 30)
-            for r in items:
-                if group in ("hybrid", "one role"):
-                    ax.annotate(r["name"].split(":")[0].replace("hybrid ", ""), (r["ratio_marginal"],
-                                max(r["perplexity_change_pct"], 0.01)), fontsize=6)
-    ax.axhline(PAPER["perplexity_change_pct"], color="grey", ls="--", lw=0.8)
-    ax.axvline(PAPER["ratio"], color="grey", ls=":", lw=0.8)
-    ax.text(PAPER["ratio"], PAPER["perplexity_change_pct"], " paper K4/V2 (GPT-2): 36x, +11.2%", fontsize=7)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("compression vs fp16 (code bytes per token; window and codebooks excluded)")
-    ax.set_ylabel("perplexity increase (%)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
+    with figure(path, dpi=130, figsize=(7.5, 4.5)) as (fig, ax):
+        styles = {"universal": ("C3", "o"), "rvq pooled": ("C0", "s"), "rvq per-head": ("C2", "^"),
+                  "one role": ("C4", "D"), "hybrid": ("C1", "*")}
+        for group, (color, marker) in styles.items():
+            items = [r for r in rows if r["group"] == group]
+            if items:
+                ax.scatter([r["ratio_marginal"] for r in items], [max(r["perplexity_change_pct"], 0.01) for r in items],
+                           color=color, marker=marker, label=group, s=60 if group == "hybrid" else 30)
+                for r in items:
+                    if group in ("hybrid", "one role"):
+                        ax.annotate(r["name"].split(":")[0].replace("hybrid ", ""), (r["ratio_marginal"],
+                                    max(r["perplexity_change_pct"], 0.01)), fontsize=6)
+        ax.axhline(PAPER["perplexity_change_pct"], color="grey", ls="--", lw=0.8)
+        ax.axvline(PAPER["ratio"], color="grey", ls=":", lw=0.8)
+        ax.text(PAPER["ratio"], PAPER["perplexity_change_pct"], " paper K4/V2 (GPT-2): 36x, +11.2%", fontsize=7)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("compression vs fp16 (code bytes per token; window and codebooks excluded)")
+        ax.set_ylabel("perplexity increase (%)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)

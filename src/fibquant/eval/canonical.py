@@ -22,6 +22,7 @@ import torch
 from scipy import stats
 
 from ..source import block_radii, canonicalize, haar_rotation, radius_law, sample_sphere
+from .report import Experiment
 
 
 @dataclass(frozen=True)
@@ -137,37 +138,48 @@ CANONICAL_COLUMNS = [("layer", "layer", "d"), ("kind", "kind", ""), ("k", "k", "
 
 def plot_canonical(payload: dict, path) -> None:
     """Bars of the KS statistic, unrotated vs rotated (log scale), one panel per kind and layer."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from .report import figure
 
     layers, ks_list = payload["layers"], payload["block_sizes"]
-    fig, axes = plt.subplots(2, len(layers), figsize=(3.2 * len(layers), 6), sharey=True, squeeze=False)
-    width = 0.27
-    for row_index, kind in enumerate(("keys", "values")):
-        for col, layer in enumerate(layers):
-            ax = axes[row_index][col]
-            rows = {r["k"]: r for r in payload["rows"] if r["layer"] == layer and r["kind"] == kind}
-            x = list(range(len(ks_list)))
-            for shift, key, label in ((-width, "ks_unrotated", "unrotated"), (0.0, "ks_rotated", "Haar-rotated"),
-                                      (width, "ks_uniform_floor", "uniform (noise floor)")):
-                ax.bar([i + shift for i in x], [rows[k][key] for k in ks_list], width, label=label)
-            ax.set_yscale("log")
-            ax.set_xticks(x, [f"k={k}" for k in ks_list])
-            ax.set_title(f"layer {layer} {kind}", fontsize=9)
-            if col == 0:
-                ax.set_ylabel("KS statistic vs Beta(k/2,(d-k)/2)")
-    axes[0][0].legend(fontsize=7)
-    fig.suptitle(f"Canonical source on real KV: {payload['model']}, {payload['tokens']} tokens of "
-                 f"{payload['text']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with figure(path, nrows=2, ncols=len(layers), figsize=(3.2 * len(layers), 6), sharey=True,
+                squeeze=False) as (fig, axes):
+        width = 0.27
+        for row_index, kind in enumerate(("keys", "values")):
+            for col, layer in enumerate(layers):
+                ax = axes[row_index][col]
+                rows = {r["k"]: r for r in payload["rows"] if r["layer"] == layer and r["kind"] == kind}
+                x = list(range(len(ks_list)))
+                for shift, key, label in ((-width, "ks_unrotated", "unrotated"),
+                                          (0.0, "ks_rotated", "Haar-rotated"),
+                                          (width, "ks_uniform_floor", "uniform (noise floor)")):
+                    ax.bar([i + shift for i in x], [rows[k][key] for k in ks_list], width, label=label)
+                ax.set_yscale("log")
+                ax.set_xticks(x, [f"k={k}" for k in ks_list])
+                ax.set_title(f"layer {layer} {kind}", fontsize=9)
+                if col == 0:
+                    ax.set_ylabel("KS statistic vs Beta(k/2,(d-k)/2)")
+        axes[0][0].legend(fontsize=7)
+        fig.suptitle(f"Canonical source on real KV: {payload['model']}, {payload['tokens']} tokens of "
+                     f"{payload['text']}", fontsize=9)
+
+
+def canonical_header(payload: dict) -> str:
+    return (f"Canonical source: {payload['model']}, {payload['tokens']} tokens of {payload['text']!r} "
+            f"(offset {payload['offset']}); KS statistic of squared k-block radii vs {payload['law']}")
+
+
+def run(config: CanonicalConfig = CanonicalConfig(), model_and_tokenizer=None, progress: bool = True) -> dict:
+    """`run_canonical` on `model_and_tokenizer` (default: the default model)."""
+    from ..kv.model import load_model
+
+    model, tokenizer = model_and_tokenizer or load_model()
+    return run_canonical(model, tokenizer, config, progress=progress)
+
+
+EXPERIMENT = Experiment(name="canonical", stem="canonical_source", config=CanonicalConfig, run=run,
+                        columns=CANONICAL_COLUMNS, plot=plot_canonical, header=canonical_header)
 
 
 def save_canonical(payload: dict, out_dir) -> dict[str, str]:
     """Write canonical_source.json and canonical_source.png under out_dir; return their paths."""
-    from .kv_report import save_report
-
-    return save_report(payload, out_dir, "canonical_source", plot_canonical)
+    return EXPERIMENT.report(payload, out_dir, echo=False)

@@ -1,20 +1,14 @@
-"""Small shared pieces of the KV experiments: tokenised text spans, tables, JSON, results dir."""
-from __future__ import annotations
+"""Tokenised text spans for the KV experiments, and the older home of the report helpers.
 
-import json
-import os
-from pathlib import Path
+`format_table`, `write_json`, `save_report` and `results_dir` live in `fibquant.eval.report`
+and `fibquant.paths`; they are re-exported here for the modules that still import them from here.
+"""
+from __future__ import annotations
 
 import torch
 
-RESULTS_ENV = "FIBQUANT_RESULTS_DIR"
-
-
-def results_dir(path: str | os.PathLike | None = None) -> Path:
-    """`path`, else $FIBQUANT_RESULTS_DIR, else ./results (created)."""
-    folder = Path(path or os.environ.get(RESULTS_ENV, "results"))
-    folder.mkdir(parents=True, exist_ok=True)
-    return folder
+from fibquant.eval.report import format_table, save_report, write_json  # noqa: F401 - re-exports
+from fibquant.paths import RESULTS_ENV, results_dir  # noqa: F401 - re-exports
 
 
 def text_tokens(tokenizer, text_name: str, count: int, offset: int = 0) -> torch.Tensor:
@@ -35,34 +29,3 @@ def text_tokens(tokenizer, text_name: str, count: int, offset: int = 0) -> torch
     if ids.shape[0] < offset + count:
         raise ValueError(f"text {text_name!r} has {ids.shape[0]} tokens, fewer than offset {offset} + {count}")
     return ids[offset: offset + count]
-
-
-def format_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
-    """Plain-text table. columns: (key, header, format spec like '.3f' or '' for str)."""
-    cells = [[header for _, header, _ in columns]]
-    for row in rows:
-        line = []
-        for key, _, spec in columns:
-            value = row.get(key)
-            line.append("-" if value is None else format(value, spec) if spec else str(value))
-        cells.append(line)
-    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
-    rendered = [" | ".join(c.rjust(w) if j else c.ljust(w) for j, (c, w) in enumerate(zip(r, widths)))
-                for r in cells]
-    rendered.insert(1, "-+-".join("-" * w for w in widths))
-    return "\n".join(rendered)
-
-
-def write_json(path: Path, payload: dict) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2, default=float))
-    return path
-
-
-def save_report(payload: dict, out_dir, stem: str, plot) -> dict[str, str]:
-    """Write `<stem>.json` and `<stem>.png` (drawn by `plot(payload, path)`) under `out_dir`."""
-    folder = results_dir(out_dir)
-    json_path = write_json(folder / f"{stem}.json", payload)
-    png_path = folder / f"{stem}.png"
-    plot(payload, png_path)
-    return {"json": str(json_path), "png": str(png_path)}

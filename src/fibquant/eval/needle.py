@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import random
 import re
-import time
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from fibquant.eval.report import Experiment
+from fibquant.eval.timing import Stopwatch, timed
 from fibquant.kv.model import last_logits
 
 NEEDLE = "The secret passkey is {key}. Remember it: {key} is the secret passkey."
@@ -38,6 +39,7 @@ INSTRUCTION = "Read the following text. A secret passkey is hidden in it; rememb
 QUESTION = "\n\nWhat is the secret passkey hidden in the text above? Answer with the five-digit number only."
 ANSWER_PREFIX = "The secret passkey is"  # starts the assistant turn, so the key comes first
 MARKER = "\x00NEEDLE-CONTENT\x00"
+RATIO_TARGET = 10.0  # the retrieval target: fp-equal answers at >= this key+value compression vs fp16
 
 NEEDLE_CACHES = (
     "fp",
@@ -182,8 +184,7 @@ def run_needle(model, tokenizer, specs, config: NeedleConfig = NeedleConfig(), p
     """Every trial with every cache spec (`fibquant.eval.cache_specs.CacheSpec`); results as a payload."""
     from tqdm.auto import tqdm
 
-    from fibquant.kv.cache import check_model_supported
-    from fibquant.kv.model import describe_model
+    from fibquant.kv.model import check_model_supported, describe_model
 
     dim = check_model_supported(model)["head_dim"]
     cells = [(n, d, r) for n in config.lengths for r in range(config.keys_per_cell) for d in config.depths]
@@ -191,15 +192,14 @@ def run_needle(model, tokenizer, specs, config: NeedleConfig = NeedleConfig(), p
     bar = tqdm(total=len(cells) * len(specs), desc="needle", disable=not progress)
     for length, depth, rep in cells:
         trial = build_trial(tokenizer, config, length, depth, rep)
-        start = time.perf_counter()
-        source = prefill(model, trial.prefill_ids)
-        timing["prefill_s"] += time.perf_counter() - start
+        seconds, source = timed(lambda: prefill(model, trial.prefill_ids))
+        timing["prefill_s"] += seconds
         for spec in specs:
             bar.set_postfix_str(f"L={length} d={depth:g} {spec.spec}")
-            start = time.perf_counter()
-            cache = spec.build(model, config.sink_tokens, config.recent_tokens, config.attention, prefill=source)
-            text = answer(model, tokenizer, cache, trial.question_ids, config.max_new_tokens)
-            timing["caches_s"] += time.perf_counter() - start
+            with Stopwatch() as watch:
+                cache = spec.build(model, config.sink_tokens, config.recent_tokens, config.attention, prefill=source)
+                text = answer(model, tokenizer, cache, trial.question_ids, config.max_new_tokens)
+            timing["caches_s"] += watch.seconds
             trials.append({"spec": spec.spec, "length": length, "depth": depth, "rep": rep, "key": trial.key,
                            "needle_start": trial.needle_start, "answer": text,
                            "correct": extract_answer(text) == trial.key})
@@ -244,7 +244,8 @@ def summarise(trials: list[dict], specs, config: NeedleConfig, dim: int) -> list
 
 
 def needle_targets(rows: list[dict]) -> dict:
-    """The issue's target: retrieval equal to fp (every trial fp answers) at >= 10x key+value compression."""
+    """The retrieval target: retrieval equal to fp (every trial fp answers) at >= RATIO_TARGET x
+    key+value compression; the best ratio reached by any cache and by FibQuant, as printable text."""
     matching = [r for r in rows if r["family"] != "fp" and r.get("equals_fp")]
     best = max(matching, key=lambda r: r["codes_ratio"], default=None)
     fib = [r for r in matching if r["spec"].startswith("fibquant")]
@@ -252,10 +253,23 @@ def needle_targets(rows: list[dict]) -> dict:
     return {
         "best ratio with fp-equal retrieval (any cache)": None if best is None else
         f"{best['codes_ratio']:.2f}x ({best['method']})",
-        "best FibQuant ratio with fp-equal retrieval (target >= 10x)": None if best_fib is None else
+        f"best FibQuant ratio with fp-equal retrieval (target >= {RATIO_TARGET:g}x)": None if best_fib is None else
         f"{best_fib['codes_ratio']:.2f}x ({best_fib['method']}): "
-        f"{'met' if best_fib['codes_ratio'] >= 10 else 'missed'}",
+        f"{'met' if best_fib['codes_ratio'] >= RATIO_TARGET else 'missed'}",
     }
+
+
+def target_checks(payload: dict) -> list[dict]:
+    """`payload["targets"]` as report targets (the any-cache line is informational: met None)."""
+    from fibquant.eval.report import target
+
+    out = []
+    for name, value in payload["targets"].items():
+        met = None
+        if "target >=" in name:
+            met = False if value is None else value.endswith(": met")
+        out.append(target(name, value, met))
+    return out
 
 
 def needle_columns(lengths) -> list[tuple[str, str, str]]:
@@ -268,39 +282,31 @@ def needle_columns(lengths) -> list[tuple[str, str, str]]:
 
 def plot_needle(payload: dict, path) -> None:
     """Accuracy against K+V compression vs fp16, one point per cache (FibQuant red, peers grey)."""
-    import matplotlib
+    from fibquant.eval.report import figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for row in payload["rows"]:
-        ours = row["spec"].split(":")[0] in ("fibquant", "turboquant", "int", "fp")
-        color = "C3" if row["spec"].startswith("fibquant") else ("C0" if ours else "0.5")
-        ax.scatter(row["codes_ratio"], row["accuracy"], color=color, s=30)
-        ax.annotate(row["method"], (row["codes_ratio"], row["accuracy"]), fontsize=6, rotation=20)
-    ax.axvline(10, color="k", linestyle=":", linewidth=1)
-    ax.set_xscale("log")
-    ax.set_xlabel("key + value compression vs fp16 (stored bytes per vector, side information included)")
-    ax.set_ylabel("passkey accuracy")
-    config = payload["config"]
-    ax.set_title(f"{payload['model']}\n{payload['text']}, lengths {config['lengths']}, depths {config['depths']}, "
-                 f"{config['keys_per_cell']} keys per cell, window {config['sink_tokens']}+{config['recent_tokens']}",
-                 fontsize=8)
-    ax.grid(True, alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
+    with figure(path, dpi=130, figsize=(8, 5)) as (fig, ax):
+        for row in payload["rows"]:
+            ours = row["spec"].split(":")[0] in ("fibquant", "turboquant", "int", "fp")
+            color = "C3" if row["spec"].startswith("fibquant") else ("C0" if ours else "0.5")
+            ax.scatter(row["codes_ratio"], row["accuracy"], color=color, s=30)
+            ax.annotate(row["method"], (row["codes_ratio"], row["accuracy"]), fontsize=6, rotation=20)
+        ax.axvline(RATIO_TARGET, color="k", linestyle=":", linewidth=1)
+        ax.set_xscale("log")
+        ax.set_xlabel("key + value compression vs fp16 (stored bytes per vector, side information included)")
+        ax.set_ylabel("passkey accuracy")
+        config = payload["config"]
+        ax.set_title(f"{payload['model']}\n{payload['text']}, lengths {config['lengths']}, depths "
+                     f"{config['depths']}, {config['keys_per_cell']} keys per cell, window "
+                     f"{config['sink_tokens']}+{config['recent_tokens']}", fontsize=8)
+        ax.grid(True, alpha=0.3)
 
 
-def main_needle(config: NeedleConfig = NeedleConfig(), caches=None, out_dir=None, build_codebooks: bool = False,
-                model_and_tokenizer=None, progress: bool = True) -> dict:
-    """Run the task, print the table and the target, write needle.json and needle.png."""
+def run(config: NeedleConfig = NeedleConfig(), caches=None, build_codebooks: bool = False,
+        model_and_tokenizer=None, progress: bool = True) -> dict:
+    """Parse `caches` (default NEEDLE_CACHES; fp always first), skip unavailable ones, run every trial."""
     from fibquant.eval.cache_specs import parse_cache_specs, split_available
-    from fibquant.eval.kv_report import format_table, save_report
     from fibquant.eval.peers import package_versions
-    from fibquant.kv.cache import check_model_supported
-    from fibquant.kv.model import load_model
+    from fibquant.kv.model import check_model_supported, load_model
 
     model, tokenizer = model_and_tokenizer or load_model()
     dim = check_model_supported(model)["head_dim"]
@@ -311,15 +317,27 @@ def main_needle(config: NeedleConfig = NeedleConfig(), caches=None, out_dir=None
     payload = run_needle(model, tokenizer, specs, config, progress)
     payload["skipped"], payload["peer_versions"] = skipped, package_versions()
     payload["targets"] = needle_targets(payload["rows"])
-    print(f"\nmodel: {payload['model']}\ntext: {config.text}; lengths {list(config.lengths)}, depths "
-          f"{list(config.depths)}, {config.keys_per_cell} keys per (length, depth), seed {config.seed}; exact window "
-          f"{config.sink_tokens} sinks + {config.recent_tokens} recent; attention {config.attention}\n")
-    print(format_table(payload["rows"], needle_columns(config.lengths)))
-    for name, value in payload["targets"].items():
-        print(f"{name}: {value}")
-    for note in skipped:
-        print(f"skipped: {note}")
-    paths = save_report(payload, out_dir, "needle", plot_needle)
-    print(f"wrote {paths['json']} and {paths['png']} (prefill {payload['timing']['prefill_s']:.0f} s, "
-          f"caches {payload['timing']['caches_s']:.0f} s)")
+    return payload
+
+
+def needle_header(payload: dict) -> str:
+    c = payload["config"]
+    lines = [f"\nmodel: {payload['model']}\ntext: {payload['text']}; lengths {c['lengths']}, depths {c['depths']}, "
+             f"{c['keys_per_cell']} keys per (length, depth), seed {c['seed']}; exact window {c['sink_tokens']} "
+             f"sinks + {c['recent_tokens']} recent; attention {c['attention']}\n"]
+    lines += [f"skipped: {note}" for note in payload.get("skipped", [])]
+    return "\n".join(lines)
+
+
+EXPERIMENT = Experiment(name="needle", stem="needle", config=NeedleConfig, run=run,
+                        columns=lambda payload: needle_columns(payload["config"]["lengths"]),
+                        plot=plot_needle, targets=target_checks, header=needle_header)
+
+
+def main_needle(config: NeedleConfig = NeedleConfig(), caches=None, out_dir=None, build_codebooks: bool = False,
+                model_and_tokenizer=None, progress: bool = True) -> dict:
+    """Run the task, print the table and the target, write needle.json and needle.png."""
+    payload = EXPERIMENT.main(config, out_dir, caches=caches, build_codebooks=build_codebooks,
+                              model_and_tokenizer=model_and_tokenizer, progress=progress)
+    print(f"(prefill {payload['timing']['prefill_s']:.0f} s, caches {payload['timing']['caches_s']:.0f} s)")
     return payload

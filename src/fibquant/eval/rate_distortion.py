@@ -8,8 +8,8 @@ throughput of FibQuant against TurboQuant at 2 and 4 bits; codebook build times.
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
@@ -18,11 +18,13 @@ from ..codebook import load_codebook
 from ..codecs import FibQuantCodec, IntCodec, TurboQuantCodec
 from ..codecs.fibquant import MAX_SEARCH_CODEWORDS, choose_block
 from ..source import sample_sphere
+from .report import Experiment, figure, format_table, format_targets
+from .timing import Stopwatch, rate
 
 EVAL_SEED = 987_654_321  # the fresh test vectors; codebooks train on hash-derived seeds
 FOR_RATE_GRID = (0.1875, 0.25, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0)
-# Targets of issue 2 at d = 64: FibQuant best MSE / TurboQuant MSE, absolute sub-one-bit MSE,
-# and FibQuant / TurboQuant throughput at 2 and 4 bits.
+# The benchmark's targets at d = 64: FibQuant best MSE / TurboQuant MSE at 1-4 bits, absolute
+# sub-one-bit MSE, and FibQuant / TurboQuant encode and decode throughput at 2 and 4 bits.
 MSE_RATIO_TARGETS = {1.0: 0.87, 2.0: 0.85, 3.0: 0.85, 4.0: 0.85}
 SUB_ONE_BIT_TARGETS = {0.5: 0.57, 0.1875: 0.71}
 THROUGHPUT_TARGETS = {"encode": 0.3, "decode": 0.8}
@@ -79,6 +81,17 @@ class RDReport:
                 "note": "MSE = E||u - u_hat||^2 of unit vectors uniform on S^{d-1}, measured on fresh "
                         "samples (not the codebooks' training samples); Shannon bound 4^-b."}
 
+    @classmethod
+    def from_json(cls, payload: dict) -> "RDReport":
+        """The report back from `to_json()` (the payload written to rate_distortion.json)."""
+        config = {**payload["config"], "dims": tuple(payload["config"]["dims"])}
+        return cls(RDConfig(**config), [Point(**p) for p in payload["points"]], list(payload["throughput"]),
+                   list(payload["targets"]), list(payload["skipped"]))
+
+
+def _as_report(report) -> RDReport:
+    return report if isinstance(report, RDReport) else RDReport.from_json(report)
+
 
 def fibquant_grid(dim: int, quick: bool) -> list[tuple[int, int]]:
     """(k, N) pairs: the for_rate choice at every grid rate, plus (full run) the other block sizes
@@ -111,10 +124,6 @@ def unit_mse(codec, u: torch.Tensor, batch: int = 1 << 14) -> float:
     return total / u.shape[0]
 
 
-def _rate(seconds: float, n: int) -> float:
-    return n / seconds if seconds > 0 else float("inf")
-
-
 def measure_throughput(codecs: dict, u: torch.Tensor, repeats: int) -> dict[str, tuple[float, float]]:
     """{name: (encode, decode) vectors per second}, best of `repeats` on the batch u [n, dim].
 
@@ -125,14 +134,13 @@ def measure_throughput(codecs: dict, u: torch.Tensor, repeats: int) -> dict[str,
         codec.decode(codec.encode(u[:256]))
     for _ in range(repeats):
         for name, codec in codecs.items():
-            start = time.perf_counter()
-            codes = codec.encode(u)
-            mid = time.perf_counter()
-            codec.decode(codes)
-            end = time.perf_counter()
-            best[name][0] = min(best[name][0], mid - start)
-            best[name][1] = min(best[name][1], end - mid)
-    return {name: (_rate(enc, u.shape[0]), _rate(dec, u.shape[0])) for name, (enc, dec) in best.items()}
+            with Stopwatch() as encode:
+                codes = codec.encode(u)
+            with Stopwatch() as decode:
+                codec.decode(codes)
+            best[name][0] = min(best[name][0], encode.seconds)
+            best[name][1] = min(best[name][1], decode.seconds)
+    return {name: (rate(enc, u.shape[0]), rate(dec, u.shape[0])) for name, (enc, dec) in best.items()}
 
 
 def run_rate_distortion(config: RDConfig) -> RDReport:
@@ -149,10 +157,10 @@ def run_rate_distortion(config: RDConfig) -> RDReport:
                     report.skipped.append(f"d={dim} k={k} N={n}: codebook not shipped or cached "
                                           f"(fibquant codebook build --dim {dim} --k {k} --n {n})")
                     continue
-            start = time.perf_counter()
-            codec = FibQuantCodec(dim, k, n, seed=config.seed)
-            codebook = codec.codebook
-            load_seconds = time.perf_counter() - start
+            with Stopwatch() as load:
+                codec = FibQuantCodec(dim, k, n, seed=config.seed)
+                codebook = codec.codebook
+            load_seconds = load.seconds
             build = codebook.build_seconds if math.isfinite(codebook.build_seconds) else load_seconds
             fib_points.append(Point("FibQuant", dim, codec.nominal_bits_per_coordinate,
                                     codec.stored_bits_per_coordinate, unit_mse(codec, u), k, n,
@@ -204,7 +212,7 @@ def _throughput_rows(dim: int, config: RDConfig, u: torch.Tensor) -> list[dict]:
 
 
 def check_targets(report: RDReport, dim: int = 64) -> list[dict]:
-    """The issue-2 targets at `dim`, each with the measured figure and met / missed."""
+    """The targets above at `dim`, each with the measured figure and met / missed."""
     points = [p for p in report.points if p.dim == dim]
     if not points:
         return []
@@ -232,21 +240,24 @@ def check_targets(report: RDReport, dim: int = 64) -> list[dict]:
     return out
 
 
-def format_report(report: RDReport) -> str:
-    lines = ["Total MSE E||u - u_hat||^2 of unit vectors (fresh samples), d = dimension",
-             f"{'codec':<10} {'d':>4} {'bits':>7} {'stored':>7} {'k':>4} {'N':>5} {'MSE':>10} "
-             f"{'4^-b':>9} {'MSE/4^-b':>8} {'train MSE':>10} {'build s':>8}"]
+RD_COLUMNS = [("label", "codec", ""), ("dim", "d", "d"), ("bits", "bits", ".4g"), ("stored_bits", "stored", ".4g"),
+              ("k", "k", "d"), ("n_codewords", "N", "d"), ("mse", "MSE", ".5g"), ("shannon", "4^-b", ".4g"),
+              ("over_shannon", "MSE/4^-b", ".3f"), ("train_mse", "train MSE", ".5g"),
+              ("build_seconds", "build s", ".1f")]
+
+
+def rd_table(report) -> str:
+    """The MSE table (one row per codec, dimension and rate) and the throughput lines."""
+    report = _as_report(report)
+    rows = []
     for p in sorted(report.points, key=lambda p: (p.dim, p.codec != "FibQuant", p.codec, p.bits, p.k or 0)):
         shannon = 4.0 ** -p.bits
-        lines.append(
-            f"{p.codec + ('*' if p.best else ''):<10} {p.dim:>4} {p.bits:>7.4g} {p.stored_bits:>7.4g} "
-            f"{p.k if p.k else '':>4} {p.n_codewords if p.n_codewords else '':>5} {p.mse:>10.5g} "
-            f"{shannon:>9.4g} {p.mse / shannon:>8.3f} "
-            f"{(f'{p.train_mse:.5g}' if p.train_mse is not None else ''):>10} "
-            f"{(f'{p.build_seconds:.1f}' if p.build_seconds is not None else ''):>8}")
-    lines.append("* = best FibQuant block size at that rate; 'stored' counts the fp16 norm / scales too")
-    for note in report.skipped:
-        lines.append(f"skipped: {note}")
+        rows.append({**asdict(p), "label": p.codec + ("*" if p.best else ""), "shannon": shannon,
+                     "over_shannon": p.mse / shannon})
+    lines = ["Total MSE E||u - u_hat||^2 of unit vectors (fresh samples), d = dimension",
+             format_table(rows, RD_COLUMNS),
+             "* = best FibQuant block size at that rate; 'stored' counts the fp16 norm / scales too"]
+    lines += [f"skipped: {note}" for note in report.skipped]
     lines.append("")
     lines.append("Throughput (vectors/s incl. rotation, search and bit packing; best of repeats, "
                  "CPU threads as shown)")
@@ -255,58 +266,60 @@ def format_report(report: RDReport) -> str:
                      f"decode {row['fib_decode_vps']:.4g} | TurboQuant: encode {row['turbo_encode_vps']:.4g} "
                      f"decode {row['turbo_decode_vps']:.4g} | ratio encode {row['encode_ratio']:.3f} "
                      f"decode {row['decode_ratio']:.3f} (threads {row['threads']})")
-    lines.append("")
-    lines.append("Targets (d = 64)")
-    for t in report.targets:
-        lines.append(f"  [{'met' if t['met'] else 'MISSED'}] {t['target']}: measured {t['measured']:.4g} ({t['detail']})")
     return "\n".join(lines)
 
 
-def plot_report(report: RDReport, path) -> None:
+def format_report(report) -> str:
+    """`rd_table` followed by the targets at d = 64."""
+    report = _as_report(report)
+    return rd_table(report) + "\n\nTargets (d = 64)\n" + format_targets(report.targets)
+
+
+def plot_report(report, path) -> None:
     """log MSE against bits per coordinate, one panel per dimension, with the Shannon bound."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    report = _as_report(report)
     dims = sorted({p.dim for p in report.points})
-    fig, axes = plt.subplots(1, len(dims), figsize=(6 * len(dims), 4.5), squeeze=False)
-    for ax, dim in zip(axes[0], dims):
-        pts = [p for p in report.points if p.dim == dim]
-        rates = [x / 16 for x in range(2, 8 * 16 + 1)]
-        ax.plot(rates, [4.0 ** -b for b in rates], "k--", lw=1, label="Shannon 4^-b")
-        fib = [p for p in pts if p.codec == "FibQuant"]
-        ax.scatter([p.bits for p in fib], [p.mse for p in fib], s=14, c="tab:blue", alpha=0.4,
-                   label="FibQuant (all k)")
-        best = sorted((p for p in fib if p.best), key=lambda p: p.bits)
-        ax.plot([p.bits for p in best], [p.mse for p in best], "o-", c="tab:blue", label="FibQuant (best k)")
-        for p in best:
-            ax.annotate(f"k={p.k}", (p.bits, p.mse), fontsize=7, xytext=(3, 3), textcoords="offset points")
-        for name, style, colour in (("TurboQuant", "s-", "tab:green"), ("INT", "^-", "tab:orange")):
-            sel = sorted((p for p in pts if p.codec == name), key=lambda p: p.bits)
-            ax.plot([p.bits for p in sel], [p.mse for p in sel], style, c=colour, label=name)
-        ax.set_yscale("log")
-        ax.set_xlim(0, 8.2)
-        ax.set_xlabel("index bits per coordinate")
-        ax.set_ylabel("E||u - u_hat||^2 (unit vectors)")
-        ax.set_title(f"d = {dim}")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with figure(path, ncols=len(dims), figsize=(6 * len(dims), 4.5), squeeze=False) as (fig, axes):
+        for ax, dim in zip(axes[0], dims):
+            _plot_dim(ax, [p for p in report.points if p.dim == dim], dim)
 
 
-def write_outputs(report: RDReport, out_dir) -> tuple:
-    """Write rate_distortion.json and rate_distortion.png under out_dir; returns both paths."""
-    import json
-    from pathlib import Path
+def _plot_dim(ax, pts: list[Point], dim: int) -> None:
+    rates = [x / 16 for x in range(2, 8 * 16 + 1)]
+    ax.plot(rates, [4.0 ** -b for b in rates], "k--", lw=1, label="Shannon 4^-b")
+    fib = [p for p in pts if p.codec == "FibQuant"]
+    ax.scatter([p.bits for p in fib], [p.mse for p in fib], s=14, c="tab:blue", alpha=0.4,
+               label="FibQuant (all k)")
+    best = sorted((p for p in fib if p.best), key=lambda p: p.bits)
+    ax.plot([p.bits for p in best], [p.mse for p in best], "o-", c="tab:blue", label="FibQuant (best k)")
+    for p in best:
+        ax.annotate(f"k={p.k}", (p.bits, p.mse), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    for name, style, colour in (("TurboQuant", "s-", "tab:green"), ("INT", "^-", "tab:orange")):
+        sel = sorted((p for p in pts if p.codec == name), key=lambda p: p.bits)
+        ax.plot([p.bits for p in sel], [p.mse for p in sel], style, c=colour, label=name)
+    ax.set_yscale("log")
+    ax.set_xlim(0, 8.2)
+    ax.set_xlabel("index bits per coordinate")
+    ax.set_ylabel("E||u - u_hat||^2 (unit vectors)")
+    ax.set_title(f"d = {dim}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    json_path, png_path = out / "rate_distortion.json", out / "rate_distortion.png"
-    json_path.write_text(json.dumps(report.to_json(), indent=2))
-    plot_report(report, png_path)
-    return json_path, png_path
+
+def run(config: RDConfig = RDConfig()) -> dict:
+    """The benchmark as a JSON payload (`RDReport.to_json()`)."""
+    return run_rate_distortion(config).to_json()
+
+
+EXPERIMENT = Experiment(name="rd", stem="rate_distortion", config=RDConfig, run=run, table=rd_table,
+                        plot=plot_report, targets=lambda payload: payload["targets"])
+
+
+def write_outputs(report, out_dir=None) -> tuple:
+    """Write rate_distortion.json and rate_distortion.png under out_dir (default: the results
+    directory, see fibquant.paths); returns both paths."""
+    paths = EXPERIMENT.report(_as_report(report).to_json(), out_dir, echo=False)
+    return Path(paths["json"]), Path(paths["png"])
 
 
 def quick_config(dims=(64,), seed: int = 0) -> RDConfig:

@@ -5,13 +5,14 @@ even], each code the codec's fixed [fp16 norm][packed indices]. vLLM's page arit
 because the backend publishes the slot size through `customize_spec` (`state_content_bytes`), the
 hook vLLM's own TurboQuant backend uses; the physical layout is head-major (LBHNC, as CPU_ATTN).
 
-Exact window: every token written to the cache is stored as codes only. The tokens of the running
+Exact window: every token written to the cache is stored as codes. The tokens of the running
 forward (a prefill chunk, or the one decode token) attend to each other exactly, since their
-float K/V are at hand, and to every earlier token through its codes (the kernels of
-`fibquant.kv.coded_kernels`, one joint softmax: `fibquant.kv.attention.attend_codes`). There are no
-exact attention sinks: a page has no room for floats, and a side buffer outside the pages would
-break the page arithmetic. A chunked prefill therefore compresses earlier chunks, exactly as
-`CompressedCache(sink_tokens=0, recent_tokens=0)` in transformers does.
+float K/V are at hand, the first `sink_tokens` of the sequence exactly too (a small side store,
+`sinks.SinkStore`, outside the pages), and every other earlier token through its codes (the kernels
+of `fibquant.kv.coded_kernels`, one joint softmax: `fibquant.kv.attention.attend_codes`). There is
+no exact recent window: the pages have room for codes only. A chunked prefill therefore compresses
+earlier chunks, exactly as `CompressedCache(sink_tokens=S, recent_tokens=0)` in transformers does.
+Decode requests attend in one batched call per layer, padded to the longest context and masked.
 
 Not supported (a clear NotImplementedError at engine start): ALiBi, sliding windows, logit soft
 caps, attention-sink parameters, encoder / cross attention, fp8 `kv_cache_dtype` (the codes are the
@@ -34,6 +35,7 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from fibquant.integrations.vllm.config import active_config
+from fibquant.integrations.vllm.sinks import SinkStore
 from fibquant.kv.attention import attend_codes
 from fibquant.kv.codes import CodedKV
 
@@ -120,6 +122,15 @@ class FibQuantMetadataBuilder(AttentionMetadataBuilder[FibQuantMetadata]):
         )
 
 
+def _max_num_seqs(default: int = 256) -> int:
+    try:
+        from vllm.config import get_current_vllm_config
+
+        return int(get_current_vllm_config().scheduler_config.max_num_seqs or default)
+    except Exception:  # outside an engine (unit tests): no scheduler config
+        return default
+
+
 class FibQuantAttentionImpl(AttentionImpl):
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
                  alibi_slopes=None, sliding_window: int | None = None, kv_cache_dtype: str = "auto",
@@ -144,6 +155,7 @@ class FibQuantAttentionImpl(AttentionImpl):
         self.key_codec, self.value_codec = config.codecs(head_size)
         self.key_bytes = self.key_codec.code_size
         self.value_bytes = self.value_codec.code_size
+        self.sinks = SinkStore(config.sink_tokens, max_entries=2 * _max_num_seqs())
 
     def _pages(self, kv_cache: torch.Tensor) -> torch.Tensor:
         """The layer's cache as bytes [num_blocks, num_kv_heads, block_size, slot_bytes]."""
@@ -166,18 +178,50 @@ class FibQuantAttentionImpl(AttentionImpl):
         codes = torch.cat([self.key_codec.encode(keys), self.value_codec.encode(values)], dim=-1)
         pages[slots // block_size, :, slots % block_size, : codes.shape[-1]] = codes
 
-    def _context_codes(self, pages: torch.Tensor, blocks: torch.Tensor, length: int):
-        """Key and value codes [1, Hk, length, code_size] of a request's first `length` tokens."""
+    def _context_codes(self, pages: torch.Tensor, tables: torch.Tensor, length: int):
+        """Key and value codes [R, Hk, length, code_size] of the first `length` tokens of the requests
+        whose block-table rows are `tables` [R, max_blocks] (rows past a request's own length are
+        whatever its unused blocks hold: the caller masks them)."""
         block_size = pages.shape[2]
-        used = blocks[: -(-length // block_size)].to(torch.long)
-        rows = pages[used].transpose(0, 1).reshape(self.num_kv_heads, -1, pages.shape[-1])[:, :length]
-        return (rows[..., : self.key_bytes].unsqueeze(0),
-                rows[..., self.key_bytes: self.key_bytes + self.value_bytes].unsqueeze(0))
+        # Entries past a request's own blocks are stale ids (masked by the caller): clamp keeps them in range.
+        used = tables[:, : -(-length // block_size)].to(torch.long).clamp_(0, pages.shape[0] - 1)  # [R, nb]
+        rows = pages[used].permute(0, 2, 1, 3, 4)                                  # [R, Hk, nb, bs, C]
+        rows = rows.reshape(used.shape[0], self.num_kv_heads, -1, pages.shape[-1])[:, :, :length]
+        return rows[..., : self.key_bytes], rows[..., self.key_bytes: self.key_bytes + self.value_bytes]
+
+    def _attend(self, pages, tables, pasts: list[int], query, key, value, mask=None, sinks=None) -> torch.Tensor:
+        """Requests with equal new-token counts T: query [R, T, Hq, D], key/value [R, T, Hk, D] ->
+        [R, T, Hq*D]. `sinks`: exact keys/values [R, Hk, s, D] of positions 0..s-1 (s <= every past);
+        `mask` (additive float [R, 1, T, max(pasts) + T]) hides other requests' padding."""
+        count, tokens = query.shape[:2]
+        longest = max(pasts)
+        if not longest:  # nothing coded yet (a first prefill chunk): plain causal attention, model dtype
+            out = torch.nn.functional.scaled_dot_product_attention(
+                query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), is_causal=tokens > 1,
+                scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
+            return out.transpose(1, 2).reshape(count, tokens, -1)
+        key_codes, value_codes = self._context_codes(pages, tables, longest)
+        for row, past in enumerate(pasts):  # another request's bytes: zero codes (norm 0), masked anyway
+            if past < longest:
+                key_codes[row, :, past:] = 0
+                value_codes[row, :, past:] = 0
+        new_keys, new_values = key.transpose(1, 2), value.transpose(1, 2)          # [R, Hk, T, D]
+        empty = new_keys.new_empty((count, self.num_kv_heads, 0, self.head_size))
+        sink_keys, sink_values = sinks if sinks is not None else (empty, empty)
+        skip = sink_keys.shape[2]
+        coded = CodedKV(sink_keys=sink_keys, sink_values=sink_values, key_codes=key_codes[:, :, skip:],
+                        value_codes=value_codes[:, :, skip:], recent_keys=empty, recent_values=empty,
+                        new_keys=new_keys, new_values=new_values, key_codec=self.key_codec,
+                        value_codec=self.value_codec)
+        return attend_codes(query.transpose(1, 2), coded, mask, self.scale).reshape(count, tokens, -1)
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: FibQuantMetadata | None, output: torch.Tensor | None = None,
                 output_scale=None, output_block_scale=None) -> torch.Tensor:
-        """query [N, Hq*D] (or [N, Hq, D]), key/value [N, Hk*D] -> output [N, Hq*D]."""
+        """query [N, Hq*D] (or [N, Hq, D]), key/value [N, Hk*D] -> output [N, Hq*D].
+
+        Decode requests (one new token each) attend in one batched call, padded to the longest
+        context and masked; every other request (a prefill chunk) attends on its own."""
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("fused output quantization is not supported by the FibQuant backend")
         if output is None:
@@ -187,26 +231,48 @@ class FibQuantAttentionImpl(AttentionImpl):
             return output
         flat_out = output.view(output.shape[0], -1)
         pages = self._pages(kv_cache)
-        heads, dim = self.num_kv_heads, self.head_size
-        starts = attn_metadata.query_start_loc
+        count = attn_metadata.num_actual_tokens
+        queries = query[:count].reshape(count, self.num_heads, self.head_size)
+        keys = key[:count].reshape(count, self.num_kv_heads, self.head_size)
+        values = value[:count].reshape(count, self.num_kv_heads, self.head_size)
+        starts, tables = attn_metadata.query_start_loc, attn_metadata.block_table
+        decodes: dict[int, list] = {}  # sinks used -> [(request, past, sinks)]
         for request, total in enumerate(attn_metadata.seq_lens):
             start, stop = starts[request], starts[request + 1]
-            tokens = stop - start
-            if tokens <= 0:
+            if stop <= start:
                 continue
-            past = total - tokens
-            if past > 0:
-                key_codes, value_codes = self._context_codes(pages, attn_metadata.block_table[request], past)
-            else:
-                key_codes = pages.new_empty((1, heads, 0, self.key_bytes))
-                value_codes = pages.new_empty((1, heads, 0, self.value_bytes))
-            new_keys = key[start:stop].reshape(tokens, heads, dim).transpose(0, 1).unsqueeze(0)
-            new_values = value[start:stop].reshape(tokens, heads, dim).transpose(0, 1).unsqueeze(0)
-            empty = new_keys.new_empty((1, heads, 0, dim))
-            coded = CodedKV(sink_keys=empty, sink_values=empty, key_codes=key_codes, value_codes=value_codes,
-                            recent_keys=empty, recent_values=empty, new_keys=new_keys, new_values=new_values,
-                            key_codec=self.key_codec, value_codec=self.value_codec)
-            queries = query[start:stop].reshape(tokens, self.num_heads, dim).transpose(0, 1).unsqueeze(0)
-            attended = attend_codes(queries, coded, None, self.scale)  # [1, T, Hq, D]
-            flat_out[start:stop] = attended.reshape(tokens, -1).to(flat_out.dtype)
+            span, past = slice(start, stop), total - (stop - start)
+            first_block = int(tables[request, 0])
+            self.sinks.record(first_block, past, keys[span], values[span])
+            sinks = self.sinks.lookup(first_block, past)
+            if stop - start == 1 and past > 0:
+                decodes.setdefault(0 if sinks is None else sinks[0].shape[0], []).append((request, past, sinks))
+                continue
+            exact = None if sinks is None else (sinks[0].transpose(0, 1)[None], sinks[1].transpose(0, 1)[None])
+            out = self._attend(pages, tables[request:request + 1], [past], queries[span][None], keys[span][None],
+                               values[span][None], sinks=exact)
+            flat_out[span] = out[0].to(flat_out.dtype)
+        for used, group in decodes.items():
+            self._decode_batch(pages, tables, starts, group, used, queries, keys, values, flat_out)
         return output
+
+    def _decode_batch(self, pages, tables, starts, group, used: int, queries, keys, values, flat_out) -> None:
+        """One attention call for decode requests [(request, past, sinks)] that use `used` sinks each."""
+        device = queries.device
+        requests = [request for request, _, _ in group]
+        pasts = [past for _, past, _ in group]
+        rows = torch.tensor([starts[r] for r in requests], device=device)
+        longest = max(pasts)
+        mask = None
+        if min(pasts) < longest:  # padding columns of shorter contexts: -inf; the own token: seen
+            columns = torch.arange(longest + 1, device=device)
+            hidden = (columns[None, :] >= torch.tensor(pasts, device=device)[:, None]) & (columns < longest)
+            mask = torch.zeros(hidden.shape, device=device).masked_fill_(hidden, float("-inf"))[:, None, None]
+        sinks = None
+        if used:
+            sinks = (torch.stack([exact[0].transpose(0, 1) for _, _, exact in group]),
+                     torch.stack([exact[1].transpose(0, 1) for _, _, exact in group]))
+        index = torch.tensor(requests, device=tables.device)
+        out = self._attend(pages, tables[index], pasts, queries[rows][:, None], keys[rows][:, None],
+                           values[rows][:, None], mask, sinks)
+        flat_out[rows] = out[:, 0].to(flat_out.dtype)

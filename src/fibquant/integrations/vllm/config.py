@@ -6,6 +6,9 @@
 
 Any calibration-free codec spec of `fibquant.eval.methods` works on each side; codecs with a rotated
 codebook (FibQuant, TurboQuant) are attended on their codes, others are decoded for attention.
+
+`FIBQUANT_VLLM_SINK_TOKENS` (default 4, 0 turns them off): the first tokens of each sequence that
+attention also reads exactly (attention sinks; see `sinks`).
 """
 from __future__ import annotations
 
@@ -14,16 +17,21 @@ import os
 from dataclasses import dataclass
 
 ENV_VAR = "FIBQUANT_VLLM_CACHE"
+SINKS_ENV_VAR = "FIBQUANT_VLLM_SINK_TOKENS"
+DEFAULT_SINK_TOKENS = 4
 
 
 @dataclass(frozen=True)
 class VllmCacheConfig:
-    """Key and value codec specs (validated on construction)."""
+    """Key and value codec specs and the exact sink tokens (validated on construction)."""
 
     key_spec: str
     value_spec: str
+    sink_tokens: int = DEFAULT_SINK_TOKENS
 
     def __post_init__(self) -> None:
+        if not isinstance(self.sink_tokens, int) or self.sink_tokens < 0:
+            raise ValueError(f"{SINKS_ENV_VAR}: sink tokens must be an integer >= 0, got {self.sink_tokens!r}")
         for spec in (self.key_spec, self.value_spec):
             method = _method(spec)
             if method.calibrated or getattr(method, "reference", method.family == "fp"):
@@ -31,11 +39,11 @@ class VllmCacheConfig:
                                  "use e.g. fibquant:b=4 or turboquant:b=3")
 
     @classmethod
-    def parse(cls, text: str) -> "VllmCacheConfig":
+    def parse(cls, text: str, sink_tokens: int = DEFAULT_SINK_TOKENS) -> "VllmCacheConfig":
         parts = [part.strip() for part in text.split("/")]
         if len(parts) > 2 or not all(parts):
             raise ValueError(f"{ENV_VAR}={text!r}: expected SPEC or KEY_SPEC/VALUE_SPEC, e.g. fibquant:b=4/fibquant:b=2")
-        return cls(parts[0], parts[-1])
+        return cls(parts[0], parts[-1], sink_tokens)
 
     @property
     def spec(self) -> str:
@@ -67,4 +75,9 @@ def _codec(spec: str, head_dim: int):
 def active_config() -> VllmCacheConfig | None:
     """The config named by `FIBQUANT_VLLM_CACHE`, or None when the switch is off."""
     text = os.environ.get(ENV_VAR, "").strip()
-    return VllmCacheConfig.parse(text) if text else None
+    if not text:
+        return None
+    sinks = os.environ.get(SINKS_ENV_VAR, "").strip() or str(DEFAULT_SINK_TOKENS)
+    if not sinks.isdigit():
+        raise ValueError(f"{SINKS_ENV_VAR}={sinks!r}: expected an integer >= 0")
+    return VllmCacheConfig.parse(text, int(sinks))

@@ -21,7 +21,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
-from fibquant.integrations.vllm.config import ENV_VAR
+from fibquant.integrations.vllm.config import DEFAULT_SINK_TOKENS, ENV_VAR, SINKS_ENV_VAR
 
 RESULT_MARK = "FIBQUANT_RESULT "
 
@@ -39,10 +39,17 @@ class EngineSettings:
     kv_cache_gib: float = 1.0
     dtype: str = "bfloat16"
     max_num_seqs: int = 16
+    kv_cache_dtype: str = "auto"  # vLLM's own cache dtypes (fp8, turboquant_*), with cache_spec None
+    device: str = "cpu"           # "cuda": the budget goes through kv_cache_memory_bytes
+    sink_tokens: int = DEFAULT_SINK_TOKENS  # exact first tokens of each sequence (FibQuant cache only)
 
     def __post_init__(self) -> None:
         if self.chunk_tokens < 1 or self.max_model_len < 2 or self.kv_cache_gib <= 0:
             raise ValueError(f"bad engine settings: {self}")
+        if self.cache_spec and self.kv_cache_dtype != "auto":
+            raise ValueError("a FibQuant cache_spec replaces the cache dtype: leave kv_cache_dtype='auto'")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
 
 
 def run_task(settings: EngineSettings, task: dict, timeout: float = 1800.0, python: str | None = None) -> dict:
@@ -54,6 +61,7 @@ def run_task(settings: EngineSettings, task: dict, timeout: float = 1800.0, pyth
     env.pop(ENV_VAR, None)
     if settings.cache_spec:
         env[ENV_VAR] = settings.cache_spec
+        env[SINKS_ENV_VAR] = str(settings.sink_tokens)
     env["VLLM_CPU_KVCACHE_SPACE"] = f"{settings.kv_cache_gib:g}"
     env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     env.setdefault("HF_HUB_OFFLINE", "1")
@@ -70,10 +78,15 @@ def run_task(settings: EngineSettings, task: dict, timeout: float = 1800.0, pyth
 def _engine(settings: EngineSettings):
     from vllm import LLM
 
+    extra = {}
+    if settings.device == "cuda":
+        extra["kv_cache_memory_bytes"] = int(settings.kv_cache_gib * 2 ** 30)
+        if settings.cache_spec:
+            extra["attention_backend"] = "CUSTOM"
     return LLM(model=settings.model_dir, dtype=settings.dtype, enforce_eager=True,
                max_model_len=settings.max_model_len, enable_chunked_prefill=True,
                max_num_batched_tokens=settings.chunk_tokens, max_num_seqs=settings.max_num_seqs,
-               enable_prefix_caching=False, seed=0)
+               enable_prefix_caching=False, kv_cache_dtype=settings.kv_cache_dtype, seed=0, **extra)
 
 
 def _capacity(llm) -> int:

