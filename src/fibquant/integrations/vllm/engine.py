@@ -6,7 +6,8 @@ call `run_task`; the child runs `python -m fibquant.integrations.vllm.engine` on
 
 Tasks (JSON in, JSON out; every result also has `kv_capacity_tokens`, `load_s` and `task_s`):
     {"task": "greedy", "prompts": [str], "max_tokens": int}
-        -> {"token_ids": [[int]], "texts": [str]}
+        -> {"token_ids": [[int]], "texts": [str], "margins": [[float]]} (margins: top-1 minus top-2
+           log-probability per step)
     {"task": "prompt_logprobs", "token_ids": [int]}
         -> {"logprobs": [float]}  (log p of tokens 1..n-1 given their prefix)
     {"task": "throughput", "prompt_token_ids": [[int]], "max_tokens": int}
@@ -97,10 +98,17 @@ def _capacity(llm) -> int:
 def _greedy(llm, task: dict) -> dict:
     from vllm import SamplingParams
 
-    outputs = llm.generate(task["prompts"], SamplingParams(max_tokens=task["max_tokens"], temperature=0.0),
-                           use_tqdm=False)
+    outputs = llm.generate(task["prompts"], SamplingParams(max_tokens=task["max_tokens"], temperature=0.0,
+                                                           logprobs=2), use_tqdm=False)
     return {"token_ids": [list(o.outputs[0].token_ids) for o in outputs],
-            "texts": [o.outputs[0].text for o in outputs]}
+            "texts": [o.outputs[0].text for o in outputs],
+            "margins": [[_margin(step) for step in o.outputs[0].logprobs] for o in outputs]}
+
+
+def _margin(step: dict) -> float:
+    """log p(top 1) - log p(top 2) of one greedy step: how far the choice was from a tie."""
+    values = sorted((entry.logprob for entry in step.values()), reverse=True)
+    return values[0] - values[1] if len(values) > 1 else float("inf")
 
 
 def _prompt_logprobs(llm, task: dict) -> dict:
