@@ -6,22 +6,12 @@ streams (N = 16, 256, 4096) and 1M characters of Jane Austen.
     .venv/bin/python benchmarks/archive.py            # full run (a few minutes on 2 cores)
     .venv/bin/python benchmarks/archive.py --quick    # 10^5 symbols, seconds
 
-Writes results/archive/archive_bench.{json,md,png} and prints the table.
+Writes results/archive/archive_bench.{json,md,png} and prints the table. Same as
+`fibquant eval archive`; the work is done by fibquant.eval.archive_bench.
 """
-from __future__ import annotations
+import sys
 
-import argparse
-
-from fibquant.eval.archive_bench import config_for, run
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="10^5 symbols per stream, fewer lookups")
-    parser.add_argument("--out", default="results/archive", help="output directory")
-    args = parser.parse_args()
-    run(config_for(args.quick), out_dir=args.out)
-
+from fibquant.cli import main
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(["eval", "archive", *sys.argv[1:]]))

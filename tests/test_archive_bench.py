@@ -6,17 +6,19 @@ import pytest
 import numpy as np
 
 from fibquant.eval.archive_baselines import BenchmarkCheckError, check_lookups, search_quality
-from fibquant.eval.archive_bench import BenchConfig, run
+from fibquant.eval.archive_bench import EXPERIMENT, BenchConfig, run
 
 
 def test_tiny_benchmark_writes_every_method_and_labels_the_text_fallback(tmp_path, capsys):
     config = BenchConfig(n_symbols=3000, alphabets=(16, 4096), lookups=200, zstd_lookups=20, appends=500,
                          append_chunk=100, queries=20, recall_queries=5, search_sizes=(3000,), zstd_frame=1024,
                          text_names=(), repeats=1)
-    report = run(config, out_dir=tmp_path)
+    report = EXPERIMENT.main(config, tmp_path)
     saved = json.loads((tmp_path / "archive_bench.json").read_text())
+    assert set(saved) == {"config", "targets", "machine", "results", "target_check"}
     assert (tmp_path / "archive_bench.png").stat().st_size > 10_000
-    assert "| stream | N | method" in (tmp_path / "archive_bench.md").read_text()
+    table = (tmp_path / "archive_bench.md").read_text()
+    assert "| stream | N | method" in table and "| stream | method | bits | encode |" in table
     methods = {(r["stream"], r["method"]) for r in saved["results"]}
     for stream in ("uniform-16", "zipf-16", "uniform-4096", "zipf-4096", "text-256"):
         for method in ("fractal-exact", "fractal-float", "raw-numpy", "bitpack", "zstd-3", "zstd-19",
@@ -32,7 +34,21 @@ def test_tiny_benchmark_writes_every_method_and_labels_the_text_fallback(tmp_pat
                for r in searched if r["method"].startswith("fractal"))
     exact = [r for r in saved["results"] if r["method"] == "fractal-exact" and r["stream"] == "uniform-4096"][0]
     assert exact["bits_per_symbol"] < 1.1 * 12
-    assert report["target_check"] and "Targets" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert report["target_check"] and "Targets" in out
+    assert "fractal-exact uniform-16: encode_us <= 0.0068" in out and "recall >= 1.0" in out
+    assert len(EXPERIMENT.target_list(report)) == len(report["target_check"])
+
+
+def test_run_returns_the_payload_without_writing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = BenchConfig(n_symbols=1000, alphabets=(16,), lookups=50, zstd_lookups=10, appends=100,
+                         append_chunk=50, queries=5, recall_queries=2, search_sizes=(1000,), zstd_frame=512,
+                         text_names=(), repeats=1)
+    payload = run(config, variants=("exact",), progress=False)
+    assert {r["method"] for r in payload["results"]} >= {"fractal-exact", "raw-numpy"}
+    assert "fractal-float" not in {r["method"] for r in payload["results"]}
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_config_validation():

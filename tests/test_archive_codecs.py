@@ -85,7 +85,9 @@ def test_radix_alphabet_validation(bad):
 
 # ------------------------------------------------------------------ float map
 @pytest.mark.parametrize("n,expected", [(16, 0.16591), (256, 0.012124), (4096, 7.664e-4)])
-def test_r_star_matches_the_brief(n, expected):
+def test_r_star_matches_the_closed_form_values(n, expected):
+    # r*(N) = 1 / (2 (1 + sum_{j=1}^{floor(N/4)} cos(2 pi j / N))), the largest contraction with disjoint
+    # cells (docs/archive-format.md); the expected values are those the fractal-archive paper quotes.
     assert r_star(n) == pytest.approx(expected, rel=1e-3)
 
 
@@ -105,7 +107,7 @@ def test_r_above_r_star_is_refused():
 
 @pytest.mark.parametrize("n,segment", [(16, 19), (256, 8), (4096, 5)])
 def test_segment_length_from_precision_budget(n, segment):
-    # The brief's ~20, ~8, ~5 symbols per float64 point, less one guard bit.
+    # The fractal-archive paper's ~20, ~8, ~5 symbols per float64 point, less one guard bit.
     assert FloatMapCoder(n).segment == segment
 
 

@@ -68,10 +68,10 @@ def test_eval_rd_writes_to_the_results_env_dir(tmp_path, monkeypatch, capsys):
 
 
 def test_eval_archive_out_defaults_to_the_results_env_dir(tmp_path, monkeypatch):
-    import fibquant.eval.archive_bench as bench
+    import fibquant.cli.archive as archive_cli
 
     calls = []
-    monkeypatch.setattr(bench, "run", lambda config, out_dir: calls.append(out_dir))
+    monkeypatch.setattr(archive_cli, "run_experiment", lambda name, config, out_dir: calls.append(out_dir))
     monkeypatch.setenv("FIBQUANT_RESULTS_DIR", str(tmp_path))
     assert main(["eval", "archive", "--quick", "--threads", "1"]) == 0
     monkeypatch.delenv("FIBQUANT_RESULTS_DIR")

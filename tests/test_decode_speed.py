@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from _kv_helpers import real_model, tiny_llama
-from fibquant.eval.decode_speed import context_tokens, run_decode_speed
-from fibquant.eval.decode_speed_config import DEFAULT_CACHES, DecodeSpeedConfig, parse_cache_name
+from fibquant.eval.decode_speed import EXPERIMENT, context_tokens, run_decode_speed
+from fibquant.eval.decode_speed_config import DEFAULT_CACHES, DecodeSpeedConfig, our_families, parse_cache_name
 from fibquant.eval.decode_speed_report import format_decode_speed, write_decode_speed
 from fibquant.eval.memory import PeakRSS
+from fibquant.eval.report import get_experiment
 from fibquant.kv.memory import quantized_cache_nbytes
 
 
@@ -52,9 +53,20 @@ def test_cache_names_parse_and_reject():
     assert parse_cache_name("hqq2").kind == "quantized"
     for name in DEFAULT_CACHES:
         parse_cache_name(name)
-    for bad in ("fibquant", "quanto3", "hqq4-old", "int4", "dynamic-old"):
+    for bad in ("fibquant", "quanto3", "hqq4-old", "dynamic-old", "fp4", "lowrank4", "fibquant9"):
         with pytest.raises(ValueError):
             parse_cache_name(bad)
+
+
+def test_our_caches_come_from_the_codec_registry():
+    # Registered codecs built from a bit count are ours; calibrated ones and the fp reference are not.
+    assert our_families() == ("fibquant", "turboquant", "int")
+    spec = parse_cache_name("int4-old")
+    assert (spec.kind, spec.family, spec.bits, spec.attention) == ("compressed", "int", 4, "decode")
+    assert spec.label == "INT 4b (decode)" and parse_cache_name("fibquant4").label == "FibQuant 4b (codes)"
+    assert spec.method().spec == "int:b=4"
+    with pytest.raises(ValueError, match="not one of our compressed caches"):
+        parse_cache_name("hqq4").method()
     with pytest.raises(ValueError):
         DecodeSpeedConfig(decode_tokens=0)
 
@@ -71,7 +83,7 @@ def test_peak_rss_sees_an_allocation():
     assert monitor.added >= 32 * 1024 * 1024
 
 
-def test_decode_speed_on_a_tiny_model(tmp_path):
+def test_decode_speed_on_a_tiny_model(tmp_path, capsys):
     torch.set_num_threads(1)
     model = _tiny()
     ids = torch.randint(0, model.config.vocab_size, (64,), generator=torch.Generator().manual_seed(0))
@@ -93,6 +105,11 @@ def test_decode_speed_on_a_tiny_model(tmp_path):
     saved = json.loads(open(paths["json"]).read())
     assert [r["cache"] for r in saved["rows"]] == ["dynamic", "fibquant4", "fibquant4-old"]
     assert (tmp_path / "decode_speed.png").stat().st_size > 0
+    # The registered experiment prints the same header and table, and writes the same files.
+    EXPERIMENT.report(payload, tmp_path / "report")
+    assert table in capsys.readouterr().out
+    assert sorted(p.name for p in (tmp_path / "report").iterdir()) == ["decode_speed.json", "decode_speed.png"]
+    assert get_experiment("speed") is EXPERIMENT
 
 
 @pytest.mark.parametrize("backend", ["quanto", "hqq"])

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ._common import add_threads_argument, apply_threads
+from ._common import add_threads_argument, apply_threads, run_experiment
 
 
 def _read_symbols(path: Path, input_format: str) -> tuple[np.ndarray, int]:
@@ -133,9 +133,9 @@ def eval_out_dir(out) -> Path:
 
 
 def _eval(args) -> int:
-    from ..eval.archive_bench import config_for, run
+    from ..eval.archive_bench import config_for
 
     config = config_for(args.quick)
     apply_threads(args)
-    run(config, out_dir=eval_out_dir(args.out))
+    run_experiment("archive", config, eval_out_dir(args.out))
     return 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 
 from ._common import (add_list_argument, add_model_argument, add_out_argument, add_specs_argument, add_text_argument,
-                      add_threads_argument, apply_threads)
+                      add_threads_argument, apply_threads, run_experiment)
 
 
 def register_eval(eval_subparsers) -> None:
@@ -15,14 +15,15 @@ def register_eval(eval_subparsers) -> None:
 
 
 def add_speed_arguments(parser: argparse.ArgumentParser) -> None:
-    from fibquant.eval.decode_speed import DEFAULT_CACHES  # torch-free at import
+    from fibquant.eval.decode_speed_config import DEFAULT_CACHES  # torch-free at import
 
     add_list_argument(parser, "--contexts", default=[1024, 2048, 4096, 8192],
                       help="context lengths in tokens (cut to leave room for the decoded tokens)")
     parser.add_argument("--decode-tokens", type=int, default=32, help="greedy decode steps per run")
     add_specs_argument(parser, "--caches", default=list(DEFAULT_CACHES),
-                       help="caches to compare (DynamicCache always runs): dynamic, fibquantB, turboquantB, "
-                            "with -old for the decode-the-whole-cache path, quantoB, hqqB "
+                       help="caches to compare (DynamicCache always runs): dynamic, <codec family>B for the "
+                            "registered codecs built from a bit count (fibquantB, turboquantB, intB), with -old "
+                            "for the decode-the-whole-cache path, quantoB, hqqB "
                             f"(default: {' '.join(DEFAULT_CACHES)})")
     add_text_argument(parser, help="novel to take the contexts from")
     parser.add_argument("--sink-tokens", type=int, default=4)
@@ -39,7 +40,7 @@ def add_speed_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_speed_command(args: argparse.Namespace) -> int:
-    from fibquant.eval.decode_speed import DecodeSpeedConfig, main_decode_speed
+    from fibquant.eval.decode_speed_config import DecodeSpeedConfig
     from fibquant.kv.model import load_model
 
     config = DecodeSpeedConfig(contexts=tuple(args.contexts), decode_tokens=args.decode_tokens,
@@ -52,5 +53,7 @@ def run_speed_command(args: argparse.Namespace) -> int:
     else:
         model, tokenizer = load_model(args.model)
         model_and_tokenizer = (model.to(args.device), tokenizer)
-    main_decode_speed(config, args.out, model_and_tokenizer, progress=not args.no_progress)
+    payload = run_experiment("speed", config, args.out, model_and_tokenizer=model_and_tokenizer,
+                             progress=not args.no_progress)
+    print(f"({payload['seconds']:.0f} s)")
     return 0

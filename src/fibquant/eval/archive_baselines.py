@@ -17,13 +17,13 @@ every search method's recall and precision are measured against brute force
 from __future__ import annotations
 
 import math
-import time
 from bisect import bisect_left, bisect_right
 
 import numpy as np
 
 from ..archive import brute_force_search
 from ..archive.search import key_depth
+from .timing import Stopwatch, best_of, timed
 
 
 class BenchmarkCheckError(RuntimeError):
@@ -52,12 +52,8 @@ def search_quality(search, symbols: np.ndarray, queries) -> tuple[float, float]:
 
 
 def best_time(fn, repeats: int) -> float:
-    best = math.inf
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+    """Seconds of the fastest of `repeats` calls of `fn()` (`timing.best_of` without the result)."""
+    return best_of(fn, repeats)[0]
 
 
 def time_lookups(get, items: list, repeats: int, batch: int = 1000) -> float:
@@ -69,10 +65,11 @@ def time_lookups(get, items: list, repeats: int, batch: int = 1000) -> float:
     for _ in range(repeats):
         for start in range(0, len(items), batch):
             chunk = items[start:start + batch]
-            begin = time.perf_counter()
-            for item in chunk:
-                get(item)
-            best = min(best, (time.perf_counter() - begin) / len(chunk))
+
+            def calls(chunk=chunk):
+                for item in chunk:
+                    get(item)
+            best = min(best, timed(calls)[0] / len(chunk))
     return best * 1e6
 
 
@@ -178,13 +175,13 @@ def bench_search_baselines(stream, config, rng) -> list[dict]:
         # sorted l-gram keys: the first m <= D symbols of every l-gram packed into a uint64,
         # argsorted; the other l - m symbols are verified against the raw array.
         m = min(l, key_depth(alphabet))
-        start = time.perf_counter()
-        keys = np.zeros(size - l + 1, dtype=np.uint64)
-        for j in range(m):
-            keys = keys * np.uint64(alphabet) + symbols[j:size - l + 1 + j].astype(np.uint64)
-        order = np.argsort(keys, kind="stable")
-        sorted_keys = keys[order]
-        rows["sorted-keys"][f"index_build_s_{tag}"] = time.perf_counter() - start
+        with Stopwatch() as build:
+            keys = np.zeros(size - l + 1, dtype=np.uint64)
+            for j in range(m):
+                keys = keys * np.uint64(alphabet) + symbols[j:size - l + 1 + j].astype(np.uint64)
+            order = np.argsort(keys, kind="stable")
+            sorted_keys = keys[order]
+        rows["sorted-keys"][f"index_build_s_{tag}"] = build.seconds
 
         def gram_search(q):
             key = 0
@@ -199,9 +196,8 @@ def bench_search_baselines(stream, config, rng) -> list[dict]:
         # suffix array
         dtype = smallest_dtype(alphabet)
         data = symbols.astype(dtype)
-        start = time.perf_counter()
-        sa = pydivsufsort.divsufsort(data)
-        rows["suffix-array"][f"index_build_s_{tag}"] = time.perf_counter() - start
+        seconds, sa = timed(lambda: pydivsufsort.divsufsort(data))
+        rows["suffix-array"][f"index_build_s_{tag}"] = seconds
         if dtype == np.uint8:
             def sa_find(q):
                 count, first = pydivsufsort.sa_search(data, sa, q.astype(np.uint8))

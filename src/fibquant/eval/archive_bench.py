@@ -18,11 +18,9 @@ and the fastest batch is the cost of the code rather than of the other jobs.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import tempfile
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -33,10 +31,22 @@ from ..archive import Archive, FloatMapCoder, brute_force_search, make_coder
 from ..archive.search import PointIndex
 from .archive_baselines import (BenchmarkCheckError, bench_bitpack, bench_raw, bench_search_baselines, bench_zstd,
                                 best_time, check_lookups, sample_queries, search_quality, time_lookups)
+from .report import Experiment, figure, format_table, target
+from .timing import timed
 
-TARGETS = {  # 100x the paper's figures (BRIEF section 3)
-    "encode_us": 0.0068, "random_access_us": 3.1, "append_us": 1.75, "search_us_1e5": 9.0,
-    "bits_over_log2n_uniform": 1.05, "recall": 1.0,
+# Targets of fractal-exact on every stream: 100x the figures of the fractal-archive paper
+# (µs per symbol / lookup / appended symbol / query over 10^5 positions), the stored bits over
+# log2 N on uniform streams, and exact search (recall 1; the only target that is a minimum).
+ENCODE_US_TARGET = 0.0068
+RANDOM_ACCESS_US_TARGET = 3.1
+APPEND_US_TARGET = 1.75
+SEARCH_US_1E5_TARGET = 9.0
+BITS_OVER_LOG2N_UNIFORM_TARGET = 1.05
+RECALL_TARGET = 1.0
+TARGETS = {
+    "encode_us": ENCODE_US_TARGET, "random_access_us": RANDOM_ACCESS_US_TARGET, "append_us": APPEND_US_TARGET,
+    "search_us_1e5": SEARCH_US_1E5_TARGET, "bits_over_log2n_uniform": BITS_OVER_LOG2N_UNIFORM_TARGET,
+    "recall": RECALL_TARGET,
 }
 
 
@@ -157,9 +167,7 @@ def bench_archive_search(variant, stream, config, workdir, rng, size) -> dict:
     with Archive.create(path, alphabet, variant=variant, overwrite=True) as archive:
         archive.append(symbols)
     with Archive.open(path) as archive:
-        start = time.perf_counter()
-        archive.search_index()
-        build = time.perf_counter() - start
+        build, _ = timed(archive.search_index)
         queries = sample_queries(symbols, config.queries, config.query_length, rng, size)
         rows = [q for q in queries]
         single = time_lookups(archive.search, rows, config.repeats, batch=100)
@@ -195,19 +203,17 @@ def geometric_filter(coder: FloatMapCoder, symbols: np.ndarray, config: BenchCon
 
 
 # --------------------------------------------------------------------- run
-def run(config: BenchConfig = BenchConfig(), out_dir: str | Path = "results/archive",
-        variants: tuple[str, ...] = ("exact", "float")) -> dict:
-    """Run every method on every stream; write JSON, a Markdown table and a PNG plot.
+def run(config: BenchConfig = BenchConfig(), variants: tuple[str, ...] = ("exact", "float"),
+        progress: bool = True) -> dict:
+    """Run every method on every stream; the payload (config, targets, machine, results, target_check).
 
-    The baselines live in `archive_baselines`."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    The baselines live in `archive_baselines`; `EXPERIMENT.report` writes archive_bench.json/.md/.png."""
     rng = np.random.default_rng(config.seed + 1)
     load_start = os.getloadavg()[0]  # timings are best-of-repeats, but a loaded machine still shows
     streams = make_streams(config)
     results = []
     steps = len(streams) * (len(variants) + 5)
-    with tempfile.TemporaryDirectory() as tmp, tqdm(total=steps, desc="archive bench") as bar:
+    with tempfile.TemporaryDirectory() as tmp, tqdm(total=steps, desc="archive bench", disable=not progress) as bar:
         workdir = Path(tmp)
         for stream in streams:
             meta = {"stream": stream["stream"], "alphabet": stream["alphabet"], "note": stream["note"]}
@@ -224,31 +230,23 @@ def run(config: BenchConfig = BenchConfig(), out_dir: str | Path = "results/arch
             bar.update()
     load = {"load_average_1min_start": load_start, "load_average_1min_end": os.getloadavg()[0],
             "cpu_count": os.cpu_count()}
-    report = {"config": asdict(config), "targets": TARGETS, "machine": load, "results": results,
-              "target_check": target_check(results, config)}
-    (out_dir / "archive_bench.json").write_text(json.dumps(report, indent=1, default=float))
-    table = (format_table(results, config) + "\n\n" + format_targets(report["target_check"])
-             + f"\n\nMachine: {load['cpu_count']} CPUs, 1-min load average {load['load_average_1min_start']:.1f} "
-               f"at start and {load['load_average_1min_end']:.1f} at end.")
-    (out_dir / "archive_bench.md").write_text(table + "\n")
-    plot(results, out_dir / "archive_bench.png")
-    print(table)
-    return report
+    return {"config": asdict(config), "targets": TARGETS, "machine": load, "results": results,
+            "target_check": target_check(results)}
 
 
-def target_check(results: list[dict], config: BenchConfig) -> list[dict]:
+def target_check(results: list[dict]) -> list[dict]:
+    """Each target on each stream's fractal-exact row: {stream, target, limit, measured, met}."""
     checks = []
     for row in results:
         if row["method"] != "fractal-exact":
             continue
-        log2n = math.log2(row["alphabet"])
         measured = {
             "encode_us": row["encode_us"], "random_access_us": row["random_access_us"],
             "append_us": row["append_us"], "search_us_1e5": row.get("search_us_1e5"),
             "recall": min(v for k, v in row.items() if k.startswith("recall_")),
         }
         if row["stream"].startswith("uniform"):
-            measured["bits_over_log2n_uniform"] = row["bits_per_symbol"] / log2n
+            measured["bits_over_log2n_uniform"] = row["bits_per_symbol"] / math.log2(row["alphabet"])
         for name, value in measured.items():
             if value is None:
                 continue
@@ -258,84 +256,91 @@ def target_check(results: list[dict], config: BenchConfig) -> list[dict]:
     return checks
 
 
-COLUMNS = [("bits_per_symbol", "bits/sym", "{:.3f}"), ("encode_us", "encode µs/sym", "{:.4f}"),
-           ("pack_us", "pack µs/sym", "{:.4f}"), ("random_access_us", "access µs", "{:.2f}"),
-           ("append_us", "append µs/sym", "{:.3f}"), ("append_chunk_us", "append (1k chunks)", "{:.4f}"),
-           ("search_us_1e5", "search µs/q 1e5", "{:.2f}"), ("search_batched_us_1e5", "batched 1e5", "{:.2f}"),
-           ("search_us_1e6", "search µs/q 1e6", "{:.2f}"), ("search_batched_us_1e6", "batched 1e6", "{:.2f}"),
-           ("index_build_s_1e5", "index build s 1e5", "{:.3f}"), ("recall_1e5", "recall", "{:.2f}"),
-           ("filter_precision_f64", "filter prec f64", "{:.3f}"),
-           ("filter_precision_f32", "filter prec f32", "{:.3f}")]
+def archive_targets(payload: dict) -> list[dict]:
+    """`payload["target_check"]` as report targets ("fractal-exact <stream>: <target> <= <limit>")."""
+    return [target(f"fractal-exact {c['stream']}: {c['target']} {'>=' if c['target'] == 'recall' else '<='} "
+                   f"{c['limit']}", c["measured"], c["met"]) for c in payload["target_check"]]
 
 
-def format_table(results: list[dict], config: BenchConfig) -> str:
-    lines = [f"Fractal archive benchmark: {config.n_symbols} symbols per stream, query length "
-             f"{config.query_length}, {config.lookups} random lookups", ""]
-    header = ["stream", "N", "method"] + [title for _, title, _ in COLUMNS]
-    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for row in results:
-        cells = [row["stream"], str(row["alphabet"]), row["method"]]
-        cells += [fmt.format(row[key]) if row.get(key) is not None else "—" for key, _, fmt in COLUMNS]
-        lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "Ratios to fractal-exact on the same stream (bits, encode, access, search at the "
-              "largest size; > 1 means the other method is larger/slower):", ""]
-    big = f"search_us_1e{round(math.log10(max(config.search_sizes)))}"
-    keys = [("bits_per_symbol", "bits"), ("encode_us", "encode"), ("random_access_us", "access"), (big, "search")]
-    lines += ["| stream | method | " + " | ".join(t for _, t in keys) + " |", "|---|---|" + "---|" * len(keys)]
+COLUMNS = [("stream", "stream", ""), ("alphabet", "N", ""), ("method", "method", ""),
+           ("bits_per_symbol", "bits/sym", ".3f"), ("encode_us", "encode µs/sym", ".4f"),
+           ("pack_us", "pack µs/sym", ".4f"), ("random_access_us", "access µs", ".2f"),
+           ("append_us", "append µs/sym", ".3f"), ("append_chunk_us", "append (1k chunks)", ".4f"),
+           ("search_us_1e5", "search µs/q 1e5", ".2f"), ("search_batched_us_1e5", "batched 1e5", ".2f"),
+           ("search_us_1e6", "search µs/q 1e6", ".2f"), ("search_batched_us_1e6", "batched 1e6", ".2f"),
+           ("index_build_s_1e5", "index build s 1e5", ".3f"), ("recall_1e5", "recall", ".2f"),
+           ("filter_precision_f64", "filter prec f64", ".3f"),
+           ("filter_precision_f32", "filter prec f32", ".3f")]
+
+
+def ratio_rows(results: list[dict], search_key: str) -> tuple[list[dict], list[tuple[str, str, str]]]:
+    """Rows of value / fractal-exact's value on the same stream (None where either is missing), columns."""
+    keys = [("bits_per_symbol", "bits"), ("encode_us", "encode"), ("random_access_us", "access"),
+            (search_key, "search")]
+    rows = []
     for row in results:
         if row["method"] == "fractal-exact":
             continue
-        ref = next(r for r in results if r["stream"] == row["stream"] and r["method"] == "fractal-exact")
-        cells = [f"{row[k] / ref[k]:.2f}" if row.get(k) is not None and ref.get(k) else "—" for k, _ in keys]
-        lines.append(f"| {row['stream']} | {row['method']} | " + " | ".join(cells) + " |")
+        ref = next((r for r in results if r["stream"] == row["stream"] and r["method"] == "fractal-exact"), {})
+        rows.append({"stream": row["stream"], "method": row["method"],
+                     **{title: row[k] / ref[k] if row.get(k) is not None and ref.get(k) else None
+                        for k, title in keys}})
+    columns = [("stream", "stream", ""), ("method", "method", "")] + [(t, t, ".2f") for _, t in keys]
+    return rows, columns
+
+
+def archive_table(payload: dict) -> str:
+    """The Markdown results table, the ratios to fractal-exact, the stream notes and the machine load."""
+    config, results, load = payload["config"], payload["results"], payload["machine"]
+    lines = [f"Fractal archive benchmark: {config['n_symbols']} symbols per stream, query length "
+             f"{config['query_length']}, {config['lookups']} random lookups", "",
+             format_table(results, COLUMNS, markdown=True), "",
+             "Ratios to fractal-exact on the same stream (bits, encode, access, search at the "
+             "largest size; > 1 means the other method is larger/slower):", ""]
+    big = f"search_us_1e{round(math.log10(max(config['search_sizes'])))}"
+    lines.append(format_table(*ratio_rows(results, big), markdown=True))
     notes = sorted({f"{r['stream']}: {r['note']}" for r in results if r["note"]})
-    return "\n".join(lines + [""] + notes)
-
-
-def format_targets(checks: list[dict]) -> str:
-    lines = ["Targets (fractal-exact, the default variant):", "",
-             "| stream | target | limit | measured | met |", "|---|---|---|---|---|"]
-    for c in checks:
-        lines.append(f"| {c['stream']} | {c['target']} | {c['limit']} | {c['measured']:.4g} | "
-                     f"{'yes' if c['met'] else 'NO'} |")
+    lines += ["", *notes] if notes else []
+    lines += ["", f"Machine: {load['cpu_count']} CPUs, 1-min load average {load['load_average_1min_start']:.1f} "
+                  f"at start and {load['load_average_1min_end']:.1f} at end."]
     return "\n".join(lines)
 
 
-def plot(results: list[dict], path: Path) -> None:
-    import matplotlib
+def plot_archive(payload: dict, path: Path) -> None:
+    """Four bar panels (bits, encode, access, search at 10^5) per stream, one bar per method."""
+    from matplotlib import colormaps
+    from matplotlib.patches import Patch
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    results = payload["results"]
     streams = list(dict.fromkeys(r["stream"] for r in results))
     methods = list(dict.fromkeys(r["method"] for r in results))
     panels = [("bits_per_symbol", "bits / symbol on disk"), ("encode_us", "encode µs / symbol"),
               ("random_access_us", "random access µs / lookup"), ("search_us_1e5", "search µs / query (10^5)")]
-    from matplotlib.patches import Patch
-
-    colours = {method: plt.get_cmap("tab10")(k % 10) for k, method in enumerate(methods)}
-    fig, axes = plt.subplots(2, 2, figsize=(15, 9.5))
+    colours = {method: colormaps["tab10"](k % 10) for k, method in enumerate(methods)}
     width = 0.8 / len(methods)
-    for ax, (key, title) in zip(axes.flat, panels):
-        for m, method in enumerate(methods):
-            values = [next((r.get(key) for r in results if r["stream"] == s and r["method"] == method), None)
-                      for s in streams]
-            xs = [k + m * width for k, v in enumerate(values) if v]
-            if xs:
-                ax.bar(xs, [v for v in values if v], width, color=colours[method])
-        ax.set_yscale("log")
-        ax.set_title(title)
-        ax.set_xticks(np.arange(len(streams)) + 0.4 - width / 2)
-        ax.set_xticklabels(streams, rotation=30, fontsize=8)
-    fig.legend([Patch(color=colours[m]) for m in methods], methods, loc="lower center", ncol=len(methods),
-               fontsize=9)
-    fig.tight_layout(rect=(0, 0.04, 1, 1))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with figure(path, dpi=110, tight=False, nrows=2, ncols=2, figsize=(15, 9.5)) as (fig, axes):
+        for ax, (key, title) in zip(axes.flat, panels):
+            for m, method in enumerate(methods):
+                values = [next((r.get(key) for r in results if r["stream"] == s and r["method"] == method), None)
+                          for s in streams]
+                xs = [k + m * width for k, v in enumerate(values) if v]
+                if xs:
+                    ax.bar(xs, [v for v in values if v], width, color=colours[method])
+            ax.set_yscale("log")
+            ax.set_title(title)
+            ax.set_xticks(np.arange(len(streams)) + 0.4 - width / 2)
+            ax.set_xticklabels(streams, rotation=30, fontsize=8)
+        fig.legend([Patch(color=colours[m]) for m in methods], methods, loc="lower center", ncol=len(methods),
+                   fontsize=9)
+        fig.tight_layout(rect=(0, 0.04, 1, 1))
+
+
+EXPERIMENT = Experiment(name="archive", stem="archive_bench", config=BenchConfig, run=run, table=archive_table,
+                        plot=plot_archive, targets=archive_targets, rows_key="results", table_suffix=".md")
 
 
 def config_for(quick: bool) -> BenchConfig:
     return QUICK if quick else BenchConfig()
 
 
-__all__ = ["BenchConfig", "QUICK", "TARGETS", "config_for", "make_streams", "run"]
+__all__ = ["BenchConfig", "EXPERIMENT", "QUICK", "TARGETS", "config_for", "make_streams", "run"]

@@ -55,7 +55,8 @@ def measure_prefix_ttft(model, tokenizer, config: ArchiveKVConfig, workdir: Path
 
     from fibquant.eval.kv_report import text_tokens
     from fibquant.eval.methods import parse_method
-    from fibquant.kv.cache import CompressedCache, check_model_supported
+    from fibquant.kv.cache import CompressedCache
+    from fibquant.kv.model import check_model_supported
     from fibquant.kv.persist import PersistentCache, save_cache
     from fibquant.kv.prefix import prefill_with_prefix
 

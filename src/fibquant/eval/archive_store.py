@@ -40,7 +40,8 @@ def measure_store(model, tokens: int = 8192, method: str = "fibquant:b=2", reads
     from transformers import DynamicCache
 
     from fibquant.eval.methods import parse_method
-    from fibquant.kv.cache import CompressedCache, check_model_supported
+    from fibquant.kv.cache import CompressedCache
+    from fibquant.kv.model import check_model_supported
     from fibquant.kv.persist import PersistentCache
 
     info = check_model_supported(model)
@@ -141,7 +142,7 @@ def layer0_value_codes(model, tokenizer, count: int, head: int = 0, method: str 
     over the first `count` tokens of the Austen novels (concatenated)."""
     from fibquant.data.text import TEXTS, load_text
     from fibquant.eval.methods import parse_method
-    from fibquant.kv.cache import check_model_supported
+    from fibquant.kv.model import check_model_supported
 
     info = check_model_supported(model)
     codec = parse_method(method).build(info["head_dim"])

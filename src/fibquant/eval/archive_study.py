@@ -180,7 +180,7 @@ def run_study(model, tokenizer, config: StudyConfig = StudyConfig(), progress: b
     from fibquant.eval.capture import capture_attention
     from fibquant.eval.kv_report import text_tokens
     from fibquant.eval.perplexity import window_nll
-    from fibquant.kv.cache import check_model_supported
+    from fibquant.kv.model import check_model_supported
 
     info = check_model_supported(model)
     watch = Stopwatch()

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fibquant.kv.cache import check_model_supported
+from fibquant.kv.model import check_model_supported
 
 
 @dataclass

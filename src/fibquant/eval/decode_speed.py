@@ -28,22 +28,23 @@ import os
 import platform
 import statistics
 import sys
-import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Optional
 
 from fibquant.eval.decode_speed_config import (DEFAULT_CACHES, CacheSpec, DecodeSpeedConfig, _package_version,
                                                load_benchmark_model, peer_unavailable_reason)
-from fibquant.eval.decode_speed_report import format_decode_speed, write_decode_speed
+from fibquant.eval.decode_speed_report import decode_speed_header, decode_speed_table, plot_decode_speed
 from fibquant.eval.memory import PeakCUDA, PeakRSS, _synchronize, release_free_memory
+from fibquant.eval.report import Experiment
+from fibquant.eval.timing import Stopwatch, timed
 from fibquant.kv.model import copy_dynamic_cache, last_logits
 
 if TYPE_CHECKING:
     import torch
 
 # The cache names, the config and the report live in decode_speed_config.py / decode_speed_report.py.
-__all__ = ["BYTES_COUNTING", "DEFAULT_CACHES", "DecodeSpeedConfig", "cache_bytes", "context_tokens",
-           "main_decode_speed", "run_decode_speed"]
+__all__ = ["BYTES_COUNTING", "DEFAULT_CACHES", "EXPERIMENT", "DecodeSpeedConfig", "cache_bytes", "context_tokens",
+           "run_decode_speed"]
 
 # ----------------------------------------------------------------------------- model calls
 
@@ -52,12 +53,9 @@ def _build_cache(spec: CacheSpec, prefill, model, head_dim: int, config: DecodeS
     if spec.kind == "dynamic":
         return copy_dynamic_cache(prefill, model.config)
     if spec.kind == "compressed":
-        from fibquant.codecs.fibquant import FibQuantCodec
-        from fibquant.codecs.turboquant import TurboQuantCodec
         from fibquant.kv.cache import CompressedCache
 
-        codec = (FibQuantCodec.for_rate(head_dim, spec.bits) if spec.family == "fibquant"
-                 else TurboQuantCodec(head_dim, spec.bits))
+        codec = spec.method().build(head_dim)
         return CompressedCache.from_cache(prefill, codec, codec, sink_tokens=config.sink_tokens,
                                           recent_tokens=config.recent_tokens, attention=spec.attention,
                                           model=model)
@@ -109,9 +107,7 @@ def _prefill(model, ids: torch.Tensor) -> _Prefill:
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
-    start = time.perf_counter()
-    logits = last_logits(model, ids[None], cache)
-    seconds = time.perf_counter() - start
+    seconds, logits = timed(lambda: last_logits(model, ids[None], cache))
     return _Prefill(ids.shape[0], cache, logits.argmax().view(1, 1), seconds)
 
 
@@ -126,20 +122,18 @@ def _run_one(spec: CacheSpec, prefill: _Prefill, model, head_dim: int, config: D
     attention_before = getattr(model.config, "_attn_implementation", None)
     try:
         release_free_memory()
-        start = time.perf_counter()
-        cache = _build_cache(spec, prefill.cache, model, head_dim, config)
-        conversion = time.perf_counter() - start
+        conversion, cache = timed(lambda: _build_cache(spec, prefill.cache, model, head_dim, config))
         token, tokens, step_ms, first_logits = prefill.first_token, [], [], None
         release_free_memory()
         monitor = PeakCUDA(model.device) if model.device.type == "cuda" else PeakRSS(config.memory_interval_s)
         with monitor:
             for _ in range(decode_tokens):
                 _synchronize(model.device)
-                begin = time.perf_counter()
-                logits = last_logits(model, token, cache)
-                token = logits.argmax().view(1, 1)
-                _synchronize(model.device)
-                step_ms.append(1000.0 * (time.perf_counter() - begin))
+                with Stopwatch() as step:
+                    logits = last_logits(model, token, cache)
+                    token = logits.argmax().view(1, 1)
+                    _synchronize(model.device)
+                step_ms.append(1000.0 * step.seconds)
                 if first_logits is None:
                     first_logits = logits.detach().float().clone()
                 tokens.append(int(token))
@@ -234,6 +228,7 @@ def _run_decode_speed(config, model_and_tokenizer, token_ids, progress) -> dict:
     from fibquant.kv.model import check_model_supported, describe_model
 
     if model_and_tokenizer is None:
+        print("loading the model ...", file=sys.stderr, flush=True)
         model_and_tokenizer = load_benchmark_model(config)
     model, tokenizer = model_and_tokenizer
     head_dim = check_model_supported(model)["head_dim"]
@@ -268,7 +263,7 @@ def _run_decode_speed(config, model_and_tokenizer, token_ids, progress) -> dict:
 
     rows = []
     bar = tqdm(total=len(plan) * len(specs), desc="decode speed", disable=not progress)
-    started = time.perf_counter()
+    watch = Stopwatch()
     for context, tokens in plan:
         release_free_memory()
         bar.set_postfix_str(f"prefill {tokens}")
@@ -330,7 +325,7 @@ def _run_decode_speed(config, model_and_tokenizer, token_ids, progress) -> dict:
                       "bytes_vs_fp16_dynamic = cache bytes / (DynamicCache bytes in fp16)",
             "bytes": BYTES_COUNTING,
         },
-        "rows": rows, "skipped": skipped, "seconds": time.perf_counter() - started,
+        "rows": rows, "skipped": skipped, "seconds": watch.seconds,
     }
 
 
@@ -351,14 +346,5 @@ def _warmup(specs, model, head_dim, config, token_ids, skipped, progress) -> Non
             print(f"skipping {spec.name}: {reason}", file=sys.stderr, flush=True)
 
 
-def main_decode_speed(config: DecodeSpeedConfig = DecodeSpeedConfig(), out_dir=None, model_and_tokenizer=None,
-                      progress: bool = True) -> dict:
-    """Run, print the table, write results/decode_speed.json and .png; returns the payload."""
-    if model_and_tokenizer is None:
-        print("loading the model ...", file=sys.stderr, flush=True)
-        model_and_tokenizer = load_benchmark_model(config)
-    payload = run_decode_speed(config, model_and_tokenizer, progress=progress)
-    print("\n" + format_decode_speed(payload))
-    paths = write_decode_speed(payload, out_dir)
-    print(f"\nwrote {paths['json']} and {paths['png']} ({payload['seconds']:.0f} s)")
-    return payload
+EXPERIMENT = Experiment(name="speed", stem="decode_speed", config=DecodeSpeedConfig, run=run_decode_speed,
+                        header=decode_speed_header, table=decode_speed_table, plot=plot_decode_speed)

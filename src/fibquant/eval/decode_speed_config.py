@@ -1,14 +1,16 @@
 """The caches a decode-speed run measures (parsed from names such as `fibquant4`, `hqq2`), its
 configuration, and what it needs from the machine (the model, the peers' packages).
 
-Torch-free at import (the CLI reads `DEFAULT_CACHES` for its help text).
+Ours are the registered codecs (`fibquant.eval.methods.REGISTRY`) that are built from a bit
+count alone (a `b=` spec parameter, neither calibrated nor the fp reference): `<family><bits>`,
+e.g. `fibquant4`, `turboquant2`, `int4`. Torch-free at import (the CLI reads `DEFAULT_CACHES`
+for its help text).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
 
-OUR_FAMILIES = {"fibquant": "FibQuant", "turboquant": "TurboQuant"}
 PEER_BACKENDS = {"quanto": "optimum-quanto", "hqq": "hqq"}
 OUR_CACHES = ("fibquant4", "fibquant3", "fibquant2", "turboquant4", "turboquant2")
 PEER_CACHES = ("quanto4", "quanto2", "hqq4", "hqq2")
@@ -21,7 +23,7 @@ class CacheSpec:
 
     name: str
     kind: str                        # "dynamic" | "compressed" | "quantized"
-    family: str = "dynamic"          # fibquant | turboquant | quanto | hqq | dynamic
+    family: str = "dynamic"          # a registered codec family (ours) | quanto | hqq | dynamic
     bits: Optional[int] = None
     attention: Optional[str] = None  # "codes" | "decode" for ours
 
@@ -30,12 +32,29 @@ class CacheSpec:
         if self.kind == "dynamic":
             return "DynamicCache"
         if self.kind == "compressed":
-            return f"{OUR_FAMILIES[self.family]} {self.bits}b ({self.attention})"
+            return f"{self.method().style.name} {self.bits}b ({self.attention})"
         return f"QuantizedCache {self.family} {self.bits}b"
+
+    def method(self):
+        """The registered codec method of one of ours (`fibquant.eval.methods.Method`)."""
+        from fibquant.eval.methods import Method
+
+        if self.kind != "compressed":
+            raise ValueError(f"{self.name} is not one of our compressed caches")
+        return Method(self.family, bits=self.bits)
+
+
+def our_families() -> tuple[str, ...]:
+    """Registered codec families built from a bit count alone (`b=`; not calibrated, not the reference)."""
+    from fibquant.eval.methods import codec_classes
+
+    return tuple(family for family, cls in codec_classes().items()
+                 if not cls.calibrated and not cls.reference and any(p.name == "bits" for p in cls.spec_params))
 
 
 def parse_cache_name(name: str) -> CacheSpec:
-    """`dynamic`, `fibquant{2,3,4,...}`, `turboquant{1..4}` (+ `-old`: decode path), `quanto{2,4}`, `hqq{1,2,3,4,8}`."""
+    """`dynamic`, ours as `<family><bits>` (`fibquant4`, `turboquant2`, `int4`; + `-old`: the decode path),
+    `quanto{2,4}`, `hqq{1,2,3,4,8}`; ValueError otherwise."""
     text = name.strip().lower()
     if text == "dynamic":
         return CacheSpec("dynamic", "dynamic")
@@ -46,17 +65,23 @@ def parse_cache_name(name: str) -> CacheSpec:
     if not digits:
         raise ValueError(f"cache name {name!r} has no bit count (e.g. fibquant4, quanto2)")
     bits = int(digits)
-    if family in OUR_FAMILIES:
+    ours = our_families()
+    if family in ours:
         if not 1 <= bits <= 8:
             raise ValueError(f"cache name {name!r}: bits must be in 1..8")
-        return CacheSpec(text, "compressed", family, bits, "decode" if old else "codes")
+        spec = CacheSpec(text, "compressed", family, bits, "decode" if old else "codes")
+        try:
+            spec.method()
+        except ValueError as exc:
+            raise ValueError(f"cache name {name!r}: {exc}") from None
+        return spec
     if family in PEER_BACKENDS and not old:
         allowed = (2, 4) if family == "quanto" else (1, 2, 3, 4, 8)
         if bits not in allowed:
             raise ValueError(f"cache name {name!r}: the {family} backend takes nbits in {allowed}")
         return CacheSpec(text, "quantized", family, bits)
-    raise ValueError(f"unknown cache name {name!r}: expected dynamic, fibquantB, turboquantB (optionally -old), "
-                     f"quantoB or hqqB, e.g. {' '.join(DEFAULT_CACHES[:4])}")
+    raise ValueError(f"unknown cache name {name!r}: expected dynamic, {', '.join(f + 'B' for f in ours)} "
+                     f"(optionally -old), quantoB or hqqB, e.g. {' '.join(DEFAULT_CACHES[:4])}")
 
 
 # ----------------------------------------------------------------------------- config

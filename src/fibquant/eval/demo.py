@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from fibquant.eval.fidelity import FidelityConfig, plot_frontier, run_fidelity
-from fibquant.eval.methods import parse_methods
+from fibquant.eval.methods import is_reference, parse_methods
 from fibquant.eval.perplexity import PerplexityConfig, run_perplexity
 from fibquant.eval.report import Experiment
 from fibquant.eval.timing import Stopwatch
@@ -67,7 +67,7 @@ def demo_header(config: DemoConfig, perplexity: dict) -> str:
 
 def merge_rows(fidelity: dict, perplexity: dict) -> list[dict]:
     """One row per method: the perplexity row plus its attention cosine and DynamicCache bytes."""
-    fp_row = next(r for r in perplexity["rows"] if r["family"] == "fp")
+    fp_row = next(r for r in perplexity["rows"] if is_reference(r["family"]))
     rows = []
     for fid, ppl in zip(fidelity["rows"], perplexity["rows"]):
         row = dict(ppl)

@@ -30,6 +30,7 @@ from typing import Optional
 
 import torch
 
+from fibquant.eval.methods import codec_classes, is_reference, reference_method
 from fibquant.eval.report import Experiment
 from fibquant.eval.timing import Stopwatch, timed
 from fibquant.kv.model import last_logits
@@ -219,7 +220,8 @@ def run_needle(model, tokenizer, specs, config: NeedleConfig = NeedleConfig(), p
 
 def summarise(trials: list[dict], specs, config: NeedleConfig, dim: int) -> list[dict]:
     """One row per spec: bytes, ratios, accuracy overall / per length / per (length, depth), agreement with fp."""
-    fp = {(t["length"], t["depth"], t["rep"]): t["correct"] for t in trials if t["spec"] == "fp"}
+    fp_specs = {spec.spec for spec in specs if spec.is_fp}
+    fp = {(t["length"], t["depth"], t["rep"]): t["correct"] for t in trials if t["spec"] in fp_specs}
     rows = []
     for spec in specs:
         mine = [t for t in trials if t["spec"] == spec.spec]
@@ -246,7 +248,7 @@ def summarise(trials: list[dict], specs, config: NeedleConfig, dim: int) -> list
 def needle_targets(rows: list[dict]) -> dict:
     """The retrieval target: retrieval equal to fp (every trial fp answers) at >= RATIO_TARGET x
     key+value compression; the best ratio reached by any cache and by FibQuant, as printable text."""
-    matching = [r for r in rows if r["family"] != "fp" and r.get("equals_fp")]
+    matching = [r for r in rows if not is_reference(r["family"]) and r.get("equals_fp")]
     best = max(matching, key=lambda r: r["codes_ratio"], default=None)
     fib = [r for r in matching if r["spec"].startswith("fibquant")]
     best_fib = max(fib, key=lambda r: r["codes_ratio"], default=None)
@@ -286,7 +288,7 @@ def plot_needle(payload: dict, path) -> None:
 
     with figure(path, dpi=130, figsize=(8, 5)) as (fig, ax):
         for row in payload["rows"]:
-            ours = row["spec"].split(":")[0] in ("fibquant", "turboquant", "int", "fp")
+            ours = row["spec"].split("/")[0].split(":")[0] in codec_classes()  # a registered codec
             color = "C3" if row["spec"].startswith("fibquant") else ("C0" if ours else "0.5")
             ax.scatter(row["codes_ratio"], row["accuracy"], color=color, s=30)
             ax.annotate(row["method"], (row["codes_ratio"], row["accuracy"]), fontsize=6, rotation=20)
@@ -313,7 +315,7 @@ def run(config: NeedleConfig = NeedleConfig(), caches=None, build_codebooks: boo
     specs, skipped = split_available(parse_cache_specs(list(caches or NEEDLE_CACHES)), dim, build_codebooks)
     if not specs or not specs[0].is_fp:
         specs = [s for s in specs if not s.is_fp]
-        specs.insert(0, parse_cache_specs("fp")[0])
+        specs.insert(0, parse_cache_specs(reference_method().spec)[0])
     payload = run_needle(model, tokenizer, specs, config, progress)
     payload["skipped"], payload["peer_versions"] = skipped, package_versions()
     payload["targets"] = needle_targets(payload["rows"])

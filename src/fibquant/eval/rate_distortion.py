@@ -21,6 +21,8 @@ from ..source import sample_sphere
 from .report import Experiment, figure, format_table, format_targets
 from .timing import Stopwatch, rate
 
+# Point.codec: each codec's registered name (its plot style's name), e.g. "FibQuant".
+FIBQUANT, TURBOQUANT, INT = (cls.style.name for cls in (FibQuantCodec, TurboQuantCodec, IntCodec))
 EVAL_SEED = 987_654_321  # the fresh test vectors; codebooks train on hash-derived seeds
 FOR_RATE_GRID = (0.1875, 0.25, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0)
 # The benchmark's targets at d = 64: FibQuant best MSE / TurboQuant MSE at 1-4 bits, absolute
@@ -162,7 +164,7 @@ def run_rate_distortion(config: RDConfig) -> RDReport:
                 codebook = codec.codebook
             load_seconds = load.seconds
             build = codebook.build_seconds if math.isfinite(codebook.build_seconds) else load_seconds
-            fib_points.append(Point("FibQuant", dim, codec.nominal_bits_per_coordinate,
+            fib_points.append(Point(FIBQUANT, dim, codec.nominal_bits_per_coordinate,
                                     codec.stored_bits_per_coordinate, unit_mse(codec, u), k, n,
                                     codebook.total_mse, build))
         by_rate: dict[float, list[Point]] = {}
@@ -173,11 +175,11 @@ def run_rate_distortion(config: RDConfig) -> RDReport:
         report.points += fib_points
         for bits in (1, 2, 3, 4):
             codec = TurboQuantCodec(dim, bits, seed=config.seed)
-            report.points.append(Point("TurboQuant", dim, bits, codec.stored_bits_per_coordinate,
+            report.points.append(Point(TURBOQUANT, dim, bits, codec.stored_bits_per_coordinate,
                                        unit_mse(codec, u), 1, 1 << bits))
         for bits in range(2, 9):
             codec = IntCodec(dim, bits)
-            report.points.append(Point("INT", dim, bits, codec.stored_bits_per_coordinate, unit_mse(codec, u)))
+            report.points.append(Point(INT, dim, bits, codec.stored_bits_per_coordinate, unit_mse(codec, u)))
         report.throughput += _throughput(dim, config)
     report.targets = check_targets(report)
     return report
@@ -217,8 +219,8 @@ def check_targets(report: RDReport, dim: int = 64) -> list[dict]:
     if not points:
         return []
     out = []
-    best = {round(p.bits, 6): p for p in points if p.codec == "FibQuant" and p.best}
-    turbo = {p.bits: p for p in points if p.codec == "TurboQuant"}
+    best = {round(p.bits, 6): p for p in points if p.codec == FIBQUANT and p.best}
+    turbo = {p.bits: p for p in points if p.codec == TURBOQUANT}
     for bits, limit in MSE_RATIO_TARGETS.items():
         if bits in best and bits in turbo:
             ratio = best[bits].mse / turbo[bits].mse
@@ -250,7 +252,7 @@ def rd_table(report) -> str:
     """The MSE table (one row per codec, dimension and rate) and the throughput lines."""
     report = _as_report(report)
     rows = []
-    for p in sorted(report.points, key=lambda p: (p.dim, p.codec != "FibQuant", p.codec, p.bits, p.k or 0)):
+    for p in sorted(report.points, key=lambda p: (p.dim, p.codec != FIBQUANT, p.codec, p.bits, p.k or 0)):
         shannon = 4.0 ** -p.bits
         rows.append({**asdict(p), "label": p.codec + ("*" if p.best else ""), "shannon": shannon,
                      "over_shannon": p.mse / shannon})
@@ -287,14 +289,14 @@ def plot_report(report, path) -> None:
 def _plot_dim(ax, pts: list[Point], dim: int) -> None:
     rates = [x / 16 for x in range(2, 8 * 16 + 1)]
     ax.plot(rates, [4.0 ** -b for b in rates], "k--", lw=1, label="Shannon 4^-b")
-    fib = [p for p in pts if p.codec == "FibQuant"]
+    fib = [p for p in pts if p.codec == FIBQUANT]
     ax.scatter([p.bits for p in fib], [p.mse for p in fib], s=14, c="tab:blue", alpha=0.4,
-               label="FibQuant (all k)")
+               label=f"{FIBQUANT} (all k)")
     best = sorted((p for p in fib if p.best), key=lambda p: p.bits)
-    ax.plot([p.bits for p in best], [p.mse for p in best], "o-", c="tab:blue", label="FibQuant (best k)")
+    ax.plot([p.bits for p in best], [p.mse for p in best], "o-", c="tab:blue", label=f"{FIBQUANT} (best k)")
     for p in best:
         ax.annotate(f"k={p.k}", (p.bits, p.mse), fontsize=7, xytext=(3, 3), textcoords="offset points")
-    for name, style, colour in (("TurboQuant", "s-", "tab:green"), ("INT", "^-", "tab:orange")):
+    for name, style, colour in ((TURBOQUANT, "s-", "tab:green"), (INT, "^-", "tab:orange")):
         sel = sorted((p for p in pts if p.codec == name), key=lambda p: p.bits)
         ax.plot([p.bits for p in sel], [p.mse for p in sel], style, c=colour, label=name)
     ax.set_yscale("log")
