@@ -150,11 +150,15 @@ def test_errors(model, codecs, tmp_path):
 
 
 def test_unsupported_codec(model, tmp_path):
-    from fibquant.codecs.lowrank import LowRankCodec
+    from fibquant.codecs.identity import IdentityCodec
 
-    codec = LowRankCodec.fit(torch.randn(256, 64), 8)
+    class Unregistered(IdentityCodec):  # an "fp" codec under another family name: not in the registry
+        family = "mine"
+
+    codec = Unregistered(64)
     with pytest.raises(ValueError, match="cannot persist"):
         PersistentCache.create(tmp_path / "x", model, codec, codec)
+    assert not (tmp_path / "x").exists()  # a refused codec leaves no directory
 
 
 def test_crash_recovery_every_truncation(model, codecs, tmp_path):

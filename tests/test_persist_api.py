@@ -226,13 +226,3 @@ def test_study_bytes_arithmetic():
     assert out["codebook_bytes"] == 6 * 256 * 64 * 4 * 90
     with pytest.raises(ValueError, match="differ"):
         StudyConfig(calibration_text="emma")
-
-
-def test_saving_a_centred_cache_is_refused(tmp_path):
-    from fibquant.codecs.turboquant import TurboQuantCodec
-
-    cache = CompressedCache(TurboQuantCodec(64, 2), TurboQuantCodec(64, 2), 2, 4, encode_batch=1, centre=True)
-    cache.update(torch.randn(1, 2, 12, 64), torch.randn(1, 2, 12, 64), 0)
-    with pytest.raises(ValueError, match="centred cache"):
-        cache.save(tmp_path / "c.fqkv", model=None)
-    assert not (tmp_path / "c.fqkv").exists()

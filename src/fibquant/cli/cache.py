@@ -34,7 +34,8 @@ def _save(args) -> int:
     ids = _prompt_ids(args, tokenizer)
     out = generate_persistent(model, ids, args.output, codec, codec, sink_tokens=args.sink_tokens,
                               recent_tokens=args.recent_tokens, max_new_tokens=args.max_new_tokens,
-                              overwrite=args.overwrite, checkpoint_every=args.checkpoint_every)
+                              overwrite=args.overwrite, checkpoint_every=args.checkpoint_every,
+                              centre=args.centre)
     print(tokenizer.decode(out[0, ids.shape[0]:]))
     return _info_of(args.output)
 
@@ -84,6 +85,8 @@ def register(subparsers) -> None:
     save.add_argument("--recent-tokens", type=int, default=32)
     save.add_argument("--max-new-tokens", type=int, default=32)
     save.add_argument("--checkpoint-every", type=int, default=64)
+    save.add_argument("--centre", action="store_true",
+                      help="quantise keys/values minus their per-(layer, head) mean (saved with the cache)")
     add_model_argument(save)
     save.add_argument("--overwrite", action="store_true")
     add_threads_argument(save)

@@ -12,15 +12,16 @@ them ("pooled", which a plain `CompressedCache` already serves). Two small piece
   key_codecs[l] / value_codecs[l] (layers are created in order by transformers, so the
   index is the number of layers already made).
 
-`Fp16Codec` stores a vector as its fp16 bytes (2*dim bytes: no compression), the "exact"
-role of K-only / V-only compression studies.
+`Fp16Codec` stores a vector as its fp16 bytes (2*dim bytes: no compression, an `IdentityCodec`
+that saturates to inf instead of raising), the "exact" role of K-only / V-only studies.
 
     codecs = [HeadwiseCodec([RVQCodec.fit(keys[l, h], 4) for h in range(H)]) for l in range(L)]
     cache = LayerwiseCompressedCache(codecs, value_codecs, sink_tokens=4, recent_tokens=32)
 
 Attention on codes needs a rotated codebook; these codecs have none, so the cache's
-"codes" attention decodes them (use attention="decode", the default here). Such caches
-cannot be saved with `fibquant.kv.persist` (CodecSpec refuses them with a ValueError).
+"codes" attention decodes them (use attention="decode", the default here). Such caches are
+saved by `fibquant.kv.persist` with one codec entry per layer (and head); learned codebooks
+go to safetensors files next to the manifest.
 """
 from __future__ import annotations
 
@@ -29,31 +30,20 @@ from typing import Sequence
 import torch
 
 from fibquant.codecs.base import Codec
+from fibquant.codecs.bitpack import float16_to_bytes
+from fibquant.codecs.identity import IdentityCodec
 from fibquant.kv.cache import CompressedCache, _check_codec
 from fibquant.kv.layer import CompressedLayer
 
 
-class Fp16Codec(Codec):
-    """A vector as its fp16 bit pattern: float [..., dim] <-> uint8 [..., 2*dim] (ratio 1.0)."""
-
-    def __init__(self, dim: int):
-        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
-            raise ValueError(f"dim must be a positive integer, got {dim!r}")
-        self.dim = dim
-
-    @property
-    def code_size(self) -> int:
-        return 2 * self.dim
-
-    @property
-    def bits_per_coordinate(self) -> float:
-        return 16.0
+class Fp16Codec(IdentityCodec):
+    """`IdentityCodec` (family "fp": a vector as its fp16 bytes, the same bytes) that stores
+    magnitudes beyond the fp16 range as +-inf instead of refusing them, as the K-only / V-only
+    studies always did. A saved cache records it as "fp": it loads back as an `IdentityCodec`
+    (identical decoding; only a later out-of-range encode raises there)."""
 
     def _encode_flat(self, x: torch.Tensor) -> torch.Tensor:
-        return x.to(torch.float16).contiguous().view(torch.uint8)
-
-    def _decode_flat(self, codes: torch.Tensor) -> torch.Tensor:
-        return codes.contiguous().view(torch.float16).to(torch.float32)
+        return float16_to_bytes(x).reshape(x.shape[0], self.code_size)
 
 
 class HeadwiseCodec(Codec):

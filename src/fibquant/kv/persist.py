@@ -17,8 +17,8 @@ ids beyond it are kept, so `resume_generate` recomputes the lost tokens.
 from __future__ import annotations
 
 import json
+import shutil
 import warnings
-from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
 
@@ -28,11 +28,12 @@ from fibquant.archive import Archive, RecoveryWarning
 from fibquant.archive.format import ArchiveError
 from fibquant.kv.cache import CompressedCache
 from fibquant.kv.model import check_model_supported
-from fibquant.kv.persist_format import (MANIFEST_FILE, SNAPSHOT_FILE, TOKENS_FILE, CodecSpec,
-                                        CodeStream, model_fingerprint, open_tokens, read_snapshot,
-                                        write_json_atomic, write_snapshot)
+from fibquant.kv.persist_codecs import CodecBuilder, entry_from_codec, entry_to_json, stream_format
+from fibquant.kv.persist_format import (MANIFEST_FILE, SNAPSHOT_FILE, TOKENS_FILE, CodeStream, model_fingerprint,
+                                        open_tokens, read_snapshot, write_json_atomic, write_snapshot)
 from fibquant.kv.persist_read import PersistentCacheReader
-from fibquant.kv.persist_state import CacheManifest, ExactState, recover_state, snapshot_coded, stream_code_size
+from fibquant.kv.persist_state import (CacheManifest, ExactState, parse_stream_format, recover_state,
+                                       snapshot_coded)
 
 
 class PersistentCache(PersistentCacheReader):
@@ -45,7 +46,8 @@ class PersistentCache(PersistentCacheReader):
         self.key_stream, self.value_stream, self.tokens = keys, values, tokens
         self._state = state
         self._coded = state.coded if state is not None else 0  # code tokens written to the streams
-        self._codecs = None
+        self._codecs = self._layer_codecs = None
+        self._builder = CodecBuilder(path)
         self._fast = None
         self.closed = False
 
@@ -53,30 +55,47 @@ class PersistentCache(PersistentCacheReader):
     @classmethod
     def create(cls, path, model, key_codec, value_codec, *, sink_tokens: int = 4, recent_tokens: int = 32,
                encode_batch: int = 16, batch: int = 1, dtype: torch.dtype = torch.float32,
-               overwrite: bool = False, durable: bool = False) -> "PersistentCache":
-        """An empty saved cache for `model` (fingerprinted) and the given codecs and window."""
+               overwrite: bool = False, durable: bool = False, key_codecs=None, value_codecs=None,
+               centre: bool = False) -> "PersistentCache":
+        """An empty saved cache for `model` (fingerprinted) and the given codecs and window.
+
+        key_codecs / value_codecs: one codec per layer (a `LayerwiseCompressedCache`), else None.
+        Calibrated codecs are written under codecs/ (safetensors, `Codec.save`). centre: the
+        cache subtracts per-(layer, head) means (`CompressedCache(centre=True)`)."""
         from fibquant.kv.model import describe_model
 
         info = check_model_supported(model, key_codec, value_codec)
+        if (key_codecs is None) != (value_codecs is None):
+            raise ValueError("pass per-layer codecs for both roles (key_codecs and value_codecs) or neither")
         path = Path(path)
         if path.exists():
             if not overwrite:
                 raise ValueError(f"{path} exists (pass overwrite=True to replace it)")
-            import shutil
             shutil.rmtree(path)
         config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") \
             else model.config
-        manifest = CacheManifest(model_fingerprint(model), CodecSpec.from_codec(key_codec),
-                                 CodecSpec.from_codec(value_codec), sink_tokens, recent_tokens, encode_batch,
-                                 info["layers"], batch, info["kv_heads"], str(dtype), int(config.vocab_size),
-                                 describe_model(model))
         path.mkdir(parents=True)
+        try:  # the codec files go next to the manifest: a refused codec leaves no directory behind
+            written: dict = {}
+            per_layer = None if key_codecs is None else \
+                [[entry_from_codec(c, path, written) for c in codecs] for codecs in (key_codecs, value_codecs)]
+            streams = {role: stream_format([codec] + list(codecs or ())) for role, codec, codecs in
+                       (("keys", key_codec, key_codecs), ("values", value_codec, value_codecs))}
+            manifest = CacheManifest(model_fingerprint(model), entry_from_codec(key_codec, path, written),
+                                     entry_from_codec(value_codec, path, written), sink_tokens, recent_tokens,
+                                     encode_batch, info["layers"], batch, info["kv_heads"], str(dtype),
+                                     int(config.vocab_size), describe_model(model),
+                                     *(per_layer or (None, None)), bool(centre), streams)
+        except BaseException:
+            shutil.rmtree(path)
+            raise
         write_json_atomic(path / MANIFEST_FILE, manifest.to_json())
-        keys = CodeStream.create(path / "keys", manifest.key_codec, key_codec.code_size)
-        values = CodeStream.create(path / "values", manifest.value_codec, value_codec.code_size)
+        keys, values = (CodeStream.create(path / role, *parse_stream_format(streams[role], role)[::-1])
+                        for role in ("keys", "values"))
         tokens = Archive.create(path / TOKENS_FILE, manifest.vocab_size, durable=durable)
         store = cls(path, manifest, keys, values, tokens, None, True, durable)
         store._codecs = (key_codec, value_codec)
+        store._layer_codecs = None if key_codecs is None else (list(key_codecs), list(value_codecs))
         return store
 
     @classmethod
@@ -96,14 +115,16 @@ class PersistentCache(PersistentCacheReader):
         if model is not None and model_fingerprint(model) != manifest.model_fingerprint:
             raise ValueError(f"{path} was saved with another model (fingerprint {manifest.model_fingerprint[:12]}…, "
                              f"{manifest.model_name!r}); its keys/values are meaningless for this one")
+        builder = CodecBuilder(path)
+        entries = {"keys": manifest.key_codec, "values": manifest.value_codec}
+        formats = {role: manifest.stream(role, path, lambda r: builder.entry(entries[r]).code_size)[::-1]
+                   for role in entries}  # (layout, code_size) of each stream
         notes = []
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", RecoveryWarning)
             try:
-                keys = CodeStream.open(path / "keys", manifest.key_codec, stream_code_size(manifest.key_codec),
-                                       "r")
-                values = CodeStream.open(path / "values", manifest.value_codec,
-                                         stream_code_size(manifest.value_codec), "r")
+                keys = CodeStream.open(path / "keys", *formats["keys"], "r")
+                values = CodeStream.open(path / "values", *formats["values"], "r")
                 tokens = open_tokens(path / TOKENS_FILE, "r")
             except ArchiveError as exc:
                 raise ValueError(f"{path}: corrupt code stream ({exc})") from None
@@ -117,8 +138,14 @@ class PersistentCache(PersistentCacheReader):
         tokens.close()
         state = None
         if (path / SNAPSHOT_FILE).exists():
-            layers, snap_coded = read_snapshot(path / SNAPSHOT_FILE, manifest.layers)
-            state = recover_state(ExactState(layers, snap_coded), coded, notes)
+            snapshot = ExactState(*read_snapshot(path / SNAPSHOT_FILE, manifest.layers))
+            if snapshot.has_means and not manifest.centre:
+                raise ValueError(f"{path}: the snapshot holds centring means but the manifest's cache is not centred")
+            if manifest.centre and not snapshot.has_means and coded:
+                notes.append(f"codes of {coded} tokens were written after the last checkpoint without the "
+                             "layers' means: dropped")
+                coded = 0
+            state = recover_state(snapshot, coded, notes)
         elif coded:
             notes.append(f"no exact-window snapshot: {coded} coded tokens unusable without their sinks")
         if state is not None and n_tokens < state.length:
@@ -133,12 +160,11 @@ class PersistentCache(PersistentCacheReader):
         open_rows = coded * rows if mode == "a" else None
         with warnings.catch_warnings():  # reported above, once
             warnings.simplefilter("ignore", RecoveryWarning)
-            keys = CodeStream.open(path / "keys", manifest.key_codec, stream_code_size(manifest.key_codec), mode,
-                                   open_rows)
-            values = CodeStream.open(path / "values", manifest.value_codec, stream_code_size(manifest.value_codec),
-                                     mode, open_rows)
+            keys = CodeStream.open(path / "keys", *formats["keys"], mode, open_rows)
+            values = CodeStream.open(path / "values", *formats["values"], mode, open_rows)
             tokens = open_tokens(path / TOKENS_FILE, mode)
         store = cls(path, manifest, keys, values, tokens, state, mode == "a", durable)
+        store._builder = builder
         if mode == "a" and state is not None and (state.coded != snapshot_coded(path) or notes):
             write_snapshot(path / SNAPSHOT_FILE, state.layers, state.coded)  # the recovered state, consistent
         return store
@@ -188,13 +214,12 @@ class PersistentCache(PersistentCacheReader):
         if not layers:
             return
         self.append_from(cache)
-        self.key_stream = _reseal(self.key_stream, self.manifest.key_codec)
-        self.value_stream = _reseal(self.value_stream, self.manifest.value_codec)
+        self.key_stream, self.value_stream = _reseal(self.key_stream), _reseal(self.value_stream)
         self.tokens.close()
         self.tokens = Archive.open(self.path / TOKENS_FILE, "a", durable=self.durable)
         state = ExactState([{name: getattr(layer, name) for name in
-                             ("sink_keys", "sink_values", "recent_keys", "recent_values")} for layer in layers],
-                           self._coded)
+                             ("sink_keys", "sink_values", "recent_keys", "recent_values", "key_mean", "value_mean")
+                             if getattr(layer, name) is not None} for layer in layers], self._coded)
         write_snapshot(self.path / SNAPSHOT_FILE, state.layers, state.coded, durable=self.durable)
         self._state = ExactState([{k: v.detach().cpu().clone() for k, v in d.items()} for d in state.layers],
                                  state.coded)
@@ -213,7 +238,8 @@ class PersistentCache(PersistentCacheReader):
     def info(self) -> dict:
         m = self.manifest
         return {"path": str(self.path), "model": m.model_name, "fingerprint": m.model_fingerprint[:16],
-                "key_codec": asdict(m.key_codec), "value_codec": asdict(m.value_codec),
+                "key_codec": entry_to_json(m.key_codec), "value_codec": entry_to_json(m.value_codec),
+                "per_layer_codecs": m.key_codecs is not None, "centre": m.centre,
                 "sink_tokens": m.sink_tokens, "recent_tokens": m.recent_tokens, "encode_batch": m.encode_batch,
                 "layers": m.layers, "batch": m.batch, "kv_heads": m.kv_heads, "tokens": self.num_tokens,
                 "coded_tokens": self.num_coded, "token_ids": len(self.tokens), "bytes": self.nbytes()}
@@ -233,10 +259,10 @@ class PersistentCache(PersistentCacheReader):
         self.close()
 
 
-def _reseal(stream: CodeStream, spec: CodecSpec) -> CodeStream:
+def _reseal(stream: CodeStream) -> CodeStream:
     """Close (sealing the partial last block) and reopen for appending."""
     stream.close()
-    return CodeStream.open(stream.path, spec, stream.code_size, "a")
+    return CodeStream.open(stream.path, stream.layout, stream.code_size, "a")
 
 
 def save_cache(cache: CompressedCache, path, model, token_ids=None, *, overwrite: bool = False,
@@ -248,10 +274,6 @@ def save_cache(cache: CompressedCache, path, model, token_ids=None, *, overwrite
     layers = [layer for layer in cache.layers if layer.is_initialized]
     if not layers:
         raise ValueError("cannot save an empty cache (no layer has seen a token)")
-    if getattr(cache, "centre", False) or any(getattr(layer, "key_mean", None) is not None for layer in layers):
-        # The format has no place for the layers' means yet: saving would lose them silently.
-        raise ValueError("saving a centred cache (centre=True) is not supported yet: the per-layer means are "
-                         "not part of the saved format")
     batch = layers[0].batch_size
     if token_ids is not None:
         n = torch.as_tensor(token_ids).reshape(-1).shape[0]
@@ -261,7 +283,11 @@ def save_cache(cache: CompressedCache, path, model, token_ids=None, *, overwrite
             raise ValueError(f"{n} token ids for a cache of {cache.get_seq_length()} tokens")
     store = PersistentCache.create(path, model, cache.key_codec, cache.value_codec, sink_tokens=cache.sink_tokens,
                                    recent_tokens=cache.recent_tokens, encode_batch=cache.encode_batch, batch=batch,
-                                   dtype=layers[0].sink_keys.dtype, overwrite=overwrite, durable=durable)
+                                   dtype=layers[0].sink_keys.dtype, overwrite=overwrite, durable=durable,
+                                   key_codecs=getattr(cache, "key_codecs", None),
+                                   value_codecs=getattr(cache, "value_codecs", None),
+                                   centre=bool(getattr(cache, "centre", False)) or any(
+                                       layer.key_mean is not None for layer in layers))
     store.append_from(cache, token_ids)
     store.checkpoint(cache)
     store.close()

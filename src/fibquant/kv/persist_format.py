@@ -1,15 +1,20 @@
-"""On-disk pieces of a persisted `CompressedCache`: codec specs, the model fingerprint, the
-code streams and the exact-window snapshot (see docs/persistent-cache.md).
+"""On-disk pieces of a persisted `CompressedCache`: the model fingerprint, the code streams and
+the exact-window snapshot (docs/persistent-cache.md; codec specs: `fibquant.kv.persist_codecs`).
 
 A saved cache is a directory:
 
-    manifest.json       format/version, model fingerprint, codec specs, window sizes,
-                        [layers, batch, kv_heads, head_dim], float dtype (written once)
+    manifest.json       format/version, model fingerprint, codec specs (per role, or per layer
+                        and KV head), stream formats, window sizes, centring, [layers, batch,
+                        kv_heads], float dtype (written once)
     tokens.fqa          token ids, one symbol per position (alphabet = vocab size)
-    keys/ values/       one code stream per role: a `CodeArchive` (FibQuant/TurboQuant
-                        [fp16 norm][packed indices] codes) or `bytes.fqa` (any other codec)
-    exact.safetensors   the exact part: every layer's sinks and recent window, plus the
-                        number of coded tokens it goes with (replaced atomically)
+    keys/ values/       one code stream per role: a `CodeArchive` when the codecs declare a
+                        `code_layout` (FibQuant/TurboQuant [fp16 norm][packed indices]),
+                        else `bytes.fqa` (any other codec)
+    codecs/             calibrated codecs (RVQ, low-rank), one `Codec.save` safetensors file
+                        each, named by family and sha256 (the manifest keeps the sha256)
+    exact.safetensors   the exact part: every layer's sinks and recent window, a centred
+                        cache's means, and the number of coded tokens it goes with (replaced
+                        atomically)
 
 Row order of a code stream: token-major, then layer, batch row, KV head: the code of
 (token t, layer l, batch b, head h) is row ((t * L + l) * B + b) * H + h. All layers of one
@@ -22,7 +27,6 @@ import hashlib
 import json
 import os
 import warnings
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -31,85 +35,15 @@ import torch
 
 from fibquant.archive import Archive, CodeArchive, CodeLayout, RecoveryWarning
 from fibquant.archive.format import HEADER_SIZE, RECORD_HEADER_SIZE, ArchiveError
-from fibquant.codecs.base import Codec
 
 FORMAT_NAME = "fibquant-kv-cache"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: registry codec specs, codec files, centring means (1 still read)
+READABLE_VERSIONS = (1, 2)
 SNAPSHOT_FILE = "exact.safetensors"
 MANIFEST_FILE = "manifest.json"
 TOKENS_FILE = "tokens.fqa"
 _FIELDS = ("sink_keys", "sink_values", "recent_keys", "recent_values")
-
-
-# ---------------------------------------------------------------------------- codecs
-@dataclass(frozen=True)
-class CodecSpec:
-    """What rebuilds a codec bit-for-bit: family and parameters, plus a hash of its shared state."""
-
-    family: str
-    dim: int
-    k: Optional[int] = None
-    n_codewords: Optional[int] = None
-    bits: Optional[int] = None
-    group_size: Optional[int] = None
-    seed: int = 0
-    state_sha256: str = ""
-
-    def __post_init__(self) -> None:
-        if self.family not in ("fibquant", "turboquant", "int"):
-            raise ValueError(f"unsupported codec family {self.family!r} (fibquant, turboquant, int can be saved; "
-                             "calibrated codecs carry per-model state that is not persisted)")
-
-    @classmethod
-    def from_codec(cls, codec: Codec) -> "CodecSpec":
-        from fibquant.codecs.fibquant import FibQuantCodec
-        from fibquant.codecs.integer import IntCodec
-        from fibquant.codecs.turboquant import TurboQuantCodec
-
-        if isinstance(codec, FibQuantCodec):
-            spec = cls("fibquant", codec.dim, k=codec.k, n_codewords=codec.n_codewords, seed=codec.seed)
-        elif isinstance(codec, TurboQuantCodec):
-            spec = cls("turboquant", codec.dim, bits=codec.bits, seed=codec.seed)
-        elif isinstance(codec, IntCodec):
-            spec = cls("int", codec.dim, bits=codec.bits, group_size=codec.config.group_size)
-        else:
-            raise ValueError(f"cannot persist a cache whose codec is {type(codec).__name__} "
-                             "(supported: FibQuantCodec, TurboQuantCodec, IntCodec)")
-        return cls(**{**asdict(spec), "state_sha256": codec_state_sha256(codec)})
-
-    def build(self) -> Codec:
-        """The codec, checked against the saved state hash (a different codebook is refused)."""
-        if self.family == "fibquant":
-            from fibquant.codecs.fibquant import FibQuantCodec
-            codec = FibQuantCodec(self.dim, self.k, self.n_codewords, self.seed)
-        elif self.family == "turboquant":
-            from fibquant.codecs.turboquant import TurboQuantCodec
-            codec = TurboQuantCodec(self.dim, self.bits, self.seed)
-        else:
-            from fibquant.codecs.integer import IntCodec
-            codec = IntCodec(self.dim, self.bits, self.group_size)
-        if self.state_sha256 and codec_state_sha256(codec) != self.state_sha256:
-            raise ValueError(f"the {self.family} codebook/rotation here differs from the one the cache was saved "
-                             f"with ({self}): its codes would decode to other vectors")
-        return codec
-
-    def layout(self) -> Optional[CodeLayout]:
-        """The [norm][indices] layout a `CodeArchive` stores at log2(N) bits, or None (byte stream)."""
-        if self.family == "fibquant":
-            return CodeLayout(self.n_codewords, self.dim // self.k)
-        if self.family == "turboquant":
-            return CodeLayout(1 << self.bits, self.dim)
-        return None
-
-
-def codec_state_sha256(codec: Codec) -> str:
-    """sha256 of the tensors that define a codec's decoding (codebook, rotation), in a fixed order."""
-    digest = hashlib.sha256(repr((type(codec).__name__, codec.dim, codec.code_size)).encode())
-    book = codec.rotated_codebook(torch.device("cpu"))
-    if book is not None:
-        for tensor in (book.forward, book.codewords):
-            digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()
+MEAN_FIELDS = ("key_mean", "value_mean")  # centred caches: [B, H, D] float32 per layer
 
 
 # ---------------------------------------------------------------------------- model
@@ -159,6 +93,25 @@ def truncate_archive(path: Path, n_symbols: int) -> None:
         archive.append(keep)
 
 
+def _stream_files(layout: Optional[CodeLayout], code_size: int) -> tuple[list[str], list[int]]:
+    """(archive files of a code stream, symbols each holds per row)."""
+    if layout is None:
+        return ["bytes.fqa"], [code_size]
+    if layout.norm_bytes:
+        return ["indices.fqa", "norms.fqa"], [layout.n_blocks, 1]
+    return ["indices.fqa"], [layout.n_blocks]
+
+
+def stored_layout(path: Path) -> Optional[CodeLayout]:
+    """The layout of the code stream directory `path` (layout.json of a `CodeArchive`), None for a byte stream."""
+    try:
+        return CodeLayout(**json.loads((path / "layout.json").read_text()))
+    except FileNotFoundError:
+        return None
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{path}: corrupt layout.json ({exc})") from None
+
+
 class CodeStream:
     """Append-only rows of codes uint8 [n, code_size] in a directory, crash-consistent on open.
 
@@ -171,25 +124,23 @@ class CodeStream:
         self._codes = CodeArchive(path, layout, *archives) if layout is not None else None
 
     def _symbols_per_row(self) -> list[int]:
-        return [self.layout.n_blocks, 1] if self.layout is not None else [self.code_size]
+        return _stream_files(self.layout, self.code_size)[1]
 
     @classmethod
-    def create(cls, path: Path, spec: CodecSpec, code_size: int) -> "CodeStream":
-        layout = spec.layout()
+    def create(cls, path: Path, layout: Optional[CodeLayout], code_size: int) -> "CodeStream":
         if layout is not None:
             if layout.code_size != code_size:
                 raise ValueError(f"codec code_size {code_size} does not match its layout {layout}")
             codes = CodeArchive.create(path, layout)
-            return cls(path, code_size, layout, [codes.indices, codes.norms])
+            return cls(path, code_size, layout, [a for a in (codes.indices, codes.norms) if a is not None])
         path.mkdir(parents=True)
         return cls(path, code_size, None, [Archive.create(path / "bytes.fqa", 256)])
 
     @classmethod
-    def open(cls, path: Path, spec: CodecSpec, code_size: int, mode: str, rows: Optional[int] = None) -> "CodeStream":
+    def open(cls, path: Path, layout: Optional[CodeLayout], code_size: int, mode: str,
+             rows: Optional[int] = None) -> "CodeStream":
         """Open; with `rows` given, streams holding more are cut back to it (mode "a" only)."""
-        layout = spec.layout()
-        names = ["indices.fqa", "norms.fqa"] if layout is not None else ["bytes.fqa"]
-        per_row = [layout.n_blocks, 1] if layout is not None else [code_size]
+        names, per_row = _stream_files(layout, code_size)
         if rows is not None and mode == "a":
             for name, count in zip(names, per_row):
                 truncate_archive(path / name, rows * count)
@@ -230,17 +181,22 @@ class CodeStream:
 
 
 # ---------------------------------------------------------------------------- snapshot
-def write_snapshot(path: Path, layers: list[dict[str, torch.Tensor]], coded: int, durable: bool = True) -> None:
-    """Atomically write every layer's exact tensors (sinks, recent window) and the coded count."""
-    from safetensors.torch import save
-
-    tensors = {f"{i}.{name}": layer[name].detach().cpu().contiguous() for i, layer in enumerate(layers)
-               for name in _FIELDS}
+def _snapshot_sha256(tensors: dict[str, torch.Tensor]) -> str:
     digest = hashlib.sha256()
     for key in sorted(tensors):
         digest.update(key.encode())
         digest.update(tensors[key].view(torch.uint8).numpy().tobytes() if tensors[key].numel() else b"")
-    metadata = {"coded": str(coded), "layers": str(len(layers)), "sha256": digest.hexdigest()}
+    return digest.hexdigest()
+
+
+def write_snapshot(path: Path, layers: list[dict[str, torch.Tensor]], coded: int, durable: bool = True) -> None:
+    """Atomically write every layer's exact tensors (sinks, recent window; a centred cache's
+    means, exact float32, once set) and the coded count."""
+    from safetensors.torch import save
+
+    tensors = {f"{i}.{name}": layer[name].detach().cpu().contiguous() for i, layer in enumerate(layers)
+               for name in _FIELDS + MEAN_FIELDS if layer.get(name) is not None}
+    metadata = {"coded": str(coded), "layers": str(len(layers)), "sha256": _snapshot_sha256(tensors)}
     blob = save(tensors, metadata=metadata)
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as handle:
@@ -252,7 +208,8 @@ def write_snapshot(path: Path, layers: list[dict[str, torch.Tensor]], coded: int
 
 
 def read_snapshot(path: Path, n_layers: int) -> tuple[list[dict[str, torch.Tensor]], int]:
-    """(per-layer dict of sink/recent tensors [B, H, s|r, D], coded count); ValueError when corrupt."""
+    """(per-layer dict of sink/recent tensors [B, H, s|r, D] and, when stored, the means
+    key_mean/value_mean [B, H, D]; coded count); ValueError when corrupt."""
     from safetensors import safe_open
     from safetensors.torch import load
 
@@ -266,15 +223,20 @@ def read_snapshot(path: Path, n_layers: int) -> tuple[list[dict[str, torch.Tenso
         raise
     except Exception as exc:  # safetensors raises its own error types for bad headers/truncation
         raise ValueError(f"{path}: corrupt or truncated exact-window snapshot ({exc})") from None
-    digest = hashlib.sha256()
-    for key in sorted(tensors):
-        digest.update(key.encode())
-        digest.update(tensors[key].view(torch.uint8).numpy().tobytes() if tensors[key].numel() else b"")
-    if digest.hexdigest() != expected:
+    if _snapshot_sha256(tensors) != expected:
         raise ValueError(f"{path}: exact-window snapshot checksum mismatch (corrupt file)")
     if layers != n_layers or any(f"{i}.{n}" not in tensors for i in range(layers) for n in _FIELDS):
         raise ValueError(f"{path}: snapshot holds {layers} layers, the manifest says {n_layers}")
-    return [{n: tensors[f"{i}.{n}"] for n in _FIELDS} for i in range(layers)], coded
+    out = []
+    for i in range(layers):
+        layer = {n: tensors[f"{i}.{n}"] for n in _FIELDS}
+        means = [f"{i}.{n}" in tensors for n in MEAN_FIELDS]
+        if any(means) and not all(means):
+            raise ValueError(f"{path}: layer {i} stores one of key_mean/value_mean without the other")
+        if all(means):
+            layer.update({n: tensors[f"{i}.{n}"] for n in MEAN_FIELDS})
+        out.append(layer)
+    return out, coded
 
 
 def write_json_atomic(path: Path, data: dict) -> None:

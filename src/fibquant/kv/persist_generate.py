@@ -59,20 +59,21 @@ def _generate(model, ids: torch.Tensor, cache: CompressedCache, writer: CacheWri
 
 def generate_persistent(model, input_ids, path, key_codec, value_codec, *, sink_tokens: int = 4,
                         recent_tokens: int = 32, encode_batch: int = 16, checkpoint_every: int = 64,
-                        overwrite: bool = False, durable: bool = False, **generate_kwargs):
+                        overwrite: bool = False, durable: bool = False, centre: bool = False, **generate_kwargs):
     """`model.generate` with a fresh `CompressedCache` that is saved to `path` while it grows.
 
-    input_ids: int [1, T]. Other keyword arguments go to `generate` (greedy by default).
+    input_ids: int [1, T]. centre: a centred cache (`CompressedCache(centre=True)`; the means are
+    saved with the exact window). Other keyword arguments go to `generate` (greedy by default).
     Returns what `generate` returns; the directory holds the cache and every token id."""
     ids = torch.as_tensor(input_ids)
     ids = ids[None] if ids.ndim == 1 else ids
     if ids.ndim != 2 or ids.shape[0] != 1:
         raise ValueError(f"input_ids must be [T] or [1, T], got shape {tuple(ids.shape)}")
     cache = CompressedCache.for_model(model, key_codec, value_codec, sink_tokens, recent_tokens,
-                                      encode_batch=encode_batch)
+                                      encode_batch=encode_batch, centre=centre)
     store = PersistentCache.create(path, model, key_codec, value_codec, sink_tokens=sink_tokens,
                                    recent_tokens=recent_tokens, encode_batch=encode_batch,
-                                   dtype=model.dtype, overwrite=overwrite, durable=durable)
+                                   dtype=model.dtype, overwrite=overwrite, durable=durable, centre=centre)
     return _generate(model, ids, cache, CacheWriter(store, cache, checkpoint_every), **generate_kwargs)
 
 

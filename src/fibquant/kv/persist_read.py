@@ -7,18 +7,47 @@ import numpy as np
 import torch
 
 from fibquant.kv.cache import CompressedCache, CompressedLayer
-from fibquant.kv.persist_format import CodeStream
+from fibquant.kv.codes import _decode_centred
+from fibquant.kv.persist_format import MEAN_FIELDS, CodeStream
 
 
 class PersistentCacheReader:
     """Reads of a saved cache, for `PersistentCache` (which sets `path`, `manifest`, `key_stream`,
-    `value_stream`, `tokens`, `_state`, `_coded`, `_codecs` and `_fast`)."""
+    `value_stream`, `tokens`, `_state`, `_coded`, `_codecs`, `_layer_codecs`, `_builder` and `_fast`)."""
 
     @property
     def codecs(self):
+        """(key codec, value codec) of the cache (layer 0's for per-layer codecs)."""
         if self._codecs is None:
-            self._codecs = (self.manifest.key_codec.build(), self.manifest.value_codec.build())
+            m = self.manifest
+            self._codecs = (self._builder.entry(m.key_codec), self._builder.entry(m.value_codec))
         return self._codecs
+
+    @property
+    def layer_codecs(self) -> tuple[list, list]:
+        """(key codecs, value codecs) by layer: the per-layer lists of a `LayerwiseCompressedCache`,
+        else the role codec repeated."""
+        if self._layer_codecs is None:
+            m = self.manifest
+            if m.key_codecs is None:
+                self._layer_codecs = ([self.codecs[0]] * m.layers, [self.codecs[1]] * m.layers)
+            else:
+                self._layer_codecs = tuple([self._builder.entry(e) for e in entries]
+                                           for entries in (m.key_codecs, m.value_codecs))
+        return self._layer_codecs
+
+    def _decode(self, role: int, layer: int, codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Codes uint8 [B, H, n, code_size] of one layer -> [B, H, n, D], read as the cache reads them
+        (the layer's codec; a centred cache's mean added)."""
+        mean = self._state.layers[layer].get(MEAN_FIELDS[role])
+        return _decode_centred(self.layer_codecs[role][layer], codes, mean, dtype)
+
+    def _uniform(self) -> bool:
+        """One plain codec per role for every layer and head, no means: rows of all layers decode at once."""
+        from fibquant.kv.layered import HeadwiseCodec
+
+        return self.manifest.key_codecs is None and not self.manifest.centre and \
+            not any(isinstance(codec, HeadwiseCodec) for codec in self.codecs)
 
     @property
     def num_tokens(self) -> int:
@@ -57,13 +86,12 @@ class PersistentCacheReader:
         dtype = dtype or exact["sink_keys"].dtype
         s, c = self._state.sinks, self._state.coded
         out = []
-        for role, codec, stream in (("keys", self.codecs[0], self.key_stream),
-                                    ("values", self.codecs[1], self.value_stream)):
+        for index, (role, stream) in enumerate((("keys", self.key_stream), ("values", self.value_stream))):
             parts = [exact[f"sink_{role}"][..., start:min(stop, s), :].to(dtype)]
             a, b = max(start, s) - s, min(stop, s + c) - s
             if a < b:
                 codes = self._code_rows(stream, a, b)[:, layer].permute(1, 2, 0, 3)
-                parts.append(codec.decode(codes.contiguous(), dtype=dtype))
+                parts.append(self._decode(index, layer, codes.contiguous(), dtype))
             parts.append(exact[f"recent_{role}"][..., max(start - s - c, 0):max(stop - s - c, 0), :].to(dtype))
             out.append(torch.cat(parts, dim=-2))
         return out[0], out[1]
@@ -75,9 +103,12 @@ class PersistentCacheReader:
         s, c = self._state.sinks, self._state.coded
         dtype = dtype or self._state.layers[0]["sink_keys"].dtype
         if s <= token < s + c:
-            rows = [(codec, self._code_rows(stream, token - s, token - s + 1)[0])
-                    for codec, stream in zip(self.codecs, (self.key_stream, self.value_stream))]
-            return tuple(codec.decode(r.contiguous(), dtype=dtype) for codec, r in rows)
+            rows = [self._code_rows(stream, token - s, token - s + 1)[0] for stream in (self.key_stream,
+                                                                                      self.value_stream)]
+            if self._uniform():
+                return tuple(codec.decode(r.contiguous(), dtype=dtype) for codec, r in zip(self.codecs, rows))
+            return tuple(torch.stack([self._decode(role, layer, r[layer][:, :, None, :].contiguous(), dtype)[:, :, 0]
+                                      for layer in range(self.manifest.layers)]) for role, r in enumerate(rows))
         pairs = [self.layer_kv(layer, token, token + 1, dtype) for layer in range(self.manifest.layers)]
         return torch.stack([k[..., 0, :] for k, _ in pairs]), torch.stack([v[..., 0, :] for _, v in pairs])
 
@@ -110,12 +141,16 @@ class PersistentCacheReader:
             return exact["recent_keys"][batch, head, r].to(dtype), exact["recent_values"][batch, head, r].to(dtype)
         row = (((i - s) * m.layers + layer) * m.batch + batch) * m.kv_heads + head
         out = []
-        for role, codec, stream in zip((0, 1), self.codecs, (self.key_stream, self.value_stream)):
+        for role, stream in enumerate((self.key_stream, self.value_stream)):
             fast = self._row_decoder(role)
             if fast is not None:
-                out.append(fast(stream, row).to(dtype))
+                x = fast(stream, row)
             else:
-                out.append(codec.decode(torch.from_numpy(stream.read(row, row + 1)), dtype=dtype)[0])
+                codec = self.layer_codecs[role][layer]
+                codec = codec.codecs[head] if hasattr(codec, "codecs") else codec  # a HeadwiseCodec
+                x = codec.decode(torch.from_numpy(stream.read(row, row + 1)))[0]
+            mean = exact.get(MEAN_FIELDS[role])
+            out.append((x if mean is None else x + mean[batch, head]).to(dtype))
         return out[0], out[1]
 
     def find(self, codes, layer: int, head: int, role: str = "keys", batch: int = 0) -> np.ndarray:
@@ -145,15 +180,19 @@ class PersistentCacheReader:
         rows = (ends + 1) // nb - 1
         rows = rows[(rows % R == target) & (rows // R <= coded - query.shape[0])]
         hits = []
+        has_norms = norms is not None
         for row in rows.tolist():
-            if stream.archives[1][row] != norms[0]:
+            if has_norms and stream.archives[1][row] != norms[0]:
                 continue
             t = row // R
             n = query.shape[0]
             if n > 1:  # the next n-1 tokens' rows of this (layer, head): symbols, no re-packing
                 got = stream.archives[0].read((t + 1) * R * nb, (t + n) * R * nb).reshape(n - 1, R, nb)[:, target]
-                got_norms = stream.archives[1].read((t + 1) * R, (t + n) * R).reshape(n - 1, R)[:, target]
-                if not (np.array_equal(got, indices[1:]) and np.array_equal(got_norms, norms[1:])):
+                same = np.array_equal(got, indices[1:])
+                if same and has_norms:
+                    got_norms = stream.archives[1].read((t + 1) * R, (t + n) * R).reshape(n - 1, R)[:, target]
+                    same = np.array_equal(got_norms, norms[1:])
+                if not same:
                     continue
             hits.append(t)
         return np.array(hits, dtype=np.int64)
@@ -162,36 +201,57 @@ class PersistentCacheReader:
         """For FibQuant streams: one row decoded in numpy from its block indices and fp16 norm,
         the same arithmetic as `FibQuantCodec.decode` (float64 unrotation, then float32) without
         re-packing the code or torch's per-call overhead (~10x faster for a single row)."""
+        from fibquant.codecs.fibquant import FibQuantCodec
+
         if self._fast is None:
             self._fast = [None, None]
-            for r, (spec, codec) in enumerate(zip((self.manifest.key_codec, self.manifest.value_codec), self.codecs)):
-                if spec.family == "fibquant":
+            for r, codec in enumerate(self.codecs):
+                if self.manifest.key_codecs is None and type(codec) is FibQuantCodec:
                     codewords = codec.rotated_codebook(torch.device("cpu")).codewords.double().numpy()
                     inverse = codec._rotation.inverse_matrix(torch.device("cpu")).numpy()  # noqa: SLF001
                     self._fast[r] = _fibquant_row_decoder(codewords, inverse)
         return self._fast[role]
 
     def to_cache(self, model=None, attention: Optional[str] = None, device="cpu") -> CompressedCache:
-        """A `CompressedCache` holding exactly the stored state (codes as codes, windows exact).
+        """A `CompressedCache` holding exactly the stored state (codes as codes, windows exact,
+        a centred cache's means); a `LayerwiseCompressedCache` for per-layer codecs.
 
-        With `model`, `CompressedCache.for_model` sets the attention up ("codes" by default)."""
+        With `model`, the attention is set up as `CompressedCache.for_model` does ("codes" by default)."""
         m = self.manifest
         key_codec, value_codec = self.codecs
         attention = attention or ("codes" if model is not None else "decode")
-        if model is not None:
+        if m.key_codecs is not None:
+            from fibquant.kv.layered import LayerwiseCompressedCache
+            from fibquant.kv.model import check_model_supported
+
+            if model is not None:
+                from fibquant.kv.attention import try_use_coded_attention
+
+                check_model_supported(model, key_codec, value_codec)
+                if attention == "codes" and not try_use_coded_attention(model):
+                    attention = "decode"
+            cache = LayerwiseCompressedCache(*self.layer_codecs, m.sink_tokens, m.recent_tokens, attention,
+                                             m.encode_batch)
+            cache.centre = m.centre
+        elif model is not None:
             cache = CompressedCache.for_model(model, key_codec, value_codec, m.sink_tokens, m.recent_tokens,
-                                              attention, m.encode_batch)
+                                              attention, m.encode_batch, m.centre)
         else:
-            cache = CompressedCache(key_codec, value_codec, m.sink_tokens, m.recent_tokens, attention, m.encode_batch)
+            cache = CompressedCache(key_codec, value_codec, m.sink_tokens, m.recent_tokens, attention, m.encode_batch,
+                                    m.centre)
         if self._state is None or self.num_tokens == 0:
             return cache
         codes = [self._code_rows(stream, 0, self._state.coded).to(device)
                  for stream in (self.key_stream, self.value_stream)]
         for index, exact in enumerate(self._state.layers):
-            cache.layers.append(CompressedLayer.from_state(
-                key_codec, value_codec, m.sink_tokens, m.recent_tokens, {k: v.to(device) for k, v in exact.items()},
-                codes[0][:, index].permute(1, 2, 0, 3).contiguous(), codes[1][:, index].permute(1, 2, 0, 3).contiguous(),
-                cache.attention, m.encode_batch))
+            layer = CompressedLayer.from_state(
+                self.layer_codecs[0][index], self.layer_codecs[1][index], m.sink_tokens, m.recent_tokens,
+                {k: v.to(device) for k, v in exact.items()}, codes[0][:, index].permute(1, 2, 0, 3).contiguous(),
+                codes[1][:, index].permute(1, 2, 0, 3).contiguous(), cache.attention, m.encode_batch)
+            layer.centre = m.centre
+            if "key_mean" in exact:
+                layer.key_mean, layer.value_mean = (exact[n].to(device).clone() for n in MEAN_FIELDS)
+            cache.layers.append(layer)
         return cache
 
 
