@@ -161,3 +161,52 @@ def test_reconstruct_with_centring_is_mean_shifted_round_trip():
     torch.testing.assert_close(centred, codec.roundtrip(states - mean) + mean)
     plain = reconstruct(states, lambda layer, head: codec, shared=True)
     assert ((centred - states) ** 2).sum() < 0.5 * ((plain - states) ** 2).sum()
+
+
+def _fidelity_payload(sinks: int, recent: int) -> dict:
+    rows = [{"method": m, "family": f, "compression_ratio": r, "cosine": c, "bits_per_coordinate": 16 / r,
+             "code_bytes_per_vector": 128 / r, "cosine_worst_layer": c - 0.01}
+            for m, f, r, c in (("fp", "fp", 1.0, 1.0), ("a", "fibquant", 4.0, 0.99), ("b", "fibquant", 8.0, 0.95),
+                               ("t", "turboquant", 7.0, 0.93), ("i", "int", 3.0, 0.995))]
+    payload = {"model": "toy", "text": "emma", "calibration_text": "persuasion", "tokens": 32, "offset": 0,
+               "layers": [0], "query_positions": "0..31 step 1",
+               "exact_window": {"sink_tokens": sinks, "recent_tokens": recent}, "rows": rows,
+               "skipped": ["quanto:b=2 (optimum-quanto is not installed)"]}
+    payload["targets"] = compare_frontiers(rows)
+    return payload
+
+
+def test_fidelity_report_names_the_window_and_judges_each_matched_ratio(tmp_path, capsys):
+    import json
+    from pathlib import Path
+
+    from fibquant.eval.fidelity import EXPERIMENT, fidelity_targets
+
+    payload = _fidelity_payload(2, 4)
+    assert [(t["target"], t["met"]) for t in fidelity_targets(payload)] == [
+        ("FibQuant best attention cosine at >= 5x", None), ("FibQuant best attention cosine at >= 34x", None),
+        ("FibQuant above t at 7.00x", True), ("FibQuant above i at 3.00x", False)]
+    paths = EXPERIMENT.report(payload, tmp_path)
+    assert Path(paths["json"]).name == "attention_fidelity_window2+4.json"
+    assert json.loads(Path(paths["json"]).read_text()) == payload
+    assert Path(paths["png"]).name == "attention_fidelity_window2+4.png" and Path(paths["png"]).stat().st_size > 10_000
+    out = capsys.readouterr().out
+    assert "exact window per query: 2 sinks + 4 recent" in out and "skipped: quanto:b=2" in out
+    assert out.index("\na ") < out.index("\nb ") < out.index("\nfp ") < out.index("\ni ") < out.index("\nt ")
+    assert "[met] FibQuant above t at 7.00x" in out
+    assert "[MISSED] FibQuant above i at 3.00x: measured 0.99 (i: 0.9950)" in out
+    assert EXPERIMENT.stem_of(_fidelity_payload(0, 0)) == "attention_fidelity"
+
+
+def test_fidelity_command_runs_the_registered_experiment(monkeypatch):
+    from fibquant.cli import build_parser, kv
+
+    calls = []
+    monkeypatch.setattr(kv, "run_experiment", lambda *args, **kwargs: calls.append((args, kwargs)))
+    monkeypatch.setattr(kv, "apply_threads", lambda args: None)
+    args = build_parser().parse_args(["eval", "fidelity", "--tokens", "64", "--layers", "0,15", "--sink-tokens", "2",
+                                      "--methods", "fp int:b=4"])
+    assert args.func(args) == 0
+    (name, config, out), resources = calls[0]
+    assert name == "fidelity" and out is None and resources == {"methods": ["fp", "int:b=4"], "build_codebooks": False}
+    assert config == FidelityConfig(tokens=64, layers=(0, 15), sink_tokens=2)

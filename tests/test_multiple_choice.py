@@ -163,3 +163,41 @@ def test_real_goal_step_wikihow_three_questions(model_and_tokenizer):
     assert fp["mean_context_tokens"] > 10
     assert compressed["mean_compressed_tokens"] == pytest.approx(fp["mean_context_tokens"] - 1 - 4)
     assert compressed["agreement_with_fp"] >= 2 / 3  # 4-bit FibQuant barely moves the choices
+
+
+def test_mc_experiment_runs_from_its_config_and_reports(tmp_path, capsys):
+    from fibquant.eval.multiple_choice import EXPERIMENT, MultipleChoiceConfig
+
+    examples = [_example(["aa", "bbb", "c"], i % 3, f"question {i} is ") for i in range(5)]
+    config = MultipleChoiceConfig(task="toy", limit=3, bits=(), methods=("int:b=4",), sink_tokens=0,
+                                  recent_tokens=0, small_window=None)
+    payload = EXPERIMENT.main(config, tmp_path, model_and_tokenizer=(tiny_llama(), CharTokenizer()),
+                              progress=False, examples=examples)
+    assert [r["method"] for r in payload["rows"]] == ["fp", "int:b=4"] and payload["n_examples"] == 3
+    out = capsys.readouterr().out
+    assert "Multiple choice: BIG-bench toy (HellaSwag substitute), 3 of 5 examples (seed 0)" in out
+    assert "INT4 (sink 0, recent 0)" in out and "coded tok: mean context tokens" in out
+    written = json.loads((tmp_path / "multiple_choice.json").read_text())  # acc ratios may be NaN: not ==
+    assert written.keys() == payload.keys()
+    assert [r["name"] for r in written["rows"]] == ["fp", "INT4 (sink 0, recent 0)"]
+    assert (tmp_path / "multiple_choice.png").stat().st_size > 10_000
+
+
+def test_mc_command_builds_the_config(monkeypatch):
+    import fibquant.kv.model
+    from fibquant.cli import build_parser, realdata
+    from fibquant.eval.multiple_choice import MultipleChoiceConfig
+
+    calls = []
+    monkeypatch.setattr(realdata, "run_experiment", lambda *args, **kwargs: calls.append((args, kwargs)))
+    monkeypatch.setattr(realdata, "apply_threads", lambda args: None)
+    monkeypatch.setattr(fibquant.kv.model, "load_model", lambda name=None: ("model", "tokenizer"))
+    args = build_parser().parse_args(["eval", "mc", "--limit", "0", "--bits", "4", "--methods", "int:b=4",
+                                      "--no-small-window", "--no-progress"])
+    assert args.func(args) == 0
+    (name, config, out), resources = calls[0]
+    assert name == "mc" and resources == {"model_and_tokenizer": ("model", "tokenizer"), "progress": False}
+    assert config == MultipleChoiceConfig(limit=None, bits=(4.0,), methods=("int:b=4",), small_window=None)
+    args = build_parser().parse_args(["eval", "mc", "--limit", "-1"])
+    with pytest.raises(ValueError, match="--limit must be >= 0"):
+        args.func(args)

@@ -13,8 +13,9 @@ from fibquant.codecs.integer import IntCodec
 from fibquant.eval.cache_specs import CacheSpec, parse_cache_spec, parse_cache_specs, split_available
 from fibquant.eval.peers import (PEERS, build_peer, kakeya_bits, nexus_block_points, nexus_bytes, parse_peer,
                                  unavailable_reason)
-from fibquant.eval.perplexity import PerplexityConfig, cache_nbytes, make_cache, window_nll
+from fibquant.eval.perplexity import PerplexityConfig, make_cache, window_nll
 from fibquant.kv.cache import CompressedCache
+from fibquant.kv.memory import cache_nbytes
 from fibquant.kv.roundtrip import RoundTripCache, RoundTripLayer
 
 DIM = 16
@@ -194,7 +195,7 @@ def test_peer_cache_in_the_perplexity_loop():
     nll = window_nll(model, ids, cache, 16)
     assert torch.isfinite(nll).all()
     # 6 exact tokens (float32) + 58 coded at 36 + 36 bytes, 2 layers x 2 KV heads
-    assert cache_nbytes(cache, spec, 64) == 2 * 2 * (6 * 64 * 4 * 2 + 58 * 72)
+    assert cache_nbytes(cache, (spec.key_bytes(64), spec.value_bytes(64))) == 2 * 2 * (6 * 64 * 4 * 2 + 58 * 72)
 
 
 def test_peer_row_in_the_fidelity_frontier():

@@ -90,3 +90,50 @@ def test_real_model_perplexity_codes_path_equals_decode_path(request):
                          for r in run_perplexity(model, tokenizer, methods, config, progress=False)["rows"]}
     for spec, perplexity in results["decode"].items():
         assert results["codes"][spec] == pytest.approx(perplexity, rel=5e-3), spec
+
+
+def _perplexity_rows() -> list[dict]:
+    rows = [{"method": m, "spec": m, "family": f, "bits_per_coordinate": b, "code_bytes_per_vector": 128 * b / 16,
+             "compression_ratio": 16 / b, "perplexity": 10 * (1 + c / 100), "perplexity_change_pct": c,
+             "peer": f == "quanto"}
+            for m, f, b, c in (("fp", "fp", 16.0, 0.0), ("fibquant:b=4", "fibquant", 4.0, 1.5),
+                               ("fibquant:b=2", "fibquant", 2.0, 3.0), ("turboquant:b=2", "turboquant", 2.0, 12.0),
+                               ("quanto:b=2", "quanto", 2.0, 2.0))]
+    return rows
+
+
+def test_perplexity_targets_are_judged_and_reported(tmp_path, capsys):
+    import json
+    from pathlib import Path
+
+    from fibquant.eval.perplexity import EXPERIMENT, perplexity_checks
+
+    rows = _perplexity_rows()
+    checks = perplexity_checks(rows)
+    assert [c["met"] for c in checks] == [False, False, True]  # loses to the peer, +1.5 % > 1 %, 0.25 <= 1/3
+    assert checks[0]["measured"] == "+3.00 % vs +2.00 % (quanto:b=2, 16 B/vector): missed"
+    assert perplexity_targets(rows) == {c["target"]: c["measured"] for c in checks}
+    payload = {"model": "toy", "text": "emma", "tokens": 256, "windows": 2, "context": 128, "chunk": 32,
+               "exact_window": {"sink_tokens": 4, "recent_tokens": 32}, "attention": "codes", "centre": False,
+               "model_dtype": "torch.float32", "rows": rows, "skipped": [], "targets": perplexity_targets(rows)}
+    paths = EXPERIMENT.report(payload, tmp_path)
+    assert json.loads(Path(paths["json"]).read_text()) == payload and Path(paths["json"]).name == "perplexity.json"
+    assert Path(paths["png"]).stat().st_size > 10_000
+    out = capsys.readouterr().out
+    assert "256 tokens = 2 windows of 128, chunks of 32, exact window 4 sinks + 32 recent" in out
+    assert "[MISSED] fibquant_b4_change_pct (target <= 1): measured 1.5" in out
+    assert "[met] fibquant_b2_increase / turboquant_b2_increase (target <= 0.333): measured 0.25" in out
+
+
+def test_perplexity_command_runs_the_registered_experiment(monkeypatch):
+    from fibquant.cli import build_parser, kv
+
+    calls = []
+    monkeypatch.setattr(kv, "run_experiment", lambda *args, **kwargs: calls.append((args, kwargs)))
+    monkeypatch.setattr(kv, "apply_threads", lambda args: None)
+    args = build_parser().parse_args(["eval", "perplexity", "--tokens", "256", "--context", "128", "--centre",
+                                      "--methods", "fp;int:b=4/int:b=2", "--build-codebooks"])
+    assert args.func(args) == 0
+    (name, config, out), resources = calls[0]
+    assert name == "perplexity" and resources == {"methods": ["fp", "int:b=4/int:b=2"], "build_codebooks": True}
+    assert config == PerplexityConfig(tokens=256, context=128, centre=True)

@@ -64,22 +64,22 @@ def register_eval(eval_subparsers) -> None:
 
 
 def _fidelity(args: argparse.Namespace) -> int:
-    from fibquant.eval.fidelity import FidelityConfig, main_fidelity
+    from fibquant.eval.fidelity import FidelityConfig
 
     layers = None if args.layers is None else tuple(args.layers)
     config = FidelityConfig(text=args.text, calibration_text=args.calibration_text, tokens=args.tokens,
                             layers=layers, query_stride=args.query_stride, sink_tokens=args.sink_tokens,
                             recent_tokens=args.recent_tokens, centre=args.centre)
     apply_threads(args)
-    main_fidelity(config, args.methods, args.out, build_codebooks=args.build_codebooks)
+    run_experiment("fidelity", config, args.out, methods=args.methods, build_codebooks=args.build_codebooks)
     return 0
 
 
 def _perplexity(args: argparse.Namespace) -> int:
-    from fibquant.eval.perplexity import PerplexityConfig, main_perplexity
+    from fibquant.eval.perplexity import PerplexityConfig
 
     config = PerplexityConfig(text=args.text, tokens=args.tokens, context=args.context, chunk=args.chunk,
                               batch_size=args.batch_size, attention=args.attention, centre=args.centre)
     apply_threads(args)
-    main_perplexity(config, args.methods, args.out, build_codebooks=args.build_codebooks)
+    run_experiment("perplexity", config, args.out, methods=args.methods, build_codebooks=args.build_codebooks)
     return 0

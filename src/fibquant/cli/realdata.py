@@ -132,27 +132,15 @@ def add_mc_arguments(parser: argparse.ArgumentParser) -> None:
 
 @_reports_unavailable_data
 def run_mc_command(args) -> int:
-    from fibquant.eval.report import format_table
-    from fibquant.eval.multiple_choice import (MC_COLUMNS, default_settings, run_multiple_choice,
-                                               save_multiple_choice)
+    from fibquant.eval.multiple_choice import MultipleChoiceConfig
     from fibquant.kv.model import load_model
 
     if args.limit < 0:
         raise ValueError(f"--limit must be >= 0 (0 = all examples), got {args.limit}")
-    settings = default_settings(bits=args.bits, sink_tokens=args.sink_tokens, recent_tokens=args.recent_tokens,
-                                small_window=None if args.no_small_window else tuple(args.small_window),
-                                methods=args.methods)
+    config = MultipleChoiceConfig(task=args.task, limit=args.limit or None, bits=tuple(args.bits),
+                                  methods=tuple(args.methods), sink_tokens=args.sink_tokens,
+                                  recent_tokens=args.recent_tokens, seed=args.seed,
+                                  small_window=None if args.no_small_window else tuple(args.small_window))
     apply_threads(args)
-    model, tokenizer = load_model(args.model)
-    payload = run_multiple_choice(model, tokenizer, task=args.task, limit=args.limit or None, settings=settings,
-                                  seed=args.seed, progress=not args.no_progress)
-    print(f"Multiple choice: BIG-bench {payload['task']} (HellaSwag substitute), {payload['n_examples']} of "
-          f"{payload['pool_size']} examples (seed {payload['seed']}), {payload['model']}; "
-          f"chance {payload['chance_accuracy']:.3f}")
-    print(format_table(payload["rows"], MC_COLUMNS))
-    print("B/vec: stored bytes per key (or value) vector outside the window, x fp16: compression of those "
-          "vectors against fp16; same as fp: fraction of questions answered like fp; ctx tok: mean context "
-          "tokens per question; coded tok: mean context tokens the scoring pass read back from codes")
-    paths = save_multiple_choice(payload, args.out)
-    print(f"wrote {paths['json']} and {paths['png']}")
+    run_experiment("mc", config, args.out, model_and_tokenizer=load_model(args.model), progress=not args.no_progress)
     return 0

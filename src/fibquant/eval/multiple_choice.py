@@ -31,6 +31,7 @@ from typing import Callable, Protocol, Sequence
 import torch
 
 from ..data.bigbench import MultipleChoiceExample
+from .report import Experiment, figure, format_table
 
 
 @dataclass(frozen=True)
@@ -83,8 +84,10 @@ class CacheScorer:
     """
 
     def __init__(self, model, tokenizer, cache_factory: Callable[[], object] | None = None):
+        from transformers import DynamicCache
+
         self.model, self.tokenizer = model, tokenizer
-        self.cache_factory = cache_factory or _dynamic_cache
+        self.cache_factory = cache_factory or DynamicCache
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False).input_ids
@@ -117,12 +120,6 @@ class CacheScorer:
             targets = torch.tensor(ids, device=device)
             logliks.append(float(log_probs[row, : len(ids)].gather(-1, targets[:, None]).sum()))
         return ScoredOptions(tuple(logliks), len(context_ids), compressed)
-
-
-def _dynamic_cache():
-    from transformers import DynamicCache
-
-    return DynamicCache()
 
 
 def compressed_token_count(cache) -> int:
@@ -275,12 +272,6 @@ def default_settings(bits: Sequence[float] = (4, 2), sink_tokens: int = 4, recen
     return settings
 
 
-def model_head_dim(model) -> int:
-    config = model.config
-    head_dim = getattr(config, "head_dim", None)
-    return int(head_dim or config.hidden_size // config.num_attention_heads)
-
-
 def run_multiple_choice(model, tokenizer, task: str = "goal_step_wikihow", limit: int | None = 200,
                         settings: Sequence[CacheSetting] | None = None, seed: int = 0,
                         progress: bool = True, examples: Sequence[MultipleChoiceExample] | None = None) -> dict:
@@ -291,14 +282,14 @@ def run_multiple_choice(model, tokenizer, task: str = "goal_step_wikihow", limit
     read back from codes. `examples` overrides loading the task (tests).
     """
     from ..data.bigbench import load_bigbench_task
-    from ..kv.model import describe_model
+    from ..kv.model import check_model_supported, describe_model
 
     settings = list(settings) if settings is not None else default_settings()
     if not settings or not settings[0].is_fp:  # fp first: every ratio and agreement refers to it
         settings = [CacheSetting("fp")] + [s for s in settings if not s.is_fp]
     pool = list(examples) if examples is not None else load_bigbench_task(task)
     chosen = select_examples(pool, limit, seed)
-    head_dim = model_head_dim(model)
+    head_dim = check_model_supported(model)["head_dim"]
     results, code_bytes = [], {}
     for setting in settings:
         codec = setting.build_codec(head_dim)
@@ -327,48 +318,79 @@ def run_multiple_choice(model, tokenizer, task: str = "goal_step_wikihow", limit
 
 
 MC_COLUMNS = [("name", "cache", ""), ("code_bytes", "B/vec", "d"), ("ratio_vs_fp16", "x fp16", ".2f"),
-              ("acc", "acc", ".3f"), ("acc_stderr", "±", ".3f"),
-              ("acc_norm", "acc_norm", ".3f"), ("acc_norm_stderr", "±", ".3f"),
-              ("acc_ratio", "acc/fp", ".3f"), ("acc_norm_ratio", "norm/fp", ".3f"),
+              ("acc", "acc", ".3f"), ("acc_stderr", "±", ".3f"), ("acc_norm", "acc_norm", ".3f"),
+              ("acc_norm_stderr", "±", ".3f"), ("acc_ratio", "acc/fp", ".3f"), ("acc_norm_ratio", "norm/fp", ".3f"),
               ("agreement_with_fp", "same as fp", ".3f"), ("agreement_norm_with_fp", "same (norm)", ".3f"),
-              ("mean_context_tokens", "ctx tok", ".1f"),
-              ("mean_compressed_tokens", "coded tok", ".1f")]
+              ("mean_context_tokens", "ctx tok", ".1f"), ("mean_compressed_tokens", "coded tok", ".1f")]
 
 
 def plot_multiple_choice(payload: dict, path) -> None:
     """Left: acc and acc_norm per setting (standard-error bars, chance level). Right: fraction of
     questions where each setting picks the same option as fp (more sensitive than accuracy)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = payload["rows"]
     x = list(range(len(rows)))
     labels = [r["name"].replace(" (", "\n(") for r in rows]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(max(10, 2.6 * len(rows)), 4.8))
     width = 0.38
-    for ax, keys, title in ((left, ("acc", "acc_norm"), "accuracy"),
-                            (right, ("agreement_with_fp", "agreement_norm_with_fp"), "same choice as fp")):
-        for shift, key in zip((-width / 2, width / 2), keys):
-            errors = [r[f"{key}_stderr"] for r in rows] if f"{key}_stderr" in rows[0] else None
-            ax.bar([i + shift for i in x], [r[key] for r in rows], width, yerr=errors, capsize=3,
-                   label=key.replace("agreement_with_fp", "acc ranking").replace("agreement_norm_with_fp",
-                                                                                 "acc_norm ranking"))
-        ax.set_xticks(x, labels, fontsize=6)
-        ax.set_ylabel(title)
-        ax.legend(fontsize=7, loc="lower left")
-    left.axhline(payload["chance_accuracy"], color="grey", linestyle="--", label="chance")
-    left.legend(fontsize=7, loc="lower left")
-    right.set_ylim(0, 1.05)
-    fig.suptitle(f"BIG-bench {payload['task']} (n={payload['n_examples']}), {payload['model']}", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with figure(path, ncols=2, figsize=(max(10, 2.6 * len(rows)), 4.8)) as (fig, (left, right)):
+        for ax, keys, title in ((left, ("acc", "acc_norm"), "accuracy"),
+                                (right, ("agreement_with_fp", "agreement_norm_with_fp"), "same choice as fp")):
+            for shift, key in zip((-width / 2, width / 2), keys):
+                errors = [r[f"{key}_stderr"] for r in rows] if f"{key}_stderr" in rows[0] else None
+                ax.bar([i + shift for i in x], [r[key] for r in rows], width, yerr=errors, capsize=3,
+                       label=key.replace("agreement_with_fp", "acc ranking").replace("agreement_norm_with_fp",
+                                                                                     "acc_norm ranking"))
+            ax.set_xticks(x, labels, fontsize=6)
+            ax.set_ylabel(title)
+            ax.legend(fontsize=7, loc="lower left")
+        left.axhline(payload["chance_accuracy"], color="grey", linestyle="--", label="chance")
+        left.legend(fontsize=7, loc="lower left")
+        right.set_ylim(0, 1.05)
+        fig.suptitle(f"BIG-bench {payload['task']} (n={payload['n_examples']}), {payload['model']}", fontsize=8)
+
+
+@dataclass(frozen=True)
+class MultipleChoiceConfig:
+    """A seeded sample of `limit` examples of `task` (None: all; see `select_examples`), scored with
+    fp and the `default_settings(bits, sink_tokens, recent_tokens, small_window, methods)`."""
+
+    task: str = "goal_step_wikihow"
+    limit: int | None = 200
+    bits: tuple[float, ...] = (4, 2)
+    methods: tuple[str, ...] = ()
+    sink_tokens: int = 4
+    recent_tokens: int = 32
+    small_window: tuple[int, int] | None = (0, 0)
+    seed: int = 0
+
+
+def run(config: MultipleChoiceConfig = MultipleChoiceConfig(), model_and_tokenizer=None, progress: bool = True,
+        examples: Sequence[MultipleChoiceExample] | None = None) -> dict:
+    """`run_multiple_choice` with `config`'s settings on `model_and_tokenizer` (default: the default model)."""
+    from ..kv.model import load_model
+
+    model, tokenizer = model_and_tokenizer or load_model()
+    settings = default_settings(config.bits, config.sink_tokens, config.recent_tokens, config.small_window,
+                                config.methods)
+    return run_multiple_choice(model, tokenizer, config.task, config.limit, settings, config.seed, progress, examples)
+
+
+def mc_header(payload: dict) -> str:
+    return (f"Multiple choice: BIG-bench {payload['task']} (HellaSwag substitute), {payload['n_examples']} of "
+            f"{payload['pool_size']} examples (seed {payload['seed']}), {payload['model']}; "
+            f"chance {payload['chance_accuracy']:.3f}")
+
+
+def mc_table(payload: dict) -> str:
+    return (format_table(payload["rows"], MC_COLUMNS) + "\nB/vec: stored bytes per key (or value) vector outside "
+            "the window, x fp16: compression of those vectors against fp16; same as fp: fraction of questions "
+            "answered like fp; ctx tok: mean context tokens per question; coded tok: mean context tokens the "
+            "scoring pass read back from codes")
+
+
+EXPERIMENT = Experiment(name="mc", stem="multiple_choice", config=MultipleChoiceConfig, run=run, table=mc_table,
+                        plot=plot_multiple_choice, header=mc_header)
 
 
 def save_multiple_choice(payload: dict, out_dir) -> dict[str, str]:
     """Write multiple_choice.json and multiple_choice.png under out_dir; return their paths."""
-    from .kv_report import save_report
-
-    return save_report(payload, out_dir, "multiple_choice", plot_multiple_choice)
+    return EXPERIMENT.report(payload, out_dir, echo=False)

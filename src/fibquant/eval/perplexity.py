@@ -24,7 +24,8 @@ import torch
 from tqdm.auto import tqdm
 
 from fibquant.eval.methods import Method, codec_classes, is_reference, plot_style
-from fibquant.kv.cache import CompressedCache, dynamic_cache_nbytes
+from fibquant.eval.report import Experiment, figure, target
+from fibquant.kv.memory import cache_nbytes
 from fibquant.kv.model import check_model_supported
 
 
@@ -93,18 +94,6 @@ def cache_factory(method, model, config: PerplexityConfig):
     return lambda: make_cache(spec, model, config, quantizers)
 
 
-def cache_nbytes(cache, spec=None, head_dim: int = 64) -> int:
-    """Bytes held: CompressedCache.nbytes(), a DynamicCache's storage, or a RoundTripCache's format
-    (exact window in the model dtype + the peer's bytes per stored vector)."""
-    from fibquant.kv.roundtrip import RoundTripCache
-
-    if isinstance(cache, CompressedCache):
-        return cache.nbytes()
-    if isinstance(cache, RoundTripCache):
-        return cache.format_nbytes(spec.key_bytes(head_dim), spec.value_bytes(head_dim))
-    return dynamic_cache_nbytes(cache)
-
-
 @torch.no_grad()
 def window_nll(model, ids: torch.Tensor, cache, chunk: int) -> torch.Tensor:
     """Token NLLs [B, T-1] of windows ids [B, T] fed in chunks through `cache` (position i predicts i+1)."""
@@ -137,6 +126,8 @@ def run_perplexity(model, tokenizer, methods: list, config: PerplexityConfig = P
         total, second, count, second_count, nbytes_per_token = 0.0, 0.0, 0, 0, None
         bar.set_postfix_str(method.spec)
         fresh_cache = cache_factory(method, model, config)
+        # A RoundTripCache (peers) stores floats: its bytes are counted in the peer's format.
+        format_bytes = (method.key_bytes(head_dim), method.value_bytes(head_dim))
         for batch in batches:
             cache = fresh_cache()
             nll = window_nll(model, batch, cache, config.chunk)
@@ -144,7 +135,7 @@ def run_perplexity(model, tokenizer, methods: list, config: PerplexityConfig = P
             count += nll.numel()
             second += float(nll[:, half - 1:].sum())  # predictions of tokens at positions >= half
             second_count += nll[:, half - 1:].numel()
-            nbytes_per_token = cache_nbytes(cache, method, head_dim) / (batch.shape[0] * config.context)
+            nbytes_per_token = cache_nbytes(cache, format_bytes) / (batch.shape[0] * config.context)
             bar.update(1)
         key_bytes, value_bytes = method.key_bytes(head_dim), method.value_bytes(head_dim)
         rows.append({
@@ -180,36 +171,29 @@ def run_perplexity(model, tokenizer, methods: list, config: PerplexityConfig = P
 def plot_perplexity(rows: list[dict], path, title: str) -> None:
     """Perplexity against K+V compression vs fp16 (stored bytes), one line per codec family, peers and
     asymmetric K/V as labelled points, fp as a horizontal line (log y)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 5))
     lines = [family for family in codec_classes() if not is_reference(family)]  # registry order
-    for family in lines:
-        style = plot_style(family)
-        items = sorted((r for r in rows if r["family"] == family), key=lambda r: r["compression_ratio"])
-        if items:
-            ax.plot([r["compression_ratio"] for r in items], [r["perplexity"] for r in items], color=style.color,
-                    marker=style.marker, label=style.name)
-    for row in rows:
-        if is_reference(row["family"]):
-            ax.axhline(row["perplexity"], color=plot_style(row["family"]).color, linestyle="--",
-                       label=f"{row['family']} ({row['perplexity']:.2f})")
-        elif row["family"] not in lines:
-            color = "C1" if row["family"] == "kv" and not row.get("peer") else "0.4"
-            ax.scatter(row["compression_ratio"], row["perplexity"], color=color, marker="x" if row.get("peer") else "D")
-            ax.annotate(row["method"], (row["compression_ratio"], row["perplexity"]), fontsize=6, rotation=15)
-    ax.set_yscale("log")
-    ax.set_xlabel("key + value compression vs fp16 (stored bytes per vector, side information included)")
-    ax.set_ylabel("perplexity")
-    ax.set_title(title, fontsize=9)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
+    with figure(path, dpi=130, figsize=(8, 5)) as (fig, ax):
+        for family in lines:
+            style = plot_style(family)
+            items = sorted((r for r in rows if r["family"] == family), key=lambda r: r["compression_ratio"])
+            if items:
+                ax.plot([r["compression_ratio"] for r in items], [r["perplexity"] for r in items],
+                        color=style.color, marker=style.marker, label=style.name)
+        for row in rows:
+            if is_reference(row["family"]):
+                ax.axhline(row["perplexity"], color=plot_style(row["family"]).color, linestyle="--",
+                           label=f"{row['family']} ({row['perplexity']:.2f})")
+            elif row["family"] not in lines:
+                color = "C1" if row["family"] == "kv" and not row.get("peer") else "0.4"
+                ax.scatter(row["compression_ratio"], row["perplexity"], color=color,
+                           marker="x" if row.get("peer") else "D")
+                ax.annotate(row["method"], (row["compression_ratio"], row["perplexity"]), fontsize=6, rotation=15)
+        ax.set_yscale("log")
+        ax.set_xlabel("key + value compression vs fp16 (stored bytes per vector, side information included)")
+        ax.set_ylabel("perplexity")
+        ax.set_title(title, fontsize=9)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
 
 
 PERPLEXITY_METHODS = (
@@ -235,59 +219,79 @@ PERPLEXITY_COLUMNS = [
 ]
 
 
-def main_perplexity(config: PerplexityConfig = PerplexityConfig(), methods: list[str] | None = None,
-                    out_dir=None, build_codebooks: bool = False, model_and_tokenizer=None) -> dict:
-    """Run experiment 3, print the table and target checks, write JSON + PNG under results/."""
+def run(config: PerplexityConfig = PerplexityConfig(), methods: list[str] | None = None,
+        build_codebooks: bool = False, model_and_tokenizer=None, progress: bool = True) -> dict:
+    """Run experiment 3 on `methods` (default PERPLEXITY_METHODS; unavailable ones skipped with a note)
+    with the default model unless given; the payload with its targets."""
     from fibquant.eval.cache_specs import parse_cache_specs, split_available
-    from fibquant.eval.kv_report import format_table, results_dir, write_json
     from fibquant.kv.model import load_model
 
     model, tokenizer = model_and_tokenizer or load_model()
     head_dim = check_model_supported(model)["head_dim"]
     ready, skipped = split_available(parse_cache_specs(list(methods or PERPLEXITY_METHODS)), head_dim, build_codebooks)
-    result = run_perplexity(model, tokenizer, ready, config)
-    result["skipped"] = skipped
-    result["targets"] = perplexity_targets(result["rows"])
-    print(f"\nmodel: {result['model']}\ntext: {config.text}, {result['tokens']} tokens = {result['windows']} "
-          f"windows of {config.context}, chunks of {config.chunk}, exact window {config.sink_tokens} sinks + "
-          f"{config.recent_tokens} recent (model dtype {result['model_dtype']}), attention={config.attention}, "
-          f"centre={config.centre}\n")
-    print(format_table(result["rows"], PERPLEXITY_COLUMNS))
-    for name, value in result["targets"].items():
-        print(f"{name}: {value}")
-    for note in skipped:
-        print(f"skipped: {note}")
-    out = results_dir(out_dir)
-    write_json(out / "perplexity.json", result)
-    plot_perplexity(result["rows"], out / "perplexity.png",
-                    f"{result['model']}\n{config.text}, {result['tokens']} tokens, context {config.context}, "
-                    f"chunk {config.chunk}, exact window {config.sink_tokens}+{config.recent_tokens}")
-    print(f"wrote {out / 'perplexity.json'} and {out / 'perplexity.png'}")
-    return result
+    payload = run_perplexity(model, tokenizer, ready, config, progress)
+    payload["skipped"] = skipped
+    payload["targets"] = perplexity_targets(payload["rows"])
+    return payload
 
 
-def perplexity_targets(rows: list[dict]) -> dict:
-    """FibQuant b=4 change vs fp (target within 1 %); at b=2 FibQuant's increase / TurboQuant's (<= 1/3)."""
+# Targets (paper 4.3): FibQuant b=4 within B4_CHANGE_PCT_TARGET % of fp's perplexity; at b=2 FibQuant's
+# increase at most B2_INCREASE_RATIO_TARGET times TurboQuant's; FibQuant b=2 no worse than any peer
+# storing at most its bytes per vector.
+B4_CHANGE_PCT_TARGET = 1.0
+B2_INCREASE_RATIO_TARGET = 1 / 3
+
+
+def perplexity_checks(rows: list[dict]) -> list[dict]:
+    """The targets as report `target` dicts (those whose rows are present)."""
     def find(family: str, bits: float):
-        return next((r for r in rows if r["family"] == family and abs(r["bits_per_coordinate"] - bits) < 1e-9),
-                    None)
+        return next((r for r in rows if r["family"] == family and abs(r["bits_per_coordinate"] - bits) < 1e-9
+                     and "perplexity_change_pct" in r), None)
 
-    out = {}
+    out = []
     fib4, fib2, turbo2 = find("fibquant", 4.0), find("fibquant", 2.0), find("turboquant", 2.0)
-    if fib2 is not None and "perplexity_change_pct" in fib2:
-        # Every peer at equal or fewer bytes per vector than FibQuant b=2 must do no better.
+    if fib2 is not None:
         peers = [r for r in rows if r.get("peer") and r["code_bytes_per_vector"] <= fib2["code_bytes_per_vector"]
                  and "perplexity_change_pct" in r]
         if peers:
             best = min(peers, key=lambda r: r["perplexity_change_pct"])
-            out["fibquant_b2_change_pct vs best peer at <= its bytes (target: FibQuant <= peer)"] = (
-                f"{fib2['perplexity_change_pct']:+.2f} % vs {best['perplexity_change_pct']:+.2f} % ({best['method']}, "
-                f"{best['code_bytes_per_vector']:.4g} B/vector): "
-                f"{'met' if fib2['perplexity_change_pct'] <= best['perplexity_change_pct'] else 'missed'}")
-    if fib4 is not None and "perplexity_change_pct" in fib4:
-        out["fibquant_b4_change_pct (target <= 1)"] = fib4["perplexity_change_pct"]
-    if fib2 is not None and turbo2 is not None and "perplexity_change_pct" in fib2:
-        ratio = fib2["perplexity_change_pct"] / turbo2["perplexity_change_pct"] if turbo2[
-            "perplexity_change_pct"] > 0 else float("inf")
-        out["fibquant_b2_increase / turboquant_b2_increase (target <= 0.333)"] = ratio
+            met = fib2["perplexity_change_pct"] <= best["perplexity_change_pct"]
+            out.append(target("fibquant_b2_change_pct vs best peer at <= its bytes (target: FibQuant <= peer)",
+                              f"{fib2['perplexity_change_pct']:+.2f} % vs {best['perplexity_change_pct']:+.2f} % "
+                              f"({best['method']}, {best['code_bytes_per_vector']:.4g} B/vector): "
+                              f"{'met' if met else 'missed'}", met))
+    if fib4 is not None:
+        change = fib4["perplexity_change_pct"]
+        out.append(target(f"fibquant_b4_change_pct (target <= {B4_CHANGE_PCT_TARGET:g})", change,
+                          change <= B4_CHANGE_PCT_TARGET))
+    if fib2 is not None and turbo2 is not None:
+        increase = turbo2["perplexity_change_pct"]
+        ratio = fib2["perplexity_change_pct"] / increase if increase > 0 else float("inf")
+        out.append(target(f"fibquant_b2_increase / turboquant_b2_increase (target <= {B2_INCREASE_RATIO_TARGET:.3f})",
+                          ratio, ratio <= B2_INCREASE_RATIO_TARGET))
     return out
+
+
+def perplexity_targets(rows: list[dict]) -> dict:
+    """The targets as stored in the payload: {statement: measured}."""
+    return {check["target"]: check["measured"] for check in perplexity_checks(rows)}
+
+
+def perplexity_header(payload: dict) -> str:
+    p, window = payload, payload["exact_window"]
+    return "\n".join([f"\nmodel: {p['model']}\ntext: {p['text']}, {p['tokens']} tokens = {p['windows']} windows of "
+                      f"{p['context']}, chunks of {p['chunk']}, exact window {window['sink_tokens']} sinks + "
+                      f"{window['recent_tokens']} recent (model dtype {p['model_dtype']}), attention={p['attention']}, "
+                      f"centre={p['centre']}\n"] + [f"skipped: {note}" for note in p.get("skipped", [])])
+
+
+def plot_perplexity_payload(payload: dict, path) -> None:
+    """`plot_perplexity` of the payload's rows, titled with its model, text and protocol."""
+    p, window = payload, payload["exact_window"]
+    plot_perplexity(p["rows"], path, f"{p['model']}\n{p['text']}, {p['tokens']} tokens, context {p['context']}, chunk "
+                                     f"{p['chunk']}, exact window {window['sink_tokens']}+{window['recent_tokens']}")
+
+
+EXPERIMENT = Experiment(name="perplexity", stem="perplexity", config=PerplexityConfig, run=run,
+                        columns=PERPLEXITY_COLUMNS, plot=plot_perplexity_payload,
+                        targets=lambda payload: perplexity_checks(payload["rows"]), header=perplexity_header)

@@ -30,9 +30,9 @@ Adopting it in an existing experiment: the table goes through `format_table` (Ma
 `tight_layout`, `savefig`, `close`) becomes `with figure(path, ...)`, the JSON/PNG writing
 becomes `Experiment.report(payload, out_dir)` (`echo=False` to only write), targets become
 `target(...)` dicts, and `time.perf_counter` bookkeeping uses `fibquant.eval.timing`. A stem
-that depends on the run (e.g. a suffix) is `dataclasses.replace(EXPERIMENT, stem=...)`; a
-table also kept as a file is `table_suffix=".md"`; a PNG named other than `<stem>.png` is
-`plot_suffix="_frontier.png"`.
+that depends on the run (e.g. a suffix) is a function of the payload (`stem=lambda payload:
+...`) or `dataclasses.replace(EXPERIMENT, stem=...)`; a table also kept as a file is
+`table_suffix=".md"`; a PNG named other than `<stem>.png` is `plot_suffix="_frontier.png"`.
 """
 from __future__ import annotations
 
@@ -55,6 +55,11 @@ EXPERIMENTS: dict[str, str] = {
     "needle": "fibquant.eval.needle",
     "archive-kv": "fibquant.eval.archive_kv",
     "demo": "fibquant.eval.demo",
+    "fidelity": "fibquant.eval.fidelity",
+    "perplexity": "fibquant.eval.perplexity",
+    "mc": "fibquant.eval.multiple_choice",
+    "speed": "fibquant.eval.decode_speed",
+    "archive": "fibquant.eval.archive_bench",
 }
 
 
@@ -163,16 +168,16 @@ def save_report(payload: dict, out_dir, stem: str, plot: Optional[Callable] = No
 class Experiment:
     """What the report module needs to know about one experiment.
 
-    name: registry / command name; stem: output file stem; config: its frozen config class;
-    run: `run(config, **resources) -> payload`; columns: table columns (or payload -> columns)
-    over `payload[rows_key]`; plot: `plot(payload, path)`; targets: payload -> `target` dicts;
-    header: payload -> lines printed above the table; table: payload -> the whole table text
-    (for experiments whose table is not one row list); markdown: Markdown table;
-    table_suffix: also write the table to `<stem><table_suffix>`.
+    name: registry / command name; stem: output file stem (or payload -> stem); config: its
+    frozen config class; run: `run(config, **resources) -> payload`; columns: table columns (or
+    payload -> columns) over `payload[rows_key]`; plot: `plot(payload, path)`; targets: payload
+    -> `target` dicts; header: payload -> lines printed above the table; table: payload -> the
+    whole table text (for experiments whose table is not one row list); markdown: Markdown
+    table; table_suffix: also write the table to `<stem><table_suffix>`.
     """
 
     name: str
-    stem: str
+    stem: Union[str, Callable[[dict], str]]
     config: type
     run: Callable[..., dict]
     columns: Columns = ()
@@ -192,6 +197,10 @@ class Experiment:
         columns = self.columns(payload) if callable(self.columns) else self.columns
         return format_table(payload[self.rows_key], columns, markdown=self.markdown)
 
+    def stem_of(self, payload: dict) -> str:
+        """The output file stem for `payload`."""
+        return self.stem(payload) if callable(self.stem) else self.stem
+
     def target_list(self, payload: dict) -> list:
         return [] if self.targets is None else list(self.targets(payload))
 
@@ -205,7 +214,7 @@ class Experiment:
             targets = self.target_list(payload)
             if targets:
                 print("Targets\n" + format_targets(targets))
-        paths = save_report(payload, out_dir, self.stem, self.plot, table, self.table_suffix,
+        paths = save_report(payload, out_dir, self.stem_of(payload), self.plot, table, self.table_suffix,
                             self.plot_suffix)
         if echo:
             print("wrote " + " and ".join(paths.values()))
