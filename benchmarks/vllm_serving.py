@@ -61,22 +61,30 @@ def measure(args, model_dir: str) -> list[dict]:
         tokens = result["prompt_tokens"] + result["generated"]
         rows.append({"cache": name, "kv_capacity_tokens": result["kv_capacity_tokens"],
                      "seconds": result["seconds"], "tokens_per_s": tokens / result["seconds"],
-                     "decode_tokens_per_s": result["generated"] / result["seconds"], "ttft_s": result["ttft_s"],
+                     "prefill_tokens_per_s": result["prompt_tokens"] / result["prefill_s"],
+                     "decode_tokens_per_s": result["decode_tokens_per_s"], "ttft_s": result["ttft_s"],
                      "wall_s": time.perf_counter() - started})
         print(f"  {name:<20} done in {rows[-1]['wall_s']:.0f} s", flush=True)
     base = rows[0]
     for row in rows:
         row["capacity_ratio"] = row["kv_capacity_tokens"] / base["kv_capacity_tokens"]
         row["throughput_ratio"] = row["tokens_per_s"] / base["tokens_per_s"]
+        row["prefill_ratio"] = row["prefill_tokens_per_s"] / base["prefill_tokens_per_s"]
+        row["decode_ratio"] = row["decode_tokens_per_s"] / base["decode_tokens_per_s"]
         row["ttft_ratio"] = row["ttft_s"] / base["ttft_s"]
     return rows
 
 
 def table(rows: list[dict]) -> str:
-    lines = [f"{'cache':<20} {'KV tokens':>10} {'x bf16':>7} {'tok/s':>8} {'x bf16':>7} {'TTFT s':>8} {'x bf16':>7}"]
+    lines = [f"{'cache':<20} {'KV tokens':>10} {'x bf16':>7} {'tok/s':>8} {'x bf16':>7} {'prefill':>8} {'x bf16':>7} "
+             f"{'decode':>8} {'x bf16':>7} {'TTFT s':>8} {'x bf16':>7}"]
     for r in rows:
         lines.append(f"{r['cache']:<20} {r['kv_capacity_tokens']:>10} {r['capacity_ratio']:>7.2f} "
-                     f"{r['tokens_per_s']:>8.1f} {r['throughput_ratio']:>7.2f} {r['ttft_s']:>8.3f} {r['ttft_ratio']:>7.2f}")
+                     f"{r['tokens_per_s']:>8.1f} {r['throughput_ratio']:>7.2f} {r['prefill_tokens_per_s']:>8.1f} "
+                     f"{r['prefill_ratio']:>7.2f} {r['decode_tokens_per_s']:>8.1f} {r['decode_ratio']:>7.2f} "
+                     f"{r['ttft_s']:>8.3f} {r['ttft_ratio']:>7.2f}")
+    lines.append("tok/s: prompt + generated tokens per second of the whole batch; prefill: prompt tokens/s of the "
+                 "batch with one token each; decode: generated tokens/s after the prefill")
     return "\n".join(lines)
 
 
@@ -87,9 +95,10 @@ def plot(rows: list[dict], path) -> None:
     import matplotlib.pyplot as plt
 
     names = [r["cache"] for r in rows]
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
-    for ax, key, title in zip(axes, ("capacity_ratio", "throughput_ratio", "ttft_ratio"),
-                              ("KV tokens in the same budget (x bf16)", "throughput (x bf16)", "time to first token (x bf16)")):
+    fig, axes = plt.subplots(1, 4, figsize=(17, 4.2))
+    for ax, key, title in zip(axes, ("capacity_ratio", "throughput_ratio", "decode_ratio", "ttft_ratio"),
+                              ("KV tokens in the same budget (x bf16)", "batch throughput (x bf16)",
+                               "decode tokens/s (x bf16)", "time to first token (x bf16)")):
         ax.bar(names, [r[key] for r in rows], color=["#777777"] + ["#1f77b4"] * (len(rows) - 1))
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_title(title, fontsize=10)

@@ -11,7 +11,7 @@ Tasks (JSON in, JSON out; every result also has `kv_capacity_tokens`, `load_s` a
     {"task": "prompt_logprobs", "token_ids": [int]}
         -> {"logprobs": [float]}  (log p of tokens 1..n-1 given their prefix)
     {"task": "throughput", "prompt_token_ids": [[int]], "max_tokens": int}
-        -> {"seconds": float, "ttft_s": float, "generated": int}
+        -> {"seconds", "ttft_s", "prefill_s", "decode_tokens_per_s", "generated", "prompt_tokens"}
 """
 from __future__ import annotations
 
@@ -123,18 +123,29 @@ def _prompt_logprobs(llm, task: dict) -> dict:
 
 
 def _throughput(llm, task: dict) -> dict:
+    """After a warm-up (kernels compiled, codebooks loaded), the time to first token of one prompt,
+    the batch's prefill alone (max_tokens=1), then the batch with `max_tokens` greedy tokens each."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in task["prompt_token_ids"]]
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    # The warm-up runs the measured batch shape: numba specialises its kernels per batch and query
+    # shape, and a compile inside a timed region would be counted as serving time.
+    llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    start = time.perf_counter()
+    llm.generate(prompts[:1], one, use_tqdm=False)
+    ttft = time.perf_counter() - start
+    start = time.perf_counter()
+    llm.generate(prompts, one, use_tqdm=False)
+    prefill = time.perf_counter() - start
     params = SamplingParams(max_tokens=task["max_tokens"], temperature=0.0, ignore_eos=True)
-    first = time.perf_counter()
-    llm.generate(prompts[:1], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
-    ttft = time.perf_counter() - first
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
-    return {"seconds": seconds, "ttft_s": ttft, "generated": sum(len(o.outputs[0].token_ids) for o in outputs),
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return {"seconds": seconds, "ttft_s": ttft, "prefill_s": prefill, "generated": generated,
+            "decode_tokens_per_s": (generated - len(prompts)) / max(seconds - prefill, 1e-9),
             "prompt_tokens": sum(len(ids) for ids in task["prompt_token_ids"])}
 
 
