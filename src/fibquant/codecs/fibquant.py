@@ -24,12 +24,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..codebook import CodebookSpec, load_codebook
+from ..codebook.fast_search import NumbaSearch, numba_available
 from ..codebook.grid_search import GridSearch, default_cells
 from ..codebook.search import nearest_codeword
-from .base import Codec, PlotStyle, RotatedCodebook, SpecParam
+from .base import FP16_MAX, Codec, PlotStyle, RotatedCodebook, SpecParam
 from .bitpack import pack_bits, packed_size, unpack_bits
 from .layout import CodeLayout
 from .rotation import NORM_BYTES, RotationState
@@ -86,11 +88,15 @@ class FibQuantCodec(Codec):
     family = "fibquant"
     spec_params = (SpecParam("b", "bits", float), SpecParam("k", "k"), SpecParam("n", "n"))
     style = PlotStyle("FibQuant", "C3", "o", frontier="frontier; dots: all k, N")
+    # CPU encode through the numba search (codebook/fast_search.py) when numba imports; False: the
+    # torch path (`search_method`), which CUDA tensors always take. Both give the reference's codes.
+    fast_search = True
 
     def __init__(self, dim: int, k: int, n_codewords: int, seed: int = 0):
         super().__init__(FibQuantConfig(dim, k, n_codewords, seed))
         self.k, self.n_codewords, self.seed = k, n_codewords, seed
         self._codebook = None  # loaded (or built) on first use: constructing a codec is cheap
+        self._cpu_encode = None  # (NumbaSearch, Pi^T) once built (both also held in device_state)
         self._rotation = RotationState(dim, seed, self.device_state)
         cells = default_cells(k)
         # Exact grid-pruned search for small k and N, chunked matmul search otherwise.
@@ -172,9 +178,21 @@ class FibQuantCodec(Codec):
         codewords, _ = self._table(torch.device(device))
         return RotatedCodebook(self._rotation.forward_matrix(torch.device(device)), codewords, self.config.index_bits)
 
+    def _numba_search(self, device: torch.device) -> NumbaSearch | None:
+        """The numba search tables for CPU tensors, or None where the torch path runs."""
+        if device.type != "cpu" or not self.fast_search or not numba_available():
+            return None
+        return self.device_state.get("numba_search", device,
+                                     lambda d: NumbaSearch(self._table(d)[0], self.dim))
+
     def block_indices(self, u: torch.Tensor) -> torch.Tensor:
-        """Rotated unit rows u [n, dim] -> nearest-codeword indices [n, dim/k] (int64), exact
-        (the grid path prunes candidates provably, see codebook/grid_search.py)."""
+        """Rotated unit rows u [n, dim] -> nearest-codeword indices [n, dim/k] (int64), exact: the
+        reference search's (codebook/fast_search.py on the CPU with numba; on the torch path the grid
+        prunes candidates provably, see codebook/grid_search.py, and the float32 matmul can differ
+        from the reference at float32 near ties)."""
+        fast = self._numba_search(u.device)
+        if fast is not None:
+            return fast.indices(u)
         codewords, sq_norms = self._table(u.device)
         blocks = u.reshape(-1, self.k)
         if self.search_method == "grid":
@@ -185,8 +203,31 @@ class FibQuantCodec(Codec):
             flat = nearest_codeword(blocks, codewords, sq_norms)
         return flat.reshape(u.shape[0], self.config.n_blocks)
 
+    def _encode_numba(self, x: torch.Tensor, fast: NumbaSearch, forward: torch.Tensor) -> torch.Tensor:
+        """CPU encode: `RotationState.normalise_rotate`'s float32 ops (the same torch norm and
+        matmul, an IEEE float32 division, IEEE fp16 rounding) with fewer torch calls, then search
+        + packing in numba."""
+        x = x.detach()
+        norms = torch.linalg.vector_norm(x, 2, [1])                       # = x.norm(dim=1)
+        norms_np = norms.numpy()
+        if float(norms_np.max()) > FP16_MAX:
+            raise ValueError(f"{type(self).__name__}: vector norm exceeds the fp16 range of the stored norm")
+        safe = np.where(norms_np > 0, norms_np, np.float32(1.0))
+        u = torch.from_numpy(x.numpy() / safe[:, None]) @ forward
+        # numpy's float32 -> float16 rounding equals torch's (checked for every float32 in [0, FP16_MAX]).
+        norm_bytes = norms_np.astype(np.float16).view(np.uint8).reshape(len(norms_np), 2)
+        return fast.encode(u, norm_bytes, self.config.index_bits)
+
     def _encode_flat(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu" and self._cpu_encode is not None and self.fast_search and x.is_contiguous():
+            return self._encode_numba(x, *self._cpu_encode)
+        fast = self._numba_search(x.device)
+        if fast is not None and x.is_contiguous():
+            self._cpu_encode = (fast, self._rotation.forward_matrix(x.device))
+            return self._encode_numba(x, *self._cpu_encode)
         norm_bytes, u = self._rotation.normalise_rotate(x, type(self).__name__)
+        if fast is not None:
+            return fast.encode(u, norm_bytes, self.config.index_bits)
         packed = pack_bits(self.block_indices(u), self.config.index_bits)
         return torch.cat([norm_bytes, packed], dim=1)
 

@@ -1,0 +1,345 @@
+"""numba kernels of the exact nearest-codeword search (see `fast_search`, which builds their tables,
+threads them and resolves the blocks they flag).
+
+Every kernel searches the blocks of rows [start, stop) of u [n, dim] (float32, k-blocks of each row)
+and writes index[row, block]. Distances are float64 sums of squared float64 differences, the
+reference's arithmetic; the sum order may differ from torch's, so a block whose best and
+second-best distances lie within a relative 1e-12 (a tie, or a near tie where rounding could
+decide) is flagged (flags[row, block] = 1) and left to the reference. A kernel returns the number
+of flagged blocks. Pruning (grid candidate lists, tree bounding boxes) keeps every codeword within
+that window of the best, so an unflagged block's index is the reference's.
+
+With bits > 0 each row's indices are also bit-packed into codes[row, head:] (= `pack_bits`).
+
+Methods: `grid` (candidate lists of the box of a block, `grid_search.GridSearch`, stored compactly:
+box b's list is candidates[offsets[b]:offsets[b + 1]]), `tree` (a k-d
+tree with per-node bounding boxes, depth-first, nearer child first) and `brute` (all N, the
+distance loop running over codewords so that LLVM vectorises it; float32 distances screen, the
+float64 distances of the survivors decide).
+"""
+from __future__ import annotations
+
+TIE_REL = 1e-12      # best and second best closer than this (relative): flagged for the reference
+PRUNE_REL = 1e-9     # a node / box is skipped only when its bound exceeds best * (1 + PRUNE_REL)
+SCREEN_ULPS = 8      # float32 screening slack: (2k + SCREEN_ULPS) float32 epsilons, relative
+GRID_OUTER = 1.5     # = grid_search.OUTER: the grid's boxes cover [-GRID_OUTER, GRID_OUTER]^k
+STACK = 128          # tree search stack (depth of a tree over <= 2^20 codewords is far below)
+
+np = None            # numpy, bound by compile_kernels()
+_consider = _finish = _brute_block = _screen = _pack_row = _min = _count_below = None
+
+
+def _consider_py(d1, i1, d2, d, idx):
+    """Fold distance d of codeword idx into (best, its index, second best); returns the new triple."""
+    if d < d1 or (d == d1 and idx < i1):
+        return d, idx, d1
+    if d < d2:
+        return d1, i1, d
+    return d1, i1, d2
+
+
+def _finish_py(d1, i1, d2, x, index, flags, row, block):
+    """Write the block's index; flag it (return 1) on a near tie or a non-finite block."""
+    index[row, block] = i1
+    bad = i1 < 0 or (d2 - d1 <= TIE_REL * d2 and d2 < np.inf)
+    for j in range(x.shape[0]):
+        if not np.isfinite(x[j]):
+            bad = True
+    if bad:
+        flags[row, block] = 1
+        return 1
+    return 0
+
+
+def _brute_block_py(x, cw_t, dist):
+    """Exact search of x [k] (float64) over all codewords cw_t [k, N] (float64): (d1, i1, d2)."""
+    k, n = cw_t.shape
+    for c in range(n):
+        dist[c] = 0.0
+    for j in range(k):
+        xj = x[j]
+        for c in range(n):
+            t = xj - cw_t[j, c]
+            dist[c] += t * t
+    d1, i1, d2 = np.inf, -1, np.inf
+    for c in range(n):
+        d1, i1, d2 = _consider(d1, i1, d2, dist[c], c)
+    return d1, i1, d2
+
+
+def _grid_py(u, k, edges, cells, offsets, candidates, heavy, cw, cw_t, index, flags, codes, head, bits, start, stop):
+    n_blocks = u.shape[1] // k
+    last = edges.shape[0]
+    origin = np.float64(edges[0])
+    scale = (last - 1) / (np.float64(edges[last - 1]) - origin)  # the edges are equally spaced
+    x = np.empty(k, dtype=np.float64)
+    dist = np.empty(cw_t.shape[1], dtype=np.float64)
+    flagged = 0
+    for row in range(start, stop):
+        for b in range(n_blocks):
+            box = 0
+            stride = 1
+            outside = False
+            for j in range(k):
+                v = u[row, b * k + j]
+                x[j] = v
+                if not -GRID_OUTER <= v <= GRID_OUTER:  # beyond the outer cells (or NaN)
+                    outside = True
+                # cell = #edges < v (torch.bucketize, right=False): an estimate, then exact.
+                f = (np.float64(v) - origin) * scale
+                cell = 0 if not f > -1.0 else (last if f >= last else int(f) + 1)
+                while cell > 0 and edges[cell - 1] >= v:
+                    cell -= 1
+                while cell < last and edges[cell] < v:
+                    cell += 1
+                box += cell * stride
+                stride *= cells
+            d1, i1, d2 = np.inf, -1, np.inf
+            if outside or heavy[box]:  # far out: the full search
+                d1, i1, d2 = _brute_block(x, cw_t, dist)
+            else:
+                for t in range(offsets[box], offsets[box + 1]):  # the box's candidates, ascending
+                    c = np.int64(candidates[t])
+                    d = 0.0
+                    for j in range(k):
+                        g = x[j] - cw[c, j]
+                        d += g * g
+                    d1, i1, d2 = _consider(d1, i1, d2, d, c)
+            flagged += _finish(d1, i1, d2, x, index, flags, row, b)
+        if bits > 0:
+            _pack_row(index, row, bits, codes, head)
+    return flagged
+
+
+def _tree_py(u, k, lo, hi, child, bounds, pts, ids, cw_t, index, flags, codes, head, bits, start, stop):
+    n_blocks = u.shape[1] // k
+    x = np.empty(k, dtype=np.float64)
+    dist = np.empty(cw_t.shape[1], dtype=np.float64)
+    stack = np.empty(STACK, dtype=np.int64)
+    flagged = 0
+    for row in range(start, stop):
+        for b in range(n_blocks):
+            finite = True
+            for j in range(k):
+                x[j] = u[row, b * k + j]
+                if not np.isfinite(x[j]):
+                    finite = False
+            d1, i1, d2 = np.inf, -1, np.inf
+            if not finite:
+                d1, i1, d2 = _brute_block(x, cw_t, dist)
+                flagged += _finish(d1, i1, d2, x, index, flags, row, b)
+                continue
+            top = 1
+            stack[0] = 0
+            while top > 0:
+                top -= 1
+                node = stack[top]
+                bound = 0.0
+                for j in range(k):
+                    g = max(max(lo[node, j] - x[j], x[j] - hi[node, j]), 0.0)
+                    bound += g * g
+                if bound > d1 * (1.0 + PRUNE_REL):
+                    continue
+                left = child[node, 0]
+                if left < 0:
+                    for p in range(bounds[node, 0], bounds[node, 1]):
+                        d = 0.0
+                        for j in range(k):
+                            g = x[j] - pts[p, j]
+                            d += g * g
+                        d1, i1, d2 = _consider(d1, i1, d2, d, ids[p])
+                    continue
+                right = child[node, 1]
+                axis = child[node, 2]
+                # Push the farther child first so that the nearer one is searched first.
+                if x[axis] - hi[left, axis] <= lo[right, axis] - x[axis]:
+                    stack[top] = right
+                    stack[top + 1] = left
+                else:
+                    stack[top] = left
+                    stack[top + 1] = right
+                top += 2
+            flagged += _finish(d1, i1, d2, x, index, flags, row, b)
+        if bits > 0:
+            _pack_row(index, row, bits, codes, head)
+    return flagged
+
+
+def _screen_py(xs, cw32_t, dist32):
+    """float32 squared distances of xs [k] to all codewords into dist32 [N]; returns their minimum.
+    Compiled with fastmath (any summation order, fused multiply-adds): the caller's slack covers
+    that, and its inputs are finite."""
+    k, n = cw32_t.shape
+    for c in range(n):
+        t = xs[0] - cw32_t[0, c]
+        dist32[c] = t * t
+    for j in range(1, k):
+        v = xs[j]
+        for c in range(n):
+            t = v - cw32_t[j, c]
+            dist32[c] += t * t
+    return _min(dist32)
+
+
+def _brute_py(u, k, cw32_t, cw_t, index, flags, codes, head, bits, start, stop):
+    n_blocks = u.shape[1] // k
+    n = cw_t.shape[1]
+    x = np.empty(k, dtype=np.float64)
+    xs = np.empty(k, dtype=np.float32)
+    dist32 = np.empty(n, dtype=np.float32)
+    dist = np.empty(n, dtype=np.float64)
+    slack = np.float32(1.0 + (2 * k + SCREEN_ULPS) * 2.0 ** -23)
+    flagged = 0
+    for row in range(start, stop):
+        for b in range(n_blocks):
+            finite = True
+            for j in range(k):
+                xs[j] = u[row, b * k + j]
+                x[j] = xs[j]
+                if not np.isfinite(xs[j]):
+                    finite = False
+            if not finite:
+                d1, i1, d2 = _brute_block(x, cw_t, dist)
+                flagged += _finish(d1, i1, d2, x, index, flags, row, b)
+                continue
+            # Every codeword whose float32 distance could round from within the tie window of the
+            # best: its float64 distance decides (float32 sums of k squares err by < (2k+2) eps).
+            limit = _screen(xs, cw32_t, dist32) * slack + np.float32(1e-30)
+            count, position = _count_below(dist32, np.float64(limit))
+            if count == 1:  # one codeword passes the screen: the nearest, and no near tie
+                index[row, b] = position
+                continue
+            d1, i1, d2 = np.inf, -1, np.inf
+            for c in range(n):
+                if dist32[c] <= limit:
+                    d = 0.0
+                    for j in range(k):
+                        g = x[j] - cw_t[j, c]
+                        d += g * g
+                    d1, i1, d2 = _consider(d1, i1, d2, d, c)
+            flagged += _finish(d1, i1, d2, x, index, flags, row, b)
+        if bits > 0:
+            _pack_row(index, row, bits, codes, head)
+    return flagged
+
+
+def _min_py(values):
+    """min of values [N] (fastmath: vectorised; the minimum of finite floats is exact in any order)."""
+    low = values[0]
+    for c in range(values.shape[0]):
+        low = min(low, values[c])
+    return low
+
+
+def _count_below_py(values, limit):
+    """(how many of values [N] are <= limit, the sum of their positions) (fastmath: vectorised);
+    with one such value the sum is its position."""
+    count = 0
+    total = 0
+    for c in range(values.shape[0]):
+        if values[c] <= limit:
+            count += 1
+            total += c
+    return count, total
+
+
+def _verify_py(u, k, scores, row0, cw_t, cmax, index, flags, codes, head, bits, start, stop):
+    """Rows [start, stop) from float32 scores ||c||^2 - 2 x.c (a BLAS matmul; row (row - row0) *
+    n_blocks + b is block b of u[row]): the codewords whose score lies within twice the float32
+    error bound of the lowest are decided by float64 distances."""
+    n_blocks = u.shape[1] // k
+    x = np.empty(k, dtype=np.float64)
+    dist = np.empty(cw_t.shape[1], dtype=np.float64)
+    flagged = 0
+    for row in range(start, stop):
+        for b in range(n_blocks):
+            r = (row - row0) * n_blocks + b
+            norm2 = 0.0
+            finite = True
+            for j in range(k):
+                x[j] = u[row, b * k + j]
+                norm2 += x[j] * x[j]
+                if not np.isfinite(x[j]):
+                    finite = False
+            if not finite:
+                d1, i1, d2 = _brute_block(x, cw_t, dist)
+                flagged += _finish(d1, i1, d2, x, index, flags, row, b)
+                continue
+            # |score error| <= (k + 2) eps32 (||c||^2 + 2 ||x|| ||c||) for any summation order.
+            err = 2.0 * (k + 2) * 2.0 ** -24 * (cmax * cmax + 2.0 * np.sqrt(norm2) * cmax)
+            limit = np.float64(_min(scores[r])) + 2.0 * err + 1e-9
+            count, position = _count_below(scores[r], limit)
+            if count == 1:  # one codeword passes the screen: the nearest, and no near tie
+                index[row, b] = position
+                continue
+            d1, i1, d2 = np.inf, -1, np.inf
+            for c in range(scores.shape[1]):
+                if scores[r, c] <= limit:
+                    d = 0.0
+                    for j in range(k):
+                        g = x[j] - cw_t[j, c]
+                        d += g * g
+                    d1, i1, d2 = _consider(d1, i1, d2, d, c)
+            flagged += _finish(d1, i1, d2, x, index, flags, row, b)
+        if bits > 0:
+            _pack_row(index, row, bits, codes, head)
+    return flagged
+
+
+def _pack_row_py(index, row, bits, codes, head):
+    """Bit-pack index[row] (`bits` each, little-endian stream, = `pack_bits`) into codes[row, head:]."""
+    acc = np.uint64(0)
+    filled = 0
+    pos = head
+    for b in range(index.shape[1]):
+        acc |= np.uint64(index[row, b]) << np.uint64(filled)
+        filled += bits
+        while filled >= 8:
+            codes[row, pos] = np.uint8(acc & np.uint64(255))
+            acc >>= np.uint64(8)
+            filled -= 8
+            pos += 1
+    if filled > 0:
+        codes[row, pos] = np.uint8(acc & np.uint64(255))
+
+
+def _pack_py(index, bits, codes, head, rows):
+    """_pack_row for each row in rows."""
+    for row in rows:
+        _pack_row(index, row, bits, codes, head)
+    return 0
+
+
+def compile_kernels():
+    """{"grid", "tree", "brute", "pack"} numba dispatchers, compiled (or loaded from numba's
+    cache) on first call; `fast_search._kernels` calls it once, under a lock."""
+    global np, _consider, _finish, _brute_block, _screen, _pack_row, _min, _count_below
+    import numba
+    import numpy
+
+    np = numpy
+    jit = dict(cache=True, nogil=True)
+    _consider = numba.njit("Tuple((float64, int64, float64))(float64, int64, float64, float64, int64)",
+                           inline="always", **jit)(_consider_py)
+    _finish = numba.njit("int64(float64, int64, float64, float64[::1], int64[:, ::1], int8[:, ::1], "
+                         "int64, int64)", inline="always", **jit)(_finish_py)
+    _brute_block = numba.njit("Tuple((float64, int64, float64))(float64[::1], float64[:, ::1], float64[::1])",
+                              **jit)(_brute_block_py)
+    _min = numba.njit("float32(float32[::1])", fastmath=True, **jit)(_min_py)
+    _count_below = numba.njit("Tuple((int64, int64))(float32[::1], float64)", fastmath=True, **jit)(_count_below_py)
+    _screen = numba.njit("float32(float32[::1], float32[:, ::1], float32[::1])", fastmath=True,
+                         **jit)(_screen_py)
+    _pack_row = numba.njit("void(int64[:, ::1], int64, int64, uint8[:, ::1], int64)", **jit)(_pack_row_py)
+    u = "float32[:, ::1]"
+    out = "int64[:, ::1], int8[:, ::1], uint8[:, ::1], int64, int64, int64, int64"
+    return {
+        "grid": numba.njit(f"int64({u}, int64, float32[::1], int64, int64[::1], int32[::1], boolean[::1], "
+                           f"float64[:, ::1], float64[:, ::1], {out})", **jit)(_grid_py),
+        "tree": numba.njit(f"int64({u}, int64, float64[:, ::1], float64[:, ::1], int64[:, ::1], "
+                           f"int64[:, ::1], float64[:, ::1], int64[::1], float64[:, ::1], {out})",
+                           **jit)(_tree_py),
+        "brute": numba.njit(f"int64({u}, int64, float32[:, ::1], float64[:, ::1], {out})", **jit)(_brute_py),
+        "verify": numba.njit(f"int64({u}, int64, float32[:, ::1], int64, float64[:, ::1], float64, {out})",
+                             **jit)(_verify_py),
+        "pack": numba.njit("int64(int64[:, ::1], int64, uint8[:, ::1], int64, int64[::1])", **jit)(_pack_py),
+    }

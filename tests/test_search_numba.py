@@ -1,0 +1,226 @@
+"""The numba encode path (codebook/fast_search.py, search_numba.py): codes bit-identical to the
+reference search (the spec) and to the torch path, on random and adversarial data."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fibquant.codebook.fast_search import NumbaSearch, build_tree, choose_method, numba_available
+from fibquant.codebook.search import nearest_codeword_reference
+from fibquant.codecs.bitpack import pack_bits
+from fibquant.codecs.fibquant import FibQuantCodec
+from fibquant.source import sample_sphere
+
+pytestmark = pytest.mark.skipif(not numba_available(), reason="numba is not installed")
+
+SHIPPED = [(2, 256), (2, 128), (4, 4096), (4, 1024), (4, 256), (8, 256), (16, 256), (32, 256), (64, 4096)]
+
+
+def reference_index(blocks: torch.Tensor, codewords: torch.Tensor) -> torch.Tensor:
+    return torch.cat([nearest_codeword_reference(blocks[i:i + 256], codewords) for i in range(0, len(blocks), 256)]
+                     or [torch.empty(0, dtype=torch.int64)])
+
+
+def reference_codes(codec: FibQuantCodec, x: torch.Tensor) -> torch.Tensor:
+    """The spec: RotationState.normalise_rotate, the reference search, pack_bits."""
+    norm_bytes, u = codec._rotation.normalise_rotate(x, "FibQuantCodec")
+    index = reference_index(u.reshape(-1, codec.k), codec.codebook.codewords).reshape(len(u), -1)
+    return torch.cat([norm_bytes, pack_bits(index, codec.config.index_bits)], dim=1)
+
+
+def torch_codes(codec: FibQuantCodec, x: torch.Tensor) -> torch.Tensor:
+    codec.fast_search = False
+    try:
+        return codec.encode(x)
+    finally:
+        codec.fast_search = True
+
+
+def adversarial_rows(dim: int = 64) -> torch.Tensor:
+    """Zero, huge, tiny, axis, constant, +-1 and repeated rows."""
+    eye = torch.eye(dim)[:8]
+    rows = [torch.zeros(3, dim), eye * 6e4, eye * 1e-30, eye, -eye, torch.full((2, dim), 0.125),
+            torch.full((1, dim), -3e-41), torch.sign(torch.randn(4, dim, generator=torch.Generator().manual_seed(1))),
+            torch.randn(2, dim, generator=torch.Generator().manual_seed(2)).repeat(3, 1) * 1e3]
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("k,n", SHIPPED)
+def test_shipped_codes_match_reference_and_torch_path(k, n):
+    codec = FibQuantCodec(64, k, n)
+    assert codec._numba_search(torch.device("cpu")) is not None
+    gen = torch.Generator().manual_seed(k * n)
+    x = torch.cat([torch.randn(300, 64, generator=gen) * 3, sample_sphere(200, 64, seed=k), adversarial_rows()])
+    codes = codec.encode(x)
+    assert torch.equal(codes, reference_codes(codec, x))
+    assert torch.equal(codes, torch_codes(codec, x))
+    for rows in (1, 16):  # small batches (the rotation matmul may round per batch size: compare per batch)
+        assert torch.equal(codec.encode(x[:rows]), reference_codes(codec, x[:rows]))
+    _, u = codec._rotation.normalise_rotate(x, "FibQuantCodec")
+    assert torch.equal(codec.block_indices(u), reference_index(u.reshape(-1, k), codec.codebook.codewords)
+                       .reshape(len(x), -1))
+
+
+def test_codec_inputs_and_errors():
+    codec = FibQuantCodec(64, 2, 256)
+    x = torch.randn(40, 128)[:, ::2]  # not contiguous
+    assert torch.equal(codec.encode(x), reference_codes(codec, x.contiguous()))
+    y = torch.randn(5, 64, requires_grad=True)
+    assert torch.equal(codec.encode(y), reference_codes(codec, y.detach()))
+    assert codec.encode(torch.empty(0, 64)).shape == (0, codec.code_size)
+    z = torch.randn(2, 3, 64, dtype=torch.float64)
+    assert torch.equal(codec.encode(z).reshape(6, -1), reference_codes(codec, z.reshape(6, 64).float()))
+    with pytest.raises(ValueError, match="fp16"):
+        codec.encode(torch.full((1, 64), 1e4))
+    codec.fast_search = False  # the torch path raises alike
+    with pytest.raises(ValueError, match="fp16"):
+        codec.encode(torch.full((1, 64), 1e4))
+
+
+def random_codebook(k: int, n: int, seed: int, duplicates: bool = False) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    codewords = torch.randn(n, k, generator=gen) * 0.125
+    if duplicates and n >= 4:
+        codewords[n // 2] = codewords[1]
+        codewords[n - 1] = -codewords[0]
+    return codewords
+
+
+def hard_blocks(codewords: torch.Tensor, m: int, seed: int, edges: torch.Tensor | None = None) -> torch.Tensor:
+    """Random, far-out and zero blocks, codewords themselves, midpoints of codeword pairs (ties),
+    and blocks with coordinates exactly on grid edges."""
+    n, k = codewords.shape
+    gen = torch.Generator().manual_seed(seed)
+    pairs = torch.randint(0, n, (m, 2), generator=gen)
+    parts = [torch.randn(m, k, generator=gen) * 0.125, (torch.rand(m, k, generator=gen) * 2 - 1) * 1.4,
+             torch.zeros(2, k), codewords[pairs[:, 0]], 0.5 * (codewords[pairs[:, 0]] + codewords[pairs[:, 1]])]
+    if edges is not None:
+        parts.append(edges[torch.randint(0, len(edges), (m, k), generator=gen)])
+    return torch.cat(parts).contiguous()
+
+
+@pytest.mark.parametrize("method", ["grid", "tree", "brute"])
+@pytest.mark.parametrize("k,n", [(2, 64), (2, 300), (3, 50), (4, 256), (4, 40)])
+def test_methods_match_reference_on_hard_blocks(method, k, n):
+    if method == "grid" and (k, n) == (4, 40):
+        pytest.skip("covered by (4, 256)")
+    codewords = random_codebook(k, n, seed=k * 100 + n, duplicates=True)
+    search = NumbaSearch(codewords, 64, method)
+    blocks = hard_blocks(codewords, 400, seed=n, edges=search.edges if method == "grid" else None)
+    for rows in (blocks.reshape(-1, k), blocks.reshape(-1, k)[:3]):  # matmul screen and numba scan
+        u = rows.reshape(len(rows), k)  # one block per row
+        assert torch.equal(search.indices(u).reshape(-1), reference_index(rows, codewords))
+
+
+@pytest.mark.parametrize("k,n", [(8, 256), (16, 37), (64, 300), (5, 2)])
+def test_brute_matmul_and_scan_match_reference(k, n):
+    codewords = random_codebook(k, n, seed=k + n, duplicates=True)
+    search = NumbaSearch(codewords, 64, "brute")
+    dim = k * (64 // k)
+    on_codewords = codewords[torch.arange(dim // k) % n].reshape(1, dim)  # exact hits, duplicate ties
+    u = torch.cat([sample_sphere(300, dim, seed=k), torch.zeros(1, dim), on_codewords])
+    ref = reference_index(u.reshape(-1, k), codewords).reshape(len(u), -1)
+    assert torch.equal(search.indices(u), ref)            # BLAS screen (many blocks)
+    assert torch.equal(search.indices(u[-3:]), ref[-3:])  # numba scan (few blocks)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 6), st.integers(2, 300), st.integers(0, 80), st.sampled_from(["grid", "tree", "brute"]),
+       st.integers(0, 2 ** 16))
+def test_search_property(k, n, m, method, seed):
+    if method == "grid" and k not in (2, 3, 4):
+        method = "tree"
+    if method == "grid" and k == 4:
+        n = min(n, 64)
+    dim = 12 * k
+    codewords = random_codebook(k, n, seed, duplicates=seed % 2 == 0)
+    search = NumbaSearch(codewords, dim, method)
+    blocks = hard_blocks(codewords, m, seed)
+    u = blocks[: (len(blocks) // 12) * 12].reshape(-1, dim)
+    ref = reference_index(u.reshape(-1, k), codewords).reshape(len(u), 12)
+    assert torch.equal(search.indices(u), ref)
+
+
+def test_grid_constants_and_far_out_blocks():
+    from fibquant.codebook import grid_search, search_numba
+    assert search_numba.GRID_OUTER == grid_search.OUTER
+    codewords = random_codebook(2, 64, seed=5)
+    blocks = torch.tensor([[3.0, -2.0], [1.6, 0.0], [-1.5, 1.5], [40.0, 40.0]])
+    assert torch.equal(NumbaSearch(codewords, 64, "grid").indices(blocks).reshape(-1),
+                       nearest_codeword_reference(blocks, codewords))
+
+
+def test_non_finite_blocks_follow_the_reference():
+    codewords = random_codebook(2, 64, seed=3)
+    blocks = torch.tensor([[float("nan"), 0.0], [0.0, float("inf")], [-float("inf"), 1.0], [0.1, 0.2]])
+    for method in ("grid", "tree", "brute"):
+        assert torch.equal(NumbaSearch(codewords, 64, method).indices(blocks).reshape(-1),
+                           nearest_codeword_reference(blocks, codewords))
+
+
+@pytest.mark.parametrize("n", [2, 3, 100, 256, 1000, 5000])
+def test_packing_matches_pack_bits(n):
+    k = 2
+    codewords = random_codebook(k, n, seed=n)
+    search = NumbaSearch(codewords, 64)
+    u = sample_sphere(50, 64, seed=n)
+    bits = max(1, (n - 1).bit_length())
+    norm_bytes = torch.randint(0, 256, (50, 2), dtype=torch.uint8)
+    codes = search.encode(u, norm_bytes, bits)
+    assert torch.equal(codes, torch.cat([norm_bytes, pack_bits(search.indices(u), bits)], dim=1))
+
+
+def test_threads_give_the_same_indices():
+    codewords = random_codebook(2, 256, seed=9)
+    search = NumbaSearch(codewords, 64)
+    u = sample_sphere(2000, 64, seed=4)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = search.indices(u)
+        torch.set_num_threads(2)
+        assert torch.equal(search.indices(u), one)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_choose_method_and_tree():
+    assert [choose_method(k, n) for k, n in SHIPPED] == ["grid", "grid", "tree", "tree", "grid", "brute", "brute",
+                                                          "brute", "brute"]
+    points = random_codebook(3, 100, seed=1).numpy()
+    lo, hi, child, bounds, pts, ids = build_tree(points, leaf=4)
+    assert sorted(ids.tolist()) == list(range(100))
+    assert (pts == points[ids]).all()
+    leaves = child[:, 0] < 0
+    assert int((bounds[leaves, 1] - bounds[leaves, 0]).sum()) == 100 and (bounds[leaves, 1] - bounds[leaves, 0]).max() <= 4
+    with pytest.raises(ValueError):
+        NumbaSearch(torch.randn(10, 8), 64, "grid")
+
+
+@pytest.mark.parametrize("k,n", [(2, 256), (2, 128), (4, 256)])
+def test_shipped_grid_on_box_corners(k, n):
+    """Blocks with every coordinate on a grid edge or one float32 step beside it: box corners, where
+    the pruning of the candidate lists is tightest."""
+    codewords = FibQuantCodec(64, k, n).codebook.codewords
+    search = NumbaSearch(codewords, 64)
+    assert search.method == "grid"
+    gen = torch.Generator().manual_seed(k + n)
+    edge = search.edges[torch.randint(0, len(search.edges), (3000, k), generator=gen)]
+    step = torch.randint(-1, 2, (3000, k), generator=gen).float()
+    blocks = torch.where(step == 0, edge, torch.nextafter(edge, step * float("inf")))
+    blocks = torch.cat([blocks, torch.tensor([[1.5] * k, [-1.5] * k])])
+    assert torch.equal(search.indices(blocks.reshape(-1, k)).reshape(-1), reference_index(blocks, codewords))
+
+
+def test_numpy_fp16_norm_bytes_match_torch():
+    """The numba path rounds norms to fp16 with numpy (checked once for every float32 in
+    [0, 65504]); here a sample and the edge cases."""
+    from fibquant.codecs.bitpack import float16_to_bytes
+    gen = torch.Generator().manual_seed(0)
+    bits = torch.randint(0, 0x477FE001, (1 << 20,), generator=gen, dtype=torch.int64).to(torch.int32)
+    edges = torch.tensor([0.0, 5.96e-8, 2.98e-8, 6.1e-5, 6.1035156e-05, 1.0, 65504.0, 65503.99, 2049.0, 1e-45])
+    values = torch.cat([bits.view(torch.float32), edges])
+    numpy_bytes = values.numpy().astype("float16").view("uint8").reshape(-1, 2)
+    assert torch.equal(torch.from_numpy(numpy_bytes), float16_to_bytes(values))
