@@ -135,22 +135,23 @@ def test_unsupported_model_features_are_refused(monkeypatch):
 
 
 @needs_vllm
-@pytest.mark.parametrize("sink_tokens", [0, 3])
-def test_paged_codes_attention_equals_decoded_reference(monkeypatch, sink_tokens):
+@pytest.mark.parametrize("spec, sink_tokens", [("fibquant:b=4/fibquant:b=2", 0), ("fibquant:b=4/fibquant:b=2", 3),
+                                               ("fibquant:b=3", 3)])
+def test_paged_codes_attention_equals_decoded_reference(monkeypatch, spec, sink_tokens):
     """Three requests, pages scattered over blocks. Forward 1 prefills each request's earlier tokens
     (37, 5, 20); forward 2 batches a 6-token chunk and two decodes (padded to the longer context).
     Forward 2's output = softmax attention over: the first `sink_tokens` exact, the other earlier
     tokens decoded from their codes, the own chunk exact (causal)."""
     import torch
 
-    monkeypatch.setenv(ENV_VAR, "fibquant:b=4/fibquant:b=2")
+    monkeypatch.setenv(ENV_VAR, spec)
     monkeypatch.setenv("FIBQUANT_VLLM_SINK_TOKENS", str(sink_tokens))
     from fibquant.integrations.vllm.backend import FibQuantAttentionImpl, FibQuantMetadata
 
     torch.manual_seed(0)
     heads, kv_heads, dim, block = 4, 2, 64, 8
     impl = FibQuantAttentionImpl(heads, dim, dim ** -0.5, kv_heads)
-    slot = VllmCacheConfig.parse("fibquant:b=4/fibquant:b=2").slot_bytes(dim)
+    slot = VllmCacheConfig.parse(spec).slot_bytes(dim)
     kv_cache = torch.zeros(16, kv_heads, block, slot // 2, dtype=torch.bfloat16)
     tables = torch.tensor([[7, 2, 9, 4, 11, 0], [5, 1, 3, 6, 8, 10], [12, 14, 13, 15, 99, 99]], dtype=torch.int32)
     lengths, news = [37 + 6, 5 + 1, 20 + 1], [6, 1, 1]

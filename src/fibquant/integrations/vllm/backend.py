@@ -175,7 +175,11 @@ class FibQuantAttentionImpl(AttentionImpl):
         valid = slots >= 0  # padded tokens carry slot -1
         if not bool(valid.all()):
             slots, keys, values = slots[valid], keys[valid], values[valid]
-        codes = torch.cat([self.key_codec.encode(keys), self.value_codec.encode(values)], dim=-1)
+        if self.key_codec is self.value_codec:  # one encode call for both: per-call overhead dominates a decode step
+            both = self.key_codec.encode(torch.cat([keys, values]))
+            codes = torch.cat([both[: keys.shape[0]], both[keys.shape[0]:]], dim=-1)
+        else:
+            codes = torch.cat([self.key_codec.encode(keys), self.value_codec.encode(values)], dim=-1)
         pages[slots // block_size, :, slots % block_size, : codes.shape[-1]] = codes
 
     def _context_codes(self, pages: torch.Tensor, tables: torch.Tensor, length: int):
@@ -185,7 +189,9 @@ class FibQuantAttentionImpl(AttentionImpl):
         block_size = pages.shape[2]
         # Entries past a request's own blocks are stale ids (masked by the caller): clamp keeps them in range.
         used = tables[:, : -(-length // block_size)].to(torch.long).clamp_(0, pages.shape[0] - 1)  # [R, nb]
-        rows = pages[used].permute(0, 2, 1, 3, 4)                                  # [R, Hk, nb, bs, C]
+        # One gather from the head-major view: [Hk, R, nb, bs, C] -> a [R, Hk, nb*bs, C] view, no second copy
+        # (the kernels read code rows in place through their strides).
+        rows = pages.transpose(0, 1)[:, used].permute(1, 0, 2, 3, 4)
         rows = rows.reshape(used.shape[0], self.num_kv_heads, -1, pages.shape[-1])[:, :, :length]
         return rows[..., : self.key_bytes], rows[..., self.key_bytes: self.key_bytes + self.value_bytes]
 
