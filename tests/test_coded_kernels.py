@@ -1,6 +1,8 @@
 """Attention on codes (kv/coded_kernels.py): numba kernels == torch reference == decode-then-attend."""
+import os
 import subprocess
 import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -8,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fibquant import _numba
 from fibquant.codecs.bitpack import bytes_to_float16, pack_bits, packed_size, unpack_bits
 from fibquant.codecs.fibquant import FibQuantCodec
 from fibquant.codecs.turboquant import TurboQuantCodec
@@ -309,7 +312,7 @@ def test_numba_backend_refuses_non_cpu_tensors_and_missing_numba(monkeypatch):
     queries = torch.zeros(1, 1, 2, DIM, device="meta")
     with pytest.raises(ValueError, match="CPU"):
         coded_scores(queries, codes, codewords, bits, backend="numba")
-    monkeypatch.setattr(ck, "_NUMBA_OK", False)
+    monkeypatch.setattr(_numba, "_NUMBA_OK", False)  # numba_available() is shared (fibquant._numba)
     cpu_codes = torch.zeros(1, 1, 3, 2 + packed_size(DIM, bits), dtype=torch.uint8)
     with pytest.raises(ValueError, match="numba"):
         coded_scores(torch.zeros(1, 1, 2, DIM), cpu_codes, codewords, bits, backend="numba")
@@ -321,6 +324,36 @@ def test_import_does_not_load_numba():
     code = ("import sys, fibquant, fibquant.kv.coded_kernels; "
             "assert 'numba' not in sys.modules, 'numba imported eagerly'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_thread_pool_is_remade_in_a_forked_child():
+    """A pool made before os.fork has no threads in the child: the child drops it, makes a new one and splits."""
+    code = textwrap.dedent("""
+        import os, signal, time, torch
+        from fibquant import _numba
+        torch.set_num_threads(2)
+
+        def kernel(out, start, stop):
+            time.sleep(0.02)  # both workers take a share, and are idle in the pool by the fork
+            out.extend(range(start, stop))
+            return stop - start
+
+        def split():
+            out = []
+            return _numba.run_split(kernel, (out,), 8, 1, 1, "fibquant-test") == 8 and sorted(out) == list(range(8))
+
+        assert split() and _numba._POOLS["fibquant-test"][1] == 2
+        parent_pool = _numba._POOLS["fibquant-test"][0]
+        time.sleep(0.1)
+        pid = os.fork()
+        if pid == 0:
+            signal.alarm(30)  # a child stuck on the parent's dead pool is killed, not left behind
+            os._exit(0 if split() and _numba._POOLS["fibquant-test"][0] is not parent_pool else 1)
+        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0, "the forked child could not split work"
+        assert split() and _numba._POOLS["fibquant-test"][0] is parent_pool
+    """)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 @needs_numba

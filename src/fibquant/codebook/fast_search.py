@@ -11,18 +11,18 @@ as the reference breaks them.
 
 numba is imported on first use; kernels compile once per machine (numba's on-disk cache, a few
 seconds the first time). Threads: with torch.get_num_threads() > 1 and enough rows, the rows are
-split over a small thread pool (the kernels release the GIL), as `fibquant.kv.coded_kernels` does;
-`torch.set_num_threads(1)` keeps it single-threaded.
+split over a small thread pool (the kernels release the GIL; `fibquant._numba.run_split`, shared with
+`fibquant.kv.coded_kernels`); `torch.set_num_threads(1)` keeps it single-threaded.
 """
 from __future__ import annotations
 
 import math
 import threading
-from typing import Optional
 
 import numpy as np
 import torch
 
+from .._numba import numba_available, run_split  # noqa: F401  (numba_available: re-exported)
 from .grid_search import GRID_CELLS, OUTER, GridSearch
 from .search import DEFAULT_CHUNK_ELEMENTS, nearest_codeword_reference
 
@@ -38,21 +38,6 @@ CHALLENGERS = 6          # per box, the listed codewords tried as the one that b
 
 _KERNELS = None
 _LOCK = threading.Lock()
-_NUMBA_OK: Optional[bool] = None
-_POOL = None
-_POOL_SIZE = 0
-
-
-def numba_available() -> bool:
-    """Whether numba imports (the fast CPU search can run)."""
-    global _NUMBA_OK
-    if _NUMBA_OK is None:
-        try:
-            import numba  # noqa: F401
-            _NUMBA_OK = True
-        except Exception:  # ImportError, or a numba/numpy version clash at import
-            _NUMBA_OK = False
-    return _NUMBA_OK
 
 
 def _kernels() -> dict:
@@ -67,23 +52,7 @@ def _kernels() -> dict:
 
 def _run_rows(kernel, args: tuple, rows: int, blocks_per_row: int) -> int:
     """kernel(*args, start, stop) over `rows`, split across up to torch.get_num_threads() threads."""
-    global _POOL, _POOL_SIZE
-    if rows * blocks_per_row < 2 * _MIN_BLOCKS_PER_THREAD:
-        return int(kernel(*args, 0, rows))
-    threads = min(torch.get_num_threads(), rows, rows * blocks_per_row // _MIN_BLOCKS_PER_THREAD)
-    if threads <= 1:
-        return int(kernel(*args, 0, rows))
-    with _LOCK:
-        if _POOL is None or _POOL_SIZE < threads:
-            from concurrent.futures import ThreadPoolExecutor
-            if _POOL is not None:
-                _POOL.shutdown(wait=False)
-            _POOL = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fibquant-search")
-            _POOL_SIZE = threads
-        pool = _POOL
-    bounds = [rows * t // threads for t in range(threads + 1)]
-    futures = [pool.submit(kernel, *args, bounds[t], bounds[t + 1]) for t in range(threads)]
-    return sum(int(f.result()) for f in futures)
+    return run_split(kernel, args, rows, blocks_per_row, _MIN_BLOCKS_PER_THREAD, "fibquant-search")
 
 
 def choose_method(k: int, n_codewords: int) -> str:

@@ -57,6 +57,7 @@ from typing import Optional
 
 import torch
 
+from .._numba import numba_available, run_split
 from .coded_numba import _MODE_BYTES, _MODE_FIELDS
 from .coded_reference import (BACKENDS, _check_backend, _validate_scores, _validate_weighted_sum,
                               coded_scores_reference, coded_weighted_sum_reference)
@@ -75,19 +76,6 @@ __all__ = [
 
 _KERNELS = None
 _KERNELS_LOCK = threading.Lock()
-_NUMBA_OK: Optional[bool] = None
-
-
-def numba_available() -> bool:
-    """Whether numba imports (the numba backend can run)."""
-    global _NUMBA_OK
-    if _NUMBA_OK is None:
-        try:
-            import numba  # noqa: F401
-            _NUMBA_OK = True
-        except Exception:  # ImportError, or a numba/numpy version clash at import
-            _NUMBA_OK = False
-    return _NUMBA_OK
 
 
 def _kernels():
@@ -102,32 +90,9 @@ def _kernels():
     return _KERNELS
 
 
-_POOL = None
-_POOL_SIZE = 0
-_POOL_LOCK = threading.Lock()
-
-
-def _pool(threads: int):
-    """A shared thread pool of at least `threads` workers (grown, never shrunk)."""
-    global _POOL, _POOL_SIZE
-    with _POOL_LOCK:
-        if _POOL is None or _POOL_SIZE < threads:
-            from concurrent.futures import ThreadPoolExecutor
-            if _POOL is not None:
-                _POOL.shutdown(wait=False)
-            _POOL = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fibquant-coded")
-            _POOL_SIZE = threads
-        return _POOL
-
-
 def _run_units(kernel, args, units: int, work_per_unit: int) -> int:
     """Run `kernel(*args, start, stop)` over `units`, split across up to torch.get_num_threads() threads."""
-    threads = min(torch.get_num_threads(), units, max(1, units * work_per_unit // _MIN_WORK_PER_THREAD))
-    if threads <= 1:
-        return int(kernel(*args, 0, units))
-    bounds = [units * t // threads for t in range(threads + 1)]
-    futures = [_pool(threads).submit(kernel, *args, bounds[t], bounds[t + 1]) for t in range(threads)]
-    return sum(int(f.result()) for f in futures)
+    return run_split(kernel, args, units, work_per_unit, _MIN_WORK_PER_THREAD, "fibquant-coded")
 
 
 def _numba_mode(n_codewords: int, index_bits: int) -> int:
