@@ -135,9 +135,10 @@ def test_unsupported_model_features_are_refused(monkeypatch):
 
 
 @needs_vllm
-@pytest.mark.parametrize("spec, sink_tokens", [("fibquant:b=4/fibquant:b=2", 0), ("fibquant:b=4/fibquant:b=2", 3),
-                                               ("fibquant:b=3", 3)])
-def test_paged_codes_attention_equals_decoded_reference(monkeypatch, spec, sink_tokens):
+@pytest.mark.parametrize("spec, sink_tokens, token_major", [("fibquant:b=4/fibquant:b=2", 0, True),
+                                                            ("fibquant:b=4/fibquant:b=2", 3, True),
+                                                            ("fibquant:b=3", 3, True), ("fibquant:b=3", 3, False)])
+def test_paged_codes_attention_equals_decoded_reference(monkeypatch, spec, sink_tokens, token_major):
     """Three requests, pages scattered over blocks. Forward 1 prefills each request's earlier tokens
     (37, 5, 20); forward 2 batches a 6-token chunk and two decodes (padded to the longer context).
     Forward 2's output = softmax attention over: the first `sink_tokens` exact, the other earlier
@@ -152,7 +153,12 @@ def test_paged_codes_attention_equals_decoded_reference(monkeypatch, spec, sink_
     heads, kv_heads, dim, block = 4, 2, 64, 8
     impl = FibQuantAttentionImpl(heads, dim, dim ** -0.5, kv_heads)
     slot = VllmCacheConfig.parse(spec).slot_bytes(dim)
-    kv_cache = torch.zeros(16, kv_heads, block, slot // 2, dtype=torch.bfloat16)
+    # vLLM hands the logical [blocks, KV heads, block, slot] view of token-major (LBNHC) pages; a
+    # head-major buffer takes the slower gather
+    if token_major:
+        kv_cache = torch.zeros(16, block, kv_heads, slot // 2, dtype=torch.bfloat16).transpose(1, 2)
+    else:
+        kv_cache = torch.zeros(16, kv_heads, block, slot // 2, dtype=torch.bfloat16)
     tables = torch.tensor([[7, 2, 9, 4, 11, 0], [5, 1, 3, 6, 8, 10], [12, 14, 13, 15, 99, 99]], dtype=torch.int32)
     lengths, news = [37 + 6, 5 + 1, 20 + 1], [6, 1, 1]
     pasts = [n - t for n, t in zip(lengths, news)]

@@ -3,7 +3,7 @@
 Page layout: one slot per (token, KV head) of `slot_bytes` bytes = [key code][value code][pad to
 even], each code the codec's fixed [fp16 norm][packed indices]. vLLM's page arithmetic stays exact
 because the backend publishes the slot size through `customize_spec` (`state_content_bytes`), the
-hook vLLM's own TurboQuant backend uses; the physical layout is head-major (LBHNC, as CPU_ATTN).
+hook vLLM's own TurboQuant backend uses; the physical layout is token-major (LBNHC, as TurboQuant's).
 
 Exact window: every token written to the cache is stored as codes. The tokens of the running
 forward (a prefill chunk, or the one decode token) attend to each other exactly, since their
@@ -65,7 +65,7 @@ class FibQuantAttentionBackend(AttentionBackend):
 
     @classmethod
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
-        return (KVCacheLayout.LBHNC,)
+        return (KVCacheLayout.LBNHC,)  # token-major blocks: see _context_codes
 
     @classmethod
     def supports_head_size(cls, head_size: int) -> bool:
@@ -158,7 +158,7 @@ class FibQuantAttentionImpl(AttentionImpl):
         self.sinks = SinkStore(config.sink_tokens, max_entries=2 * _max_num_seqs())
 
     def _pages(self, kv_cache: torch.Tensor) -> torch.Tensor:
-        """The layer's cache as bytes [num_blocks, num_kv_heads, block_size, slot_bytes]."""
+        """The layer's cache as bytes, logical [num_blocks, num_kv_heads, block_size, slot_bytes] (any strides)."""
         return kv_cache.view(torch.uint8)
 
     def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -189,10 +189,14 @@ class FibQuantAttentionImpl(AttentionImpl):
         block_size = pages.shape[2]
         # Entries past a request's own blocks are stale ids (masked by the caller): clamp keeps them in range.
         used = tables[:, : -(-length // block_size)].to(torch.long).clamp_(0, pages.shape[0] - 1)  # [R, nb]
-        # One gather from the head-major view: [Hk, R, nb, bs, C] -> a [R, Hk, nb*bs, C] view, no second copy
-        # (the kernels read code rows in place through their strides).
-        rows = pages.transpose(0, 1)[:, used].permute(1, 0, 2, 3, 4)
-        rows = rows.reshape(used.shape[0], self.num_kv_heads, -1, pages.shape[-1])[:, :, :length]
+        # Token-major pages (LBNHC): whole blocks are one contiguous gather, and the [R, Hk, length, C]
+        # result is a strided view of it that the kernels read in place (any other layout costs a reorder).
+        blocks = pages.permute(0, 2, 1, 3)                                         # [B, bs, Hk, C]
+        if blocks.is_contiguous():  # index_select copies whole blocks: ~20x faster than advanced indexing
+            rows = blocks.reshape(blocks.shape[0], -1).index_select(0, used.flatten()).view(*used.shape, *blocks.shape[1:])
+        else:
+            rows = blocks[used]                                                    # [R, nb, bs, Hk, C]
+        rows = rows.reshape(used.shape[0], -1, self.num_kv_heads, pages.shape[-1])[:, :length].permute(0, 2, 1, 3)
         return rows[..., : self.key_bytes], rows[..., self.key_bytes: self.key_bytes + self.value_bytes]
 
     def _attend(self, pages, tables, pasts: list[int], query, key, value, mask=None, sinks=None) -> torch.Tensor:
