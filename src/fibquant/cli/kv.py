@@ -10,7 +10,7 @@ METHODS_HELP = "codec specs, e.g. fp fibquant:k=64,n=4096 turboquant:b=2 (see fi
 
 
 def register(subparsers) -> None:
-    parser = subparsers.add_parser("demo", help="compressed KV cache on the default model and a novel (~10 min)")
+    parser = subparsers.add_parser("demo", help="compressed KV cache on the default model and a novel (a few minutes on 2 cores)")
     add_text_argument(parser, help="novel to run on (fibquant data list)")
     parser.add_argument("--sink-tokens", type=int, default=4, help="exact sinks of the perplexity runs")
     parser.add_argument("--recent-tokens", type=int, default=32, help="exact recent tokens of the perplexity runs")
