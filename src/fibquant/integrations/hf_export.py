@@ -35,7 +35,9 @@ def export_hf(out_dir: str | os.PathLike, model: str | os.PathLike | None = None
         raise ValueError(f"{out} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise ValueError(f"{out} is not empty; pass overwrite=True (--overwrite) to replace its files")
-    loaded, tokenizer = _load_dense(model, dtypes[dtype])
+    from fibquant.kv.model import load_model
+
+    loaded, tokenizer = load_model(model, dtype=dtypes[dtype], dense=True)
     out.mkdir(parents=True, exist_ok=True)
     loaded.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
@@ -44,33 +46,6 @@ def export_hf(out_dir: str | os.PathLike, model: str | os.PathLike | None = None
         _name_tied_embedding(out)
     check_export(out)
     return out
-
-
-def _load_dense(model: str | os.PathLike | None, dtype):
-    """(model, tokenizer) with plain dense weights: a GGUF file is dequantised at load (transformers
-    otherwise keeps its packed blocks, which it cannot save), and the quantisation entry is dropped
-    from the config so that a loader does not take the dense weights for GGUF blocks."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
-
-    from fibquant.kv.model import default_model_file
-
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    path = default_model_file() if model is None else Path(model)
-    if not path.exists():
-        raise ValueError(f"model path does not exist: {path} (models are never downloaded)")
-    kwargs = {}
-    if path.is_file():
-        if path.suffix != ".gguf":
-            raise ValueError(f"unsupported model file {path}: expected a .gguf file or a model directory")
-        kwargs = {"gguf_file": path.name, "quantization_config": GgufConfig(dequantize=True)}
-        path = path.parent
-    tokenizer = AutoTokenizer.from_pretrained(path, gguf_file=kwargs.get("gguf_file"))
-    loaded = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs).eval()
-    if hasattr(loaded, "hf_quantizer"):
-        loaded.hf_quantizer = None
-    if hasattr(loaded.config, "quantization_config"):
-        del loaded.config.quantization_config
-    return loaded, tokenizer
 
 
 def _weight_files(directory: Path) -> list[Path]:

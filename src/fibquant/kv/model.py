@@ -32,11 +32,13 @@ def default_model_file() -> Path:
     return files[0]
 
 
-def load_model(name_or_path: str | os.PathLike | None = None, dtype=None):
+def load_model(name_or_path: str | os.PathLike | None = None, dtype=None, dense: bool = False):
     """Return (model, tokenizer) in eval mode.
 
     name_or_path: None for the default model, a `.gguf` file, or a local directory holding a
     transformers causal LM. Nothing is fetched from a hub (HF_HUB_OFFLINE=1).
+    dense: dequantise a GGUF file's weights at load and drop its quantisation entry from the config
+    (transformers otherwise keeps the packed blocks, which it cannot save: `save_pretrained` needs this).
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -54,7 +56,16 @@ def load_model(name_or_path: str | os.PathLike | None = None, dtype=None):
     else:
         kwargs = {}
     tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+    if dense and "gguf_file" in kwargs:
+        from transformers import GgufConfig
+
+        kwargs["quantization_config"] = GgufConfig(dequantize=True)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+    if dense:  # plain dense weights: nothing may read them as GGUF blocks later
+        if getattr(model, "hf_quantizer", None) is not None:
+            model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
     model.eval()
     return model, tokenizer
 

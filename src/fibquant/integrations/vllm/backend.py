@@ -107,7 +107,7 @@ class FibQuantMetadata:
 
 
 class FibQuantMetadataBuilder(AttentionMetadataBuilder[FibQuantMetadata]):
-    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:  # abstract in the base
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
@@ -182,10 +182,11 @@ class FibQuantAttentionImpl(AttentionImpl):
             codes = torch.cat([self.key_codec.encode(keys), self.value_codec.encode(values)], dim=-1)
         pages[slots // block_size, :, slots % block_size, : codes.shape[-1]] = codes
 
-    def _context_codes(self, pages: torch.Tensor, tables: torch.Tensor, length: int):
-        """Key and value codes [R, Hk, length, code_size] of the first `length` tokens of the requests
-        whose block-table rows are `tables` [R, max_blocks] (rows past a request's own length are
-        whatever its unused blocks hold: the caller masks them)."""
+    def _context_codes(self, pages: torch.Tensor, tables: torch.Tensor, pasts: list[int]):
+        """Key and value codes [R, Hk, max(pasts), code_size] of the earlier tokens of the requests whose
+        block-table rows are `tables` [R, max_blocks]; a shorter request's padding rows are zero codes
+        (norm 0; the caller masks them too)."""
+        length = max(pasts)
         block_size = pages.shape[2]
         # Entries past a request's own blocks are stale ids (masked by the caller): clamp keeps them in range.
         used = tables[:, : -(-length // block_size)].to(torch.long).clamp_(0, pages.shape[0] - 1)  # [R, nb]
@@ -197,6 +198,9 @@ class FibQuantAttentionImpl(AttentionImpl):
         else:
             rows = blocks[used]                                                    # [R, nb, bs, Hk, C]
         rows = rows.reshape(used.shape[0], -1, self.num_kv_heads, pages.shape[-1])[:, :length].permute(0, 2, 1, 3)
+        for row, past in enumerate(pasts):  # another request's bytes (rows is a copy of the pages)
+            if past < length:
+                rows[row, :, past:] = 0
         return rows[..., : self.key_bytes], rows[..., self.key_bytes: self.key_bytes + self.value_bytes]
 
     def _attend(self, pages, tables, pasts: list[int], query, key, value, mask=None, sinks=None) -> torch.Tensor:
@@ -210,11 +214,7 @@ class FibQuantAttentionImpl(AttentionImpl):
                 query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), is_causal=tokens > 1,
                 scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
             return out.transpose(1, 2).reshape(count, tokens, -1)
-        key_codes, value_codes = self._context_codes(pages, tables, longest)
-        for row, past in enumerate(pasts):  # another request's bytes: zero codes (norm 0), masked anyway
-            if past < longest:
-                key_codes[row, :, past:] = 0
-                value_codes[row, :, past:] = 0
+        key_codes, value_codes = self._context_codes(pages, tables, pasts)
         new_keys, new_values = key.transpose(1, 2), value.transpose(1, 2)          # [R, Hk, T, D]
         empty = new_keys.new_empty((count, self.num_kv_heads, 0, self.head_size))
         sink_keys, sink_values = sinks if sinks is not None else (empty, empty)

@@ -15,6 +15,10 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fibquant.eval.cache_specs import CacheSpec
 
 ENV_VAR = "FIBQUANT_VLLM_CACHE"
 SINKS_ENV_VAR = "FIBQUANT_VLLM_SINK_TOKENS"
@@ -23,31 +27,37 @@ DEFAULT_SINK_TOKENS = 4
 
 @dataclass(frozen=True)
 class VllmCacheConfig:
-    """Key and value codec specs and the exact sink tokens (validated on construction)."""
+    """A cache spec of our own codecs (`fibquant.eval.cache_specs`) and the exact sink tokens
+    (validated on construction)."""
 
-    key_spec: str
-    value_spec: str
+    cache: "CacheSpec"
     sink_tokens: int = DEFAULT_SINK_TOKENS
 
     def __post_init__(self) -> None:
         if not isinstance(self.sink_tokens, int) or self.sink_tokens < 0:
             raise ValueError(f"{SINKS_ENV_VAR}: sink tokens must be an integer >= 0, got {self.sink_tokens!r}")
-        for spec in (self.key_spec, self.value_spec):
-            method = _method(spec)
-            if method.calibrated or getattr(method, "reference", method.family == "fp"):
-                raise ValueError(f"{ENV_VAR}: {spec!r} is not a calibration-free codec; "
-                                 "use e.g. fibquant:b=4 or turboquant:b=3")
+        if self.cache.is_fp or self.cache.uses_peer:
+            raise ValueError(f"{ENV_VAR}={self.cache.spec!r}: the pages need one of our calibration-free codecs "
+                             "on both sides, e.g. fibquant:b=4 or turboquant:b=3")
 
     @classmethod
     def parse(cls, text: str, sink_tokens: int = DEFAULT_SINK_TOKENS) -> "VllmCacheConfig":
-        parts = [part.strip() for part in text.split("/")]
-        if len(parts) > 2 or not all(parts):
-            raise ValueError(f"{ENV_VAR}={text!r}: expected SPEC or KEY_SPEC/VALUE_SPEC, e.g. fibquant:b=4/fibquant:b=2")
-        return cls(parts[0], parts[-1], sink_tokens)
+        """SPEC or KEY_SPEC/VALUE_SPEC, as every cache spec of the project."""
+        from fibquant.eval.cache_specs import parse_cache_spec
+
+        try:
+            cache = parse_cache_spec(text)
+        except ValueError as exc:
+            raise ValueError(f"{ENV_VAR}={text!r}: {exc}") from exc
+        return cls(cache, sink_tokens)
 
     @property
-    def spec(self) -> str:
-        return self.key_spec if self.key_spec == self.value_spec else f"{self.key_spec}/{self.value_spec}"
+    def key_spec(self) -> str:
+        return self.cache.key.spec
+
+    @property
+    def value_spec(self) -> str:
+        return self.cache.value.spec
 
     def codecs(self, head_dim: int):
         """(key codec, value codec) for `head_dim`, shared by every layer of the process."""
@@ -61,15 +71,11 @@ class VllmCacheConfig:
         return size + (size % 2)
 
 
-def _method(spec: str):
-    from fibquant.eval.methods import parse_method
-
-    return parse_method(spec)
-
-
 @functools.lru_cache(maxsize=None)
 def _codec(spec: str, head_dim: int):
-    return _method(spec).build(head_dim)
+    from fibquant.eval.methods import parse_method
+
+    return parse_method(spec).build(head_dim)
 
 
 def active_config() -> VllmCacheConfig | None:

@@ -15,6 +15,10 @@ from dataclasses import dataclass
 from fibquant.integrations.vllm.engine import EngineSettings, run_task
 
 
+PARITY_TEXT = "emma"
+PARITY_OFFSET = 45_000  # tokens into the novel, away from the title page (`kv_report.text_tokens`)
+
+
 @dataclass(frozen=True)
 class ParityRow:
     spec: str
@@ -22,19 +26,6 @@ class ParityRow:
     vllm_ppl: float
     transformers_increase: float  # ppl / uncompressed ppl - 1, same engine
     vllm_increase: float
-
-
-def held_token_ids(tokenizer, tokens: int, text: str = "emma", offset_chars: int = 200_000) -> list[int]:
-    """`tokens` ids of a public-domain text, taken from `offset_chars` on (away from the title page)."""
-    from fibquant.data.text import load_text
-
-    body = load_text(text)
-    if len(body) <= offset_chars:
-        raise ValueError(f"text {text!r} has {len(body)} characters, fewer than offset {offset_chars}")
-    ids = tokenizer(body[offset_chars: offset_chars + 8 * tokens])["input_ids"][:tokens]
-    if len(ids) < tokens:
-        raise ValueError(f"text {text!r} gave {len(ids)} tokens after the offset, fewer than {tokens}")
-    return ids
 
 
 def _ppl(logprobs) -> float:
