@@ -1,6 +1,9 @@
-"""Saved-cache benchmarks: prefix-reuse TTFT and code-stream search (= `fibquant eval archive-kv`).
+"""Saved-cache benchmarks: prefix-reuse TTFT, the 8k-token store targets (open, one-token read,
+bytes) and code-stream search, single and batched (= `fibquant eval archive-kv`). Every part is
+printed as a table next to its target, with the machine's load average.
 
-    .venv/bin/python benchmarks/archive_kv.py --threads 1 [--prefix-tokens 1024 --suffix-tokens 16]
+    .venv/bin/python benchmarks/archive_kv.py --threads 1 --parts ttft,search,store --search-sizes 100000,900000
+    .venv/bin/python benchmarks/archive_kv.py --threads 1 --parts study --name archive_kv_study
 """
 import sys
 

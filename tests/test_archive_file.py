@@ -219,3 +219,77 @@ def test_a_failed_write_leaves_no_phantom_blocks(tmp_path):
     archive.close()
     with Archive.open(tmp_path / "a.fqa") as reopened:
         assert np.array_equal(reopened.read(), symbols)
+
+
+@pytest.mark.parametrize("alphabet", [2, 16, 256, 1000, 1 << 16, 1 << 32])
+def test_view_equals_read(tmp_path, alphabet):
+    symbols = stream(3000, alphabet, seed=11)
+    with Archive.create(tmp_path / "a.fqa", alphabet, block_symbols=256) as archive:
+        archive.append(symbols[:2900])  # sealed blocks + a pending tail
+        rng = np.random.default_rng(1)
+        for _ in range(300):
+            start = int(rng.integers(0, 2900))
+            count = int(rng.integers(1, 40))
+            count = min(count, 2900 - start)
+            got = archive.view(start, count)
+            assert np.array_equal(got.astype(np.int64), symbols[start:start + count]), (start, count)
+        if alphabet in (256, 1 << 16, 1 << 32):  # byte-aligned one-symbol keys: a view of the map
+            assert archive.view(10, 5).dtype.kind == "u" and not archive.view(10, 5).flags.writeable
+        archive.append(symbols[2900:])  # blocks appended after the map was made are viewed too
+        assert np.array_equal(archive.view(2990, 10).astype(np.int64), symbols[2990:])
+
+
+def test_view_verifies_the_block_on_first_touch(tmp_path):
+    symbols = stream(1000, 256, seed=12)
+    with Archive.create(tmp_path / "a.fqa", 256, block_symbols=256) as archive:
+        archive.append(symbols)
+    raw = bytearray((tmp_path / "a.fqa").read_bytes())
+    raw[HEADER_SIZE + 32 + 5] ^= 0xFF  # a payload byte of block 0
+    (tmp_path / "a.fqa").write_bytes(bytes(raw))
+    with Archive.open(tmp_path / "a.fqa") as archive:
+        assert np.array_equal(archive.view(300, 4), symbols[300:304])  # another block: fine
+        with pytest.raises(ArchiveCorruptError, match="checksum"):
+            archive.view(3, 2)
+
+
+@pytest.mark.parametrize("alphabet", [16, 256, 1000])
+def test_truncate_cuts_back_to_a_prefix(tmp_path, alphabet):
+    symbols = stream(1000, alphabet, seed=13)
+    for n in (0, 1, 63, 64, 65, 500, 999, 1000, 1200):
+        path = tmp_path / f"a{n}.fqa"
+        with Archive.create(path, alphabet, block_symbols=64) as archive:
+            archive.append(symbols[:990])
+            archive.truncate(min(n, 990))  # pending symbols are cut without touching the file
+            assert len(archive) == min(n, 990)
+            archive.append(symbols[min(n, 990):])  # a cut archive keeps appending
+        with Archive.open(path) as archive:
+            assert np.array_equal(archive.read(), symbols)
+        with Archive.open(path, "a") as archive:
+            archive.truncate(n)
+            assert len(archive) == min(n, 1000) and archive.info()["sealed_symbols"] == min(n, 1000)
+            assert np.array_equal(archive.read(), symbols[:n])
+            assert np.array_equal(archive.search(symbols[:3]) if n >= 3 else symbols[:0],
+                                  np.flatnonzero([np.array_equal(symbols[:n][i - 2:i + 1], symbols[:3])
+                                                  for i in range(n)]) if n >= 3 else symbols[:0])
+            archive.append(symbols[n:1000])
+        with Archive.open(path) as archive:  # sealed, recovered without a warning
+            assert np.array_equal(archive.read(), symbols)
+    with Archive.open(tmp_path / "a0.fqa") as archive:
+        with pytest.raises(ArchiveError, match="read-only"):
+            archive.truncate(3)
+    with Archive.open(tmp_path / "a0.fqa", "a") as archive:
+        with pytest.raises(ArchiveError, match="non-negative"):
+            archive.truncate(-1)
+
+
+def test_truncate_fsyncs_when_durable(tmp_path, monkeypatch):
+    import os
+
+    with Archive.create(tmp_path / "a.fqa", 16, block_symbols=64) as archive:
+        archive.append(stream(300, 16))
+    calls = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: calls.append(fd) or real_fsync(fd))
+    with Archive.open(tmp_path / "a.fqa", "a", durable=True) as archive:
+        archive.truncate(100)
+        assert len(calls) == 2  # the cut, then the re-sealed leading symbols of the cut record

@@ -120,3 +120,84 @@ def test_points_of_any_variant_lie_in_their_suffix_cells(tmp_path):
             end = 1000 + offset
             centre = np.array(coder.cell_centre(symbols[end - 2:end + 1]))
             assert np.linalg.norm(point - centre) <= coder.r ** 3
+
+
+def _brute_rows(codes: np.ndarray, query: np.ndarray, stride: int, offset: int, stop: int) -> list[int]:
+    """Rows r = offset (mod stride), r + (n-1) stride < stop, whose rows r, r + stride, ... equal query."""
+    n = query.shape[0]
+    return [r for r in range(offset, stop - (n - 1) * stride, stride)
+            if all(np.array_equal(codes[r + j * stride], query[j]) for j in range(n))]
+
+
+@st.composite
+def code_streams(draw):
+    from fibquant.archive import CodeLayout
+
+    n_codewords = draw(st.sampled_from([2, 16, 256, 4096]))
+    n_blocks = draw(st.sampled_from([1, 3, 5, 8, 16, 20]))
+    layout = CodeLayout(n_codewords, n_blocks, draw(st.sampled_from([0, 2])))
+    palette = draw(st.integers(1, 4))  # few distinct codes: long repeats and many hits
+    rows = draw(st.integers(1, 300))
+    seed = draw(st.integers(0, 2**16))
+    stride = draw(st.sampled_from([1, 2, 3, 7]))
+    n = draw(st.integers(1, 6))
+    return layout, palette, rows, seed, stride, n
+
+
+@settings(max_examples=40, deadline=None)
+@given(code_streams())
+def test_code_find_equals_brute_force(tmp_path_factory, case):
+    """CodeArchive.find / find_many (numba and numpy paths): every strided code sequence, exactly."""
+    from fibquant.archive import CodeArchive
+
+    layout, palette, rows, seed, stride, n = case
+    rng = np.random.default_rng(seed)
+    table_indices = rng.integers(0, layout.n_codewords, (palette, layout.n_blocks))
+    table_norms = rng.integers(0, 3, palette) if layout.norm_bytes else None
+    pick = rng.integers(0, palette, rows)
+    codes = layout.join(table_indices[pick], None if table_norms is None else table_norms[pick])
+    path = tmp_path_factory.mktemp("codes") / "c"
+    with CodeArchive.create(path, layout) as archive:
+        archive.append(codes)
+        queries, offsets, expected = [], [], []
+        for _ in range(5):
+            offset = int(rng.integers(stride))
+            start = offset + stride * int(rng.integers(0, max(1, (rows - offset) // stride)))
+            query = codes[start:start + n * stride:stride]
+            if query.shape[0] < n:  # past the end: a sequence that may not occur
+                query = codes[rng.integers(0, rows, n)]
+            if rng.random() < 0.3:
+                query = query.copy()
+                query[-1, -1] ^= 1  # a code that may not be stored
+            queries.append(query)
+            offsets.append(offset)
+            expected.append(_brute_rows(codes, query, stride, offset, rows))
+            assert archive.find(query, stride, offset).tolist() == expected[-1]
+            stop = rows // 2
+            assert archive.find(query, stride, offset, stop=stop).tolist() == \
+                _brute_rows(codes, query, stride, offset, stop)
+        batch = np.stack(queries)
+        for use_numba in (True, False):
+            got = archive.find_many(batch, stride, offsets, use_numba=use_numba)
+            assert [g.tolist() for g in got] == expected
+
+
+def test_code_find_follows_appends_and_refuses_bad_queries(tmp_path):
+    from fibquant.archive import ArchiveError, CodeArchive, CodeLayout
+
+    layout = CodeLayout(256, 16, 2)
+    codes = layout.join(np.random.default_rng(0).integers(0, 256, (50, 16)), np.arange(50))
+    with CodeArchive.create(tmp_path / "c", layout) as archive:
+        archive.append(codes[:40])
+        assert archive.find(codes[45:46]).tolist() == []
+        archive.append(codes[40:])  # the row index is rebuilt after appends
+        assert archive.find(codes[45:47]).tolist() == [45]
+        assert archive.find_many(np.zeros((0, 2, 18), np.uint8)) == []
+        with pytest.raises(ArchiveError, match="uint8"):
+            archive.find(codes[:1].astype(np.int64))
+        with pytest.raises(ArchiveError, match="queries must be"):
+            archive.find_many(codes[:2])
+        with pytest.raises(ArchiveError, match="stride"):
+            archive.find(codes[:1], stride=0)
+        with pytest.raises(ArchiveError, match="offsets"):
+            archive.find(codes[:1], stride=2, offset=2)

@@ -226,3 +226,124 @@ def test_study_bytes_arithmetic():
     assert out["codebook_bytes"] == 6 * 256 * 64 * 4 * 90
     with pytest.raises(ValueError, match="differ"):
         StudyConfig(calibration_text="emma")
+
+
+@pytest.mark.parametrize("bits", [2.0, 3.0])
+def test_token_reads_equal_the_codec_decode_cold_and_warm(model, bits, tmp_path):
+    """token() of every coded (layer, head, token), on a fresh open (each block verified on first
+    touch) and again warm: bitwise the codec's decode of the cache's own code rows."""
+    codec = FibQuantCodec.for_rate(64, bits)
+    cache, ids = _prefilled(model, codec, tokens=90)
+    cache.save(tmp_path / "c", model, ids)
+    with PersistentCache.open(tmp_path / "c") as store:
+        assert store._row_decoders() != [None, None]  # noqa: SLF001 - the numpy row path is the one tested
+        for _ in ("cold", "warm"):
+            for index, layer in enumerate(cache.layers):
+                keys = codec.decode(layer.key_codes[0])      # [H, coded, D]
+                values = codec.decode(layer.value_codes[0])
+                for head in range(2):
+                    for t in range(layer.num_coded):
+                        k, v = store.token(index, head, 4 + t)
+                        assert k.dtype == torch.float32 and torch.equal(k, keys[head, t])
+                        assert torch.equal(v, values[head, t]) and torch.equal(k, layer.keys[0, head, 4 + t])
+        k, v = store.token(1, 0, 50, dtype=torch.float64)
+        assert k.dtype == torch.float64 and torch.equal(k, cache.layers[1].keys[0, 0, 50].double())
+
+
+def test_find_many_equals_find_and_brute_force(model, codec, tmp_path):
+    cache, ids = _prefilled(model, codec, tokens=90)
+    cache.save(tmp_path / "c", model, ids)
+    rng = np.random.default_rng(0)
+    with PersistentCache.open(tmp_path / "c") as store:
+        for role, attr in (("keys", "key_codes"), ("values", "value_codes")):
+            for n in (1, 3):
+                picks = [(int(rng.integers(2)), int(rng.integers(2)), int(rng.integers(0, 78 - n))) for _ in range(12)]
+                queries = torch.stack([getattr(cache.layers[l], attr)[0, h, t:t + n] for l, h, t in picks])
+                got = store.find_many(queries, [l for l, _, _ in picks], [h for _, h, _ in picks], role)
+                for (l, h, t), query, hits in zip(picks, queries, got):
+                    rows = getattr(cache.layers[l], attr)[0, h]
+                    truth = [s for s in range(rows.shape[0] - n + 1) if torch.equal(rows[s:s + n], query)]
+                    assert hits.tolist() == truth and t in truth
+                    assert store.find(query, l, h, role).tolist() == truth
+        with pytest.raises(IndexError):
+            store.find_many(queries, 2, 0)
+
+
+def test_cache_writer_refuses_batches(model, codec, tmp_path):
+    from fibquant.kv.persist_generate import CacheWriter
+
+    cache, ids = _prefilled(model, codec, tokens=20)
+    writer = cache.save(tmp_path / "w", model, ids, append=True)
+    with pytest.raises(ValueError, match=r"batch-1 generation only \(got batch 2\)"):
+        writer(torch.zeros(2, 21, dtype=torch.long), None)
+    writer.close()  # no checkpoint of the refused batch; the store is closed, the saved cache intact
+    assert writer.store.closed
+    with PersistentCache.open(tmp_path / "w") as store:
+        assert store.num_tokens == 20
+    batch2 = CompressedCache.for_model(model, codec, codec, sink_tokens=4, recent_tokens=8, encode_batch=4)
+    _run(model, batch2, _ids(40).repeat(2, 1) + torch.tensor([[0], [1]]))
+    store = PersistentCache.create(tmp_path / "b2", model, codec, codec, sink_tokens=4, recent_tokens=8,
+                                   encode_batch=4, batch=2)
+    with pytest.raises(ValueError, match="got batch 2"):
+        CacheWriter(store, batch2)
+    store.append_from(batch2)  # the store itself takes B rows per (layer, head)
+    store.checkpoint(batch2)
+    store.close()
+    with PersistentCache.open(tmp_path / "b2") as store:
+        for b in range(2):
+            k, v = store.token(1, 1, 20, batch=b)
+            assert torch.equal(k, batch2.layers[1].keys[b, 1, 20]) and torch.equal(v, batch2.layers[1].values[b, 1, 20])
+
+
+def test_append_refuses_another_codec(model, codec, tmp_path):
+    cache, ids = _prefilled(model, codec, tokens=30)
+    cache.save(tmp_path / "c", model, ids)
+    for other, reason in ((FibQuantCodec.for_rate(64, 2.0, seed=1), "seed.: 1"),
+                          (FibQuantCodec.for_rate(64, 3.0), "config"), (IntCodec(64, 4), "family")):
+        live = CompressedCache.for_model(model, codec, other, sink_tokens=4, recent_tokens=8, encode_batch=4)
+        _run(model, live, _ids(40))
+        with PersistentCache.open(tmp_path / "c", "a") as store:
+            with pytest.raises(ValueError, match=f"value codec of layer 0 is not the saved one.*{reason}"):
+                store.append_from(live)
+            assert store.num_coded == cache.layers[0].num_coded  # nothing appended
+    equal = FibQuantCodec.for_rate(64, 2.0)  # another object with the same content: accepted
+    assert equal is not codec
+    live = CompressedCache.for_model(model, equal, equal, sink_tokens=4, recent_tokens=8, encode_batch=4)
+    _run(model, live, _ids(40))
+    with PersistentCache.open(tmp_path / "c", "a") as store:
+        store.append_from(live, _ids(40))
+        store.checkpoint(live)
+    with PersistentCache.open(tmp_path / "c") as store:
+        assert store.num_tokens == 40
+        k, _ = store.token(1, 1, 30)
+        assert torch.equal(k, live.layers[1].keys[0, 1, 30])
+
+
+def test_durable_store_fsyncs_code_streams(model, codec, tmp_path, monkeypatch):
+    import os
+
+    cache, ids = _prefilled(model, codec, tokens=30)
+    synced = []
+    real_fsync = os.fsync
+
+    def spy(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real_fsync(fd)
+    monkeypatch.setattr(os, "fsync", spy)
+    cache.save(tmp_path / "plain", model, ids)
+    assert synced == []  # durable=False: flushed, never fsynced
+    cache.save(tmp_path / "d", model, ids, durable=True)
+    names = {str(p).split("/d/", 1)[1] if "/d/" in str(p) else str(p) for p in synced}
+    for role in ("keys", "values"):
+        for name in ("indices.fqa", "norms.fqa", "layout.json"):
+            assert f"{role}/{name}" in names, names
+        assert role in names  # the directory entries of its files
+    assert {"tokens.fqa", "exact.safetensors.tmp", "manifest.json.tmp"} <= names
+    synced.clear()
+    with PersistentCache.open(tmp_path / "d", "a", durable=True) as store:
+        live = store.to_cache(model)
+        _run(model, live, _ids(8, seed=3))
+        store.append_from(live)
+        store.checkpoint(live)
+    assert {"keys/indices.fqa", "values/norms.fqa", "exact.safetensors.tmp"} <= {
+        str(p).split("/d/", 1)[1] for p in synced if "/d/" in str(p)}

@@ -254,3 +254,35 @@ def test_version_1_files_still_open(model, tmp_path):
     assert info["key_codec"]["family"] == "fibquant" and info["tokens"] == 45
     assert json.loads((tmp_path / "v1/manifest.json").read_text())["version"] == 1
     assert CompressedCache.load(tmp_path / "v1", model).get_seq_length() == 45
+
+
+def test_learned_codecs_are_deduplicated_by_content(model, tmp_path, monkeypatch):
+    import copy
+
+    from fibquant.kv import persist_codecs
+
+    rvq, _ = _fits(4)
+    twin = copy.deepcopy(rvq[0])  # another object, the same fit
+    assert twin is not rvq[0] and torch.equal(twin.codebooks, rvq[0].codebooks)
+    written = []
+    real_write = persist_codecs._write_codec_file
+    monkeypatch.setattr(persist_codecs, "_write_codec_file",
+                        lambda codec, root: written.append(codec) or real_write(codec, root))
+    cache = LayerwiseCompressedCache([rvq[0], twin], [HeadwiseCodec([twin, rvq[0]]), rvq[1]], 4, 8, encode_batch=4)
+    ids = _fill(model, cache, tokens=30)
+    cache.save(tmp_path / "c", model, ids)
+    assert len(written) == 2  # rvq[0] (= twin) and rvq[1], each once
+    assert len(list((tmp_path / "c/codecs").iterdir())) == 2
+    manifest = json.loads((tmp_path / "c/manifest.json").read_text())
+    assert manifest["key_codecs"][0] == manifest["key_codecs"][1] == manifest["value_codecs"][0][0]
+    loaded = CompressedCache.load(tmp_path / "c", model, attention="decode")
+    first = loaded.layers[0].key_codec
+    assert loaded.layers[1].key_codec is first and loaded.layers[0].value_codec.codecs[1] is first  # built once
+    _same(cache, loaded)
+    # Appending from a cache whose codec has the same config but another learned state is refused.
+    other, _ = _fits(5)
+    live = LayerwiseCompressedCache([other[0], twin], [HeadwiseCodec([twin, rvq[0]]), rvq[1]], 4, 8, encode_batch=4)
+    _fill(model, live, tokens=40)
+    with PersistentCache.open(tmp_path / "c", "a") as store:
+        with pytest.raises(ValueError, match="key codec of layer 0 is not the saved one .another codebook/rotation"):
+            store.append_from(live)

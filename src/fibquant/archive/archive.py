@@ -25,7 +25,7 @@ import numpy as np
 
 from .exact import RadixCoder
 from .floatmap import FloatMapCoder
-from .format import (HEADER_SIZE, ArchiveCorruptError, ArchiveError, Header, RecoveryWarning,
+from .format import (HEADER_SIZE, RECORD_HEADER_SIZE, ArchiveCorruptError, ArchiveError, Header, RecoveryWarning,
                      pack_record, scan_records, unpack_header)
 from .payload import PayloadCoder, as_symbols
 
@@ -69,6 +69,10 @@ class Archive:
         self._map = None
         self._mapped = 0
         self._index = None
+        # Byte-aligned one-symbol keys (N = 256, 2^16, 2^32): symbol i is one little-endian
+        # unsigned int at a fixed offset of its block, so `view` can hand out the mapped bytes.
+        self._direct = np.dtype(f"<u{coder.key_bytes}") if isinstance(coder, RadixCoder) and coder.group == 1 \
+            and coder.byte_aligned and coder.key_bytes in (1, 2, 4, 8) else None
         self.closed = False
 
     # ---------------------------------------------------------------- creation
@@ -196,6 +200,41 @@ class Archive:
             self._verified[-1] = 1  # written from memory just now
         self._end = offset
 
+    def truncate(self, n_symbols: int) -> None:
+        """Cut the archive back to its first `n_symbols` symbols (open for appending).
+
+        Archives are append-only by design; this brings independently sealed streams back into
+        step after an interrupted write (crash recovery). The file is cut at the record holding
+        symbol `n_symbols`, and that record's leading symbols are written again as one sealed
+        record (fsynced when durable), so the archive holds exactly n_symbols sealed symbols."""
+        self._check_writable()
+        if isinstance(n_symbols, bool) or not isinstance(n_symbols, (int, np.integer)) or n_symbols < 0:
+            raise ArchiveError(f"n_symbols must be a non-negative int, got {n_symbols!r}")
+        n_symbols = int(n_symbols)
+        if n_symbols >= len(self):
+            return
+        if n_symbols >= self._sealed:
+            del self._pending[n_symbols - self._sealed:]
+            return
+        block = self._locate(n_symbols)[0]
+        start = self._starts[block]
+        keep = self.read(start, n_symbols)
+        cut = self._offsets[block] - RECORD_HEADER_SIZE
+        self._pending.clear()
+        for entries in (self._offsets, self._lengths, self._counts, self._crcs, self._starts, self._verified):
+            del entries[block:]
+        self._sealed = start
+        self._uniform = all(count == self.block_symbols for count in self._counts[:-1])
+        self._index = None
+        self._map, self._mapped = None, 0  # the file shrinks: no map may reach past its new end
+        self._handle.truncate(cut)
+        self._handle.flush()
+        if self._durable:
+            os.fsync(self._handle.fileno())
+        self._end = cut
+        if keep.size:
+            self._write_blocks(keep)
+
     def _check_writable(self) -> None:
         if self.closed:
             raise ArchiveError("archive is closed")
@@ -285,6 +324,25 @@ class Archive:
         if stop > self._sealed:
             parts.append(np.array(self._pending[max(start - self._sealed, 0):stop - self._sealed], dtype=np.int64))
         return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+
+    def view(self, start: int, count: int) -> np.ndarray:
+        """Symbols [start, start + count) with the least work (random access of a short run):
+        for byte-aligned one-symbol keys (N = 256, 2^16, 2^32) inside one sealed block, a
+        read-only view of the mapped payload (its unsigned key dtype, valid while the archive
+        is open); otherwise `read` (int64). The block's CRC is verified on first touch."""
+        direct = self._direct
+        if direct is not None and 0 <= start and 0 < count and start + count <= self._sealed and not self.closed:
+            if self._uniform:
+                block, j = divmod(start, self.block_symbols)
+            else:
+                block, j = self._locate(start)
+            if j + count <= self._counts[block]:
+                if self._mapped < self._end:
+                    self._remap(self._end)  # blocks appended since the map was made
+                if not self._verified[block]:
+                    self._verify(block)
+                return np.frombuffer(self._map, direct, count, self._offsets[block] + j * direct.itemsize)
+        return self.read(start, start + count)
 
     def context(self, position: int, length: int) -> np.ndarray:
         """The `length` symbols ending at `position` (a search hit), decoded backward from it."""

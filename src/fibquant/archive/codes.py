@@ -17,6 +17,7 @@ ceil(log2 N) bits), and vector i is decoded by position: symbols [i*n_blocks,
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict
 from pathlib import Path
 
@@ -26,8 +27,32 @@ import torch
 from ..codecs.layout import CodeLayout
 from .archive import Archive
 from .format import ArchiveError
+from .search_numba import kernels
 
 NORM_ALPHABET = 1 << 16
+
+
+def fsync_directory(path: Path) -> None:
+    """fsync a directory, so that the files created in it survive a power loss (POSIX only)."""
+    try:
+        handle = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(handle)
+    except OSError:  # some file systems refuse fsync on a directory
+        pass
+    finally:
+        os.close(handle)
+
+
+def _as_codes(codes) -> np.ndarray:
+    if isinstance(codes, torch.Tensor):
+        codes = codes.detach().cpu().numpy()
+    codes = np.asarray(codes)
+    if codes.dtype != np.uint8:
+        raise ArchiveError(f"codes must be uint8, got {codes.dtype}")
+    return codes
 
 
 class CodeArchive:
@@ -37,14 +62,19 @@ class CodeArchive:
         if (norms is None) != (layout.norm_bytes == 0):
             raise ArchiveError(f"a norms archive is needed exactly when the layout has a norm ({layout})")
         self.path, self.layout, self.indices, self.norms = path, layout, indices, norms
+        self._code_size = layout.code_size
+        self._byte_indices = layout.index_bits == 8 and layout.n_codewords == 256 and layout.norm_bytes in (0, 2)
+        self._row_index = None
 
     @classmethod
-    def for_codec(cls, path, codec, *, overwrite: bool = False) -> "CodeArchive":
+    def for_codec(cls, path, codec, *, overwrite: bool = False, durable: bool = False) -> "CodeArchive":
         """New empty archive for the codes of `codec` (any codec with a `code_layout`)."""
-        return cls.create(path, CodeLayout.from_codec(codec), overwrite=overwrite)
+        return cls.create(path, CodeLayout.from_codec(codec), overwrite=overwrite, durable=durable)
 
     @classmethod
-    def create(cls, path, layout: CodeLayout, *, overwrite: bool = False) -> "CodeArchive":
+    def create(cls, path, layout: CodeLayout, *, overwrite: bool = False, durable: bool = False) -> "CodeArchive":
+        """New empty code archive. durable=True fsyncs layout.json and the directory now, and
+        both archives after every sealed block (hence at `close`, which seals the last one)."""
         if not isinstance(layout, CodeLayout):
             raise ArchiveError(f"layout must be a CodeLayout (use CodeArchive.for_codec for a codec), "
                                f"got {type(layout).__name__}")
@@ -52,23 +82,31 @@ class CodeArchive:
         if path.exists() and not overwrite:
             raise ArchiveError(f"{path} exists (pass overwrite=True to replace it)")
         path.mkdir(parents=True, exist_ok=True)
-        (path / "layout.json").write_text(json.dumps(asdict(layout)))
-        indices = Archive.create(path / "indices.fqa", layout.n_codewords, overwrite=True)
-        norms = Archive.create(path / "norms.fqa", NORM_ALPHABET, overwrite=True) if layout.norm_bytes else None
+        with open(path / "layout.json", "w") as handle:
+            handle.write(json.dumps(asdict(layout)))
+            handle.flush()
+            if durable:
+                os.fsync(handle.fileno())
+        indices = Archive.create(path / "indices.fqa", layout.n_codewords, overwrite=True, durable=durable)
+        norms = Archive.create(path / "norms.fqa", NORM_ALPHABET, overwrite=True, durable=durable) \
+            if layout.norm_bytes else None
+        if durable:
+            fsync_directory(path)
         return cls(path, layout, indices, norms)
 
     @classmethod
-    def open(cls, path, mode: str = "r") -> "CodeArchive":
+    def open(cls, path, mode: str = "r", *, durable: bool = False) -> "CodeArchive":
+        """Open for reading ("r") or appending ("a"; durable=True: fsync every sealed block)."""
         path = Path(path)
         try:
             layout = CodeLayout(**json.loads((path / "layout.json").read_text()))
         except (OSError, ValueError, TypeError) as exc:
             raise ArchiveError(f"{path}: not a code archive ({exc})") from None
-        indices = Archive.open(path / "indices.fqa", mode)
+        indices = Archive.open(path / "indices.fqa", mode, durable=durable)
         norms = None
         try:
             if layout.norm_bytes:
-                norms = Archive.open(path / "norms.fqa", mode)
+                norms = Archive.open(path / "norms.fqa", mode, durable=durable)
             vectors = len(norms) if norms is not None else len(indices) // layout.n_blocks
             if len(indices) != vectors * layout.n_blocks:
                 # Archives seal blocks independently: a crash can leave the indices mid-vector
@@ -113,6 +151,82 @@ class CodeArchive:
         if getattr(codec, "code_layout", None) != self.layout:
             raise ArchiveError(f"{type(codec).__name__} does not have this archive's layout {self.layout}")
         return codec.decode(torch.from_numpy(self.code(i)), dtype=dtype)
+
+    # ------------------------------------------------------------------ search
+    def _split_queries(self, queries) -> tuple[np.ndarray, np.ndarray | None]:
+        """uint8 [m, code_size] -> (indices int64 [m, n_blocks], norm patterns int64 [m] | None)."""
+        layout = self.layout
+        if self._byte_indices and queries.shape[1] == self._code_size:  # N = 256: the indices are the bytes
+            indices = queries[:, layout.norm_bytes:].astype(np.int64)
+            if not layout.norm_bytes:
+                return indices, None
+            return indices, queries[:, :2].copy().view("<u2")[:, 0].astype(np.int64)
+        try:
+            return layout.split(queries)
+        except ValueError as exc:
+            raise ArchiveError(str(exc)) from None
+
+    def row_index(self):
+        """The (cached) `RowIndex` of the vectors: chunk values of their index symbols and their
+        norm; built from the decoded streams on first use, rebuilt after appends."""
+        from .search import RowIndex
+
+        index = self._row_index
+        if index is None or index.length != len(self):
+            vectors = len(self)
+            symbols = self.indices.read(0, vectors * self.layout.n_blocks)
+            norms = self.norms.read(0, vectors) if self.norms is not None else None
+            index = RowIndex(symbols, self.layout.n_blocks, self.layout.n_codewords, norms)
+            self._row_index = index
+        return index
+
+    def find(self, codes, stride: int = 1, offset: int = 0, stop: int | None = None) -> np.ndarray:
+        """Every vector r (sorted) with r % stride == offset whose codes r, r + stride, ...,
+        r + (n-1) stride equal `codes` uint8 [n, code_size], among vectors [0, stop): exact.
+
+        `row_index` holds each vector's index symbols as chunk values (the archive's suffix keys
+        at the vector's end) and its norm; candidates come from the rarest query code's cell,
+        then all n codes are compared as integers. stride > 1 searches one interleaved
+        sub-stream (e.g. one (layer, head) of a token-major KV stream)."""
+        codes = _as_codes(codes)
+        if codes.ndim != 2 or codes.shape[0] < 1 or codes.shape[1] != self._code_size:
+            raise ArchiveError(f"codes must be uint8 [n >= 1, {self._code_size}], got shape {codes.shape}")
+        if isinstance(stride, bool) or not isinstance(stride, (int, np.integer)) or stride < 1:
+            raise ArchiveError(f"stride must be a positive integer, got {stride!r}")
+        if not 0 <= offset < stride:
+            raise ArchiveError(f"offsets must lie in [0, stride={stride})")
+        return self._find(codes, codes.shape[0], int(stride), np.full(1, offset, dtype=np.int64), stop, True)[0]
+
+    def find_many(self, queries, stride: int = 1, offsets=0, stop: int | None = None,
+                  use_numba: bool = True) -> list[np.ndarray]:
+        """`find` for q code sequences of one length at once, uint8 [q, n, code_size]; offsets: one
+        int or one per query; one sorted array each. One compiled pass over the batch (numba), or
+        numpy vectorised over the queries (use_numba=False, or without numba)."""
+        from .search import split_by_owner
+
+        queries = _as_codes(queries)
+        if queries.ndim != 3 or queries.shape[1] < 1 or queries.shape[2] != self._code_size:
+            raise ArchiveError(f"queries must be uint8 [q, n >= 1, {self._code_size}], got {queries.shape}")
+        if isinstance(stride, bool) or not isinstance(stride, (int, np.integer)) or stride < 1:
+            raise ArchiveError(f"stride must be a positive integer, got {stride!r}")
+        q, n, _ = queries.shape
+        offsets = np.full(q, offsets, dtype=np.int64) if np.ndim(offsets) == 0 else \
+            np.ascontiguousarray(offsets, dtype=np.int64).reshape(q)
+        if q and (int(offsets.min()) < 0 or int(offsets.max()) >= stride):
+            raise ArchiveError(f"offsets must lie in [0, stride={stride})")
+        if q == 0:
+            return []
+        flat, owner = self._find(queries.reshape(q * n, -1), n, int(stride), offsets, stop, use_numba)
+        return split_by_owner(flat, owner, q)
+
+    def _find(self, rows: np.ndarray, n: int, stride: int, offsets: np.ndarray, stop, use_numba: bool):
+        """Validated query codes uint8 [q*n, code_size] -> `RowIndex.find`'s (rows, owners)."""
+        index = self.row_index()
+        if self._byte_indices and use_numba and kernels() is not None:  # the kernel reads the bytes itself
+            return index.find(None, None, n, stride, offsets, stop, codes=np.ascontiguousarray(rows),
+                              norm_bytes=self.layout.norm_bytes)
+        indices, norms = self._split_queries(rows)
+        return index.find(indices, norms, n, stride, offsets, stop, use_numba)
 
     def close(self) -> None:
         self.indices.close()

@@ -12,15 +12,18 @@ store: an 8k-token cache of the model's shapes (30 layers x 3 KV heads x 64 for 
 search: code-stream search on real KV.
     (a) in place in a saved cache (the real prefix of the TTFT part, both roles): queries are the
         codes of n consecutive tokens in one (layer, head) (n = 1, 4, 16), answered by
-        `PersistentCache.find`; brute force = numpy comparison of every start position of that
-        head's code rows; recall must be 1.00.
+        `PersistentCache.find` (single) and `find_many` (batched); brute force = numpy comparison
+        of every start position of that head's code rows; recall must be 1.00.
     (b) at 10^5-10^6 stored tokens: the layer-0 value codes of one KV head over the first N tokens
         of the six Austen novels (layer-0 values are v_proj(norm(embedding)): real KV that needs
         no forward pass, so 10^6 tokens cost seconds), stored in a CodeArchive; queries are the
-        codes of n consecutive tokens (n = 1, 4, 32) at random positions, answered by the
-        archive's suffix search on the index stream (hits aligned to a code row and checked on the
-        norms); brute force = numpy over the code rows. Time per query is the median of single
-        (not batched) queries.
+        codes of n consecutive tokens (n = 1, 4, 32) at random positions, answered by
+        `CodeArchive.find` (the row index: each code's index symbols as chunk values, i.e. the
+        archive's suffix keys at the row's end, plus its norm; candidates from the rarest query
+        code, compared as integers); brute force = numpy over the code rows. Single: the median
+        of one-query calls; batched: `find_many` over all queries (best of repeats) / queries.
+        For reference, the suffix search of the n x 16 index symbols (`Archive.search`, no
+        row alignment) is timed too.
 """
 from __future__ import annotations
 
@@ -35,8 +38,8 @@ from fibquant.eval.timing import Stopwatch, median_us, timed
 
 
 @torch.no_grad()
-def measure_store(model, tokens: int = 8192, method: str = "fibquant:b=2", reads: int = 1000,
-                  opens: int = 9, seed: int = 0, workdir=None) -> dict:
+def measure_store(model, tokens: int = 8192, method: str = "fibquant:b=2", reads: int = 2000,
+                  opens: int = 9, seed: int = 0, workdir=None, warm_passes: int = 3) -> dict:
     from transformers import DynamicCache
 
     from fibquant.eval.methods import parse_method
@@ -67,21 +70,26 @@ def measure_store(model, tokens: int = 8192, method: str = "fibquant:b=2", reads
             store.close()
         rng = np.random.default_rng(seed)
         picks = [(int(rng.integers(L)), int(rng.integers(H)), int(rng.integers(4, tokens - 32))) for _ in range(reads)]
-        results = {}
+        passes = []  # the read times of each pass: the first cold (fresh open), then warm
+        mismatches = 0
         with PersistentCache.open(path) as store:
-            for phase in ("cold", "warm"):
-                times, mismatches = [], 0
+            for _ in range(1 + warm_passes):
+                times, pairs = [], []
                 for layer, head, i in picks:
-                    seconds, (k, v) = timed(lambda: store.token(layer, head, i))
+                    seconds, pair = timed(lambda: store.token(layer, head, i))
                     times.append(seconds)
-                    if phase == "warm":
-                        ref = cache.layers[layer]
-                        mismatches += not torch.equal(k, codec.decode(ref.key_codes[0, head, i - 4:i - 3])[0])
-                        mismatches += not torch.equal(v, codec.decode(ref.value_codes[0, head, i - 4:i - 3])[0])
-                results[phase] = (median_us(times), mismatches)
+                    pairs.append(pair)
+                passes.append(times)
+                for (layer, head, i), (k, v) in zip(picks, pairs):  # every read against the codec's decode
+                    ref = cache.layers[layer]
+                    mismatches += not torch.equal(k, codec.decode(ref.key_codes[0, head, i - 4:i - 3])[0])
+                    mismatches += not torch.equal(v, codec.decode(ref.value_codes[0, head, i - 4:i - 3])[0])
             disk = store.nbytes()
             coded = store.num_coded
             with_header = disk["keys"] + disk["values"]
+        warm_medians = [median_us(times) for times in passes[1:]]
+        results = {"cold": (median_us(passes[0]), mismatches),
+                   "warm": (median_us([t for times in passes[1:] for t in times]), mismatches)}
         memory_codes = sum(layer.key_buffer.used_nbytes() + layer.value_buffer.used_nbytes() for layer in cache.layers)
         from fibquant.archive.format import HEADER_SIZE
 
@@ -92,7 +100,8 @@ def measure_store(model, tokens: int = 8192, method: str = "fibquant:b=2", reads
         "layers": L, "kv_heads": H, "head_dim": D, "encode_s": encode_s, "save_s": save_s,
         "open_ms_median": 1e3 * statistics.median(open_times), "open_ms_all": [1e3 * t for t in open_times],
         "token_read_us_median_cold": results["cold"][0], "token_read_us_median_warm": results["warm"][0],
-        "token_reads": reads, "token_read_mismatches_vs_codec_decode": results["warm"][1],
+        "token_read_us_warm_pass_medians": warm_medians,
+        "token_reads": reads, "token_read_mismatches_vs_codec_decode": results["cold"][1],
         "coded_tokens": coded, "memory_code_bytes_per_token": memory_codes / coded,
         "disk_code_bytes_per_token": (with_header - headers) / coded,
         "disk_code_bytes_per_token_with_headers": with_header / coded,
@@ -101,8 +110,10 @@ def measure_store(model, tokens: int = 8192, method: str = "fibquant:b=2", reads
     }
 
 
-def measure_find(path, lengths=(1, 4, 16), queries: int = 100, seed: int = 0) -> dict:
-    """(a): multi-token code queries in one head, in place in a saved cache, vs brute force."""
+def measure_find(path, lengths=(1, 4, 16), queries: int = 200, seed: int = 0, repeats: int = 5) -> dict:
+    """(a): multi-token code queries in one head, in place in a saved cache, vs brute force:
+    `PersistentCache.find` one query at a time (median), and `find_many` over all the queries of
+    a row (best of `repeats`, divided by the number of queries)."""
     from fibquant.kv.persist import PersistentCache
 
     out = {}
@@ -111,25 +122,31 @@ def measure_find(path, lengths=(1, 4, 16), queries: int = 100, seed: int = 0) ->
         rng = np.random.default_rng(seed)
         for role, stream in (("keys", store.key_stream), ("values", store.value_stream)):
             all_rows = store._code_rows(stream, 0, coded).numpy()  # noqa: SLF001 - [coded, L, B, H, cs]
-            stream.archives[0].search_index()  # built once (timed in the ttft part's search)
+            build_s, _ = timed(lambda: store.find(all_rows[0, 0, 0, 0][None], 0, 0, role))  # builds the row index
             for n in lengths:
+                picks = [(int(rng.integers(m.layers)), int(rng.integers(m.kv_heads)), int(rng.integers(coded - n + 1)))
+                         for _ in range(queries)]
+                batch = np.stack([all_rows[t:t + n, layer, 0, head] for layer, head, t in picks])   # [q, n, cs]
+                layers, heads = [p[0] for p in picks], [p[1] for p in picks]
                 times, recall, hits, exact = [], [], [], True
-                for _ in range(queries):
-                    layer, head, t = int(rng.integers(m.layers)), int(rng.integers(m.kv_heads)), \
-                        int(rng.integers(coded - n + 1))
-                    head_rows = all_rows[:, layer, 0, head]                   # [coded, cs]
-                    query = head_rows[t:t + n]
+                many = store.find_many(batch, layers, heads, role)
+                for (layer, head, t), query, got_many in zip(picks, batch, many):
                     seconds, found = timed(lambda: store.find(query, layer, head, role))
                     times.append(seconds)
+                    head_rows = all_rows[:, layer, 0, head]                   # [coded, cs]
                     match = np.ones(coded - n + 1, dtype=bool)
                     for j in range(n):
                         match &= (head_rows[j:coded - n + 1 + j] == query[j]).all(axis=1)
                     truth = np.flatnonzero(match)
                     recall.append(np.isin(truth, found).mean())
-                    exact &= np.array_equal(truth, found)
+                    exact &= np.array_equal(truth, found) and np.array_equal(truth, got_many)
                     hits.append(truth.size)
-                out[f"{role}_n{n}"] = {"query_tokens": n, "query_symbols": n * stream.layout.n_blocks,
-                                       "search_us_median": median_us(times), "recall": float(np.mean(recall)),
+                batched = min(timed(lambda: store.find_many(batch, layers, heads, role))[0] for _ in range(repeats))
+                out[f"{role}_n{n}"] = {"role": role, "query_tokens": n, "query_symbols": n * stream.layout.n_blocks,
+                                       "search_us_median": median_us(times),
+                                       "search_us_p90": 1e6 * float(np.percentile(times, 90)),
+                                       "batched_us_per_query": 1e6 * batched / queries, "queries": queries,
+                                       "index_build_s": build_s, "recall": float(np.mean(recall)),
                                        "identical_to_brute_force": bool(exact), "mean_hits": float(np.mean(hits))}
         out["stream_index_symbols"] = len(store.key_stream.archives[0])
         out["coded_tokens"] = coded
@@ -165,7 +182,7 @@ def layer0_value_codes(model, tokenizer, count: int, head: int = 0, method: str 
 
 
 def measure_search_scale(model, tokenizer, sizes=(100_000, 1_000_000), lengths=(1, 4, 32), queries: int = 200,
-                         seed: int = 0, workdir=None) -> list[dict]:
+                         seed: int = 0, workdir=None, repeats: int = 5) -> list[dict]:
     """(b): one head's layer-0 value codes at 10^5-10^6 tokens in a CodeArchive, searched in place."""
     from fibquant.archive import CodeArchive, CodeLayout
 
@@ -182,33 +199,35 @@ def measure_search_scale(model, tokenizer, sizes=(100_000, 1_000_000), lengths=(
             archive.append(codes)
             archive.close()
             archive = CodeArchive.open(path)
-            build_s, _ = timed(archive.indices.search_index)
-            norms = archive.norms.read()
-            q_indices, q_norms = layout.split(codes)
+            build_s, _ = timed(lambda: (archive.indices.search_index(), archive.find(codes[:1])))
+            q_indices, _ = layout.split(codes)
             for n in lengths:
-                times, recall, exact, hits = [], [], True, []
-                starts = rng.integers(0, size - n + 1, size=queries)
-                for t in starts.tolist():
-                    query = q_indices[t:t + n].reshape(-1)
-                    watch = Stopwatch()
-                    ends = archive.indices.search(query)
-                    ends = ends[(ends + 1) % nb == 0]
-                    first = (ends + 1) // nb - n                      # row of the query's first token
-                    if first.size:  # the norms of the n rows (indices matched in the search)
-                        found = first[(norms[first[:, None] + np.arange(n)] == q_norms[t:t + n]).all(axis=1)]
-                    else:
-                        found = first
-                    times.append(watch.stop())
+                starts = rng.integers(0, size - n + 1, size=queries).tolist()
+                batch = np.stack([codes[t:t + n] for t in starts])               # [q, n, code_size]
+                times, symbol_times, found = [], [], []
+                for t, query in zip(starts, batch):
+                    seconds, hits = timed(lambda: archive.find(query))
+                    times.append(seconds)
+                    found.append(hits)
+                    symbols = q_indices[t:t + n].reshape(-1)
+                    symbol_times.append(timed(lambda: archive.indices.search(symbols))[0])
+                batched = min(timed(lambda: archive.find_many(batch))[0] for _ in range(repeats))
+                many = archive.find_many(batch)
+                recall, exact, hits = [], True, []
+                for t, got, got_many in zip(starts, found, many):
                     match = np.flatnonzero((codes[: size - n + 1] == codes[t]).all(axis=1))
                     for j in range(1, n):
                         match = match[(codes[match + j] == codes[t + j]).all(axis=1)]
-                    recall.append(np.isin(match, found).mean())
-                    exact &= np.array_equal(match, found)
+                    recall.append(np.isin(match, got).mean())
+                    exact &= np.array_equal(match, got) and np.array_equal(match, got_many)
                     hits.append(match.size)
                 rows.append({"stored_tokens": size, "stored_index_symbols": size * nb, "query_tokens": n,
                              "query_symbols": n * nb, "index_build_s": build_s,
-                             "search_us_median": median_us(times), "search_us_p90": 1e6 * float(np.percentile(times, 90)),
+                             "search_us_median": median_us(times),
+                             "search_us_p90": 1e6 * float(np.percentile(times, 90)),
+                             "batched_us_per_query": 1e6 * batched / queries,
+                             "symbol_search_us_median": median_us(symbol_times),
                              "recall": float(np.mean(recall)), "identical_to_brute_force": bool(exact),
-                             "mean_hits": float(np.mean(hits)), "queries": queries, "batched": False})
+                             "mean_hits": float(np.mean(hits)), "queries": queries})
             archive.close()
     return rows

@@ -28,7 +28,8 @@ from fibquant.archive import Archive, RecoveryWarning
 from fibquant.archive.format import ArchiveError
 from fibquant.kv.cache import CompressedCache
 from fibquant.kv.model import check_model_supported
-from fibquant.kv.persist_codecs import CodecBuilder, entry_from_codec, entry_to_json, stream_format
+from fibquant.kv.persist_codecs import (CodecBuilder, codec_mismatch, entry_from_codec, entry_to_json,
+                                        stream_format)
 from fibquant.kv.persist_format import (MANIFEST_FILE, SNAPSHOT_FILE, TOKENS_FILE, CodeStream, model_fingerprint,
                                         open_tokens, read_snapshot, write_json_atomic, write_snapshot)
 from fibquant.kv.persist_read import PersistentCacheReader
@@ -49,6 +50,8 @@ class PersistentCache(PersistentCacheReader):
         self._codecs = self._layer_codecs = None
         self._builder = CodecBuilder(path)
         self._fast = None
+        self._codec_checks: dict = {}  # (role, layer) -> the codec object verified for it
+        self._codec_hashed: dict = {}  # (id(entry), id(codec)) -> (codec, entry), compared once
         self.closed = False
 
     # ------------------------------------------------------------------ create / open
@@ -89,9 +92,9 @@ class PersistentCache(PersistentCacheReader):
         except BaseException:
             shutil.rmtree(path)
             raise
-        write_json_atomic(path / MANIFEST_FILE, manifest.to_json())
-        keys, values = (CodeStream.create(path / role, *parse_stream_format(streams[role], role)[::-1])
-                        for role in ("keys", "values"))
+        write_json_atomic(path / MANIFEST_FILE, manifest.to_json(), durable=durable)
+        keys, values = (CodeStream.create(path / role, *parse_stream_format(streams[role], role)[::-1],
+                                          durable=durable) for role in ("keys", "values"))
         tokens = Archive.create(path / TOKENS_FILE, manifest.vocab_size, durable=durable)
         store = cls(path, manifest, keys, values, tokens, None, True, durable)
         store._codecs = (key_codec, value_codec)
@@ -148,7 +151,8 @@ class PersistentCache(PersistentCacheReader):
             state = recover_state(snapshot, coded, notes)
         elif coded:
             notes.append(f"no exact-window snapshot: {coded} coded tokens unusable without their sinks")
-        if state is not None and n_tokens < state.length:
+        # No token id at all: a cache saved without ids (any batch size), whose KV stands alone.
+        if state is not None and 0 < n_tokens < state.length:
             notes.append(f"token ids end at {n_tokens}, the KV at {state.length}: cut to {n_tokens}")
             state = state.cut(n_tokens)
         coded = state.coded if state is not None else 0
@@ -160,9 +164,9 @@ class PersistentCache(PersistentCacheReader):
         open_rows = coded * rows if mode == "a" else None
         with warnings.catch_warnings():  # reported above, once
             warnings.simplefilter("ignore", RecoveryWarning)
-            keys = CodeStream.open(path / "keys", *formats["keys"], mode, open_rows)
-            values = CodeStream.open(path / "values", *formats["values"], mode, open_rows)
-            tokens = open_tokens(path / TOKENS_FILE, mode)
+            keys = CodeStream.open(path / "keys", *formats["keys"], mode, open_rows, durable=durable)
+            values = CodeStream.open(path / "values", *formats["values"], mode, open_rows, durable=durable)
+            tokens = open_tokens(path / TOKENS_FILE, mode, durable)
         store = cls(path, manifest, keys, values, tokens, state, mode == "a", durable)
         store._builder = builder
         if mode == "a" and state is not None and (state.coded != snapshot_coded(path) or notes):
@@ -185,7 +189,29 @@ class PersistentCache(PersistentCacheReader):
             raise ValueError("cache window (sink_tokens, recent_tokens, encode_batch) differs from the saved one")
         if len({layer.num_coded for layer in layers}) != 1:
             raise ValueError("layers of the cache hold different numbers of coded tokens")
+        self._check_codecs(layers)
         return layers
+
+    def _check_codecs(self, layers) -> None:
+        """Every layer's key/value codec must be the saved one (family, config, codebook/rotation/state
+        hash): codes of another codec in the same stream would decode to other vectors. Each codec
+        object is hashed once per store (then recognised by identity)."""
+        m = self.manifest
+        for role, (attr, entry, entries) in enumerate((("key_codec", m.key_codec, m.key_codecs),
+                                                       ("value_codec", m.value_codec, m.value_codecs))):
+            for index, layer in enumerate(layers):
+                codec = getattr(layer, attr)
+                if self._codec_checks.get((role, index)) is codec:
+                    continue
+                expected = entries[index] if entries is not None else entry
+                seen = self._codec_hashed.get((id(expected), id(codec)))
+                if seen is None or seen[0] is not codec:
+                    problem = codec_mismatch(expected, codec)
+                    if problem is not None:
+                        raise ValueError(f"{self.path}: the cache's {('key', 'value')[role]} codec of layer {index} "
+                                         f"is not the saved one ({problem}); its codes cannot be appended")
+                    self._codec_hashed[(id(expected), id(codec))] = (codec, expected)
+                self._codec_checks[(role, index)] = codec
 
     def append_from(self, cache: CompressedCache, token_ids=None) -> None:
         """Append the code rows `cache` encoded since the last call, and new token ids [n] / [1, n]."""
@@ -214,7 +240,8 @@ class PersistentCache(PersistentCacheReader):
         if not layers:
             return
         self.append_from(cache)
-        self.key_stream, self.value_stream = _reseal(self.key_stream), _reseal(self.value_stream)
+        self.key_stream, self.value_stream = (_reseal(stream, self.durable) for stream in (self.key_stream,
+                                                                                         self.value_stream))
         self.tokens.close()
         self.tokens = Archive.open(self.path / TOKENS_FILE, "a", durable=self.durable)
         state = ExactState([{name: getattr(layer, name) for name in
@@ -259,10 +286,10 @@ class PersistentCache(PersistentCacheReader):
         self.close()
 
 
-def _reseal(stream: CodeStream) -> CodeStream:
-    """Close (sealing the partial last block) and reopen for appending."""
+def _reseal(stream: CodeStream, durable: bool = False) -> CodeStream:
+    """Close (sealing the partial last block; fsynced when durable) and reopen for appending."""
     stream.close()
-    return CodeStream.open(stream.path, stream.layout, stream.code_size, "a")
+    return CodeStream.open(stream.path, stream.layout, stream.code_size, "a", durable=durable)
 
 
 def save_cache(cache: CompressedCache, path, model, token_ids=None, *, overwrite: bool = False,

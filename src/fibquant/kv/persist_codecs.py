@@ -14,6 +14,7 @@ Version-1 manifests wrote the parameters of the three families they supported as
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
@@ -64,23 +65,32 @@ class CodecSpec:
 
     @classmethod
     def from_codec(cls, codec: Codec, root: Optional[Path] = None, written: Optional[dict] = None) -> "CodecSpec":
-        """The spec of a registered codec; a calibrated one is saved under `root`/codecs (once per
-        object: `written` maps id(codec) to the spec already made)."""
+        """The spec of a registered codec; a calibrated one is saved under `root`/codecs, once per
+        content: `written` maps each codec's content key (and id) to the spec already made."""
         if written is not None and id(codec) in written:
-            return written[id(codec)]
+            return written[id(codec)][1]
         registered = _registry().get(getattr(codec, "family", ""))
         if registered is None or not isinstance(codec, registered) or not is_dataclass(codec.config):
             raise ValueError(f"cannot persist a cache whose codec is {type(codec).__name__}: not a codec of a "
                              f"registered family ({', '.join(_registry())}) with a config")
-        file = digest = ""
-        if codec.calibrated or codec.state_tensors():
-            if root is None:
-                raise ValueError(f"{type(codec).__name__} is calibrated: its state needs a cache directory")
-            file, digest = _write_codec_file(codec, root)
-        spec = cls(codec.family, codec.dim, state_sha256=codec_state_sha256(codec), config=asdict(codec.config),
-                   file=file, file_sha256=digest)
+        state = codec_state_sha256(codec)
+        tensors = codec.state_tensors()
+        # Equal content (family, config, decoding state, any other state tensors) is one spec and
+        # one file, whichever objects hold it (e.g. two equal fits for two layers).
+        content = (codec.family, json.dumps(asdict(codec.config), sort_keys=True, default=str), state,
+                   "" if codec.calibrated or not tensors else _tensors_sha256(tensors))
+        spec = written.get(content) if written is not None else None
+        if spec is None:
+            file = digest = ""
+            if codec.calibrated or tensors:
+                if root is None:
+                    raise ValueError(f"{type(codec).__name__} is calibrated: its state needs a cache directory")
+                file, digest = _write_codec_file(codec, root)
+            spec = cls(codec.family, codec.dim, state_sha256=state, config=asdict(codec.config), file=file,
+                       file_sha256=digest)
         if written is not None:
-            written[id(codec)] = spec
+            written[content] = spec
+            written[id(codec)] = (codec, spec)  # the object is kept: its id cannot be reused meanwhile
         return spec
 
     def to_json(self) -> dict:
@@ -137,6 +147,34 @@ def codec_state_sha256(codec: Codec) -> str:
             digest.update(key.encode())
             digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
+
+
+def _tensors_sha256(tensors: dict) -> str:
+    digest = hashlib.sha256()
+    for key, tensor in sorted(tensors.items()):
+        digest.update(key.encode())
+        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def codec_mismatch(entry: "Entry", codec: Codec) -> Optional[str]:
+    """Why `codec` (a role codec of a cache) is not the codec of a manifest entry, or None when
+    it is: same family, config and decoding-state hash (per KV head for a per-head entry)."""
+    from fibquant.kv.layered import HeadwiseCodec
+
+    specs = entry_specs(entry)
+    codecs = list(codec.codecs) if isinstance(codec, HeadwiseCodec) else [codec]
+    if isinstance(entry, list) != isinstance(codec, HeadwiseCodec) or len(specs) != len(codecs):
+        return f"{len(specs)} saved codec(s) per role, the cache has {len(codecs)}"
+    for head, (spec, plain) in enumerate(zip(specs, codecs)):
+        where = f" (KV head {head})" if len(specs) > 1 else ""
+        if getattr(plain, "family", None) != spec.family:
+            return f"family {getattr(plain, 'family', type(plain).__name__)!r}, saved {spec.family!r}{where}"
+        if spec.config is not None and is_dataclass(plain.config) and asdict(plain.config) != spec.config:
+            return f"config {asdict(plain.config)}, saved {spec.config}{where}"
+        if spec.state_sha256 and codec_state_sha256(plain) != spec.state_sha256:
+            return f"another codebook/rotation/learned state{where}"
+    return None
 
 
 def _file_sha256(path: Path) -> str:

@@ -34,7 +34,8 @@ import numpy as np
 import torch
 
 from fibquant.archive import Archive, CodeArchive, CodeLayout, RecoveryWarning
-from fibquant.archive.format import HEADER_SIZE, RECORD_HEADER_SIZE, ArchiveError
+from fibquant.archive.codes import fsync_directory
+from fibquant.archive.format import ArchiveError
 
 FORMAT_NAME = "fibquant-kv-cache"
 FORMAT_VERSION = 2  # 2: registry codec specs, codec files, centring means (1 still read)
@@ -68,29 +69,14 @@ def model_fingerprint(model) -> str:
 
 
 # ---------------------------------------------------------------------------- code streams
-def truncate_archive(path: Path, n_symbols: int) -> None:
-    """Cut an archive file back to its first `n_symbols` sealed symbols (crash recovery).
-
-    The file is cut at the record that holds symbol `n_symbols`, and that record's leading
-    symbols are appended again (sealed). Archives are append-only by design; this is only
-    used to bring independently sealed streams back into step after an interrupted write.
-    """
+def truncate_archive(path: Path, n_symbols: int, durable: bool = False) -> None:
+    """Cut an archive file back to its first `n_symbols` sealed symbols (crash recovery):
+    `Archive.truncate` (cut at the record, its leading symbols re-appended, sealed)."""
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RecoveryWarning)
-        archive = Archive.open(path, "r")
-    try:
-        if n_symbols >= len(archive):
-            return
-        starts = archive._starts  # noqa: SLF001 - record index of the archive (see docs/archive-format.md)
-        block = max(i for i, s in enumerate(starts) if s <= n_symbols) if n_symbols else 0
-        keep = archive.read(starts[block], n_symbols) if starts else np.empty(0, np.int64)
-        cut = archive._offsets[block] - RECORD_HEADER_SIZE if starts else HEADER_SIZE  # noqa: SLF001
-    finally:
-        archive.close()
-    with open(path, "r+b") as handle:
-        handle.truncate(cut)
-    with Archive.open(path, "a") as archive:
-        archive.append(keep)
+        warnings.simplefilter("ignore", RecoveryWarning)  # reported by the caller
+        archive = Archive.open(path, "a", durable=durable)
+    with archive:
+        archive.truncate(n_symbols)
 
 
 def _stream_files(layout: Optional[CodeLayout], code_size: int) -> tuple[list[str], list[int]]:
@@ -127,27 +113,31 @@ class CodeStream:
         return _stream_files(self.layout, self.code_size)[1]
 
     @classmethod
-    def create(cls, path: Path, layout: Optional[CodeLayout], code_size: int) -> "CodeStream":
+    def create(cls, path: Path, layout: Optional[CodeLayout], code_size: int, durable: bool = False) -> "CodeStream":
+        """durable=True: every archive fsyncs its sealed blocks (and the files' directory entries)."""
         if layout is not None:
             if layout.code_size != code_size:
                 raise ValueError(f"codec code_size {code_size} does not match its layout {layout}")
-            codes = CodeArchive.create(path, layout)
+            codes = CodeArchive.create(path, layout, durable=durable)
             return cls(path, code_size, layout, [a for a in (codes.indices, codes.norms) if a is not None])
         path.mkdir(parents=True)
-        return cls(path, code_size, None, [Archive.create(path / "bytes.fqa", 256)])
+        archive = Archive.create(path / "bytes.fqa", 256, durable=durable)
+        if durable:
+            fsync_directory(path)
+        return cls(path, code_size, None, [archive])
 
     @classmethod
     def open(cls, path: Path, layout: Optional[CodeLayout], code_size: int, mode: str,
-             rows: Optional[int] = None) -> "CodeStream":
+             rows: Optional[int] = None, durable: bool = False) -> "CodeStream":
         """Open; with `rows` given, streams holding more are cut back to it (mode "a" only)."""
         names, per_row = _stream_files(layout, code_size)
         if rows is not None and mode == "a":
             for name, count in zip(names, per_row):
-                truncate_archive(path / name, rows * count)
+                truncate_archive(path / name, rows * count, durable)
         archives = []
         try:
             for name in names:
-                archives.append(Archive.open(path / name, mode))
+                archives.append(Archive.open(path / name, mode, durable=durable))
         except BaseException:
             for archive in archives:
                 archive.close()
@@ -171,6 +161,19 @@ class CodeStream:
             return self._codes.codes(start, stop)
         return self.archives[0].read(start * self.code_size, stop * self.code_size).astype(np.uint8) \
             .reshape(stop - start, self.code_size)
+
+    def find(self, codes: np.ndarray, stride: int, offset: int, stop: int) -> np.ndarray:
+        """`CodeArchive.find` of a code-archive stream."""
+        if self._codes is None:
+            raise ValueError("code search needs a [norm][indices] codec stream (FibQuant, TurboQuant)")
+        return self._codes.find(codes, stride, offset, stop)
+
+    def find_many(self, queries: np.ndarray, stride: int, offsets, stop: int) -> list[np.ndarray]:
+        """Rows r = offset (mod stride) where rows r, r + stride, ... equal each query's codes
+        (`CodeArchive.find_many`); code-archive streams only."""
+        if self._codes is None:
+            raise ValueError("code search needs a [norm][indices] codec stream (FibQuant, TurboQuant)")
+        return self._codes.find_many(queries, stride, offsets, stop)
 
     def nbytes(self) -> int:
         return sum(a.info()["file_bytes"] for a in self.archives)
@@ -205,6 +208,8 @@ def write_snapshot(path: Path, layers: list[dict[str, torch.Tensor]], coded: int
         if durable:
             os.fsync(handle.fileno())
     os.replace(tmp, path)
+    if durable:
+        fsync_directory(path.parent)  # the rename itself
 
 
 def read_snapshot(path: Path, n_layers: int) -> tuple[list[dict[str, torch.Tensor]], int]:
@@ -239,14 +244,20 @@ def read_snapshot(path: Path, n_layers: int) -> tuple[list[dict[str, torch.Tenso
     return out, coded
 
 
-def write_json_atomic(path: Path, data: dict) -> None:
+def write_json_atomic(path: Path, data: dict, durable: bool = False) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True))
+    with open(tmp, "w") as handle:
+        handle.write(json.dumps(data, indent=2, sort_keys=True))
+        handle.flush()
+        if durable:
+            os.fsync(handle.fileno())
     os.replace(tmp, path)
+    if durable:
+        fsync_directory(path.parent)
 
 
-def open_tokens(path: Path, mode: str) -> Archive:
+def open_tokens(path: Path, mode: str, durable: bool = False) -> Archive:
     try:
-        return Archive.open(path, mode)
+        return Archive.open(path, mode, durable=durable)
     except ArchiveError as exc:
         raise ValueError(f"{path}: token archive unreadable ({exc})") from None

@@ -19,19 +19,28 @@ from fibquant.kv.cache import CompressedCache
 from fibquant.kv.persist import PersistentCache
 
 
+_BATCH_ONE = ("CacheWriter saves batch-1 generation only (got batch {batch}): a saved cache holds one token-id "
+              "sequence to resume from. Save each sequence's cache on its own, or a batch-B cache without "
+              "token ids via PersistentCache.create(..., batch=B) + append_from/checkpoint")
+
+
 class CacheWriter(StoppingCriteria):
     """Appends `cache` to `store` after every generation step; checkpoints every `checkpoint_every` tokens."""
 
     def __init__(self, store: PersistentCache, cache: CompressedCache, checkpoint_every: int = 64):
         if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) or checkpoint_every < 1:
             raise ValueError(f"checkpoint_every must be a positive integer, got {checkpoint_every!r}")
+        if store.manifest.batch != 1:
+            raise ValueError(_BATCH_ONE.format(batch=store.manifest.batch))
         self.store, self.cache, self.checkpoint_every = store, cache, checkpoint_every
         self._last = cache.get_seq_length()
         self.steps = 0
+        self.failed = False
 
     def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
-        if input_ids.shape[0] != 1:
-            raise ValueError("CacheWriter saves batch-1 generation only")
+        if input_ids.ndim != 2 or input_ids.shape[0] != 1:
+            self.failed = True  # nothing of this batch was written; close() must not checkpoint it
+            raise ValueError(_BATCH_ONE.format(batch=input_ids.shape[0] if input_ids.ndim == 2 else "?"))
         self.store.append_from(self.cache, input_ids[0])
         length = self.cache.get_seq_length()
         if length - self._last >= self.checkpoint_every:
@@ -41,9 +50,12 @@ class CacheWriter(StoppingCriteria):
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
     def close(self) -> None:
-        """Final append and checkpoint, then close the store."""
-        self.store.checkpoint(self.cache)
-        self.store.close()
+        """Final append and checkpoint (not after a refused batch), then close the store."""
+        try:
+            if not self.failed:
+                self.store.checkpoint(self.cache)
+        finally:
+            self.store.close()
 
 
 def _generate(model, ids: torch.Tensor, cache: CompressedCache, writer: CacheWriter, **generate_kwargs):
