@@ -117,6 +117,10 @@ def register_eval(eval_subparsers) -> None:
                       help="stored tokens of the search-at-scale part (default: 100000 1000000)")
     parser.add_argument("--study-windows", type=int, default=2, help="windows of --study-context tokens of emma")
     parser.add_argument("--study-context", type=int, default=1024)
+    parser.add_argument("--study-calibration-tokens", type=int, default=8192,
+                        help="tokens of persuasion the RVQ codebooks are fitted on (default 8192)")
+    add_list_argument(parser, "--study-groups", type=str, default=[], metavar="GROUP",
+                      help="only these study groups: universal rvq-pooled rvq-per-head one-role hybrid (default: all)")
     parser.add_argument("--name", default="archive_kv", help="report file name (results/NAME.json|.png)")
     add_out_argument(parser)
     add_threads_argument(parser)
@@ -130,7 +134,8 @@ def _eval(args: argparse.Namespace) -> int:
                              method=args.method, repeats=args.repeats)
     from fibquant.eval.archive_study import StudyConfig
 
-    study = StudyConfig(windows=args.study_windows, context=args.study_context)
+    study = StudyConfig(windows=args.study_windows, context=args.study_context,
+                        calibration_tokens=args.study_calibration_tokens, groups=tuple(g.replace("-", " ") for g in args.study_groups))
     parts, sizes = tuple(args.parts), tuple(args.search_sizes)
     apply_threads(args)
     main_archive_kv(config, args.out, parts=parts, study=study, search_sizes=sizes, name=args.name)
