@@ -22,6 +22,7 @@ _COMMAND_MODULES = (
     "fibquant.cli.speed",      # fibquant eval speed
     "fibquant.cli.cache",      # fibquant cache save|info|generate, fibquant eval archive-kv
     "fibquant.cli.needle",     # fibquant eval needle
+    "fibquant.cli.peers",      # fibquant eval peers
     "fibquant.cli.model",      # fibquant model export-hf
 )
 

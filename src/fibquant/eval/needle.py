@@ -2,11 +2,13 @@
 
 Protocol, per context length L, depth d and key (all fixed by `seed`):
 
-1. the haystack is L tokens: the chat template's opening (system turn, start of the user turn),
-   an instruction, and tokens of an Austen novel (`fibquant.load_text`, starting `rep * L` tokens
-   in for repetition `rep`) with the needle sentence "The secret passkey is NNNNN. Remember it:
-   NNNNN is the secret passkey." (a random 5-digit key) inserted at the sentence or paragraph
-   boundary nearest to depth d of the novel's tokens (d = 0: first, d = 1: last);
+1. the haystack is L tokens (fewer only when L + question + answer would pass the model's
+   `max_position_embeddings`: then haystack + question + answer fill the context exactly, e.g.
+   8150 + 34 + 8 = 8192 on SmolLM2; a length beyond the context is a ValueError): the chat
+   template's opening (system turn, start of the user turn), an instruction, and tokens of an
+   Austen novel (`fibquant.load_text`, starting `rep * L` tokens in for repetition `rep`) with
+   the needle sentence "The secret passkey is NNNNN. Remember it: NNNNN is the secret passkey."
+   (a random 5-digit key) inserted at the sentence or paragraph boundary nearest to depth d of the novel's tokens (d = 0: first, d = 1: last);
 2. one float prefill of the haystack (a `DynamicCache`) is shared by every cache under test:
    each is built from it (`CacheSpec.build(prefill=...)`: `CompressedCache.from_cache`,
    `RoundTripCache.from_cache` for peers, a copy for fp), so the haystack outside the exact
@@ -40,6 +42,7 @@ INSTRUCTION = "Read the following text. A secret passkey is hidden in it; rememb
 QUESTION = "\n\nWhat is the secret passkey hidden in the text above? Answer with the five-digit number only."
 ANSWER_PREFIX = "The secret passkey is"  # starts the assistant turn, so the key comes first
 MARKER = "\x00NEEDLE-CONTENT\x00"
+TASKS = ("passkey", "ruler-niah_single_1")  # ours; RULER's niah_single_1 built by lm-eval (optional extra)
 RATIO_TARGET = 10.0  # the retrieval target: fp-equal answers at >= this key+value compression vs fp16
 
 NEEDLE_CACHES = (
@@ -64,8 +67,11 @@ class NeedleConfig:
     recent_tokens: int = 32
     max_new_tokens: int = 8
     attention: str = "codes"
+    task: str = "passkey"  # or "ruler-niah_single_1" (needs lm-eval: pip install 'fibquant[ruler]')
 
     def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
         if not self.lengths or any(not isinstance(n, int) or isinstance(n, bool) or n < 128 for n in self.lengths):
             raise ValueError(f"lengths must be integers >= 128 tokens, got {self.lengths!r}")
         if not self.depths or any(not 0.0 <= float(d) <= 1.0 for d in self.depths):
@@ -131,8 +137,34 @@ def _ids(tokenizer, text: str) -> torch.Tensor:
     return tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
 
 
-def build_trial(tokenizer, config: NeedleConfig, length: int, depth: float, rep: int) -> NeedleTrial:
-    """The haystack of (length, depth, rep); ValueError when the novel is too short."""
+def max_positions(model) -> Optional[int]:
+    """The model's trained context (`max_position_embeddings` of its text config), None if it has none."""
+    config = getattr(model, "config", model)
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config(decoder=True)
+    value = getattr(config, "max_position_embeddings", None)
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
+def haystack_tokens(length: int, question_tokens: int, max_new_tokens: int, positions: Optional[int]) -> int:
+    """Tokens of the haystack of a `length`-token cell: `length`, shortened when haystack + question +
+    answer would pass the model's `positions` (so `--lengths 8192` on an 8192-position model is a full
+    context: haystack 8192 - question - answer tokens); ValueError when `length` itself does not fit."""
+    if positions is None or length + question_tokens + max_new_tokens <= positions:
+        return length
+    if length > positions:
+        raise ValueError(f"a {length}-token haystack does not fit the model's context of {positions} positions "
+                         f"(max_position_embeddings); the longest length is {positions}, whose haystack is then "
+                         f"shortened to {positions - question_tokens - max_new_tokens} tokens to leave room for the "
+                         f"{question_tokens}-token question and {max_new_tokens} answer tokens")
+    return positions - question_tokens - max_new_tokens
+
+
+def build_trial(tokenizer, config: NeedleConfig, length: int, depth: float, rep: int,
+                positions: Optional[int] = None) -> NeedleTrial:
+    """The haystack of (length, depth, rep); ValueError when the novel is too short or (`positions`: the
+    model's context) when the length does not fit (see `haystack_tokens`; shortened when only the question
+    and answer overflow)."""
     from fibquant.eval.kv_report import text_tokens
 
     before, after = template_parts(tokenizer)
@@ -140,7 +172,8 @@ def build_trial(tokenizer, config: NeedleConfig, length: int, depth: float, rep:
     prefix = _ids(tokenizer, before + INSTRUCTION)
     needle = _ids(tokenizer, " " + NEEDLE.format(key=key) + " ")
     question = _ids(tokenizer, QUESTION + after + ANSWER_PREFIX)
-    body_length = length - prefix.shape[0] - needle.shape[0]
+    body_length = haystack_tokens(length, question.shape[0], config.max_new_tokens, positions) \
+        - prefix.shape[0] - needle.shape[0]
     if body_length < 16:
         raise ValueError(f"a {length}-token haystack leaves no room for the novel after the template and needle")
     body = text_tokens(tokenizer, config.text, body_length, offset=rep * length)
@@ -188,22 +221,35 @@ def run_needle(model, tokenizer, specs, config: NeedleConfig = NeedleConfig(), p
     from fibquant.kv.model import check_model_supported, describe_model
 
     dim = check_model_supported(model)["head_dim"]
-    cells = [(n, d, r) for n in config.lengths for r in range(config.keys_per_cell) for d in config.depths]
+    positions = max_positions(model)
+    ruler = config.task != "passkey"
+    if ruler:  # RULER places its needles itself: one cell per sample
+        from fibquant.eval.ruler import RULER_MIN_NEW_TOKENS, ruler_correct, ruler_trials
+
+        made = {length: ruler_trials(tokenizer, config, length, positions) for length in config.lengths}
+        cells = [(t.length, t.depth, t.rep) for length in config.lengths for t in made[length]]
+        max_new_tokens = max(config.max_new_tokens, RULER_MIN_NEW_TOKENS)
+    else:
+        for length in config.lengths:  # fail before any prefill when a length cannot fit
+            build_trial(tokenizer, config, length, config.depths[0], 0, positions)
+        cells = [(n, d, r) for n in config.lengths for r in range(config.keys_per_cell) for d in config.depths]
+        max_new_tokens = config.max_new_tokens
     trials, timing = [], {"prefill_s": 0.0, "caches_s": 0.0}
     bar = tqdm(total=len(cells) * len(specs), desc="needle", disable=not progress)
     for length, depth, rep in cells:
-        trial = build_trial(tokenizer, config, length, depth, rep)
+        trial = made[length][rep] if ruler else build_trial(tokenizer, config, length, depth, rep, positions)
         seconds, source = timed(lambda: prefill(model, trial.prefill_ids))
         timing["prefill_s"] += seconds
         for spec in specs:
             bar.set_postfix_str(f"L={length} d={depth:g} {spec.spec}")
             with Stopwatch() as watch:
                 cache = spec.build(model, config.sink_tokens, config.recent_tokens, config.attention, prefill=source)
-                text = answer(model, tokenizer, cache, trial.question_ids, config.max_new_tokens)
+                text = answer(model, tokenizer, cache, trial.question_ids, max_new_tokens)
             timing["caches_s"] += watch.seconds
             trials.append({"spec": spec.spec, "length": length, "depth": depth, "rep": rep, "key": trial.key,
-                           "needle_start": trial.needle_start, "answer": text,
-                           "correct": extract_answer(text) == trial.key})
+                           "needle_start": trial.needle_start, "haystack_tokens": int(trial.prefill_ids.shape[0]),
+                           "answer": text,
+                           "correct": ruler_correct(text, trial.key) if ruler else extract_answer(text) == trial.key})
             bar.update(1)
         del source
     bar.close()
@@ -213,8 +259,11 @@ def run_needle(model, tokenizer, specs, config: NeedleConfig = NeedleConfig(), p
         "model": describe_model(model), "text": config.text, "config": {
             "lengths": list(config.lengths), "depths": list(config.depths), "keys_per_cell": config.keys_per_cell,
             "seed": config.seed, "sink_tokens": config.sink_tokens, "recent_tokens": config.recent_tokens,
-            "max_new_tokens": config.max_new_tokens, "attention": config.attention},
-        "needle": NEEDLE, "question": QUESTION.strip(), "answer_prefix": ANSWER_PREFIX, "timing": timing, "rows": rows, "trials": trials,
+            "max_new_tokens": config.max_new_tokens, "attention": config.attention,
+            "max_position_embeddings": positions, "task": config.task},
+        "needle": "RULER niah_single_1 (lm-eval)" if ruler else NEEDLE,
+        "question": "RULER's template" if ruler else QUESTION.strip(),
+        "answer_prefix": "RULER's gen_prefix" if ruler else ANSWER_PREFIX, "timing": timing, "rows": rows, "trials": trials,
     }
 
 
@@ -233,9 +282,10 @@ def summarise(trials: list[dict], specs, config: NeedleConfig, dim: int) -> list
             at = [t for t in mine if t["length"] == length]
             row[f"acc_{length}"] = sum(t["correct"] for t in at) / max(len(at), 1)
             row[f"ratio_{length}"] = spec.context_ratio(dim, length, config.sink_tokens, config.recent_tokens)
-            row[f"by_depth_{length}"] = {
-                f"{d:g}": sum(t["correct"] for t in at if t["depth"] == d) / max(sum(t["depth"] == d for t in at), 1)
-                for d in config.depths}
+            if config.task == "passkey":  # RULER picks its own depths (kept per trial)
+                row[f"by_depth_{length}"] = {
+                    f"{d:g}": sum(t["correct"] for t in at if t["depth"] == d)
+                    / max(sum(t["depth"] == d for t in at), 1) for d in config.depths}
         if fp:
             row["misses_where_fp_right"] = sum(1 for t in mine if fp.get((t["length"], t["depth"], t["rep"]))
                                                and not t["correct"])
@@ -297,7 +347,9 @@ def plot_needle(payload: dict, path) -> None:
         ax.set_xlabel("key + value compression vs fp16 (stored bytes per vector, side information included)")
         ax.set_ylabel("passkey accuracy")
         config = payload["config"]
-        ax.set_title(f"{payload['model']}\n{payload['text']}, lengths {config['lengths']}, depths "
+        task = config.get("task", "passkey")
+        source = payload["text"] if task == "passkey" else f"{task} (lm-eval)"
+        ax.set_title(f"{payload['model']}\n{source}, lengths {config['lengths']}, depths "
                      f"{config['depths']}, {config['keys_per_cell']} keys per cell, window "
                      f"{config['sink_tokens']}+{config['recent_tokens']}", fontsize=8)
         ax.grid(True, alpha=0.3)
@@ -327,11 +379,24 @@ def needle_header(payload: dict) -> str:
     lines = [f"\nmodel: {payload['model']}\ntext: {payload['text']}; lengths {c['lengths']}, depths {c['depths']}, "
              f"{c['keys_per_cell']} keys per (length, depth), seed {c['seed']}; exact window {c['sink_tokens']} "
              f"sinks + {c['recent_tokens']} recent; attention {c['attention']}\n"]
+    if c.get("task", "passkey") != "passkey":
+        lines.append(f"task: {c['task']} (lm-eval's RULER generator: its noise haystack and template, not the novel; "
+                     f"{c['keys_per_cell']} samples per length at RULER's own depths; scored by its string_match_all)")
+    shortened = [] if c.get("task", "passkey") != "passkey" else sorted(
+        {(t["length"], t["haystack_tokens"]) for t in payload.get("trials", [])
+         if t.get("haystack_tokens", t["length"]) != t["length"]})
+    lines += [f"length {n}: haystack shortened to {h} tokens so that haystack + question + answer fit the model's "
+              f"{c.get('max_position_embeddings')} positions" for n, h in shortened]
     lines += [f"skipped: {note}" for note in payload.get("skipped", [])]
     return "\n".join(lines)
 
 
-EXPERIMENT = Experiment(name="needle", stem="needle", config=NeedleConfig, run=run,
+def needle_stem(payload: dict) -> str:
+    """needle, or needle_ruler for RULER's task."""
+    return "needle" if payload["config"].get("task", "passkey") == "passkey" else "needle_ruler"
+
+
+EXPERIMENT = Experiment(name="needle", stem=needle_stem, config=NeedleConfig, run=run,
                         columns=lambda payload: needle_columns(payload["config"]["lengths"]),
                         plot=plot_needle, targets=target_checks, header=needle_header)
 

@@ -60,6 +60,7 @@ EXPERIMENTS: dict[str, str] = {
     "mc": "fibquant.eval.multiple_choice",
     "speed": "fibquant.eval.decode_speed",
     "archive": "fibquant.eval.archive_bench",
+    "peers": "fibquant.eval.peers_report",
 }
 
 
