@@ -18,6 +18,9 @@ def register(subparsers) -> None:
     add_list_argument(build, "--rates", type=float, metavar="B",
                       help="instead of --k/--n: the (k, N) FibQuantCodec.for_rate picks for these bit rates")
     build.add_argument("--seed", type=int, default=0)
+    build.add_argument("--recipe", default=None, metavar="VERSION",
+                       help="rebuild with this construction version (e.g. v2) instead of loading; default: "
+                            "load the shipped/cached file or build the current version")
     build.add_argument("--out", type=Path, default=None,
                        help="also copy the files to this folder (default: only the cache)")
     build.set_defaults(func=_build)
@@ -27,7 +30,7 @@ def register(subparsers) -> None:
 
 
 def _build(args: argparse.Namespace) -> int:
-    from ..codebook import load_codebook, save_codebook
+    from ..codebook import build_codebook, load_codebook, save_codebook
     from ..codecs.fibquant import choose_block
 
     if args.rates:
@@ -37,11 +40,15 @@ def _build(args: argparse.Namespace) -> int:
     else:
         raise ValueError("give --k and --n, or --rates")
     for k, n in pairs:
-        codebook = load_codebook(args.dim, k, n, args.seed, progress=True)
-        line = (f"d={args.dim} k={k} N={n} seed={args.seed}: {codebook.bits_per_coordinate:.4g} bits/coord, "
-                f"training MSE {codebook.total_mse:.5g}, build {codebook.build_seconds:.1f} s")
+        if args.recipe is None:
+            codebook = load_codebook(args.dim, k, n, args.seed, progress=True)
+        else:
+            codebook = build_codebook(args.dim, k, n, args.seed, progress=True, version=args.recipe)
+        line = (f"d={args.dim} k={k} N={n} seed={args.seed} {codebook.version}: "
+                f"{codebook.bits_per_coordinate:.4g} bits/coord, MSE estimate {codebook.total_mse:.5g}, "
+                f"build {codebook.build_seconds:.1f} s")
         if args.out is not None:
-            line += f" -> {save_codebook(codebook, args.out / codebook.spec.file_name)}"
+            line += f" -> {save_codebook(codebook, args.out / codebook.file_name)}"
         print(line, flush=True)
     return 0
 
@@ -56,7 +63,7 @@ def _info(args: argparse.Namespace) -> int:
         for path in files:
             cb = read_codebook(path)
             s = cb.spec
-            print(f"  d={s.dim:<4} k={s.k:<3} N={s.n_codewords:<5} seed={s.seed} "
-                  f"{cb.bits_per_coordinate:.4g} bits/coord  training MSE {cb.total_mse:.5g}  "
+            print(f"  d={s.dim:<4} k={s.k:<3} N={s.n_codewords:<5} seed={s.seed} {cb.version} "
+                  f"{cb.bits_per_coordinate:.4g} bits/coord  MSE estimate {cb.total_mse:.5g}  "
                   f"{path.stat().st_size / 1024:.0f} KiB")
     return 0

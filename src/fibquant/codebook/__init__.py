@@ -1,18 +1,28 @@
 """Universal FibQuant codebooks: one codebook per (d, k, N, seed) serves all data.
 
-`build_codebook` constructs one (deterministic initialisation + multi-restart Lloyd on
-canonical-source samples, keeping the best restart; k = 1 is the exact scalar Lloyd-Max
-table); `load_codebook` returns the shipped or cached copy and builds + caches it if absent.
+`build_codebook` constructs one (k = 1: the exact scalar Lloyd-Max table; k >= 2: Lloyd on
+canonical-source samples, recipe `CONSTRUCTION_VERSION`); `load_codebook` returns the shipped or
+cached copy and builds + caches it if absent.
 
-Recipe (part of construction version `CONSTRUCTION_VERSION`; changing it changes the key):
-training samples S = clamp(SAMPLES_PER_CODEWORD * N, MIN_SAMPLES, MAX_SAMPLES * max(1, k // 16))
-k-blocks of uniform points on S^{d-1}; RESTARTS restarts (restart 0 from the canonical quasi-uniform
-initialisation; restart 1 from N seeded random training samples, which in high dimension is a
-better start than a low-discrepancy sequence; further restarts from the quasi-uniform
-construction with a seeded random sequence offset s). Each restart runs Lloyd in two phases: first on the first S/COARSE_FRACTION samples (cheap
-steps that do most of the moving), then on all S samples; each phase stops at relative
-improvement < TOL or after as many steps as its work budget (multiply-adds) allows, within
-[MIN_ITERATIONS, MAX_ITERATIONS]. The restart with the lowest MSE on all S samples wins.
+Construction versions. The version is part of every file name
+(`fibquant_d{d}_k{k}_n{N}_s{seed}_{version}.safetensors`) and of every derived seed:
+
+- v2 (`recipe_v2.py`, kept verbatim): 2 restarts of two-phase Lloyd on one fixed set of up to
+  2^18 (2^20 at k = 64) training samples. The shipped d = 64 codebooks are v2 files and stay
+  bit-for-bit as they are: every measured d = 64 figure depends on them. Builds took 5-100 s for
+  N <= 256 and ~20 min for N = 4096.
+- v3 (`recipe_v3.py`, the current one): fresh-sample Lloyd (a new seeded batch every iteration)
+  on a fixed work budget, the final phase's cells pooled, exact numba assignment; one start (the
+  companded grid for k <= 4, random source samples above), both starts where they are cheap.
+  Any (d, k, N <= 4096) costs at most ~4e11 multiply-adds (15-30 CPU-seconds on one core here)
+  and measures no worse on fresh samples than v2 at the shipped d = 64 rates
+  (benchmarks/codebook_build.py; docs/codecs.md has the table). The d = 128 codebooks of the
+  for_rate table ship as v3 files.
+
+Lookup (`load_codebook`): in each folder (shipped, then the cache) a file of an earlier version
+(LEGACY_VERSIONS) is taken before one of the current version, so every key that had a v2 file keeps
+it, shipped or cached, and results measured with it stay identical; keys without one get v3.
+`build_codebook(..., version="v2")` rebuilds the old recipe (slow; for comparisons).
 """
 from __future__ import annotations
 
@@ -21,34 +31,23 @@ import math
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
-from tqdm.auto import tqdm
 
-from ..source import check_dim_block, sample_blocks
+from ..source import check_dim_block
 from . import store
-from .construct import initial_codebook
-from .lloyd import lloyd
+from . import recipe_v2, recipe_v3
 from .scalar import lloyd_max_table
 from .search import nearest_codeword, nearest_codeword_reference, nearest_level
 
-CONSTRUCTION_VERSION = "v2"  # v1: first recipe (3 restarts, fixed budget), never shipped
-MAX_SAMPLES = 1 << 18
-SAMPLES_PER_CODEWORD = 1024
-MIN_SAMPLES = 1 << 14
-RESTARTS = 2
-COARSE_FRACTION = 4
-MAX_ITERATIONS = (60, 10)         # (coarse phase, full phase)
-PHASE_WORK = (1.5e12, 1.5e12)       # per phase and restart, in units of samples * N * (k + 8)
-MIN_ITERATIONS = 4
-TOL = 1e-5
+CONSTRUCTION_VERSION = recipe_v3.VERSION  # v1: first recipe (3 restarts, fixed budget), never shipped
+LEGACY_VERSIONS = (recipe_v2.VERSION,)     # looked up before the current version, never built by default
+_RECIPES = {recipe_v2.VERSION: recipe_v2, recipe_v3.VERSION: recipe_v3}
 MAX_CODEWORDS = 1 << 16
-PROGRESS_WORK = 2e11  # show a progress bar when restarts * iterations * S * N * k exceeds this
 
 __all__ = [
-    "CONSTRUCTION_VERSION", "Codebook", "CodebookSpec", "build_codebook", "load_codebook",
+    "CONSTRUCTION_VERSION", "LEGACY_VERSIONS", "Codebook", "CodebookSpec", "build_codebook", "load_codebook",
     "nearest_codeword", "nearest_codeword_reference", "nearest_level", "lloyd_max_table",
-    "training_samples", "save_codebook", "read_codebook",
+    "training_samples", "save_codebook", "read_codebook", "find_codebook_file",
 ]
 
 
@@ -73,18 +72,16 @@ class CodebookSpec:
 
     @property
     def file_name(self) -> str:
-        return store.file_name(self.dim, self.k, self.n_codewords, self.seed, CONSTRUCTION_VERSION)
+        """The file name of this codebook under the current construction version."""
+        return self.file_name_for(CONSTRUCTION_VERSION)
 
-    def derived_seed(self, purpose: str) -> int:
-        """A 63-bit seed for one purpose, stable across runs and Python versions."""
-        text = f"{self.dim},{self.k},{self.n_codewords},{self.seed},{CONSTRUCTION_VERSION},{purpose}"
+    def file_name_for(self, version: str) -> str:
+        return store.file_name(self.dim, self.k, self.n_codewords, self.seed, version)
+
+    def derived_seed(self, purpose: str, version: str = CONSTRUCTION_VERSION) -> int:
+        """A 63-bit seed for one purpose of one construction version, stable across runs and Pythons."""
+        text = f"{self.dim},{self.k},{self.n_codewords},{self.seed},{version},{purpose}"
         return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
-
-    @property
-    def n_training_samples(self) -> int:
-        # High-dimensional blocks need more samples per cell before Lloyd stops overfitting.
-        cap = MAX_SAMPLES * max(1, self.k // 16)
-        return int(min(cap, max(MIN_SAMPLES, SAMPLES_PER_CODEWORD * self.n_codewords)))
 
 
 @dataclass(frozen=True)
@@ -92,12 +89,19 @@ class Codebook:
     """codewords [N, k] float32 on the CPU, for k-blocks of unit vectors in R^dim.
 
     `total_mse` estimates E||u - u_hat||^2 for a whole unit vector, (dim/k) times the block MSE
-    on the training samples (exact for k = 1); measure on fresh samples for an unbiased figure.
+    (exact for k = 1; v2: on the training samples, optimistic; v3: on the last fresh batch, before
+    the last update); measure on fresh samples for a figure to compare. `version`: the construction
+    version that made it.
     """
     spec: CodebookSpec
     codewords: torch.Tensor
     total_mse: float
     build_seconds: float
+    version: str = CONSTRUCTION_VERSION
+
+    @property
+    def file_name(self) -> str:
+        return self.spec.file_name_for(self.version)
 
     @property
     def bits_per_coordinate(self) -> float:
@@ -106,14 +110,13 @@ class Codebook:
     def metadata(self) -> dict[str, str]:
         s = self.spec
         return {"dim": str(s.dim), "k": str(s.k), "n_codewords": str(s.n_codewords), "seed": str(s.seed),
-                "version": CONSTRUCTION_VERSION, "total_mse": repr(self.total_mse),
+                "version": self.version, "total_mse": repr(self.total_mse),
                 "build_seconds": repr(self.build_seconds)}
 
 
 def training_samples(spec: CodebookSpec, n: int | None = None) -> torch.Tensor:
-    """The canonical-source k-blocks a codebook is trained on: [S, k] float32 (CPU)."""
-    gen = torch.Generator().manual_seed(spec.derived_seed("train"))
-    return sample_blocks(spec.n_training_samples if n is None else n, spec.dim, spec.k, generator=gen)
+    """The fixed training set of the v2 recipe: [S, k] float32 (CPU). (v3 draws fresh batches.)"""
+    return recipe_v2.training_samples(spec, n)
 
 
 def _build_scalar(spec: CodebookSpec) -> tuple[torch.Tensor, float]:
@@ -121,54 +124,28 @@ def _build_scalar(spec: CodebookSpec) -> tuple[torch.Tensor, float]:
     return torch.from_numpy(levels).to(torch.float32).unsqueeze(1), total_mse
 
 
-def phase_plan(spec: CodebookSpec) -> list[tuple[int, int]]:
-    """[(samples, max iterations)] of the coarse and the full Lloyd phase of one restart."""
-    total = spec.n_training_samples
-    plan = []
-    for samples, cap, budget in zip((total // COARSE_FRACTION, total), MAX_ITERATIONS, PHASE_WORK):
-        # search cost per sample and codeword: k multiply-adds plus ~8 for the argmin pass
-        steps = int(budget // (samples * spec.n_codewords * (spec.k + 8)))
-        plan.append((samples, max(MIN_ITERATIONS, min(cap, steps))))
-    return plan
-
-
-def _build_vector(spec: CodebookSpec, progress: bool | None) -> tuple[torch.Tensor, float]:
-    samples = training_samples(spec)
-    plan = phase_plan(spec)
-    steps = RESTARTS * sum(cap for _, cap in plan)
-    work = RESTARTS * sum(n * cap for n, cap in plan) * spec.n_codewords * (spec.k + 8)
-    show = progress if progress is not None else work > PROGRESS_WORK
-    rng = np.random.default_rng(spec.derived_seed("restarts"))
-    best, best_mse = None, math.inf
-    with tqdm(total=steps, disable=not show, leave=False,
-              desc=f"codebook d={spec.dim} k={spec.k} N={spec.n_codewords}") as bar:
-        for restart in range(RESTARTS):
-            if restart == 1:
-                picks = rng.choice(samples.shape[0], size=spec.n_codewords, replace=False)
-                codewords = samples[torch.from_numpy(np.sort(picks))].clone()
-            else:
-                offset = None if restart == 0 else rng.random(spec.k + 1)
-                codewords = initial_codebook(spec.dim, spec.k, spec.n_codewords, offset).to(torch.float32)
-            for n, cap in plan:
-                result = lloyd(samples[:n], codewords, max_iterations=cap, tol=TOL, progress=bar)
-                bar.update(cap - result.iterations)
-                codewords = result.codewords
-            if result.block_mse < best_mse:
-                best, best_mse = result.codewords, result.block_mse
-    return best, best_mse * spec.dim / spec.k
-
-
 def build_codebook(dim: int, k: int, n_codewords: int, seed: int = 0, *,
-                   progress: bool | None = None) -> Codebook:
+                   progress: bool | None = None, version: str = CONSTRUCTION_VERSION) -> Codebook:
     """Construct the (dim, k, N, seed) codebook from scratch (no cache). Deterministic.
 
     Returns a `Codebook` with codewords [N, k] float32. `progress`: force the tqdm bar on/off
-    (default: on for long builds).
+    (default: on for builds expected to take more than a few seconds). `version`: the construction
+    recipe (default the current one; "v2" rebuilds the recipe of the shipped d = 64 files, slowly).
     """
     spec = CodebookSpec(dim, k, n_codewords, seed)
+    if version not in _RECIPES:
+        raise ValueError(f"unknown construction version {version!r} (known: {sorted(_RECIPES)})")
     start = time.perf_counter()
-    codewords, total_mse = _build_scalar(spec) if k == 1 else _build_vector(spec, progress)
-    return Codebook(spec, codewords, total_mse, time.perf_counter() - start)
+    if k == 1:
+        codewords, total_mse = _build_scalar(spec)
+    else:
+        codewords, total_mse = _RECIPES[version].build_vector(spec, progress)
+    return Codebook(spec, codewords, total_mse, time.perf_counter() - start, version)
+
+
+def find_codebook_file(spec: CodebookSpec):
+    """The file `load_codebook` would read for `spec` (see the lookup order above), or None."""
+    return store.find_first([spec.file_name_for(v) for v in (*LEGACY_VERSIONS, CONSTRUCTION_VERSION)])
 
 
 def load_codebook(dim: int, k: int, n_codewords: int, seed: int = 0, *, build: bool = True,
@@ -178,14 +155,14 @@ def load_codebook(dim: int, k: int, n_codewords: int, seed: int = 0, *, build: b
     With build=False a missing codebook raises FileNotFoundError.
     """
     spec = CodebookSpec(dim, k, n_codewords, seed)
-    path = store.find_file(spec.file_name)
+    path = find_codebook_file(spec)
     if path is not None:
         codewords, meta = store.read_file(path)
         if codewords.shape != (n_codewords, k) or codewords.dtype != torch.float32:
             raise ValueError(f"{path}: codebook has shape {tuple(codewords.shape)} {codewords.dtype}, "
                              f"expected ({n_codewords}, {k}) float32")
         return Codebook(spec, codewords, float(meta.get("total_mse", "nan")),
-                        float(meta.get("build_seconds", "nan")))
+                        float(meta.get("build_seconds", "nan")), _version_of(path, meta))
     if not build:
         raise FileNotFoundError(f"codebook {spec.file_name} is neither shipped nor in {store.cache_dir()}")
     codebook = build_codebook(dim, k, n_codewords, seed, progress=progress)
@@ -196,7 +173,7 @@ def load_codebook(dim: int, k: int, n_codewords: int, seed: int = 0, *, build: b
 def save_codebook(codebook: Codebook, path=None):
     """Write `codebook` as safetensors (default: into the cache directory); returns the path."""
     from pathlib import Path
-    target = Path(path) if path is not None else store.cache_dir() / codebook.spec.file_name
+    target = Path(path) if path is not None else store.cache_dir() / codebook.file_name
     store.write_file(target, codebook.codewords, codebook.metadata())
     return target
 
@@ -211,4 +188,13 @@ def read_codebook(path) -> Codebook:
         raise ValueError(f"{path}: codebook metadata lacks {exc}") from None
     if codewords.shape != (spec.n_codewords, spec.k):
         raise ValueError(f"{path}: codewords shape {tuple(codewords.shape)} does not match its metadata")
-    return Codebook(spec, codewords, float(meta.get("total_mse", "nan")), float(meta.get("build_seconds", "nan")))
+    return Codebook(spec, codewords, float(meta.get("total_mse", "nan")), float(meta.get("build_seconds", "nan")),
+                    _version_of(Path(path), meta))
+
+
+def _version_of(path, meta: dict[str, str]) -> str:
+    """The construction version of a codebook file: its metadata, else its file name's suffix."""
+    if "version" in meta:
+        return meta["version"]
+    stem = path.name.rsplit(".", 1)[0]
+    return stem.rsplit("_", 1)[-1]

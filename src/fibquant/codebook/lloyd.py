@@ -4,7 +4,14 @@ Plain batch Lloyd: assign every sample to its nearest codeword (chunked matmul s
 move every codeword to the mean of its cell (float64 sums), repeat until the relative MSE
 improvement falls below `tol`. An empty cell is re-seeded deterministically at the samples
 with the largest current error, so N codewords stay in use. CPU-only and deterministic:
-the same inputs give bit-identical outputs.
+the same inputs give bit-identical outputs. (`lloyd` is the v2 recipe's and RVQ's Lloyd; unchanged.)
+
+For the v3 recipe (`recipe_v3.py`): `assign_exact` returns the index of the plain reference
+`nearest_codeword_reference` (float64 distances, lowest index among equals) through the numba search
+(`fast_search.NumbaSearch`: k-d tree for k <= TREE_MAX_K, float32 BLAS screen + float64 check
+otherwise), or through `assign_reference` (the reference itself, chunked) without numba; both give
+the same indices, so a v3 codebook does not depend on the path, the thread count or float32 ties.
+`cell_statistics` is one Lloyd accumulation: per-codeword counts and float64 sums.
 """
 from __future__ import annotations
 
@@ -12,7 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .search import nearest_codeword
+from .search import nearest_codeword, nearest_codeword_reference
+
+REFERENCE_CHUNK_ELEMENTS = 1 << 22  # float64 differences per chunk of the reference assignment
 
 
 @dataclass(frozen=True)
@@ -27,6 +36,41 @@ def assign(samples: torch.Tensor, codewords: torch.Tensor) -> tuple[torch.Tensor
     index = nearest_codeword(samples, codewords, chunk_elements=1 << 22)
     error = ((samples - codewords[index]) ** 2).sum(-1)
     return index, error
+
+
+def assign_reference(samples: torch.Tensor, codewords: torch.Tensor) -> torch.Tensor:
+    """The plain reference assignment (float64 squared distances, argmin), chunked: int64 [S]."""
+    n_codewords, k = codewords.shape
+    rows = max(1, REFERENCE_CHUNK_ELEMENTS // (n_codewords * k))
+    out = torch.empty(samples.shape[0], dtype=torch.int64)
+    for start in range(0, samples.shape[0], rows):
+        out[start:start + rows] = nearest_codeword_reference(samples[start:start + rows], codewords)
+    return out
+
+
+def assign_exact(samples: torch.Tensor, codewords: torch.Tensor, *, use_numba: bool | None = None) -> torch.Tensor:
+    """samples [S, k], codewords [N, k] (CPU float32) -> the reference's nearest index, int64 [S].
+
+    The numba search when numba imports (use_numba=None) or when asked (True); else the reference.
+    """
+    from .fast_search import TREE_MAX_K, NumbaSearch, numba_available
+    if use_numba is None:
+        use_numba = numba_available()
+    if not use_numba:
+        return assign_reference(samples, codewords)
+    k = codewords.shape[1]
+    search = NumbaSearch(codewords, k, method="tree" if k <= TREE_MAX_K else "brute")
+    return search.indices(samples.contiguous()).reshape(-1)
+
+
+def cell_statistics(samples: torch.Tensor, codewords: torch.Tensor,
+                    index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(squared error float32 [S], counts int64 [N], float64 sums [N, k]) of an assignment."""
+    n_codewords, k = codewords.shape
+    error = ((samples - codewords[index]) ** 2).sum(-1)
+    counts = torch.bincount(index, minlength=n_codewords)
+    sums = torch.zeros(n_codewords, k, dtype=torch.float64).index_add_(0, index, samples.to(torch.float64))
+    return error, counts, sums
 
 
 def lloyd(samples: torch.Tensor, init: torch.Tensor, *, max_iterations: int = 50, tol: float = 1e-4,

@@ -1,6 +1,7 @@
 """Codebook files: safetensors (never pickle), one file per (d, k, N, seed, construction version).
 
-Lookup order: the codebooks shipped inside the package (`codebook/shipped/`), then the user
+Lookup order (`find_first`, names in the caller's order within each folder): the codebooks shipped
+inside the package (`codebook/shipped/`), then the user
 cache directory `<cache root>/codebooks`, the root being `$FIBQUANT_CACHE_DIR` or `~/.cache/fibquant`
 (`fibquant.paths.cache_root`, the same root the text and BIG-bench caches use).
 """
@@ -28,10 +29,16 @@ def file_name(dim: int, k: int, n_codewords: int, seed: int, version: str) -> st
 
 
 def find_file(name: str) -> Path | None:
+    return find_first([name])
+
+
+def find_first(names: list[str]) -> Path | None:
+    """The first existing file among `names`, folder by folder (shipped, then the cache)."""
     for folder in (SHIPPED_DIR, cache_dir()):
-        path = folder / name
-        if path.is_file():
-            return path
+        for name in names:
+            path = folder / name
+            if path.is_file():
+                return path
     return None
 
 

@@ -13,11 +13,17 @@ A zero vector stores nu = 0 and decodes to zero.
 
 `for_rate(dim, bits)` picks (k, N) with log2(N)/k = bits: among the block sizes k dividing dim
 with N = 2^(bits*k) an integer power of two in [2, MAX_SEARCH_CODEWORDS], the largest k (more
-bits go to joint shaping, which measured best; see docs/codecs.md). For dim = 64:
+bits go to joint shaping, which measured best; see docs/codecs.md). For dim = 64 and 128:
 
     bits   0.1875  0.25  0.375  0.5  0.75  1    1.5   2    2.5   3     3.5  4
     k      64      32    32     16   16    8    8     4    4     4     2    2
     N      4096    256   4096   256  4096  256  4096  256  1024  4096  128  256
+    d=64   ship    ship  build  ship build ship build ship ship  ship  ship ship   (v2 files)
+    d=128  ship    ship  ship   ship ship  ship ship  ship ship  ship  ship ship   (v3 files)
+
+(dim = 128 also takes 0.09375: k = 128, N = 4096.) Every other (dim, k, N), e.g. head sizes 80, 96
+and 256, builds on first use with the v3 recipe (codebook/recipe_v3.py: a fixed work budget, at most
+~21 CPU-seconds on one thread as measured, see docs/codecs.md) and is cached.
 """
 from __future__ import annotations
 
