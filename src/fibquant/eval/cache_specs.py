@@ -6,6 +6,12 @@
     fibquant:b=2/fibquant:b=1       keys / values at different rates (or different codecs)
     quanto:b=2, kakeya-e8:q=2 ...   a peer (`fibquant.eval.peers`), keys and values; `KEY/VALUE` works too
 
+Options after '@' (our codecs only, any order): `@centre` quantises keys and values minus a per-layer,
+per-head mean (`CompressedCache(centre=True)`); `@alloc=SIGNAL` (FibQuant `b=` rates on both sides)
+chooses one rate per layer and role from the cached tokens themselves (`fibquant.eval.allocation`:
+mse, attn, attn-keys, ends, uniform) with the base rate's bytes as each role's average budget, e.g.
+`fibquant:b=1.5/fibquant:b=1@centre@alloc=mse`. Without options a spec means what it always did.
+
 Our codecs on both sides give a `CompressedCache` (codes stored, attention on the codes); a peer on
 either side gives a `RoundTripCache` (`fibquant.kv.roundtrip`) with the same exact window (sinks +
 recent tokens), so every cache compresses the same positions and only the quantizer differs.
@@ -67,16 +73,42 @@ def _parse_side(text: str) -> Side:
     return Side(parse_peer(text) if is_peer(text) else parse_method(text))
 
 
+def _fibquant_bits(side: "Side") -> Optional[float]:
+    """The `b=` rate of a FibQuant side, None for anything else (explicit k, n or another codec)."""
+    if side.is_peer or side.quantizer.family != "fibquant":
+        return None
+    return side.quantizer.param("bits")
+
+
 @dataclass(frozen=True)
 class CacheSpec:
-    """fp (key = value = None) or a key side and a value side."""
+    """fp (key = value = None) or a key side and a value side, with the options centre and alloc."""
 
     key: Optional[Side] = None
     value: Optional[Side] = None
+    centre: bool = False
+    alloc: Optional[str] = None
 
     def __post_init__(self) -> None:
         if (self.key is None) != (self.value is None):
             raise ValueError("a cache spec has both a key and a value side, or neither (fp)")
+        if (self.centre or self.alloc is not None) and (self.is_fp or self.uses_peer):
+            raise ValueError("@centre and @alloc apply to our codecs on both sides (a CompressedCache), "
+                             "not to fp or a peer")
+        if self.alloc is not None:
+            from fibquant.eval.allocation import SIGNALS, rung_of
+
+            if self.alloc not in SIGNALS:
+                raise ValueError(f"@alloc={self.alloc}: the signal must be one of {SIGNALS}")
+            for side in (self.key, self.value):
+                bits = _fibquant_bits(side)
+                if bits is None:
+                    raise ValueError(f"@alloc needs FibQuant rates on both sides (fibquant:b=...), got {side.spec}")
+                rung_of(bits)
+
+    @property
+    def options(self) -> str:
+        return ("@centre" if self.centre else "") + (f"@alloc={self.alloc}" if self.alloc else "")
 
     @property
     def is_fp(self) -> bool:
@@ -90,7 +122,7 @@ class CacheSpec:
     def spec(self) -> str:
         if self.is_fp:
             return reference_method().spec
-        return self.key.spec if self.symmetric else f"{self.key.spec}/{self.value.spec}"
+        return (self.key.spec if self.symmetric else f"{self.key.spec}/{self.value.spec}") + self.options
 
     @property
     def family(self) -> str:
@@ -108,9 +140,23 @@ class CacheSpec:
     def label(self, dim: int = 64) -> str:
         if self.is_fp:
             return reference_method().label(dim)
-        if self.symmetric:
-            return self.key.label(dim)
-        return f"K {self.key.label(dim)} / V {self.value.label(dim)}"
+        text = self.key.label(dim) if self.symmetric else f"K {self.key.label(dim)} / V {self.value.label(dim)}"
+        return text + (" centred" if self.centre else "") + (f" alloc={self.alloc}" if self.alloc else "")
+
+    def allocator(self, dim: int, centre: bool = False, model=None):
+        """The `fibquant.eval.allocation.RateAllocator` of an `@alloc` spec (None without one);
+        signal "attn" reads its weights from `model` (ValueError when it has none)."""
+        if self.alloc is None:
+            return None
+        from fibquant.eval.allocation import RateAllocator, attention_weights
+
+        weights = (None, None)
+        if self.alloc in ("attn", "attn-keys"):
+            weights = attention_weights(model) if model is not None else None
+            if weights is None:
+                raise ValueError(f"{self.spec}: signal attn needs a model with q/k/o projections it can read")
+        return RateAllocator(dim, _fibquant_bits(self.key), _fibquant_bits(self.value), self.alloc,
+                             centre=centre or self.centre, key_weights=weights[0], value_weights=weights[1])
 
     def unavailable_reason(self) -> Optional[str]:
         for side in (self.key, self.value):
@@ -121,6 +167,8 @@ class CacheSpec:
         return None
 
     # ------------------------------------------------------------------ bytes
+    # With @alloc the per-layer sizes vary; each role's average over layers is at most (at d = 64:
+    # exactly) its base codec's, which these report.
     def key_bytes(self, dim: int) -> float:
         return 2.0 * dim if self.is_fp else self.key.bytes_per_vector(dim)
 
@@ -163,9 +211,10 @@ class CacheSpec:
         """A fresh cache for `model`, or (prefill = a DynamicCache) one holding the prefill compressed.
 
         fp: a DynamicCache (a copy of the prefill). Our codecs on both sides: CompressedCache
-        (`for_model` / `from_cache`, `centre` passed on). A peer on either side: RoundTripCache with
-        the same window (no centring: ValueError when asked). `quantizers`: (key, value) from
-        `self.quantizers(model)`, built here when None.
+        (`for_model` / `from_cache`; centred when `centre` or the spec's @centre; per-layer rates
+        with @alloc). A peer on either side: RoundTripCache with the same window (no centring:
+        ValueError when asked). `quantizers`: (key, value) from `self.quantizers(model)`, built here
+        when None.
         """
         from transformers import DynamicCache
 
@@ -176,11 +225,13 @@ class CacheSpec:
             return DynamicCache(config=model.config) if prefill is None else copy_dynamic_cache(prefill, model.config)
         key, value = quantizers if quantizers is not None else self.quantizers(model)
         if not self.uses_peer:
+            centre = bool(centre or self.centre)
+            allocate = self.allocator(key.dim, centre, model)
             if prefill is None:
                 return CompressedCache.for_model(model, key, value, sink_tokens, recent_tokens, attention=attention,
-                                                 centre=centre)
+                                                 centre=centre, allocate=allocate)
             return CompressedCache.from_cache(prefill, key, value, sink_tokens, recent_tokens, attention=attention,
-                                              model=model, centre=centre)
+                                              model=model, centre=centre, allocate=allocate)
         if centre:
             raise ValueError(f"{self.spec}: centring applies to our codecs (CompressedCache), not to a peer")
         from fibquant.kv.roundtrip import RoundTripCache
@@ -195,11 +246,30 @@ class CacheSpec:
         return RoundTripCache.from_cache(prefill, as_roundtrip(key), as_roundtrip(value), sink_tokens, recent_tokens)
 
 
+def _parse_options(items: list[str], text: str) -> dict:
+    options: dict = {}
+    for item in items:
+        name, eq, value = item.strip().partition("=")
+        if name == "centre" and not eq and "centre" not in options:
+            options["centre"] = True
+        elif name == "alloc" and eq and value.strip() and "alloc" not in options:
+            options["alloc"] = value.strip()
+        else:
+            raise ValueError(f"bad cache spec option {item!r} in {text!r}; expected @centre or @alloc=SIGNAL "
+                             "(each at most once)")
+    return options
+
+
 def parse_cache_spec(text: str) -> CacheSpec:
-    """'fp', 'fibquant:b=2', 'fibquant:b=2/fibquant:b=1', 'quanto:b=2' (see the module docstring)."""
+    """'fp', 'fibquant:b=2', 'fibquant:b=2/fibquant:b=1', 'quanto:b=2', '...@centre@alloc=mse'
+    (see the module docstring)."""
     text = text.strip()
     if not text:
         raise ValueError("empty cache spec")
+    base, *option_items = text.split("@")
+    if option_items:
+        parsed = parse_cache_spec(base)
+        return CacheSpec(parsed.key, parsed.value, **_parse_options(option_items, text))
     parts = text.split("/")
     if len(parts) == 1 and not is_peer(text) and parse_method(text).reference:
         return CacheSpec()

@@ -33,6 +33,15 @@ With `centre=True` a layer subtracts a fixed mean key and mean value [B, H, D] (
 tokens it encodes, e.g. the prefill: calibration-free, one vector per head) before encoding,
 and adds it back on every read: the codec's bits go to what varies between tokens.
 
+Per-layer codecs: `key_codec` / `value_codec` may each be a sequence with one codec per layer
+(layer l uses entry l). Or `allocate` (a callable) chooses them from the data itself: it is
+called once with, per layer, that layer's exact tokens after the sinks ([B, H, n, D] keys and
+values) and returns the per-layer key and value codecs (e.g. `fibquant.eval.allocation`).
+`from_cache` calls it with the whole source cache before anything is coded; a cache filled
+through `update` calls it when a layer first has tokens to encode and every layer
+(`num_layers`, from the model with `for_model`) holds tokens; until then tokens stay exact
+(a layer that had to wait encodes its backlog as soon as the codecs are chosen).
+
 Two ways to read the coded part (`attention=`):
 
 - "decode" (the reference): `update` returns float keys/values with the coded part decoded,
@@ -45,7 +54,7 @@ Tested against the Cache / CacheLayerMixin contract of transformers 5.x.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 from transformers.cache_utils import Cache
@@ -65,6 +74,18 @@ __all__ = ["ATTENTION_MODES", "CodeBuffer", "CodedKV", "CompressedCache", "Compr
 def _check_codec(codec, role: str) -> None:
     if not isinstance(codec, Codec):
         raise ValueError(f"{role} must be a fibquant Codec, got {type(codec).__name__}")
+
+
+def _codec_list(codecs, role: str) -> tuple[Codec, Optional[list[Codec]]]:
+    """(the first codec, the per-layer list or None) of a codec or a sequence of codecs."""
+    if isinstance(codecs, Codec):
+        return codecs, None
+    if isinstance(codecs, (list, tuple)) and codecs:
+        for index, codec in enumerate(codecs):
+            _check_codec(codec, f"{role}[{index}]")
+        return codecs[0], list(codecs)
+    raise ValueError(f"{role} must be a fibquant Codec or a non-empty sequence of them (one per layer), "
+                     f"got {type(codecs).__name__}")
 
 
 def _check_window(value, name: str) -> int:
@@ -88,11 +109,35 @@ class CompressedCache(Cache):
     or to `model.generate`.
     """
 
-    def __init__(self, key_codec: Codec, value_codec: Codec, sink_tokens: int = 4, recent_tokens: int = 32,
-                 attention: str = "decode", encode_batch: int = 16, centre: bool = False):
-        _check_codec(key_codec, "key_codec")
-        _check_codec(value_codec, "value_codec")
+    # One codec per layer (a sequence given, or chosen by `allocate`), else None: every layer
+    # uses key_codec / value_codec. Class attributes so that subclasses setting them first keep theirs.
+    key_codecs: Optional[list] = None
+    value_codecs: Optional[list] = None
+
+    def __init__(self, key_codec: Union[Codec, Sequence[Codec]], value_codec: Union[Codec, Sequence[Codec]],
+                 sink_tokens: int = 4, recent_tokens: int = 32, attention: str = "decode", encode_batch: int = 16,
+                 centre: bool = False, allocate: Optional[Callable] = None, num_layers: Optional[int] = None):
+        key_codec, key_codecs = _codec_list(key_codec, "key_codec")
+        value_codec, value_codecs = _codec_list(value_codec, "value_codec")
+        if (key_codecs is None) != (value_codecs is None) or (key_codecs is not None
+                                                              and len(key_codecs) != len(value_codecs)):
+            raise ValueError("per-layer codecs: pass one key and one value codec per layer (two sequences of "
+                             "the same length), or one codec per role")
+        if allocate is not None and key_codecs is not None:
+            raise ValueError("pass per-layer codecs or an allocate callable, not both")
+        if allocate is not None and not callable(allocate):
+            raise ValueError(f"allocate must be callable, got {type(allocate).__name__}")
+        if allocate is not None and num_layers is None:
+            raise ValueError("allocate needs num_layers (the model's layer count; for_model and from_cache "
+                             "set it)")
+        if num_layers is not None and (isinstance(num_layers, bool) or not isinstance(num_layers, int)
+                                       or num_layers < 1):
+            raise ValueError(f"num_layers must be a positive integer, got {num_layers!r}")
+        if key_codecs is not None:
+            self.key_codecs, self.value_codecs = key_codecs, value_codecs
         self.key_codec, self.value_codec = key_codec, value_codec
+        self.allocate, self.num_layers = allocate, num_layers
+        self.allocation: Optional[dict] = None  # what `allocate` returned, once it ran
         self.sink_tokens = _check_window(sink_tokens, "sink_tokens")
         self.recent_tokens = _check_window(recent_tokens, "recent_tokens")
         self.encode_batch = _check_window(encode_batch, "encode_batch")
@@ -104,49 +149,117 @@ class CompressedCache(Cache):
         self.centre = centre
         super().__init__(layer_class_to_replicate=self._new_layer)
 
+    def layer_codecs(self, index: int) -> tuple[Codec, Codec]:
+        """(key codec, value codec) of layer `index`."""
+        if self.key_codecs is None:
+            return self.key_codec, self.value_codec
+        if index >= len(self.key_codecs):
+            raise ValueError(f"this cache has codecs for {len(self.key_codecs)} layers; the model asked for "
+                             f"layer {index}")
+        return self.key_codecs[index], self.value_codecs[index]
+
     def _new_layer(self) -> CompressedLayer:
-        return CompressedLayer(self.key_codec, self.value_codec, self.sink_tokens, self.recent_tokens,
-                               self.attention, self.encode_batch, self.centre)
+        pending = self.allocate is not None and self.key_codecs is None
+        key, value = (self.key_codec, self.value_codec) if pending else self.layer_codecs(len(self.layers))
+        layer = CompressedLayer(key, value, self.sink_tokens, self.recent_tokens, self.attention,
+                                self.encode_batch, self.centre)
+        if pending:
+            layer.resolver = self._resolve_allocation
+        return layer
+
+    # ----------------------------------------------------------------- per-layer allocation
+    def _set_allocation(self, samples: list) -> None:
+        """Run `allocate` on per-layer (keys, values) samples and fix the per-layer codecs."""
+        result = self.allocate(samples)
+        key_codecs, value_codecs = result[0], result[1]
+        _, key_codecs = _codec_list(list(key_codecs), "allocated key codecs")
+        _, value_codecs = _codec_list(list(value_codecs), "allocated value codecs")
+        if len(key_codecs) != len(samples) or len(value_codecs) != len(samples):
+            raise ValueError(f"allocate returned {len(key_codecs)} key and {len(value_codecs)} value codecs "
+                             f"for {len(samples)} layers")
+        self.key_codecs, self.value_codecs = key_codecs, value_codecs
+        self.allocation = result[2] if len(result) > 2 else {}
+
+    def _resolve_allocation(self, caller: CompressedLayer, keys: torch.Tensor, values: torch.Tensor) -> bool:
+        """Called by a layer with tokens to encode before the codecs are chosen; True once they are.
+
+        Chooses them when every layer (`num_layers`) holds tokens: the sample of a layer is its
+        exact tokens after the sinks (the caller's `keys`/`values`: its recent window with the new
+        tokens)."""
+        layers = self.layers
+        if len(layers) < self.num_layers or any(not layer.is_initialized for layer in layers):
+            return False
+        samples = []
+        for layer in layers:
+            if layer is caller:
+                samples.append((keys, values))
+            else:
+                samples.append((layer.recent_keys, layer.recent_values))
+        if any(k.shape[-2] == 0 for k, _ in samples):
+            return False
+        self._set_allocation(samples)
+        for index, layer in enumerate(layers):
+            layer.resolver = None
+            layer.set_codecs(*self.layer_codecs(index))
+        for layer in layers:  # layers that waited encode their backlog now (the caller goes on itself)
+            if layer is not caller:
+                layer.flush()
+        return True
 
     @classmethod
-    def for_model(cls, model, key_codec: Codec, value_codec: Codec, sink_tokens: int = 4,
+    def for_model(cls, model, key_codec, value_codec, sink_tokens: int = 4,
                   recent_tokens: int = 32, attention: str = "codes", encode_batch: int = 16,
-                  centre: bool = False) -> "CompressedCache":
+                  centre: bool = False, allocate: Optional[Callable] = None) -> "CompressedCache":
         """A cache for `model` after checking that the model's attention is supported.
 
         attention="codes" switches the model to fibquant's attention function (which serves
         every other cache as SDPA does); a model that cannot use it gets "decode" with a
         one-time warning.
         """
-        check_model_supported(model, key_codec, value_codec)
+        first_key, key_codecs = _codec_list(key_codec, "key_codec")
+        first_value, value_codecs = _codec_list(value_codec, "value_codec")
+        info = check_model_supported(model, first_key, first_value)
+        for key, value in zip(key_codecs or [], value_codecs or []):
+            check_model_supported(model, key, value)
+        if key_codecs is not None and len(key_codecs) != info["layers"]:
+            raise ValueError(f"{len(key_codecs)} per-layer codecs for a model of {info['layers']} layers")
         attention = _check_attention(attention)
         if attention == "codes":
             from fibquant.kv.attention import try_use_coded_attention
 
             if not try_use_coded_attention(model):
                 attention = "decode"
-        return cls(key_codec, value_codec, sink_tokens, recent_tokens, attention, encode_batch, centre)
+        return cls(key_codec, value_codec, sink_tokens, recent_tokens, attention, encode_batch, centre,
+                   allocate=allocate, num_layers=info["layers"] if allocate is not None else None)
 
     @classmethod
-    def from_cache(cls, cache: Cache, key_codec: Codec, value_codec: Codec, sink_tokens: int = 4,
+    def from_cache(cls, cache: Cache, key_codec, value_codec, sink_tokens: int = 4,
                    recent_tokens: int = 32, attention: str = "decode", model=None,
-                   encode_batch: int = 16, centre: bool = False) -> "CompressedCache":
+                   encode_batch: int = 16, centre: bool = False,
+                   allocate: Optional[Callable] = None) -> "CompressedCache":
         """Compress an already computed cache (e.g. a `DynamicCache` after a float prefill).
 
         The result holds what this cache would hold had it seen the same tokens in one update:
         the first `sink_tokens` and last `recent_tokens` exact, the rest as codes. The source is
-        left untouched. With `model` given, `for_model`'s checks and attention set-up apply.
+        left untouched. With `model` given, `for_model`'s checks and attention set-up apply. With
+        `allocate`, it chooses the per-layer codecs from the source's tokens after the sinks first.
         """
         if model is not None:
             target = cls.for_model(model, key_codec, value_codec, sink_tokens, recent_tokens, attention,
-                                   encode_batch, centre)
+                                   encode_batch, centre, allocate)
         else:
-            target = cls(key_codec, value_codec, sink_tokens, recent_tokens, attention, encode_batch, centre)
+            target = cls(key_codec, value_codec, sink_tokens, recent_tokens, attention, encode_batch, centre,
+                         allocate=allocate, num_layers=len(cache.layers) if allocate is not None else None)
         for index, layer in enumerate(cache.layers):
             keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
             if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor):
                 raise ValueError(f"from_cache: layer {index} of the source ({type(layer).__name__}) holds no "
                                  "float keys/values tensors (e.g. a linear-attention or uninitialised layer)")
+        if allocate is not None:
+            target._set_allocation([(layer.keys[..., sink_tokens:, :], layer.values[..., sink_tokens:, :])
+                                    for layer in cache.layers])
+        for layer in cache.layers:
+            keys, values = layer.keys, layer.values
             new_layer = target._new_layer()
             if keys.ndim == 4 and keys.shape[-2] > 0:
                 new_layer.lazy_initialization(keys, values)
@@ -155,7 +268,8 @@ class CompressedCache(Cache):
         return target
 
     def __repr__(self) -> str:
-        return (f"CompressedCache(key={self.key_codec!r}, value={self.value_codec!r}, "
+        per_layer = "" if self.key_codecs is None else ", per-layer codecs"
+        return (f"CompressedCache(key={self.key_codec!r}, value={self.value_codec!r}{per_layer}, "
                 f"sinks={self.sink_tokens}, recent={self.recent_tokens}, attention={self.attention!r}, "
                 f"layers={len(self.layers)})")
 
@@ -174,7 +288,8 @@ class CompressedCache(Cache):
 
     def shared_nbytes(self) -> int:
         """Bytes of the codecs' shared state (codebooks, rotations), held once for the model."""
-        return sum(codec_state_nbytes(c) for c in {id(c): c for c in (self.key_codec, self.value_codec)}.values())
+        codecs = [self.key_codec, self.value_codec] + list(self.key_codecs or []) + list(self.value_codecs or [])
+        return sum(codec_state_nbytes(c) for c in {id(c): c for c in codecs}.values())
 
     # ----------------------------------------------------------------- persistence (kv/persist.py)
     def coded_rows_since(self, start: int) -> tuple[torch.Tensor, torch.Tensor]:

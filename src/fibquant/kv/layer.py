@@ -45,6 +45,9 @@ class CompressedLayer(CacheLayerMixin):
             setattr(self, name, None)
         self.key_buffer: Optional[CodeBuffer] = None
         self.value_buffer: Optional[CodeBuffer] = None
+        # Set by a CompressedCache whose per-layer codecs are not chosen yet: resolver(layer, keys, values)
+        # -> True once they are (then set_codecs has run); until then tokens leaving the window stay exact.
+        self.resolver = None
 
     def __repr__(self) -> str:
         return (f"CompressedLayer(tokens={self.get_seq_length()}, sinks={self.num_sink}, "
@@ -167,7 +170,8 @@ class CompressedLayer(CacheLayerMixin):
         recent_keys = torch.cat([self.recent_keys, key_states[..., to_sink:, :]], dim=-2)
         recent_values = torch.cat([self.recent_values, value_states[..., to_sink:, :]], dim=-2)
         overflow = recent_keys.shape[-2] - self.recent_tokens
-        if overflow >= self.encode_batch:
+        if overflow >= self.encode_batch and (self.resolver is None
+                                              or self.resolver(self, recent_keys, recent_values)):
             leaving_keys, leaving_values = recent_keys[..., :overflow, :], recent_values[..., :overflow, :]
             if self.centre:
                 if self.key_mean is None:  # fixed once, from the first tokens encoded (e.g. the prefill)
@@ -180,6 +184,23 @@ class CompressedLayer(CacheLayerMixin):
             recent_keys, recent_values = recent_keys[..., overflow:, :], recent_values[..., overflow:, :]
         # The recent slice is copied so the dropped (now encoded) floats are really freed.
         self.recent_keys, self.recent_values = _owned(recent_keys), _owned(recent_values)
+
+    def set_codecs(self, key_codec: Codec, value_codec: Codec) -> None:
+        """Change the codecs of a layer that has coded nothing yet (per-layer allocation)."""
+        if self.num_coded:
+            raise ValueError("set_codecs: this layer already holds codes of its old codecs")
+        for role, codec, old in (("key", key_codec, self.key_codec), ("value", value_codec, self.value_codec)):
+            if not isinstance(codec, Codec) or codec.dim != old.dim:
+                raise ValueError(f"set_codecs: the {role} codec must be a Codec of dim {old.dim}, got {codec!r}")
+        self.key_codec, self.value_codec = key_codec, value_codec
+        if self.is_initialized:
+            self.key_buffer = CodeBuffer(*self.key_buffer.data.shape[:2], key_codec.code_size, self.device)
+            self.value_buffer = CodeBuffer(*self.value_buffer.data.shape[:2], value_codec.code_size, self.device)
+
+    def flush(self) -> None:
+        """Encode what has left the recent window but waited (at least `encode_batch` tokens)."""
+        if self.is_initialized:
+            self._absorb(self.recent_keys[..., :0, :], self.recent_values[..., :0, :])
 
     def get_mask_sizes(self, query_length) -> tuple[int, int]:
         if isinstance(query_length, torch.Tensor):  # transformers < 5 passed cache_position
