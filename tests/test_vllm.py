@@ -37,7 +37,8 @@ def test_config_parses_key_and_value_specs(monkeypatch, text, key, value):
     assert (config.key_spec, config.value_spec) == (key, value)
 
 
-@pytest.mark.parametrize("text", ["fp", "lowrank:r=8", "fibquant:b=4/", "a/b/c", "nonsense:b=1", "fibquant:q=4"])
+@pytest.mark.parametrize("text", ["fp", "lowrank:r=8", "fibquant:b=4/", "a/b/c", "nonsense:b=1", "fibquant:q=4",
+                                  "fibquant:b=2@centre", "fibquant:b=2@alloc=mse"])
 def test_config_refuses_bad_specs(text):
     with pytest.raises(ValueError):
         VllmCacheConfig.parse(text)
