@@ -46,7 +46,8 @@ def fsync_directory(path: Path) -> None:
         os.close(handle)
 
 
-def _as_codes(codes) -> np.ndarray:
+def as_codes(codes) -> np.ndarray:
+    """A tensor or array of codes as a numpy uint8 array; ArchiveError (a ValueError) for other dtypes."""
     if isinstance(codes, torch.Tensor):
         codes = codes.detach().cpu().numpy()
     codes = np.asarray(codes)
@@ -188,7 +189,7 @@ class CodeArchive:
         at the vector's end) and its norm; candidates come from the rarest query code's cell,
         then all n codes are compared as integers. stride > 1 searches one interleaved
         sub-stream (e.g. one (layer, head) of a token-major KV stream)."""
-        codes = _as_codes(codes)
+        codes = as_codes(codes)
         if codes.ndim != 2 or codes.shape[0] < 1 or codes.shape[1] != self._code_size:
             raise ArchiveError(f"codes must be uint8 [n >= 1, {self._code_size}], got shape {codes.shape}")
         if isinstance(stride, bool) or not isinstance(stride, (int, np.integer)) or stride < 1:
@@ -204,7 +205,7 @@ class CodeArchive:
         numpy vectorised over the queries (use_numba=False, or without numba)."""
         from .search import split_by_owner
 
-        queries = _as_codes(queries)
+        queries = as_codes(queries)
         if queries.ndim != 3 or queries.shape[1] < 1 or queries.shape[2] != self._code_size:
             raise ArchiveError(f"queries must be uint8 [q, n >= 1, {self._code_size}], got {queries.shape}")
         if isinstance(stride, bool) or not isinstance(stride, (int, np.integer)) or stride < 1:

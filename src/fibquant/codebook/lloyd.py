@@ -73,30 +73,35 @@ def cell_statistics(samples: torch.Tensor, codewords: torch.Tensor,
     return error, counts, sums
 
 
+def move_codewords(codewords: torch.Tensor, samples: torch.Tensor, error: torch.Tensor, counts: torch.Tensor,
+                   sums: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """One Lloyd step from `cell_statistics`: each codeword to its cell's mean (float32); an empty
+    cell re-seeded deterministically at the samples with the largest error -> (codewords, empty cells)."""
+    filled = counts > 0
+    means = (sums / counts.clamp(min=1).unsqueeze(1)).to(torch.float32)
+    codewords = torch.where(filled.unsqueeze(1), means, codewords)
+    empty = torch.nonzero(~filled).flatten()
+    if empty.numel():
+        codewords[empty] = samples[torch.topk(error, empty.numel()).indices]
+    return codewords, int(empty.numel())
+
+
 def lloyd(samples: torch.Tensor, init: torch.Tensor, *, max_iterations: int = 50, tol: float = 1e-4,
           progress=None) -> LloydResult:
     """Refine `init` [N, k] on `samples` [S, k] (both CPU float32). `progress`: tqdm-like or None."""
     codewords = init.to(torch.float32).clone()
-    n_codewords, k = codewords.shape
     previous = float("inf")
     mse = previous
     iterations = 0
     for iterations in range(1, max_iterations + 1):
-        index, error = assign(samples, codewords)
+        index = nearest_codeword(samples, codewords, chunk_elements=1 << 22)
+        error, counts, sums = cell_statistics(samples, codewords, index)
         mse = float(error.to(torch.float64).mean())
-        counts = torch.bincount(index, minlength=n_codewords)
-        sums = torch.zeros(n_codewords, k, dtype=torch.float64).index_add_(0, index, samples.to(torch.float64))
-        filled = counts > 0
-        means = sums / counts.clamp(min=1).unsqueeze(1)
-        codewords = torch.where(filled.unsqueeze(1), means.to(torch.float32), codewords)
-        empty = torch.nonzero(~filled).flatten()
-        if empty.numel():
-            worst = torch.topk(error, empty.numel()).indices  # deterministic re-seeding
-            codewords[empty] = samples[worst]
+        codewords, empty = move_codewords(codewords, samples, error, counts, sums)
         if progress is not None:
             progress.update(1)
             progress.set_postfix(mse=f"{mse:.5g}")
-        if empty.numel() == 0 and previous - mse <= tol * mse:
+        if empty == 0 and previous - mse <= tol * mse:
             break
         previous = mse
     _, error = assign(samples, codewords)

@@ -42,7 +42,7 @@ from tqdm.auto import tqdm
 
 from ..source import sample_blocks
 from .construct import initial_codebook
-from .lloyd import assign_exact, cell_statistics
+from .lloyd import assign_exact, cell_statistics, move_codewords
 
 VERSION = "v3"
 WORK = 4e11                      # multiply-add equivalents per build (<= 21 CPU-s measured, one thread)
@@ -153,12 +153,7 @@ def _lloyd(spec, codewords: torch.Tensor, schedule: list[tuple[int, bool]], bar,
             pooled_counts = counts if pooled_counts is None else pooled_counts + counts
             pooled_sums = sums if pooled_sums is None else pooled_sums + sums
             counts, sums = pooled_counts, pooled_sums
-        filled = counts > 0
-        means = (sums / counts.clamp(min=1).unsqueeze(1)).to(torch.float32)
-        codewords = torch.where(filled.unsqueeze(1), means, codewords)
-        empty = torch.nonzero(~filled).flatten()
-        if empty.numel():  # deterministic re-seeding at the batch's worst-coded samples
-            codewords[empty] = samples[torch.topk(error, empty.numel()).indices]
+        codewords, _ = move_codewords(codewords, samples, error, counts, sums)  # empty cells: batch's worst samples
         bar.update(1)
         bar.set_postfix(mse=f"{block_mse * spec.dim / spec.k:.5g}", batch=n)
     return codewords.contiguous(), block_mse

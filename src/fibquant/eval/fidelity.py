@@ -142,14 +142,16 @@ class CalibrationBank:
         return self._cache[key]
 
 
+def peer_roundtrip(quantizer, states: torch.Tensor) -> torch.Tensor:
+    """A peer quantizer's round trip of states [L, Hkv, T, D], one layer at a time (positions 0..T-1)."""
+    return torch.cat([quantizer.roundtrip(states[i: i + 1], 0) for i in range(states.shape[0])])
+
+
 def peer_reconstruct(spec: PeerSpec, captured: CapturedAttention, model=None) -> tuple:
-    """(keys_hat, values_hat, bytes per vector) of a peer's round trip, one layer at a time (positions
-    0..T-1, as captured)."""
+    """(keys_hat, values_hat, bytes per vector) of a peer's round trip (`peer_roundtrip`, as captured)."""
     dim = captured.keys.shape[-1]
     key_q, value_q = build_peer(spec, dim, "key", model), build_peer(spec, dim, "value", model)
-    keys_hat = torch.cat([key_q.roundtrip(captured.keys[i: i + 1], 0) for i in range(captured.num_layers)])
-    values_hat = torch.cat([value_q.roundtrip(captured.values[i: i + 1], 0) for i in range(captured.num_layers)])
-    return keys_hat, values_hat, key_q.bytes_per_vector
+    return peer_roundtrip(key_q, captured.keys), peer_roundtrip(value_q, captured.values), key_q.bytes_per_vector
 
 
 def evaluate_method(method: Method | PeerSpec, captured: CapturedAttention, positions: torch.Tensor,

@@ -119,16 +119,13 @@ class PeersConfig:
 
 def side_states(side, states: torch.Tensor, role: str, model=None) -> torch.Tensor:
     """The round trip of states [L, Hkv, T, D] through one cache side (our codec shared by every head,
-    `fidelity.reconstruct`; a peer one layer at a time from position 0, as `fidelity.peer_reconstruct`)."""
-    from fibquant.eval.fidelity import reconstruct
-    from fibquant.eval.peers import build_peer
+    `fidelity.reconstruct`; a peer through `fidelity.peer_roundtrip`)."""
+    from fibquant.eval.fidelity import peer_roundtrip, reconstruct
 
-    dim = states.shape[-1]
+    quantizer = side.build(states.shape[-1], role, model)  # a peer quantizer or our codec
     if side.is_peer:
-        quantizer = build_peer(side.quantizer, dim, role, model)
-        return torch.cat([quantizer.roundtrip(states[i: i + 1], 0) for i in range(states.shape[0])])
-    codec = side.quantizer.build(dim)
-    return reconstruct(states, lambda layer, head: codec, shared=True)
+        return peer_roundtrip(quantizer, states)
+    return reconstruct(states, lambda layer, head: quantizer, shared=True)
 
 
 def run_fidelity_specs(model, tokenizer, specs, config, progress: bool = True) -> dict:

@@ -109,11 +109,6 @@ class CompressedCache(Cache):
     or to `model.generate`.
     """
 
-    # One codec per layer (a sequence given, or chosen by `allocate`), else None: every layer
-    # uses key_codec / value_codec. Class attributes so that subclasses setting them first keep theirs.
-    key_codecs: Optional[list] = None
-    value_codecs: Optional[list] = None
-
     def __init__(self, key_codec: Union[Codec, Sequence[Codec]], value_codec: Union[Codec, Sequence[Codec]],
                  sink_tokens: int = 4, recent_tokens: int = 32, attention: str = "decode", encode_batch: int = 16,
                  centre: bool = False, allocate: Optional[Callable] = None, num_layers: Optional[int] = None):
@@ -133,8 +128,10 @@ class CompressedCache(Cache):
         if num_layers is not None and (isinstance(num_layers, bool) or not isinstance(num_layers, int)
                                        or num_layers < 1):
             raise ValueError(f"num_layers must be a positive integer, got {num_layers!r}")
-        if key_codecs is not None:
-            self.key_codecs, self.value_codecs = key_codecs, value_codecs
+        # One codec per layer (a sequence given, or chosen by `allocate`), else None: every layer
+        # uses key_codec / value_codec.
+        self.key_codecs: Optional[list] = key_codecs
+        self.value_codecs: Optional[list] = value_codecs
         self.key_codec, self.value_codec = key_codec, value_codec
         self.allocate, self.num_layers = allocate, num_layers
         self.allocation: Optional[dict] = None  # what `allocate` returned, once it ran

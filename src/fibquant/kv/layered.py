@@ -33,7 +33,6 @@ from fibquant.codecs.base import Codec
 from fibquant.codecs.bitpack import float16_to_bytes
 from fibquant.codecs.identity import IdentityCodec
 from fibquant.kv.cache import CompressedCache, _check_codec
-from fibquant.kv.layer import CompressedLayer
 
 
 class Fp16Codec(IdentityCodec):
@@ -97,30 +96,9 @@ class HeadwiseCodec(Codec):
 
 
 class LayerwiseCompressedCache(CompressedCache):
-    """A `CompressedCache` whose layer l uses key_codecs[l] and value_codecs[l]."""
+    """A `CompressedCache` whose layer l uses key_codecs[l] and value_codecs[l] (the name saved
+    caches load as; `CompressedCache` itself takes the two sequences)."""
 
     def __init__(self, key_codecs: Sequence[Codec], value_codecs: Sequence[Codec], sink_tokens: int = 4,
                  recent_tokens: int = 32, attention: str = "decode", encode_batch: int = 16):
-        key_codecs, value_codecs = list(key_codecs), list(value_codecs)
-        if not key_codecs or len(key_codecs) != len(value_codecs):
-            raise ValueError(f"need one key and one value codec per layer, got {len(key_codecs)} and "
-                             f"{len(value_codecs)}")
-        for role, codecs in (("key_codecs", key_codecs), ("value_codecs", value_codecs)):
-            for i, codec in enumerate(codecs):
-                _check_codec(codec, f"{role}[{i}]")
-        self.key_codecs, self.value_codecs = key_codecs, value_codecs
-        super().__init__(key_codecs[0], value_codecs[0], sink_tokens, recent_tokens, attention, encode_batch)
-
-    def _new_layer(self) -> CompressedLayer:
-        index = len(self.layers)
-        if index >= len(self.key_codecs):
-            raise ValueError(f"LayerwiseCompressedCache has codecs for {len(self.key_codecs)} layers; "
-                             f"the model asked for layer {index}")
-        return CompressedLayer(self.key_codecs[index], self.value_codecs[index], self.sink_tokens,
-                               self.recent_tokens, self.attention, self.encode_batch)
-
-    def shared_nbytes(self) -> int:
-        from fibquant.kv.memory import codec_state_nbytes
-
-        unique = {id(c): c for c in self.key_codecs + self.value_codecs}
-        return sum(codec_state_nbytes(c) for c in unique.values())
+        super().__init__(list(key_codecs), list(value_codecs), sink_tokens, recent_tokens, attention, encode_batch)

@@ -200,16 +200,7 @@ def write_snapshot(path: Path, layers: list[dict[str, torch.Tensor]], coded: int
     tensors = {f"{i}.{name}": layer[name].detach().cpu().contiguous() for i, layer in enumerate(layers)
                for name in _FIELDS + MEAN_FIELDS if layer.get(name) is not None}
     metadata = {"coded": str(coded), "layers": str(len(layers)), "sha256": _snapshot_sha256(tensors)}
-    blob = save(tensors, metadata=metadata)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as handle:
-        handle.write(blob)
-        handle.flush()
-        if durable:
-            os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    if durable:
-        fsync_directory(path.parent)  # the rename itself
+    write_atomic(path, save(tensors, metadata=metadata), durable)
 
 
 def read_snapshot(path: Path, n_layers: int) -> tuple[list[dict[str, torch.Tensor]], int]:
@@ -244,16 +235,22 @@ def read_snapshot(path: Path, n_layers: int) -> tuple[list[dict[str, torch.Tenso
     return out, coded
 
 
-def write_json_atomic(path: Path, data: dict, durable: bool = False) -> None:
+def write_atomic(path: Path, data: bytes, durable: bool) -> None:
+    """Replace `path` by `data` through a temporary file and a rename (readers see the old or the
+    new file, never a mix); durable=True fsyncs the file and then the directory (the rename itself)."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as handle:
-        handle.write(json.dumps(data, indent=2, sort_keys=True))
+    with open(tmp, "wb") as handle:
+        handle.write(data)
         handle.flush()
         if durable:
             os.fsync(handle.fileno())
     os.replace(tmp, path)
     if durable:
         fsync_directory(path.parent)
+
+
+def write_json_atomic(path: Path, data: dict, durable: bool = False) -> None:
+    write_atomic(path, json.dumps(data, indent=2, sort_keys=True).encode(), durable)
 
 
 def open_tokens(path: Path, mode: str, durable: bool = False) -> Archive:

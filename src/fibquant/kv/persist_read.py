@@ -6,6 +6,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from fibquant.archive.codes import as_codes
 from fibquant.kv.cache import CompressedCache, CompressedLayer
 from fibquant.kv.codes import _decode_centred
 from fibquant.kv.persist_format import MEAN_FIELDS, CodeStream
@@ -168,7 +169,7 @@ class PersistentCacheReader:
         (layer, batch row, head); the index stream's suffix keys check every code's index
         symbols, candidates come from the rarest chunk, and the fp16 norms are compared."""
         stream, m = self._search_stream(role), self.manifest
-        query = _as_query(codes)
+        query = as_codes(codes)
         if query.ndim != 2 or query.shape[0] < 1 or query.shape[1] != stream.code_size:
             raise ValueError(f"codes must be uint8 [n >= 1, {stream.code_size}], got shape {query.shape}")
         if not (0 <= layer < m.layers and 0 <= head < m.kv_heads and 0 <= batch < m.batch):
@@ -189,7 +190,7 @@ class PersistentCacheReader:
         """`find` for q sequences of n codes at once, uint8 [q, n, code_size]; layers / heads: one
         int or one per query. One compiled pass over the batch; one sorted array per query."""
         stream, m = self._search_stream(role), self.manifest
-        query = _as_query(codes)
+        query = as_codes(codes)
         if query.ndim != 3 or query.shape[1] < 1 or query.shape[2] != stream.code_size:
             raise ValueError(f"codes must be uint8 [n >= 1, {stream.code_size}] per query, got shape "
                              f"{query.shape[1:] if query.ndim == 3 else query.shape}")
@@ -261,13 +262,6 @@ class PersistentCacheReader:
                 layer.key_mean, layer.value_mean = (exact[n].to(device).clone() for n in MEAN_FIELDS)
             cache.layers.append(layer)
         return cache
-
-
-def _as_query(codes) -> np.ndarray:
-    query = codes.detach().cpu().numpy() if isinstance(codes, torch.Tensor) else np.asarray(codes)
-    if query.dtype != np.uint8:
-        raise ValueError(f"codes must be uint8, got {query.dtype}")
-    return query
 
 
 # Every fp16 bit pattern as float64 (exact): a stored norm symbol -> its value by one lookup.
