@@ -46,21 +46,37 @@ work, the units are split over a small thread pool of at most torch.get_num_thre
 So `torch.set_num_threads(1)` gives a single-threaded kernel. numba is imported on first use only;
 compiled kernels are cached on disk by numba (cache=True), ~5 s to compile the first time.
 
+Backends (`backend=`): "auto" picks numba for CPU tensors (torch when numba is missing), the
+Triton kernels of `coded_triton` for CUDA tensors when triton imports (`pip install
+'fibquant[gpu]'`), else the torch reference with a one-time warning; "torch" is the reference on
+any device; "numba" needs CPU tensors; "triton" needs CUDA tensors, or CPU tensors when
+TRITON_INTERPRET=1 was set before triton was first imported (Triton's interpreter: how the tests
+run it without a GPU). A config the Triton kernels cannot serve (index_bits > 25, head dim > 512)
+runs the torch reference with a one-time warning, never a wrong result.
+
+Fused decode attention (`coded_decode_attention`, flash-decoding on codes; Triton on CUDA, the
+torch reference `coded_decode_attention_reference` elsewhere) returns the coded part's output
+and log-sum-exp per query row; `merge_lse` merges it exactly with the exact columns' part
+(`attention_with_lse`). See docs/gpu.md.
+
 Modules: `coded_reference` (argument checks and the torch reference), `coded_numba` (the kernels),
-`coded_numba_tables` (their jitted helpers), `coded_intrinsics` (the vector intrinsics); this
-module picks the backend and splits the work over threads.
+`coded_numba_tables` (their jitted helpers), `coded_intrinsics` (the vector intrinsics),
+`coded_triton` (the GPU kernels, imported on first use); this module picks the backend and splits
+the work over threads.
 """
 from __future__ import annotations
 
 import threading
+import warnings
 from typing import Optional
 
 import torch
 
 from .._numba import numba_available, run_split
 from .coded_numba import _MODE_BYTES, _MODE_FIELDS
-from .coded_reference import (BACKENDS, _check_backend, _validate_scores, _validate_weighted_sum,
-                              coded_scores_reference, coded_weighted_sum_reference)
+from .coded_reference import (BACKENDS, _check_backend, _validate_decode, _validate_scores, _validate_weighted_sum,
+                              attention_with_lse, coded_decode_attention_reference, coded_scores_reference,
+                              coded_weighted_sum_reference, merge_lse)
 
 _MIN_WORK_PER_THREAD = 1 << 16  # token-positions per unit below which threads do not pay
 _LUT_L2_BYTES = 512 * 1024   # 16 lanes only when the byte table stays within this (an L2's worth)
@@ -70,7 +86,12 @@ __all__ = [
     "coded_weighted_sum",
     "coded_scores_reference",
     "coded_weighted_sum_reference",
+    "coded_decode_attention",
+    "coded_decode_attention_reference",
+    "attention_with_lse",
+    "merge_lse",
     "numba_available",
+    "triton_available",
     "BACKENDS",
 ]
 
@@ -110,19 +131,71 @@ def _lanes(n_queries: int, mode: int, index_bits: int, n_blocks: int) -> int:
     return 16 if n_pos * 256 * 16 * 4 <= _LUT_L2_BYTES else 8
 
 
-def _use_numba(backend: str, *tensors: torch.Tensor) -> bool:
+_TRITON = None  # (module or None, import error text), probed once
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+
+def _triton_probe():
+    global _TRITON
+    if _TRITON is None:
+        try:
+            from . import coded_triton
+        except Exception as exc:  # ImportError, or a broken triton install
+            _TRITON = (None, f"{type(exc).__name__}: {exc}")
+        else:
+            _TRITON = (coded_triton, "")
+    return _TRITON
+
+
+def triton_available() -> bool:
+    """Whether triton imports (and with it the kernels of `coded_triton`)."""
+    return _triton_probe()[0] is not None
+
+
+def _select(backend: str, tensors: tuple[torch.Tensor, ...], roles: tuple[tuple[int, int], ...],
+            fused: bool = False) -> str:
+    """The backend that runs: "torch", "numba" or "triton". roles: (head dim, index_bits) per code role."""
     _check_backend(backend)
     if backend == "torch":
-        return False
+        return "torch"
     on_cpu = all(t.device.type == "cpu" for t in tensors)
+    on_cuda = all(t.device.type == "cuda" for t in tensors)
     if backend == "numba":
+        if fused:
+            raise ValueError("backend='numba' has no fused decode attention; use 'auto', 'torch' or 'triton'")
         if not numba_available():
             raise ValueError("backend='numba' requested but numba is not importable (pip install numba)")
         if not on_cpu:
             raise ValueError("backend='numba' needs CPU tensors; got "
                              + ", ".join(str(t.device) for t in tensors))
-        return True
-    return on_cpu and numba_available()
+        return "numba"
+    if backend == "auto" and not on_cuda:
+        return "numba" if on_cpu and numba_available() and not fused else "torch"
+    module, error = _triton_probe()
+    if module is None:
+        if backend == "triton":
+            raise ValueError(f"backend='triton' requested but triton is not importable ({error}); "
+                             "pip install 'fibquant[gpu]'")
+        _warn_once("no-triton", f"triton is not importable ({error}): attention on codes of CUDA tensors runs the "
+                   "torch reference, which decodes every coded token (pip install 'fibquant[gpu]')")
+        return "torch"
+    if backend == "triton":
+        reason = module.device_reason(*tensors)
+        if reason is not None:
+            raise ValueError(f"backend='triton': {reason}")
+    for dim, index_bits in roles:
+        reason = module.unsupported_reason(dim, index_bits)
+        if reason is not None:
+            _warn_once(f"triton-config:{reason}", f"the triton kernels cannot serve {reason}: this config runs "
+                       "the torch reference (which decodes every coded token)")
+            return "torch"
+    return "triton"
 
 
 def _codes_array(codes: torch.Tensor):
@@ -139,15 +212,19 @@ def coded_scores(queries: torch.Tensor, codes: torch.Tensor, codewords: torch.Te
     """queries float32 [B, H, Q, D] (rotated domain), codes uint8 [B, H, M, code_size], codewords float32 [N, k]
     -> float32 [B, H, Q, M]: s[b,h,q,i] = nu[b,h,i] * sum_j <queries[b,h,q, j*k:(j+1)*k], codewords[idx[b,h,i,j]]>
 
-    backend: "auto" (numba for CPU tensors when numba imports, else torch), "torch" (the reference),
-    "numba" (ValueError if numba is missing or a tensor is not on the CPU). `codes` may be a strided
+    backend: "auto" (numba for CPU tensors when numba imports, else torch; triton for CUDA tensors
+    when triton imports, else torch with a one-time warning), "torch" (the reference), "numba"
+    (ValueError if numba is missing or a tensor is not on the CPU), "triton" (ValueError if triton
+    is missing or the tensors are neither CUDA nor CPU under TRITON_INTERPRET=1). `codes` may be a strided
     view (e.g. [:, :, :M] of a capacity buffer); it is read in place. Raises ValueError for bad
     shapes/dtypes and for indices >= N (possible only when N < 2^index_bits).
     """
     n_codewords, k, n_blocks = _validate_scores(queries, codes, codewords, index_bits)
-    _check_backend(backend)
-    if not _use_numba(backend, queries, codes, codewords):
+    choice = _select(backend, (queries, codes, codewords), ((n_blocks * k, index_bits),))
+    if choice == "torch":
         return coded_scores_reference(queries, codes, codewords, index_bits)
+    if choice == "triton":
+        return _triton_probe()[0].scores(queries, codes, codewords, index_bits)
     n_b, n_h, n_q, _ = queries.shape
     n_tokens = codes.shape[2]
     out = torch.empty(n_b, n_h, n_q, n_tokens, dtype=torch.float32)
@@ -175,9 +252,11 @@ def coded_weighted_sum(weights: torch.Tensor, codes: torch.Tensor, codewords: to
     `coded_scores`. M = 0 gives zeros.
     """
     n_codewords, k, n_blocks = _validate_weighted_sum(weights, codes, codewords, index_bits, dim)
-    _check_backend(backend)
-    if not _use_numba(backend, weights, codes, codewords):
+    choice = _select(backend, (weights, codes, codewords), ((n_blocks * k, index_bits),))
+    if choice == "torch":
         return coded_weighted_sum_reference(weights, codes, codewords, index_bits, dim=n_blocks * k)
+    if choice == "triton":
+        return _triton_probe()[0].weighted_sum(weights, codes, codewords, index_bits, n_blocks * k)
     n_b, n_h, n_q, n_tokens = weights.shape
     out = torch.empty(n_b, n_h, n_q, n_blocks * k, dtype=torch.float32)
     if n_tokens == 0 or out.numel() == 0:
@@ -191,3 +270,50 @@ def coded_weighted_sum(weights: torch.Tensor, codes: torch.Tensor, codewords: to
     if bad:
         raise ValueError(f"codes hold {bad} index(es) >= N={n_codewords} (index_bits={index_bits})")
     return out
+
+
+def coded_decode_attention(queries: torch.Tensor, key_codes: torch.Tensor, value_codes: torch.Tensor,
+                           key_codewords: torch.Tensor, value_codewords: torch.Tensor, key_bits: int,
+                           value_bits: int, bias: Optional[torch.Tensor] = None, *, value_dim: Optional[int] = None,
+                           backend: str = "auto", splits: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused attention of query rows over coded keys/values (flash-decoding on codes).
+
+    queries   float32 [B, Hq, Q, D]: the queries rotated by the key codec (q @ key forward) and
+              already multiplied by the softmax scaling
+    key_codes, value_codes  uint8 [B, Hkv, M, Ck] / [B, Hkv, M, Cv] (Hq a multiple of Hkv; query
+              head hq reads KV head hq // (Hq / Hkv), keys are never repeated); strided views
+              such as [:, :, :M] of a capacity buffer are read in place
+    key_codewords, value_codewords  float32 [N, k] per role; key_bits, value_bits their index widths
+    bias      None or float32 additive [B|1, 1|Hq, Q, M] over the coded columns (-inf = masked)
+    value_dim Dv when it differs from D (default D)
+    splits    context splits across programs (default: enough to fill the GPU); results do not
+              depend on it beyond float32 rounding
+    -> (out float32 [B, Hq, Q, Dv]: softmax over the M coded columns applied to the decoded values,
+        in the value codec's rotated domain (un-rotate with `@ value_rotated.forward.T`);
+        lse float32 [B, Hq, Q]: logsumexp of the coded columns' scores (+ bias))
+
+    Rows with no visible coded column (fully masked, or M = 0) give out = 0 and lse = -inf.
+    Merge with the exact columns (sinks, window, new tokens) exactly by
+    `merge_lse([(out_coded_unrotated, lse_coded), attention_with_lse(q, k_exact, v_exact, bias_exact)])`.
+    Centred keys (x = x_hat + mu): add q . mu to lse (a constant shift of every coded score);
+    centred values: add mu to the (normalised) coded out before merging.
+
+    backend: "auto" (triton for CUDA tensors when it imports, else the torch reference with a
+    one-time warning; the reference on the CPU: there the numba drop-ins of `coded_scores` /
+    `coded_weighted_sum` are the fast path), "torch", "triton" (as in `coded_scores`).
+    Raises ValueError for bad shapes/dtypes/devices and for indices >= N.
+    """
+    key_blocks, value_blocks, _, value_dim = _validate_decode(queries, key_codes, value_codes, key_codewords,
+                                                              value_codewords, key_bits, value_bits, bias,
+                                                              value_dim)
+    if splits is not None and (not isinstance(splits, int) or isinstance(splits, bool) or splits < 1):
+        raise ValueError(f"splits must be a positive integer or None, got {splits!r}")
+    tensors = (queries, key_codes, value_codes, key_codewords, value_codewords)
+    tensors += () if bias is None else (bias,)
+    choice = _select(backend, tensors, ((queries.shape[-1], key_bits), (value_dim, value_bits)), fused=True)
+    if choice == "triton":
+        return _triton_probe()[0].decode_attention(queries, key_codes, value_codes, key_codewords,
+                                                   value_codewords, key_bits, value_bits, bias, value_dim,
+                                                   splits=splits)
+    return coded_decode_attention_reference(queries, key_codes, value_codes, key_codewords, value_codewords,
+                                            key_bits, value_bits, bias, value_dim=value_dim)

@@ -1,16 +1,22 @@
 """Code-row checks and the plain torch reference of attention on codes (the spec of
-`fibquant.kv.coded_kernels`; any device). Layout of a code row: see that module's docstring."""
+`fibquant.kv.coded_kernels`; any device). Layout of a code row: see that module's docstring.
+
+Besides the two drop-ins (`coded_scores_reference`, `coded_weighted_sum_reference`) this module
+holds the spec of the fused decode attention (`coded_decode_attention_reference`, the Triton
+kernel's spec), dense attention that also returns the log-sum-exp (`attention_with_lse`), and the
+exact merge of attention parts over disjoint column sets (`merge_lse`).
+"""
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
 from ..codecs.bitpack import MAX_BITS, bytes_to_float16, packed_size, unpack_bits
 from ..codecs.rotation import NORM_BYTES
 
-BACKENDS = ("auto", "torch", "numba")
+BACKENDS = ("auto", "torch", "numba", "triton")
 
 
 def _is_int(value) -> bool:
@@ -145,3 +151,134 @@ def coded_weighted_sum_reference(weights: torch.Tensor, codes: torch.Tensor, cod
     values = _decoded_rotated(codes, codewords, index_bits, n_blocks)
     return torch.einsum("bhqm,bhmd->bhqd", weights, values)
 
+
+
+# --------------------------------------------------------------------------- fused decode attention (spec)
+def _check_bias(bias, batch: int, q_heads: int, n_q: int, n_tokens: int, device) -> None:
+    if bias is None:
+        return
+    if not isinstance(bias, torch.Tensor):
+        raise ValueError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
+    if bias.dtype != torch.float32:
+        raise ValueError(f"bias must be float32 (additive, -inf = masked), got dtype {bias.dtype}")
+    if bias.device != device:
+        raise ValueError(f"bias ({bias.device}) and codes ({device}) must be on the same device")
+    shape = tuple(bias.shape)
+    if (bias.ndim != 4 or shape[0] not in (1, batch) or shape[1] not in (1, q_heads)
+            or shape[2:] != (n_q, n_tokens)):
+        raise ValueError(f"bias must have shape [B|1, 1|Hq, Q, M] = [{batch}|1, 1|{q_heads}, {n_q}, {n_tokens}], "
+                         f"got {shape}")
+
+
+def _validate_decode(queries, key_codes, value_codes, key_codewords, value_codewords, key_bits, value_bits,
+                     bias, value_dim) -> tuple[int, int, int, int]:
+    """Checks of `coded_decode_attention` -> (key n_blocks, value n_blocks, groups = Hq / Hkv, Dv)."""
+    _check_float4(queries, "queries", "[B, Hq, Q, D]")
+    _check_codes(key_codes)
+    _check_codes(value_codes)
+    _check_device(queries, key_codes, "queries")
+    _check_device(value_codes, key_codes, "value_codes")
+    _, k_key = _check_codebook(key_codewords, key_bits)
+    _, k_value = _check_codebook(value_codewords, value_bits)
+    batch, q_heads, n_q, dim = queries.shape
+    bk, hk, mk, key_size = key_codes.shape
+    bv, hv, mv, value_size = value_codes.shape
+    if (bk, hk, mk) != (bv, hv, mv):
+        raise ValueError(f"key_codes [B, H, M] = {(bk, hk, mk)} and value_codes {(bv, hv, mv)} disagree")
+    if bk != batch:
+        raise ValueError(f"queries have B={batch} but codes have B={bk}")
+    if hk < 1 or q_heads % hk:
+        raise ValueError(f"{q_heads} query heads are not a multiple of {hk} KV heads")
+    if dim % k_key:
+        raise ValueError(f"query dim D={dim} is not a multiple of the key codeword size k={k_key}")
+    key_blocks = dim // k_key
+    expected = NORM_BYTES + packed_size(key_blocks, key_bits)
+    if key_size != expected:
+        raise ValueError(f"key_codes have code_size={key_size} bytes, but D={dim}, k={k_key}, index_bits={key_bits} "
+                         f"need {expected}")
+    value_dim = dim if value_dim is None else value_dim
+    if not _is_int(value_dim) or value_dim < 1 or value_dim % k_value:
+        raise ValueError(f"value_dim must be a positive multiple of the value codeword size k={k_value}, "
+                         f"got {value_dim!r}")
+    value_blocks = value_dim // k_value
+    expected = NORM_BYTES + packed_size(value_blocks, value_bits)
+    if value_size != expected:
+        raise ValueError(f"value_codes have code_size={value_size} bytes, but Dv={value_dim}, k={k_value}, "
+                         f"index_bits={value_bits} need {expected} (pass value_dim when Dv != D)")
+    _check_bias(bias, batch, q_heads, n_q, mk, key_codes.device)
+    return key_blocks, value_blocks, q_heads // hk, value_dim
+
+
+def attention_with_lse(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                       bias: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense attention of one column set, with its log-sum-exp (plain torch, any device, float32).
+
+    queries [B, Hq, Q, D] (already scaled), keys [B, Hkv, L, D], values [B, Hkv, L, Dv] (GQA:
+    query head hq reads KV head hq // (Hq / Hkv)), bias None or additive [B|1, 1|Hq, Q, L]
+    (-inf = masked) -> (out [B, Hq, Q, Dv] = softmax(q.K^T + bias) @ V, lse [B, Hq, Q] =
+    logsumexp(q.K^T + bias)). A fully masked row (or L = 0): out = 0, lse = -inf, no NaN.
+    The pieces of one attention row over disjoint column sets merge exactly with `merge_lse`.
+    """
+    batch, q_heads, n_q, dim = queries.shape
+    heads, length = keys.shape[1], keys.shape[2]
+    if q_heads % max(heads, 1):
+        raise ValueError(f"{q_heads} query heads are not a multiple of {heads} KV heads")
+    groups = q_heads // heads
+    q = queries.to(torch.float32).reshape(batch, heads, groups * n_q, dim)
+    scores = (q @ keys.to(torch.float32).transpose(-1, -2)).reshape(batch, q_heads, n_q, length)
+    if bias is not None:
+        scores = scores + bias
+    lse = torch.logsumexp(scores, dim=-1) if length else scores.new_full((batch, q_heads, n_q), float("-inf"))
+    finite = torch.isfinite(lse)
+    weights = torch.exp(scores - torch.where(finite, lse, torch.zeros_like(lse)).unsqueeze(-1))
+    weights = weights.reshape(batch, heads, groups * n_q, length)
+    out = (weights @ values.to(torch.float32)).reshape(batch, q_heads, n_q, values.shape[-1])
+    return out.masked_fill(~finite.unsqueeze(-1), 0.0), lse
+
+
+def merge_lse(parts: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact merge of attention over disjoint column sets: parts [(out_i [..., Dv], lse_i [...]), ...]
+    (each out_i normalised within its own columns, lse_i its log-sum-exp of scores) -> (out, lse) of
+    attention over the union: lse = logsumexp_i lse_i, out = sum_i exp(lse_i - lse) out_i.
+
+    Parts with lse_i = -inf (no visible column) weigh 0; a row where every part is -inf gives
+    out = 0, lse = -inf (no NaN). Shapes must agree; float32 recommended (the result is float32).
+    """
+    parts = list(parts)
+    if not parts:
+        raise ValueError("merge_lse needs at least one (out, lse) part")
+    for out, lse in parts:
+        if not isinstance(out, torch.Tensor) or not isinstance(lse, torch.Tensor):
+            raise ValueError("merge_lse parts must be (out, lse) tensor pairs")
+        if tuple(out.shape[:-1]) != tuple(lse.shape) or tuple(lse.shape) != tuple(parts[0][1].shape) \
+                or out.shape[-1] != parts[0][0].shape[-1]:
+            raise ValueError(f"merge_lse parts disagree: out {tuple(out.shape)}, lse {tuple(lse.shape)} "
+                             f"vs first out {tuple(parts[0][0].shape)}, lse {tuple(parts[0][1].shape)}")
+    if len(parts) == 1:
+        out, lse = parts[0]
+        return out.to(torch.float32), lse.to(torch.float32)
+    lses = torch.stack([lse.to(torch.float32) for _, lse in parts])
+    total = torch.logsumexp(lses, dim=0)
+    safe = torch.where(torch.isfinite(total), total, torch.zeros_like(total))
+    scale = torch.exp(lses - safe)  # 0 where lse_i = -inf; every entry 0 on a fully masked row
+    out = sum(scale[i].unsqueeze(-1) * part.to(torch.float32) for i, (part, _) in enumerate(parts))
+    return out, total
+
+
+def coded_decode_attention_reference(queries: torch.Tensor, key_codes: torch.Tensor, value_codes: torch.Tensor,
+                                     key_codewords: torch.Tensor, value_codewords: torch.Tensor,
+                                     key_bits: int, value_bits: int, bias: Optional[torch.Tensor] = None,
+                                     *, value_dim: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The spec of `coded_kernels.coded_decode_attention`: decode both code sets in the rotated
+    domain, then `attention_with_lse` (any device).
+
+    queries float32 [B, Hq, Q, D] rotated by the key codec (q @ forward) and already scaled;
+    key_codes uint8 [B, Hkv, M, Ck], value_codes uint8 [B, Hkv, M, Cv]; codewords float32 [N, k]
+    per role; bias None or float32 additive [B|1, 1|Hq, Q, M] -> (out [B, Hq, Q, Dv] in the value
+    codec's rotated domain, normalised over the M coded columns; lse [B, Hq, Q]).
+    """
+    key_blocks, value_blocks, _, _ = _validate_decode(queries, key_codes, value_codes, key_codewords,
+                                                      value_codewords, key_bits, value_bits, bias, value_dim)
+    keys = _decoded_rotated(key_codes, key_codewords, key_bits, key_blocks)
+    values = _decoded_rotated(value_codes, value_codewords, value_bits, value_blocks)
+    return attention_with_lse(queries, keys, values, bias)

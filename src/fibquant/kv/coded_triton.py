@@ -1,0 +1,383 @@
+"""Triton kernels of attention on codes (CUDA; CPU tensors under Triton's interpreter).
+
+Imported only when the "triton" backend runs (kv/coded_kernels.py picks it for CUDA tensors when
+triton imports). The spec of every function here is the plain torch reference in
+kv/coded_reference.py; the code-row layout is the one of kv/coded_kernels.py's docstring:
+bytes [0, 2) the fp16 norm nu (little-endian), then n_blocks indices of W bits, bit-packed
+little-endian (index j at bits [j*W, (j+1)*W) of the index bytes).
+
+Every kernel decodes *tiles* of code rows on chip, never a whole [B, H, M, D] tensor: for a tile
+of BM rows it reads the W-bit field of each column's block from the row's bytes (at most
+ceil((7 + W) / 8) byte loads per column, 1 when W divides 8), gathers the codeword entries
+(float32 [N, k] in global memory, L1/L2 resident), scales by nu, and feeds the [BM, D] tile to
+`tl.dot` (input_precision="ieee": float32 products, no TF32, so results agree with the float32
+reference to float32 rounding). Codes are read in place through their strides (a [:, :, :M] view
+of a capacity buffer is not copied; only a row whose bytes are not contiguous is).
+
+    scores(queries [B,H,Q,D], codes [B,H,M,C], codewords [N,k], W)        -> [B,H,Q,M]
+    weighted_sum(weights [B,H,Q,M], codes [B,H,M,C], codewords [N,k], W)  -> [B,H,Q,D]
+    decode_attention(queries [B,Hq,Q,D], key_codes [B,Hkv,M,Ck], value_codes [B,Hkv,M,Cv], ...)
+        -> (out [B,Hq,Q,Dv] rotated, normalised over the M coded columns; lse [B,Hq,Q])
+
+`decode_attention` is flash-decoding on codes: the query rows of one KV head (Hq / Hkv heads x Q
+tokens, padded to a tile of >= 16 rows, so GQA never repeats keys) are scored against tiles of
+key codes, an online softmax runs over the tiles of one split of the context, values are
+accumulated in the value codec's rotated domain; the context is split across programs
+(`splits`) and the per-split (acc, max, sum) are merged exactly (`merge_lse` semantics).
+Prefill chunks use the same kernel (query rows are tiled too): memory is O(rows x Dv) plus
+[splits, rows, Dv] partials, never [rows, M].
+
+Limits (the caller falls back to the torch reference): W <= 25 (a field must fit a 32-bit window
+at any bit offset; every shipped codebook has W <= 12), D and Dv <= 512. Invalid indices (>= N,
+possible only when N < 2^W) are clamped before the gather and counted; the wrappers then raise
+ValueError, like the reference (that check costs one device sync, only when N < 2^W).
+
+Inference only: inputs are detached. Outputs are float32.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .coded_reference import merge_lse
+
+MAX_TRITON_BITS = 25
+MAX_TRITON_DIM = 512
+
+
+def _interpreting() -> bool:
+    """Whether this module's kernels were built for Triton's interpreter (TRITON_INTERPRET=1 at import)."""
+    try:
+        from triton import knobs
+
+        return bool(knobs.runtime.interpret)
+    except (ImportError, AttributeError):  # older triton: the variable itself
+        return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+INTERPRETED = _interpreting()
+
+
+def unsupported_reason(dim: int, index_bits: int) -> str | None:
+    """Why the kernels cannot serve a code role of head dim `dim` and `index_bits`, or None."""
+    if index_bits > MAX_TRITON_BITS:
+        return f"index_bits={index_bits} > {MAX_TRITON_BITS}"
+    if dim > MAX_TRITON_DIM:
+        return f"head dim {dim} > {MAX_TRITON_DIM}"
+    return None
+
+
+def device_reason(*tensors: torch.Tensor) -> str | None:
+    """Why the kernels cannot run on these tensors' device, or None."""
+    for tensor in tensors:
+        if tensor.device.type == "cuda":
+            continue
+        if tensor.device.type == "cpu" and INTERPRETED:
+            continue
+        return (f"the triton kernels need CUDA tensors (or CPU tensors with TRITON_INTERPRET=1 set before "
+                f"triton is first imported); got a tensor on {tensor.device}")
+    return None
+
+
+# --------------------------------------------------------------------------- jitted pieces
+@triton.jit
+def _decode_tile(codes_ptr, row_off, row_ok, cw_ptr, n_codewords, index_bytes, dim, bad_ptr,
+                 W: tl.constexpr, K: tl.constexpr, NB: tl.constexpr, DP: tl.constexpr,
+                 BM: tl.constexpr, CHECK: tl.constexpr):
+    """Rows at byte offsets row_off int64 [BM] (row_ok bool [BM]) -> float32 [BM, DP]:
+    nu * concat_j codewords[idx_j], zero in masked rows and in columns >= dim."""
+    cols = tl.arange(0, DP)
+    col_ok = cols < dim
+    bit = (cols // K) * W
+    byte = bit >> 3
+    shift = (bit & 7).to(tl.uint32)
+    ok = row_ok[:, None] & col_ok[None, :]
+    base = codes_ptr + row_off[:, None] + 2
+    word = tl.zeros([BM, DP], dtype=tl.uint32)
+    for t in tl.static_range(NB):
+        pos = byte + t
+        part = tl.load(base + pos[None, :], mask=ok & (pos < index_bytes)[None, :], other=0)
+        word = word | (part.to(tl.uint32) << (8 * t))
+    idx = ((word >> shift[None, :]) & ((1 << W) - 1)).to(tl.int32)
+    if CHECK:
+        invalid = ok & (idx >= n_codewords)
+        tl.atomic_add(bad_ptr, tl.sum(tl.sum(invalid.to(tl.int32), axis=1), axis=0))
+        idx = tl.minimum(idx, n_codewords - 1)
+    units = tl.load(cw_ptr + idx * K + (cols % K)[None, :], mask=ok, other=0.0)
+    lo = tl.load(codes_ptr + row_off, mask=row_ok, other=0).to(tl.uint16)
+    hi = tl.load(codes_ptr + row_off + 1, mask=row_ok, other=0).to(tl.uint16)
+    nu = (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+    return units * nu[:, None]
+
+
+@triton.jit
+def _scores_kernel(q_ptr, codes_ptr, cw_ptr, out_ptr, bad_ptr,
+                   n_heads, n_q, n_tokens, dim, n_codewords, index_bytes,
+                   sq0, sq1, sq2, sq3, sc0, sc1, sc2, so0, so1, so2, so3,
+                   W: tl.constexpr, K: tl.constexpr, NB: tl.constexpr, DP: tl.constexpr,
+                   BQ: tl.constexpr, BM: tl.constexpr, CHECK: tl.constexpr):
+    bh = tl.program_id(0)
+    b = (bh // n_heads).to(tl.int64)
+    h = (bh % n_heads).to(tl.int64)
+    rows = tl.program_id(1) * BQ + tl.arange(0, BQ)
+    row_ok = rows < n_q
+    cols = tl.arange(0, DP)
+    q = tl.load(q_ptr + b * sq0 + h * sq1 + rows[:, None].to(tl.int64) * sq2 + cols[None, :] * sq3,
+                mask=row_ok[:, None] & (cols < dim)[None, :], other=0.0)
+    tokens = tl.program_id(2) * BM + tl.arange(0, BM)
+    tok_ok = tokens < n_tokens
+    row_off = b * sc0 + h * sc1 + tokens.to(tl.int64) * sc2
+    keys = _decode_tile(codes_ptr, row_off, tok_ok, cw_ptr, n_codewords, index_bytes, dim, bad_ptr,
+                        W, K, NB, DP, BM, CHECK)
+    s = tl.dot(q, tl.trans(keys), input_precision="ieee")
+    tl.store(out_ptr + b * so0 + h * so1 + rows[:, None].to(tl.int64) * so2 + tokens[None, :] * so3, s,
+             mask=row_ok[:, None] & tok_ok[None, :])
+
+
+@triton.jit
+def _weighted_sum_kernel(w_ptr, codes_ptr, cw_ptr, out_ptr, bad_ptr,
+                         n_heads, n_q, n_tokens, dim, n_codewords, index_bytes, tokens_per_split,
+                         sw0, sw1, sw2, sw3, sc0, sc1, sc2, so0, so1, so2, so3,
+                         W: tl.constexpr, K: tl.constexpr, NB: tl.constexpr, DP: tl.constexpr,
+                         BQ: tl.constexpr, BM: tl.constexpr, CHECK: tl.constexpr):
+    """Partial sums of split program_id(2) -> out [S, B, H, Q, D] (contiguous)."""
+    bh = tl.program_id(0)
+    b = (bh // n_heads).to(tl.int64)
+    h = (bh % n_heads).to(tl.int64)
+    split = tl.program_id(2)
+    rows = tl.program_id(1) * BQ + tl.arange(0, BQ)
+    row_ok = rows < n_q
+    cols = tl.arange(0, DP)
+    acc = tl.zeros([BQ, DP], dtype=tl.float32)
+    start = split * tokens_per_split
+    stop = tl.minimum(start + tokens_per_split, n_tokens)
+    for first in range(start, stop, BM):
+        tokens = first + tl.arange(0, BM)
+        tok_ok = tokens < stop
+        w = tl.load(w_ptr + b * sw0 + h * sw1 + rows[:, None].to(tl.int64) * sw2 + tokens[None, :] * sw3,
+                    mask=row_ok[:, None] & tok_ok[None, :], other=0.0)
+        row_off = b * sc0 + h * sc1 + tokens.to(tl.int64) * sc2
+        vals = _decode_tile(codes_ptr, row_off, tok_ok, cw_ptr, n_codewords, index_bytes, dim, bad_ptr,
+                            W, K, NB, DP, BM, CHECK)
+        acc += tl.dot(w, vals, input_precision="ieee")
+    tl.store(out_ptr + split.to(tl.int64) * so0 + b * so1 + h * so2 + rows[:, None].to(tl.int64) * so3
+             + cols[None, :], acc, mask=row_ok[:, None] & (cols < dim)[None, :])
+
+
+@triton.jit
+def _decode_attention_kernel(q_ptr, kc_ptr, vc_ptr, kcw_ptr, vcw_ptr, bias_ptr, acc_ptr, stat_ptr, bad_ptr,
+                             n_kv_heads, groups, n_q, n_rows, n_tokens, dim, dim_v,
+                             n_kcw, n_vcw, k_index_bytes, v_index_bytes, tokens_per_split,
+                             sq0, sq1, sq2, sq3, skc0, skc1, skc2, svc0, svc1, svc2,
+                             sb0, sb1, sb2, sb3, sa0, sa1, sa2, sa3, ss0, ss1, ss2, ss3,
+                             KW: tl.constexpr, KK: tl.constexpr, KNB: tl.constexpr,
+                             VW: tl.constexpr, VK: tl.constexpr, VNB: tl.constexpr,
+                             DP: tl.constexpr, DVP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                             CHECK_K: tl.constexpr, CHECK_V: tl.constexpr,
+                             BQ: tl.constexpr, BM: tl.constexpr):
+    """One (batch, KV head, tile of query rows, context split): online softmax over the split's
+    tiles. Query row r = g * n_q + t is query head h * groups + g, token t. Writes the unnormalised
+    accumulator acc [S, B, Hkv, R, Dv] and (running max, running sum) stat [S, B, Hkv, R, 2]."""
+    bh = tl.program_id(0)
+    b = (bh // n_kv_heads).to(tl.int64)
+    h = (bh % n_kv_heads).to(tl.int64)
+    split = tl.program_id(2)
+    rows = tl.program_id(1) * BQ + tl.arange(0, BQ)
+    row_ok = rows < n_rows
+    head_q = h * groups + (rows // n_q).to(tl.int64)
+    token_q = (rows % n_q).to(tl.int64)
+    cols = tl.arange(0, DP)
+    q = tl.load(q_ptr + b * sq0 + head_q[:, None] * sq1 + token_q[:, None] * sq2 + cols[None, :] * sq3,
+                mask=row_ok[:, None] & (cols < dim)[None, :], other=0.0)
+    m_i = tl.full([BQ], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BQ], dtype=tl.float32)
+    acc = tl.zeros([BQ, DVP], dtype=tl.float32)
+    start = split * tokens_per_split
+    stop = tl.minimum(start + tokens_per_split, n_tokens)
+    for first in range(start, stop, BM):
+        tokens = first + tl.arange(0, BM)
+        tok_ok = tokens < stop
+        keys = _decode_tile(kc_ptr, b * skc0 + h * skc1 + tokens.to(tl.int64) * skc2, tok_ok, kcw_ptr, n_kcw,
+                            k_index_bytes, dim, bad_ptr, KW, KK, KNB, DP, BM, CHECK_K)
+        s = tl.dot(q, tl.trans(keys), input_precision="ieee")
+        if HAS_BIAS:
+            s += tl.load(bias_ptr + b * sb0 + head_q[:, None] * sb1 + token_q[:, None] * sb2
+                         + tokens[None, :].to(tl.int64) * sb3,
+                         mask=row_ok[:, None] & tok_ok[None, :], other=0.0)
+        s = tl.where(tok_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no column seen yet: keep exp() at 0, not NaN
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        vals = _decode_tile(vc_ptr, b * svc0 + h * svc1 + tokens.to(tl.int64) * svc2, tok_ok, vcw_ptr, n_vcw,
+                            v_index_bytes, dim_v, bad_ptr + 1, VW, VK, VNB, DVP, BM, CHECK_V)
+        acc = acc * alpha[:, None] + tl.dot(p, vals, input_precision="ieee")
+        m_i = m_new
+    cols_v = tl.arange(0, DVP)
+    base = split.to(tl.int64) * sa0 + b * sa1 + h * sa2 + rows[:, None].to(tl.int64) * sa3
+    tl.store(acc_ptr + base + cols_v[None, :], acc, mask=row_ok[:, None] & (cols_v < dim_v)[None, :])
+    stat = split.to(tl.int64) * ss0 + b * ss1 + h * ss2 + rows.to(tl.int64) * ss3
+    tl.store(stat_ptr + stat, m_i, mask=row_ok)
+    tl.store(stat_ptr + stat + 1, l_i, mask=row_ok)
+
+
+# --------------------------------------------------------------------------- host side
+def _pow2(n: int, minimum: int = 1) -> int:
+    return max(minimum, 1 << max(0, int(n) - 1).bit_length())
+
+
+def _field_bytes(index_bits: int) -> int:
+    """Bytes a W-bit field can touch: 1 when W divides 8 (fields never straddle), else ceil((7 + W) / 8)."""
+    return 1 if 8 % index_bits == 0 else (7 + index_bits + 7) // 8
+
+
+def _rows(codes: torch.Tensor) -> torch.Tensor:
+    """codes with each row's bytes contiguous (a [:, :, :M] view stays a view)."""
+    codes = codes.detach()
+    if codes.shape[-1] > 1 and codes.stride(-1) != 1:
+        codes = codes.contiguous()
+    return codes
+
+
+def _tiles(n_rows: int, dim: int) -> tuple[int, int]:
+    """(BQ query rows, BM tokens) per tile: >= 16 rows (tl.dot), fewer tokens for wide heads."""
+    bq = min(64, _pow2(n_rows, 16))
+    bm = 64 if dim <= 128 else 32
+    if bq * max(dim, 1) > 64 * 128:
+        bq = max(16, (64 * 128) // _pow2(dim))
+    return bq, bm
+
+
+def _auto_splits(device: torch.device, units: int, n_tiles: int) -> int:
+    """Context splits so that about 2 waves of programs fill the GPU (4 on the interpreter)."""
+    if device.type == "cuda":
+        target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        target = 4
+    return max(1, min(n_tiles, -(-target // max(units, 1))))
+
+
+def _check_bad(bad: torch.Tensor | None, n_codewords: tuple[int, ...], index_bits: tuple[int, ...]) -> None:
+    if bad is None:
+        return
+    counts = bad.tolist()
+    for count, n, w in zip(counts, n_codewords, index_bits):
+        if count:
+            raise ValueError(f"codes hold {count} index(es) >= N={n} (index_bits={w})")
+
+
+def scores(queries: torch.Tensor, codes: torch.Tensor, codewords: torch.Tensor, index_bits: int) -> torch.Tensor:
+    """coded_scores on Triton (inputs already validated by coded_kernels): -> float32 [B, H, Q, M]."""
+    n_b, n_h, n_q, dim = queries.shape
+    n_tokens = codes.shape[2]
+    out = torch.empty(n_b, n_h, n_q, n_tokens, dtype=torch.float32, device=queries.device)
+    if out.numel() == 0:
+        return out
+    codes = _rows(codes)
+    codewords = codewords.detach().to(codes.device).contiguous()
+    queries = queries.detach()
+    n_codewords, k = codewords.shape
+    check = n_codewords != 1 << index_bits
+    bad = torch.zeros(1, dtype=torch.int32, device=codes.device)
+    bq, bm = _tiles(n_q, dim)
+    grid = (n_b * n_h, triton.cdiv(n_q, bq), triton.cdiv(n_tokens, bm))
+    _scores_kernel[grid](queries, codes, codewords, out, bad,
+                         n_h, n_q, n_tokens, dim, n_codewords, codes.shape[-1] - 2,
+                         *queries.stride(), *codes.stride()[:3], *out.stride(),
+                         W=index_bits, K=k, NB=_field_bytes(index_bits), DP=_pow2(dim, 16),
+                         BQ=bq, BM=bm, CHECK=check, num_warps=4)
+    _check_bad(bad if check else None, (n_codewords,), (index_bits,))
+    return out
+
+
+def weighted_sum(weights: torch.Tensor, codes: torch.Tensor, codewords: torch.Tensor, index_bits: int,
+                 dim: int, splits: int | None = None) -> torch.Tensor:
+    """coded_weighted_sum on Triton (inputs validated by coded_kernels): -> float32 [B, H, Q, dim]."""
+    n_b, n_h, n_q, n_tokens = weights.shape
+    if n_tokens == 0 or n_b * n_h * n_q == 0:
+        return torch.zeros(n_b, n_h, n_q, dim, dtype=torch.float32, device=weights.device)
+    codes = _rows(codes)
+    codewords = codewords.detach().to(codes.device).contiguous()
+    weights = weights.detach()
+    n_codewords, k = codewords.shape
+    check = n_codewords != 1 << index_bits
+    bad = torch.zeros(1, dtype=torch.int32, device=codes.device)
+    bq, bm = _tiles(n_q, dim)
+    q_tiles, n_tiles = triton.cdiv(n_q, bq), triton.cdiv(n_tokens, bm)
+    splits = _auto_splits(codes.device, n_b * n_h * q_tiles, n_tiles) if splits is None else min(splits, n_tiles)
+    per_split = triton.cdiv(n_tiles, splits) * bm
+    splits = triton.cdiv(n_tokens, per_split)
+    partial = torch.empty(splits, n_b, n_h, n_q, dim, dtype=torch.float32, device=codes.device)
+    _weighted_sum_kernel[(n_b * n_h, q_tiles, splits)](
+        weights, codes, codewords, partial, bad, n_h, n_q, n_tokens, dim, n_codewords, codes.shape[-1] - 2,
+        per_split, *weights.stride(), *codes.stride()[:3], *partial.stride()[:4],
+        W=index_bits, K=k, NB=_field_bytes(index_bits), DP=_pow2(dim, 16), BQ=bq, BM=bm, CHECK=check,
+        num_warps=4)
+    _check_bad(bad if check else None, (n_codewords,), (index_bits,))
+    return partial[0] if splits == 1 else partial.sum(0)
+
+
+def decode_attention(queries: torch.Tensor, key_codes: torch.Tensor, value_codes: torch.Tensor,
+                     key_codewords: torch.Tensor, value_codewords: torch.Tensor, key_bits: int, value_bits: int,
+                     bias: torch.Tensor | None, value_dim: int,
+                     splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """coded_decode_attention on Triton (inputs validated by coded_kernels)
+    -> (out float32 [B, Hq, Q, Dv] rotated, normalised over the coded columns; lse float32 [B, Hq, Q])."""
+    n_b, q_heads, n_q, dim = queries.shape
+    kv_heads, n_tokens = key_codes.shape[1], key_codes.shape[2]
+    groups = q_heads // kv_heads
+    device = key_codes.device
+    if n_tokens == 0 or n_b * q_heads * n_q == 0:
+        return (torch.zeros(n_b, q_heads, n_q, value_dim, dtype=torch.float32, device=device),
+                torch.full((n_b, q_heads, n_q), float("-inf"), dtype=torch.float32, device=device))
+    key_codes, value_codes, queries = _rows(key_codes), _rows(value_codes), queries.detach()
+    key_codewords = key_codewords.detach().to(device).contiguous()
+    value_codewords = value_codewords.detach().to(device).contiguous()
+    (n_kcw, k_key), (n_vcw, k_value) = key_codewords.shape, value_codewords.shape
+    check_k, check_v = n_kcw != 1 << key_bits, n_vcw != 1 << value_bits
+    n_rows = groups * n_q
+    bq, bm = _tiles(n_rows, max(dim, value_dim))
+    row_tiles, n_tiles = triton.cdiv(n_rows, bq), triton.cdiv(n_tokens, bm)
+    splits = _auto_splits(device, n_b * kv_heads * row_tiles, n_tiles) if splits is None else min(splits, n_tiles)
+    per_split = triton.cdiv(n_tiles, splits) * bm
+    splits = triton.cdiv(n_tokens, per_split)
+    acc = torch.empty(splits, n_b, kv_heads, n_rows, value_dim, dtype=torch.float32, device=device)
+    stat = torch.empty(splits, n_b, kv_heads, n_rows, 2, dtype=torch.float32, device=device)
+    bad = torch.zeros(2, dtype=torch.int32, device=device)
+    if bias is not None:
+        bias_arg = bias.detach().expand(n_b, bias.shape[1], n_q, n_tokens)
+        bias_strides = list(bias_arg.stride())
+        if bias_arg.shape[1] == 1:
+            bias_strides[1] = 0
+    else:
+        bias_arg, bias_strides = stat, [0, 0, 0, 0]  # never read (HAS_BIAS=False)
+    _decode_attention_kernel[(n_b * kv_heads, row_tiles, splits)](
+        queries, key_codes, value_codes, key_codewords, value_codewords, bias_arg, acc, stat, bad,
+        kv_heads, groups, n_q, n_rows, n_tokens, dim, value_dim, n_kcw, n_vcw,
+        key_codes.shape[-1] - 2, value_codes.shape[-1] - 2, per_split,
+        *queries.stride(), *key_codes.stride()[:3], *value_codes.stride()[:3], *bias_strides,
+        *acc.stride()[:4], *stat.stride()[:4],
+        KW=key_bits, KK=k_key, KNB=_field_bytes(key_bits), VW=value_bits, VK=k_value,
+        VNB=_field_bytes(value_bits), DP=_pow2(dim, 16), DVP=_pow2(value_dim, 16), HAS_BIAS=bias is not None,
+        CHECK_K=check_k, CHECK_V=check_v, BQ=bq, BM=bm, num_warps=4)
+    if check_k or check_v:
+        _check_bad(bad, (n_kcw, n_vcw), (key_bits, value_bits))
+    out, lse = _merge_splits(acc, stat)
+    return (out.reshape(n_b, q_heads, n_q, value_dim),  # rows r = g * Q + t of KV head h = query head h*G + g
+            lse.reshape(n_b, q_heads, n_q))
+
+
+def _merge_splits(acc: torch.Tensor, stat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-split unnormalised acc [S, ..., Dv] and (max, sum) [S, ..., 2] -> (out [..., Dv], lse [...])."""
+    peak, total = stat[..., 0], stat[..., 1]
+    seen = total > 0
+    lse = torch.where(seen, peak + torch.log(torch.where(seen, total, torch.ones_like(total))),
+                      torch.full_like(total, float("-inf")))
+    normalised = acc / torch.where(seen, total, torch.ones_like(total)).unsqueeze(-1)
+    if acc.shape[0] == 1:
+        return normalised[0].masked_fill(~seen[0].unsqueeze(-1), 0.0), lse[0]
+    return merge_lse([(normalised[s], lse[s]) for s in range(acc.shape[0])])
