@@ -14,6 +14,18 @@ Writes encode_speed.json to --out / $FIBQUANT_RESULTS_DIR / ./results.
 
 Usage: .venv/bin/python benchmarks/encode_speed.py [--sizes 1,16,512,4096] [--repeats 7]
        [--configs 2x256,4x4096,...]
+
+Rates mode (`--vs-turboquant`): for every rate in --rates (default 1, 1.5, 2, 2.5, 3, 3.5, 4) and
+every dim in --dims (default 64, 128), the codec `FibQuantCodec.for_rate(dim, bits)` picks, against
+TurboQuant in the same run: encode vectors/s of batches of --batch Gaussian vectors (default 4096),
+ONE torch thread (torch.set_num_threads(1); the numba search then runs on the calling thread too),
+FibQuant and TurboQuant in turn within each repeat, median of --repeats of this thread's CPU time.
+TurboQuant has integer rates only: a rate b is compared with TurboQuant at floor(b) and ceil(b)
+(the same b when b is an integer) and the ratio is taken against the faster of the two (the
+stricter figure). Each row also checks the FibQuant codes of the first 512 vectors against the
+reference search. Writes encode_speed_rates.json (same directory rule).
+
+    .venv/bin/python benchmarks/encode_speed.py --vs-turboquant [--dims 64,128] [--rates 1,1.5,...]
 """
 from __future__ import annotations
 
@@ -30,8 +42,10 @@ import torch
 from fibquant.codebook.search import nearest_codeword_reference
 from fibquant.codecs.bitpack import pack_bits
 from fibquant.codecs.fibquant import FibQuantCodec
+from fibquant.codecs.turboquant import TurboQuantCodec
 
 DIM = 64
+RATES = "1,1.5,2,2.5,3,3.5,4"
 CONFIGS = ["2x256", "2x128", "4x4096", "4x1024", "4x256", "8x256", "16x256", "32x256", "64x4096"]
 
 
@@ -52,7 +66,7 @@ def reference_mismatches(codec: FibQuantCodec, x: torch.Tensor, codes: dict[str,
     blocks = u.reshape(-1, codec.k)
     ref = torch.cat([nearest_codeword_reference(blocks[i:i + 256], codec.codebook.codewords)
                      for i in range(0, len(blocks), 256)])
-    ref_codes = torch.cat([codes["new"][:rows, :2], pack_bits(ref.reshape(len(u), -1), codec.config.index_bits)], 1)
+    ref_codes = torch.cat([next(iter(codes.values()))[:rows, :2], pack_bits(ref.reshape(len(u), -1), codec.config.index_bits)], 1)
     out = {}
     for name, path_codes in codes.items():
         differ = path_codes[:rows] != ref_codes
@@ -60,14 +74,79 @@ def reference_mismatches(codec: FibQuantCodec, x: torch.Tensor, codes: dict[str,
     return out
 
 
+def encode_seconds(codec, x: torch.Tensor, calls: int) -> float:
+    """This thread's CPU seconds per encode call of x (`calls` calls)."""
+    cpu = time.thread_time()
+    for _ in range(calls):
+        codec.encode(x)
+    return (time.thread_time() - cpu) / calls
+
+
+def vs_turboquant(args) -> int:
+    """FibQuant (for_rate's default codec) against TurboQuant at the same bits, vectors/s, one thread."""
+    torch.set_num_threads(1)
+    rows = []
+    print(f"Encode vectors/s, ONE torch thread (torch.set_num_threads(1)), batches of {args.batch}, "
+          f"median of {args.repeats} interleaved repeats (thread CPU time)")
+    print(f"{'d':>4} {'bits':>5} {'k':>3} {'N':>5} {'method':>9} {'FibQuant/s':>11} {'TQ bits':>8} {'TQ/s':>11} "
+          f"{'ratio':>6} {'ref':>4}")
+    for dim in (int(d) for d in args.dims.split(",")):
+        x = torch.randn(args.batch, dim, generator=torch.Generator().manual_seed(dim))
+        for bits in (float(b) for b in args.rates.split(",")):
+            fib = FibQuantCodec.for_rate(dim, bits)
+            tq_bits = sorted({int(bits // 1), int(-(-bits // 1))} & {1, 2, 3, 4})
+            turbo = {b: TurboQuantCodec(dim, b) for b in tq_bits}
+            codes = fib.encode(x)  # builds / loads tables and kernels
+            for codec in turbo.values():
+                codec.encode(x)
+            fib_s, tq_s = [], {b: [] for b in tq_bits}
+            for _ in range(args.repeats):
+                fib_s.append(encode_seconds(fib, x, args.calls))
+                for b, codec in turbo.items():
+                    tq_s[b].append(encode_seconds(codec, x, args.calls))
+            fib_rate = args.batch / statistics.median(fib_s)
+            tq_rate = {b: args.batch / statistics.median(v) for b, v in tq_s.items()}
+            strict = max(tq_rate, key=tq_rate.get)
+            fast = fib._numba_search(torch.device("cpu"))
+            row = {"dim": dim, "bits": bits, "k": fib.k, "n_codewords": fib.n_codewords,
+                   "method": fast.method if fast is not None else fib.search_method,
+                   "fibquant_vectors_per_s": fib_rate,
+                   "turboquant_vectors_per_s": {str(b): r for b, r in tq_rate.items()},
+                   "turboquant_bits_compared": strict, "ratio": fib_rate / tq_rate[strict],
+                   "vectors_off_reference": reference_mismatches(fib, x, {"fibquant": codes})["fibquant"]}
+            rows.append(row)
+            print(f"{dim:>4} {bits:>5g} {fib.k:>3} {fib.n_codewords:>5} {row['method']:>9} {fib_rate:>11.0f} "
+                  f"{strict:>8} {tq_rate[strict]:>11.0f} {row['ratio']:>6.2f} {row['vectors_off_reference']:>4}",
+                  flush=True)
+    out_dir = Path(args.out or os.environ.get("FIBQUANT_RESULTS_DIR", "results"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    meta = {"threads": torch.get_num_threads(), "batch": args.batch, "repeats": args.repeats, "calls": args.calls,
+            "statistic": "median of thread CPU time per call; vectors/s = batch / that",
+            "ratio": "FibQuant / the faster TurboQuant among floor(bits), ceil(bits)",
+            "torch": torch.__version__, "machine": platform.machine(), "cpu_count": os.cpu_count(),
+            "load_average": os.getloadavg()}
+    path = out_dir / "encode_speed_rates.json"
+    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    print(f"\nwrote {path}")
+    return 0 if all(r["vectors_off_reference"] == 0 for r in rows) else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--vs-turboquant", action="store_true",
+                        help="for_rate's codec at every rate in --rates against TurboQuant (vectors/s, one thread)")
+    parser.add_argument("--dims", default="64,128")
+    parser.add_argument("--rates", default=RATES)
+    parser.add_argument("--batch", type=int, default=4096)
+    parser.add_argument("--calls", type=int, default=2, help="encode calls per timed repeat (rates mode)")
     parser.add_argument("--sizes", default="1,16,512,4096")
     parser.add_argument("--configs", default=",".join(CONFIGS), help="k x N pairs, e.g. 2x256,4x4096")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--min-vectors", type=int, default=4096, help="vectors encoded per timed repeat (at least)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    if args.vs_turboquant:
+        return vs_turboquant(args)
     torch.set_num_threads(1)
     sizes = [int(s) for s in args.sizes.split(",")]
     rows = []
