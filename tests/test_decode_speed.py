@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 
 import pytest
 import torch
@@ -10,7 +11,8 @@ import torch
 from _kv_helpers import real_model, tiny_llama
 from fibquant.eval.decode_speed import EXPERIMENT, context_tokens, run_decode_speed
 from fibquant.eval.decode_speed_config import DEFAULT_CACHES, DecodeSpeedConfig, our_families, parse_cache_name
-from fibquant.eval.decode_speed_report import format_decode_speed, write_decode_speed
+from fibquant.eval.decode_speed_report import (TTFT_TARGET, decode_speed_targets, format_decode_speed,
+                                               write_decode_speed)
 from fibquant.eval.memory import PeakRSS
 from fibquant.eval.report import get_experiment
 from fibquant.kv.memory import quantized_cache_nbytes
@@ -99,8 +101,11 @@ def test_decode_speed_on_a_tiny_model(tmp_path, capsys):
     assert rows["fibquant4"]["attention_used"] == "codes" and rows["fibquant4-old"]["attention_used"] == "decode"
     # The model's attention implementation is restored after the attention-on-codes run.
     assert model.config._attn_implementation != "fibquant"
+    for row in rows.values():  # the default parts include both TTFTs next to the shared-prefill figures
+        assert row["ttft_s"] > 0 and row["chunked_s"] > 0 and row["ttft_cache_tokens"] == 64
     table = format_decode_speed(payload)
     assert "fibquant4-old" in table and "decode ms/tok" in table and "fp16 DynamicCache MiB" in table
+    assert "TTFT s" in table and "chunked TTFT s" in table and "timed on 1 torch thread" in table
     paths = write_decode_speed(payload, tmp_path)
     saved = json.loads(open(paths["json"]).read())
     assert [r["cache"] for r in saved["rows"]] == ["dynamic", "fibquant4", "fibquant4-old"]
@@ -110,6 +115,60 @@ def test_decode_speed_on_a_tiny_model(tmp_path, capsys):
     assert table in capsys.readouterr().out
     assert sorted(p.name for p in (tmp_path / "report").iterdir()) == ["decode_speed.json", "decode_speed.png"]
     assert get_experiment("speed") is EXPERIMENT
+
+
+def test_ttft_parts_alone_on_a_tiny_model(tmp_path):
+    torch.set_num_threads(2)
+    model = _tiny()
+    ids = torch.randint(0, model.config.vocab_size, (64,), generator=torch.Generator().manual_seed(2))
+    config = DecodeSpeedConfig(contexts=(64,), caches=("dynamic", "fibquant4"), parts=("ttft", "chunked"),
+                               chunk_tokens=24, prefill_repeats=2)
+    payload = run_decode_speed(config, (model, None), token_ids=ids, progress=False)
+    assert torch.get_num_threads() == 2 and payload["threads"] == 1  # ran on config.threads, then restored
+    rows = {r["cache"]: r for r in payload["rows"]}
+    assert list(rows) == ["dynamic", "fibquant4"] and payload["parts"] == ["ttft", "chunked"]
+    dyn = rows["dynamic"]
+    for row in rows.values():
+        assert "decode_ms_median" not in row and "prefill_s" not in row  # the decode part did not run
+        assert len(row["ttft_s_all"]) == 2 and all(t > 0 for t in row["ttft_s_all"])
+        assert row["ttft_s"] == statistics.median(row["ttft_s_all"])
+        assert len(row["ttft_chunk_s"]) == 1 and row["ttft_chunk_s"][0] <= row["ttft_s_all"][-1]
+        # chunks of 24, 24 and 16 tokens, each a timed forward inside the total
+        assert len(row["chunked_chunk_s"]) == 3 and all(t > 0 for t in row["chunked_chunk_s"])
+        assert sum(row["chunked_chunk_s"]) <= row["chunked_s_all"][-1]
+        assert row["ttft_cache_tokens"] == row["chunked_cache_tokens"] == 64
+        assert row["ttft_peak_added_bytes"] >= 0 and row["ttft_cache_bytes"] > 0
+        for part in ("ttft", "chunked"):
+            assert math.isclose(row[f"{part}_vs_dynamic"], row[f"{part}_s"] / dyn[f"{part}_s"])
+    assert rows["fibquant4"]["ttft_attention_used"] == "codes"
+    assert rows["fibquant4"]["ttft_cache_bytes"] < dyn["ttft_cache_bytes"]
+    # A one-shot prefill is exact for the prompt itself, so the first token is DynamicCache's.
+    assert rows["fibquant4"]["ttft_token_matches_dynamic"] is True
+    assert model.config._attn_implementation != "fibquant"
+    table = EXPERIMENT.table_text(payload)
+    assert "TTFT s" in table and "chunked TTFT s" in table and "decode ms/tok" not in table
+    paths = EXPERIMENT.report(payload, tmp_path, echo=False)
+    assert json.loads(open(paths["json"]).read())["rows"][1]["ttft_s"] == rows["fibquant4"]["ttft_s"]
+    assert (tmp_path / "decode_speed.png").stat().st_size > 0
+    # Targets judge the measured ratios at the contexts (none here: 64 tokens).
+    assert decode_speed_targets(payload) == []
+    moved = dict(payload, rows=[dict(r, context=2048) for r in payload["rows"]])
+    judged = {t["target"]: t for t in decode_speed_targets(moved)}
+    mine = judged[f"fibquant4 one-shot TTFT <= {TTFT_TARGET}x DynamicCache at 2048"]
+    assert mine["measured"] == rows["fibquant4"]["ttft_vs_dynamic"]
+    assert mine["met"] == (rows["fibquant4"]["ttft_vs_dynamic"] <= TTFT_TARGET)
+
+
+def test_parts_and_threads_are_checked(capsys):
+    from fibquant.cli import main
+
+    with pytest.raises(ValueError, match="parts"):
+        DecodeSpeedConfig(parts=("ttft", "prefill"))
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        DecodeSpeedConfig(chunk_tokens=0)
+    assert DecodeSpeedConfig(parts=("TTFT", "ttft")).parts == ("ttft",)
+    assert main(["eval", "speed", "--parts", "ttft,bogus", "--threads", "1"]) == 2
+    assert "parts must be" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("backend", ["quanto", "hqq"])

@@ -1,24 +1,35 @@
-"""`fibquant eval speed`: decode ms/token, cache bytes and peak memory per KV cache (argument parsing only)."""
+"""`fibquant eval speed`: time to first token (one-shot and chunked prefill with a fresh cache), decode
+ms/token, cache bytes and peak memory per KV cache (argument parsing only)."""
 from __future__ import annotations
 
 import argparse
 
 from ._common import (add_list_argument, add_model_argument, add_out_argument, add_specs_argument, add_text_argument,
-                      add_threads_argument, apply_threads, run_experiment)
+                      apply_threads, run_experiment)
+
+TIMING_THREADS = 1  # --threads default of this command (not half the cores: timings are per thread)
 
 
 def register_eval(eval_subparsers) -> None:
     parser = eval_subparsers.add_parser(
-        "speed", help="decode speed and memory: DynamicCache vs CompressedCache vs QuantizedCache")
+        "speed", help="time to first token, decode speed and memory: DynamicCache vs CompressedCache vs "
+                      "QuantizedCache")
     add_speed_arguments(parser)
     parser.set_defaults(func=run_speed_command)
 
 
 def add_speed_arguments(parser: argparse.ArgumentParser) -> None:
-    from fibquant.eval.decode_speed_config import DEFAULT_CACHES  # torch-free at import
+    from fibquant.eval.decode_speed_config import DEFAULT_CACHES, PARTS  # torch-free at import
 
     add_list_argument(parser, "--contexts", default=[1024, 2048, 4096, 8192],
                       help="context lengths in tokens (cut to leave room for the decoded tokens)")
+    add_list_argument(parser, "--parts", type=str, default=list(PARTS), metavar="PART",
+                      help="what to measure: ttft (fresh cache, whole prompt in one forward), chunked (the prompt "
+                           "in --chunk-tokens chunks), decode (shared float prefill, then greedy steps); "
+                           f"default {','.join(PARTS)}")
+    parser.add_argument("--chunk-tokens", type=int, default=512, help="prompt chunk of the chunked TTFT")
+    parser.add_argument("--prefill-repeats", type=int, default=1,
+                        help="fresh timed prefills per cache, context and TTFT part (the median is reported)")
     parser.add_argument("--decode-tokens", type=int, default=32, help="greedy decode steps per run")
     add_specs_argument(parser, "--caches", default=list(DEFAULT_CACHES),
                        help="caches to compare (DynamicCache always runs): dynamic, <codec family>B for the "
@@ -36,18 +47,24 @@ def add_speed_arguments(parser: argparse.ArgumentParser) -> None:
                              "for machines that cannot load the model file)")
     add_out_argument(parser)
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    add_threads_argument(parser)
+    parser.add_argument("--threads", type=int, default=None, metavar="N",
+                        help=f"torch (and numba) CPU threads for the timed run (default {TIMING_THREADS}, unlike "
+                             "the other commands: timings per thread compare across machines and loads)")
 
 
 def run_speed_command(args: argparse.Namespace) -> int:
     from fibquant.eval.decode_speed_config import DecodeSpeedConfig
     from fibquant.kv.model import load_model
 
+    if args.threads is None:
+        args.threads = TIMING_THREADS
+    apply_threads(args)  # validates (--threads >= 1) before anything loads
     config = DecodeSpeedConfig(contexts=tuple(args.contexts), decode_tokens=args.decode_tokens,
                                caches=tuple(args.caches), text=args.text, sink_tokens=args.sink_tokens,
                                recent_tokens=args.recent_tokens, warmup=not args.no_warmup, device=args.device,
-                               random_weights=args.random_weights)
-    apply_threads(args)
+                               random_weights=args.random_weights, parts=tuple(args.parts),
+                               chunk_tokens=args.chunk_tokens, prefill_repeats=args.prefill_repeats,
+                               threads=args.threads)
     if args.random_weights or args.model is None:
         model_and_tokenizer = None  # load_benchmark_model(config) decides
     else:

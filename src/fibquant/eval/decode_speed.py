@@ -1,26 +1,39 @@
-"""Decode speed and memory of KV caches on a real model and real text.
+"""Time to first token, decode speed and memory of KV caches on a real model and real text.
 
-Protocol, per context length L (the first L tokens of one novel, no special tokens):
+Protocol, per context length L (the first L tokens of one novel, no special tokens). Three parts,
+each optional (`DecodeSpeedConfig.parts`), run in this order for every cache before the next part
+(so the caches of one part are timed close together):
 
-1. one float prefill: the model runs once over the L tokens with a `DynamicCache` (only the
-   last position's logits are computed); its greedy next token starts every decode below;
-2. every cache under test is built from that prefill, so all start from the same state and
-   the same first input token:
-   - "dynamic": a `DynamicCache` copy (the prefill's own cache stays untouched),
-   - ours (`fibquant4`, `turboquant2`, ...): `CompressedCache.from_cache(prefill, codec, codec,
-     sink_tokens, recent_tokens, attention="codes" | "decode")`; the conversion is timed and
-     reported next to the prefill time,
-   - transformers' `QuantizedCache` (quanto / hqq backends): the prefill keys/values are fed
-     layer by layer through its `update`, which is exactly what its own prefill would store
-     (the first update of a `QuantizedLayer` quantizes all states and keeps no float residual);
-3. `decode_tokens` greedy steps, one token per forward pass with the cache (not `generate`):
-   each step is timed (forward + argmax); the median is the decode ms/token;
-4. the cache's bytes after decoding, and the peak resident memory the process added during
-   the decode loop over its RSS just before it (see `PeakRSS`).
+- "ttft", one-shot time to first token: each cache is built fresh and empty
+  (`DynamicCache(config=...)`, `CompressedCache.for_model(model, codec, codec, sink_tokens,
+  recent_tokens, attention=...)`, `QuantizedCache(...)`), the whole prompt goes through the model
+  in one forward with that cache in the loop (last-position logits only), then the argmax of the
+  first token; all of it is timed (`fibquant.eval.decode_speed_ttft`), with the peak memory the
+  prefill adds;
+- "chunked", the same with the prompt fed in chunks of `chunk_tokens` tokens, one forward each
+  (later chunks of ours attend to the earlier ones through their codes);
+- "decode", from one shared float prefill:
+  1. one float prefill: the model runs once over the L tokens with a `DynamicCache`; its greedy
+     next token starts every decode below;
+  2. every cache under test is built from that prefill, so all start from the same state and
+     the same first input token:
+     - "dynamic": a `DynamicCache` copy (the prefill's own cache stays untouched),
+     - ours (`fibquant4`, `turboquant2`, ...): `CompressedCache.from_cache(prefill, codec, codec,
+       sink_tokens, recent_tokens, attention="codes" | "decode")`; the conversion is timed and
+       reported next to the prefill time,
+     - transformers' `QuantizedCache` (quanto / hqq backends): the prefill keys/values are fed
+       layer by layer through its `update`, which is exactly what its own prefill would store
+       (the first update of a `QuantizedLayer` quantizes all states and keeps no float residual);
+  3. `decode_tokens` greedy steps, one token per forward pass with the cache (not `generate`):
+     each step is timed (forward + argmax); the median is the decode ms/token;
+  4. the cache's bytes after decoding, and the peak resident memory the process added during
+     the decode loop over its RSS just before it (see `PeakRSS`).
 
 Every ratio is against the DynamicCache measured in the same run at the same context. The
 model runs in float32, so its DynamicCache is float32; `dynamic_fp16_bytes` (half of it) is
-what an fp16 DynamicCache would hold, the usual reference for compression claims.
+what an fp16 DynamicCache would hold, the usual reference for compression claims. The run sets
+`config.threads` torch threads (default 1; the numba kernels follow torch's count) and restores
+the previous count afterwards.
 """
 from __future__ import annotations
 
@@ -28,12 +41,14 @@ import os
 import platform
 import statistics
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Optional
 
 from fibquant.eval.decode_speed_config import (DEFAULT_CACHES, CacheSpec, DecodeSpeedConfig, _package_version,
                                                load_benchmark_model, peer_unavailable_reason)
-from fibquant.eval.decode_speed_report import decode_speed_header, decode_speed_table, plot_decode_speed
+from fibquant.eval.decode_speed_report import (decode_speed_header, decode_speed_table, decode_speed_targets,
+                                               plot_decode_speed)
+from fibquant.eval.decode_speed_ttft import time_fresh_prefill
 from fibquant.eval.memory import PeakCUDA, PeakRSS, _synchronize, release_free_memory
 from fibquant.eval.report import Experiment
 from fibquant.eval.timing import Stopwatch, timed
@@ -48,14 +63,13 @@ __all__ = ["BYTES_COUNTING", "DEFAULT_CACHES", "EXPERIMENT", "DecodeSpeedConfig"
 
 # ----------------------------------------------------------------------------- model calls
 
-def _build_cache(spec: CacheSpec, prefill, model, head_dim: int, config: DecodeSpeedConfig):
-    """The cache of `spec`, built from the prefill DynamicCache."""
+def _build_cache(spec: CacheSpec, prefill, model, codec, config: DecodeSpeedConfig):
+    """The cache of `spec`, built from the prefill DynamicCache (`codec`: ours' codec, built once per run)."""
     if spec.kind == "dynamic":
         return copy_dynamic_cache(prefill, model.config)
     if spec.kind == "compressed":
         from fibquant.kv.cache import CompressedCache
 
-        codec = spec.method().build(head_dim)
         return CompressedCache.from_cache(prefill, codec, codec, sink_tokens=config.sink_tokens,
                                           recent_tokens=config.recent_tokens, attention=spec.attention,
                                           model=model)
@@ -116,13 +130,13 @@ def _restore_attention(model, implementation) -> None:
         model.set_attn_implementation(implementation)
 
 
-def _run_one(spec: CacheSpec, prefill: _Prefill, model, head_dim: int, config: DecodeSpeedConfig,
+def _run_one(spec: CacheSpec, prefill: _Prefill, model, codec, config: DecodeSpeedConfig,
              decode_tokens: int) -> dict:
     """Build `spec`'s cache from the prefill, decode greedily, return the measurements."""
     attention_before = getattr(model.config, "_attn_implementation", None)
     try:
         release_free_memory()
-        conversion, cache = timed(lambda: _build_cache(spec, prefill.cache, model, head_dim, config))
+        conversion, cache = timed(lambda: _build_cache(spec, prefill.cache, model, codec, config))
         token, tokens, step_ms, first_logits = prefill.first_token, [], [], None
         release_free_memory()
         monitor = PeakCUDA(model.device) if model.device.type == "cuda" else PeakRSS(config.memory_interval_s)
@@ -166,12 +180,26 @@ def _run_one(spec: CacheSpec, prefill: _Prefill, model, head_dim: int, config: D
     return row
 
 
+def _ratio(row: dict, ref: dict, key: str) -> Optional[float]:
+    """row[key] / ref[key], None where either is missing or the reference is not positive."""
+    mine, theirs = row.get(key), ref.get(key)
+    return None if mine is None or theirs is None or theirs <= 0 else mine / theirs
+
+
 def _add_ratios(rows: list[dict]) -> None:
-    """Ratios of each row to the DynamicCache row of the same context (value / dynamic's value)."""
+    """Ratios of each row to the DynamicCache row of the same context (value / dynamic's value);
+    None where a part did not run for either."""
     by_context: dict[int, dict] = {r["tokens"]: r for r in rows if r["kind"] == "dynamic"}
     for row in rows:
         ref = by_context.get(row["tokens"])
         if ref is None:
+            continue
+        for part in ("ttft", "chunked"):
+            row[f"{part}_vs_dynamic"] = _ratio(row, ref, f"{part}_s")
+            row[f"{part}_peak_vs_dynamic"] = _ratio(row, ref, f"{part}_peak_added_bytes")
+            mine, theirs = row.get(f"{part}_token"), ref.get(f"{part}_token")
+            row[f"{part}_token_matches_dynamic"] = None if mine is None or theirs is None else mine == theirs
+        if row.get("decode_ms_median") is None or ref.get("decode_ms_median") is None:
             continue
         fp16 = ref["dynamic_fp16_bytes"]
         row["decode_vs_dynamic"] = row["decode_ms_median"] / ref["decode_ms_median"]
@@ -182,8 +210,7 @@ def _add_ratios(rows: list[dict]) -> None:
         row["bytes_vs_fp16_dynamic"] = row["cache_bytes"] / fp16
         row["used_bytes_vs_fp16_dynamic"] = row["cache_used_bytes"] / fp16
         row["compression_vs_fp16_dynamic"] = fp16 / row["cache_bytes"]
-        ref_mem = ref["peak_rss_added_bytes"]
-        row["peak_rss_vs_dynamic"] = row["peak_rss_added_bytes"] / ref_mem if ref_mem > 0 else None
+        row["peak_rss_vs_dynamic"] = _ratio(row, ref, "peak_rss_added_bytes")
         matches = sum(a == b for a, b in zip(row["generated_tokens"], ref["generated_tokens"]))
         row["tokens_match_dynamic"] = matches / max(len(ref["generated_tokens"]), 1)
         mine, theirs = row.get("_first_logits"), ref.get("_first_logits")
@@ -214,11 +241,41 @@ def run_decode_speed(config: DecodeSpeedConfig = DecodeSpeedConfig(), model_and_
 
     model_and_tokenizer: (model, tokenizer), default `fibquant.load_model()`. token_ids: a 1-D
     tensor of token ids to use instead of tokenising `config.text` (e.g. for a random model).
+    Runs on `config.threads` torch threads (restored afterwards).
     """
     import torch
 
-    with torch.no_grad():
-        return _run_decode_speed(config, model_and_tokenizer, token_ids, progress)
+    threads_before = torch.get_num_threads()
+    if config.threads is not None:
+        torch.set_num_threads(int(config.threads))
+    try:
+        with torch.no_grad():
+            return _run_decode_speed(config, model_and_tokenizer, token_ids, progress)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _base_row(spec: CacheSpec, context: int, tokens: int) -> dict:
+    return {"cache": spec.name, "label": spec.label, "kind": spec.kind, "family": spec.family, "bits": spec.bits,
+            "attention": spec.attention, "context": context, "tokens": tokens}
+
+
+class _Skips:
+    """Peer (QuantizedCache) failures at run time: reported, never fatal; ours and DynamicCache raise."""
+
+    def __init__(self, skipped: list, bar):
+        self.skipped, self.bar = skipped, bar
+
+    def attempt(self, spec: CacheSpec, where: str, fn):
+        try:
+            return fn()
+        except Exception as exc:
+            if spec.kind != "quantized":
+                raise
+            reason = f"{where} failed: {type(exc).__name__}: {exc}"
+            self.skipped.append({"cache": spec.name, "reason": reason})
+            self.bar.write(f"skipping {spec.name} ({where}): {reason}")
+            return None
 
 
 def _run_decode_speed(config, model_and_tokenizer, token_ids, progress) -> dict:
@@ -256,49 +313,67 @@ def _run_decode_speed(config, model_and_tokenizer, token_ids, progress) -> dict:
         else:
             skipped.append({"cache": spec.name, "reason": reason})
             print(f"skipping {spec.name}: {reason}", file=sys.stderr, flush=True)
+    # One codec per cache of ours, built before any clock starts (codebook and rotation are per model).
+    codecs = {spec.name: spec.method().build(head_dim) if spec.kind == "compressed" else None for spec in specs}
 
     if config.warmup:
-        _warmup(specs, model, head_dim, config, token_ids, skipped, progress)
+        _warmup(specs, model, head_dim, config, token_ids, skipped, progress, codecs)
         specs = [s for s in specs if s.name not in {x["cache"] for x in skipped}]
 
-    rows = []
-    bar = tqdm(total=len(plan) * len(specs), desc="decode speed", disable=not progress)
+    rows: dict[tuple[int, str], dict] = {}
+    parts = config.parts
+    bar = tqdm(total=len(plan) * len(specs) * len(parts), desc="decode speed", disable=not progress)
+    skips = _Skips(skipped, bar)
     watch = Stopwatch()
     for context, tokens in plan:
-        release_free_memory()
-        bar.set_postfix_str(f"prefill {tokens}")
-        prefill = _prefill(model, token_ids[:tokens])
+        ids = token_ids[:tokens]
         for spec in specs:
-            bar.set_postfix_str(f"{tokens} {spec.name}")
-            try:
-                row = _run_one(spec, prefill, model, head_dim, config, config.decode_tokens)
-            except Exception as exc:
-                if spec.kind != "quantized":
-                    raise
-                # A third-party backend failing at run time is reported, never fatal.
-                reason = f"failed at context {tokens}: {type(exc).__name__}: {exc}"
-                skipped.append({"cache": spec.name, "reason": reason})
-                bar.write(f"skipping {spec.name}: {reason}")
-                bar.update(1)
+            rows[(tokens, spec.name)] = _base_row(spec, context, tokens)
+        for part, chunk in (("ttft", None), ("chunked", config.chunk_tokens)):
+            if part not in parts:
                 continue
-            row["context"] = context
-            if spec.kind == "dynamic":
-                element = prefill.cache.layers[0].keys.element_size()
-                row["dynamic_fp16_bytes"] = row["cache_bytes"] * 2 // element
-            rows.append(row)
-            bar.update(1)
-        del prefill
+            for spec in specs:
+                bar.set_postfix_str(f"{tokens} {part} {spec.name}")
+                fields = skips.attempt(spec, f"{part} at context {tokens}", lambda: time_fresh_prefill(
+                    spec, model, ids, chunk, codecs[spec.name], config, part))
+                if fields is not None:
+                    rows[(tokens, spec.name)].update(fields)
+                bar.update(1)
+        if "decode" in parts:
+            release_free_memory()
+            bar.set_postfix_str(f"{tokens} shared prefill")
+            prefill = _prefill(model, ids)
+            for spec in specs:
+                bar.set_postfix_str(f"{tokens} decode {spec.name}")
+                fields = skips.attempt(spec, f"decode at context {tokens}", lambda: _run_one(
+                    spec, prefill, model, codecs[spec.name], config, config.decode_tokens))
+                if fields is not None:
+                    fields.update(context=context)
+                    if spec.kind == "dynamic":
+                        element = prefill.cache.layers[0].keys.element_size()
+                        fields["dynamic_fp16_bytes"] = fields["cache_bytes"] * 2 // element
+                    rows[(tokens, spec.name)].update(fields)
+                bar.update(1)
+            del prefill
     bar.close()
-    _add_ratios(rows)
-    for row in rows:
+    # A row for which no part succeeded (a failing peer) is left out; the skip says why.
+    measured = [row for row in rows.values() if any(f"{p}_s" in row for p in ("ttft", "chunked"))
+                or "decode_ms_median" in row]
+    _add_ratios(measured)
+    for row in measured:
         row.pop("_first_logits", None)
+    memory_method = next((r.get("prefill_memory_method") or r.get("memory_method") for r in measured), None)
     return {
-        "experiment": "decode speed and memory of KV caches (one shared float prefill per context, greedy decode)",
+        "experiment": "time to first token (fresh cache, one-shot and chunked prefill), decode speed and memory "
+                      "of KV caches (one shared float prefill per context, greedy decode)",
         "model": describe_model(model), "model_dtype": str(next(model.parameters()).dtype),
         "text": source, "head_dim": head_dim,
-        "config": {**asdict(config), "contexts": list(config.contexts), "caches": list(config.caches)},
+        "config": {**asdict(config), "contexts": list(config.contexts), "caches": list(config.caches),
+                   "parts": list(parts)},
+        "parts": list(parts),
         "contexts": [{"context": c, "tokens": t} for c, t in plan],
         "threads": torch.get_num_threads(),
+        "load_average": _load_average(),
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "transformers": _package_version("transformers"), "numba": _package_version("numba"),
                      "optimum-quanto": _package_version("optimum-quanto"), "hqq": _package_version("hqq"),
@@ -306,6 +381,19 @@ def _run_decode_speed(config, model_and_tokenizer, token_ids, progress) -> dict:
         "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "device": str(model.device),
                     "gpu": torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else None},
         "protocol": {
+            "ttft": "one-shot time to first token: an empty cache built fresh (DynamicCache(config=...), "
+                    "CompressedCache.for_model(model, codec, codec, sink_tokens, recent_tokens, attention), "
+                    "QuantizedCache(...)), the whole prompt in one forward with it (last-position logits only) "
+                    "and the argmax, all timed; the codec is built before the clock starts (per model); "
+                    f"median of {config.prefill_repeats} fresh run(s); ttft_token: the greedy first token",
+            "chunked": f"the same with the prompt in chunks of {config.chunk_tokens} tokens, one forward each "
+                       "(ours: later chunks attend to earlier ones through their codes); chunked_chunk_s: "
+                       "seconds per forward",
+            "prefill_memory": "ttft/chunked_peak_added_bytes: peak resident memory during the timed prefill minus "
+                              "the amount just before it (after gc + malloc_trim; CPU: process RSS high-water "
+                              "mark via PeakRSS, CUDA: torch.cuda.max_memory_allocated): the cache being built, "
+                              "activations and transient buffers; the model weights are already resident"
+                              f" ({memory_method})",
             "prefill": "one DynamicCache forward over the context (last-position logits only); every cache is "
                        "built from it: DynamicCache copy, CompressedCache.from_cache (timed: conversion_s; "
                        "prefill_s = dynamic_prefill_s + conversion_s), QuantizedCache fed the prefill keys/values "
@@ -323,21 +411,38 @@ def _run_decode_speed(config, model_and_tokenizer, token_ids, progress) -> dict:
                       "this is the working memory decoding adds (growth of the cache + transient buffers)",
             "ratios": "x_vs_dynamic = value / the DynamicCache value at the same context (same run); "
                       "bytes_vs_fp16_dynamic = cache bytes / (DynamicCache bytes in fp16)",
+            "threads": "torch.set_num_threads(config.threads) for the whole run (numba kernels follow it)",
             "bytes": BYTES_COUNTING,
         },
-        "rows": rows, "skipped": skipped, "seconds": watch.seconds,
+        "rows": measured, "skipped": skipped, "seconds": watch.seconds,
     }
 
 
-def _warmup(specs, model, head_dim, config, token_ids, skipped, progress) -> None:
-    """One short untimed run of every cache (first-call costs: codebook loads, numba JIT, extension builds)."""
+def _load_average() -> Optional[list[float]]:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (OSError, AttributeError):
+        return None
+
+
+def _warmup(specs, model, head_dim, config, token_ids, skipped, progress, codecs) -> None:
+    """One short untimed run of every cache and part (first-call costs: codebook loads, numba JIT,
+    extension builds)."""
     tokens = min(int(token_ids.shape[0]), max(2 * (config.sink_tokens + config.recent_tokens) + 16, 64))
     if progress:
         print(f"warm-up: {len(specs)} caches on {tokens} tokens ...", file=sys.stderr, flush=True)
-    prefill = _prefill(model, token_ids[:tokens])
+    ids = token_ids[:tokens]
+    prefill = _prefill(model, ids) if "decode" in config.parts else None
+    quiet = replace(config, prefill_repeats=1)
     for spec in specs:
         try:
-            _run_one(spec, prefill, model, head_dim, config, decode_tokens=2)
+            if "ttft" in config.parts:
+                time_fresh_prefill(spec, model, ids, None, codecs[spec.name], quiet, "ttft")
+            if "chunked" in config.parts:  # a second chunk that sees codes
+                chunk = max(1, min(config.chunk_tokens, tokens // 2))
+                time_fresh_prefill(spec, model, ids, chunk, codecs[spec.name], quiet, "chunked")
+            if prefill is not None:
+                _run_one(spec, prefill, model, codecs[spec.name], config, decode_tokens=2)
         except Exception as exc:
             if spec.kind != "quantized":
                 raise
@@ -347,4 +452,5 @@ def _warmup(specs, model, head_dim, config, token_ids, skipped, progress) -> Non
 
 
 EXPERIMENT = Experiment(name="speed", stem="decode_speed", config=DecodeSpeedConfig, run=run_decode_speed,
-                        header=decode_speed_header, table=decode_speed_table, plot=plot_decode_speed)
+                        header=decode_speed_header, table=decode_speed_table, plot=plot_decode_speed,
+                        targets=decode_speed_targets)

@@ -15,6 +15,11 @@ PEER_BACKENDS = {"quanto": "optimum-quanto", "hqq": "hqq"}
 OUR_CACHES = ("fibquant4", "fibquant3", "fibquant2", "turboquant4", "turboquant2")
 PEER_CACHES = ("quanto4", "quanto2", "hqq4", "hqq2")
 DEFAULT_CACHES = ("dynamic", *OUR_CACHES, *PEER_CACHES, *(f"{name}-old" for name in OUR_CACHES))
+# What a run measures per cache and context (`--parts`):
+#   ttft    - one-shot time to first token: a fresh cache, the whole prompt in one forward, argmax;
+#   chunked - the same with the prompt fed in chunks of `chunk_tokens` (one forward per chunk);
+#   decode  - the shared-prefill protocol: one float prefill, each cache built from it, greedy steps.
+PARTS = ("ttft", "chunked", "decode")
 
 
 @dataclass(frozen=True)
@@ -101,8 +106,22 @@ class DecodeSpeedConfig:
     device: str = "cpu"                 # "cuda": model and caches on the GPU (timed with synchronize)
     random_weights: bool = False        # the default model's architecture with random weights, random ids
     memory_interval_s: float = 0.002    # RSS sampling period of the memory monitor
+    parts: tuple[str, ...] = PARTS      # which measurements run (see PARTS)
+    chunk_tokens: int = 512             # prompt chunk of the chunked TTFT
+    prefill_repeats: int = 1            # timed fresh prefills per cache, context and part (median reported)
+    threads: Optional[int] = 1          # torch (and numba) threads during the run; None: leave as set
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "parts", tuple(dict.fromkeys(str(p).strip().lower() for p in self.parts)))
+        unknown = [p for p in self.parts if p not in PARTS]
+        if unknown or not self.parts:
+            raise ValueError(f"parts must be a non-empty subset of {PARTS}, got {self.parts}")
+        if self.chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be >= 1, got {self.chunk_tokens}")
+        if self.prefill_repeats < 1:
+            raise ValueError(f"prefill_repeats must be >= 1, got {self.prefill_repeats}")
+        if self.threads is not None and (isinstance(self.threads, bool) or int(self.threads) < 1):
+            raise ValueError(f"threads must be >= 1 or None, got {self.threads}")
         if not self.contexts or any(int(c) < 2 for c in self.contexts):
             raise ValueError(f"contexts must be integers >= 2, got {self.contexts}")
         if self.decode_tokens < 1:

@@ -1,0 +1,97 @@
+"""Time to first token of one cache built fresh: the prompt run through the model with that cache
+in the loop, in one forward ("ttft") or in chunks ("chunked"). Part of the decode-speed experiment
+(`fibquant.eval.decode_speed`), which calls `time_fresh_prefill` per cache, context and part.
+
+What is timed, per repeat: building the empty cache (`DynamicCache(config=...)`,
+`CompressedCache.for_model(model, codec, codec, ...)`, `QuantizedCache(backend, config, ...)`),
+every prefill forward (last-position logits only) and the argmax of the first generated token,
+with `torch.cuda.synchronize` on a GPU. The codec (codebook, rotation) is built before the clock
+starts: it is per model, not per request. Memory: the peak resident memory (CPU: process RSS
+high-water mark, `PeakRSS`; CUDA: `torch.cuda.max_memory_allocated`) during those calls minus
+the amount just before (after gc + malloc_trim), i.e. what the prefill adds: the cache it builds,
+the activations and every transient buffer (e.g. score blocks); the model weights are already
+resident and not counted.
+"""
+from __future__ import annotations
+
+import statistics
+from typing import Optional
+
+from fibquant.eval.decode_speed_config import CacheSpec, DecodeSpeedConfig
+from fibquant.eval.memory import PeakCUDA, PeakRSS, _synchronize, release_free_memory
+from fibquant.eval.timing import Stopwatch
+from fibquant.kv.model import last_logits
+
+
+def fresh_cache(spec: CacheSpec, model, codec, config: DecodeSpeedConfig):
+    """An empty cache of `spec` for `model`, as a user would build it before `generate`."""
+    if spec.kind == "dynamic":
+        from transformers import DynamicCache
+
+        return DynamicCache(config=model.config)
+    if spec.kind == "compressed":
+        from fibquant.kv.cache import CompressedCache
+
+        return CompressedCache.for_model(model, codec, codec, sink_tokens=config.sink_tokens,
+                                         recent_tokens=config.recent_tokens, attention=spec.attention)
+    from transformers import QuantizedCache
+
+    return QuantizedCache(spec.family, model.config, nbits=spec.bits, q_group_size=config.q_group_size,
+                          residual_length=config.residual_length)
+
+
+def _one_prefill(spec, model, ids, chunk: Optional[int], codec, config) -> dict:
+    """One timed fresh prefill (chunk None: the whole prompt in one forward)."""
+    release_free_memory()
+    monitor = PeakCUDA(model.device) if model.device.type == "cuda" else PeakRSS(config.memory_interval_s)
+    tokens = int(ids.shape[0])
+    step = tokens if chunk is None else chunk
+    chunk_s = []
+    with monitor:
+        _synchronize(model.device)
+        with Stopwatch() as total:
+            cache = fresh_cache(spec, model, codec, config)
+            for start in range(0, tokens, step):
+                with Stopwatch() as piece:
+                    logits = last_logits(model, ids[None, start:start + step], cache)
+                    if start + step >= tokens:
+                        token = int(logits.argmax())
+                    _synchronize(model.device)
+                chunk_s.append(piece.seconds)
+    from fibquant.eval.decode_speed import cache_bytes  # the one byte count of the experiment
+
+    nbytes = cache_bytes(spec, cache)
+    out = {"seconds": total.seconds, "chunk_s": chunk_s, "token": token, "peak_added": monitor.added,
+           "cache_bytes": nbytes["held"], "cache_tokens": cache.get_seq_length(),
+           "attention_used": getattr(cache, "attention", None), "memory_method": monitor.description}
+    del cache
+    return out
+
+
+def time_fresh_prefill(spec: CacheSpec, model, ids, chunk: Optional[int], codec, config: DecodeSpeedConfig,
+                       prefix: str) -> dict:
+    """`config.prefill_repeats` fresh prefills of `ids` [T] with `spec`'s cache; the row fields
+    `<prefix>_s` (median seconds), `<prefix>_s_all`, `<prefix>_chunk_s` (per forward, last repeat),
+    `<prefix>_token` (the greedy first token), `<prefix>_peak_added_bytes` (largest over repeats),
+    `<prefix>_cache_bytes`, `<prefix>_chunk_tokens`."""
+    attention_before = getattr(model.config, "_attn_implementation", None)
+    runs = []
+    try:
+        for _ in range(config.prefill_repeats):
+            runs.append(_one_prefill(spec, model, ids, chunk, codec, config))
+    finally:
+        if attention_before is not None and getattr(model.config, "_attn_implementation", None) != attention_before:
+            model.set_attn_implementation(attention_before)
+    last = runs[-1]
+    return {
+        f"{prefix}_s": statistics.median(r["seconds"] for r in runs),
+        f"{prefix}_s_all": [r["seconds"] for r in runs],
+        f"{prefix}_chunk_s": last["chunk_s"],
+        f"{prefix}_chunk_tokens": int(ids.shape[0]) if chunk is None else chunk,
+        f"{prefix}_token": last["token"],
+        f"{prefix}_peak_added_bytes": max(r["peak_added"] for r in runs),
+        f"{prefix}_cache_bytes": last["cache_bytes"],
+        f"{prefix}_cache_tokens": last["cache_tokens"],
+        f"{prefix}_attention_used": last["attention_used"],
+        "prefill_memory_method": last["memory_method"],
+    }
