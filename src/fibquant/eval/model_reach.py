@@ -1,0 +1,429 @@
+"""Which decoder families a `CompressedCache` serves on codes: one tiny random model per family.
+
+`FAMILIES` holds one entry per family: its transformers config and model classes and the settings
+of a tiny random config (2 layers, hidden 128, vocabulary 128, head_dim 64 where the family lets it
+be set, a sliding window of 16 tokens and `layer_types` mixing sliding and full layers where the
+family has them, 4 experts for mixtures of experts). `probe(family)` builds that model (seeded) and
+runs the same 40-token prompt (prefilled in two chunks, then a few decode steps) through:
+
+- a `CompressedCache.for_model(..., attention="codes")` with a FibQuant codec per role (each with
+  the head size that role's states have at `cache.update`, read from a `DynamicCache` run: keys
+  and values may differ, e.g. MLA's cached latents), and the same cache with attention="decode":
+  the codes path's logits must equal the decode path's (max relative difference <= LOGITS_RTOL);
+- the codes path with an exact window covering the whole prompt (nothing coded) against
+  transformers' own `DynamicCache(config=...)`: the cache's semantics (window, masks, sinks,
+  soft-capping, scaling) must reproduce the model's;
+- `model.generate` in a batch of 2 with left padding, codes vs decode: the same greedy tokens.
+
+fibquant's fallbacks warn once per process (`fibquant.kv.attention._warned`); the probe empties
+that set before a family and puts the previous entries back after, and records every
+RuntimeWarning raised meanwhile, so each family's count is its own.
+
+The status of a family:
+
+- "codes": served on codes (no fallback warning, every check passes);
+- "decode fallback": served, but a fallback warned (the warning says which feature is missing);
+- "refused": `CompressedCache.for_model` raised ValueError (before any prefill), naming the feature;
+- "error": a raw exception, a ValueError after the cache was accepted, or a failed check: a bug.
+
+`benchmarks/model_reach.py` runs every family and writes docs/models.md and results/model_reach.json.
+"""
+from __future__ import annotations
+
+import importlib
+import time
+import traceback
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+LOGITS_RTOL = 1e-4          # max |codes - decode| / max |decode| over every compared logit
+PROMPT_TOKENS = 40          # longer than the sliding window (16) and than sinks + recent window
+FIRST_CHUNK = 24            # chunked prefill: 24 + 16 tokens
+DECODE_STEPS = 4
+NEW_TOKENS = 4              # generate
+SINK_TOKENS, RECENT_TOKENS, ENCODE_BATCH = 2, 4, 4
+BITS = 4.0                  # FibQuant rate per coordinate (d = 64: k = 2, N = 256, shipped)
+VOCAB = 128
+WINDOW = 16
+STATUSES = ("codes", "decode fallback", "refused", "error")
+
+# The common tiny decoder: 2 layers, hidden 128, 2 query heads over 1 KV head (GQA), head_dim 64.
+_TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # inside the tiny vocabulary
+_BASE = dict(_TOKENS, vocab_size=VOCAB, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=256)
+_HYBRID = ["sliding_attention", "full_attention"]
+
+
+def _base(**overrides) -> dict:
+    settings = dict(_BASE)
+    settings.update(overrides)
+    return {name: value for name, value in settings.items() if value is not None}
+
+
+@dataclass(frozen=True)
+class Family:
+    """One decoder family: transformers class names and the settings of its tiny random config."""
+
+    name: str
+    config_class: str
+    model_class: str
+    settings: Callable[[], dict]
+    note: str = ""  # what the settings choose to exercise (the doc's features column adds what the config has)
+
+    def config(self):
+        transformers = importlib.import_module("transformers")
+        return getattr(transformers, self.config_class)(**self.settings())
+
+    def build(self, seed: int = 0):
+        """The tiny model, random weights (seeded), float32, eval mode, the family's default attention."""
+        transformers = importlib.import_module("transformers")
+        config = self.config()
+        torch.manual_seed(seed)
+        return getattr(transformers, self.model_class)(config).eval()
+
+
+FAMILIES: dict[str, Family] = {family.name: family for family in (
+    Family("Llama", "LlamaConfig", "LlamaForCausalLM", lambda: _base()),
+    Family("Mistral", "MistralConfig", "MistralForCausalLM", lambda: _base(sliding_window=WINDOW)),
+    Family("Mixtral", "MixtralConfig", "MixtralForCausalLM",
+           lambda: _base(sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2)),
+    Family("Qwen2", "Qwen2Config", "Qwen2ForCausalLM",
+           lambda: _base(use_sliding_window=True, sliding_window=WINDOW, layer_types=_HYBRID)),
+    Family("Qwen2-MoE", "Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+           lambda: _base(head_dim=None, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                         shared_expert_intermediate_size=64, use_sliding_window=True, sliding_window=WINDOW,
+                         layer_types=_HYBRID)),
+    Family("Qwen3", "Qwen3Config", "Qwen3ForCausalLM",
+           lambda: _base(use_sliding_window=True, sliding_window=WINDOW, layer_types=_HYBRID)),
+    Family("Qwen3-MoE", "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+           lambda: _base(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64),
+           note="no sliding layers: transformers' Qwen3-MoE builds one full mask for every layer"),
+    Family("Gemma", "GemmaConfig", "GemmaForCausalLM", lambda: _base()),
+    Family("Gemma 2", "Gemma2Config", "Gemma2ForCausalLM",
+           lambda: _base(sliding_window=WINDOW, layer_types=_HYBRID, query_pre_attn_scalar=32,
+                         attn_logit_softcapping=3.0, final_logit_softcapping=30.0),
+           note="attention soft-cap 3.0 (real models: 50) so random scores reach it"),
+    Family("Gemma 3 (text)", "Gemma3TextConfig", "Gemma3ForCausalLM",
+           lambda: _base(sliding_window=WINDOW, layer_types=_HYBRID, query_pre_attn_scalar=32)),
+    Family("Phi-3", "Phi3Config", "Phi3ForCausalLM", lambda: _base(head_dim=None, sliding_window=WINDOW)),
+    Family("GPT-2", "GPT2Config", "GPT2LMHeadModel",
+           lambda: dict(_TOKENS, vocab_size=VOCAB, n_embd=128, n_layer=2, n_head=2, n_positions=256)),
+    Family("GPT-NeoX", "GPTNeoXConfig", "GPTNeoXForCausalLM",
+           lambda: dict(_TOKENS, vocab_size=VOCAB, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=2, max_position_embeddings=256)),
+    Family("GPT-J", "GPTJConfig", "GPTJForCausalLM",
+           lambda: dict(_TOKENS, vocab_size=VOCAB, n_embd=128, n_layer=2, n_head=2, n_positions=256, rotary_dim=32)),
+    Family("Falcon", "FalconConfig", "FalconForCausalLM",
+           lambda: dict(_TOKENS, vocab_size=VOCAB, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
+                        multi_query=True, max_position_embeddings=256)),
+    Family("OLMo 2", "Olmo2Config", "Olmo2ForCausalLM", lambda: _base(head_dim=None)),
+    Family("Granite", "GraniteConfig", "GraniteForCausalLM",
+           lambda: _base(head_dim=None, attention_multiplier=0.05, embedding_multiplier=2.0,
+                         residual_multiplier=0.5, logits_scaling=2.0)),
+    Family("Cohere 2", "Cohere2Config", "Cohere2ForCausalLM",
+           lambda: _base(head_dim=None, sliding_window=WINDOW, layer_types=_HYBRID)),
+    Family("StableLM", "StableLmConfig", "StableLmForCausalLM", lambda: _base(head_dim=None)),
+    Family("SmolLM3", "SmolLM3Config", "SmolLM3ForCausalLM", lambda: _base(no_rope_layer_interval=2),
+           note="layer 2 without RoPE (NoPE)"),
+    Family("gpt-oss", "GptOssConfig", "GptOssForCausalLM",
+           lambda: _base(sliding_window=WINDOW, layer_types=_HYBRID, num_local_experts=4, num_experts_per_tok=2)),
+    Family("DeepSeek-V3", "DeepseekV3Config", "DeepseekV3ForCausalLM",
+           lambda: _base(head_dim=None, num_key_value_heads=2, kv_lora_rank=64, q_lora_rank=None,
+                         qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, n_routed_experts=4,
+                         num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+                         moe_intermediate_size=64),
+           note="MLA: latent rank 64, RoPE dim 64, nope 32, value 32"),
+)}
+
+
+# ----------------------------------------------------------------------------- what a model has
+def features(model) -> dict:
+    """The attention features of `model`, read from its config and its attention modules."""
+    config = model.config
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    out: dict = {}
+    layer_types = getattr(text, "layer_types", None)
+    if layer_types:
+        out["layer_types"] = list(layer_types)
+    for name in ("sliding_window", "attn_logit_softcapping", "kv_lora_rank", "attention_multiplier",
+                 "query_pre_attn_scalar"):
+        value = getattr(text, name, None)
+        if value:
+            out[name] = value
+    experts = next((getattr(text, name) for name in ("num_local_experts", "num_experts", "n_routed_experts")
+                    if getattr(text, name, None)), None)
+    if experts:
+        out["experts"] = experts
+    heads = getattr(text, "num_attention_heads", None) or getattr(text, "n_head", None)
+    kv_heads = getattr(text, "num_key_value_heads", None)
+    if kv_heads and heads and kv_heads != heads:
+        out["query_heads_per_kv_head"] = heads // kv_heads
+    scalings, sinks = set(), False
+    for module in model.modules():
+        if hasattr(module, "scaling") and isinstance(getattr(module, "scaling"), float) and hasattr(module, "layer_idx"):
+            scalings.add(round(module.scaling, 6))
+        if isinstance(getattr(module, "sinks", None), torch.nn.Parameter):
+            sinks = True
+    if scalings:
+        out["query_scaling"] = sorted(scalings)
+    if sinks:
+        out["attention_sinks"] = True
+    return out
+
+
+def feature_summary(info: dict) -> str:
+    """A short text of `features(...)` (and the cached head sizes) for the doc's table."""
+    parts = []
+    types = info.get("layer_types")
+    if types:
+        counts = {t: types.count(t) for t in dict.fromkeys(types)}
+        parts.append(" + ".join(f"{n} {t.replace('_attention', '')}" for t, n in counts.items()))
+    if "sliding_window" in info:
+        parts.append(f"window {info['sliding_window']}")
+    if "attn_logit_softcapping" in info:
+        parts.append(f"soft-cap {info['attn_logit_softcapping']:g}")
+    if info.get("attention_sinks"):
+        parts.append("learned sinks (s_aux)")
+    if "kv_lora_rank" in info:
+        parts.append(f"MLA (latent {info['kv_lora_rank']})")
+    if "experts" in info:
+        parts.append(f"MoE {info['experts']} experts")
+    if "query_heads_per_kv_head" in info:
+        parts.append(f"GQA {info['query_heads_per_kv_head']}:1")
+    cached = info.get("cache_shapes")
+    if cached:
+        key, value = cached["key"], cached["value"]
+        parts.append(f"cached K {key[1]}x{key[3]}, V {value[1]}x{value[3]} (heads x dim)")
+    for scale in info.get("query_scaling", []):
+        dims = cached["query_dim"] if cached else None
+        if dims and abs(scale - dims ** -0.5) > 1e-6:
+            parts.append(f"scale {scale:.4g} (not 1/sqrt({dims}))")
+    return "; ".join(parts)
+
+
+# ----------------------------------------------------------------------------- running a cache
+def _forward(model, ids, cache, attention_mask=None):
+    from fibquant.kv.model import _forward_arguments
+
+    argument, _ = _forward_arguments(type(model))
+    kwargs = {argument: cache, "use_cache": True}
+    if attention_mask is not None:
+        kwargs["attention_mask"] = attention_mask
+    with torch.no_grad():
+        return model(input_ids=ids, **kwargs).logits
+
+
+def _run(model, cache, ids) -> torch.Tensor:
+    """Logits [T, V] of every position: prefill in two chunks, then one token per step."""
+    prompt = ids[:, :PROMPT_TOKENS]
+    parts = [_forward(model, prompt[:, :FIRST_CHUNK], cache), _forward(model, prompt[:, FIRST_CHUNK:], cache)]
+    for step in range(DECODE_STEPS):
+        token = ids[:, PROMPT_TOKENS + step:PROMPT_TOKENS + step + 1]
+        parts.append(_forward(model, token, cache))
+    return torch.cat(parts, dim=1)[0].to(torch.float32)
+
+
+def relative_difference(got: torch.Tensor, reference: torch.Tensor) -> float:
+    """max |got - reference| / max |reference| (inf when shapes differ or a value is not finite)."""
+    if got.shape != reference.shape or not torch.isfinite(got).all():
+        return float("inf")
+    scale = reference.abs().max().clamp_min(1e-12)
+    return float((got - reference).abs().max() / scale)
+
+
+def cache_shapes(model, ids) -> dict:
+    """Shapes of what the model hands `cache.update` per layer (a DynamicCache prefill)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    _forward(model, ids[:, :8], cache)
+    layer = cache.layers[0]
+    query_dims = {getattr(m, "head_dim", None) or getattr(m, "qk_head_dim", None) for m in model.modules()
+                  if hasattr(m, "layer_idx") and hasattr(m, "scaling")}
+    query_dims.discard(None)
+    mla = getattr(model.config, "qk_nope_head_dim", None)
+    query_dim = (mla + model.config.qk_rope_head_dim) if mla else \
+        (min(query_dims) if query_dims else layer.keys.shape[-1])
+    return {"key": list(layer.keys.shape), "value": list(layer.values.shape), "query_dim": query_dim,
+            "layers": [type(layer).__name__ for layer in cache.layers]}
+
+
+class _FallbackRecorder:
+    """Empties fibquant's once-per-process warning set, records RuntimeWarnings, restores the set."""
+
+    def __enter__(self):
+        from fibquant.kv import attention
+
+        self._warned = getattr(attention, "_warned", None)
+        self._saved = set(self._warned) if self._warned is not None else None
+        if self._warned is not None:
+            self._warned.clear()
+        self._catch = warnings.catch_warnings(record=True)
+        self.records = self._catch.__enter__()
+        warnings.simplefilter("always")
+        return self
+
+    def messages(self) -> list[str]:
+        """Distinct RuntimeWarning texts recorded so far, in order."""
+        texts = [str(w.message) for w in self.records if issubclass(w.category, RuntimeWarning)]
+        return list(dict.fromkeys(texts))
+
+    def keys(self) -> list[str]:
+        return sorted(self._warned) if self._warned is not None else []
+
+    def __exit__(self, *exc):
+        self.final_keys = self.keys()
+        self._catch.__exit__(*exc)
+        if self._warned is not None:
+            self._warned.clear()
+            self._warned.update(self._saved)
+        return False
+
+
+def _error_text(exc: BaseException) -> str:
+    frame = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
+    where = f" at {frame.filename.split('site-packages/')[-1].split('src/')[-1]}:{frame.lineno}" if frame else ""
+    return f"{type(exc).__name__}: {exc}{where}"
+
+
+# ----------------------------------------------------------------------------- the probe
+def probe(family: Family | str, seed: int = 0, bits: float = BITS, generate: bool = True) -> dict:
+    """Run one family's tiny model through the codes and decode paths; return what happened.
+
+    Order: DynamicCache and the decode path first, on the model's own attention implementation
+    (the references); then `for_model(..., attention="codes")` (which switches the model to
+    fibquant's attention function) and the codes runs; the decode side of `generate` switches the
+    model back to its own implementation first.
+
+    Keys: family, config_class, model_class, note, status (one of STATUSES), reason, stage (where it
+    stopped), features, cache_shapes, fallback_warnings (texts), warned_keys, attention (the codes
+    cache's mode after for_model), attn_implementation (the model's, after for_model), coded_tokens
+    (per layer, codes run), logits_rel_codes_vs_decode, logits_rel_exact_vs_dynamic, generate_equal,
+    seconds.
+    """
+    from transformers.utils import logging as hf_logging
+
+    family = FAMILIES[family] if isinstance(family, str) else family
+    started = time.perf_counter()
+    result: dict = {"family": family.name, "config_class": family.config_class, "model_class": family.model_class,
+                    "note": family.note, "status": None, "reason": "", "stage": "build", "features": {},
+                    "cache_shapes": None, "fallback_warnings": [], "warned_keys": [], "attention": None,
+                    "attn_implementation": None, "coded_tokens": None, "logits_rel_codes_vs_decode": None,
+                    "logits_rel_exact_vs_dynamic": None, "generate_equal": None}
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the tiny configs' notes (e.g. RoPE factors) are not findings
+
+    try:
+        with _FallbackRecorder() as recorder:
+            status, reason = _probe_stages(family, seed, bits, generate, result, recorder)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    result["status"], result["reason"] = status, reason
+    result["seconds"] = round(time.perf_counter() - started, 3)
+    return result
+
+
+def _probe_stages(family: Family, seed: int, bits: float, generate: bool, result: dict,
+                  recorder: "_FallbackRecorder") -> tuple[str, str]:
+    """The probe's stages, filling `result`; returns (status, reason)."""
+    from transformers import DynamicCache
+
+    from fibquant.codecs.fibquant import FibQuantCodec
+    from fibquant.kv.cache import CompressedCache
+
+    def finish(status: str, reason: str = "") -> tuple[str, str]:
+        result["fallback_warnings"], result["warned_keys"] = recorder.messages(), recorder.keys()
+        return status, reason
+
+    try:
+        model = family.build(seed)
+        own_attention = model.config._attn_implementation
+        result["features"] = features(model)
+        generator = torch.Generator().manual_seed(seed + 1)
+        ids = torch.randint(3, VOCAB, (1, PROMPT_TOKENS + DECODE_STEPS), generator=generator)
+        result["stage"] = "dynamic cache reference"
+        shapes = cache_shapes(model, ids)
+        result["cache_shapes"] = result["features"]["cache_shapes"] = shapes
+        key_codec = FibQuantCodec.for_rate(shapes["key"][-1], bits)
+        value_codec = key_codec if shapes["value"][-1] == shapes["key"][-1] else \
+            FibQuantCodec.for_rate(shapes["value"][-1], bits)
+        dynamic_logits = _run(model, DynamicCache(config=model.config), ids)
+    except Exception as exc:  # noqa: BLE001 - the probe reports every failure
+        return finish("error", f"{result['stage']}: {_error_text(exc)}")
+
+    def new_cache(attention: str, recent: int = RECENT_TOKENS):
+        if attention == "decode" and model.config._attn_implementation != own_attention:
+            model.set_attn_implementation(own_attention)  # the reference: the model's own attention
+        return CompressedCache.for_model(model, key_codec, value_codec, sink_tokens=SINK_TOKENS,
+                                         recent_tokens=recent, attention=attention, encode_batch=ENCODE_BATCH)
+
+    failures = []
+    try:
+        result["stage"] = "for_model (decode)"
+        decode_cache = new_cache("decode")
+        result["stage"] = "for_model (codes)"
+        codes_cache = new_cache("codes")
+    except ValueError as exc:
+        return finish("refused", str(exc))
+    except Exception as exc:  # noqa: BLE001
+        return finish("error", f"{result['stage']}: {_error_text(exc)}")
+    result["attention"] = codes_cache.attention
+    result["attn_implementation"] = model.config._attn_implementation
+    try:
+        result["stage"] = "decode run"
+        model.set_attn_implementation(own_attention)
+        decode_logits = _run(model, decode_cache, ids)
+        result["stage"] = "codes run"
+        codes_cache = new_cache("codes")  # switches the model back to fibquant's attention (if it can)
+        codes_logits = _run(model, codes_cache, ids)
+        result["coded_tokens"] = [getattr(layer, "num_coded", None) for layer in codes_cache.layers]
+        rel = relative_difference(codes_logits, decode_logits)
+        result["logits_rel_codes_vs_decode"] = rel
+        if not rel <= LOGITS_RTOL:
+            failures.append(f"codes logits differ from decode logits: max relative difference {rel:.3g} "
+                            f"> {LOGITS_RTOL:g}")
+        result["stage"] = "exact-window run"
+        exact_logits = _run(model, new_cache("codes", recent=PROMPT_TOKENS + DECODE_STEPS), ids)
+        rel = relative_difference(exact_logits, dynamic_logits)
+        result["logits_rel_exact_vs_dynamic"] = rel
+        if not rel <= LOGITS_RTOL:
+            failures.append(f"codes path with nothing coded differs from DynamicCache: max relative "
+                            f"difference {rel:.3g} > {LOGITS_RTOL:g}")
+        if generate:
+            result["stage"] = "generate"
+            result["generate_equal"] = _generate_equal(model, new_cache)
+            if not result["generate_equal"]:
+                failures.append("generate (batch 2, left padding): codes and decode give different tokens")
+        result["stage"] = "done"
+    except Exception as exc:  # noqa: BLE001
+        return finish("error", f"{result['stage']}: {_error_text(exc)}")
+    if failures:
+        return finish("error", "; ".join(failures))
+    texts = recorder.messages()
+    if texts or result["attention"] != "codes":
+        return finish("decode fallback", " | ".join(texts) or f"cache attention {result['attention']!r}")
+    return finish("codes")
+
+
+def _generate_equal(model, new_cache) -> bool:
+    """Greedy generate, batch 2 (row 1 left-padded by 5), codes vs decode: the same tokens?"""
+    generator = torch.Generator().manual_seed(7)
+    ids = torch.randint(3, VOCAB, (2, PROMPT_TOKENS - 8), generator=generator)
+    mask = torch.ones_like(ids)
+    ids[1, :5], mask[1, :5] = 0, 0
+    outputs = []
+    for attention in ("decode", "codes"):
+        cache = new_cache(attention)
+        with torch.no_grad():
+            outputs.append(model.generate(ids, attention_mask=mask, past_key_values=cache,
+                                          max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
+                                          eos_token_id=None))
+    return bool(outputs[1].shape == (2, ids.shape[1] + NEW_TOKENS) and torch.equal(outputs[0], outputs[1]))
+
+
+def probe_all(names: Optional[list[str]] = None, **kwargs) -> list[dict]:
+    """`probe` of every family (or of `names`), in registry order."""
+    return [probe(FAMILIES[name], **kwargs) for name in (names or list(FAMILIES))]
