@@ -36,6 +36,7 @@ Inference only: inputs are detached. Outputs are float32.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -49,16 +50,42 @@ MAX_TRITON_DIM = 512
 
 
 def _interpreting() -> bool:
-    """Whether this module's kernels were built for Triton's interpreter (TRITON_INTERPRET=1 at import)."""
+    """Whether the kernels run in Triton's interpreter: TRITON_INTERPRET=1 was set when triton.language
+    (its jitted standard library) was first imported and when this module was imported."""
     try:
         from triton import knobs
 
-        return bool(knobs.runtime.interpret)
+        knob = bool(knobs.runtime.interpret)
     except (ImportError, AttributeError):  # older triton: the variable itself
-        return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+        knob = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        return knob and isinstance(tl.standard.zeros, InterpretedFunction)
+    except (ImportError, AttributeError):
+        return knob
 
 
 INTERPRETED = _interpreting()
+
+
+@contextlib.contextmanager
+def _launch_scope():
+    """Kernels built for the interpreter re-read TRITON_INTERPRET when they run (the interpreter
+    re-executes their source): keep it set during a launch, so they work whatever the caller did to
+    the environment after importing this module (the tests restore it). A no-op when compiled."""
+    if not INTERPRETED:
+        yield
+        return
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
 
 
 def unsupported_reason(dim: int, index_bits: int) -> str | None:
@@ -244,9 +271,10 @@ def _rows(codes: torch.Tensor) -> torch.Tensor:
 
 
 def _tiles(n_rows: int, dim: int) -> tuple[int, int]:
-    """(BQ query rows, BM tokens) per tile: >= 16 rows (tl.dot), fewer tokens for wide heads."""
+    """(BQ query rows, BM tokens) per tile: >= 16 rows (tl.dot), fewer tokens for wide heads (register
+    pressure of the decoded [BM, D] tiles). Not tuned on a GPU yet."""
     bq = min(64, _pow2(n_rows, 16))
-    bm = 64 if dim <= 128 else 32
+    bm = 64 if dim <= 64 else 32
     if bq * max(dim, 1) > 64 * 128:
         bq = max(16, (64 * 128) // _pow2(dim))
     return bq, bm
@@ -285,11 +313,12 @@ def scores(queries: torch.Tensor, codes: torch.Tensor, codewords: torch.Tensor, 
     bad = torch.zeros(1, dtype=torch.int32, device=codes.device)
     bq, bm = _tiles(n_q, dim)
     grid = (n_b * n_h, triton.cdiv(n_q, bq), triton.cdiv(n_tokens, bm))
-    _scores_kernel[grid](queries, codes, codewords, out, bad,
-                         n_h, n_q, n_tokens, dim, n_codewords, codes.shape[-1] - 2,
-                         *queries.stride(), *codes.stride()[:3], *out.stride(),
-                         W=index_bits, K=k, NB=_field_bytes(index_bits), DP=_pow2(dim, 16),
-                         BQ=bq, BM=bm, CHECK=check, num_warps=4)
+    with _launch_scope():
+        _scores_kernel[grid](queries, codes, codewords, out, bad,
+                             n_h, n_q, n_tokens, dim, n_codewords, codes.shape[-1] - 2,
+                             *queries.stride(), *codes.stride()[:3], *out.stride(),
+                             W=index_bits, K=k, NB=_field_bytes(index_bits), DP=_pow2(dim, 16),
+                             BQ=bq, BM=bm, CHECK=check, num_warps=4)
     _check_bad(bad if check else None, (n_codewords,), (index_bits,))
     return out
 
@@ -312,11 +341,12 @@ def weighted_sum(weights: torch.Tensor, codes: torch.Tensor, codewords: torch.Te
     per_split = triton.cdiv(n_tiles, splits) * bm
     splits = triton.cdiv(n_tokens, per_split)
     partial = torch.empty(splits, n_b, n_h, n_q, dim, dtype=torch.float32, device=codes.device)
-    _weighted_sum_kernel[(n_b * n_h, q_tiles, splits)](
-        weights, codes, codewords, partial, bad, n_h, n_q, n_tokens, dim, n_codewords, codes.shape[-1] - 2,
-        per_split, *weights.stride(), *codes.stride()[:3], *partial.stride()[:4],
-        W=index_bits, K=k, NB=_field_bytes(index_bits), DP=_pow2(dim, 16), BQ=bq, BM=bm, CHECK=check,
-        num_warps=4)
+    with _launch_scope():
+        _weighted_sum_kernel[(n_b * n_h, q_tiles, splits)](
+            weights, codes, codewords, partial, bad, n_h, n_q, n_tokens, dim, n_codewords, codes.shape[-1] - 2,
+            per_split, *weights.stride(), *codes.stride()[:3], *partial.stride()[:4],
+            W=index_bits, K=k, NB=_field_bytes(index_bits), DP=_pow2(dim, 16), BQ=bq, BM=bm, CHECK=check,
+            num_warps=4)
     _check_bad(bad if check else None, (n_codewords,), (index_bits,))
     return partial[0] if splits == 1 else partial.sum(0)
 
@@ -355,15 +385,16 @@ def decode_attention(queries: torch.Tensor, key_codes: torch.Tensor, value_codes
             bias_strides[1] = 0
     else:
         bias_arg, bias_strides = stat, [0, 0, 0, 0]  # never read (HAS_BIAS=False)
-    _decode_attention_kernel[(n_b * kv_heads, row_tiles, splits)](
-        queries, key_codes, value_codes, key_codewords, value_codewords, bias_arg, acc, stat, bad,
-        kv_heads, groups, n_q, n_rows, n_tokens, dim, value_dim, n_kcw, n_vcw,
-        key_codes.shape[-1] - 2, value_codes.shape[-1] - 2, per_split,
-        *queries.stride(), *key_codes.stride()[:3], *value_codes.stride()[:3], *bias_strides,
-        *acc.stride()[:4], *stat.stride()[:4],
-        KW=key_bits, KK=k_key, KNB=_field_bytes(key_bits), VW=value_bits, VK=k_value,
-        VNB=_field_bytes(value_bits), DP=_pow2(dim, 16), DVP=_pow2(value_dim, 16), HAS_BIAS=bias is not None,
-        CHECK_K=check_k, CHECK_V=check_v, BQ=bq, BM=bm, num_warps=4)
+    with _launch_scope():
+        _decode_attention_kernel[(n_b * kv_heads, row_tiles, splits)](
+            queries, key_codes, value_codes, key_codewords, value_codewords, bias_arg, acc, stat, bad,
+            kv_heads, groups, n_q, n_rows, n_tokens, dim, value_dim, n_kcw, n_vcw,
+            key_codes.shape[-1] - 2, value_codes.shape[-1] - 2, per_split,
+            *queries.stride(), *key_codes.stride()[:3], *value_codes.stride()[:3], *bias_strides,
+            *acc.stride()[:4], *stat.stride()[:4],
+            KW=key_bits, KK=k_key, KNB=_field_bytes(key_bits), VW=value_bits, VK=k_value,
+            VNB=_field_bytes(value_bits), DP=_pow2(dim, 16), DVP=_pow2(value_dim, 16), HAS_BIAS=bias is not None,
+            CHECK_K=check_k, CHECK_V=check_v, BQ=bq, BM=bm, num_warps=4)
     if check_k or check_v:
         _check_bad(bad, (n_kcw, n_vcw), (key_bits, value_bits))
     out, lse = _merge_splits(acc, stat)

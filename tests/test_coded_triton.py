@@ -1,0 +1,351 @@
+"""Triton kernels of attention on codes (kv/coded_triton.py) == the torch reference (kv/coded_reference.py).
+
+Without a GPU the kernels run on CPU tensors in Triton's interpreter: TRITON_INTERPRET=1 is set
+only while this module imports fibquant.kv.coded_triton (triton reads it when a kernel is
+decorated, and when `triton.language` is first imported), then restored, so the other test modules in the same pytest process see the
+environment they had. With a CUDA GPU the same tests run the compiled kernels on CUDA tensors.
+Interpreter cases are kept small (the file runs in well under a minute on two cores).
+Skipped with a reason when triton is not installed (pip install 'fibquant[gpu]').
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import warnings
+
+import pytest
+import torch
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed (pip install 'fibquant[gpu]')", allow_module_level=True)
+
+CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+
+if not CUDA and "triton" not in sys.modules:
+    # Triton decides interpreter vs compiler when `triton.language` (its standard library of jitted
+    # functions) is imported and when each kernel is decorated: set the variable for that import only.
+    _saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        from fibquant.kv import coded_triton
+    finally:
+        if _saved is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = _saved
+else:
+    from fibquant.kv import coded_triton
+
+if not CUDA and not coded_triton.INTERPRETED:
+    pytest.skip("triton was imported in this process without TRITON_INTERPRET=1 before this module, and there is "
+                "no CUDA GPU to run the compiled kernels on", allow_module_level=True)
+
+from fibquant.codecs.bitpack import float16_to_bytes, pack_bits  # noqa: E402
+from fibquant.codecs.fibquant import FibQuantCodec  # noqa: E402
+from fibquant.codecs.turboquant import TurboQuantCodec  # noqa: E402
+from fibquant.kv import coded_kernels as ck  # noqa: E402
+from fibquant.kv.coded_kernels import (attention_with_lse, coded_decode_attention,  # noqa: E402
+                                       coded_decode_attention_reference, coded_scores, coded_scores_reference,
+                                       coded_weighted_sum, coded_weighted_sum_reference, merge_lse)
+from fibquant.kv.coded_reference import _decoded_rotated  # noqa: E402
+
+SCORE_ATOL = 1e-4   # max abs error of scores (norms <= 2, unit-scale codewords, Gaussian queries)
+OUT_RTOL = 1e-4     # max abs error of outputs relative to the largest output magnitude
+
+# (D, k, index_bits, N): every TurboQuant width 1..4, FibQuant 8/10/12-bit and k = 1/2/4/8, N < 2^w.
+CONFIGS = [
+    (64, 1, 1, 2), (64, 1, 2, 4), (64, 1, 3, 8), (64, 1, 4, 16),
+    (64, 2, 8, 256), (64, 4, 10, 1024), (64, 4, 12, 4096), (64, 8, 8, 256),
+    (64, 2, 7, 100), (64, 4, 12, 3000), (128, 4, 8, 256), (96, 4, 11, 2048),
+]
+
+
+def random_codes(shape, dim, k, bits, n_codewords, seed, device=DEVICE, zero_rows=True):
+    """Valid code rows uint8 [*shape, 2 + ceil(dim/k * bits / 8)] (random indices < N, fp16 norms in [0, 2],
+    the first row of each head a zero norm) and codewords float32 [N, k]."""
+    gen = torch.Generator().manual_seed(seed)
+    index = torch.randint(0, n_codewords, (*shape, dim // k), generator=gen)
+    norms = torch.rand(*shape, generator=gen) * 2
+    if zero_rows and shape[-1]:
+        norms[..., 0] = 0.0
+    codes = torch.cat([float16_to_bytes(norms), pack_bits(index, bits)], dim=-1)
+    codewords = torch.randn(n_codewords, k, generator=gen) / k ** 0.5
+    return codes.to(device), codewords.to(device)
+
+
+def randn(*shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+
+
+def assert_out_close(actual, expected, rtol=OUT_RTOL):
+    assert actual.shape == expected.shape and actual.dtype == torch.float32
+    assert not torch.isnan(actual).any()
+    scale = float(expected.abs().max()) if expected.numel() else 0.0
+    err = float((actual - expected).abs().max()) if expected.numel() else 0.0
+    assert err <= rtol * max(scale, 1e-30), (err, scale)
+
+
+def assert_lse_close(actual, expected):
+    assert actual.shape == expected.shape and actual.dtype == torch.float32
+    assert torch.equal(torch.isneginf(actual), torch.isneginf(expected))
+    finite = torch.isfinite(expected)
+    assert torch.isfinite(actual[finite]).all()
+    if finite.any():
+        assert float((actual[finite] - expected[finite]).abs().max()) <= SCORE_ATOL
+
+
+# --------------------------------------------------------------------------- drop-ins
+@pytest.mark.parametrize("dim,k,bits,n_codewords", CONFIGS)
+def test_scores_and_weighted_sum_match_reference(dim, k, bits, n_codewords):
+    codes, codewords = random_codes((2, 2, 70), dim, k, bits, n_codewords, seed=bits * 7 + k)
+    queries = randn(2, 2, 5, dim, seed=1)
+    weights = torch.softmax(randn(2, 2, 5, 70, seed=2) * 3, dim=-1)
+    scores = coded_scores(queries, codes, codewords, bits, backend="triton")
+    expected = coded_scores_reference(queries, codes, codewords, bits)
+    assert scores.shape == expected.shape == (2, 2, 5, 70)
+    assert float((scores - expected).abs().max()) <= SCORE_ATOL
+    assert_out_close(coded_weighted_sum(weights, codes, codewords, bits, backend="triton"),
+                     coded_weighted_sum_reference(weights, codes, codewords, bits))
+
+
+def test_real_codecs_match_reference():
+    """FibQuant k=4 N=256 (shipped d=64 codebook) and TurboQuant 3-bit on real encodings."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 2, 80, 64, generator=gen) * torch.exp(torch.randn(1, 2, 80, 1, generator=gen))
+    for codec in (FibQuantCodec(64, 4, 256), TurboQuantCodec(64, 3)):
+        codes = codec.encode(x).to(DEVICE)
+        book = codec.rotated_codebook(DEVICE)
+        queries = randn(1, 2, 3, 64, seed=4)
+        scores = coded_scores(queries, codes, book.codewords, book.index_bits, backend="triton")
+        expected = coded_scores_reference(queries, codes, book.codewords, book.index_bits)
+        assert_out_close(scores, expected)
+        weights = torch.softmax(expected, dim=-1)
+        assert_out_close(coded_weighted_sum(weights, codes, book.codewords, book.index_bits, backend="triton"),
+                         coded_weighted_sum_reference(weights, codes, book.codewords, book.index_bits))
+
+
+def test_weighted_sum_splits_and_many_queries():
+    codes, codewords = random_codes((1, 2, 200), 64, 2, 8, 256, seed=5)
+    weights = torch.rand(1, 2, 20, 200, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    expected = coded_weighted_sum_reference(weights, codes, codewords, 8)
+    for splits in (1, 2, 4):
+        assert_out_close(coded_triton.weighted_sum(weights, codes, codewords, 8, 64, splits=splits), expected)
+
+
+def test_capacity_buffer_view_is_read_in_place():
+    codes, codewords = random_codes((2, 2, 45), 64, 4, 10, 1024, seed=7)
+    buffer = torch.zeros(2, 2, 96, codes.shape[-1], dtype=torch.uint8, device=DEVICE)
+    buffer[:, :, :45] = codes
+    view = buffer[:, :, :45]
+    assert not view.is_contiguous()
+    assert coded_triton._rows(view).data_ptr() == buffer.data_ptr()  # no copy
+    queries = randn(2, 2, 3, 64, seed=8)
+    weights = torch.softmax(randn(2, 2, 3, 45, seed=9), dim=-1)
+    assert torch.equal(coded_scores(queries, view, codewords, 10, backend="triton"),
+                       coded_scores(queries, codes, codewords, 10, backend="triton"))
+    assert torch.equal(coded_weighted_sum(weights, view, codewords, 10, backend="triton"),
+                       coded_weighted_sum(weights, codes, codewords, 10, backend="triton"))
+    odd = torch.zeros(*codes.shape, 2, dtype=torch.uint8, device=DEVICE)
+    odd[..., 0] = codes
+    strided = odd[..., 0]  # a row's bytes are not contiguous: copied, still right
+    assert strided.stride(-1) == 2
+    assert torch.equal(coded_scores(queries, strided, codewords, 10, backend="triton"),
+                       coded_scores(queries, codes, codewords, 10, backend="triton"))
+
+
+def test_invalid_index_raises():
+    codes, codewords = random_codes((1, 1, 10), 64, 4, 12, 4096, seed=10)
+    queries = randn(1, 1, 2, 64, seed=11)
+    small = codewords[:3000].contiguous()
+    with pytest.raises(ValueError, match="index"):
+        coded_scores(queries, codes, small, 12, backend="triton")
+    with pytest.raises(ValueError, match="index"):
+        coded_weighted_sum(torch.ones(1, 1, 2, 10, device=DEVICE), codes, small, 12, backend="triton")
+    with pytest.raises(ValueError, match="index"):
+        coded_decode_attention(queries, codes, codes, small, codewords, 12, 12, backend="triton")
+
+
+def test_no_tokens_and_no_queries():
+    codes, codewords = random_codes((2, 2, 0), 64, 2, 8, 256, seed=12)
+    queries = randn(2, 4, 3, 64, seed=13)
+    assert coded_scores(queries[:, :2], codes, codewords, 8, backend="triton").shape == (2, 2, 3, 0)
+    assert torch.equal(coded_weighted_sum(torch.zeros(2, 2, 3, 0, device=DEVICE), codes, codewords, 8,
+                                          backend="triton"), torch.zeros(2, 2, 3, 64, device=DEVICE))
+    out, lse = coded_decode_attention(queries, codes, codes, codewords, codewords, 8, 8, backend="triton")
+    assert torch.equal(out, torch.zeros(2, 4, 3, 64, device=DEVICE))
+    assert torch.isneginf(lse).all() and lse.shape == (2, 4, 3)
+
+
+# --------------------------------------------------------------------------- fused decode attention
+def _decode_inputs(batch=2, kv_heads=2, groups=2, n_q=1, tokens=150, seed=20):
+    key_codes, key_codewords = random_codes((batch, kv_heads, tokens), 64, 4, 8, 256, seed=seed)
+    value_codes, value_codewords = random_codes((batch, kv_heads, tokens), 64, 1, 3, 8, seed=seed + 1)
+    queries = randn(batch, kv_heads * groups, n_q, 64, seed=seed + 2) * 0.5
+    return queries, key_codes, value_codes, key_codewords, value_codewords
+
+
+def _padding_bias(batch, heads, n_q, tokens, seed):
+    """Batch row 0 pads its last 40 columns, query row 1 of batch 1 sees nothing (if it exists)."""
+    bias = torch.zeros(batch, heads, n_q, tokens)
+    bias[0, :, :, tokens - 40:] = float("-inf")
+    if batch > 1 and n_q > 1:
+        bias[1, :, 1] = float("-inf")
+    bias += torch.rand(bias.shape, generator=torch.Generator().manual_seed(seed))  # finite ALiBi-like part
+    return bias.to(DEVICE)
+
+
+@pytest.mark.parametrize("n_q,bias_heads,splits", [(1, None, 1), (1, 1, 3), (3, 1, None), (3, 4, 2)])
+def test_decode_attention_matches_reference(n_q, bias_heads, splits):
+    """GQA (4 query heads on 2 KV heads), batch 2, key FibQuant-like k=4/8-bit, value TurboQuant-like 3-bit."""
+    queries, key_codes, value_codes, key_cw, value_cw = _decode_inputs(n_q=n_q)
+    bias = None if bias_heads is None else _padding_bias(2, bias_heads, n_q, 150, seed=21)
+    out, lse = coded_decode_attention(queries, key_codes, value_codes, key_cw, value_cw, 8, 3, bias,
+                                      backend="triton", splits=splits)
+    expected_out, expected_lse = coded_decode_attention_reference(queries, key_codes, value_codes, key_cw,
+                                                                  value_cw, 8, 3, bias)
+    assert out.shape == (2, 4, n_q, 64) and lse.shape == (2, 4, n_q)
+    assert_out_close(out, expected_out)
+    assert_lse_close(lse, expected_lse)
+    if bias_heads is not None and n_q > 1:  # the fully masked rows
+        assert torch.isneginf(lse[1, :, 1]).all()
+        assert torch.equal(out[1, :, 1], torch.zeros_like(out[1, :, 1]))
+
+
+def test_decode_attention_prefill_chunk_bounded_rows():
+    """A prefill-shaped call: 40 query tokens x 2 groups = 80 rows (two row tiles) with a causal bias."""
+    queries, key_codes, value_codes, key_cw, value_cw = _decode_inputs(batch=1, n_q=40, tokens=120, seed=30)
+    causal = torch.arange(120)[None, :] > torch.arange(80, 120)[:, None]
+    bias = torch.zeros(1, 1, 40, 120).masked_fill_(causal, float("-inf")).to(DEVICE)
+    out, lse = coded_decode_attention(queries, key_codes, value_codes, key_cw, value_cw, 8, 3, bias,
+                                      backend="triton")
+    expected_out, expected_lse = coded_decode_attention_reference(queries, key_codes, value_codes, key_cw,
+                                                                  value_cw, 8, 3, bias)
+    assert_out_close(out, expected_out)
+    assert_lse_close(lse, expected_lse)
+
+
+@pytest.mark.parametrize("k,bits,n_codewords", [(1, 1, 2), (2, 10, 1024), (4, 12, 4096), (8, 8, 256)])
+def test_decode_attention_widths(k, bits, n_codewords):
+    key_codes, key_cw = random_codes((1, 1, 70), 64, k, bits, n_codewords, seed=40 + k)
+    value_codes, value_cw = random_codes((1, 1, 70), 64, k, bits, n_codewords, seed=41 + k)
+    queries = randn(1, 4, 1, 64, seed=42)
+    out, lse = coded_decode_attention(queries, key_codes, value_codes, key_cw, value_cw, bits, bits,
+                                      backend="triton", splits=2)
+    expected_out, expected_lse = coded_decode_attention_reference(queries, key_codes, value_codes, key_cw,
+                                                                  value_cw, bits, bits)
+    assert_out_close(out, expected_out)
+    assert_lse_close(lse, expected_lse)
+
+
+def test_decode_attention_merged_with_exact_columns_equals_full_attention():
+    """coded part (Triton) + exact part (attention_with_lse) through merge_lse == one softmax over all columns."""
+    queries, key_codes, value_codes, key_cw, value_cw = _decode_inputs(batch=2, n_q=2, tokens=90, seed=50)
+    exact_keys, exact_values = randn(2, 2, 7, 64, seed=51), randn(2, 2, 7, 64, seed=52)
+    coded_bias = _padding_bias(2, 1, 2, 90, seed=53)
+    exact_bias = torch.zeros(2, 1, 2, 7, device=DEVICE)
+    exact_bias[1, :, 1] = float("-inf")  # row (1, 1) sees nothing at all: zeros, lse -inf
+    coded = coded_decode_attention(queries, key_codes, value_codes, key_cw, value_cw, 8, 3, coded_bias,
+                                   backend="triton")
+    out, lse = merge_lse([coded, attention_with_lse(queries, exact_keys, exact_values, exact_bias)])
+    keys = torch.cat([_decoded_rotated(key_codes, key_cw, 8, 16), exact_keys], dim=2)
+    values = torch.cat([_decoded_rotated(value_codes, value_cw, 3, 64), exact_values], dim=2)
+    full_bias = torch.cat([coded_bias, exact_bias], dim=-1)
+    groups = 2
+    scores = queries @ keys.repeat_interleave(groups, dim=1).transpose(-1, -2) + full_bias
+    dense = torch.softmax(scores, dim=-1).nan_to_num(0.0) @ values.repeat_interleave(groups, dim=1)
+    assert_out_close(out, dense)
+    assert torch.isneginf(lse[1, :, 1]).all() and torch.equal(out[1, :, 1], torch.zeros_like(out[1, :, 1]))
+    finite = torch.isfinite(lse)
+    assert float((lse[finite] - torch.logsumexp(scores, -1)[finite]).abs().max()) <= SCORE_ATOL
+
+
+# --------------------------------------------------------------------------- dispatch and errors
+def test_dispatch_cpu_auto_keeps_numba_and_triton_is_explicit(monkeypatch):
+    codes, codewords = random_codes((1, 1, 20), 64, 2, 8, 256, seed=60, device="cpu")
+    queries = torch.randn(1, 1, 2, 64)
+    calls = []
+    monkeypatch.setattr(coded_triton, "scores", lambda *a: calls.append("triton") or coded_scores_reference(*a))
+    coded_scores(queries, codes, codewords, 8)  # auto on CPU: numba (or torch without numba), never triton
+    assert calls == []
+    if coded_triton.INTERPRETED:
+        coded_scores(queries, codes, codewords, 8, backend="triton")
+        assert calls == ["triton"]
+    assert "triton" in ck.BACKENDS
+
+
+def test_unservable_config_falls_back_with_one_warning():
+    codes, codewords = random_codes((1, 1, 9), 64, 2, 26, 4, seed=61)  # 26-bit fields: beyond a 32-bit window
+    queries = randn(1, 1, 2, 64, seed=62)
+    ck._warned.discard("triton-config:index_bits=26 > 25")
+    with pytest.warns(RuntimeWarning, match="cannot serve"):
+        scores = coded_scores(queries, codes, codewords, 26, backend="triton")
+    assert torch.equal(scores, coded_scores_reference(queries, codes, codewords, 26))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        coded_scores(queries, codes, codewords, 26, backend="triton")  # one-time: no second warning
+
+
+def test_bad_inputs_raise_value_error():
+    queries, key_codes, value_codes, key_cw, value_cw = _decode_inputs(batch=1, tokens=10, seed=70)
+    with pytest.raises(ValueError, match="numba"):
+        coded_decode_attention(queries, key_codes, value_codes, key_cw, value_cw, 8, 3, backend="numba")
+    with pytest.raises(ValueError, match="bias"):
+        coded_decode_attention(queries, key_codes, value_codes, key_cw, value_cw, 8, 3,
+                               torch.zeros(1, 3, 1, 10, device=DEVICE), backend="triton")
+    with pytest.raises(ValueError, match="multiple"):
+        coded_decode_attention(queries[:, :3], key_codes, value_codes, key_cw, value_cw, 8, 3, backend="triton")
+    with pytest.raises(ValueError, match="code_size"):
+        coded_decode_attention(queries, key_codes, value_codes, key_cw, value_cw, 8, 4, backend="triton")
+    with pytest.raises(ValueError, match="same device"):
+        coded_decode_attention(queries.to("meta"), key_codes, value_codes, key_cw, value_cw, 8, 3,
+                               backend="triton")
+    with pytest.raises(ValueError, match="splits"):
+        coded_decode_attention(queries, key_codes, value_codes, key_cw, value_cw, 8, 3, splits=0)
+
+
+def test_merge_lse_is_exact_and_handles_empty_parts():
+    scores = torch.randn(2, 3, 4, 30)
+    scores[0, 0, 0, :10] = float("-inf")   # part 0 of this row is fully masked
+    scores[1, 2, 3] = float("-inf")        # this row is fully masked everywhere
+    values = torch.randn(2, 3, 30, 8)
+    parts = []
+    for cols in (slice(0, 10), slice(10, 25), slice(25, 30)):
+        # zero queries and keys: each part's scores are exactly its bias, the columns of `scores`
+        parts.append(attention_with_lse(torch.zeros(2, 3, 4, 1), torch.zeros(2, 3, cols.stop - cols.start, 1),
+                                        values[:, :, cols], scores[..., cols]))
+    out, lse = merge_lse(parts)
+    expected = torch.softmax(scores, -1).nan_to_num(0.0) @ values
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    assert torch.isneginf(lse[1, 2, 3]) and torch.equal(out[1, 2, 3], torch.zeros(8))
+    finite = torch.isfinite(lse)
+    torch.testing.assert_close(lse[finite], torch.logsumexp(scores, -1)[finite])
+    with pytest.raises(ValueError):
+        merge_lse([])
+    with pytest.raises(ValueError):
+        merge_lse([(out, lse), (out[..., :4], lse)])
+
+
+# --------------------------------------------------------------------------- CUDA only
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (peak-memory check of the compiled kernel)")
+def test_decode_at_8k_allocates_no_full_context_float_kv():
+    """One decode token at 8k context, Llama-8B-shaped layer: the fused kernel's peak allocation stays far
+    below one float32 K (or V) tensor of the whole context, which the reference builds."""
+    tokens, kv_heads, q_heads, dim = 8192, 8, 32, 128
+    key_codes, key_cw = random_codes((1, kv_heads, tokens), dim, 2, 8, 256, seed=80)   # 4 bit/coordinate
+    value_codes, value_cw = random_codes((1, kv_heads, tokens), dim, 4, 8, 256, seed=81)  # 2 bit/coordinate
+    queries = randn(1, q_heads, 1, dim, seed=82) * dim ** -0.5
+    coded_decode_attention(queries, key_codes, value_codes, key_cw, value_cw, 8, 8)  # compile outside the window
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    out, lse = coded_decode_attention(queries, key_codes, value_codes, key_cw, value_cw, 8, 8)
+    torch.cuda.synchronize()
+    delta = torch.cuda.max_memory_allocated() - before
+    full_kv = kv_heads * tokens * dim * 4
+    assert delta < full_kv / 8, (delta, full_kv)
+    expected_out, expected_lse = coded_decode_attention_reference(queries, key_codes, value_codes, key_cw,
+                                                                  value_cw, 8, 8)
+    assert_out_close(out, expected_out)
+    assert_lse_close(lse, expected_lse)
