@@ -1,8 +1,15 @@
 #!/usr/bin/env bash
-# GPU checks, run once where a CUDA GPU is available:
-#   1. the test suite with CUDA present (tests/test_cuda.py compares codecs, coded kernels,
-#      attention on codes and generate on the GPU against the CPU; the rest runs as on CPU);
-#   2. the decode-speed benchmark on CUDA at 1k-8k tokens.
+# GPU checks, one prepared script for a lent CUDA GPU, <= ~8 minutes by default:
+#   1. the CUDA tests: tests/test_cuda.py (codecs, coded kernels, attention on codes and generate on
+#      the GPU against the CPU), tests/test_coded_triton.py (the Triton kernels compiled for the GPU
+#      against the torch reference, plus the 8k-context peak-memory check), tests/test_coded_kernels.py;
+#   2. per-layer decode attention at 8k and 32k tokens, Llama-8B-shaped (head_dim 128, 8 KV heads,
+#      32 query heads, random data): FibQuant 4-bit and 2-bit through the fused Triton kernel vs
+#      bf16 SDPA, with peak-memory deltas (benchmarks/gpu_decode_attention.py -> JSON);
+#   3. only with FIBQUANT_GPU_FULL=1 (longer): the whole test suite and the end-to-end decode-speed
+#      benchmark on CUDA at 1k-8k tokens.
+# Needs torch with CUDA and triton (pip install 'fibquant[gpu]') in $PYTHON; without triton the
+# Triton tests skip and step 2 stops with a message.
 # Usage: benchmarks/gpu_check.sh [OUT_DIR]   (PYTHON=python3 by default; run from the repo root)
 # The model file cannot always travel to a GPU machine: set FIBQUANT_GPU_REAL_MODEL=1 to use the
 # real SmolLM2 weights, otherwise the benchmark uses its architecture with random weights
@@ -14,22 +21,35 @@ PY=${PYTHON:-python3}
 mkdir -p "$OUT_DIR"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export FIBQUANT_RESULTS_DIR="$OUT_DIR"
+unset TRITON_INTERPRET  # compiled kernels here, never the interpreter
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT_DIR/gpu_info.txt"
 $PY -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
 'transformers', transformers.__version__, torch.cuda.get_device_name())" | tee -a "$OUT_DIR/gpu_info.txt"
+$PY -c "import triton; print('triton', triton.__version__)" 2>&1 | tail -1 | tee -a "$OUT_DIR/gpu_info.txt"
 
 MARK=(-m "not model")
 WEIGHTS=(--random-weights)
 if [ "${FIBQUANT_GPU_REAL_MODEL:-0}" = 1 ]; then MARK=(); WEIGHTS=(); fi
 
 status=0
-$PY -m pytest -q -p no:cacheprovider "${MARK[@]}" tests 2>&1 | tee "$OUT_DIR/gpu_tests.log" | tail -25
+timeout "${GPU_TEST_TIMEOUT:-300}" $PY -m pytest -q -p no:cacheprovider "${MARK[@]}" \
+    tests/test_cuda.py tests/test_coded_triton.py tests/test_coded_kernels.py 2>&1 \
+    | tee "$OUT_DIR/gpu_tests.log" | tail -25
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 
-$PY benchmarks/decode_speed.py --device cuda "${WEIGHTS[@]}" --contexts ${GPU_CONTEXTS:-1024 2048 4096 8192} \
-    --decode-tokens 32 --no-progress --out "$OUT_DIR" \
-    --caches ${GPU_CACHES:-dynamic fibquant4 fibquant3 fibquant2 turboquant4 turboquant2 fibquant4-old turboquant4-old quanto4 quanto2 hqq4 hqq2} \
-    2>&1 | tee "$OUT_DIR/gpu_decode_speed.log" | grep -v Warning
+timeout "${GPU_BENCH_TIMEOUT:-150}" $PY benchmarks/gpu_decode_attention.py --device cuda \
+    --contexts ${GPU_ATTN_CONTEXTS:-8192 32768} --codecs fibquant4 fibquant2 --reference --out "$OUT_DIR" \
+    2>&1 | tee "$OUT_DIR/gpu_decode_attention.log"
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
+
+if [ "${FIBQUANT_GPU_FULL:-0}" = 1 ]; then
+    $PY -m pytest -q -p no:cacheprovider "${MARK[@]}" tests 2>&1 | tee "$OUT_DIR/gpu_tests_full.log" | tail -25
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+    $PY benchmarks/decode_speed.py --device cuda "${WEIGHTS[@]}" --contexts ${GPU_CONTEXTS:-1024 2048 4096 8192} \
+        --decode-tokens 32 --no-progress --out "$OUT_DIR" \
+        --caches ${GPU_CACHES:-dynamic fibquant4 fibquant3 fibquant2 turboquant4 turboquant2 fibquant4-old turboquant4-old quanto4 quanto2 hqq4 hqq2} \
+        2>&1 | tee "$OUT_DIR/gpu_decode_speed.log" | grep -v Warning
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
 exit $status
