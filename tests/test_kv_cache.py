@@ -213,10 +213,18 @@ def test_bad_input_errors():
     with pytest.raises(ValueError, match="head_dim 16 differs from the value codec dim 32"):
         CompressedCache.for_model(model, IntCodec(DIM, 4), IntCodec(32, 4))
     sliding = LlamaConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=2)
+    sliding.layer_types = ["sliding_attention", "linear_attention"]
     sliding.sliding_window = 16
-    with pytest.raises(ValueError, match="sliding-window"):
+    with pytest.raises(ValueError, match=r"layer types \['linear_attention'\]"):
         check_model_supported(sliding)
-    assert check_model_supported(model) == {"layers": 2, "kv_heads": 2, "head_dim": DIM}
+    sliding.layer_types = ["sliding_attention", "full_attention"]
+    assert check_model_supported(sliding)["windows"] == [16, None]
+    sliding.sliding_window = 1
+    with pytest.raises(ValueError, match="layer 0 is 'sliding_attention' with window 1"):
+        check_model_supported(sliding)
+    assert check_model_supported(model) == {"layers": 2, "kv_heads": 2, "head_dim": DIM, "key_dim": DIM,
+                                             "value_dim": DIM, "layer_types": ["full_attention"] * 2,
+                                             "windows": [None, None], "latent": False}
 
 
 @pytest.mark.model

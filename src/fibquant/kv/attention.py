@@ -14,13 +14,19 @@ new tokens) and `coded_attention_forward`, registered as "fibquant", attends to 
   scores of a query go through one softmax over the full row, so the merge of coded and
   exact parts is exact (no approximation of the normaliser);
 - queries are processed in blocks so a long prefill chunk never builds a [T, L] score
-  matrix larger than a few MB per head.
+  matrix larger than a few MB per head;
+- the model's own attention options apply to coded and exact columns alike: its scale
+  (`scaling`, e.g. Gemma's query_pre_attn_scalar), logit soft-capping (`softcap`, Gemma 2:
+  tanh(s / c) * c before the mask and softmax), learned attention sinks (`s_aux`, gpt-oss: one
+  extra logit per query head in the softmax, dropped afterwards) and sliding windows (the
+  model's sliding mask, built over the columns a `CompressedSlidingLayer` holds).
 
 Anything else falls back, never silently wrongly: a codec without a rotated codebook (INT,
 low-rank, RVQ) has its codes decoded to floats for that role (one-time warning); options the
-path does not implement (softcapping, sliding windows, attention sinks `s_aux`, dropout)
-decode the whole `CodedKV` and run SDPA on it (one-time warning); caches other than a
-`CompressedCache` in "codes" mode are served by transformers' SDPA unchanged.
+path does not implement (`position_bias`, dropout) decode the whole `CodedKV` and run SDPA on
+it (one-time warning); caches other than a `CompressedCache` in "codes" mode are served by
+transformers' SDPA unchanged, except with soft-capping or sinks, which SDPA cannot apply: those
+run through this module's float path.
 """
 from __future__ import annotations
 
@@ -35,7 +41,8 @@ from fibquant.kv.coded_kernels import coded_scores, coded_weighted_sum
 
 ATTENTION_NAME = "fibquant"
 QUERY_ROWS_PER_BLOCK = 2048      # query rows (query heads x tokens) per KV head scored at once
-_UNSUPPORTED_KWARGS = ("softcap", "sliding_window", "s_aux", "position_bias")
+_UNSUPPORTED_KWARGS = ("position_bias",)
+_EAGER_KWARGS = ("softcap", "s_aux")  # applied here; SDPA would ignore them
 _warned: set[str] = set()
 
 
@@ -63,9 +70,6 @@ def unsupported_reason(model) -> str | None:
     can_set = getattr(type(model), "_can_set_attn_implementation", None)
     if can_set is not None and not can_set():
         return f"{type(model).__name__} does not dispatch attention through transformers' AttentionInterface"
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    if getattr(text, "attn_logit_softcapping", None):
-        return "attention logit softcapping is not implemented on codes"
     return None
 
 
@@ -114,13 +118,18 @@ def _values_from_codes(codec: Codec, weights: torch.Tensor, codes: torch.Tensor)
 
 
 # --------------------------------------------------------------------- the attention function
-def _bias_block(mask: torch.Tensor | None, rows: slice, length: int, past: int, device) -> torch.Tensor | None:
-    """Additive float32 bias [B or 1, 1 or Hq, t, L] for query tokens `rows` (None: nothing masked)."""
-    if mask is None:  # SDPA's skipped causal mask: query t sees columns <= past + t
-        if rows.stop - rows.start == 1 and past + rows.start >= length - 1:
+def _bias_block(mask: torch.Tensor | None, rows: slice, length: int, past: int, device,
+                window: int | None = None) -> torch.Tensor | None:
+    """Additive float32 bias [B or 1, 1 or Hq, t, L] for query tokens `rows` (None: nothing masked).
+
+    With mask None (SDPA's skipped causal mask) query t sees columns past + t - window < c <= past + t."""
+    if mask is None:
+        reach = length if window is None else window
+        if rows.stop - rows.start == 1 and past + rows.start >= length - 1 and length <= reach:
             return None  # one token seeing every column (a decode step)
         t = torch.arange(rows.start, rows.stop, device=device).unsqueeze(1)
-        blocked = torch.arange(length, device=device).unsqueeze(0) > past + t
+        columns = torch.arange(length, device=device).unsqueeze(0)
+        blocked = (columns > past + t) | (columns <= past + t - reach)
         return torch.zeros(blocked.shape, device=device).masked_fill_(blocked, float("-inf"))[None, None]
     block = mask[:, :, rows, :length]
     if block.dtype == torch.bool:
@@ -129,18 +138,27 @@ def _bias_block(mask: torch.Tensor | None, rows: slice, length: int, past: int, 
 
 
 def attend_codes(query: torch.Tensor, kv: CodedKV, attention_mask: torch.Tensor | None,
-                 scaling: float) -> torch.Tensor:
+                 scaling: float, softcap: float | None = None, sinks: torch.Tensor | None = None,
+                 window: int | None = None) -> torch.Tensor:
     """Attention of query [B, Hq, T, D] over a `CodedKV` -> [B, T, Hq, Dv] in query's dtype.
 
-    attention_mask: None (plain causal, as SDPA's skipped mask), bool [B, 1|Hq, T, L] (True =
-    attend) or additive float of that shape. Fully masked query rows give zeros.
+    attention_mask: None (plain causal, as SDPA's skipped mask; `window` limits it to a sliding
+    window), bool [B, 1|Hq, T, L] (True = attend) or additive float of that shape. softcap: scores
+    become tanh(s / softcap) * softcap before the mask. sinks: [Hq] logits, one extra softmax
+    column per query head that takes weight but has no value (gpt-oss). Fully masked query rows
+    give zeros.
     """
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be a positive number, got {softcap!r}")
+    if sinks is not None and (not isinstance(sinks, torch.Tensor) or sinks.numel() != query.shape[1]):
+        raise ValueError(f"sinks must be a tensor of {query.shape[1]} logits (one per query head), got "
+                         f"{tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__}")
     batch, q_heads, tokens, dim = query.shape
     heads = kv.new_keys.shape[1]
     if q_heads % heads:
         raise ValueError(f"{q_heads} query heads are not a multiple of {heads} KV heads")
     groups = q_heads // heads
-    length, sinks, coded = kv.length, kv.num_sink, kv.num_coded
+    length, n_sink, coded = kv.length, kv.num_sink, kv.num_coded
     past = length - tokens
     exact_keys, exact_values = (t.to(torch.float32) for t in kv.exact())
     sink_keys, sink_values = kv.sink_keys.to(torch.float32), kv.sink_values.to(torch.float32)
@@ -148,26 +166,35 @@ def attend_codes(query: torch.Tensor, kv: CodedKV, attention_mask: torch.Tensor 
     queries = query.to(torch.float32).reshape(batch, heads, groups, tokens, dim) * scaling
     out = torch.empty(batch, heads, groups, tokens, value_dim, dtype=torch.float32, device=query.device)
     step = max(1, QUERY_ROWS_PER_BLOCK // groups)
+    sink_logits = None if sinks is None else sinks.to(torch.float32).reshape(1, heads, groups, 1, 1)
     for start in range(0, tokens, step):
         rows = slice(start, min(start + step, tokens))
         width = rows.stop - rows.start
         block = queries[:, :, :, rows].reshape(batch, heads, groups * width, dim)
-        coded_scores = _scores_from_codes(kv.key_codec, block, kv.key_codes)
-        if kv.key_mean is not None:  # centred keys: q . (x_hat + mu) = q . x_hat + q . mu
-            coded_scores = coded_scores + block @ kv.key_mean.unsqueeze(-1)
-        scores = torch.cat([block @ sink_keys.transpose(-1, -2), coded_scores,
-                            block @ exact_keys.transpose(-1, -2)], dim=-1)
-        bias = _bias_block(attention_mask, rows, length, past, query.device)
+        parts = [block @ sink_keys.transpose(-1, -2)]
+        if coded:
+            coded_scores = _scores_from_codes(kv.key_codec, block, kv.key_codes)
+            if kv.key_mean is not None:  # centred keys: q . (x_hat + mu) = q . x_hat + q . mu
+                coded_scores = coded_scores + block @ kv.key_mean.unsqueeze(-1)
+            parts.append(coded_scores)
+        scores = torch.cat(parts + [block @ exact_keys.transpose(-1, -2)], dim=-1)
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap).mul_(softcap)
+        bias = _bias_block(attention_mask, rows, length, past, query.device, window)
         if bias is not None:
             shaped = scores.view(batch, heads, groups, width, length)
             if bias.shape[1] == 1:
                 shaped += bias.unsqueeze(1)
             else:
                 shaped += bias.reshape(bias.shape[0], heads, groups, width, length)
-        weights = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # a fully masked row: zeros, not NaN
-        mixed = weights[..., :sinks] @ sink_values + weights[..., sinks + coded:] @ exact_values
+        if sink_logits is None:
+            weights = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # a fully masked row: zeros, not NaN
+        else:  # the sink column shares the normaliser, then is dropped
+            sink_column = sink_logits.expand(batch, heads, groups, width, 1).reshape(batch, heads, groups * width, 1)
+            weights = torch.softmax(torch.cat([scores, sink_column], dim=-1), dim=-1)[..., :-1]
+        mixed = weights[..., :n_sink] @ sink_values + weights[..., n_sink + coded:] @ exact_values
         if coded:
-            coded_weights = weights[..., sinks:sinks + coded].contiguous()
+            coded_weights = weights[..., n_sink:n_sink + coded].contiguous()
             mixed += _values_from_codes(kv.value_codec, coded_weights, kv.value_codes)
             if kv.value_mean is not None:  # centred values: sum_i p_i mu = (sum_i p_i) mu
                 mixed += coded_weights.sum(-1, keepdim=True) * kv.value_mean.unsqueeze(-2)
@@ -179,20 +206,27 @@ def coded_attention_forward(module, query, key, value, attention_mask, dropout: 
                             scaling: float | None = None, **kwargs):
     """transformers attention function: on codes for a `CodedKV`, SDPA for plain tensors.
 
-    query [B, Hq, T, D]; returns (attn_output [B, T, Hq, D], None) as every transformers
-    attention function does.
+    query [B, Hq, T, D]; returns (attn_output [B, T, Hq, Dv], None) as every transformers
+    attention function does. Plain tensors with soft-capping or sinks run through
+    `attend_codes` (SDPA has neither).
     """
-    if not isinstance(key, CodedKV):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, **kwargs)
-    unsupported = [name for name in _UNSUPPORTED_KWARGS if kwargs.get(name) is not None]
-    if dropout:
-        unsupported.append("dropout")
-    if unsupported:
+    options = {"softcap": kwargs.get("softcap"), "sinks": kwargs.get("s_aux"), "window": kwargs.get("sliding_window")}
+    eager = any(kwargs.get(name) is not None for name in _EAGER_KWARGS)
+    if eager and dropout:
+        raise ValueError("attention dropout with soft-capping or sinks is not implemented by fibquant's attention "
+                         "(training); use the model's eager attention")
+    if isinstance(key, CodedKV):
+        unsupported = [name for name in _UNSUPPORTED_KWARGS if kwargs.get(name) is not None]
+        if dropout:
+            unsupported.append("dropout")
+        if not unsupported:
+            scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+            return attend_codes(query, key, attention_mask, scaling, **options), None
         _warn_once(f"kwargs:{unsupported}", f"attention on codes does not implement {unsupported}: this call "
                    "decodes the coded part and runs SDPA (the 'decode' path)")
-        keys, values = key.materialize()
-        return sdpa_attention_forward(module, query, keys, values, attention_mask, dropout=dropout,
-                                      scaling=scaling, **kwargs)
-    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    return attend_codes(query, key, attention_mask, scaling), None
+        key, value = key.materialize()
+    if eager:
+        scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+        return attend_codes(query, CodedKV.of_tensors(key, value), attention_mask, scaling, **options), None
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                  scaling=scaling, **kwargs)

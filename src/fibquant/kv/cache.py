@@ -61,13 +61,14 @@ from transformers.cache_utils import Cache
 
 from fibquant.codecs.base import Codec
 from fibquant.kv.codes import CodeBuffer, CodedKV
-from fibquant.kv.layer import ATTENTION_MODES, CompressedLayer, _check_attention
+from fibquant.kv.layer import ATTENTION_MODES, CompressedLayer, CompressedSlidingLayer, _check_attention
 from fibquant.kv.memory import _per_token, codec_state_nbytes, dynamic_cache_bytes_per_token, dynamic_cache_nbytes
 from fibquant.kv.model import check_model_supported
 
 # The layer, its code storage, the model check and the byte counts live in kv/layer.py, kv/codes.py,
 # kv/model.py and kv/memory.py; they stay importable from here, where they were first defined.
-__all__ = ["ATTENTION_MODES", "CodeBuffer", "CodedKV", "CompressedCache", "CompressedLayer", "check_model_supported",
+__all__ = ["ATTENTION_MODES", "CodeBuffer", "CodedKV", "CompressedCache", "CompressedLayer", "CompressedSlidingLayer",
+           "check_model_supported",
            "codec_state_nbytes", "dynamic_cache_bytes_per_token", "dynamic_cache_nbytes"]
 
 
@@ -88,6 +89,17 @@ def _codec_list(codecs, role: str) -> tuple[Codec, Optional[list[Codec]]]:
                      f"got {type(codecs).__name__}")
 
 
+def _check_layer_windows(windows) -> Optional[list]:
+    if windows is None:
+        return None
+    windows = list(windows)
+    for index, window in enumerate(windows):
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 2):
+            raise ValueError(f"layer_windows[{index}] must be None (full attention) or an integer >= 2, "
+                             f"got {window!r}")
+    return windows if any(w is not None for w in windows) else None
+
+
 def _check_window(value, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
@@ -105,13 +117,18 @@ class CompressedCache(Cache):
     encode_batch: tokens leaving the window are encoded once this many have gathered (the
     window then holds up to recent_tokens + encode_batch - 1). centre: quantise keys and values
     minus a per-layer, per-head mean fixed at the first encode (see the module docstring).
-    Layers are created lazily on first update. Pass it as `past_key_values=` to a forward pass
-    or to `model.generate`.
+    layer_windows: per layer, None (full attention) or the sliding-window / attention-chunk size of
+    that layer (a `CompressedSlidingLayer`: at most window - 1 tokens held, older ones dropped);
+    `for_model` reads them from the model's config (`layer_types`). With it the layers are
+    created up front (transformers builds a hybrid model's masks from them), else lazily on
+    first update. sliding_exact: keep the whole window of sliding layers exact instead of coding
+    its older tokens. Pass it as `past_key_values=` to a forward pass or to `model.generate`.
     """
 
     def __init__(self, key_codec: Union[Codec, Sequence[Codec]], value_codec: Union[Codec, Sequence[Codec]],
                  sink_tokens: int = 4, recent_tokens: int = 32, attention: str = "decode", encode_batch: int = 16,
-                 centre: bool = False, allocate: Optional[Callable] = None, num_layers: Optional[int] = None):
+                 centre: bool = False, allocate: Optional[Callable] = None, num_layers: Optional[int] = None,
+                 layer_windows: Optional[Sequence[Optional[int]]] = None, sliding_exact: bool = False):
         key_codec, key_codecs = _codec_list(key_codec, "key_codec")
         value_codec, value_codecs = _codec_list(value_codec, "value_codec")
         if (key_codecs is None) != (value_codecs is None) or (key_codecs is not None
@@ -144,7 +161,18 @@ class CompressedCache(Cache):
         if not isinstance(centre, bool):
             raise ValueError(f"centre must be True or False, got {centre!r}")
         self.centre = centre
+        if not isinstance(sliding_exact, bool):
+            raise ValueError(f"sliding_exact must be True or False, got {sliding_exact!r}")
+        self.sliding_exact = sliding_exact
+        self.layer_windows = _check_layer_windows(layer_windows)
+        if self.layer_windows is not None:
+            for name, count in (("num_layers", num_layers), ("per-layer codecs", len(key_codecs or ()) or None)):
+                if count is not None and count != len(self.layer_windows):
+                    raise ValueError(f"layer_windows has {len(self.layer_windows)} entries but {name} says {count}")
         super().__init__(layer_class_to_replicate=self._new_layer)
+        if self.layer_windows is not None:
+            for _ in self.layer_windows:
+                self.layers.append(self._new_layer())
 
     def layer_codecs(self, index: int) -> tuple[Codec, Codec]:
         """(key codec, value codec) of layer `index`."""
@@ -158,8 +186,14 @@ class CompressedCache(Cache):
     def _new_layer(self) -> CompressedLayer:
         pending = self.allocate is not None and self.key_codecs is None
         key, value = (self.key_codec, self.value_codec) if pending else self.layer_codecs(len(self.layers))
-        layer = CompressedLayer(key, value, self.sink_tokens, self.recent_tokens, self.attention,
-                                self.encode_batch, self.centre)
+        index = len(self.layers)
+        window = self.layer_windows[index] if self.layer_windows and index < len(self.layer_windows) else None
+        if window is not None:
+            layer = CompressedSlidingLayer(key, value, window, self.recent_tokens, self.attention, self.encode_batch,
+                                           self.centre, exact_window=self.sliding_exact)
+        else:
+            layer = CompressedLayer(key, value, self.sink_tokens, self.recent_tokens, self.attention,
+                                    self.encode_batch, self.centre)
         if pending:
             layer.resolver = self._resolve_allocation
         return layer
@@ -206,12 +240,16 @@ class CompressedCache(Cache):
     @classmethod
     def for_model(cls, model, key_codec, value_codec, sink_tokens: int = 4,
                   recent_tokens: int = 32, attention: str = "codes", encode_batch: int = 16,
-                  centre: bool = False, allocate: Optional[Callable] = None) -> "CompressedCache":
+                  centre: bool = False, allocate: Optional[Callable] = None,
+                  sliding_exact: bool = False) -> "CompressedCache":
         """A cache for `model` after checking that the model's attention is supported.
 
+        The layers follow the model's own layer types (full / sliding / chunked attention).
         attention="codes" switches the model to fibquant's attention function (which serves
         every other cache as SDPA does); a model that cannot use it gets "decode" with a
-        one-time warning.
+        one-time warning naming why. MLA models (DeepSeek V2/V3, Kimi) cache their latent
+        (key codec: `kv_lora_rank` dims, value codec: `qk_rope_head_dim`) and expand it inside
+        the attention module, so they always get "decode".
         """
         first_key, key_codecs = _codec_list(key_codec, "key_codec")
         first_value, value_codecs = _codec_list(value_codec, "value_codec")
@@ -222,12 +260,19 @@ class CompressedCache(Cache):
             raise ValueError(f"{len(key_codecs)} per-layer codecs for a model of {info['layers']} layers")
         attention = _check_attention(attention)
         if attention == "codes":
-            from fibquant.kv.attention import try_use_coded_attention
+            from fibquant.kv.attention import _warn_once, try_use_coded_attention
 
-            if not try_use_coded_attention(model):
+            if info["latent"]:
+                _warn_once(f"latent:{type(model).__name__}", f"{type(model).__name__} caches its MLA latent and "
+                           "expands it into keys/values inside its attention module, which never sees the cache's "
+                           "output: the CompressedCache codes the latent and uses attention='decode'")
                 attention = "decode"
+            elif not try_use_coded_attention(model):
+                attention = "decode"
+        windows = info["windows"] if any(w is not None for w in info["windows"]) else None
         return cls(key_codec, value_codec, sink_tokens, recent_tokens, attention, encode_batch, centre,
-                   allocate=allocate, num_layers=info["layers"] if allocate is not None else None)
+                   allocate=allocate, num_layers=info["layers"] if allocate is not None or windows else None,
+                   layer_windows=windows, sliding_exact=sliding_exact)
 
     @classmethod
     def from_cache(cls, cache: Cache, key_codec, value_codec, sink_tokens: int = 4,
@@ -255,12 +300,18 @@ class CompressedCache(Cache):
         if allocate is not None:
             target._set_allocation([(layer.keys[..., sink_tokens:, :], layer.values[..., sink_tokens:, :])
                                     for layer in cache.layers])
-        for layer in cache.layers:
+        target.layers = []  # rebuilt in order (for_model creates a hybrid model's layers up front)
+        for index, layer in enumerate(cache.layers):
             keys, values = layer.keys, layer.values
             new_layer = target._new_layer()
+            if getattr(layer, "is_sliding", False) and not new_layer.is_sliding:
+                raise ValueError(f"from_cache: layer {index} of the source is a sliding-window layer (it holds only "
+                                 "the window); pass model= so this cache slides that layer too")
             if keys.ndim == 4 and keys.shape[-2] > 0:
                 new_layer.lazy_initialization(keys, values)
                 new_layer._absorb(keys, values)
+                if new_layer.is_sliding:  # positions count every token the source saw, not just those held
+                    new_layer.cumulative_length = max(getattr(layer, "cumulative_length", 0), keys.shape[-2])
             target.layers.append(new_layer)
         return target
 

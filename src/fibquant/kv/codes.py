@@ -21,52 +21,69 @@ def _owned(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class CodeBuffer:
-    """Append-only rows of uint8 codes [B, H, capacity, code_size], grown geometrically.
+    """Rows of uint8 codes [B, H, capacity, code_size]: appended at the end, dropped from the front.
 
     Growth adds max(capacity / 16, 64) rows (or what the append needs): each stored row is copied
     O(1) times on average (at most ~16 times), and the reserve never exceeds 6.25 % of the
-    capacity (+64 rows).
+    capacity (+64 rows). With `max_rows` (a sliding-window layer) the capacity never exceeds
+    max_rows: rows dropped from the front (`drop_front`) leave a gap that an append closes by
+    moving the live rows down first.
 
-    `view()` is [B, H, used, code_size]; a view taken before an append stays valid (appends
-    write past it, and growth copies into a new buffer without touching the old one).
+    `view()` is [B, H, used, code_size] (the live rows, in place); a view taken before an append
+    stays valid (appends write past it, and growth or compaction copies into a new buffer).
     """
 
-    def __init__(self, batch: int, heads: int, code_size: int, device: torch.device):
+    def __init__(self, batch: int, heads: int, code_size: int, device: torch.device,
+                 max_rows: Optional[int] = None):
         self.data = torch.empty(batch, heads, 0, code_size, dtype=torch.uint8, device=device)
-        self.used = 0
+        self.start = 0  # first live row (rows before it were dropped)
+        self.stop = 0   # one past the last live row
+        self.max_rows = max_rows
 
     @classmethod
-    def from_rows(cls, rows: torch.Tensor) -> "CodeBuffer":
-        buffer = cls(rows.shape[0], rows.shape[1], rows.shape[-1], rows.device)
-        buffer.data, buffer.used = _owned(rows), rows.shape[-2]
+    def from_rows(cls, rows: torch.Tensor, max_rows: Optional[int] = None) -> "CodeBuffer":
+        buffer = cls(rows.shape[0], rows.shape[1], rows.shape[-1], rows.device, max_rows)
+        buffer.data, buffer.stop = _owned(rows), rows.shape[-2]
         return buffer
+
+    @property
+    def used(self) -> int:
+        return self.stop - self.start
 
     @property
     def capacity(self) -> int:
         return self.data.shape[-2]
 
     def view(self) -> torch.Tensor:
-        return self.data[..., : self.used, :]
+        return self.data[..., self.start: self.stop, :]
 
     def append(self, rows: torch.Tensor) -> None:
         """rows: uint8 [B, H, n, code_size]."""
         n = rows.shape[-2]
-        if self.used + n > self.capacity:
+        if self.max_rows is not None and self.used + n > self.max_rows:
+            raise ValueError(f"CodeBuffer: {self.used} + {n} rows exceed max_rows={self.max_rows}")
+        if self.stop + n > self.capacity:
             capacity = max(self.capacity + max(self.capacity // GROWTH_FRACTION, MIN_GROWTH), self.used + n)
+            if self.max_rows is not None:
+                capacity = min(capacity, self.max_rows)
             grown = torch.empty(*self.data.shape[:2], capacity, self.data.shape[-1], dtype=torch.uint8,
                                 device=self.data.device)
             grown[..., : self.used, :] = self.view()
-            self.data = grown
-        self.data[..., self.used: self.used + n, :] = rows
-        self.used += n
+            self.data, self.start, self.stop = grown, 0, self.used
+        self.data[..., self.stop: self.stop + n, :] = rows
+        self.stop += n
+
+    def drop_front(self, n: int) -> None:
+        """Forget the oldest `n` live rows (tokens that left a sliding window)."""
+        self.start = min(self.stop, self.start + max(n, 0))
 
     def truncate(self, used: int) -> None:
-        self.used = min(self.used, max(used, 0))
+        self.stop = self.start + min(self.used, max(used, 0))
 
     def remap(self, fn) -> None:
         """Apply a batch edit (select, repeat, move) to the stored rows; capacity shrinks to fit."""
         self.data = _owned(fn(self.view()))
-        self.used = self.data.shape[-2]
+        self.start, self.stop = 0, self.data.shape[-2]
 
     def nbytes(self) -> int:
         return self.data.untyped_storage().nbytes()
@@ -96,6 +113,14 @@ class CodedKV:
     value_codec: Codec
     key_mean: Optional[torch.Tensor] = None    # [B, H, D] float32 added back to decoded keys (centring)
     value_mean: Optional[torch.Tensor] = None  # [B, H, D] float32 added back to decoded values
+
+    @classmethod
+    def of_tensors(cls, keys: torch.Tensor, values: torch.Tensor) -> "CodedKV":
+        """Plain keys/values [B, H, L, D|Dv] as a CodedKV with no sinks, codes or window (all "new")."""
+        batch, heads = keys.shape[:2]
+        no_codes = torch.empty(batch, heads, 0, 1, dtype=torch.uint8, device=keys.device)
+        return cls(keys[..., :0, :], values[..., :0, :], no_codes, no_codes, keys[..., :0, :], values[..., :0, :],
+                   keys, values, None, None)
 
     @property
     def num_sink(self) -> int:

@@ -307,3 +307,104 @@ class CompressedLayer(CacheLayerMixin):
     def prefetch(self) -> None:
         if self.is_initialized:
             self._apply(lambda t: t.to(self.device))
+
+
+class CompressedSlidingLayer(CompressedLayer):
+    """A sliding-window (or chunked-attention) layer of a `CompressedCache`.
+
+    Holds at most the last `sliding_window - 1` tokens, exactly as transformers'
+    `DynamicSlidingWindowLayer` does (a query sees those plus the tokens of its own chunk, the
+    model's sliding mask doing the rest): tokens that leave the window are dropped, never
+    encoded. Inside the window the newest `recent_tokens` (to `recent_tokens + encode_batch - 1`)
+    are exact and the older ones coded, or, with `exact_window=True`, the whole window is exact
+    (nothing is ever encoded). There are no sink tokens: the first tokens leave the window.
+    `get_seq_length` counts every token seen (positions), `get_mask_sizes` gives the mask's
+    (kv_length, kv_offset) over the held tokens, both as transformers' sliding layer.
+    """
+
+    is_sliding = True
+
+    def __init__(self, key_codec: Codec, value_codec: Codec, sliding_window: int, recent_tokens: int,
+                 attention: str = "decode", encode_batch: int = 1, centre: bool = False,
+                 exact_window: bool = False):
+        if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 2:
+            raise ValueError(f"sliding_window must be an integer >= 2, got {sliding_window!r}")
+        self.sliding_window = sliding_window
+        self.exact_window = bool(exact_window)
+        self.cumulative_length = 0
+        super().__init__(key_codec, value_codec, 0, sliding_window if exact_window else recent_tokens,
+                         attention, encode_batch, centre)
+
+    @property
+    def max_held(self) -> int:
+        return self.sliding_window - 1
+
+    def __repr__(self) -> str:
+        return (f"CompressedSlidingLayer(window={self.sliding_window}, seen={self.cumulative_length}, "
+                f"coded={self.num_coded}, recent={self.num_recent}, attention={self.attention!r})")
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: Optional[torch.Tensor] = None):
+        super().lazy_initialization(key_states, value_states)
+        for buffer in (self.key_buffer, self.value_buffer):
+            buffer.max_rows = self.max_held
+
+    def set_codecs(self, key_codec: Codec, value_codec: Codec) -> None:
+        super().set_codecs(key_codec, value_codec)
+        if self.is_initialized:
+            self.key_buffer.max_rows = self.value_buffer.max_rows = self.max_held
+
+    def _absorb(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Drop what the new tokens push out of the window (oldest first: codes, then exact), then store."""
+        self.cumulative_length += key_states.shape[-2]
+        excess = self.num_coded + self.num_recent + key_states.shape[-2] - self.max_held
+        if excess > 0:
+            from_codes = min(excess, self.num_coded)
+            self.key_buffer.drop_front(from_codes)
+            self.value_buffer.drop_front(from_codes)
+            excess -= from_codes
+        if excess > 0:
+            from_recent = min(excess, self.num_recent)
+            self.recent_keys = self.recent_keys[..., from_recent:, :]
+            self.recent_values = self.recent_values[..., from_recent:, :]
+            excess -= from_recent
+        if excess > 0:  # a chunk longer than the window: its first tokens are never held
+            key_states, value_states = key_states[..., excess:, :], value_states[..., excess:, :]
+        super()._absorb(key_states, value_states)
+
+    def get_mask_sizes(self, query_length) -> tuple[int, int]:
+        if isinstance(query_length, torch.Tensor):
+            query_length = query_length.shape[0]
+        seen = self.cumulative_length
+        offset = max(seen - self.sliding_window + 1, 0)
+        held = self.max_held if seen >= self.sliding_window else seen
+        return held + query_length, offset
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def get_max_length(self) -> int:
+        return self.sliding_window
+
+    get_max_cache_shape = get_max_length
+
+    def reset(self) -> None:
+        super().reset()
+        self.cumulative_length = 0
+
+    def crop(self, max_length: int) -> None:
+        """Forget the newest tokens down to `max_length` seen (negative: that many fewer); tokens that
+        already left the window do not come back."""
+        if max_length < 0:
+            max_length = self.cumulative_length - abs(max_length)
+        remove = self.cumulative_length - max(max_length, 0)
+        if remove <= 0:
+            return
+        held = self.num_coded + self.num_recent
+        from_recent = min(remove, self.num_recent)
+        keep_recent = self.num_recent - from_recent
+        self.recent_keys = _owned(self.recent_keys[..., :keep_recent, :])
+        self.recent_values = _owned(self.recent_values[..., :keep_recent, :])
+        keep_coded = max(self.num_coded - (min(remove, held) - from_recent), 0)
+        self.key_buffer.truncate(keep_coded)
+        self.value_buffer.truncate(keep_coded)
+        self.cumulative_length -= remove

@@ -130,10 +130,49 @@ def copy_dynamic_cache(cache, config=None):
     return copy
 
 
-def check_model_supported(model, key_codec: Optional[Codec] = None, value_codec: Optional[Codec] = None) -> dict:
-    """Check that `model` (or its config) has plain full causal self-attention with a standard cache.
+# transformers' layer types a CompressedCache serves: full causal attention, and windows it slides
+# (`sliding_attention`: a sliding window; `chunked_attention`: attention within fixed chunks, cached
+# by transformers as a window of the chunk size, the mask doing the rest).
+FULL_LAYER_TYPES = ("full_attention",)
+WINDOW_LAYER_TYPES = ("sliding_attention", "chunked_attention")
 
-    Returns {"layers", "kv_heads", "head_dim"}; raises ValueError naming the problem otherwise.
+
+def _layer_types(config) -> tuple[list[str], list[Optional[int]]]:
+    """(transformers' layer type, window or None) per layer, as `DynamicCache(config=)` reads them."""
+    try:
+        from transformers.cache_utils import get_layer_types_and_kwargs
+    except ImportError:  # older transformers: one type for every layer
+        get_layer_types_and_kwargs = None
+    if get_layer_types_and_kwargs is not None and hasattr(config, "per_layer_config"):
+        types, kwargs = get_layer_types_and_kwargs(config)
+        return list(types), [kw.get("sliding_window") if t in WINDOW_LAYER_TYPES else None
+                             for t, kw in zip(types, kwargs)]
+    types = getattr(config, "layer_types", None)
+    window = getattr(config, "sliding_window", None) or getattr(config, "attention_chunk_size", None)
+    if types is None:
+        types = ["sliding_attention" if window else "full_attention"] * config.num_hidden_layers
+    return list(types), [window if t in WINDOW_LAYER_TYPES else None for t in types]
+
+
+def _role_dims(config, head_dim: int, kv_heads: int) -> tuple[int, int, int, bool]:
+    """(key dim, value dim, cached heads, latent) of what the model hands `cache.update`.
+
+    MLA (DeepSeek V2/V3, Kimi) caches its latent: `kv_lora_rank` compressed keys/values and the
+    `qk_rope_head_dim` shared rotary key, as one head, in the key and value slots; its attention
+    expands them (kv_b_proj) after the cache, so attention never sees the cache's output."""
+    if getattr(config, "kv_lora_rank", None):
+        return int(config.kv_lora_rank), int(config.qk_rope_head_dim), 1, True
+    return head_dim, head_dim, kv_heads, False
+
+
+def check_model_supported(model, key_codec: Optional[Codec] = None, value_codec: Optional[Codec] = None) -> dict:
+    """Check that `model` (or its config) has causal self-attention a `CompressedCache` can hold.
+
+    Returns {"layers", "kv_heads", "head_dim", "key_dim", "value_dim", "layer_types", "windows",
+    "latent"}: key_dim / value_dim are the sizes the cache's key and value codecs must have (they
+    differ for MLA, whose cache holds the latent: then "latent" is True and kv_heads is 1);
+    "windows" holds, per layer, the sliding window (or chunk) size, None for full attention.
+    Raises ValueError naming the problem otherwise (e.g. a linear-attention layer).
     """
     config = getattr(model, "config", model)
     if getattr(config, "is_encoder_decoder", False):
@@ -143,19 +182,23 @@ def check_model_supported(model, key_codec: Optional[Codec] = None, value_codec:
     for attr in ("num_hidden_layers", "num_attention_heads", "hidden_size"):
         if not getattr(config, attr, None):
             raise ValueError(f"unsupported model: its config has no {attr} (not a standard attention model)")
-    if getattr(config, "sliding_window", None) or getattr(config, "attention_chunk_size", None):
-        raise ValueError("unsupported model: sliding-window/chunked attention is not supported by CompressedCache")
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types and any(t != "full_attention" for t in layer_types):
-        raise ValueError(f"unsupported model: layer types {sorted(set(layer_types))}; only full_attention")
-    if getattr(config, "kv_lora_rank", None) or getattr(config, "v_head_dim", None):
-        raise ValueError("unsupported model: latent/decoupled KV attention (MLA) has a non-standard cache")
+    layer_types, windows = _layer_types(config)
+    unknown = sorted(set(layer_types) - set(FULL_LAYER_TYPES) - set(WINDOW_LAYER_TYPES))
+    if unknown:
+        raise ValueError(f"unsupported model: layer types {unknown} (CompressedCache holds "
+                         f"{FULL_LAYER_TYPES + WINDOW_LAYER_TYPES} layers)")
+    for index, window in enumerate(windows):
+        if layer_types[index] in WINDOW_LAYER_TYPES and (not isinstance(window, int) or window < 2):
+            raise ValueError(f"unsupported model: layer {index} is {layer_types[index]!r} with window {window!r}")
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     if kv_heads < 1 or config.num_attention_heads % kv_heads:
         raise ValueError(f"unsupported model: {config.num_attention_heads} query heads and {kv_heads} KV heads")
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    for role, codec in (("key", key_codec), ("value", value_codec)):
-        if codec is not None and codec.dim != head_dim:
-            raise ValueError(f"model head_dim {head_dim} differs from the {role} codec dim {codec.dim} ({codec!r})")
-    return {"layers": config.num_hidden_layers, "kv_heads": kv_heads, "head_dim": head_dim}
-
+    key_dim, value_dim, cached_heads, latent = _role_dims(config, head_dim, kv_heads)
+    for role, codec, dim in (("key", key_codec, key_dim), ("value", value_codec, value_dim)):
+        if codec is not None and codec.dim != dim:
+            what = "model head_dim" if not latent else f"the model's cached {role} latent dim"
+            raise ValueError(f"{what} {dim} differs from the {role} codec dim {codec.dim} ({codec!r})")
+    return {"layers": config.num_hidden_layers, "kv_heads": cached_heads, "head_dim": key_dim,
+            "key_dim": key_dim, "value_dim": value_dim, "layer_types": layer_types, "windows": windows,
+            "latent": latent}

@@ -68,6 +68,9 @@ class PersistentCache(PersistentCacheReader):
         from fibquant.kv.model import describe_model
 
         info = check_model_supported(model, key_codec, value_codec)
+        if any(window is not None for window in info["windows"]):
+            raise ValueError("saving caches of sliding-window / hybrid models is not supported: a sliding layer "
+                             "drops the tokens that leave its window, and saved code streams are append-only")
         if (key_codecs is None) != (value_codecs is None):
             raise ValueError("pass per-layer codecs for both roles (key_codecs and value_codecs) or neither")
         path = Path(path)
