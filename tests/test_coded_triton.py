@@ -58,7 +58,7 @@ OUT_RTOL = 1e-4     # max abs error of outputs relative to the largest output ma
 CONFIGS = [
     (64, 1, 1, 2), (64, 1, 2, 4), (64, 1, 3, 8), (64, 1, 4, 16),
     (64, 2, 8, 256), (64, 4, 10, 1024), (64, 4, 12, 4096), (64, 8, 8, 256),
-    (64, 2, 7, 100), (64, 4, 12, 3000), (128, 4, 8, 256), (96, 4, 11, 2048),
+    (64, 2, 7, 100), (64, 4, 12, 3000), (128, 4, 8, 256), (96, 4, 11, 2048), (64, 16, 8, 256),
 ]
 
 
@@ -273,6 +273,29 @@ def test_dispatch_cpu_auto_keeps_numba_and_triton_is_explicit(monkeypatch):
         coded_scores(queries, codes, codewords, 8, backend="triton")
         assert calls == ["triton"]
     assert "triton" in ck.BACKENDS
+
+
+def test_auto_dispatch_of_cuda_tensors(monkeypatch):
+    """CUDA tensors (stand-ins: only .device is read) -> triton when it imports and serves the config,
+    else the torch reference with a one-time warning; an explicit backend='triton' without triton raises."""
+    from types import SimpleNamespace
+
+    cuda = (SimpleNamespace(device=torch.device("cuda")),) * 2
+    assert ck._select("auto", cuda, ((128, 8),)) == "triton"
+    assert ck._select("auto", cuda, ((128, 8), (64, 3)), fused=True) == "triton"
+    ck._warned.discard("triton-config:head dim 1024 > 512")
+    with pytest.warns(RuntimeWarning, match="cannot serve"):
+        assert ck._select("auto", cuda, ((1024, 8),)) == "torch"
+    assert ck._select("auto", (SimpleNamespace(device=torch.device("cpu")),), ((64, 8),), fused=True) == "torch"
+    monkeypatch.setattr(ck, "_TRITON", (None, "ModuleNotFoundError: no triton"))
+    ck._warned.discard("no-triton")
+    with pytest.warns(RuntimeWarning, match="not importable"):
+        assert ck._select("auto", cuda, ((128, 8),)) == "torch"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ck._select("auto", cuda, ((128, 8),)) == "torch"  # warned once only
+    with pytest.raises(ValueError, match="not importable"):
+        ck._select("triton", cuda, ((128, 8),))
 
 
 def test_unservable_config_falls_back_with_one_warning():
