@@ -278,7 +278,7 @@ class CompressedCache(Cache):
     def from_cache(cls, cache: Cache, key_codec, value_codec, sink_tokens: int = 4,
                    recent_tokens: int = 32, attention: str = "decode", model=None,
                    encode_batch: int = 16, centre: bool = False,
-                   allocate: Optional[Callable] = None) -> "CompressedCache":
+                   allocate: Optional[Callable] = None, sliding_exact: bool = False) -> "CompressedCache":
         """Compress an already computed cache (e.g. a `DynamicCache` after a float prefill).
 
         The result holds what this cache would hold had it seen the same tokens in one update:
@@ -288,7 +288,7 @@ class CompressedCache(Cache):
         """
         if model is not None:
             target = cls.for_model(model, key_codec, value_codec, sink_tokens, recent_tokens, attention,
-                                   encode_batch, centre, allocate)
+                                   encode_batch, centre, allocate, sliding_exact=sliding_exact)
         else:
             target = cls(key_codec, value_codec, sink_tokens, recent_tokens, attention, encode_batch, centre,
                          allocate=allocate, num_layers=len(cache.layers) if allocate is not None else None)
