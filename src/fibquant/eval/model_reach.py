@@ -51,7 +51,11 @@ WINDOW = 16
 STATUSES = ("codes", "decode fallback", "refused", "error")
 
 # The common tiny decoder: 2 layers, hidden 128, 2 query heads over 1 KV head (GQA), head_dim 64.
-_TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # inside the tiny vocabulary
+# Token ids inside the tiny vocabulary; weights drawn 10x wider than transformers' default (0.02) so
+# attention is peaked enough that a dropped soft-cap, sink or scale moves the logits well past
+# LOGITS_RTOL (at 0.02 a dropped soft-cap of 3 moved them by 6e-5 only).
+INITIALIZER_RANGE = 0.2
+_TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, initializer_range=INITIALIZER_RANGE)
 _BASE = dict(_TOKENS, vocab_size=VOCAB, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=256)
 _HYBRID = ["sliding_attention", "full_attention"]
@@ -149,7 +153,7 @@ def features(model) -> dict:
     if layer_types:
         out["layer_types"] = list(layer_types)
     for name in ("sliding_window", "attn_logit_softcapping", "kv_lora_rank", "attention_multiplier",
-                 "query_pre_attn_scalar"):
+                 "query_pre_attn_scalar", "alibi"):
         value = getattr(text, name, None)
         if value:
             out[name] = value
@@ -163,10 +167,13 @@ def features(model) -> dict:
         out["query_heads_per_kv_head"] = heads // kv_heads
     scalings, sinks = set(), False
     for module in model.modules():
-        if hasattr(module, "scaling") and isinstance(getattr(module, "scaling"), float) and hasattr(module, "layer_idx"):
+        if isinstance(getattr(module, "scaling", None), float) and hasattr(module, "layer_idx"):
             scalings.add(round(module.scaling, 6))
         if isinstance(getattr(module, "sinks", None), torch.nn.Parameter):
             sinks = True
+    no_rope = getattr(text, "no_rope_layers", None)
+    if no_rope and not all(no_rope):
+        out["layers_without_rope"] = [index for index, rope in enumerate(no_rope) if not rope]
     if scalings:
         out["query_scaling"] = sorted(scalings)
     if sinks:
@@ -187,6 +194,8 @@ def feature_summary(info: dict) -> str:
         parts.append(f"soft-cap {info['attn_logit_softcapping']:g}")
     if info.get("attention_sinks"):
         parts.append("learned sinks (s_aux)")
+    if "layers_without_rope" in info:
+        parts.append(f"NoPE layers {info['layers_without_rope']}")
     if "kv_lora_rank" in info:
         parts.append(f"MLA (latent {info['kv_lora_rank']})")
     if "experts" in info:
@@ -290,7 +299,8 @@ def _error_text(exc: BaseException) -> str:
 
 
 # ----------------------------------------------------------------------------- the probe
-def probe(family: Family | str, seed: int = 0, bits: float = BITS, generate: bool = True) -> dict:
+def probe(family: Family | str, seed: int = 0, bits: float = BITS, generate: bool = True,
+          threads: Optional[int] = 1, codec: Optional[Callable] = None) -> dict:
     """Run one family's tiny model through the codes and decode paths; return what happened.
 
     Order: DynamicCache and the decode path first, on the model's own attention implementation
@@ -302,7 +312,9 @@ def probe(family: Family | str, seed: int = 0, bits: float = BITS, generate: boo
     stopped), features, cache_shapes, fallback_warnings (texts), warned_keys, attention (the codes
     cache's mode after for_model), attn_implementation (the model's, after for_model), coded_tokens
     (per layer, codes run), logits_rel_codes_vs_decode, logits_rel_exact_vs_dynamic, generate_equal,
-    seconds.
+    seconds. threads: torch (and the numba kernels') threads during the probe, restored after
+    (None: unchanged); on a small shared machine one thread is ~15x faster for these tiny models.
+    codec: codec(dim) -> the codec of a role of that head size (default FibQuantCodec.for_rate(dim, bits)).
     """
     from transformers.utils import logging as hf_logging
 
@@ -311,23 +323,25 @@ def probe(family: Family | str, seed: int = 0, bits: float = BITS, generate: boo
     result: dict = {"family": family.name, "config_class": family.config_class, "model_class": family.model_class,
                     "note": family.note, "status": None, "reason": "", "stage": "build", "features": {},
                     "cache_shapes": None, "fallback_warnings": [], "warned_keys": [], "attention": None,
-                    "attn_implementation": None, "coded_tokens": None, "logits_rel_codes_vs_decode": None,
+                    "attn_implementation": None, "coded_tokens": None, "held_tokens": None, "logits_rel_codes_vs_decode": None,
                     "logits_rel_exact_vs_dynamic": None, "generate_equal": None}
-    verbosity = hf_logging.get_verbosity()
+    verbosity, threads_before = hf_logging.get_verbosity(), torch.get_num_threads()
     hf_logging.set_verbosity_error()  # the tiny configs' notes (e.g. RoPE factors) are not findings
-
+    if threads is not None:
+        torch.set_num_threads(threads)
     try:
         with _FallbackRecorder() as recorder:
-            status, reason = _probe_stages(family, seed, bits, generate, result, recorder)
+            status, reason = _probe_stages(family, seed, bits, generate, result, recorder, codec)
     finally:
         hf_logging.set_verbosity(verbosity)
+        torch.set_num_threads(threads_before)
     result["status"], result["reason"] = status, reason
     result["seconds"] = round(time.perf_counter() - started, 3)
     return result
 
 
 def _probe_stages(family: Family, seed: int, bits: float, generate: bool, result: dict,
-                  recorder: "_FallbackRecorder") -> tuple[str, str]:
+                  recorder: "_FallbackRecorder", codec: Optional[Callable]) -> tuple[str, str]:
     """The probe's stages, filling `result`; returns (status, reason)."""
     from transformers import DynamicCache
 
@@ -347,9 +361,10 @@ def _probe_stages(family: Family, seed: int, bits: float, generate: bool, result
         result["stage"] = "dynamic cache reference"
         shapes = cache_shapes(model, ids)
         result["cache_shapes"] = result["features"]["cache_shapes"] = shapes
-        key_codec = FibQuantCodec.for_rate(shapes["key"][-1], bits)
-        value_codec = key_codec if shapes["value"][-1] == shapes["key"][-1] else \
-            FibQuantCodec.for_rate(shapes["value"][-1], bits)
+        make = codec or (lambda dim: FibQuantCodec.for_rate(dim, bits))
+        key_codec = make(shapes["key"][-1])
+        value_codec = key_codec if shapes["value"][-1] == shapes["key"][-1] else make(shapes["value"][-1])
+        result["codecs"] = [repr(key_codec), repr(value_codec)]
         dynamic_logits = _run(model, DynamicCache(config=model.config), ids)
     except Exception as exc:  # noqa: BLE001 - the probe reports every failure
         return finish("error", f"{result['stage']}: {_error_text(exc)}")
@@ -380,6 +395,8 @@ def _probe_stages(family: Family, seed: int, bits: float, generate: bool, result
         codes_cache = new_cache("codes")  # switches the model back to fibquant's attention (if it can)
         codes_logits = _run(model, codes_cache, ids)
         result["coded_tokens"] = [getattr(layer, "num_coded", None) for layer in codes_cache.layers]
+        result["held_tokens"] = [sum(getattr(layer, name, 0) or 0 for name in ("num_sink", "num_coded", "num_recent"))
+                                 for layer in codes_cache.layers]
         rel = relative_difference(codes_logits, decode_logits)
         result["logits_rel_codes_vs_decode"] = rel
         if not rel <= LOGITS_RTOL:
