@@ -56,6 +56,8 @@ def test_family(name):
     if status == ON_CODES:
         assert result["fallback_warnings"] == [] and result["warned_keys"] == [], summary
         assert result["attention"] == "codes" and result["attn_implementation"] == "fibquant", summary
+        calls = result["attention_calls"]  # every attention call of the codes run got the codes
+        assert calls["calls"] > 0 and calls["coded_calls"] == calls["calls"], calls
         assert result["logits_rel_codes_vs_decode"] <= LOGITS_RTOL, summary
         assert result["logits_rel_exact_vs_dynamic"] <= LOGITS_RTOL, summary
         assert result["generate_equal"] is True, summary

@@ -292,6 +292,56 @@ class _FallbackRecorder:
         return False
 
 
+# Keyword arguments transformers passes along that do not change what attention computes.
+_PLUMBING = frozenset({"position_ids", "use_cache", "output_router_logits", "output_attentions", "cache_position",
+                       "return_dict"})
+
+
+class _AttentionCalls:
+    """Records what transformers hands fibquant's attention function (installed as a local override
+    of `ALL_ATTENTION_FUNCTIONS["fibquant"]` around one run, removed after)."""
+
+    def __init__(self):
+        self.calls: list[dict] = []
+
+    def __enter__(self):
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        from fibquant.kv.attention import ATTENTION_NAME
+
+        self._registry, self._name = ALL_ATTENTION_FUNCTIONS, ATTENTION_NAME
+        self._had_local = ATTENTION_NAME in getattr(ALL_ATTENTION_FUNCTIONS, "_local_mapping", {})
+        inner = ALL_ATTENTION_FUNCTIONS[ATTENTION_NAME] if ATTENTION_NAME in ALL_ATTENTION_FUNCTIONS else None
+        if inner is None or self._had_local:
+            return self
+
+        def recording(module, query, key, value, attention_mask, *args, **kwargs):
+            from fibquant.kv.codes import CodedKV
+
+            named = {name: value for name, value in kwargs.items()
+                     if value is not None and name not in _PLUMBING and not (name == "dropout" and not value)}
+            self.calls.append({"coded": isinstance(key, CodedKV), "query_dim": int(query.shape[-1]),
+                               "kwargs": sorted(name for name in named if name != "scaling"),
+                               "scaling": named.get("scaling")})
+            return inner(module, query, key, value, attention_mask, *args, **kwargs)
+
+        ALL_ATTENTION_FUNCTIONS[ATTENTION_NAME] = recording
+        self._installed = True
+        return self
+
+    def __exit__(self, *exc):
+        if getattr(self, "_installed", False):
+            del self._registry[self._name]
+        return False
+
+    def summary(self) -> dict:
+        """{"calls", "coded_calls", "kwargs" (names seen with a value), "scalings"}."""
+        names = sorted({name for call in self.calls for name in call["kwargs"]})
+        scalings = sorted({round(float(call["scaling"]), 6) for call in self.calls if call["scaling"] is not None})
+        return {"calls": len(self.calls), "coded_calls": sum(call["coded"] for call in self.calls),
+                "kwargs": names, "scalings": scalings}
+
+
 def _error_text(exc: BaseException) -> str:
     frame = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
     where = f" at {frame.filename.split('site-packages/')[-1].split('src/')[-1]}:{frame.lineno}" if frame else ""
@@ -323,7 +373,8 @@ def probe(family: Family | str, seed: int = 0, bits: float = BITS, generate: boo
     result: dict = {"family": family.name, "config_class": family.config_class, "model_class": family.model_class,
                     "note": family.note, "status": None, "reason": "", "stage": "build", "features": {},
                     "cache_shapes": None, "fallback_warnings": [], "warned_keys": [], "attention": None,
-                    "attn_implementation": None, "coded_tokens": None, "held_tokens": None, "logits_rel_codes_vs_decode": None,
+                    "attn_implementation": None, "coded_tokens": None, "held_tokens": None,
+                    "attention_calls": None, "logits_rel_codes_vs_decode": None,
                     "logits_rel_exact_vs_dynamic": None, "generate_equal": None}
     verbosity, threads_before = hf_logging.get_verbosity(), torch.get_num_threads()
     hf_logging.set_verbosity_error()  # the tiny configs' notes (e.g. RoPE factors) are not findings
@@ -393,7 +444,9 @@ def _probe_stages(family: Family, seed: int, bits: float, generate: bool, result
         decode_logits = _run(model, decode_cache, ids)
         result["stage"] = "codes run"
         codes_cache = new_cache("codes")  # switches the model back to fibquant's attention (if it can)
-        codes_logits = _run(model, codes_cache, ids)
+        with _AttentionCalls() as calls:
+            codes_logits = _run(model, codes_cache, ids)
+        result["attention_calls"] = calls.summary()
         result["coded_tokens"] = [getattr(layer, "num_coded", None) for layer in codes_cache.layers]
         result["held_tokens"] = [sum(getattr(layer, name, 0) or 0 for name in ("num_sink", "num_coded", "num_recent"))
                                  for layer in codes_cache.layers]
@@ -444,3 +497,64 @@ def _generate_equal(model, new_cache) -> bool:
 def probe_all(names: Optional[list[str]] = None, **kwargs) -> list[dict]:
     """`probe` of every family (or of `names`), in registry order."""
     return [probe(FAMILIES[name], **kwargs) for name in (names or list(FAMILIES))]
+
+
+# ----------------------------------------------------------------------------- the reach table
+def _cell(text: str) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _number(value) -> str:
+    return "-" if value is None else ("inf" if value == float("inf") else f"{value:.1e}")
+
+
+def render_markdown(results: list[dict], command: str, provenance: dict) -> str:
+    """docs/models.md: one row per family from `probe` results (nothing in it is written by hand)."""
+    counts = {status: sum(r["status"] == status for r in results) for status in STATUSES}
+    lines = [
+        "# Model reach: which decoder families a CompressedCache serves on codes",
+        "",
+        f"**Generated** by `{command}` ({provenance.get('date', '?')}; transformers "
+        f"{provenance.get('transformers', '?')}, torch {provenance.get('torch', '?')}, fibquant "
+        f"{provenance.get('commit', '?')}). Do not edit by hand: rerun the command. The same probe "
+        "(`fibquant.eval.model_reach.probe`) is asserted per family by `tests/test_model_families.py`.",
+        "",
+        f"Each family is its own transformers class with a tiny random config ({len(results)} families: 2 layers, "
+        f"hidden 128, vocabulary {VOCAB}, head_dim 64 where the family sets it, sliding window {WINDOW} with "
+        "`layer_types` mixing sliding and full layers where the family has them, MoE with 4 experts; weights "
+        f"drawn with initializer_range {INITIALIZER_RANGE}). FibQuant b={BITS:g} per role (each role's codec has "
+        "the head size the model hands `cache.update`), "
+        f"{SINK_TOKENS} sink tokens, {RECENT_TOKENS} recent, encode batch {ENCODE_BATCH}; a {PROMPT_TOKENS}-token "
+        f"prompt prefilled in two chunks ({FIRST_CHUNK} + {PROMPT_TOKENS - FIRST_CHUNK}), then {DECODE_STEPS} "
+        "decode steps.",
+        "",
+        "Status:",
+        "",
+        "- **codes**: attention runs on the codes (every attention call got a `CodedKV`, no fallback warning); "
+        f"codes logits equal the decode path's and, with nothing coded, `DynamicCache`'s (max relative "
+        f"difference <= {LOGITS_RTOL:g}); batched left-padded `generate` gives the decode path's tokens;",
+        "- **decode fallback**: served, through the decode path; the reason is fibquant's warning;",
+        "- **refused**: `CompressedCache.for_model` raises ValueError naming the feature, before any prefill;",
+        "- **error**: a raw exception or a failed check (a bug).",
+        "",
+        "Summary: " + ", ".join(f"{counts[s]} {s}" for s in STATUSES) + ".",
+        "",
+        "| family | transformers class | status | layer types / features exercised | options the attention "
+        "function got | codes vs decode (max rel) | nothing coded vs DynamicCache | generate | reason |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in results:
+        calls = r.get("attention_calls") or {}
+        options = ", ".join(calls.get("kwargs", [])) or "-"
+        if calls.get("calls"):
+            options += f" ({calls['coded_calls']}/{calls['calls']} calls on codes)"
+        generate = {True: "same tokens", False: "differs", None: "-"}[r.get("generate_equal")]
+        features_text = feature_summary(r.get("features") or {})
+        if r.get("note"):
+            features_text += f" ({r['note']})"
+        lines.append("| " + " | ".join(_cell(c) for c in (
+            r["family"], r["model_class"], f"**{r['status']}**", features_text or "-", options,
+            _number(r.get("logits_rel_codes_vs_decode")), _number(r.get("logits_rel_exact_vs_dynamic")),
+            generate, r.get("reason") or "-")) + " |")
+    lines.append("")
+    return "\n".join(lines)
