@@ -10,9 +10,12 @@ Skipped with a reason when triton is not installed (pip install 'fibquant[gpu]')
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -348,6 +351,28 @@ def test_merge_lse_is_exact_and_handles_empty_parts():
         merge_lse([])
     with pytest.raises(ValueError):
         merge_lse([(out, lse), (out[..., :4], lse)])
+
+
+# --------------------------------------------------------------------------- lowering for a real GPU
+def _ptxas_available() -> bool:
+    try:
+        from triton.backends.nvidia import compiler as nvidia
+    except ImportError:
+        return False
+    return (Path(nvidia.__file__).parent / "bin" / "ptxas").exists()
+
+
+@pytest.mark.skipif(not _ptxas_available(), reason="triton's NVIDIA backend (with its ptxas) is not installed")
+def test_fused_kernel_compiles_for_sm90_without_spills(tmp_path):
+    """The interpreter cannot see lowering errors or register spills: compile the fused decode kernel at the
+    Llama-8B decode shape (D=128, 8-bit k=2 indices) to an sm_90 cubin, in a process without the interpreter."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "triton_compile_check.py"
+    result = subprocess.run([sys.executable, str(script), "--quick", "--dims", "128", "--no-spills",
+                             "--out", str(tmp_path)], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    report = json.loads((tmp_path / "triton_compile_check.json").read_text())
+    assert report["rows"] and all("error" not in row and row.get("stack", 0) == 0 for row in report["rows"])
 
 
 # --------------------------------------------------------------------------- CUDA only

@@ -43,8 +43,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .coded_reference import merge_lse
-
 MAX_TRITON_BITS = 25
 MAX_TRITON_DIM = 512
 
@@ -252,6 +250,42 @@ def _decode_attention_kernel(q_ptr, kc_ptr, vc_ptr, kcw_ptr, vcw_ptr, bias_ptr, 
     tl.store(stat_ptr + stat + 1, l_i, mask=row_ok)
 
 
+@triton.jit
+def _merge_splits_kernel(acc_ptr, stat_ptr, out_ptr, lse_ptr, n_splits, n_rows, dim_v, split_acc, split_stat,
+                         DVP: tl.constexpr, BR: tl.constexpr):
+    """Exact merge of the splits: acc [S, rows, Dv] (unnormalised), stat [S, rows, 2] (running max m_s,
+    running sum l_s) -> out [rows, Dv] = sum_s e^(m_s - m) acc_s / sum_s e^(m_s - m) l_s with m = max_s m_s,
+    lse [rows] = m + log(sum_s e^(m_s - m) l_s); a row no split saw gives out = 0, lse = -inf."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    row_ok = rows < n_rows
+    rows64 = rows.to(tl.int64)
+    cols = tl.arange(0, DVP)
+    ok = row_ok[:, None] & (cols < dim_v)[None, :]
+    peak = tl.full([BR], float("-inf"), dtype=tl.float32)
+    stat_off = rows64 * 2  # int64 offsets, advanced by one split per iteration
+    for _ in range(0, n_splits):
+        peak = tl.maximum(peak, tl.load(stat_ptr + stat_off, mask=row_ok, other=float("-inf")))
+        stat_off += split_stat
+    safe = tl.where(peak == float("-inf"), 0.0, peak)
+    total = tl.zeros([BR], dtype=tl.float32)
+    acc = tl.zeros([BR, DVP], dtype=tl.float32)
+    stat_off = rows64 * 2
+    acc_off = rows64[:, None] * dim_v + cols[None, :]
+    for _ in range(0, n_splits):
+        m_s = tl.load(stat_ptr + stat_off, mask=row_ok, other=float("-inf"))
+        l_s = tl.load(stat_ptr + stat_off + 1, mask=row_ok, other=0.0)
+        scale = tl.exp(m_s - safe)  # 0 for a split that saw no column (m_s = -inf)
+        total += scale * l_s
+        acc += scale[:, None] * tl.load(acc_ptr + acc_off, mask=ok, other=0.0)
+        stat_off += split_stat
+        acc_off += split_acc
+    seen = total > 0
+    out = acc / tl.where(seen, total, 1.0)[:, None]
+    tl.store(out_ptr + rows64[:, None] * dim_v + cols[None, :], out, mask=ok)
+    lse = tl.where(seen, safe + tl.log(tl.where(seen, total, 1.0)), float("-inf"))
+    tl.store(lse_ptr + rows64, lse, mask=row_ok)
+
+
 # --------------------------------------------------------------------------- host side
 def _pow2(n: int, minimum: int = 1) -> int:
     return max(minimum, 1 << max(0, int(n) - 1).bit_length())
@@ -270,14 +304,18 @@ def _rows(codes: torch.Tensor) -> torch.Tensor:
     return codes
 
 
-def _tiles(n_rows: int, dim: int) -> tuple[int, int]:
-    """(BQ query rows, BM tokens) per tile: >= 16 rows (tl.dot), fewer tokens for wide heads (register
-    pressure of the decoded [BM, D] tiles). Not tuned on a GPU yet."""
-    bq = min(64, _pow2(n_rows, 16))
-    bm = 64 if dim <= 64 else 32
-    if bq * max(dim, 1) > 64 * 128:
-        bq = max(16, (64 * 128) // _pow2(dim))
-    return bq, bm
+NUM_WARPS = 8
+NUM_STAGES = 1  # no software pipelining: with the default 3 stages ptxas spills ~10 KB per thread (sm_90)
+
+
+def _tiles(n_rows: int, dim: int, weighted_sum: bool = False) -> tuple[int, int]:
+    """(BQ query rows, BM tokens) per tile: >= 16 each (tl.dot), BM x D <= 4096 and (scores, fused)
+    BQ x D <= 2048 elements, so that with 8 warps and one stage every kernel compiles for sm_90 without
+    register spills (checked with ptxas at D = 64, 128, 256: benchmarks/triton_compile_check.py).
+    Speed not tuned on a GPU yet."""
+    padded = _pow2(dim, 16)
+    bq_cap = 64 if weighted_sum else max(16, 2048 // padded)
+    return min(bq_cap, _pow2(n_rows, 16)), max(16, min(64, 4096 // padded))
 
 
 def _auto_splits(device: torch.device, units: int, n_tiles: int) -> int:
@@ -310,7 +348,7 @@ def scores(queries: torch.Tensor, codes: torch.Tensor, codewords: torch.Tensor, 
     queries = queries.detach()
     n_codewords, k = codewords.shape
     check = n_codewords != 1 << index_bits
-    bad = torch.zeros(1, dtype=torch.int32, device=codes.device)
+    bad = torch.zeros(1, dtype=torch.int32, device=codes.device) if check else out  # out: never written
     bq, bm = _tiles(n_q, dim)
     grid = (n_b * n_h, triton.cdiv(n_q, bq), triton.cdiv(n_tokens, bm))
     with _launch_scope():
@@ -318,7 +356,7 @@ def scores(queries: torch.Tensor, codes: torch.Tensor, codewords: torch.Tensor, 
                              n_h, n_q, n_tokens, dim, n_codewords, codes.shape[-1] - 2,
                              *queries.stride(), *codes.stride()[:3], *out.stride(),
                              W=index_bits, K=k, NB=_field_bytes(index_bits), DP=_pow2(dim, 16),
-                             BQ=bq, BM=bm, CHECK=check, num_warps=4)
+                             BQ=bq, BM=bm, CHECK=check, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     _check_bad(bad if check else None, (n_codewords,), (index_bits,))
     return out
 
@@ -334,8 +372,8 @@ def weighted_sum(weights: torch.Tensor, codes: torch.Tensor, codewords: torch.Te
     weights = weights.detach()
     n_codewords, k = codewords.shape
     check = n_codewords != 1 << index_bits
-    bad = torch.zeros(1, dtype=torch.int32, device=codes.device)
-    bq, bm = _tiles(n_q, dim)
+    bad = torch.zeros(1, dtype=torch.int32, device=codes.device) if check else codewords  # never written
+    bq, bm = _tiles(n_q, dim, weighted_sum=True)
     q_tiles, n_tiles = triton.cdiv(n_q, bq), triton.cdiv(n_tokens, bm)
     splits = _auto_splits(codes.device, n_b * n_h * q_tiles, n_tiles) if splits is None else min(splits, n_tiles)
     per_split = triton.cdiv(n_tiles, splits) * bm
@@ -346,7 +384,7 @@ def weighted_sum(weights: torch.Tensor, codes: torch.Tensor, codewords: torch.Te
             weights, codes, codewords, partial, bad, n_h, n_q, n_tokens, dim, n_codewords, codes.shape[-1] - 2,
             per_split, *weights.stride(), *codes.stride()[:3], *partial.stride()[:4],
             W=index_bits, K=k, NB=_field_bytes(index_bits), DP=_pow2(dim, 16), BQ=bq, BM=bm, CHECK=check,
-            num_warps=4)
+            num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     _check_bad(bad if check else None, (n_codewords,), (index_bits,))
     return partial[0] if splits == 1 else partial.sum(0)
 
@@ -377,7 +415,7 @@ def decode_attention(queries: torch.Tensor, key_codes: torch.Tensor, value_codes
     splits = triton.cdiv(n_tokens, per_split)
     acc = torch.empty(splits, n_b, kv_heads, n_rows, value_dim, dtype=torch.float32, device=device)
     stat = torch.empty(splits, n_b, kv_heads, n_rows, 2, dtype=torch.float32, device=device)
-    bad = torch.zeros(2, dtype=torch.int32, device=device)
+    bad = torch.zeros(2, dtype=torch.int32, device=device) if check_k or check_v else stat  # never written
     if bias is not None:
         bias_arg = bias.detach().expand(n_b, bias.shape[1], n_q, n_tokens)
         bias_strides = list(bias_arg.stride())
@@ -394,21 +432,16 @@ def decode_attention(queries: torch.Tensor, key_codes: torch.Tensor, value_codes
             *acc.stride()[:4], *stat.stride()[:4],
             KW=key_bits, KK=k_key, KNB=_field_bytes(key_bits), VW=value_bits, VK=k_value,
             VNB=_field_bytes(value_bits), DP=_pow2(dim, 16), DVP=_pow2(value_dim, 16), HAS_BIAS=bias is not None,
-            CHECK_K=check_k, CHECK_V=check_v, BQ=bq, BM=bm, num_warps=4)
+            CHECK_K=check_k, CHECK_V=check_v, BQ=bq, BM=bm, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     if check_k or check_v:
         _check_bad(bad, (n_kcw, n_vcw), (key_bits, value_bits))
-    out, lse = _merge_splits(acc, stat)
-    return (out.reshape(n_b, q_heads, n_q, value_dim),  # rows r = g * Q + t of KV head h = query head h*G + g
-            lse.reshape(n_b, q_heads, n_q))
-
-
-def _merge_splits(acc: torch.Tensor, stat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-split unnormalised acc [S, ..., Dv] and (max, sum) [S, ..., 2] -> (out [..., Dv], lse [...])."""
-    peak, total = stat[..., 0], stat[..., 1]
-    seen = total > 0
-    lse = torch.where(seen, peak + torch.log(torch.where(seen, total, torch.ones_like(total))),
-                      torch.full_like(total, float("-inf")))
-    normalised = acc / torch.where(seen, total, torch.ones_like(total)).unsqueeze(-1)
-    if acc.shape[0] == 1:
-        return normalised[0].masked_fill(~seen[0].unsqueeze(-1), 0.0), lse[0]
-    return merge_lse([(normalised[s], lse[s]) for s in range(acc.shape[0])])
+    out = torch.empty(n_b, kv_heads, n_rows, value_dim, dtype=torch.float32, device=device)
+    lse = torch.empty(n_b, kv_heads, n_rows, dtype=torch.float32, device=device)
+    total_rows = n_b * kv_heads * n_rows
+    merge_rows = 16
+    with _launch_scope():
+        _merge_splits_kernel[(triton.cdiv(total_rows, merge_rows),)](
+            acc, stat, out, lse, splits, total_rows, value_dim, acc.stride(0), stat.stride(0),
+            DVP=_pow2(value_dim, 16), BR=merge_rows, num_warps=4, num_stages=NUM_STAGES)
+    # rows r = g * Q + t of KV head h are query head h * G + g, token t
+    return out.reshape(n_b, q_heads, n_q, value_dim), lse.reshape(n_b, q_heads, n_q)
