@@ -37,6 +37,7 @@ Inference only: inputs are detached. Outputs are float32.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 
 import torch
@@ -144,7 +145,7 @@ def _scores_kernel(q_ptr, codes_ptr, cw_ptr, out_ptr, bad_ptr,
                    sq0, sq1, sq2, sq3, sc0, sc1, sc2, so0, so1, so2, so3,
                    W: tl.constexpr, K: tl.constexpr, NB: tl.constexpr, DP: tl.constexpr,
                    BQ: tl.constexpr, BM: tl.constexpr, CHECK: tl.constexpr):
-    bh = tl.program_id(0)
+    bh = tl.program_id(2)  # axis 0 carries the token tiles: up to 2^31 - 1 of them (axes 1, 2: 65535)
     b = (bh // n_heads).to(tl.int64)
     h = (bh % n_heads).to(tl.int64)
     rows = tl.program_id(1) * BQ + tl.arange(0, BQ)
@@ -152,7 +153,7 @@ def _scores_kernel(q_ptr, codes_ptr, cw_ptr, out_ptr, bad_ptr,
     cols = tl.arange(0, DP)
     q = tl.load(q_ptr + b * sq0 + h * sq1 + rows[:, None].to(tl.int64) * sq2 + cols[None, :] * sq3,
                 mask=row_ok[:, None] & (cols < dim)[None, :], other=0.0)
-    tokens = tl.program_id(2) * BM + tl.arange(0, BM)
+    tokens = tl.program_id(0) * BM + tl.arange(0, BM)
     tok_ok = tokens < n_tokens
     row_off = b * sc0 + h * sc1 + tokens.to(tl.int64) * sc2
     keys = _decode_tile(codes_ptr, row_off, tok_ok, cw_ptr, n_codewords, index_bytes, dim, bad_ptr,
@@ -318,10 +319,15 @@ def _tiles(n_rows: int, dim: int, weighted_sum: bool = False) -> tuple[int, int]
     return min(bq_cap, _pow2(n_rows, 16)), max(16, min(64, 4096 // padded))
 
 
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _auto_splits(device: torch.device, units: int, n_tiles: int) -> int:
     """Context splits so that about 2 waves of programs fill the GPU (4 on the interpreter)."""
     if device.type == "cuda":
-        target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+        target = 2 * _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
     else:
         target = 4
     return max(1, min(n_tiles, -(-target // max(units, 1))))
@@ -350,7 +356,7 @@ def scores(queries: torch.Tensor, codes: torch.Tensor, codewords: torch.Tensor, 
     check = n_codewords != 1 << index_bits
     bad = torch.zeros(1, dtype=torch.int32, device=codes.device) if check else out  # out: never written
     bq, bm = _tiles(n_q, dim)
-    grid = (n_b * n_h, triton.cdiv(n_q, bq), triton.cdiv(n_tokens, bm))
+    grid = (triton.cdiv(n_tokens, bm), triton.cdiv(n_q, bq), n_b * n_h)
     with _launch_scope():
         _scores_kernel[grid](queries, codes, codewords, out, bad,
                              n_h, n_q, n_tokens, dim, n_codewords, codes.shape[-1] - 2,
