@@ -76,6 +76,7 @@ class Family:
     model_class: str
     settings: Callable[[], dict]
     note: str = ""  # what the settings choose to exercise (the doc's features column adds what the config has)
+    listed: bool = True  # one of issue 16's families (False: a further family users run)
 
     def config(self):
         transformers = importlib.import_module("transformers")
@@ -140,6 +141,34 @@ FAMILIES: dict[str, Family] = {family.name: family for family in (
                          num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
                          moe_intermediate_size=64),
            note="MLA: latent rank 64, RoPE dim 64, nope 32, value 32"),
+    # Further families users run (beyond issue 16's list): more layer kinds, and models with
+    # layers that are not attention at all, which the cache must refuse before any prefill.
+    Family("Llama 4 (text)", "Llama4TextConfig", "Llama4ForCausalLM",
+           lambda: _base(attention_chunk_size=WINDOW, num_local_experts=4, num_experts_per_tok=1,
+                         intermediate_size_mlp=128, interleave_moe_layer_step=1, no_rope_layers=[1, 0]),
+           note="chunked attention (chunk 16) on the RoPE layer, NoPE layer 2", listed=False),
+    Family("Ministral", "MinistralConfig", "MinistralForCausalLM",
+           lambda: _base(sliding_window=WINDOW, layer_types=_HYBRID), listed=False),
+    Family("OLMo 3", "Olmo3Config", "Olmo3ForCausalLM",
+           lambda: _base(head_dim=None, sliding_window=WINDOW, layer_types=_HYBRID), listed=False),
+    Family("EXAONE 4", "Exaone4Config", "Exaone4ForCausalLM",
+           lambda: _base(sliding_window=WINDOW, layer_types=_HYBRID), listed=False),
+    Family("GLM-4", "Glm4Config", "Glm4ForCausalLM", lambda: _base(), listed=False),
+    Family("Phi-2", "PhiConfig", "PhiForCausalLM",
+           lambda: _base(head_dim=None, num_key_value_heads=None, qk_layernorm=True), listed=False),
+    Family("Qwen3-Next", "Qwen3NextConfig", "Qwen3NextForCausalLM",
+           lambda: _base(layer_types=["linear_attention", "full_attention"], num_experts=4, num_experts_per_tok=2,
+                         moe_intermediate_size=64, shared_expert_intermediate_size=64, linear_num_value_heads=2,
+                         linear_num_key_heads=2, linear_key_head_dim=32, linear_value_head_dim=32),
+           note="a gated delta-net (linear attention) layer", listed=False),
+    Family("Jamba", "JambaConfig", "JambaForCausalLM",
+           lambda: _base(head_dim=None, attn_layer_period=2, attn_layer_offset=1, num_experts=2, expert_layer_period=2,
+                         expert_layer_offset=1, mamba_d_state=8, mamba_expand=2, use_mamba_kernels=False),
+           note="a Mamba layer", listed=False),
+    Family("Mamba", "MambaConfig", "MambaForCausalLM",
+           lambda: dict(_TOKENS, vocab_size=VOCAB, hidden_size=128, num_hidden_layers=2, state_size=8,
+                        use_mambapy=True),
+           note="no attention at all", listed=False),
 )}
 
 
@@ -152,7 +181,7 @@ def features(model) -> dict:
     layer_types = getattr(text, "layer_types", None)
     if layer_types:
         out["layer_types"] = list(layer_types)
-    for name in ("sliding_window", "attn_logit_softcapping", "kv_lora_rank", "attention_multiplier",
+    for name in ("sliding_window", "attention_chunk_size", "attn_logit_softcapping", "kv_lora_rank", "attention_multiplier",
                  "query_pre_attn_scalar", "alibi"):
         value = getattr(text, name, None)
         if value:
@@ -190,6 +219,8 @@ def feature_summary(info: dict) -> str:
         parts.append(" + ".join(f"{n} {t.replace('_attention', '')}" for t, n in counts.items()))
     if "sliding_window" in info:
         parts.append(f"window {info['sliding_window']}")
+    if "attention_chunk_size" in info:
+        parts.append(f"chunk {info['attention_chunk_size']}")
     if "attn_logit_softcapping" in info:
         parts.append(f"soft-cap {info['attn_logit_softcapping']:g}")
     if info.get("attention_sinks"):
@@ -398,6 +429,7 @@ def _probe_stages(family: Family, seed: int, bits: float, generate: bool, result
 
     from fibquant.codecs.fibquant import FibQuantCodec
     from fibquant.kv.cache import CompressedCache
+    from fibquant.kv.model import check_model_supported
 
     def finish(status: str, reason: str = "") -> tuple[str, str]:
         result["fallback_warnings"], result["warned_keys"] = recorder.messages(), recorder.keys()
@@ -407,43 +439,62 @@ def _probe_stages(family: Family, seed: int, bits: float, generate: bool, result
         model = family.build(seed)
         own_attention = model.config._attn_implementation
         result["features"] = features(model)
-        generator = torch.Generator().manual_seed(seed + 1)
-        ids = torch.randint(3, VOCAB, (1, PROMPT_TOKENS + DECODE_STEPS), generator=generator)
-        result["stage"] = "dynamic cache reference"
-        shapes = cache_shapes(model, ids)
-        result["cache_shapes"] = result["features"]["cache_shapes"] = shapes
-        make = codec or (lambda dim: FibQuantCodec.for_rate(dim, bits))
-        key_codec = make(shapes["key"][-1])
-        value_codec = key_codec if shapes["value"][-1] == shapes["key"][-1] else make(shapes["value"][-1])
-        result["codecs"] = [repr(key_codec), repr(value_codec)]
-        dynamic_logits = _run(model, DynamicCache(config=model.config), ids)
     except Exception as exc:  # noqa: BLE001 - the probe reports every failure
-        return finish("error", f"{result['stage']}: {_error_text(exc)}")
+        return finish("error", f"build: {_error_text(exc)}")
 
-    def new_cache(attention: str, recent: int = RECENT_TOKENS):
-        if attention == "decode" and model.config._attn_implementation != own_attention:
-            model.set_attn_implementation(own_attention)  # the reference: the model's own attention
-        return CompressedCache.for_model(model, key_codec, value_codec, sink_tokens=SINK_TOKENS,
-                                         recent_tokens=recent, attention=attention, encode_batch=ENCODE_BATCH)
-
-    failures = []
+    # Refusal comes first, before the model has seen a token: the codec sizes are the ones
+    # check_model_supported says the cache needs (cross-checked against a DynamicCache run below).
     try:
+        make = codec or (lambda dim: FibQuantCodec.for_rate(dim, bits))
+        result["stage"] = "check_model_supported"
+        try:
+            info = check_model_supported(model)
+        except ValueError as exc:  # for_model (what users call) must refuse it too, with a ValueError
+            result["stage"] = "for_model (codes)"
+            CompressedCache.for_model(model, make(64), make(64), attention="codes")
+            return finish("error", f"check_model_supported refuses ({exc}) but for_model accepts the model")
+        dims = (info.get("key_dim", info["head_dim"]), info.get("value_dim", info["head_dim"]))
+        key_codec = make(dims[0])
+        value_codec = key_codec if dims[1] == dims[0] else make(dims[1])
+        result["codecs"] = [repr(key_codec), repr(value_codec)]
+
+        def new_cache(attention: str, recent: int = RECENT_TOKENS):
+            if attention == "decode" and model.config._attn_implementation != own_attention:
+                model.set_attn_implementation(own_attention)  # the reference: the model's own attention
+            return CompressedCache.for_model(model, key_codec, value_codec, sink_tokens=SINK_TOKENS,
+                                             recent_tokens=recent, attention=attention, encode_batch=ENCODE_BATCH)
+
         result["stage"] = "for_model (decode)"
-        decode_cache = new_cache("decode")
+        new_cache("decode")
         result["stage"] = "for_model (codes)"
-        codes_cache = new_cache("codes")
+        new_cache("codes")
     except ValueError as exc:
         return finish("refused", str(exc))
     except Exception as exc:  # noqa: BLE001
         return finish("error", f"{result['stage']}: {_error_text(exc)}")
-    result["attention"] = codes_cache.attention
-    result["attn_implementation"] = model.config._attn_implementation
+
+    try:
+        result["stage"] = "dynamic cache reference"
+        model.set_attn_implementation(own_attention)
+        generator = torch.Generator().manual_seed(seed + 1)
+        ids = torch.randint(3, VOCAB, (1, PROMPT_TOKENS + DECODE_STEPS), generator=generator)
+        shapes = cache_shapes(model, ids)
+        result["cache_shapes"] = result["features"]["cache_shapes"] = shapes
+        dynamic_logits = _run(model, DynamicCache(config=model.config), ids)
+    except Exception as exc:  # noqa: BLE001
+        return finish("error", f"{result['stage']}: {_error_text(exc)}")
+    if (shapes["key"][-1], shapes["value"][-1]) != dims:
+        return finish("error", f"the model hands cache.update keys/values of sizes {shapes['key'][-1]}/"
+                               f"{shapes['value'][-1]}, check_model_supported says {dims[0]}/{dims[1]}")
+
+    failures = []
     try:
         result["stage"] = "decode run"
-        model.set_attn_implementation(own_attention)
-        decode_logits = _run(model, decode_cache, ids)
+        decode_logits = _run(model, new_cache("decode"), ids)
         result["stage"] = "codes run"
         codes_cache = new_cache("codes")  # switches the model back to fibquant's attention (if it can)
+        result["attention"] = codes_cache.attention
+        result["attn_implementation"] = model.config._attn_implementation
         with _AttentionCalls() as calls:
             codes_logits = _run(model, codes_cache, ids)
         result["attention_calls"] = calls.summary()
@@ -510,7 +561,11 @@ def _number(value) -> str:
 
 def render_markdown(results: list[dict], command: str, provenance: dict) -> str:
     """docs/models.md: one row per family from `probe` results (nothing in it is written by hand)."""
-    counts = {status: sum(r["status"] == status for r in results) for status in STATUSES}
+    def counts(rows: list[dict]) -> str:
+        return ", ".join(f"{sum(r['status'] == status for r in rows)} {status}" for status in STATUSES)
+
+    listed = [r for r in results if FAMILIES.get(r["family"], Family("", "", "", dict)).listed]
+    further = [r for r in results if r not in listed]
     lines = [
         "# Model reach: which decoder families a CompressedCache serves on codes",
         "",
@@ -537,7 +592,8 @@ def render_markdown(results: list[dict], command: str, provenance: dict) -> str:
         "- **refused**: `CompressedCache.for_model` raises ValueError naming the feature, before any prefill;",
         "- **error**: a raw exception or a failed check (a bug).",
         "",
-        "Summary: " + ", ".join(f"{counts[s]} {s}" for s in STATUSES) + ".",
+        f"Summary: issue 16's {len(listed)} families: {counts(listed)}; {len(further)} further families "
+        f"(marked +): {counts(further)}.",
         "",
         "| family | transformers class | status | layer types / features exercised | options the attention "
         "function got | codes vs decode (max rel) | nothing coded vs DynamicCache | generate | reason |",
@@ -553,7 +609,7 @@ def render_markdown(results: list[dict], command: str, provenance: dict) -> str:
         if r.get("note"):
             features_text += f" ({r['note']})"
         lines.append("| " + " | ".join(_cell(c) for c in (
-            r["family"], r["model_class"], f"**{r['status']}**", features_text or "-", options,
+            r["family"] + ("" if r in listed else " +"), r["model_class"], f"**{r['status']}**", features_text or "-", options,
             _number(r.get("logits_rel_codes_vs_decode")), _number(r.get("logits_rel_exact_vs_dynamic")),
             generate, r.get("reason") or "-")) + " |")
     lines.append("")
