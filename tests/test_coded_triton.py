@@ -1,10 +1,11 @@
 """Triton kernels of attention on codes (kv/coded_triton.py) == the torch reference (kv/coded_reference.py).
 
 Without a GPU the kernels run on CPU tensors in Triton's interpreter: TRITON_INTERPRET=1 is set
-only while this module imports fibquant.kv.coded_triton (triton reads it when a kernel is
-decorated, and when `triton.language` is first imported), then restored, so the other test modules in the same pytest process see the
-environment they had. With a CUDA GPU the same tests run the compiled kernels on CUDA tensors.
-Interpreter cases are kept small (the file runs in well under a minute on two cores).
+only while this module imports fibquant.kv.coded_triton (triton reads it when `triton.language` is
+first imported and when a kernel is decorated; coded_triton keeps it set during its own launches),
+then restored, so the other test modules in the same pytest process see the environment they had.
+With a CUDA GPU the same tests run the compiled kernels on CUDA tensors.
+Interpreter cases are kept small (the file runs in under a minute on two cores).
 Skipped with a reason when triton is not installed (pip install 'fibquant[gpu]').
 """
 from __future__ import annotations
@@ -262,6 +263,49 @@ def test_decode_attention_merged_with_exact_columns_equals_full_attention():
     assert torch.isneginf(lse[1, :, 1]).all() and torch.equal(out[1, :, 1], torch.zeros_like(out[1, :, 1]))
     finite = torch.isfinite(lse)
     assert float((lse[finite] - torch.logsumexp(scores, -1)[finite]).abs().max()) <= SCORE_ATOL
+
+
+def _fused_attend(query, kv, scaling):
+    """How kv/attention.py can use the fused kernel (a sketch for wiring, no mask: a decode step or
+    a causal chunk): query [B, Hq, T, D] over a CodedKV -> [B, Hq, T, Dv] float32."""
+    batch, q_heads, tokens, _ = query.shape
+    q = query.to(torch.float32) * scaling
+    key_book, value_book = kv.key_codec.rotated_codebook(q.device), kv.value_codec.rotated_codebook(q.device)
+    coded_out, coded_lse = coded_decode_attention(q @ key_book.forward, kv.key_codes, kv.value_codes,
+                                                  key_book.codewords, value_book.codewords,
+                                                  key_book.index_bits, value_book.index_bits, backend="triton")
+    coded_out = coded_out @ value_book.forward.T
+    groups = q_heads // kv.key_codes.shape[1]
+    if kv.key_mean is not None:  # centred keys: every coded score shifts by q . mu
+        coded_lse = coded_lse + (q * kv.key_mean.repeat_interleave(groups, 1).unsqueeze(2)).sum(-1)
+    if kv.value_mean is not None:
+        coded_out = coded_out + kv.value_mean.repeat_interleave(groups, 1).unsqueeze(2)
+    exact_keys, exact_values = (t.to(torch.float32) for t in kv.exact())
+    past = exact_keys.shape[2] - tokens  # query t sees exact columns <= past + t
+    columns, rows = torch.arange(exact_keys.shape[2], device=q.device), torch.arange(tokens, device=q.device)
+    blocked = columns[None, :] > past + rows[:, None]
+    causal = torch.zeros(blocked.shape, device=q.device).masked_fill_(blocked, float("-inf"))[None, None]
+    parts = [(coded_out, coded_lse),
+             attention_with_lse(q, kv.sink_keys.to(torch.float32), kv.sink_values.to(torch.float32)),
+             attention_with_lse(q, exact_keys, exact_values, causal)]
+    return merge_lse(parts)[0]
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_fused_path_reproduces_attend_codes(tokens):
+    """attend_codes (kv/attention.py: numba / torch drop-ins, one softmax) == fused coded part + exact parts
+    merged by merge_lse, on a real CompressedLayer (FibQuant keys k=2, TurboQuant 2-bit values, GQA 4/2)."""
+    from fibquant.kv.attention import attend_codes
+    from fibquant.kv.cache import CompressedLayer
+
+    gen = torch.Generator().manual_seed(90)
+    layer = CompressedLayer(FibQuantCodec(64, 2, 256), TurboQuantCodec(64, 2), 4, 8, attention="codes")
+    layer.update(*(torch.randn(2, 2, 60, 64, generator=gen).to(DEVICE) for _ in range(2)))
+    kv, _ = layer.update(*(torch.randn(2, 2, tokens, 64, generator=gen).to(DEVICE) for _ in range(2)))
+    assert kv.num_coded > 0
+    query = torch.randn(2, 4, tokens, 64, generator=gen).to(DEVICE)
+    expected = attend_codes(query, kv, None, 64 ** -0.5).transpose(1, 2)  # -> [B, Hq, T, Dv]
+    assert_out_close(_fused_attend(query, kv, 64 ** -0.5), expected)
 
 
 # --------------------------------------------------------------------------- dispatch and errors
