@@ -243,6 +243,21 @@ def test_decode_attention_widths(k, bits, n_codewords):
     assert_lse_close(lse, expected_lse)
 
 
+def test_decode_attention_value_dim_differs_from_key_dim():
+    key_codes, key_cw = random_codes((2, 1, 40), 64, 4, 8, 256, seed=45)
+    value_codes, value_cw = random_codes((2, 1, 40), 32, 2, 10, 1024, seed=46)
+    queries = randn(2, 2, 2, 64, seed=47)
+    out, lse = coded_decode_attention(queries, key_codes, value_codes, key_cw, value_cw, 8, 10, value_dim=32,
+                                      backend="triton")
+    expected_out, expected_lse = coded_decode_attention_reference(queries, key_codes, value_codes, key_cw,
+                                                                  value_cw, 8, 10, value_dim=32)
+    assert out.shape == (2, 2, 2, 32)
+    assert_out_close(out, expected_out)
+    assert_lse_close(lse, expected_lse)
+    with pytest.raises(ValueError, match="value_dim"):
+        coded_decode_attention(queries, key_codes, value_codes, key_cw, value_cw, 8, 10, backend="triton")
+
+
 def test_decode_attention_merged_with_exact_columns_equals_full_attention():
     """coded part (Triton) + exact part (attention_with_lse) through merge_lse == one softmax over all columns."""
     queries, key_codes, value_codes, key_cw, value_cw = _decode_inputs(batch=2, n_q=2, tokens=90, seed=50)
