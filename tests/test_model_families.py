@@ -7,7 +7,8 @@
 same probe by `benchmarks/model_reach.py`):
 
 - "codes": no fallback warning, the model runs fibquant's attention, codes logits == decode logits
-  and nothing-coded codes logits == DynamicCache logits (relative difference <= 1e-4), generate
+  and nothing-coded codes logits == DynamicCache logits (relative difference <= 1e-4), so does a
+  DynamicCache on the model once switched to fibquant's attention, generate
   gives the decode path's tokens, every layer holds codes and a sliding layer at most its window;
 - "decode fallback": served through the decode path with a warning naming `reason`;
 - "refused": `for_model` raises ValueError naming `reason`, before any prefill.
@@ -68,6 +69,7 @@ def test_family(name):
         assert calls["calls"] > 0 and calls["coded_calls"] == calls["calls"], calls
         assert result["logits_rel_codes_vs_decode"] <= LOGITS_RTOL, summary
         assert result["logits_rel_exact_vs_dynamic"] <= LOGITS_RTOL, summary
+        assert result["logits_rel_switched_dynamic"] <= LOGITS_RTOL, summary  # DynamicCache after the switch
         assert result["generate_equal"] is True, summary
         assert all(coded > 0 for coded in result["coded_tokens"]), result["coded_tokens"]
         window = result["features"].get("sliding_window") or result["features"].get("attention_chunk_size")

@@ -13,6 +13,8 @@ runs the same 40-token prompt (prefilled in two chunks, then a few decode steps)
 - the codes path with an exact window covering the whole prompt (nothing coded) against
   transformers' own `DynamicCache(config=...)`: the cache's semantics (window, masks, sinks,
   soft-capping, scaling) must reproduce the model's;
+- a plain `DynamicCache` on the model once switched to fibquant's attention against the model's own
+  attention (the switch must not change what other caches compute);
 - `model.generate` in a batch of 2 with left padding, codes vs decode: the same greedy tokens.
 
 fibquant's fallbacks warn once per process (`fibquant.kv.attention._warned`); the probe empties
@@ -406,7 +408,8 @@ def probe(family: Family | str, seed: int = 0, bits: float = BITS, generate: boo
                     "cache_shapes": None, "fallback_warnings": [], "warned_keys": [], "attention": None,
                     "attn_implementation": None, "coded_tokens": None, "held_tokens": None,
                     "attention_calls": None, "logits_rel_codes_vs_decode": None,
-                    "logits_rel_exact_vs_dynamic": None, "generate_equal": None}
+                    "logits_rel_exact_vs_dynamic": None, "logits_rel_switched_dynamic": None,
+                    "generate_equal": None}
     verbosity, threads_before = hf_logging.get_verbosity(), torch.get_num_threads()
     hf_logging.set_verbosity_error()  # the tiny configs' notes (e.g. RoPE factors) are not findings
     if threads is not None:
@@ -513,6 +516,13 @@ def _probe_stages(family: Family, seed: int, bits: float, generate: bool, result
         if not rel <= LOGITS_RTOL:
             failures.append(f"codes path with nothing coded differs from DynamicCache: max relative "
                             f"difference {rel:.3g} > {LOGITS_RTOL:g}")
+        result["stage"] = "DynamicCache under fibquant's attention"
+        if model.config._attn_implementation != own_attention:  # switched: a plain cache must still be right
+            rel = relative_difference(_run(model, DynamicCache(config=model.config), ids), dynamic_logits)
+            result["logits_rel_switched_dynamic"] = rel
+            if not rel <= LOGITS_RTOL:
+                failures.append(f"a DynamicCache on the switched model differs from the model's own attention: "
+                                f"max relative difference {rel:.3g} > {LOGITS_RTOL:g}")
         if generate:
             result["stage"] = "generate"
             result["generate_equal"] = _generate_equal(model, new_cache)
@@ -587,7 +597,9 @@ def render_markdown(results: list[dict], command: str, provenance: dict) -> str:
         "",
         "- **codes**: attention runs on the codes (every attention call got a `CodedKV`, no fallback warning); "
         f"codes logits equal the decode path's and, with nothing coded, `DynamicCache`'s (max relative "
-        f"difference <= {LOGITS_RTOL:g}); batched left-padded `generate` gives the decode path's tokens;",
+        f"difference <= {LOGITS_RTOL:g}), and so does a `DynamicCache` on the model once switched to fibquant's "
+        "attention (against the model's own attention); batched left-padded `generate` gives the decode path's "
+        "tokens;",
         "- **decode fallback**: served, through the decode path; the reason is fibquant's warning;",
         "- **refused**: `CompressedCache.for_model` raises ValueError naming the feature, before any prefill;",
         "- **error**: a raw exception or a failed check (a bug).",
@@ -596,8 +608,9 @@ def render_markdown(results: list[dict], command: str, provenance: dict) -> str:
         f"(marked +): {counts(further)}.",
         "",
         "| family | transformers class | status | layer types / features exercised | options the attention "
-        "function got | codes vs decode (max rel) | nothing coded vs DynamicCache | generate | reason |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "function got | codes vs decode (max rel) | nothing coded vs DynamicCache | DynamicCache after the switch "
+        "| generate | reason |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
         calls = r.get("attention_calls") or {}
@@ -611,6 +624,6 @@ def render_markdown(results: list[dict], command: str, provenance: dict) -> str:
         lines.append("| " + " | ".join(_cell(c) for c in (
             r["family"] + ("" if r in listed else " +"), r["model_class"], f"**{r['status']}**", features_text or "-", options,
             _number(r.get("logits_rel_codes_vs_decode")), _number(r.get("logits_rel_exact_vs_dynamic")),
-            generate, r.get("reason") or "-")) + " |")
+            _number(r.get("logits_rel_switched_dynamic")), generate, r.get("reason") or "-")) + " |")
     lines.append("")
     return "\n".join(lines)
