@@ -360,6 +360,23 @@ def test_auto_dispatch_of_cuda_tensors(monkeypatch):
         ck._select("triton", cuda, ((128, 8),))
 
 
+def test_auto_falls_back_when_a_kernel_fails_but_explicit_triton_raises(monkeypatch):
+    codes, codewords = random_codes((1, 1, 12), 64, 2, 8, 256, seed=63)
+    queries = randn(1, 1, 2, 64, seed=64)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no kernel image for this GPU")
+
+    monkeypatch.setattr(coded_triton, "scores", broken)
+    monkeypatch.setattr(ck, "_select", lambda *args, **kwargs: "triton")  # as for CUDA tensors under "auto"
+    ck._warned.discard("triton-failed:coded_scores:RuntimeError")
+    with pytest.warns(RuntimeWarning, match="no kernel image"):
+        scores = coded_scores(queries, codes, codewords, 8)
+    assert torch.equal(scores, coded_scores_reference(queries, codes, codewords, 8))
+    with pytest.raises(RuntimeError, match="no kernel image"):
+        coded_scores(queries, codes, codewords, 8, backend="triton")
+
+
 def test_unservable_config_falls_back_with_one_warning():
     codes, codewords = random_codes((1, 1, 9), 64, 2, 26, 4, seed=61)  # 26-bit fields: beyond a 32-bit window
     queries = randn(1, 1, 2, 64, seed=62)

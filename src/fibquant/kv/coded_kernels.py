@@ -198,6 +198,23 @@ def _select(backend: str, tensors: tuple[torch.Tensor, ...], roles: tuple[tuple[
     return "triton"
 
 
+def _run_triton(backend: str, name: str, run, fallback):
+    """run() on the Triton kernels; with backend "auto" a kernel that fails to compile or launch (an
+    unsupported GPU or triton build) falls back to fallback() with a one-time warning. ValueError (bad
+    codes) always propagates; so does any failure under an explicit backend="triton"."""
+    try:
+        return run()
+    except ValueError:
+        raise
+    except Exception as exc:
+        if backend != "auto":
+            raise
+        _warn_once(f"triton-failed:{name}:{type(exc).__name__}",
+                   f"the triton kernel for {name} failed ({type(exc).__name__}: {str(exc)[:300]}); "
+                   "running the torch reference instead")
+        return fallback()
+
+
 def _codes_array(codes: torch.Tensor):
     """A numpy view of `codes` keeping its strides (a [:, :, :M] view of a capacity buffer is not copied)."""
     codes = codes.detach()
@@ -224,7 +241,9 @@ def coded_scores(queries: torch.Tensor, codes: torch.Tensor, codewords: torch.Te
     if choice == "torch":
         return coded_scores_reference(queries, codes, codewords, index_bits)
     if choice == "triton":
-        return _triton_probe()[0].scores(queries, codes, codewords, index_bits)
+        return _run_triton(backend, "coded_scores",
+                           lambda: _triton_probe()[0].scores(queries, codes, codewords, index_bits),
+                           lambda: coded_scores_reference(queries, codes, codewords, index_bits))
     n_b, n_h, n_q, _ = queries.shape
     n_tokens = codes.shape[2]
     out = torch.empty(n_b, n_h, n_q, n_tokens, dtype=torch.float32)
@@ -256,7 +275,11 @@ def coded_weighted_sum(weights: torch.Tensor, codes: torch.Tensor, codewords: to
     if choice == "torch":
         return coded_weighted_sum_reference(weights, codes, codewords, index_bits, dim=n_blocks * k)
     if choice == "triton":
-        return _triton_probe()[0].weighted_sum(weights, codes, codewords, index_bits, n_blocks * k)
+        return _run_triton(backend, "coded_weighted_sum",
+                           lambda: _triton_probe()[0].weighted_sum(weights, codes, codewords, index_bits,
+                                                                   n_blocks * k),
+                           lambda: coded_weighted_sum_reference(weights, codes, codewords, index_bits,
+                                                                dim=n_blocks * k))
     n_b, n_h, n_q, n_tokens = weights.shape
     out = torch.empty(n_b, n_h, n_q, n_blocks * k, dtype=torch.float32)
     if n_tokens == 0 or out.numel() == 0:
@@ -311,9 +334,15 @@ def coded_decode_attention(queries: torch.Tensor, key_codes: torch.Tensor, value
     tensors = (queries, key_codes, value_codes, key_codewords, value_codewords)
     tensors += () if bias is None else (bias,)
     choice = _select(backend, tensors, ((queries.shape[-1], key_bits), (value_dim, value_bits)), fused=True)
+
+    def reference():
+        return coded_decode_attention_reference(queries, key_codes, value_codes, key_codewords, value_codewords,
+                                                key_bits, value_bits, bias, value_dim=value_dim)
+
     if choice == "triton":
-        return _triton_probe()[0].decode_attention(queries, key_codes, value_codes, key_codewords,
-                                                   value_codewords, key_bits, value_bits, bias, value_dim,
-                                                   splits=splits)
-    return coded_decode_attention_reference(queries, key_codes, value_codes, key_codewords, value_codewords,
-                                            key_bits, value_bits, bias, value_dim=value_dim)
+        return _run_triton(backend, "coded_decode_attention",
+                           lambda: _triton_probe()[0].decode_attention(queries, key_codes, value_codes,
+                                                                       key_codewords, value_codewords, key_bits,
+                                                                       value_bits, bias, value_dim, splits=splits),
+                           reference)
+    return reference()
