@@ -66,7 +66,7 @@ CODEC_PAIRS = {
 
 
 @pytest.mark.parametrize("pair", sorted(CODEC_PAIRS))
-@pytest.mark.parametrize("tokens", [1, 5])
+@pytest.mark.parametrize("tokens", [1, 5, 37])  # 37 >= SPLIT_MIN_TOKENS: exact part through SDPA, merged by LSE
 @pytest.mark.parametrize("mask_kind", ["none", "bool", "float"])
 def test_attend_codes_matches_decode_reference(pair, tokens, mask_kind):
     key_codec, value_codec = CODEC_PAIRS[pair]()
@@ -106,6 +106,33 @@ def test_fully_masked_row_gives_zeros_not_nan():
     mask[0] = False
     out = attend_codes(torch.randn(2, 4, 1, DIM), kv, mask, 0.125)
     assert torch.isfinite(out).all() and torch.equal(out[0], torch.zeros_like(out[0]))
+
+
+@pytest.mark.parametrize("past", [0, 3, 40], ids=["first-chunk", "exact-only", "coded"])
+def test_prefill_split_path_equals_the_joint_softmax(monkeypatch, past):
+    """A prefill chunk's SDPA + code-kernel parts merged by log-sum-exp = one softmax over the row,
+    sinks and fully masked rows included."""
+    import fibquant.kv.attention as attention
+
+    generator = torch.Generator().manual_seed(11)
+    layer = CompressedLayer(FibQuantCodec(DIM, 2, 256), TurboQuantCodec(DIM, 3), 4, 8, attention="codes", encode_batch=4)
+    if past:
+        layer.update(torch.randn(2, 2, past, DIM, generator=generator), torch.randn(2, 2, past, DIM, generator=generator))
+    kv, _ = layer.update(torch.randn(2, 2, 20, DIM, generator=generator), torch.randn(2, 2, 20, DIM, generator=generator))
+    query = torch.randn(2, 4, 20, DIM, generator=generator)
+    allowed = torch.arange(kv.length)[None, :] <= (kv.length - 20) + torch.arange(20)[:, None]
+    allowed = allowed.expand(2, 1, 20, kv.length).clone()
+    allowed[1, :, 2, :] = False  # a fully masked row
+    sinks = torch.randn(4, generator=generator)
+    for mask in (None, allowed):
+        for sink in (None, sinks):
+            split = attend_codes(query, kv, mask, 0.125, sinks=sink)
+            with monkeypatch.context() as patch:
+                patch.setattr(attention, "SPLIT_MIN_TOKENS", 10 ** 9)
+                joint = attend_codes(query, kv, mask, 0.125, sinks=sink)
+            assert torch.isfinite(split).all()
+            torch.testing.assert_close(split, joint, rtol=1e-4, atol=1e-5)
+    assert torch.equal(attend_codes(query, kv, allowed, 0.125)[1, 2], torch.zeros(4, DIM))
 
 
 def test_long_chunk_is_processed_in_query_blocks(monkeypatch):

@@ -15,6 +15,10 @@ new tokens) and `coded_attention_forward`, registered as "fibquant", attends to 
   exact parts is exact (no approximation of the normaliser);
 - queries are processed in blocks so a long prefill chunk never builds a [T, L] score
   matrix larger than a few MB per head;
+- a prefill chunk (>= SPLIT_MIN_TOKENS queries, no soft-capping) attends to its exact columns
+  through SDPA's fused kernel, which also returns each row's log-sum-exp, and to the coded
+  columns through the code kernels; the two normalised parts (and a sink logit) merge exactly by
+  their log-sum-exps. A first chunk with nothing coded and nothing before it is one causal SDPA;
 - the model's own attention options apply to coded and exact columns alike: its scale
   (`scaling`, e.g. Gemma's query_pre_attn_scalar), logit soft-capping (`softcap`, Gemma 2:
   tanh(s / c) * c before the mask and softmax), learned attention sinks (`s_aux`, gpt-oss: one
@@ -41,6 +45,9 @@ from fibquant.kv.coded_kernels import coded_scores, coded_weighted_sum
 
 ATTENTION_NAME = "fibquant"
 QUERY_ROWS_PER_BLOCK = 2048      # query rows (query heads x tokens) per KV head scored at once
+# Chunks of at least this many query tokens (prefill) attend to their exact columns through SDPA
+# and merge with the coded columns by log-sum-exp; shorter ones (decode) use one joint softmax.
+SPLIT_MIN_TOKENS = 16
 _UNSUPPORTED_KWARGS = ("position_bias",)
 _EAGER_KWARGS = ("softcap", "s_aux")  # applied here; SDPA would ignore them
 _warned: set[str] = set()
@@ -157,6 +164,8 @@ def attend_codes(query: torch.Tensor, kv: CodedKV, attention_mask: torch.Tensor 
     heads = kv.new_keys.shape[1]
     if q_heads % heads:
         raise ValueError(f"{q_heads} query heads are not a multiple of {heads} KV heads")
+    if tokens >= SPLIT_MIN_TOKENS and softcap is None:
+        return _attend_split(query, kv, attention_mask, scaling, sinks, window)
     groups = q_heads // heads
     length, n_sink, coded = kv.length, kv.num_sink, kv.num_coded
     past = length - tokens
@@ -200,6 +209,112 @@ def attend_codes(query: torch.Tensor, kv: CodedKV, attention_mask: torch.Tensor 
                 mixed += coded_weights.sum(-1, keepdim=True) * kv.value_mean.unsqueeze(-2)
         out[:, :, :, rows] = mixed.view(batch, heads, groups, width, value_dim)
     return out.reshape(batch, q_heads, tokens, value_dim).transpose(1, 2).contiguous().to(query.dtype)
+
+
+def _exact_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None,
+                     scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over float columns with each row's log-sum-exp: queries [B, Hq, t, D], keys/values
+    [B, Hq, L, D|Dv], bias additive float32 [B|1, Hq|1, t, L] or None (then t == L, causal)
+    -> (out [B, Hq, t, Dv] normalised over these columns, lse [B, Hq, t]; -inf for a row that sees
+    none of them, its out 0). SDPA's fused CPU kernel where it exists, else the same in torch."""
+    if keys.shape[-2] == 0:
+        shape = queries.shape[:-1]
+        return (queries.new_zeros(*shape, values.shape[-1]), queries.new_full(shape, float("-inf")))
+    if queries.device.type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            queries, keys, values, 0.0, bias is None, attn_mask=bias, scale=scaling)
+        if bias is not None:  # the kernel gives lse 0 to a row with every column masked
+            lse = lse.masked_fill(torch.isneginf(bias).all(-1), float("-inf"))
+        return out, lse
+    scores = queries @ keys.transpose(-1, -2) * scaling
+    if bias is None:
+        bias = torch.zeros(scores.shape[-2:], device=scores.device).masked_fill_(
+            torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu_(1), float("-inf"))
+    scores = scores + bias
+    lse = torch.logsumexp(scores, dim=-1)
+    weights = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num_(0.0)
+    return weights @ values, lse
+
+
+def _attend_split(query: torch.Tensor, kv: CodedKV, attention_mask, scaling: float, sinks, window) -> torch.Tensor:
+    """`attend_codes` for a prefill chunk: exact columns through SDPA, coded ones through the code
+    kernels, merged by log-sum-exp (same result as the joint softmax to float rounding)."""
+    batch, q_heads, tokens, dim = query.shape
+    heads = kv.new_keys.shape[1]
+    groups = q_heads // heads
+    length, n_sink, coded = kv.length, kv.num_sink, kv.num_coded
+    past = length - tokens
+    exact_keys, exact_values = kv.exact()
+    if n_sink:
+        exact_keys = torch.cat([kv.sink_keys.to(exact_keys.dtype), exact_keys], dim=-2)
+        exact_values = torch.cat([kv.sink_values.to(exact_values.dtype), exact_values], dim=-2)
+    exact_keys, exact_values = exact_keys.to(torch.float32), exact_values.to(torch.float32)
+    if groups > 1:  # SDPA's CPU kernel takes one KV head per query head
+        exact_keys = exact_keys.repeat_interleave(groups, dim=1)
+        exact_values = exact_values.repeat_interleave(groups, dim=1)
+    value_dim = exact_values.shape[-1]
+    queries = query.to(torch.float32)
+    plain_causal = attention_mask is None and coded == 0 and exact_keys.shape[-2] == tokens and (
+        window is None or window >= length)
+    sink_logits = None if sinks is None else sinks.to(torch.float32).reshape(1, q_heads, 1)
+    out = torch.empty(batch, q_heads, tokens, value_dim, dtype=torch.float32, device=query.device)
+    step = tokens if plain_causal else max(1, QUERY_ROWS_PER_BLOCK // groups)
+    for start in range(0, tokens, step):
+        rows = slice(start, min(start + step, tokens))
+        width = rows.stop - rows.start
+        block = queries[:, :, rows]
+        if plain_causal:
+            exact_out, exact_lse = _exact_attention(block, exact_keys, exact_values, None, scaling)
+            parts = [(exact_out, exact_lse)]
+        else:
+            bias = _bias_block(attention_mask, rows, length, past, query.device, window)
+            if bias is None:
+                bias = torch.zeros(1, 1, width, length, device=query.device)
+            exact_bias = torch.cat([bias[..., :n_sink], bias[..., n_sink + coded:]], dim=-1) if coded else bias
+            parts = [_exact_attention(block, exact_keys, exact_values, exact_bias.contiguous(), scaling)]
+            if coded:
+                parts.append(_coded_part(block, kv, bias[..., n_sink:n_sink + coded], scaling, groups))
+        if sink_logits is not None:
+            parts.append((None, sink_logits.expand(batch, q_heads, width)))
+        out[:, :, rows] = _merge(parts)
+    return out.transpose(1, 2).contiguous().to(query.dtype)
+
+
+def _coded_part(block: torch.Tensor, kv: CodedKV, bias: torch.Tensor, scaling: float,
+                groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [B, Hq, t, Dv] normalised over the coded columns, lse [B, Hq, t]) of query block
+    [B, Hq, t, D] (unscaled) with additive bias [B|1, Hq|1, t, M] over the coded columns."""
+    batch, q_heads, width, dim = block.shape
+    heads = q_heads // groups
+    rows = (block * scaling).reshape(batch, heads, groups * width, dim)
+    scores = _scores_from_codes(kv.key_codec, rows, kv.key_codes)
+    if kv.key_mean is not None:
+        scores = scores + rows @ kv.key_mean.unsqueeze(-1)
+    shaped = scores.view(batch, heads, groups, width, -1)
+    if bias.shape[1] == 1:
+        shaped += bias.unsqueeze(1)
+    else:
+        shaped += bias.reshape(bias.shape[0], heads, groups, width, -1)
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    weights = torch.exp(scores - lse).nan_to_num_(0.0)
+    mixed = _values_from_codes(kv.value_codec, weights, kv.value_codes)
+    if kv.value_mean is not None:
+        mixed += weights.sum(-1, keepdim=True) * kv.value_mean.unsqueeze(-2)
+    value_dim = mixed.shape[-1]
+    return (mixed.view(batch, heads, groups, width, value_dim).reshape(batch, q_heads, width, value_dim),
+            lse.view(batch, q_heads, width))
+
+
+def _merge(parts: list) -> torch.Tensor:
+    """Exact merge of softmax parts [(out normalised over its columns or None for a sink, lse)]."""
+    total = torch.logsumexp(torch.stack([lse for _, lse in parts]), dim=0)
+    merged = None
+    for out, lse in parts:
+        if out is None:
+            continue
+        share = torch.exp(lse - total).nan_to_num_(0.0).unsqueeze(-1)  # a row seeing nothing: 0
+        merged = out * share if merged is None else merged.addcmul_(out, share)
+    return merged
 
 
 def coded_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
