@@ -6,10 +6,13 @@ be set, a sliding window of 16 tokens and `layer_types` mixing sliding and full 
 family has them, 4 experts for mixtures of experts). `probe(family)` builds that model (seeded) and
 runs the same 40-token prompt (prefilled in two chunks, then a few decode steps) through:
 
-- a `CompressedCache.for_model(..., attention="codes")` with a FibQuant codec per role (each with
-  the head size that role's states have at `cache.update`, read from a `DynamicCache` run: keys
-  and values may differ, e.g. MLA's cached latents), and the same cache with attention="decode":
-  the codes path's logits must equal the decode path's (max relative difference <= LOGITS_RTOL);
+- first, before the model sees a token, `check_model_supported` (the per-role head sizes a cache
+  needs: keys and values may differ, e.g. MLA's cached latent) and `CompressedCache.for_model`:
+  a ValueError there is a refusal; the sizes are then cross-checked against what the model really
+  hands `cache.update` (a `DynamicCache` run);
+- a `CompressedCache.for_model(..., attention="codes")` with a FibQuant codec per role and the same
+  cache with attention="decode" (on the model's own attention implementation): the codes path's
+  logits must equal the decode path's (max relative difference <= LOGITS_RTOL);
 - the codes path with an exact window covering the whole prompt (nothing coded) against
   transformers' own `DynamicCache(config=...)`: the cache's semantics (window, masks, sinks,
   soft-capping, scaling) must reproduce the model's;
@@ -36,7 +39,7 @@ import importlib
 import time
 import traceback
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -183,8 +186,8 @@ def features(model) -> dict:
     layer_types = getattr(text, "layer_types", None)
     if layer_types:
         out["layer_types"] = list(layer_types)
-    for name in ("sliding_window", "attention_chunk_size", "attn_logit_softcapping", "kv_lora_rank", "attention_multiplier",
-                 "query_pre_attn_scalar", "alibi"):
+    for name in ("sliding_window", "attention_chunk_size", "attn_logit_softcapping", "kv_lora_rank",
+                 "attention_multiplier", "query_pre_attn_scalar", "alibi"):
         value = getattr(text, name, None)
         if value:
             out[name] = value
@@ -622,7 +625,8 @@ def render_markdown(results: list[dict], command: str, provenance: dict) -> str:
         if r.get("note"):
             features_text += f" ({r['note']})"
         lines.append("| " + " | ".join(_cell(c) for c in (
-            r["family"] + ("" if r in listed else " +"), r["model_class"], f"**{r['status']}**", features_text or "-", options,
+            r["family"] + ("" if r in listed else " +"), r["model_class"], f"**{r['status']}**",
+            features_text or "-", options,
             _number(r.get("logits_rel_codes_vs_decode")), _number(r.get("logits_rel_exact_vs_dynamic")),
             _number(r.get("logits_rel_switched_dynamic")), generate, r.get("reason") or "-")) + " |")
     lines.append("")
