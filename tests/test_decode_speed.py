@@ -33,6 +33,7 @@ def _check_payload(payload: dict, caches: list[str], tokens: int, decode_tokens:
         assert row["tokens"] == tokens and row["cache_tokens_after"] == tokens + decode_tokens
         assert len(row["step_ms"]) == decode_tokens == len(row["generated_tokens"])
         assert row["decode_ms_median"] > 0 and row["cache_bytes"] > 0 and row["peak_rss_added_bytes"] >= 0
+        assert row["decode_cpu_ms_median"] > 0 and len(row["step_cpu_ms"]) == decode_tokens
         assert math.isclose(row["prefill_s"], row["dynamic_prefill_s"] + row["conversion_s"])
         assert row["dynamic_prefill_s"] == dyn["dynamic_prefill_s"]  # one shared prefill
         assert math.isclose(row["decode_vs_dynamic"], row["decode_ms_median"] / dyn["decode_ms_median"])
@@ -140,13 +141,15 @@ def test_ttft_parts_alone_on_a_tiny_model(tmp_path):
         assert row["ttft_peak_added_bytes"] >= 0 and row["ttft_cache_bytes"] > 0
         for part in ("ttft", "chunked"):
             assert math.isclose(row[f"{part}_vs_dynamic"], row[f"{part}_s"] / dyn[f"{part}_s"])
+            assert 0 < row[f"{part}_cpu_s"] and len(row[f"{part}_cpu_s_all"]) == 2
+            assert math.isclose(row[f"{part}_cpu_vs_dynamic"], row[f"{part}_cpu_s"] / dyn[f"{part}_cpu_s"])
     assert rows["fibquant4"]["ttft_attention_used"] == "codes"
     assert rows["fibquant4"]["ttft_cache_bytes"] < dyn["ttft_cache_bytes"]
     # A one-shot prefill is exact for the prompt itself, so the first token is DynamicCache's.
     assert rows["fibquant4"]["ttft_token_matches_dynamic"] is True
     assert model.config._attn_implementation != "fibquant"
     table = EXPERIMENT.table_text(payload)
-    assert "TTFT s" in table and "chunked TTFT s" in table and "decode ms/tok" not in table
+    assert "TTFT s" in table and "chunked TTFT s" in table and "CPU x dyn" in table and "decode ms/tok" not in table
     paths = EXPERIMENT.report(payload, tmp_path, echo=False)
     assert json.loads(open(paths["json"]).read())["rows"][1]["ttft_s"] == rows["fibquant4"]["ttft_s"]
     assert (tmp_path / "decode_speed.png").stat().st_size > 0

@@ -48,7 +48,7 @@ from fibquant.eval.decode_speed_config import (DEFAULT_CACHES, CacheSpec, Decode
                                                load_benchmark_model, peer_unavailable_reason)
 from fibquant.eval.decode_speed_report import (decode_speed_header, decode_speed_table, decode_speed_targets,
                                                plot_decode_speed)
-from fibquant.eval.decode_speed_ttft import time_fresh_prefill
+from fibquant.eval.decode_speed_ttft import Clocks, cpu_clock_name, time_fresh_prefill
 from fibquant.eval.memory import PeakCUDA, PeakRSS, _synchronize, release_free_memory
 from fibquant.eval.report import Experiment
 from fibquant.eval.timing import Stopwatch, timed
@@ -137,17 +137,18 @@ def _run_one(spec: CacheSpec, prefill: _Prefill, model, codec, config: DecodeSpe
     try:
         release_free_memory()
         conversion, cache = timed(lambda: _build_cache(spec, prefill.cache, model, codec, config))
-        token, tokens, step_ms, first_logits = prefill.first_token, [], [], None
+        token, tokens, step_ms, step_cpu_ms, first_logits = prefill.first_token, [], [], [], None
         release_free_memory()
         monitor = PeakCUDA(model.device) if model.device.type == "cuda" else PeakRSS(config.memory_interval_s)
         with monitor:
             for _ in range(decode_tokens):
                 _synchronize(model.device)
-                with Stopwatch() as step:
+                with Clocks() as step:
                     logits = last_logits(model, token, cache)
                     token = logits.argmax().view(1, 1)
                     _synchronize(model.device)
                 step_ms.append(1000.0 * step.seconds)
+                step_cpu_ms.append(1000.0 * step.cpu_seconds)
                 if first_logits is None:
                     first_logits = logits.detach().float().clone()
                 tokens.append(int(token))
@@ -170,6 +171,7 @@ def _run_one(spec: CacheSpec, prefill: _Prefill, model, codec, config: DecodeSpe
         "prefill_s": prefill.seconds + (0.0 if spec.kind == "dynamic" else conversion),
         "decode_ms_median": statistics.median(step_ms), "decode_ms_mean": statistics.fmean(step_ms),
         "decode_ms_min": min(step_ms), "step_ms": step_ms,
+        "decode_cpu_ms_median": statistics.median(step_cpu_ms), "step_cpu_ms": step_cpu_ms,
         "cache_bytes": nbytes["held"], "cache_used_bytes": nbytes["used"],
         "bytes_parts": {k: v for k, v in nbytes.items() if k not in ("held", "used")},
         "cache_float_dtype": cache_dtype,
@@ -196,6 +198,7 @@ def _add_ratios(rows: list[dict]) -> None:
             continue
         for part in ("ttft", "chunked"):
             row[f"{part}_vs_dynamic"] = _ratio(row, ref, f"{part}_s")
+            row[f"{part}_cpu_vs_dynamic"] = _ratio(row, ref, f"{part}_cpu_s")
             row[f"{part}_peak_vs_dynamic"] = _ratio(row, ref, f"{part}_peak_added_bytes")
             mine, theirs = row.get(f"{part}_token"), ref.get(f"{part}_token")
             row[f"{part}_token_matches_dynamic"] = None if mine is None or theirs is None else mine == theirs
@@ -203,6 +206,7 @@ def _add_ratios(rows: list[dict]) -> None:
             continue
         fp16 = ref["dynamic_fp16_bytes"]
         row["decode_vs_dynamic"] = row["decode_ms_median"] / ref["decode_ms_median"]
+        row["decode_cpu_vs_dynamic"] = _ratio(row, ref, "decode_cpu_ms_median")
         # The mean counts the steps that encode a batch of tokens (every encode_batch-th step).
         row["decode_mean_vs_dynamic"] = row["decode_ms_mean"] / ref["decode_ms_mean"]
         row["prefill_vs_dynamic"] = row["prefill_s"] / ref["prefill_s"]
@@ -412,6 +416,8 @@ def _run_decode_speed(config, model_and_tokenizer, token_ids, progress) -> dict:
             "ratios": "x_vs_dynamic = value / the DynamicCache value at the same context (same run); "
                       "bytes_vs_fp16_dynamic = cache bytes / (DynamicCache bytes in fp16)",
             "threads": "torch.set_num_threads(config.threads) for the whole run (numba kernels follow it)",
+            "cpu_time": "*_cpu_s / decode_cpu_ms_*: CPU seconds of the same timed calls by " + cpu_clock_name()
+                        + "; unlike the wall clock they do not count waiting for a core on a loaded machine",
             "bytes": BYTES_COUNTING,
         },
         "rows": measured, "skipped": skipped, "seconds": watch.seconds,

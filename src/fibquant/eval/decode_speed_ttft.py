@@ -11,16 +11,45 @@ high-water mark, `PeakRSS`; CUDA: `torch.cuda.max_memory_allocated`) during thos
 the amount just before (after gc + malloc_trim), i.e. what the prefill adds: the cache it builds,
 the activations and every transient buffer (e.g. score blocks); the model weights are already
 resident and not counted.
+
+CPU time (`Clocks`, next to the wall clock): on a shared machine the wall clock also counts the
+time the process waits for a core; the CPU time of the work does not. With 1 torch thread it is
+`time.thread_time()` of the calling thread (torch's and numba's kernels then run on it, and the
+memory sampler's thread is left out); with more threads `time.process_time()` (every thread of the
+process, the sampler's ~1 % included). On an idle machine the two agree within a few percent.
 """
 from __future__ import annotations
 
 import statistics
+import time
 from typing import Optional
 
 from fibquant.eval.decode_speed_config import CacheSpec, DecodeSpeedConfig
 from fibquant.eval.memory import PeakCUDA, PeakRSS, _synchronize, release_free_memory
 from fibquant.eval.timing import Stopwatch
 from fibquant.kv.model import last_logits
+
+
+class Clocks:
+    """`with Clocks() as c:` -> c.seconds (wall, perf_counter) and c.cpu_seconds (see the module docstring)."""
+
+    def __enter__(self) -> "Clocks":
+        import torch
+
+        self._cpu = time.thread_time if torch.get_num_threads() == 1 else time.process_time
+        self._wall0, self._cpu0 = time.perf_counter(), self._cpu()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.seconds = time.perf_counter() - self._wall0
+        self.cpu_seconds = self._cpu() - self._cpu0
+
+
+def cpu_clock_name() -> str:
+    import torch
+
+    return ("time.thread_time (1 thread: the calling thread runs every kernel)" if torch.get_num_threads() == 1
+            else "time.process_time (all threads of the process)")
 
 
 def fresh_cache(spec: CacheSpec, model, codec, config: DecodeSpeedConfig):
@@ -49,7 +78,7 @@ def _one_prefill(spec, model, ids, chunk: Optional[int], codec, config) -> dict:
     chunk_s = []
     with monitor:
         _synchronize(model.device)
-        with Stopwatch() as total:
+        with Clocks() as total:
             cache = fresh_cache(spec, model, codec, config)
             for start in range(0, tokens, step):
                 with Stopwatch() as piece:
@@ -61,7 +90,7 @@ def _one_prefill(spec, model, ids, chunk: Optional[int], codec, config) -> dict:
     from fibquant.eval.decode_speed import cache_bytes  # the one byte count of the experiment
 
     nbytes = cache_bytes(spec, cache)
-    out = {"seconds": total.seconds, "chunk_s": chunk_s, "token": token, "peak_added": monitor.added,
+    out = {"seconds": total.seconds, "cpu_seconds": total.cpu_seconds, "chunk_s": chunk_s, "token": token, "peak_added": monitor.added,
            "cache_bytes": nbytes["held"], "cache_tokens": cache.get_seq_length(),
            "attention_used": getattr(cache, "attention", None), "memory_method": monitor.description}
     del cache
@@ -71,7 +100,7 @@ def _one_prefill(spec, model, ids, chunk: Optional[int], codec, config) -> dict:
 def time_fresh_prefill(spec: CacheSpec, model, ids, chunk: Optional[int], codec, config: DecodeSpeedConfig,
                        prefix: str) -> dict:
     """`config.prefill_repeats` fresh prefills of `ids` [T] with `spec`'s cache; the row fields
-    `<prefix>_s` (median seconds), `<prefix>_s_all`, `<prefix>_chunk_s` (per forward, last repeat),
+    `<prefix>_s` (median wall seconds), `<prefix>_s_all`, `<prefix>_cpu_s` (median CPU seconds), `<prefix>_chunk_s` (per forward, last repeat),
     `<prefix>_token` (the greedy first token), `<prefix>_peak_added_bytes` (largest over repeats),
     `<prefix>_cache_bytes`, `<prefix>_chunk_tokens`."""
     attention_before = getattr(model.config, "_attn_implementation", None)
@@ -86,6 +115,8 @@ def time_fresh_prefill(spec: CacheSpec, model, ids, chunk: Optional[int], codec,
     return {
         f"{prefix}_s": statistics.median(r["seconds"] for r in runs),
         f"{prefix}_s_all": [r["seconds"] for r in runs],
+        f"{prefix}_cpu_s": statistics.median(r["cpu_seconds"] for r in runs),
+        f"{prefix}_cpu_s_all": [r["cpu_seconds"] for r in runs],
         f"{prefix}_chunk_s": last["chunk_s"],
         f"{prefix}_chunk_tokens": int(ids.shape[0]) if chunk is None else chunk,
         f"{prefix}_token": last["token"],
