@@ -473,3 +473,34 @@ def test_decode_at_8k_allocates_no_full_context_float_kv():
                                                                   value_cw, 8, 8)
     assert_out_close(out, expected_out)
     assert_lse_close(lse, expected_lse)
+
+
+@pytest.mark.parametrize("tokens", [1, 18])
+def test_attend_codes_wired_to_the_fused_kernel(monkeypatch, tokens):
+    """kv/attention.py with FUSED_CODED_BACKEND="triton" (what CUDA tensors get under "auto"): the
+    coded columns go through coded_decode_attention, merged with the exact ones by log-sum-exp; equal
+    to the numba / torch path with a padding mask, a fully masked row, sinks and centred codes."""
+    import fibquant.kv.attention as attention
+    from fibquant.kv.cache import CompressedLayer
+
+    gen = torch.Generator().manual_seed(91)
+    layer = CompressedLayer(FibQuantCodec(64, 2, 256), TurboQuantCodec(64, 2), 4, 8, attention="codes",
+                            encode_batch=4, centre=True)
+    layer.update(*(torch.randn(2, 2, 40, 64, generator=gen).to(DEVICE) for _ in range(2)))
+    kv, _ = layer.update(*(torch.randn(2, 2, tokens, 64, generator=gen).to(DEVICE) for _ in range(2)))
+    assert kv.num_coded > 0 and kv.key_mean is not None
+    query = torch.randn(2, 4, tokens, 64, generator=gen).to(DEVICE)
+    allowed = torch.arange(kv.length)[None, :] <= (kv.length - tokens) + torch.arange(tokens)[:, None]
+    allowed = allowed.expand(2, 1, tokens, kv.length).clone().to(DEVICE)
+    allowed[1, :, :, :6] = False
+    allowed[1, :, 0, :] = False
+    sinks = torch.randn(4, generator=gen).to(DEVICE)
+    monkeypatch.setattr(attention, "FUSED_CODED_BACKEND", "off")
+    expected = attention.attend_codes(query, kv, allowed, 0.125, sinks=sinks)
+    calls = []
+    real = attention.coded_decode_attention
+    monkeypatch.setattr(attention, "coded_decode_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(attention, "FUSED_CODED_BACKEND", "triton")
+    got = attention.attend_codes(query, kv, allowed, 0.125, sinks=sinks)
+    assert calls and torch.isfinite(got).all()
+    assert_out_close(got, expected)

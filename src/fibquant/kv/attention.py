@@ -41,13 +41,17 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from fibquant.codecs.base import Codec
 from fibquant.kv.codes import CodedKV
-from fibquant.kv.coded_kernels import coded_scores, coded_weighted_sum
+from fibquant.kv.coded_kernels import coded_decode_attention, coded_scores, coded_weighted_sum, triton_available
 
 ATTENTION_NAME = "fibquant"
 QUERY_ROWS_PER_BLOCK = 2048      # query rows (query heads x tokens) per KV head scored at once
 # Chunks of at least this many query tokens (prefill) attend to their exact columns through SDPA
 # and merge with the coded columns by log-sum-exp; shorter ones (decode) use one joint softmax.
 SPLIT_MIN_TOKENS = 16
+# The coded columns through one fused kernel (kv/coded_triton.py: scores, online softmax and value
+# sums on chip, with the log-sum-exp): "auto" = for CUDA tensors when triton imports; "triton"
+# forces it (CPU tensors need TRITON_INTERPRET=1, as the tests do); "off" never.
+FUSED_CODED_BACKEND = "auto"
 _UNSUPPORTED_KWARGS = ("position_bias",)
 _EAGER_KWARGS = ("softcap", "s_aux")  # applied here; SDPA would ignore them
 _warned: set[str] = set()
@@ -164,7 +168,7 @@ def attend_codes(query: torch.Tensor, kv: CodedKV, attention_mask: torch.Tensor 
     heads = kv.new_keys.shape[1]
     if q_heads % heads:
         raise ValueError(f"{q_heads} query heads are not a multiple of {heads} KV heads")
-    if tokens >= SPLIT_MIN_TOKENS and softcap is None:
+    if softcap is None and (tokens >= SPLIT_MIN_TOKENS or _fused(kv, query.device)):
         return _attend_split(query, kv, attention_mask, scaling, sinks, window)
     groups = q_heads // heads
     length, n_sink, coded = kv.length, kv.num_sink, kv.num_coded
@@ -280,10 +284,38 @@ def _attend_split(query: torch.Tensor, kv: CodedKV, attention_mask, scaling: flo
     return out.transpose(1, 2).contiguous().to(query.dtype)
 
 
+def _fused(kv: CodedKV, device: torch.device) -> bool:
+    """Whether the coded columns of `kv` go through the fused Triton kernel (FUSED_CODED_BACKEND)."""
+    if FUSED_CODED_BACKEND == "off" or not kv.num_coded:
+        return False
+    if FUSED_CODED_BACKEND == "auto" and (device.type != "cuda" or not triton_available()):
+        return False
+    return all(codec.rotated_codebook(device) is not None for codec in (kv.key_codec, kv.value_codec))
+
+
+def _coded_part_fused(block: torch.Tensor, kv: CodedKV, bias: torch.Tensor, scaling: float,
+                      groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_coded_part` through `coded_decode_attention` (one fused kernel; GQA without repeated keys)."""
+    keys, values = kv.key_codec.rotated_codebook(block.device), kv.value_codec.rotated_codebook(block.device)
+    scaled = block * scaling
+    out, lse = coded_decode_attention(scaled @ keys.forward, kv.key_codes, kv.value_codes, keys.codewords,
+                                      values.codewords, keys.index_bits, values.index_bits,
+                                      bias=bias.contiguous(), value_dim=kv.value_codec.dim,
+                                      backend="auto" if FUSED_CODED_BACKEND == "auto" else "triton")
+    out = out @ values.forward.T
+    if kv.key_mean is not None:  # every coded score shifts by q . mu of its KV head
+        lse = lse + (scaled * kv.key_mean.repeat_interleave(groups, 1).unsqueeze(2)).sum(-1)
+    if kv.value_mean is not None:
+        out = out + kv.value_mean.repeat_interleave(groups, 1).unsqueeze(2)
+    return out, lse
+
+
 def _coded_part(block: torch.Tensor, kv: CodedKV, bias: torch.Tensor, scaling: float,
                 groups: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [B, Hq, t, Dv] normalised over the coded columns, lse [B, Hq, t]) of query block
     [B, Hq, t, D] (unscaled) with additive bias [B|1, Hq|1, t, M] over the coded columns."""
+    if _fused(kv, block.device):
+        return _coded_part_fused(block, kv, bias, scaling, groups)
     batch, q_heads, width, dim = block.shape
     heads = q_heads // groups
     rows = (block * scaling).reshape(batch, heads, groups * width, dim)
