@@ -41,7 +41,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from fibquant.codecs.base import Codec
 from fibquant.kv.codes import CodedKV
-from fibquant.kv.coded_kernels import coded_decode_attention, coded_scores, coded_weighted_sum, triton_available
+from fibquant.kv.coded_kernels import (attention_with_lse, coded_decode_attention, coded_scores, coded_weighted_sum,
+                                       merge_lse, triton_available)
 
 ATTENTION_NAME = "fibquant"
 QUERY_ROWS_PER_BLOCK = 2048      # query rows (query heads x tokens) per KV head scored at once
@@ -230,14 +231,11 @@ def _exact_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Te
         if bias is not None:  # the kernel gives lse 0 to a row with every column masked
             lse = lse.masked_fill(torch.isneginf(bias).all(-1), float("-inf"))
         return out, lse
-    scores = queries @ keys.transpose(-1, -2) * scaling
     if bias is None:
-        bias = torch.zeros(scores.shape[-2:], device=scores.device).masked_fill_(
-            torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu_(1), float("-inf"))
-    scores = scores + bias
-    lse = torch.logsumexp(scores, dim=-1)
-    weights = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num_(0.0)
-    return weights @ values, lse
+        size = (queries.shape[-2], keys.shape[-2])
+        bias = torch.zeros(size, device=queries.device).masked_fill_(
+            torch.ones(size, dtype=torch.bool, device=queries.device).triu_(1), float("-inf"))
+    return attention_with_lse(queries * scaling, keys, values, bias)
 
 
 def _attend_split(query: torch.Tensor, kv: CodedKV, attention_mask, scaling: float, sinks, window) -> torch.Tensor:
@@ -253,7 +251,7 @@ def _attend_split(query: torch.Tensor, kv: CodedKV, attention_mask, scaling: flo
         exact_keys = torch.cat([kv.sink_keys.to(exact_keys.dtype), exact_keys], dim=-2)
         exact_values = torch.cat([kv.sink_values.to(exact_values.dtype), exact_values], dim=-2)
     exact_keys, exact_values = exact_keys.to(torch.float32), exact_values.to(torch.float32)
-    if groups > 1:  # SDPA's CPU kernel takes one KV head per query head
+    if groups > 1 and query.device.type == "cpu":  # SDPA's CPU kernel takes one KV head per query head
         exact_keys = exact_keys.repeat_interleave(groups, dim=1)
         exact_values = exact_values.repeat_interleave(groups, dim=1)
     value_dim = exact_values.shape[-1]
@@ -278,9 +276,9 @@ def _attend_split(query: torch.Tensor, kv: CodedKV, attention_mask, scaling: flo
             parts = [_exact_attention(block, exact_keys, exact_values, exact_bias.contiguous(), scaling)]
             if coded:
                 parts.append(_coded_part(block, kv, bias[..., n_sink:n_sink + coded], scaling, groups))
-        if sink_logits is not None:
-            parts.append((None, sink_logits.expand(batch, q_heads, width)))
-        out[:, :, rows] = _merge(parts)
+        if sink_logits is not None:  # a column with a logit and no value
+            parts.append((out.new_zeros(batch, q_heads, width, value_dim), sink_logits.expand(batch, q_heads, width)))
+        out[:, :, rows] = merge_lse(parts)[0]
     return out.transpose(1, 2).contiguous().to(query.dtype)
 
 
@@ -335,18 +333,6 @@ def _coded_part(block: torch.Tensor, kv: CodedKV, bias: torch.Tensor, scaling: f
     value_dim = mixed.shape[-1]
     return (mixed.view(batch, heads, groups, width, value_dim).reshape(batch, q_heads, width, value_dim),
             lse.view(batch, q_heads, width))
-
-
-def _merge(parts: list) -> torch.Tensor:
-    """Exact merge of softmax parts [(out normalised over its columns or None for a sink, lse)]."""
-    total = torch.logsumexp(torch.stack([lse for _, lse in parts]), dim=0)
-    merged = None
-    for out, lse in parts:
-        if out is None:
-            continue
-        share = torch.exp(lse - total).nan_to_num_(0.0).unsqueeze(-1)  # a row seeing nothing: 0
-        merged = out * share if merged is None else merged.addcmul_(out, share)
-    return merged
 
 
 def coded_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
