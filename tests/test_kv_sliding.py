@@ -250,19 +250,39 @@ def test_training_dropout_with_sinks_is_refused():
 
 
 # --------------------------------------------------------------------------- MLA
-def test_mla_codes_its_latent_with_a_codec_per_role():
-    model = _deepseek_v3()
+def test_mla_attends_on_its_latent_codes_with_a_codec_per_role():
+    """DeepSeek-V3: the cache codes the latent (128 dims) and the rotary key (64 dims); attention on
+    those codes (up-projections absorbed) equals decoding them, and the latent stays one head."""
     ids = _ids(50)
-    latent, rope = FibQuantCodec(128, 1, 256), _int8()  # kv_lora_rank 128, qk_rope_head_dim 64
-    with pytest.warns(RuntimeWarning, match="caches its MLA latent"):
-        cache = CompressedCache.for_model(model, latent, rope, 4, 8, encode_batch=4)
-    assert cache.attention == "decode"
-    got = _run(model, cache, ids, [30], 20)
-    assert cache.layers[0].key_codes.shape[1:] == (1, cache.layers[0].num_coded, latent.code_size)
-    assert cache.layers[0].value_codes.shape[-1] == rope.code_size and cache.layers[0].num_coded > 0
-    assert _rel(got, _run(model, DynamicCache(config=model.config), ids, [30], 20)) <= 1e-2
+    latent, rope = FibQuantCodec.for_rate(128, 4), FibQuantCodec.for_rate(DIM, 4)
+    logits = {}
+    for mode in ("codes", "decode"):
+        model = _deepseek_v3()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            cache = CompressedCache.for_model(model, latent, rope, 4, 8, attention=mode, encode_batch=4)
+        assert cache.attention == mode
+        logits[mode] = _run(model, cache, ids, [30], 20)
+        layer = cache.layers[0]
+        assert layer.key_codes.shape[1:] == (1, layer.num_coded, latent.code_size) and layer.num_coded > 0
+        assert layer.value_codes.shape[-1] == rope.code_size
+    assert _rel(logits["codes"], logits["decode"]) <= 1e-4
+    model = _deepseek_v3()
+    near = _run(model, CompressedCache.for_model(model, _int8(128), _int8(), 4, 8, encode_batch=4), ids, [30], 20)
+    plain = _run(model, DynamicCache(config=model.config), ids, [30], 20)  # still served, by SDPA, after the switch
+    assert _rel(near, plain) <= 1e-2
     with pytest.raises(ValueError, match="cached value latent dim 64 differs from the value codec dim 128"):
         CompressedCache.for_model(model, latent, latent)
+
+
+def test_mla_modules_of_an_unknown_form_fall_back_to_decoding():
+    model = _deepseek_v3()
+    for module in model.modules():
+        if hasattr(module, "kv_b_proj"):
+            module.kv_b_proj = torch.nn.Identity()  # not the absorbed form attend_latent knows
+    with pytest.warns(RuntimeWarning, match="not the form fibquant's latent attention knows"):
+        cache = CompressedCache.for_model(model, _int8(128), _int8())
+    assert cache.attention == "decode"
 
 
 # --------------------------------------------------------------------------- bad input

@@ -37,11 +37,7 @@ EXPECTED["Qwen3-Next"] = ("refused", "layer types .*linear_attention")
 EXPECTED["Jamba"] = ("refused", "layer types .*linear_attention")
 EXPECTED["Mamba"] = ("refused", "no num_attention_heads")
 
-XFAIL = {
-    "DeepSeek-V3": "MLA on codes not implemented yet: transformers caches the latent (kv_lora_rank) and the "
-                   "roped key and expands them inside DeepseekV3Attention, so the cache decodes (fallback "
-                   "warning 'caches its MLA latent')",
-}
+XFAIL: dict[str, str] = {}  # family -> why it does not reach its expected status yet
 
 
 def _params() -> list:

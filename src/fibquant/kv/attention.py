@@ -354,6 +354,9 @@ def coded_attention_forward(module, query, key, value, attention_mask, dropout: 
             unsupported.append("dropout")
         if not unsupported:
             scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+            custom = getattr(module, "coded_attention", None)  # e.g. kv/mla.py's latent attention
+            if custom is not None:
+                return custom(module, query, key, attention_mask, scaling, **options), None
             return attend_codes(query, key, attention_mask, scaling, **options), None
         _warn_once(f"kwargs:{unsupported}", f"attention on codes does not implement {unsupported}: this call "
                    "decodes the coded part and runs SDPA (the 'decode' path)")

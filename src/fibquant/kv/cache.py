@@ -247,9 +247,10 @@ class CompressedCache(Cache):
         The layers follow the model's own layer types (full / sliding / chunked attention).
         attention="codes" switches the model to fibquant's attention function (which serves
         every other cache as SDPA does); a model that cannot use it gets "decode" with a
-        one-time warning naming why. MLA models (DeepSeek V2/V3, Kimi) cache their latent
-        (key codec: `kv_lora_rank` dims, value codec: `qk_rope_head_dim`) and expand it inside
-        the attention module, so they always get "decode".
+        one-time warning naming why. MLA models (DeepSeek V3, Kimi) cache their latent (key
+        codec: `kv_lora_rank` dims, value codec: `qk_rope_head_dim`); attention on its codes
+        absorbs the up-projections (`fibquant.kv.mla`), or decodes where the model's modules are
+        not of the form it knows.
         """
         first_key, key_codecs = _codec_list(key_codec, "key_codec")
         first_value, value_codecs = _codec_list(value_codec, "value_codec")
@@ -262,13 +263,17 @@ class CompressedCache(Cache):
         if attention == "codes":
             from fibquant.kv.attention import _warn_once, try_use_coded_attention
 
-            if info["latent"]:
-                _warn_once(f"latent:{type(model).__name__}", f"{type(model).__name__} caches its MLA latent and "
-                           "expands it into keys/values inside its attention module, which never sees the cache's "
-                           "output: the CompressedCache codes the latent and uses attention='decode'")
+            if not try_use_coded_attention(model):
                 attention = "decode"
-            elif not try_use_coded_attention(model):
-                attention = "decode"
+            elif info["latent"]:
+                from fibquant.kv import mla
+
+                if not mla.enable(model):
+                    _warn_once(f"latent:{type(model).__name__}", f"{type(model).__name__} caches an MLA latent but "
+                               "its attention modules are not the form fibquant's latent attention knows "
+                               "(expand_kv + kv_b_proj): the CompressedCache codes the latent and uses "
+                               "attention='decode'")
+                    attention = "decode"
         windows = info["windows"] if any(w is not None for w in info["windows"]) else None
         return cls(key_codec, value_codec, sink_tokens, recent_tokens, attention, encode_batch, centre,
                    allocate=allocate, num_layers=info["layers"] if allocate is not None or windows else None,
