@@ -101,7 +101,7 @@ def hard_blocks(codewords: torch.Tensor, m: int, seed: int, edges: torch.Tensor 
     return torch.cat(parts).contiguous()
 
 
-@pytest.mark.parametrize("method", ["grid", "tree", "brute"])
+@pytest.mark.parametrize("method", ["grid", "tree", "walk", "brute"])
 @pytest.mark.parametrize("k,n", [(2, 64), (2, 300), (3, 50), (4, 256), (4, 40)])
 def test_methods_match_reference_on_hard_blocks(method, k, n):
     if method == "grid" and (k, n) == (4, 40):
@@ -127,7 +127,7 @@ def test_brute_matmul_and_scan_match_reference(k, n):
 
 
 @settings(max_examples=25, deadline=None)
-@given(st.integers(1, 6), st.integers(2, 300), st.integers(0, 80), st.sampled_from(["grid", "tree", "brute"]),
+@given(st.integers(1, 6), st.integers(2, 300), st.integers(0, 80), st.sampled_from(["grid", "tree", "walk", "brute"]),
        st.integers(0, 2 ** 16))
 def test_search_property(k, n, m, method, seed):
     if method == "grid" and k not in (2, 3, 4):
@@ -187,7 +187,7 @@ def test_threads_give_the_same_indices():
 
 
 def test_choose_method_and_tree():
-    assert [choose_method(k, n) for k, n in SHIPPED] == ["grid", "grid", "tree", "tree", "grid", "brute", "brute",
+    assert [choose_method(k, n) for k, n in SHIPPED] == ["grid", "grid", "walk", "walk", "grid", "brute", "brute",
                                                           "brute", "brute"]
     points = random_codebook(3, 100, seed=1).numpy()
     lo, hi, child, bounds, pts, ids = build_tree(points, leaf=4)

@@ -33,6 +33,8 @@ TREE_LEAF = 8         # codewords per tree leaf
 GRID = {2: (GRID_CELLS[2], 1024), 3: (GRID_CELLS[3], 1024), 4: (12, 256)}
 MATMUL_MIN_BLOCKS = 256  # "brute": from this many blocks a BLAS matmul screens (a numba loop below)
 _MIN_BLOCKS_PER_THREAD = 4096
+WALK = {4: (16, 4096)}   # k -> (start-grid cells per axis, largest N): the Delaunay walk ("walk")
+WALK_MARGIN = 1e-10      # certified: unlisted codewords farther by > this * (1 + max ||c||^2) (squared)
 DOMINANCE_MARGIN = 1e-9  # a listed codeword beaten by this much on its whole box is dropped
 CHALLENGERS = 6          # per box, the listed codewords tried as the one that beats another
 
@@ -56,9 +58,11 @@ def _run_rows(kernel, args: tuple, rows: int, blocks_per_row: int) -> int:
 
 
 def choose_method(k: int, n_codewords: int) -> str:
-    """"grid", "tree" or "brute" for a codebook [n_codewords, k]."""
+    """"grid", "walk", "tree" or "brute" for a codebook [n_codewords, k]."""
     if k in GRID and n_codewords <= GRID[k][1]:
         return "grid"
+    if k in WALK and n_codewords <= WALK[k][1]:
+        return "walk"
     return "tree" if k <= TREE_MAX_K else "brute"
 
 
@@ -92,6 +96,114 @@ def build_tree(points: np.ndarray, leaf: int = TREE_LEAF) -> tuple[np.ndarray, .
     f64 = lambda rows: np.ascontiguousarray(np.array(rows, dtype=np.float64))  # noqa: E731
     return (f64(lo), f64(hi), np.array(child, dtype=np.int64), np.array(bounds, dtype=np.int64),
             f64(points[order]), order.astype(np.int64))
+
+
+def build_delaunay(points: np.ndarray, margin: float = WALK_MARGIN) -> tuple[np.ndarray, ...]:
+    """Tables of the Delaunay walk (`search_numba._walk_py`) over codewords points [N, k] (k >= 2).
+
+    The codewords and 2^k far points (dummies: the corners of a cube, each coordinate stretched by a
+    fixed random factor in [1, 1.5] so that they are not cospherical; every codeword's Voronoi cell
+    is then bounded) are triangulated (scipy / Qhull). A codeword v is *certified* when every simplex S
+    containing v has a circumcentre y (solved in float64, refined once against a long-double
+    residual, with an error bound e from ||A^-1||) whose sphere is empty with room to spare: every
+    point u not in S has ||y - u||^2 - max_{s in S} ||y - s||^2 > margin (1 + max ||c||^2) + 4 e (2 r + sqrt(gap)), and no
+    facet through v lies on the hull. Then the simplices around v are Delaunay simplices that close
+    around it, so they are all of v's Delaunay simplices: v's Voronoi cell is the intersection of
+    the half-spaces of its listed neighbours, its vertices are those circumcentres, and (the gap
+    ||x - u||^2 - ||x - v||^2 being affine in x) every unlisted u is farther than v by more than
+    `margin` at every x of the cell. Non-certified codewords (degenerate, duplicate or skipped
+    points, too thin a simplex) make the walk fall back to the full search.
+
+    Returns (offsets int64 [N + D + 1], neighbours int32 [...] (CSR; dummies are indices >= N),
+    pts float64 [N + D, k] (codewords then dummies), certified bool [N]).
+    """
+    from scipy.spatial import Delaunay, cKDTree
+
+    points = np.ascontiguousarray(points, dtype=np.float64)
+    n, k = points.shape
+    span = 4.0 * (1.0 + float(np.abs(points).max()))
+    corners = np.array(np.meshgrid(*[[-span, span]] * k, indexing="ij")).reshape(k, -1).T
+    corners *= np.random.default_rng(0).uniform(1.0, 1.5, corners.shape)  # not cospherical (no degenerate simplices)
+    pts = np.ascontiguousarray(np.vstack([points, corners]))
+    certified = np.zeros(n, dtype=bool)
+    try:
+        tri = Delaunay(pts)
+    except Exception:  # Qhull refuses (too few or flat points): nothing certified, no lists
+        return np.zeros(len(pts) + 1, dtype=np.int64), np.zeros(0, dtype=np.int32), pts, certified
+    simplices = tri.simplices.astype(np.int64)                             # [m, k + 1]
+    corner = pts[simplices]                                                # [m, k + 1, k]
+    a = 2.0 * (corner[:, 1:] - corner[:, :1])
+    rhs = (corner[:, 1:] ** 2).sum(-1) - (corner[:, :1] ** 2).sum(-1)
+    ok = np.abs(np.linalg.det(a)) > 0
+    a_safe = np.where(ok[:, None, None], a, np.eye(k))
+    y = np.linalg.solve(a_safe, rhs[..., None])[..., 0]
+    wide = corner.astype(np.longdouble)
+    a_wide = 2.0 * (wide[:, 1:] - wide[:, :1])
+    rhs_wide = (wide[:, 1:] ** 2).sum(-1) - (wide[:, :1] ** 2).sum(-1)
+    residual = lambda c: (rhs_wide - np.einsum("mij,mj->mi", a_wide, c.astype(np.longdouble))).astype(np.float64)  # noqa: E731
+    y = y + np.linalg.solve(a_safe, residual(y)[..., None])[..., 0]
+    inverse = np.linalg.norm(np.linalg.inv(a_safe), ord=2, axis=(1, 2))
+    scale_ab = np.abs(a).sum((1, 2)) * np.abs(y).max(1) + np.abs(rhs).max(1)
+    error = inverse * (np.linalg.norm(residual(y), axis=1) + 1e-15 * scale_ab) + 1e-15 * np.abs(y).max(1)
+    radius = ((corner - y[:, None]) ** 2).sum(-1).max(1)
+    _, near = cKDTree(pts).query(y, k=min(k + 2, len(pts)))
+    near = near.reshape(len(y), -1)
+    outside = (near[:, :, None] != simplices[:, None, :]).all(-1)         # [m, k + 2]: not a vertex
+    gap = ((pts[near] - y[:, None]) ** 2).sum(-1) - radius[:, None]
+    gap = np.where(outside, gap, np.inf).min(1)
+    # y off by e moves ||y - u||^2 - ||y - s||^2 by at most 2 e ||s - u|| <= 2 e (2 r + sqrt(gap)) (r^2 = radius).
+    reach = 2.0 * np.sqrt(radius) + np.sqrt(np.maximum(gap, 0.0))
+    good = ok & np.isfinite(y).all(1) & np.isfinite(gap) & (gap > margin * (1.0 + float((points ** 2).sum(1).max()))
+                                                             + 4.0 * error * reach)
+    bad_vertex = np.zeros(len(pts), dtype=bool)
+    bad_vertex[simplices[~good].reshape(-1)] = True
+    on_hull = tri.neighbors < 0                                            # facet opposite vertex j
+    for j in range(k + 1):
+        facet = np.delete(simplices[on_hull[:, j]], j, axis=1)
+        bad_vertex[facet.reshape(-1)] = True
+    seen = np.zeros(len(pts), dtype=bool)
+    seen[simplices.reshape(-1)] = True
+    certified = seen[:n] & ~bad_vertex[:n]
+    pairs = np.array([(i, j) for i in range(k + 1) for j in range(k + 1) if i != j])
+    edge = simplices[:, pairs].reshape(-1, 2)
+    key = np.unique(edge[:, 0] * len(pts) + edge[:, 1])                    # both directions, sorted
+    offsets = np.zeros(len(pts) + 1, dtype=np.int64)
+    offsets[1:] = np.cumsum(np.bincount(key // len(pts), minlength=len(pts)))
+    return offsets, (key % len(pts)).astype(np.int32), pts, certified
+
+
+def walk_lists(offsets: np.ndarray, nbr: np.ndarray, pts: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The walk's tables from the neighbour lists: (nbr int32 with each codeword's list sorted by
+    face distance ||w - v|| / 2 ascending (ties by index), reach float32 = that distance rounded down
+    (so the kernel's skip bound stays a bound), table float64 [N + D, k + 1] = (coordinates,
+    ||c||^2 / 2))."""
+    owner = np.repeat(np.arange(len(offsets) - 1), np.diff(offsets))
+    reach = 0.5 * np.sqrt(((pts[nbr] - pts[owner]) ** 2).sum(1))
+    order = np.lexsort((nbr, reach, owner))
+    nbr, reach = nbr[order], reach[order]
+    reach32 = reach.astype(np.float32)
+    high = reach32.astype(np.float64) > reach
+    reach32[high] = np.nextafter(reach32[high], np.float32(0))
+    table = np.ascontiguousarray(np.hstack([pts, 0.5 * (pts ** 2).sum(1, keepdims=True)]))
+    return np.ascontiguousarray(nbr, dtype=np.int32), reach32, table
+
+
+def walk_guess(codewords: torch.Tensor, dim: int, cells: int) -> tuple[float, float, np.ndarray]:
+    """The walk's start table: (origin, scale, guess int32 [cells^k]): a grid of `cells` equal cells per
+    axis over [-R, R] (R the GridSearch radius: a far quantile of one coordinate of the canonical
+    source for `dim`), cell index floor((x - origin) * scale) clamped to the grid, guess = a codeword
+    nearest the cell's centre (any codeword would be correct; a near one saves moves)."""
+    from scipy import special
+
+    k = codewords.shape[1]
+    radius = math.sqrt(float(special.betaincinv(0.5, (dim - 1) / 2, 1 - 2 * 1e-3)))
+    width = 2.0 * radius / cells
+    centre = -radius + width * (torch.arange(cells, dtype=torch.float64) + 0.5)
+    grid = torch.stack(torch.meshgrid(*[centre] * k, indexing="ij")[::-1], -1).reshape(-1, k)  # axis j: stride cells^j
+    from scipy.spatial import cKDTree
+
+    _, guess = cKDTree(codewords.detach().to("cpu", torch.float64).numpy()).query(grid.numpy())
+    return -radius, 1.0 / width, np.ascontiguousarray(guess, dtype=np.int32)
 
 
 def compact_lists(padded: torch.Tensor, heavy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,7 +270,7 @@ class NumbaSearch:
         cw = codewords.detach().to("cpu", torch.float32).contiguous()
         self.n_codewords, self.k = cw.shape
         self.method = method or choose_method(self.k, self.n_codewords)
-        if self.method not in ("grid", "tree", "brute"):
+        if self.method not in ("grid", "walk", "tree", "brute"):
             raise ValueError(f"unknown search method {self.method!r}")
         # Tables are tensor attributes (counted with the codec's device state); kernels get numpy views.
         self.codewords = cw
@@ -174,6 +286,16 @@ class NumbaSearch:
             self.codewords64 = cw.to(torch.float64)
             tables = (self.edges, cells, self.offsets, self.candidates, self.heavy, self.codewords64,
                       self.codewords_t64)
+        elif self.method == "walk":
+            cells = WALK.get(self.k, (GRID_CELLS.get(self.k, 8), 0))[0]
+            origin, scale, guess = walk_guess(cw, dim, cells)
+            offsets, nbr, pts, certified = build_delaunay(cw.numpy())
+            nbr, reach, table = walk_lists(offsets, nbr, pts)
+            self.guess, self.offsets, self.neighbours, self.reach, self.table, self.certified = (
+                torch.from_numpy(a) for a in (guess, offsets, nbr, reach, table, certified))
+            size2 = float((pts[:self.n_codewords] ** 2).sum(1).max())
+            tables = (origin, scale, cells, self.guess, self.offsets, self.neighbours, self.reach,
+                      self.table, self.n_codewords, self.certified, size2, self.codewords_t64)
         elif self.method == "tree":
             self.lo, self.hi, self.child, self.bounds, self.points, self.ids = (
                 torch.from_numpy(a) for a in build_tree(cw.numpy()))

@@ -24,9 +24,11 @@ PRUNE_REL = 1e-9     # a node / box is skipped only when its bound exceeds best 
 SCREEN_ULPS = 8      # float32 screening slack: (2k + SCREEN_ULPS) float32 epsilons, relative
 GRID_OUTER = 1.5     # = grid_search.OUTER: the grid's boxes cover [-GRID_OUTER, GRID_OUTER]^k
 STACK = 128          # tree search stack (depth of a tree over <= 2^20 codewords is far below)
+WALK_STEPS = 64      # Delaunay walk: after this many moves the block takes the full search
+WALK_SLACK = 1e-9    # Delaunay walk: slacks within +-WALK_SLACK (1 + ||x||^2 + max ||c||^2) use distances
 
 np = None            # numpy, bound by compile_kernels()
-_consider = _finish = _brute_block = _screen = _pack_row = _min = _count_below = None
+_consider = _finish = _brute_block = _screen = _pack_row = _min = _count_below = _slack = None
 
 
 def _consider_py(d1, i1, d2, d, idx):
@@ -159,6 +161,113 @@ def _tree_py(u, k, lo, hi, child, bounds, pts, ids, cw_t, index, flags, codes, h
                     stack[top] = left
                     stack[top + 1] = right
                 top += 2
+            flagged += _finish(d1, i1, d2, x, index, flags, row, b)
+        if bits > 0:
+            _pack_row(index, row, bits, codes, head)
+    return flagged
+
+
+def _walk_py(u, k, origin, scale, cells, guess, offsets, nbr, reach, table, n_real, certified, size2, cw_t,
+             index, flags, codes, head, bits, start, stop):
+    """Delaunay walk (`fast_search.WalkTables`): start at the codeword `guess` holds for the block's
+    cell of a coarse grid; while the block x is on the far side of a Delaunay face of the current
+    codeword v (a neighbour w nearer: slack g(w) - g(v) < 0, g(c) = ||c||^2 / 2 - x.c, so that the
+    slack is (||x - w||^2 - ||x - v||^2) / 2), move to the nearest such neighbour. v's neighbours are
+    listed by their face distance reach = ||w - v|| / 2 (rounded down), ascending; with
+    r = ||x - v||, a face with reach > r has slack >= 2 reach (reach - r), so the scan stops at the
+    first face where that exceeds tau (all later faces are farther still).
+
+    Where every slack exceeds tau at a certified v, x lies inside v's Voronoi cell (a certified cell
+    is the intersection of its neighbours' half-spaces), clear of every face, and every codeword
+    not listed is farther than v by more than the certificate's margin: v is the reference's index,
+    no tie. A slack within +-tau (near a face) switches to float64 distances: the walk goes on over
+    whole lists comparing ||x - w||^2 as the other kernels do, so the best two listed distances
+    decide the tie flag. Elsewhere (an uncertified or dummy codeword, a non-finite block, too many
+    moves) the full search decides. tau = WALK_SLACK (1 + ||x||^2 + size2) (size2: the largest squared
+    codeword norm) dwarfs the float error of a slack and the tie window."""
+    n_blocks = u.shape[1] // k
+    x = np.empty(k, dtype=np.float64)
+    dist = np.empty(cw_t.shape[1], dtype=np.float64)
+    top = cells - 1
+    flagged = 0
+    for row in range(start, stop):
+        for b in range(n_blocks):
+            finite = True
+            box = 0
+            stride = 1
+            norm2 = 0.0
+            for j in range(k):
+                v = np.float64(u[row, b * k + j])
+                x[j] = v
+                norm2 += v * v
+                if not np.isfinite(v):
+                    finite = False
+                f = (v - origin) * scale
+                cell = 0 if not f > 0.0 else (top if f >= top else int(f))
+                box += cell * stride
+                stride *= cells
+            state = 0  # 0: full search, 1: inside a certified cell, 2: near a face (distances decide)
+            cur = np.int64(guess[box])
+            if finite:
+                tau = WALK_SLACK * (1.0 + norm2 + size2)
+                g_cur = table[cur, k]
+                for j in range(k):
+                    g_cur -= x[j] * table[cur, j]
+                for _ in range(WALK_STEPS):
+                    r2 = 0.0
+                    for j in range(k):
+                        t = x[j] - table[cur, j]
+                        r2 += t * t
+                    r = np.sqrt(r2)
+                    low = np.inf
+                    arg = -1
+                    for t in range(offsets[cur], offsets[cur + 1]):
+                        reach_t = np.float64(reach[t])
+                        if reach_t > r and 2.0 * reach_t * (reach_t - r) > tau:
+                            break
+                        w = nbr[t]
+                        g = table[w, k]
+                        for j in range(k):
+                            g -= x[j] * table[w, j]
+                        if g < low:
+                            low = g
+                            arg = w
+                    slack = low - g_cur
+                    if slack > tau:
+                        state = 1 if certified[cur] else 0
+                        break
+                    if slack >= -tau:
+                        state = 2 if certified[cur] else 0
+                        break
+                    cur = np.int64(arg)
+                    g_cur = low
+                    if cur >= n_real:  # a dummy: far outside the codebook
+                        break
+            if state == 1:
+                index[row, b] = cur
+                continue
+            d1, i1, d2 = np.inf, -1, np.inf
+            if state == 2:
+                d1 = 0.0
+                for j in range(k):
+                    g = x[j] - table[cur, j]
+                    d1 += g * g
+                i1 = cur
+                state = 0
+                for _ in range(WALK_STEPS):
+                    for t in range(offsets[cur], offsets[cur + 1]):
+                        w = np.int64(nbr[t])
+                        d = 0.0
+                        for j in range(k):
+                            g = x[j] - table[w, j]
+                            d += g * g
+                        d1, i1, d2 = _consider(d1, i1, d2, d, w)
+                    if i1 == cur:  # no neighbour nearer: a local minimum of the walk
+                        state = 2 if cur < n_real and certified[cur] else 0
+                        break
+                    cur = i1
+            if state == 0:
+                d1, i1, d2 = _brute_block(x, cw_t, dist)
             flagged += _finish(d1, i1, d2, x, index, flags, row, b)
         if bits > 0:
             _pack_row(index, row, bits, codes, head)
@@ -311,7 +420,7 @@ def _pack_py(index, bits, codes, head, rows):
 
 
 def compile_kernels():
-    """{"grid", "tree", "brute", "pack"} numba dispatchers, compiled (or loaded from numba's
+    """{"grid", "tree", "walk", "brute", "verify", "pack"} numba dispatchers, compiled (or loaded from numba's
     cache) on first call; `fast_search._kernels` calls it once, under a lock."""
     global np, _consider, _finish, _brute_block, _screen, _pack_row, _min, _count_below
     import numba
@@ -338,6 +447,9 @@ def compile_kernels():
         "tree": numba.njit(f"int64({u}, int64, float64[:, ::1], float64[:, ::1], int64[:, ::1], "
                            f"int64[:, ::1], float64[:, ::1], int64[::1], float64[:, ::1], {out})",
                            **jit)(_tree_py),
+        "walk": numba.njit(f"int64({u}, int64, float64, float64, int64, int32[::1], int64[::1], int32[::1], "
+                           f"float32[::1], float64[:, ::1], int64, boolean[::1], float64, float64[:, ::1], {out})",
+                           **jit)(_walk_py),
         "brute": numba.njit(f"int64({u}, int64, float32[:, ::1], float64[:, ::1], {out})", **jit)(_brute_py),
         "verify": numba.njit(f"int64({u}, int64, float32[:, ::1], int64, float64[:, ::1], float64, {out})",
                              **jit)(_verify_py),
