@@ -137,14 +137,19 @@ def test_unsupported_model_features_are_refused(monkeypatch):
 
 
 @needs_vllm
-@pytest.mark.parametrize("spec, sink_tokens, token_major", [("fibquant:b=4/fibquant:b=2", 0, True),
-                                                            ("fibquant:b=4/fibquant:b=2", 3, True),
-                                                            ("fibquant:b=3", 3, True), ("fibquant:b=3", 3, False)])
-def test_paged_codes_attention_equals_decoded_reference(monkeypatch, spec, sink_tokens, token_major):
+@pytest.mark.parametrize("spec, sink_tokens, token_major, extras", [("fibquant:b=4/fibquant:b=2", 0, True, ""),
+                                                                    ("fibquant:b=4/fibquant:b=2", 3, True, ""),
+                                                                    ("fibquant:b=3", 3, True, ""),
+                                                                    ("fibquant:b=3", 3, False, ""),
+                                                                    ("fibquant:b=4", 3, True, "softcap"),
+                                                                    ("fibquant:b=4", 0, True, "sinks"),
+                                                                    ("fibquant:b=4", 3, True, "softcap+sinks")])
+def test_paged_codes_attention_equals_decoded_reference(monkeypatch, spec, sink_tokens, token_major, extras):
     """Three requests, pages scattered over blocks. Forward 1 prefills each request's earlier tokens
     (37, 5, 20); forward 2 batches a 6-token chunk and two decodes (padded to the longer context).
     Forward 2's output = softmax attention over: the first `sink_tokens` exact, the other earlier
-    tokens decoded from their codes, the own chunk exact (causal)."""
+    tokens decoded from their codes, the own chunk exact (causal); with logit soft-capping
+    (Gemma 2) and learned sink logits (gpt-oss) applied as transformers' eager attention does."""
     import torch
 
     monkeypatch.setenv(ENV_VAR, spec)
@@ -153,7 +158,9 @@ def test_paged_codes_attention_equals_decoded_reference(monkeypatch, spec, sink_
 
     torch.manual_seed(0)
     heads, kv_heads, dim, block = 4, 2, 64, 8
-    impl = FibQuantAttentionImpl(heads, dim, dim ** -0.5, kv_heads)
+    softcap = 0.5 if "softcap" in extras else None  # small enough that the cap bends these scores
+    logit_sinks = torch.randn(heads) if "sinks" in extras else None
+    impl = FibQuantAttentionImpl(heads, dim, dim ** -0.5, kv_heads, logits_soft_cap=softcap, sinks=logit_sinks)
     slot = VllmCacheConfig.parse(spec).slot_bytes(dim)
     # vLLM hands the logical [blocks, KV heads, block, slot] view of token-major (LBNHC) pages; a
     # head-major buffer takes the slower gather
@@ -191,8 +198,13 @@ def test_paged_codes_attention_equals_decoded_reference(monkeypatch, spec, sink_
         q = query[start:start + n].reshape(n, heads, dim)
         k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
         scores = torch.einsum("qhd,khd->hqk", q, k) * dim ** -0.5
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         allowed = torch.arange(lengths[r])[None, :] <= past + torch.arange(n)[:, None]
-        weights = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        if logit_sinks is not None:
+            scores = torch.cat([scores, logit_sinks[:, None, None].expand(heads, n, 1)], dim=-1)
+        weights = scores.softmax(-1)[..., :lengths[r]]
         expected = torch.einsum("hqk,khd->qhd", weights, v).reshape(n, -1)
         torch.testing.assert_close(out[start:start + n], expected, rtol=1e-4, atol=1e-4)
         start += n

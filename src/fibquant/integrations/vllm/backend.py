@@ -14,9 +14,11 @@ no exact recent window: the pages have room for codes only. A chunked prefill th
 earlier chunks, exactly as `CompressedCache(sink_tokens=S, recent_tokens=0)` in transformers does.
 Decode requests attend in one batched call per layer, padded to the longest context and masked.
 
-Not supported (a clear NotImplementedError at engine start): ALiBi, sliding windows, logit soft
-caps, attention-sink parameters, encoder / cross attention, fp8 `kv_cache_dtype` (the codes are the
-cache dtype).
+Logit soft-capping (Gemma 2) and learned attention-sink logits (gpt-oss `sinks`) apply on the codes
+as in transformers (`attend_codes(softcap=, sinks=)`). Not supported (a clear NotImplementedError at
+engine start): ALiBi, sliding windows (vLLM frees a sliding layer's blocks as the window moves, which
+this backend does not follow yet), encoder / cross attention, fp8 `kv_cache_dtype` (the codes are
+the cache dtype).
 """
 from __future__ import annotations
 
@@ -137,13 +139,17 @@ class FibQuantAttentionImpl(AttentionImpl):
                  logits_soft_cap: float | None = None, attn_type: str = AttentionType.DECODER,
                  kv_sharing_target_layer_name: str | None = None, sinks=None) -> None:
         unsupported = {"ALiBi slopes": alibi_slopes is not None, "a sliding window": sliding_window is not None,
-                       "logit soft capping": bool(logits_soft_cap), "attention-sink parameters": sinks is not None,
                        f"attention type {attn_type!r}": attn_type != AttentionType.DECODER,
                        f"kv_cache_dtype={kv_cache_dtype!r}": kv_cache_dtype != "auto"}
         refused = [name for name, hit in unsupported.items() if hit]
         if refused:
             raise NotImplementedError(f"the FibQuant vLLM backend does not support {', '.join(refused)}; "
                                       "unset FIBQUANT_VLLM_CACHE to serve this model with vLLM's own backend")
+        if sinks is not None and sinks.numel() != num_heads:
+            raise NotImplementedError(f"attention-sink logits of shape {tuple(sinks.shape)} for {num_heads} heads "
+                                      "(one per query head is supported)")
+        self.softcap = float(logits_soft_cap) if logits_soft_cap else None
+        self.logit_sinks = sinks  # learned per-head logits [Hq] (gpt-oss), not the exact first tokens
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = float(scale)
@@ -209,13 +215,18 @@ class FibQuantAttentionImpl(AttentionImpl):
         `mask` (additive float [R, 1, T, max(pasts) + T]) hides other requests' padding."""
         count, tokens = query.shape[:2]
         longest = max(pasts)
-        if not longest:  # nothing coded yet (a first prefill chunk): plain causal attention, model dtype
+        options = {"softcap": self.softcap, "sinks": self.logit_sinks}
+        if not longest and self.softcap is None and self.logit_sinks is None:
+            # nothing coded yet (a first prefill chunk): plain causal attention, model dtype
             out = torch.nn.functional.scaled_dot_product_attention(
                 query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), is_causal=tokens > 1,
                 scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
             return out.transpose(1, 2).reshape(count, tokens, -1)
-        key_codes, value_codes = self._context_codes(pages, tables, pasts)
         new_keys, new_values = key.transpose(1, 2), value.transpose(1, 2)          # [R, Hk, T, D]
+        if not longest:
+            return attend_codes(query.transpose(1, 2), CodedKV.of_tensors(new_keys, new_values), None, self.scale,
+                                **options).reshape(count, tokens, -1)
+        key_codes, value_codes = self._context_codes(pages, tables, pasts)
         empty = new_keys.new_empty((count, self.num_kv_heads, 0, self.head_size))
         sink_keys, sink_values = sinks if sinks is not None else (empty, empty)
         skip = sink_keys.shape[2]
@@ -223,7 +234,7 @@ class FibQuantAttentionImpl(AttentionImpl):
                         value_codes=value_codes[:, :, skip:], recent_keys=empty, recent_values=empty,
                         new_keys=new_keys, new_values=new_values, key_codec=self.key_codec,
                         value_codec=self.value_codec)
-        return attend_codes(query.transpose(1, 2), coded, mask, self.scale).reshape(count, tokens, -1)
+        return attend_codes(query.transpose(1, 2), coded, mask, self.scale, **options).reshape(count, tokens, -1)
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: FibQuantMetadata | None, output: torch.Tensor | None = None,
