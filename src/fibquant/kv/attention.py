@@ -325,11 +325,17 @@ def _coded_part(block: torch.Tensor, kv: CodedKV, bias: torch.Tensor, scaling: f
         shaped += bias.unsqueeze(1)
     else:
         shaped += bias.reshape(bias.shape[0], heads, groups, width, -1)
-    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
-    weights = torch.exp(scores - lse).nan_to_num_(0.0)
+    # exp(s - max) in place and the value sums of those unnormalised weights, divided once per row
+    # (a [rows, D] division instead of [rows, M]); a row with every column masked: lse -inf, out 0.
+    peak = scores.amax(dim=-1, keepdim=True)
+    peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
+    weights = scores.sub_(peak).exp_()
+    total = weights.sum(dim=-1, keepdim=True)
+    lse = peak + torch.log(total)
     mixed = _values_from_codes(kv.value_codec, weights, kv.value_codes)
     if kv.value_mean is not None:
-        mixed += weights.sum(-1, keepdim=True) * kv.value_mean.unsqueeze(-2)
+        mixed += total * kv.value_mean.unsqueeze(-2)
+    mixed /= torch.where(total > 0, total, torch.ones_like(total))
     value_dim = mixed.shape[-1]
     return (mixed.view(batch, heads, groups, width, value_dim).reshape(batch, q_heads, width, value_dim),
             lse.view(batch, q_heads, width))
