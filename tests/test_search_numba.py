@@ -187,7 +187,7 @@ def test_threads_give_the_same_indices():
 
 
 def test_choose_method_and_tree():
-    assert [choose_method(k, n) for k, n in SHIPPED] == ["grid", "grid", "walk", "walk", "grid", "brute", "brute",
+    assert [choose_method(k, n) for k, n in SHIPPED] == ["grid", "grid", "walk", "walk", "walk", "brute", "brute",
                                                           "brute", "brute"]
     points = random_codebook(3, 100, seed=1).numpy()
     lo, hi, child, bounds, pts, ids = build_tree(points, leaf=4)
@@ -204,8 +204,7 @@ def test_shipped_grid_on_box_corners(k, n):
     """Blocks with every coordinate on a grid edge or one float32 step beside it: box corners, where
     the pruning of the candidate lists is tightest."""
     codewords = FibQuantCodec(64, k, n).codebook.codewords
-    search = NumbaSearch(codewords, 64)
-    assert search.method == "grid"
+    search = NumbaSearch(codewords, 64, "grid")
     gen = torch.Generator().manual_seed(k + n)
     edge = search.edges[torch.randint(0, len(search.edges), (3000, k), generator=gen)]
     step = torch.randint(-1, 2, (3000, k), generator=gen).float()

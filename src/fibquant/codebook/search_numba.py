@@ -167,10 +167,11 @@ def _tree_py(u, k, lo, hi, child, bounds, pts, ids, cw_t, index, flags, codes, h
     return flagged
 
 
-def _walk_py(u, k, origin, scale, cells, guess, offsets, nbr, reach, table, n_real, certified, size2, cw_t,
+def _walk_py(u, k, origin, scale, lut, cells, guess, offsets, nbr, reach, table, n_real, certified, size2, cw_t,
              index, flags, codes, head, bits, start, stop):
-    """Delaunay walk (`fast_search.WalkTables`): start at the codeword `guess` holds for the block's
-    cell of a coarse grid; while the block x is on the far side of a Delaunay face of the current
+    """Delaunay walk (`fast_search.build_delaunay`, `walk_lists`, `walk_guess`): start at the nearest of
+    the codewords `guess` holds for the block's box of a coarse grid (per axis: bin
+    floor((v - origin) * scale), clamped, mapped to a cell by lut); while the block x is on the far side of a Delaunay face of the current
     codeword v (a neighbour w nearer: slack g(w) - g(v) < 0, g(c) = ||c||^2 / 2 - x.c, so that the
     slack is (||x - w||^2 - ||x - v||^2) / 2), move to the nearest such neighbour. v's neighbours are
     listed by their face distance reach = ||w - v|| / 2 (rounded down), ascending; with
@@ -188,7 +189,7 @@ def _walk_py(u, k, origin, scale, cells, guess, offsets, nbr, reach, table, n_re
     n_blocks = u.shape[1] // k
     x = np.empty(k, dtype=np.float64)
     dist = np.empty(cw_t.shape[1], dtype=np.float64)
-    top = cells - 1
+    top = lut.shape[0] - 1
     flagged = 0
     for row in range(start, stop):
         for b in range(n_blocks):
@@ -203,16 +204,23 @@ def _walk_py(u, k, origin, scale, cells, guess, offsets, nbr, reach, table, n_re
                 if not np.isfinite(v):
                     finite = False
                 f = (v - origin) * scale
-                cell = 0 if not f > 0.0 else (top if f >= top else int(f))
-                box += cell * stride
+                box += lut[0 if not f > 0.0 else (top if f >= top else int(f))] * stride
                 stride *= cells
             state = 0  # 0: full search, 1: inside a certified cell, 2: near a face (distances decide)
-            cur = np.int64(guess[box])
+            cur = np.int64(guess[box, 0])
             if finite:
                 tau = WALK_SLACK * (1.0 + norm2 + size2)
                 g_cur = table[cur, k]
                 for j in range(k):
                     g_cur -= x[j] * table[cur, j]
+                for a in range(1, guess.shape[1]):  # start at the nearest candidate
+                    alt = np.int64(guess[box, a])
+                    g_alt = table[alt, k]
+                    for j in range(k):
+                        g_alt -= x[j] * table[alt, j]
+                    if g_alt < g_cur:
+                        cur = alt
+                        g_cur = g_alt
                 for _ in range(WALK_STEPS):
                     r2 = 0.0
                     for j in range(k):
@@ -395,6 +403,73 @@ def _verify_py(u, k, scores, row0, cw_t, cmax, index, flags, codes, head, bits, 
     return flagged
 
 
+def _scores_py(xs, cw32_t, sq32, scores):
+    """float32 scores ||c||^2 - 2 x.c of xs [k] against all codewords (cw32_t [k, N], sq32 [N]) into
+    scores [N]; returns their minimum. Compiled with fastmath (vectorised, fused multiply-adds):
+    the caller's error bound holds for any summation order, and its inputs are finite."""
+    k, n = cw32_t.shape
+    for c in range(n):
+        scores[c] = sq32[c]
+    for j in range(k - 1):
+        m = np.float32(-2.0) * xs[j]
+        for c in range(n):
+            scores[c] += m * cw32_t[j, c]
+    m = np.float32(-2.0) * xs[k - 1]
+    low = np.float32(np.inf)
+    for c in range(n):
+        v = scores[c] + m * cw32_t[k - 1, c]
+        scores[c] = v
+        low = min(low, v)
+    return low
+
+
+def _scan_py(u, k, cw32_t, sq32, cw_t, cmax, index, flags, codes, head, bits, start, stop):
+    """The full scan fused in one kernel: per block the float32 scores ||c||^2 - 2 x.c (`_scores`,
+    no score matrix in memory), then `_verify_py`'s decision: the codewords whose score lies within
+    twice the float32 error bound of the lowest are decided by float64 distances."""
+    n_blocks = u.shape[1] // k
+    n = cw_t.shape[1]
+    x = np.empty(k, dtype=np.float64)
+    xs = np.empty(k, dtype=np.float32)
+    scores = np.empty(n, dtype=np.float32)
+    dist = np.empty(n, dtype=np.float64)
+    flagged = 0
+    for row in range(start, stop):
+        for b in range(n_blocks):
+            norm2 = 0.0
+            finite = True
+            for j in range(k):
+                xs[j] = u[row, b * k + j]
+                x[j] = xs[j]
+                norm2 += x[j] * x[j]
+                if not np.isfinite(x[j]):
+                    finite = False
+            if not finite:
+                d1, i1, d2 = _brute_block(x, cw_t, dist)
+                flagged += _finish(d1, i1, d2, x, index, flags, row, b)
+                continue
+            low = _scores(xs, cw32_t, sq32, scores)
+            # |score error| <= (k + 2) eps32 (||c||^2 + 2 ||x|| ||c||) for any summation order.
+            err = 2.0 * (k + 2) * 2.0 ** -24 * (cmax * cmax + 2.0 * np.sqrt(norm2) * cmax)
+            limit = np.float64(low) + 2.0 * err + 1e-9
+            count, position = _count_below(scores, limit)
+            if count == 1:  # one codeword passes the screen: the nearest, and no near tie
+                index[row, b] = position
+                continue
+            d1, i1, d2 = np.inf, -1, np.inf
+            for c in range(n):
+                if scores[c] <= limit:
+                    d = 0.0
+                    for j in range(k):
+                        g = x[j] - cw_t[j, c]
+                        d += g * g
+                    d1, i1, d2 = _consider(d1, i1, d2, d, c)
+            flagged += _finish(d1, i1, d2, x, index, flags, row, b)
+        if bits > 0:
+            _pack_row(index, row, bits, codes, head)
+    return flagged
+
+
 def _pack_row_py(index, row, bits, codes, head):
     """Bit-pack index[row] (`bits` each, little-endian stream, = `pack_bits`) into codes[row, head:]."""
     acc = np.uint64(0)
@@ -422,7 +497,7 @@ def _pack_py(index, bits, codes, head, rows):
 def compile_kernels():
     """{"grid", "tree", "walk", "brute", "verify", "pack"} numba dispatchers, compiled (or loaded from numba's
     cache) on first call; `fast_search._kernels` calls it once, under a lock."""
-    global np, _consider, _finish, _brute_block, _screen, _pack_row, _min, _count_below
+    global np, _consider, _finish, _brute_block, _screen, _pack_row, _min, _count_below, _scores
     import numba
     import numpy
 
@@ -438,6 +513,8 @@ def compile_kernels():
     _count_below = numba.njit("Tuple((int64, int64))(float32[::1], float64)", fastmath=True, **jit)(_count_below_py)
     _screen = numba.njit("float32(float32[::1], float32[:, ::1], float32[::1])", fastmath=True,
                          **jit)(_screen_py)
+    _scores = numba.njit("float32(float32[::1], float32[:, ::1], float32[::1], float32[::1])", fastmath=True,
+                         **jit)(_scores_py)
     _pack_row = numba.njit("void(int64[:, ::1], int64, int64, uint8[:, ::1], int64)", **jit)(_pack_row_py)
     u = "float32[:, ::1]"
     out = "int64[:, ::1], int8[:, ::1], uint8[:, ::1], int64, int64, int64, int64"
@@ -447,10 +524,12 @@ def compile_kernels():
         "tree": numba.njit(f"int64({u}, int64, float64[:, ::1], float64[:, ::1], int64[:, ::1], "
                            f"int64[:, ::1], float64[:, ::1], int64[::1], float64[:, ::1], {out})",
                            **jit)(_tree_py),
-        "walk": numba.njit(f"int64({u}, int64, float64, float64, int64, int32[::1], int64[::1], int32[::1], "
+        "walk": numba.njit(f"int64({u}, int64, float64, float64, int64[::1], int64, int32[:, ::1], int64[::1], int32[::1], "
                            f"float32[::1], float64[:, ::1], int64, boolean[::1], float64, float64[:, ::1], {out})",
                            **jit)(_walk_py),
         "brute": numba.njit(f"int64({u}, int64, float32[:, ::1], float64[:, ::1], {out})", **jit)(_brute_py),
+        "scan": numba.njit(f"int64({u}, int64, float32[:, ::1], float32[::1], float64[:, ::1], float64, {out})",
+                           **jit)(_scan_py),
         "verify": numba.njit(f"int64({u}, int64, float32[:, ::1], int64, float64[:, ::1], float64, {out})",
                              **jit)(_verify_py),
         "pack": numba.njit("int64(int64[:, ::1], int64, uint8[:, ::1], int64, int64[::1])", **jit)(_pack_py),
