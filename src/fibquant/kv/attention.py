@@ -174,28 +174,33 @@ def attend_codes(query: torch.Tensor, kv: CodedKV, attention_mask: torch.Tensor 
     groups = q_heads // heads
     length, n_sink, coded = kv.length, kv.num_sink, kv.num_coded
     past = length - tokens
-    exact_keys, exact_values = (t.to(torch.float32) for t in kv.exact())
-    sink_keys, sink_values = kv.sink_keys.to(torch.float32), kv.sink_values.to(torch.float32)
+    # Columns in the order [sinks, recent, new | coded] (one matmul for every exact column); the
+    # mask's columns [sinks | coded | recent, new] are permuted to match.
+    exact_keys, exact_values = (t.to(torch.float32) for t in kv.exact(with_sinks=True))
+    n_exact = exact_keys.shape[-2]
     value_dim = exact_values.shape[-1]
     queries = query.to(torch.float32).reshape(batch, heads, groups, tokens, dim) * scaling
-    out = torch.empty(batch, heads, groups, tokens, value_dim, dtype=torch.float32, device=query.device)
     step = max(1, QUERY_ROWS_PER_BLOCK // groups)
+    if tokens > step:
+        out = torch.empty(batch, heads, groups, tokens, value_dim, dtype=torch.float32, device=query.device)
     sink_logits = None if sinks is None else sinks.to(torch.float32).reshape(1, heads, groups, 1, 1)
     for start in range(0, tokens, step):
         rows = slice(start, min(start + step, tokens))
         width = rows.stop - rows.start
         block = queries[:, :, :, rows].reshape(batch, heads, groups * width, dim)
-        parts = [block @ sink_keys.transpose(-1, -2)]
+        scores = block @ exact_keys.transpose(-1, -2)
         if coded:
             coded_scores = _scores_from_codes(kv.key_codec, block, kv.key_codes)
             if kv.key_mean is not None:  # centred keys: q . (x_hat + mu) = q . x_hat + q . mu
                 coded_scores = coded_scores + block @ kv.key_mean.unsqueeze(-1)
-            parts.append(coded_scores)
-        scores = torch.cat(parts + [block @ exact_keys.transpose(-1, -2)], dim=-1)
+            scores = torch.cat([scores, coded_scores], dim=-1)
         if softcap is not None:
             scores = torch.tanh(scores / softcap).mul_(softcap)
         bias = _bias_block(attention_mask, rows, length, past, query.device, window)
         if bias is not None:
+            if coded:
+                bias = torch.cat([bias[..., :n_sink], bias[..., n_sink + coded:], bias[..., n_sink:n_sink + coded]],
+                                 dim=-1)
             shaped = scores.view(batch, heads, groups, width, length)
             if bias.shape[1] == 1:
                 shaped += bias.unsqueeze(1)
@@ -206,12 +211,15 @@ def attend_codes(query: torch.Tensor, kv: CodedKV, attention_mask: torch.Tensor 
         else:  # the sink column shares the normaliser, then is dropped
             sink_column = sink_logits.expand(batch, heads, groups, width, 1).reshape(batch, heads, groups * width, 1)
             weights = torch.softmax(torch.cat([scores, sink_column], dim=-1), dim=-1)[..., :-1]
-        mixed = weights[..., :n_sink] @ sink_values + weights[..., n_sink + coded:] @ exact_values
+        mixed = weights[..., :n_exact] @ exact_values
         if coded:
-            coded_weights = weights[..., n_sink:n_sink + coded].contiguous()
+            coded_weights = weights[..., n_exact:].contiguous()
             mixed += _values_from_codes(kv.value_codec, coded_weights, kv.value_codes)
             if kv.value_mean is not None:  # centred values: sum_i p_i mu = (sum_i p_i) mu
                 mixed += coded_weights.sum(-1, keepdim=True) * kv.value_mean.unsqueeze(-2)
+        if tokens == width:  # one block (every decode step): no copy into `out`
+            return mixed.view(batch, heads, groups, tokens, value_dim).reshape(batch, q_heads, tokens, value_dim) \
+                .transpose(1, 2).contiguous().to(query.dtype)
         out[:, :, :, rows] = mixed.view(batch, heads, groups, width, value_dim)
     return out.reshape(batch, q_heads, tokens, value_dim).transpose(1, 2).contiguous().to(query.dtype)
 

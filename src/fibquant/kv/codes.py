@@ -134,11 +134,15 @@ class CodedKV:
     def length(self) -> int:
         return self.num_sink + self.num_coded + self.recent_keys.shape[-2] + self.new_keys.shape[-2]
 
-    def exact(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The exact part after the codes (recent window + new tokens), [B, H, r+T, D] each."""
+    def exact(self, with_sinks: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The exact part after the codes (recent window + new tokens), [B, H, r+T, D] each; with
+        `with_sinks`, the sinks first: [B, H, s+r+T, D]."""
         dtype_k, dtype_v = self.new_keys.dtype, self.new_values.dtype
-        return (torch.cat([self.recent_keys.to(dtype_k), self.new_keys], dim=-2),
-                torch.cat([self.recent_values.to(dtype_v), self.new_values], dim=-2))
+        keys, values = [self.recent_keys.to(dtype_k), self.new_keys], [self.recent_values.to(dtype_v), self.new_values]
+        if with_sinks:
+            keys.insert(0, self.sink_keys.to(dtype_k))
+            values.insert(0, self.sink_values.to(dtype_v))
+        return torch.cat(keys, dim=-2), torch.cat(values, dim=-2)
 
     def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Float keys and values [B, H, length, D]: the coded part decoded (the reference path)."""
