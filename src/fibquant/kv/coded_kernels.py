@@ -57,7 +57,8 @@ runs the torch reference with a one-time warning, never a wrong result.
 Fused decode attention (`coded_decode_attention`, flash-decoding on codes; Triton on CUDA, the
 torch reference `coded_decode_attention_reference` elsewhere) returns the coded part's output
 and log-sum-exp per query row; `merge_lse` merges it exactly with the exact columns' part
-(`attention_with_lse`). See docs/gpu.md.
+(`attention_with_lse`). Its paged variant (`coded_decode_attention_paged`) reads vLLM's pages in
+place through the block tables (the plugin's backend on CUDA). See docs/gpu.md.
 
 Modules: `coded_reference` (argument checks and the torch reference), `coded_numba` (the kernels),
 `coded_numba_tables` (their jitted helpers), `coded_intrinsics` (the vector intrinsics),
@@ -74,8 +75,9 @@ import torch
 
 from .._numba import numba_available, run_split
 from .coded_numba import _MODE_BYTES, _MODE_FIELDS
-from .coded_reference import (BACKENDS, _check_backend, _validate_decode, _validate_scores, _validate_weighted_sum,
-                              attention_with_lse, coded_decode_attention_reference, coded_scores_reference,
+from .coded_reference import (BACKENDS, _check_backend, _validate_decode, _validate_paged, _validate_scores,
+                              _validate_weighted_sum, attention_with_lse, coded_decode_attention_paged_reference,
+                              coded_decode_attention_reference, coded_scores_reference,
                               coded_weighted_sum_reference, merge_lse)
 
 _MIN_WORK_PER_THREAD = 1 << 16  # token-positions per unit below which threads do not pay
@@ -88,6 +90,8 @@ __all__ = [
     "coded_weighted_sum_reference",
     "coded_decode_attention",
     "coded_decode_attention_reference",
+    "coded_decode_attention_paged",
+    "coded_decode_attention_paged_reference",
     "attention_with_lse",
     "merge_lse",
     "numba_available",
@@ -344,5 +348,60 @@ def coded_decode_attention(queries: torch.Tensor, key_codes: torch.Tensor, value
                            lambda: _triton_probe()[0].decode_attention(queries, key_codes, value_codes,
                                                                        key_codewords, value_codewords, key_bits,
                                                                        value_bits, bias, value_dim, splits=splits),
+                           reference)
+    return reference()
+
+
+def coded_decode_attention_paged(queries: torch.Tensor, pages: torch.Tensor, block_tables: torch.Tensor,
+                                 context_lens, key_codewords: torch.Tensor, value_codewords: torch.Tensor,
+                                 key_bits: int, value_bits: int, key_bytes: int, *, context_starts=None,
+                                 value_dim: Optional[int] = None, max_context: Optional[int] = None,
+                                 backend: str = "auto", splits: Optional[int] = None
+                                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`coded_decode_attention` over paged codes (vLLM's KV pages), read in place through block tables.
+
+    queries       float32 [R, Hq, Q, D]: rotated by the key codec and scaled (as in `coded_decode_attention`);
+                  R requests with Q query tokens each (decode: Q = 1; a prefill chunk: one request)
+    pages         uint8 [num_blocks, Hkv, block_size, slot_bytes], any strides with each slot's bytes
+                  contiguous (the vLLM backend's `_pages` view of token-major LBNHC pages); a slot holds
+                  [key code][value code][pad], the value code at byte `key_bytes`
+    block_tables  int32/int64 [R, max_blocks]: position p of request r is slot p % block_size of page
+                  block_tables[r, p // block_size]; entries past a request's last position are never read
+    context_lens  [R] ints or int tensor: one past the last coded position of each request
+    context_starts None (0), an int or [R]: the first coded position (e.g. after exact sink tokens);
+                  request r attends to its coded positions [context_starts[r], context_lens[r])
+    max_context   optional bound on context_lens - context_starts (sizes the split count without a
+                  device sync when the lengths are device tensors; default: exact from host lengths, else
+                  max_blocks x block_size)
+    -> (out float32 [R, Hq, Q, Dv] rotated by the value codec, normalised over each request's coded
+        tokens; lse float32 [R, Hq, Q]); a request with no coded token: out = 0, lse = -inf.
+
+    Every query token of a request sees all its coded positions (they are older than its exact
+    tokens): no bias. backend as in `coded_decode_attention` (triton for CUDA tensors when it imports;
+    the torch reference `coded_decode_attention_paged_reference`, which gathers, elsewhere).
+    """
+    key_size, value_size, value_dim, longest, starts, stops = _validate_paged(
+        queries, pages, block_tables, context_lens, context_starts, key_codewords, value_codewords, key_bits,
+        value_bits, key_bytes, value_dim)
+    if max_context is not None:
+        if not isinstance(max_context, int) or isinstance(max_context, bool) or max_context < 0:
+            raise ValueError(f"max_context must be a non-negative integer or None, got {max_context!r}")
+        longest = max_context
+    if splits is not None and (not isinstance(splits, int) or isinstance(splits, bool) or splits < 1):
+        raise ValueError(f"splits must be a positive integer or None, got {splits!r}")
+    tensors = (queries, pages, block_tables, key_codewords, value_codewords)
+    choice = _select(backend, tensors, ((queries.shape[-1], key_bits), (value_dim, value_bits)), fused=True)
+
+    def reference():
+        return coded_decode_attention_paged_reference(queries, pages, block_tables, stops, key_codewords,
+                                                      value_codewords, key_bits, value_bits, key_bytes,
+                                                      context_starts=starts, value_dim=value_dim)
+
+    if choice == "triton":
+        return _run_triton(backend, "coded_decode_attention_paged",
+                           lambda: _triton_probe()[0].paged_decode_attention(
+                               queries, pages, block_tables, starts, stops, key_codewords, value_codewords,
+                               key_bits, value_bits, key_bytes, key_size, value_size, value_dim, longest,
+                               splits=splits),
                            reference)
     return reference()

@@ -282,3 +282,104 @@ def coded_decode_attention_reference(queries: torch.Tensor, key_codes: torch.Ten
     keys = _decoded_rotated(key_codes, key_codewords, key_bits, key_blocks)
     values = _decoded_rotated(value_codes, value_codewords, value_bits, value_blocks)
     return attention_with_lse(queries, keys, values, bias)
+
+
+# --------------------------------------------------------------------------- paged (vLLM) decode attention
+def _validate_paged(queries, pages, block_tables, context_lens, context_starts, key_codewords, value_codewords,
+                    key_bits, value_bits, key_bytes, value_dim) -> tuple[int, int, int, int, torch.Tensor,
+                                                                         torch.Tensor]:
+    """Checks of `coded_decode_attention_paged` -> (key code size, value code size, Dv, max coded tokens,
+    starts int32 [R], stops int32 [R] on the pages' device)."""
+    _check_float4(queries, "queries", "[R, Hq, Q, D]")
+    if not isinstance(pages, torch.Tensor) or pages.dtype != torch.uint8 or pages.ndim != 4:
+        raise ValueError("pages must be a uint8 tensor [num_blocks, Hkv, block_size, slot_bytes], got "
+                         + (f"{pages.dtype} {tuple(pages.shape)}" if isinstance(pages, torch.Tensor)
+                            else type(pages).__name__))
+    if pages.shape[-1] > 1 and pages.stride(-1) != 1:
+        raise ValueError("pages must hold each slot's bytes contiguously (stride 1 in the last dimension)")
+    _check_device(queries, pages, "queries")
+    _, k_key = _check_codebook(key_codewords, key_bits)
+    _, k_value = _check_codebook(value_codewords, value_bits)
+    batch, q_heads, _, dim = queries.shape
+    _, kv_heads, block_size, slot_bytes = pages.shape
+    if kv_heads < 1 or q_heads % kv_heads:
+        raise ValueError(f"{q_heads} query heads are not a multiple of {kv_heads} KV heads")
+    if block_size < 1:
+        raise ValueError("pages have block_size 0")
+    if dim % k_key:
+        raise ValueError(f"query dim D={dim} is not a multiple of the key codeword size k={k_key}")
+    key_size = NORM_BYTES + packed_size(dim // k_key, key_bits)
+    value_dim = dim if value_dim is None else value_dim
+    if not _is_int(value_dim) or value_dim < 1 or value_dim % k_value:
+        raise ValueError(f"value_dim must be a positive multiple of the value codeword size k={k_value}, "
+                         f"got {value_dim!r}")
+    value_size = NORM_BYTES + packed_size(value_dim // k_value, value_bits)
+    if not _is_int(key_bytes) or key_bytes < key_size or key_bytes + value_size > slot_bytes:
+        raise ValueError(f"key_bytes={key_bytes!r}: the key code ({key_size} bytes) must fit before it and the "
+                         f"value code ({value_size} bytes) after it in a slot of {slot_bytes} bytes")
+    if not isinstance(block_tables, torch.Tensor) or block_tables.ndim != 2 or block_tables.shape[0] != batch \
+            or block_tables.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"block_tables must be an int32/int64 tensor [R={batch}, max_blocks], got "
+                         + (f"{block_tables.dtype} {tuple(block_tables.shape)}"
+                            if isinstance(block_tables, torch.Tensor) else type(block_tables).__name__))
+    _check_device(block_tables, pages, "block_tables")
+
+    def positions(value, name):
+        if isinstance(value, torch.Tensor):
+            if value.shape != (batch,) or value.dtype.is_floating_point or value.dtype == torch.bool:
+                raise ValueError(f"{name} must be an integer tensor [R={batch}], got {value.dtype} {tuple(value.shape)}")
+            host = value.detach().to("cpu").tolist() if value.device.type == "cpu" else None
+            return value.detach().to(device=pages.device, dtype=torch.int32), host
+        if _is_int(value):
+            value = [value] * batch
+        value = list(value)
+        if len(value) != batch or not all(_is_int(v) for v in value):
+            raise ValueError(f"{name} must be {batch} integers (or a tensor [R])")
+        return torch.tensor(value, dtype=torch.int32, device=pages.device), value
+
+    stops, stop_list = positions(context_lens, "context_lens")
+    starts, start_list = positions(0 if context_starts is None else context_starts, "context_starts")
+    capacity = block_tables.shape[1] * block_size
+    if stop_list is not None and start_list is not None:
+        if any(a < 0 or b > capacity for a, b in zip(start_list, stop_list)):
+            raise ValueError(f"coded positions [context_starts, context_lens) must lie in [0, {capacity}) "
+                             f"(max_blocks x block_size); got starts {start_list}, lens {stop_list}")
+        longest = max([b - a for a, b in zip(start_list, stop_list)] + [0])
+    else:  # device tensors: no sync here, the block table's capacity bounds every length
+        longest = capacity
+    return key_size, value_size, value_dim, longest, starts, stops
+
+
+def gather_paged_codes(pages: torch.Tensor, block_tables: torch.Tensor, request: int, start: int, stop: int,
+                       key_bytes: int, key_size: int, value_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key and value codes [1, Hkv, stop - start, C] of positions [start, stop) of one request:
+    position p is slot p % block_size of page block_tables[request, p // block_size]."""
+    block_size = pages.shape[2]
+    positions = torch.arange(start, stop, device=pages.device)
+    blocks = block_tables[request].to(torch.long)[positions // block_size]
+    rows = pages[blocks, :, positions % block_size]                      # [L, Hkv, slot]
+    rows = rows.permute(1, 0, 2).unsqueeze(0)
+    return rows[..., :key_size], rows[..., key_bytes:key_bytes + value_size]
+
+
+def coded_decode_attention_paged_reference(queries: torch.Tensor, pages: torch.Tensor, block_tables: torch.Tensor,
+                                           context_lens, key_codewords: torch.Tensor, value_codewords: torch.Tensor,
+                                           key_bits: int, value_bits: int, key_bytes: int, *, context_starts=None,
+                                           value_dim: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The spec of `coded_kernels.coded_decode_attention_paged`: per request, gather its coded rows
+    through the block table (`gather_paged_codes`), then `coded_decode_attention_reference`."""
+    key_size, value_size, value_dim, _, starts, stops = _validate_paged(
+        queries, pages, block_tables, context_lens, context_starts, key_codewords, value_codewords, key_bits,
+        value_bits, key_bytes, value_dim)
+    batch, q_heads, n_q, _ = queries.shape
+    out = torch.zeros(batch, q_heads, n_q, value_dim, dtype=torch.float32, device=queries.device)
+    lse = torch.full((batch, q_heads, n_q), float("-inf"), dtype=torch.float32, device=queries.device)
+    for request, (start, stop) in enumerate(zip(starts.tolist(), stops.tolist())):
+        if stop <= start:
+            continue
+        key_codes, value_codes = gather_paged_codes(pages, block_tables, request, start, stop, key_bytes, key_size,
+                                                    value_size)
+        out[request], lse[request] = (t[0] for t in coded_decode_attention_reference(
+            queries[request:request + 1], key_codes, value_codes, key_codewords, value_codewords, key_bits,
+            value_bits, value_dim=value_dim))
+    return out, lse

@@ -252,6 +252,69 @@ def _decode_attention_kernel(q_ptr, kc_ptr, vc_ptr, kcw_ptr, vcw_ptr, bias_ptr, 
 
 
 @triton.jit
+def _paged_decode_attention_kernel(q_ptr, pages_ptr, table_ptr, start_ptr, stop_ptr, kcw_ptr, vcw_ptr,
+                                   acc_ptr, stat_ptr, bad_ptr,
+                                   n_kv_heads, groups, n_q, n_rows, n_splits, block_size, value_offset,
+                                   dim, dim_v, n_kcw, n_vcw, k_index_bytes, v_index_bytes,
+                                   sq0, sq1, sq2, sq3, sp0, sp1, sp2, st0, st1,
+                                   sa0, sa1, sa2, sa3, ss0, ss1, ss2, ss3,
+                                   KW: tl.constexpr, KK: tl.constexpr, KNB: tl.constexpr,
+                                   VW: tl.constexpr, VK: tl.constexpr, VNB: tl.constexpr,
+                                   DP: tl.constexpr, DVP: tl.constexpr,
+                                   CHECK_K: tl.constexpr, CHECK_V: tl.constexpr,
+                                   BQ: tl.constexpr, BM: tl.constexpr):
+    """`_decode_attention_kernel` over vLLM-style pages: program (request b, KV head h, tile of query
+    rows, split) reads the request's coded positions [start[b], stop[b]) in place, position p at
+    page table[b, p // block_size], slot p % block_size (byte offset page * sp0 + h * sp1 + slot * sp2;
+    key code at 0, value code at `value_offset`). The split's range is a share of the request's own
+    length (a short request's extra splits see nothing: m = -inf, l = 0)."""
+    bh = tl.program_id(0)
+    b = (bh // n_kv_heads).to(tl.int64)
+    h = (bh % n_kv_heads).to(tl.int64)
+    split = tl.program_id(2)
+    rows = tl.program_id(1) * BQ + tl.arange(0, BQ)
+    row_ok = rows < n_rows
+    head_q = h * groups + (rows // n_q).to(tl.int64)
+    token_q = (rows % n_q).to(tl.int64)
+    cols = tl.arange(0, DP)
+    q = tl.load(q_ptr + b * sq0 + head_q[:, None] * sq1 + token_q[:, None] * sq2 + cols[None, :] * sq3,
+                mask=row_ok[:, None] & (cols < dim)[None, :], other=0.0)
+    m_i = tl.full([BQ], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BQ], dtype=tl.float32)
+    acc = tl.zeros([BQ, DVP], dtype=tl.float32)
+    first_pos = tl.load(start_ptr + b).to(tl.int32)
+    last_pos = tl.load(stop_ptr + b).to(tl.int32)
+    n_tokens = tl.maximum(last_pos - first_pos, 0)
+    per_split = tl.cdiv(tl.cdiv(n_tokens, BM), n_splits) * BM
+    start = first_pos + split * per_split
+    stop = tl.minimum(start + per_split, last_pos)
+    for first in range(start, stop, BM):
+        tokens = first + tl.arange(0, BM)
+        tok_ok = tokens < stop
+        page = tl.load(table_ptr + b * st0 + (tokens // block_size).to(tl.int64) * st1, mask=tok_ok, other=0)
+        row_off = page.to(tl.int64) * sp0 + h * sp1 + (tokens % block_size).to(tl.int64) * sp2
+        keys = _decode_tile(pages_ptr, row_off, tok_ok, kcw_ptr, n_kcw, k_index_bytes, dim, bad_ptr,
+                            KW, KK, KNB, DP, BM, CHECK_K)
+        s = tl.dot(q, tl.trans(keys), input_precision="ieee")
+        s = tl.where(tok_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        vals = _decode_tile(pages_ptr + value_offset, row_off, tok_ok, vcw_ptr, n_vcw, v_index_bytes, dim_v,
+                            bad_ptr + 1, VW, VK, VNB, DVP, BM, CHECK_V)
+        acc = acc * alpha[:, None] + tl.dot(p, vals, input_precision="ieee")
+        m_i = m_new
+    cols_v = tl.arange(0, DVP)
+    base = split.to(tl.int64) * sa0 + b * sa1 + h * sa2 + rows[:, None].to(tl.int64) * sa3
+    tl.store(acc_ptr + base + cols_v[None, :], acc, mask=row_ok[:, None] & (cols_v < dim_v)[None, :])
+    stat = split.to(tl.int64) * ss0 + b * ss1 + h * ss2 + rows.to(tl.int64) * ss3
+    tl.store(stat_ptr + stat, m_i, mask=row_ok)
+    tl.store(stat_ptr + stat + 1, l_i, mask=row_ok)
+
+
+@triton.jit
 def _merge_splits_kernel(acc_ptr, stat_ptr, out_ptr, lse_ptr, n_splits, n_rows, dim_v, split_acc, split_stat,
                          DVP: tl.constexpr, BR: tl.constexpr):
     """Exact merge of the splits: acc [S, rows, Dv] (unnormalised), stat [S, rows, 2] (running max m_s,
@@ -450,4 +513,63 @@ def decode_attention(queries: torch.Tensor, key_codes: torch.Tensor, value_codes
             acc, stat, out, lse, splits, total_rows, value_dim, acc.stride(0), stat.stride(0),
             DVP=_pow2(value_dim, 16), BR=merge_rows, num_warps=4, num_stages=NUM_STAGES)
     # rows r = g * Q + t of KV head h are query head h * G + g, token t
+    return out.reshape(n_b, q_heads, n_q, value_dim), lse.reshape(n_b, q_heads, n_q)
+
+
+def _merge_splits(acc: torch.Tensor, stat: torch.Tensor, n_b: int, kv_heads: int, n_rows: int,
+                  value_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """acc [S, B, Hkv, rows, Dv], stat [S, B, Hkv, rows, 2] -> (out [B, Hkv, rows, Dv], lse [B, Hkv, rows])."""
+    device = acc.device
+    out = torch.empty(n_b, kv_heads, n_rows, value_dim, dtype=torch.float32, device=device)
+    lse = torch.empty(n_b, kv_heads, n_rows, dtype=torch.float32, device=device)
+    total_rows = n_b * kv_heads * n_rows
+    merge_rows = 16
+    with _launch_scope():
+        _merge_splits_kernel[(triton.cdiv(total_rows, merge_rows),)](
+            acc, stat, out, lse, acc.shape[0], total_rows, value_dim, acc.stride(0), stat.stride(0),
+            DVP=_pow2(value_dim, 16), BR=merge_rows, num_warps=4, num_stages=NUM_STAGES)
+    return out, lse
+
+
+def paged_decode_attention(queries: torch.Tensor, pages: torch.Tensor, block_tables: torch.Tensor,
+                           starts: torch.Tensor, stops: torch.Tensor, key_codewords: torch.Tensor,
+                           value_codewords: torch.Tensor, key_bits: int, value_bits: int, key_bytes: int,
+                           key_code_size: int, value_code_size: int, value_dim: int, max_tokens: int,
+                           splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """coded_decode_attention_paged on Triton (inputs validated by coded_kernels): queries [R, Hq, Q, D],
+    pages uint8 [num_blocks, Hkv, block_size, slot_bytes] (any strides, a slot's bytes contiguous),
+    block_tables int [R, max_blocks], starts/stops int32 [R] (coded positions [start, stop) of each request),
+    max_tokens >= every stop - start (only sizes the split count)
+    -> (out float32 [R, Hq, Q, Dv] rotated, normalised over each request's coded tokens; lse [R, Hq, Q])."""
+    n_b, q_heads, n_q, dim = queries.shape
+    kv_heads, block_size = pages.shape[1], pages.shape[2]
+    groups = q_heads // kv_heads
+    device = pages.device
+    if max_tokens <= 0 or n_b * q_heads * n_q == 0:
+        return (torch.zeros(n_b, q_heads, n_q, value_dim, dtype=torch.float32, device=device),
+                torch.full((n_b, q_heads, n_q), float("-inf"), dtype=torch.float32, device=device))
+    queries = queries.detach()
+    key_codewords = key_codewords.detach().to(device).contiguous()
+    value_codewords = value_codewords.detach().to(device).contiguous()
+    (n_kcw, k_key), (n_vcw, k_value) = key_codewords.shape, value_codewords.shape
+    check_k, check_v = n_kcw != 1 << key_bits, n_vcw != 1 << value_bits
+    n_rows = groups * n_q
+    bq, bm = _tiles(n_rows, max(dim, value_dim))
+    row_tiles, n_tiles = triton.cdiv(n_rows, bq), triton.cdiv(max_tokens, bm)
+    splits = _auto_splits(device, n_b * kv_heads * row_tiles, n_tiles) if splits is None else min(splits, n_tiles)
+    acc = torch.empty(splits, n_b, kv_heads, n_rows, value_dim, dtype=torch.float32, device=device)
+    stat = torch.empty(splits, n_b, kv_heads, n_rows, 2, dtype=torch.float32, device=device)
+    bad = torch.zeros(2, dtype=torch.int32, device=device) if check_k or check_v else stat  # never written
+    with _launch_scope():
+        _paged_decode_attention_kernel[(n_b * kv_heads, row_tiles, splits)](
+            queries, pages.detach(), block_tables, starts, stops, key_codewords, value_codewords, acc, stat, bad,
+            kv_heads, groups, n_q, n_rows, splits, block_size, key_bytes, dim, value_dim, n_kcw, n_vcw,
+            key_code_size - 2, value_code_size - 2,
+            *queries.stride(), *pages.stride()[:3], *block_tables.stride(), *acc.stride()[:4], *stat.stride()[:4],
+            KW=key_bits, KK=k_key, KNB=_field_bytes(key_bits), VW=value_bits, VK=k_value,
+            VNB=_field_bytes(value_bits), DP=_pow2(dim, 16), DVP=_pow2(value_dim, 16),
+            CHECK_K=check_k, CHECK_V=check_v, BQ=bq, BM=bm, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    if check_k or check_v:
+        _check_bad(bad, (n_kcw, n_vcw), (key_bits, value_bits))
+    out, lse = _merge_splits(acc, stat, n_b, kv_heads, n_rows, value_dim)
     return out.reshape(n_b, q_heads, n_q, value_dim), lse.reshape(n_b, q_heads, n_q)
