@@ -51,6 +51,7 @@ from fibquant.codecs.fibquant import FibQuantCodec  # noqa: E402
 from fibquant.codecs.turboquant import TurboQuantCodec  # noqa: E402
 from fibquant.kv import coded_kernels as ck  # noqa: E402
 from fibquant.kv.coded_kernels import (attention_with_lse, coded_decode_attention,  # noqa: E402
+                                       coded_decode_attention_paged, coded_decode_attention_paged_reference,
                                        coded_decode_attention_reference, coded_scores, coded_scores_reference,
                                        coded_weighted_sum, coded_weighted_sum_reference, merge_lse)
 from fibquant.kv.coded_reference import _decoded_rotated  # noqa: E402
@@ -321,6 +322,100 @@ def test_fused_path_reproduces_attend_codes(tokens):
     query = torch.randn(2, 4, tokens, 64, generator=gen).to(DEVICE)
     expected = attend_codes(query, kv, None, 64 ** -0.5).transpose(1, 2)  # -> [B, Hq, T, Dv]
     assert_out_close(_fused_attend(query, kv, 64 ** -0.5), expected)
+
+
+# --------------------------------------------------------------------------- paged (vLLM pages)
+def _paged_inputs(lens, starts, key_cfg, value_cfg, token_major=True, kv_heads=2, groups=2, n_q=1, block=8,
+                  n_blocks=14, seed=100):
+    """Dense per-request codes [1, Hkv, L_r, C] scattered into pages over a scrambled block table.
+    -> (queries, pages [num_blocks, Hkv, block, slot] view, tables int32 [R, max_blocks], key codes per
+    request, value codes per request, key codewords, value codewords, key_bytes)."""
+    dim = 64
+    (k_k, k_bits, k_n), (v_k, v_bits, v_n) = key_cfg, value_cfg
+    gen = torch.Generator().manual_seed(seed)
+    max_blocks = max(-(-n // block) for n in lens) + 1
+    order = torch.randperm(n_blocks, generator=gen)
+    tables = torch.full((len(lens), max_blocks), n_blocks + 50, dtype=torch.int32)  # stale ids past the end
+    used = 0
+    for r, n in enumerate(lens):
+        count = -(-n // block)
+        tables[r, :count] = order[used:used + count].to(torch.int32)
+        used += count
+    assert used <= n_blocks
+    key_codes, key_cw = random_codes((len(lens), kv_heads, max(lens)), dim, k_k, k_bits, k_n, seed=seed + 1)
+    value_codes, value_cw = random_codes((len(lens), kv_heads, max(lens)), dim, v_k, v_bits, v_n, seed=seed + 2)
+    key_size, value_size = key_codes.shape[-1], value_codes.shape[-1]
+    key_bytes = key_size + 1  # a gap before the value code: the offset is honoured, not assumed
+    slot = key_bytes + value_size + 1
+    # garbage everywhere a request does not own: a read outside its slots shows in the result
+    noise = torch.randint(0, 256, (n_blocks, block, kv_heads, slot), generator=gen, dtype=torch.uint8)
+    if token_major:   # vLLM's LBNHC pages: [blocks, block, Hkv, slot] viewed as [blocks, Hkv, block, slot]
+        pages = noise.to(DEVICE).permute(0, 2, 1, 3)
+    else:
+        pages = noise.permute(0, 2, 1, 3).contiguous().to(DEVICE)
+    for r, n in enumerate(lens):
+        for p in range(n):
+            page, row = int(tables[r, p // block]), p % block
+            pages[page, :, row, :key_size] = key_codes[r, :, p]
+            pages[page, :, row, key_bytes:key_bytes + value_size] = value_codes[r, :, p]
+    queries = randn(len(lens), kv_heads * groups, n_q, dim, seed=seed + 3) * 0.5
+    return queries, pages, tables.to(DEVICE), key_codes, value_codes, key_cw, value_cw, key_bytes
+
+
+@pytest.mark.parametrize("key_cfg,value_cfg,token_major,n_q,splits", [
+    ((4, 8, 256), (1, 3, 8), True, 1, None),      # FibQuant-like 8-bit keys, TurboQuant-like 3-bit values
+    ((4, 12, 3000), (2, 8, 256), True, 2, 3),      # 12-bit indices (N < 2^12: index checks on)
+    ((2, 8, 256), (4, 12, 4096), False, 1, 1),     # head-major pages, one split
+])
+def test_paged_decode_attention_matches_reference(key_cfg, value_cfg, token_major, n_q, splits):
+    """Four requests (37, 0, 5, 20 earlier tokens; the first 3 and 2 of two of them exact sinks, not
+    read) on scattered blocks of one page pool, GQA 4/2: == the dense reference on each request's codes,
+    and == the paged torch reference; the request with no coded token gives out 0, lse -inf."""
+    lens, starts = [37, 0, 5, 20], [3, 0, 0, 2]
+    queries, pages, tables, key_codes, value_codes, key_cw, value_cw, key_bytes = _paged_inputs(
+        lens, starts, key_cfg, value_cfg, token_major, n_q=n_q)
+    k_bits, v_bits = key_cfg[1], value_cfg[1]
+    out, lse = coded_decode_attention_paged(queries, pages, tables, lens, key_cw, value_cw, k_bits, v_bits,
+                                            key_bytes, context_starts=starts, backend="triton", splits=splits)
+    assert out.shape == (4, 4, n_q, 64) and lse.shape == (4, 4, n_q)
+    ref_out, ref_lse = coded_decode_attention_paged_reference(queries, pages, tables, lens, key_cw, value_cw,
+                                                              k_bits, v_bits, key_bytes, context_starts=starts)
+    assert_out_close(out, ref_out)
+    assert_lse_close(lse, ref_lse)
+    for r, (start, stop) in enumerate(zip(starts, lens)):
+        if stop == start:
+            assert torch.isneginf(lse[r]).all() and torch.equal(out[r], torch.zeros_like(out[r]))
+            continue
+        dense_out, dense_lse = coded_decode_attention_reference(
+            queries[r:r + 1], key_codes[r:r + 1, :, start:stop], value_codes[r:r + 1, :, start:stop], key_cw,
+            value_cw, k_bits, v_bits)
+        assert_out_close(out[r:r + 1], dense_out)
+        assert_lse_close(lse[r:r + 1], dense_lse)
+
+
+def test_paged_decode_attention_device_lengths_and_errors():
+    """Lengths as int tensors (no host copy: splits sized by max_context), a prefill-shaped call
+    (Q = 5 tokens of one request), and argument errors."""
+    queries, pages, tables, key_codes, value_codes, key_cw, value_cw, key_bytes = _paged_inputs(
+        [30], [0], (4, 8, 256), (4, 8, 256), n_q=5, seed=110)
+    lens = torch.tensor([30], dtype=torch.int32, device=DEVICE)
+    out, lse = coded_decode_attention_paged(queries, pages, tables, lens, key_cw, value_cw, 8, 8, key_bytes,
+                                            max_context=30, backend="triton")
+    dense_out, dense_lse = coded_decode_attention_reference(queries, key_codes, value_codes, key_cw, value_cw, 8, 8)
+    assert_out_close(out, dense_out)
+    assert_lse_close(lse, dense_lse)
+    with pytest.raises(ValueError, match="key_bytes"):
+        coded_decode_attention_paged(queries, pages, tables, [30], key_cw, value_cw, 8, 8, pages.shape[-1] - 3)
+    with pytest.raises(ValueError, match="context_lens"):
+        coded_decode_attention_paged(queries, pages, tables, [30, 2], key_cw, value_cw, 8, 8, key_bytes)
+    with pytest.raises(ValueError, match="must lie in"):
+        coded_decode_attention_paged(queries, pages, tables, [tables.shape[1] * 8 + 1], key_cw, value_cw, 8, 8,
+                                     key_bytes)
+    with pytest.raises(ValueError, match="block_tables"):
+        coded_decode_attention_paged(queries, pages, tables.float(), [30], key_cw, value_cw, 8, 8, key_bytes)
+    with pytest.raises(ValueError, match="index"):
+        coded_decode_attention_paged(queries, pages, tables, [30], key_cw[:200].contiguous(), value_cw, 8, 8,
+                                     key_bytes, backend="triton")
 
 
 # --------------------------------------------------------------------------- dispatch and errors
