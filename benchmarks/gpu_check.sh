@@ -5,7 +5,8 @@
 #      against the torch reference, plus the 8k-context peak-memory check), tests/test_coded_kernels.py;
 #   2. per-layer decode attention at 8k and 32k tokens, Llama-8B-shaped (head_dim 128, 8 KV heads,
 #      32 query heads, random data): FibQuant 4-bit and 2-bit through the fused Triton kernel vs
-#      bf16 SDPA, with peak-memory deltas (benchmarks/gpu_decode_attention.py -> JSON);
+#      bf16 SDPA, with peak-memory deltas, and the same codes in vLLM-style token-major pages read
+#      through scrambled block tables by the paged kernel (benchmarks/gpu_decode_attention.py -> JSON);
 #   3. only with FIBQUANT_GPU_FULL=1 (longer): the whole test suite and the end-to-end decode-speed
 #      benchmark on CUDA at 1k-8k tokens.
 # Needs torch with CUDA and triton (pip install 'fibquant[gpu]') in $PYTHON; without triton the
@@ -38,7 +39,7 @@ timeout "${GPU_TEST_TIMEOUT:-300}" $PY -m pytest -q -p no:cacheprovider "${MARK[
     | tee "$OUT_DIR/gpu_tests.log" | tail -25
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 
-timeout "${GPU_BENCH_TIMEOUT:-150}" $PY benchmarks/gpu_decode_attention.py --device cuda \
+timeout "${GPU_BENCH_TIMEOUT:-200}" $PY benchmarks/gpu_decode_attention.py --device cuda \
     --contexts ${GPU_ATTN_CONTEXTS:-8192 32768} --codecs fibquant4 fibquant2 --reference --out "$OUT_DIR" \
     2>&1 | tee "$OUT_DIR/gpu_decode_attention.log"
 [ "${PIPESTATUS[0]}" = 0 ] || status=1

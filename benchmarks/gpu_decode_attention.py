@@ -12,6 +12,10 @@ Variants, each timed as the median of --repeats after --warmup calls (CUDA event
                     enable_gqa=True (no repeated K/V)
     <codec>-fused   fibquant.kv.coded_kernels.coded_decode_attention (backend "triton"): rotate the
                     query, fused kernel -> (out, lse), un-rotate: the whole coded part of a layer
+    <codec>-paged   fibquant.kv.coded_kernels.coded_decode_attention_paged (backend "triton"): the same
+                    codes in vLLM-style token-major pages ([blocks, --block-size, 8, slot] bytes, slot =
+                    key code + value code + pad), one scrambled block table row per request, read in
+                    place (what the vLLM backend runs on CUDA); --no-paged skips it
     <codec>-ref     the torch reference of the same function (decodes every code row to float32
                     [B, 8, M, 128] first), only with --reference
 
@@ -58,6 +62,22 @@ def random_codes(codec: FibQuantCodec, shape: tuple[int, ...], device, gen) -> t
     return torch.cat([float16_to_bytes(norms), pack_bits(index, codec.config.index_bits)], dim=-1).to(device)
 
 
+def paged_layout(key_codes: torch.Tensor, value_codes: torch.Tensor, block_size: int, device, gen):
+    """Codes [B, Hkv, M, C] -> (pages uint8 [blocks, Hkv, block_size, slot], a token-major (LBNHC) view as
+    the vLLM backend's _pages; block_tables int32 [B, ceil(M / block_size)] over a random permutation of
+    the blocks; the value code's offset in a slot)."""
+    batch, heads, tokens, key_size = key_codes.shape
+    per_request = -(-tokens // block_size)
+    both = torch.cat([key_codes, value_codes], dim=-1).permute(0, 2, 1, 3)     # [B, M, Hkv, Ck + Cv]
+    slot = both.shape[-1] + both.shape[-1] % 2
+    padded = torch.zeros(batch, per_request * block_size, heads, both.shape[-1], dtype=torch.uint8, device=device)
+    padded[:, :tokens] = both
+    tables = torch.randperm(batch * per_request, generator=gen).view(batch, per_request).to(device, torch.int32)
+    buffer = torch.zeros(batch * per_request, block_size, heads, slot, dtype=torch.uint8, device=device)
+    buffer[tables.flatten().long(), :, :, : both.shape[-1]] = padded.reshape(-1, block_size, heads, both.shape[-1])
+    return buffer.permute(0, 2, 1, 3), tables, key_size
+
+
 def measure(fn, device: torch.device, repeats: int, warmup: int) -> tuple[float, int | None]:
     """(median milliseconds, peak bytes allocated above the starting level) of fn()."""
     for _ in range(warmup):
@@ -98,6 +118,8 @@ def main(argv=None) -> int:
     parser.add_argument("--query-tokens", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per page of the paged variant")
+    parser.add_argument("--no-paged", action="store_true", help="skip the paged (vLLM pages) variant")
     parser.add_argument("--reference", action="store_true", help="also time the torch reference (decodes all)")
     parser.add_argument("--out", default=None, help="results folder (default $FIBQUANT_RESULTS_DIR or ./results)")
     args = parser.parse_args(argv)
@@ -114,7 +136,7 @@ def main(argv=None) -> int:
     info = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
             "torch": torch.__version__, "triton": __import__("triton").__version__, "interpreted": interpreted,
             "batch": b, "q_heads": hq, "kv_heads": hkv, "head_dim": d, "query_tokens": t,
-            "repeats": args.repeats, "warmup": args.warmup}
+            "repeats": args.repeats, "warmup": args.warmup, "block_size": args.block_size}
     print(json.dumps(info))
     if interpreted:
         print("NOTE: Triton interpreter: timings are of the Python interpreter, not of a kernel")
@@ -162,6 +184,25 @@ def main(argv=None) -> int:
             rows.append({"context": m, "variant": f"{name}-fused", "k": codec.k, "n_codewords": codec.n_codewords,
                          "ms": ms, "peak_delta_bytes": peak, "kv_bytes": kv_bytes, "max_abs_err": err})
             print(f"M={m:6d} {label:18s} {ms:9.3f} ms  peak +{peak}  kv {kv_bytes}  max|err| {err:.2e}")
+            if not args.no_paged:
+                pages, tables, key_size = paged_layout(key_codes, value_codes, args.block_size, device, gen)
+                lens = [m] * b
+
+                def paged():
+                    q_rot = (query.to(torch.float32) @ forward) * scale
+                    out, lse = ck.coded_decode_attention_paged(q_rot, pages, tables, lens, book.codewords,
+                                                               book.codewords, book.index_bits, book.index_bits,
+                                                               key_size, backend="triton")
+                    return out @ forward.T, lse
+
+                err_paged = float((paged()[0] - expected[0]).abs().max())
+                ms, peak = measure(paged, device, args.repeats, args.warmup)
+                rows.append({"context": m, "variant": f"{name}-paged", "k": codec.k,
+                             "n_codewords": codec.n_codewords, "ms": ms, "peak_delta_bytes": peak,
+                             "kv_bytes": pages.numel(), "max_abs_err": err_paged})
+                print(f"M={m:6d} {name + '-paged':18s} {ms:9.3f} ms  peak +{peak}  pages {pages.numel()}  "
+                      f"max|err| {err_paged:.2e}")
+                del pages, tables
             if args.reference:
                 ms, peak = measure(reference, device, max(1, args.repeats // 5), min(args.warmup, 2))
                 rows.append({"context": m, "variant": f"{name}-ref", "k": codec.k, "n_codewords": codec.n_codewords,

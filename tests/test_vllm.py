@@ -188,7 +188,7 @@ def test_paged_codes_attention_equals_decoded_reference(monkeypatch, spec, sink_
 
 
 needs_interpreter = pytest.mark.skipif(
-    INTERPRETED_TRITON is None and not (HAVE_VLLM and __import__("torch").cuda.is_available()),
+    HAVE_VLLM and INTERPRETED_TRITON is None and not __import__("torch").cuda.is_available(),
     reason="needs triton importable under TRITON_INTERPRET=1 before vLLM imports it (or a CUDA GPU)")
 
 
