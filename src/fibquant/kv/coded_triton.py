@@ -18,6 +18,8 @@ of a capacity buffer is not copied; only a row whose bytes are not contiguous is
     weighted_sum(weights [B,H,Q,M], codes [B,H,M,C], codewords [N,k], W)  -> [B,H,Q,D]
     decode_attention(queries [B,Hq,Q,D], key_codes [B,Hkv,M,Ck], value_codes [B,Hkv,M,Cv], ...)
         -> (out [B,Hq,Q,Dv] rotated, normalised over the M coded columns; lse [B,Hq,Q])
+    paged_decode_attention(queries [R,Hq,Q,D], pages [blocks,Hkv,block_size,slot], block_tables [R,nb],
+                           starts [R], stops [R], ...) -> the same over vLLM-style pages, read in place
 
 `decode_attention` is flash-decoding on codes: the query rows of one KV head (Hq / Hkv heads x Q
 tokens, padded to a tile of >= 16 rows, so GQA never repeats keys) are scored against tiles of
