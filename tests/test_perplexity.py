@@ -10,7 +10,8 @@ from transformers import DynamicCache
 
 from fibquant.codecs.integer import IntCodec
 from fibquant.eval.methods import Method
-from fibquant.eval.perplexity import PerplexityConfig, perplexity_targets, run_perplexity, window_nll
+from fibquant.eval.perplexity import (PerplexityConfig, perplexity_targets, run_perplexity, window_nll,
+                                     window_stats)
 from fibquant.kv.cache import CompressedCache
 
 
@@ -26,6 +27,29 @@ def test_chunked_nll_equals_one_forward_pass():
     torch.testing.assert_close(window_nll(model, ids, exact_window, 8), reference, rtol=1e-4, atol=1e-4)
     lossy = window_nll(model, ids, CompressedCache(IntCodec(16, 2), IntCodec(16, 2), 1, 2), 8)
     assert not torch.allclose(lossy, reference, atol=1e-3)  # codes really are read back
+
+
+def test_kl_and_top1_against_the_uncompressed_distribution():
+    model = tiny_llama()
+    ids = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        reference = torch.log_softmax(model(ids).logits[:, :-1].float(), -1)
+    lossy = CompressedCache(IntCodec(16, 2), IntCodec(16, 2), 1, 2)
+    fp, coded = window_stats(model, ids, [DynamicCache(), lossy], 8, reference=0)
+    assert torch.equal(fp["kl"], torch.zeros_like(fp["kl"])) and bool(fp["top1"].all())
+    own = window_stats(model, ids, [CompressedCache(IntCodec(16, 2), IntCodec(16, 2), 1, 2)], 8,
+                       reference=DynamicCache())[0]  # the reference run alongside: same figures
+    torch.testing.assert_close(own["kl"], coded["kl"])
+    with torch.no_grad():  # the lossy cache's own distribution, recomputed chunk by chunk
+        again = CompressedCache(IntCodec(16, 2), IntCodec(16, 2), 1, 2)
+        logits = torch.cat([model(ids[:, s:s + 8], past_key_values=again, use_cache=True).logits for s in range(0, 40, 8)],
+                           dim=1)[:, :-1].float()
+    logp = torch.log_softmax(logits, -1)
+    expected = (reference.exp() * (reference - logp)).sum(-1)
+    torch.testing.assert_close(coded["kl"], expected.clamp_min(0.0), rtol=1e-4, atol=1e-6)
+    assert float(coded["kl"].mean()) > 1e-5  # 2-bit INT codes move the (near-uniform, random-weight) distribution
+    assert torch.equal(coded["top1"], logits.argmax(-1) == reference.argmax(-1))
+    assert "kl" not in window_stats(model, ids, [DynamicCache()], 8)[0]
 
 
 def test_config_errors():
@@ -69,6 +93,9 @@ def test_real_model_compressed_generation_and_short_perplexity(request):
     assert math.isfinite(fp) and 1.0 < fp < 200.0
     assert abs(rows["int:b=8"]["perplexity"] / fp - 1.0) < 0.01
     assert rows["int:b=2"]["perplexity"] > rows["int:b=8"]["perplexity"] * 1.01
+    assert rows["fp"]["kl"] == 0.0 and rows["fp"]["top1_agreement"] == 1.0
+    assert 0.0 < rows["int:b=8"]["kl"] < rows["int:b=2"]["kl"]
+    assert rows["int:b=2"]["top1_agreement"] < rows["int:b=8"]["top1_agreement"] <= 1.0
     assert rows["int:b=2"]["cache_bytes_per_token"] < rows["int:b=8"]["cache_bytes_per_token"] < \
         rows["fp"]["cache_bytes_per_token"]
 

@@ -220,7 +220,7 @@ def run(config: PeersConfig = PeersConfig(), caches=None, build_codebooks: bool 
         for r in part["rows"]:
             by_spec[r["spec"]].update({k: r.get(k) for k in (
                 "perplexity", "perplexity_change_pct", "perplexity_second_half", "second_half_change_pct",
-                "cache_bytes_per_token")})
+                "kl", "top1_agreement", "cache_bytes_per_token")})
         part["checks"] = perplexity_checks(part["rows"])
         parts["perplexity"] = part
     if "needle" in config.metrics:
@@ -308,7 +308,8 @@ def metric_columns(payload: dict, metric: str) -> list[tuple[str, str, str]]:
         cols = [("cosine", "attn cosine", ".4f"), ("cosine_worst_layer", "worst layer", ".4f")]
     elif metric == "perplexity":
         cols = [("cache_bytes_per_token", "cache B/token", ".0f"), ("perplexity", "perplexity", ".3f"),
-                ("perplexity_change_pct", "change %", "+.2f"), ("second_half_change_pct", "2nd half %", "+.2f")]
+                ("perplexity_change_pct", "change %", "+.2f"), ("second_half_change_pct", "2nd half %", "+.2f"),
+                ("kl", "KL vs fp (nats)", ".4f"), ("top1_agreement", "top-1 = fp", ".3f")]
     else:
         cols = [(f"needle_acc_{n}", f"acc {n}", ".2f") for n in payload["config"]["lengths"]]
         cols += [("needle_accuracy", "acc", ".3f"), ("needle_misses_vs_fp", "misses vs fp", "d")]

@@ -95,23 +95,43 @@ def cache_factory(method, model, config: PerplexityConfig):
 
 
 @torch.no_grad()
-def window_nll(model, ids: torch.Tensor, cache, chunk: int) -> torch.Tensor:
-    """Token NLLs [B, T-1] of windows ids [B, T] fed in chunks through `cache` (position i predicts i+1)."""
-    losses = []
+def window_stats(model, ids: torch.Tensor, caches: list, chunk: int, reference=None) -> list[dict]:
+    """Per-token statistics of windows ids [B, T] fed in chunks through each of `caches` (in step:
+    every cache sees the same chunk before the next one). Per cache a dict of [B, T-1] tensors
+    (position i predicts i+1): "nll"; with a `reference` (an index into `caches`, or another cache
+    run alongside, e.g. a DynamicCache), also "kl" = KL(p_reference || p_cache) of the next-token
+    distributions (nats) and "top1" = whether both put the same token first."""
+    runs = list(caches) + ([] if reference is None or isinstance(reference, int) else [reference])
+    index = reference if isinstance(reference, int) or reference is None else len(runs) - 1
+    stats = [{"nll": [], "kl": [], "top1": []} for _ in caches]
     length = ids.shape[1]
     for start in range(0, length, chunk):
         piece = ids[:, start: start + chunk]
-        logits = model(input_ids=piece, past_key_values=cache, use_cache=True).logits.float()
         targets = ids[:, start + 1: start + chunk + 1]
-        logits = logits[:, : targets.shape[1]]
-        losses.append(torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, reduction="none"))
-    return torch.cat(losses, dim=1)
+        logits = [model(input_ids=piece, past_key_values=cache, use_cache=True).logits.float()[:, : targets.shape[1]]
+                  for cache in runs]
+        reference_logp = None if index is None else torch.log_softmax(logits[index], dim=-1)
+        for own, out in zip(logits, stats):
+            out["nll"].append(torch.nn.functional.cross_entropy(own.transpose(1, 2), targets, reduction="none"))
+            if reference_logp is not None:
+                logp = torch.log_softmax(own, dim=-1)
+                out["kl"].append((reference_logp.exp() * (reference_logp - logp)).sum(-1).clamp_min_(0.0))
+                out["top1"].append(own.argmax(-1) == reference_logp.argmax(-1))
+    return [{name: torch.cat(parts, dim=1) for name, parts in out.items() if parts} for out in stats]
+
+
+def window_nll(model, ids: torch.Tensor, cache, chunk: int) -> torch.Tensor:
+    """Token NLLs [B, T-1] of windows ids [B, T] fed in chunks through `cache` (position i predicts i+1)."""
+    return window_stats(model, ids, [cache], chunk)[0]["nll"]
 
 
 def run_perplexity(model, tokenizer, methods: list, config: PerplexityConfig = PerplexityConfig(),
                    progress: bool = True) -> dict:
-    """Perplexity (all tokens and second half) of each method (Method, CacheSpec or spec string:
-    keys and values may differ, peers allowed); same windows for all."""
+    """Perplexity (all tokens and second half), KL divergence of the next-token distribution from
+    the uncompressed model's and top-1 agreement with it, of each method (Method, CacheSpec or spec
+    string: keys and values may differ, peers allowed); same windows for all, run in step."""
+    from transformers import DynamicCache
+
     from fibquant.eval.kv_report import text_tokens
     from fibquant.kv.model import describe_model
 
@@ -120,37 +140,49 @@ def run_perplexity(model, tokenizer, methods: list, config: PerplexityConfig = P
     batches = list(torch.split(windows, config.batch_size))
     head_dim = check_model_supported(model)["head_dim"]
     half = config.context // 2
-    rows = []
-    bar = tqdm(total=len(methods) * len(batches), desc="perplexity", disable=not progress)
-    for method in map(as_cache_spec, methods):
-        total, second, count, second_count, nbytes_per_token = 0.0, 0.0, 0, 0, None
-        bar.set_postfix_str(method.spec)
-        fresh_cache = cache_factory(method, model, config)
-        # A RoundTripCache (peers) stores floats: its bytes are counted in the peer's format.
-        format_bytes = (method.key_bytes(head_dim), method.value_bytes(head_dim))
-        for batch in batches:
-            cache = fresh_cache()
-            nll = window_nll(model, batch, cache, config.chunk)
-            total += float(nll.sum())
-            count += nll.numel()
-            second += float(nll[:, half - 1:].sum())  # predictions of tokens at positions >= half
-            second_count += nll[:, half - 1:].numel()
-            nbytes_per_token = cache_nbytes(cache, format_bytes) / (batch.shape[0] * config.context)
+    specs = [as_cache_spec(method) for method in methods]
+    factories = [cache_factory(spec, model, config) for spec in specs]
+    # The uncompressed model's distribution: an fp row's own cache where there is one, else a DynamicCache.
+    fp_index = next((i for i, spec in enumerate(specs) if spec.is_fp), None)
+    sums = [dict(nll=0.0, second=0.0, kl=0.0, top1=0.0, count=0, second_count=0, bytes=None) for _ in specs]
+    bar = tqdm(total=len(batches) * len(specs), desc="perplexity", disable=not progress)
+    for batch in batches:
+        caches = [fresh() for fresh in factories]
+        reference = fp_index if fp_index is not None else DynamicCache()
+        for spec, cache, stats, total in zip(specs, caches, window_stats(model, batch, caches, config.chunk, reference),
+                                             sums):
+            nll = stats["nll"]
+            total["nll"] += float(nll.sum())
+            total["count"] += nll.numel()
+            total["second"] += float(nll[:, half - 1:].sum())  # predictions of tokens at positions >= half
+            total["second_count"] += nll[:, half - 1:].numel()
+            total["kl"] += float(stats["kl"].double().sum())
+            total["top1"] += float(stats["top1"].sum())
+            # A RoundTripCache (peers) stores floats: its bytes are counted in the peer's format.
+            format_bytes = (spec.key_bytes(head_dim), spec.value_bytes(head_dim))
+            total["bytes"] = cache_nbytes(cache, format_bytes) / (batch.shape[0] * config.context)
             bar.update(1)
-        key_bytes, value_bytes = method.key_bytes(head_dim), method.value_bytes(head_dim)
-        rows.append({
-            "method": method.label(head_dim), "spec": method.spec, "family": method.family,
-            "bits_per_coordinate": method.bits_per_coordinate(head_dim),
-            "key_bytes_per_vector": key_bytes, "value_bytes_per_vector": value_bytes,
-            "code_bytes_per_vector": 0.5 * (key_bytes + value_bytes), "compression_ratio": method.codes_ratio(head_dim),
-            "peer": method.uses_peer,
-            "cache_bytes_per_token": nbytes_per_token,
-            "perplexity": math.exp(total / count), "perplexity_second_half": math.exp(second / second_count),
-            "nll": total / count, "predicted_tokens": count,
-        })
-        bar.write(f"{rows[-1]['method']}: perplexity {rows[-1]['perplexity']:.3f} "
-                  f"(second half {rows[-1]['perplexity_second_half']:.3f})")
     bar.close()
+    rows = []
+    for spec, total in zip(specs, sums):
+        key_bytes, value_bytes = spec.key_bytes(head_dim), spec.value_bytes(head_dim)
+        count = total["count"]
+        rows.append({
+            "method": spec.label(head_dim), "spec": spec.spec, "family": spec.family,
+            "bits_per_coordinate": spec.bits_per_coordinate(head_dim),
+            "key_bytes_per_vector": key_bytes, "value_bytes_per_vector": value_bytes,
+            "code_bytes_per_vector": 0.5 * (key_bytes + value_bytes), "compression_ratio": spec.codes_ratio(head_dim),
+            "peer": spec.uses_peer,
+            "cache_bytes_per_token": total["bytes"],
+            "perplexity": math.exp(total["nll"] / count),
+            "perplexity_second_half": math.exp(total["second"] / total["second_count"]),
+            "nll": total["nll"] / count, "predicted_tokens": count,
+            "kl": total["kl"] / count, "top1_agreement": total["top1"] / count,
+        })
+        if progress:
+            tqdm.write(f"{rows[-1]['method']}: perplexity {rows[-1]['perplexity']:.3f} "
+                       f"(second half {rows[-1]['perplexity_second_half']:.3f}), KL {rows[-1]['kl']:.4f} nats, "
+                       f"top-1 agreement {rows[-1]['top1_agreement']:.3f}")
     baseline = next((r for r in rows if is_reference(r["family"])), None)
     for row in rows:
         if baseline is not None:
@@ -164,6 +196,7 @@ def run_perplexity(model, tokenizer, methods: list, config: PerplexityConfig = P
         "context": config.context, "chunk": config.chunk, "windows": config.windows,
         "exact_window": {"sink_tokens": config.sink_tokens, "recent_tokens": config.recent_tokens},
         "attention": config.attention, "centre": config.centre,
+        "kl_reference": "the uncompressed model (DynamicCache, same windows and chunks)",
         "model_dtype": str(next(model.parameters()).dtype), "rows": rows,
     }
 
@@ -216,6 +249,8 @@ PERPLEXITY_COLUMNS = [
     ("perplexity_change_pct", "change %", "+.2f"),
     ("perplexity_second_half", "2nd half ppl", ".3f"),
     ("second_half_change_pct", "2nd half %", "+.2f"),
+    ("kl", "KL vs fp (nats)", ".4f"),
+    ("top1_agreement", "top-1 = fp", ".3f"),
 ]
 
 
