@@ -22,7 +22,8 @@ ONE torch thread (torch.set_num_threads(1); the numba search then runs on the ca
 FibQuant and TurboQuant in turn within each repeat, median of --repeats of this thread's CPU time.
 TurboQuant has integer rates only: a rate b is compared with TurboQuant at floor(b) and ceil(b)
 (the same b when b is an integer) and the ratio is taken against the faster of the two (the
-stricter figure). Each row also checks the FibQuant codes of the first 512 vectors against the
+stricter figure): `ratio` from the medians, `paired` the median of the per-repeat ratios (more
+robust on a loaded machine). Each row also checks the FibQuant codes of the first 512 vectors against the
 reference search. Writes encode_speed_rates.json (same directory rule).
 
     .venv/bin/python benchmarks/encode_speed.py --vs-turboquant [--dims 64,128] [--rates 1,1.5,...]
@@ -87,9 +88,9 @@ def vs_turboquant(args) -> int:
     torch.set_num_threads(1)
     rows = []
     print(f"Encode vectors/s, ONE torch thread (torch.set_num_threads(1)), batches of {args.batch}, "
-          f"median of {args.repeats} interleaved repeats (thread CPU time)")
+          f"median of {args.rate_repeats} interleaved repeats (thread CPU time)")
     print(f"{'d':>4} {'bits':>5} {'k':>3} {'N':>5} {'method':>9} {'FibQuant/s':>11} {'TQ bits':>8} {'TQ/s':>11} "
-          f"{'ratio':>6} {'ref':>4}")
+          f"{'ratio':>6} {'paired':>6} {'ref':>4}")
     for dim in (int(d) for d in args.dims.split(",")):
         x = torch.randn(args.batch, dim, generator=torch.Generator().manual_seed(dim))
         for bits in (float(b) for b in args.rates.split(",")):
@@ -100,29 +101,32 @@ def vs_turboquant(args) -> int:
             for codec in turbo.values():
                 codec.encode(x)
             fib_s, tq_s = [], {b: [] for b in tq_bits}
-            for _ in range(args.repeats):
+            for _ in range(args.rate_repeats):
                 fib_s.append(encode_seconds(fib, x, args.calls))
                 for b, codec in turbo.items():
                     tq_s[b].append(encode_seconds(codec, x, args.calls))
             fib_rate = args.batch / statistics.median(fib_s)
             tq_rate = {b: args.batch / statistics.median(v) for b, v in tq_s.items()}
             strict = max(tq_rate, key=tq_rate.get)
+            # Paired: TurboQuant's time / FibQuant's in the same repeat (neighbours' load hits both alike).
+            paired = statistics.median(t / f for t, f in zip(tq_s[strict], fib_s))
             fast = fib._numba_search(torch.device("cpu"))
             row = {"dim": dim, "bits": bits, "k": fib.k, "n_codewords": fib.n_codewords,
                    "method": fast.method if fast is not None else fib.search_method,
                    "fibquant_vectors_per_s": fib_rate,
                    "turboquant_vectors_per_s": {str(b): r for b, r in tq_rate.items()},
-                   "turboquant_bits_compared": strict, "ratio": fib_rate / tq_rate[strict],
+                   "turboquant_bits_compared": strict, "ratio": fib_rate / tq_rate[strict], "paired_ratio": paired,
                    "vectors_off_reference": reference_mismatches(fib, x, {"fibquant": codes})["fibquant"]}
             rows.append(row)
             print(f"{dim:>4} {bits:>5g} {fib.k:>3} {fib.n_codewords:>5} {row['method']:>9} {fib_rate:>11.0f} "
-                  f"{strict:>8} {tq_rate[strict]:>11.0f} {row['ratio']:>6.2f} {row['vectors_off_reference']:>4}",
+                  f"{strict:>8} {tq_rate[strict]:>11.0f} {row['ratio']:>6.2f} {paired:>6.2f} {row['vectors_off_reference']:>4}",
                   flush=True)
     out_dir = Path(args.out or os.environ.get("FIBQUANT_RESULTS_DIR", "results"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    meta = {"threads": torch.get_num_threads(), "batch": args.batch, "repeats": args.repeats, "calls": args.calls,
+    meta = {"threads": torch.get_num_threads(), "batch": args.batch, "repeats": args.rate_repeats, "calls": args.calls,
             "statistic": "median of thread CPU time per call; vectors/s = batch / that",
-            "ratio": "FibQuant / the faster TurboQuant among floor(bits), ceil(bits)",
+            "ratio": "FibQuant / the faster TurboQuant among floor(bits), ceil(bits) (medians of the repeats)",
+            "paired_ratio": "median over repeats of that TurboQuant's time / FibQuant's time in the same repeat",
             "torch": torch.__version__, "machine": platform.machine(), "cpu_count": os.cpu_count(),
             "load_average": os.getloadavg()}
     path = out_dir / "encode_speed_rates.json"
@@ -139,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rates", default=RATES)
     parser.add_argument("--batch", type=int, default=4096)
     parser.add_argument("--calls", type=int, default=2, help="encode calls per timed repeat (rates mode)")
+    parser.add_argument("--rate-repeats", type=int, default=11, help="repeats in rates mode")
     parser.add_argument("--sizes", default="1,16,512,4096")
     parser.add_argument("--configs", default=",".join(CONFIGS), help="k x N pairs, e.g. 2x256,4x4096")
     parser.add_argument("--repeats", type=int, default=7)

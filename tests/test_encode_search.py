@@ -81,8 +81,8 @@ def test_one_and_a_half_bits_search_like_the_reference():
 @pytest.mark.parametrize("dim,n", [(64, 256), (64, 1024), (64, 4096), (128, 4096)])
 def test_walk_on_faces_and_vertices_of_shipped_codebooks(dim, n):
     codewords = load_codebook(dim, 4, n).codewords
-    search = NumbaSearch(codewords, dim)
-    assert search.method == "walk" == choose_method(4, n)
+    search = NumbaSearch(codewords, dim, "walk")
+    assert choose_method(4, n) == ("grid" if n <= 256 else "walk")
     assert float(search.certified.float().mean()) > 0.99  # else the walk falls back to the full search
     blocks = face_blocks(search, 1500, seed=n + dim)
     assert torch.equal(search.indices(blocks).reshape(-1), reference_index(blocks, codewords))

@@ -187,7 +187,7 @@ def test_threads_give_the_same_indices():
 
 
 def test_choose_method_and_tree():
-    assert [choose_method(k, n) for k, n in SHIPPED] == ["grid", "grid", "walk", "walk", "walk", "brute", "brute",
+    assert [choose_method(k, n) for k, n in SHIPPED] == ["grid", "grid", "walk", "walk", "grid", "brute", "brute",
                                                           "brute", "brute"]
     points = random_codebook(3, 100, seed=1).numpy()
     lo, hi, child, bounds, pts, ids = build_tree(points, leaf=4)

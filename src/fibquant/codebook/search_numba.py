@@ -6,16 +6,20 @@ and writes index[row, block]. Distances are float64 sums of squared float64 diff
 reference's arithmetic; the sum order may differ from torch's, so a block whose best and
 second-best distances lie within a relative 1e-12 (a tie, or a near tie where rounding could
 decide) is flagged (flags[row, block] = 1) and left to the reference. A kernel returns the number
-of flagged blocks. Pruning (grid candidate lists, tree bounding boxes) keeps every codeword within
-that window of the best, so an unflagged block's index is the reference's.
+of flagged blocks. Pruning (grid candidate lists, tree bounding boxes, the walk's certified cells
+and face-distance stop) keeps every codeword within that window of the best, so an unflagged
+block's index is the reference's.
 
 With bits > 0 each row's indices are also bit-packed into codes[row, head:] (= `pack_bits`).
 
 Methods: `grid` (candidate lists of the box of a block, `grid_search.GridSearch`, stored compactly:
 box b's list is candidates[offsets[b]:offsets[b + 1]]), `tree` (a k-d
-tree with per-node bounding boxes, depth-first, nearer child first) and `brute` (all N, the
-distance loop running over codewords so that LLVM vectorises it; float32 distances screen, the
-float64 distances of the survivors decide).
+tree with per-node bounding boxes, depth-first, nearer child first), `walk` (a walk over the
+codebook's Delaunay graph to the certified Voronoi cell holding the block, `_walk_py`), `brute` (all
+N, the distance loop running over codewords so that LLVM vectorises it; float32 distances screen,
+the float64 distances of the survivors decide), `scan` (the same full search from float32 scores
+||c||^2 - 2 x.c computed per block, the many-blocks path for k <= 8) and `verify` (the decision
+after a BLAS score matrix).
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ SCREEN_ULPS = 8      # float32 screening slack: (2k + SCREEN_ULPS) float32 epsil
 GRID_OUTER = 1.5     # = grid_search.OUTER: the grid's boxes cover [-GRID_OUTER, GRID_OUTER]^k
 STACK = 128          # tree search stack (depth of a tree over <= 2^20 codewords is far below)
 WALK_STEPS = 64      # Delaunay walk: after this many moves the block takes the full search
+WALK_CHUNK = 4       # = fast_search.WALK_CHUNK: the walk's lists are padded to multiples of this
 WALK_SLACK = 1e-9    # Delaunay walk: slacks within +-WALK_SLACK (1 + ||x||^2 + max ||c||^2) use distances
 
 np = None            # numpy, bound by compile_kernels()
@@ -175,8 +180,9 @@ def _walk_py(u, k, origin, scale, lut, cells, guess, offsets, nbr, reach, table,
     codeword v (a neighbour w nearer: slack g(w) - g(v) < 0, g(c) = ||c||^2 / 2 - x.c, so that the
     slack is (||x - w||^2 - ||x - v||^2) / 2), move to the nearest such neighbour. v's neighbours are
     listed by their face distance reach = ||w - v|| / 2 (rounded down), ascending; with
-    r = ||x - v||, a face with reach > r has slack >= 2 reach (reach - r), so the scan stops at the
-    first face where that exceeds tau (all later faces are farther still).
+    r = ||x - v||, a face with reach > r has slack >= 2 reach (reach - r), so the scan stops after
+    the first chunk of WALK_CHUNK faces whose last one exceeds that (all later faces are farther
+    still; lists are padded to whole chunks by repeating their last entry with reach = inf).
 
     Where every slack exceeds tau at a certified v, x lies inside v's Voronoi cell (a certified cell
     is the intersection of its neighbours' half-spaces), clear of every face, and every codeword
@@ -229,17 +235,21 @@ def _walk_py(u, k, origin, scale, lut, cells, guess, offsets, nbr, reach, table,
                     r = np.sqrt(r2)
                     low = np.inf
                     arg = -1
-                    for t in range(offsets[cur], offsets[cur + 1]):
-                        reach_t = np.float64(reach[t])
+                    t0 = offsets[cur]
+                    t1 = offsets[cur + 1]
+                    while t0 < t1:  # WALK_CHUNK entries at a time (lists are padded), no branch inside
+                        for t in range(t0, t0 + WALK_CHUNK):
+                            w = nbr[t]
+                            g = table[w, k]
+                            for j in range(k):
+                                g -= x[j] * table[w, j]
+                            better = g < low
+                            low = g if better else low
+                            arg = w if better else arg
+                        reach_t = np.float64(reach[t0 + WALK_CHUNK - 1])
+                        t0 += WALK_CHUNK
                         if reach_t > r and 2.0 * reach_t * (reach_t - r) > tau:
                             break
-                        w = nbr[t]
-                        g = table[w, k]
-                        for j in range(k):
-                            g -= x[j] * table[w, j]
-                        if g < low:
-                            low = g
-                            arg = w
                     slack = low - g_cur
                     if slack > tau:
                         state = 1 if certified[cur] else 0
@@ -264,6 +274,8 @@ def _walk_py(u, k, origin, scale, lut, cells, guess, offsets, nbr, reach, table,
                 state = 0
                 for _ in range(WALK_STEPS):
                     for t in range(offsets[cur], offsets[cur + 1]):
+                        if reach[t] == np.inf:  # padding (a repeat of the list's last entry)
+                            continue
                         w = np.int64(nbr[t])
                         d = 0.0
                         for j in range(k):
