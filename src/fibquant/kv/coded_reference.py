@@ -327,7 +327,8 @@ def _validate_paged(queries, pages, block_tables, context_lens, context_starts, 
     def positions(value, name):
         if isinstance(value, torch.Tensor):
             if value.shape != (batch,) or value.dtype.is_floating_point or value.dtype == torch.bool:
-                raise ValueError(f"{name} must be an integer tensor [R={batch}], got {value.dtype} {tuple(value.shape)}")
+                raise ValueError(f"{name} must be an integer tensor [R={batch}], got {value.dtype} "
+                                 f"{tuple(value.shape)}")
             host = value.detach().to("cpu").tolist() if value.device.type == "cpu" else None
             return value.detach().to(device=pages.device, dtype=torch.int32), host
         if _is_int(value):

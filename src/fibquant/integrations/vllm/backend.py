@@ -348,7 +348,8 @@ class FibQuantAttentionImpl(AttentionImpl):
         rows = torch.tensor([starts[r] for r in requests], device=device)
         longest = max(pasts)
         mask = None
-        if min(pasts) < longest and not self._paged(pages):  # padding columns of shorter contexts: -inf; the own token: seen
+        # padding columns of shorter contexts: -inf; the own token: seen (the paged kernel needs no mask)
+        if min(pasts) < longest and not self._paged(pages):
             columns = torch.arange(longest + 1, device=device)
             hidden = (columns[None, :] >= torch.tensor(pasts, device=device)[:, None]) & (columns < longest)
             mask = torch.zeros(hidden.shape, device=device).masked_fill_(hidden, float("-inf"))[:, None, None]
