@@ -180,9 +180,10 @@ def _walk_py(u, k, origin, scale, lut, cells, guess, offsets, nbr, reach, table,
     codeword v (a neighbour w nearer: slack g(w) - g(v) < 0, g(c) = ||c||^2 / 2 - x.c, so that the
     slack is (||x - w||^2 - ||x - v||^2) / 2), move to the nearest such neighbour. v's neighbours are
     listed by their face distance reach = ||w - v|| / 2 (rounded down), ascending; with
-    r = ||x - v||, a face with reach > r has slack >= 2 reach (reach - r), so the scan stops after
-    the first chunk of WALK_CHUNK faces whose last one exceeds that (all later faces are farther
-    still; lists are padded to whole chunks by repeating their last entry with reach = inf).
+    r = ||x - v||, a face with reach > r has slack >= 2 reach (reach - r), so the scan (WALK_CHUNK
+    faces at a time) stops before the first chunk whose first face exceeds tau that way (all later
+    faces are farther still; lists are padded to whole chunks by repeating their last entry with
+    reach = inf). A block deep inside its start cell looks at no face at all.
 
     Where every slack exceeds tau at a certified v, x lies inside v's Voronoi cell (a certified cell
     is the intersection of its neighbours' half-spaces), clear of every face, and every codeword
@@ -238,6 +239,9 @@ def _walk_py(u, k, origin, scale, lut, cells, guess, offsets, nbr, reach, table,
                     t0 = offsets[cur]
                     t1 = offsets[cur + 1]
                     while t0 < t1:  # WALK_CHUNK entries at a time (lists are padded), no branch inside
+                        reach_t = np.float64(reach[t0])
+                        if reach_t > r and 2.0 * reach_t * (reach_t - r) > tau:
+                            break  # this face and all later ones are too far to be crossed
                         for t in range(t0, t0 + WALK_CHUNK):
                             w = nbr[t]
                             g = table[w, k]
@@ -246,10 +250,7 @@ def _walk_py(u, k, origin, scale, lut, cells, guess, offsets, nbr, reach, table,
                             better = g < low
                             low = g if better else low
                             arg = w if better else arg
-                        reach_t = np.float64(reach[t0 + WALK_CHUNK - 1])
                         t0 += WALK_CHUNK
-                        if reach_t > r and 2.0 * reach_t * (reach_t - r) > tau:
-                            break
                     slack = low - g_cur
                     if slack > tau:
                         state = 1 if certified[cur] else 0
