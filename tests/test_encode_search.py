@@ -117,3 +117,19 @@ def test_walk_property(k, n, seed, near_duplicates):
     blocks = torch.cat([face_blocks(search, 60, seed), torch.randn(60, k, generator=gen) * 0.3])
     assert torch.equal(search.indices(blocks).reshape(-1), reference_index(blocks, codewords))
     assert np.isfinite(search.table.numpy()).all()
+
+
+@pytest.mark.parametrize("dim,n", [(64, 256), (128, 4096)])
+def test_scan_on_codewords_and_midpoints(dim, n):
+    """k = 8 (the 1 and 1.5 bit defaults), enough blocks for the fused scan kernel: blocks on codewords
+    (float32 distances ~0, may round below 0), on midpoints of pairs (ties) and one float32 step beside."""
+    codewords = load_codebook(dim, 8, n).codewords
+    search = NumbaSearch(codewords, dim)
+    gen = torch.Generator().manual_seed(n)
+    pairs = torch.randint(0, n, (200, 2), generator=gen)
+    mid = 0.5 * (codewords[pairs[:, 0]] + codewords[pairs[:, 1]])
+    step = torch.randint(-1, 2, mid.shape, generator=gen).float()
+    blocks = torch.cat([codewords[:200], mid, torch.where(step == 0, mid, torch.nextafter(mid, step * float("inf"))),
+                        codewords[:50] * 3.0, torch.zeros(2, 8)]).contiguous()
+    assert len(blocks) >= 256
+    assert torch.equal(search.indices(blocks).reshape(-1), reference_index(blocks, codewords))

@@ -416,35 +416,40 @@ def _verify_py(u, k, scores, row0, cw_t, cmax, index, flags, codes, head, bits, 
     return flagged
 
 
-def _scores_py(xs, cw32_t, sq32, scores):
-    """float32 scores ||c||^2 - 2 x.c of xs [k] against all codewords (cw32_t [k, N], sq32 [N]) into
-    scores [N]; returns their minimum. Compiled with fastmath (vectorised, fused multiply-adds):
-    the caller's error bound holds for any summation order, and its inputs are finite."""
+def _scores_py(xs, xx, cw32_t, sq32, scores):
+    """float32 squared distances ||c||^2 - 2 x.c + ||x||^2 (xx = ||x||^2 in float32) of xs [k] to all
+    codewords (cw32_t [k, N], sq32 [N]) into scores [N]. Compiled with fastmath (vectorised, fused
+    multiply-adds): the caller's error bound holds for any summation order, its inputs are finite."""
     k, n = cw32_t.shape
     for c in range(n):
-        scores[c] = sq32[c]
-    for j in range(k - 1):
+        scores[c] = sq32[c] + xx
+    for j in range(k):
         m = np.float32(-2.0) * xs[j]
         for c in range(n):
             scores[c] += m * cw32_t[j, c]
-    m = np.float32(-2.0) * xs[k - 1]
-    low = np.float32(np.inf)
-    for c in range(n):
-        v = scores[c] + m * cw32_t[k - 1, c]
-        scores[c] = v
-        low = min(low, v)
+
+
+def _bits_min_py(bits):
+    """The smallest of int32 values [N] (fastmath: vectorised)."""
+    low = bits[0]
+    for c in range(bits.shape[0]):
+        v = bits[c]
+        low = v if v < low else low
     return low
 
 
 def _scan_py(u, k, cw32_t, sq32, cw_t, cmax, index, flags, codes, head, bits, start, stop):
-    """The full scan fused in one kernel: per block the float32 scores ||c||^2 - 2 x.c (`_scores`,
-    no score matrix in memory), then `_verify_py`'s decision: the codewords whose score lies within
-    twice the float32 error bound of the lowest are decided by float64 distances."""
+    """The full scan fused in one kernel: per block the float32 squared distances (`_scores`, no score
+    matrix in memory), then `_verify_py`'s decision: the codewords whose score lies within twice the
+    float32 error bound of the lowest are decided by float64 distances."""
     n_blocks = u.shape[1] // k
     n = cw_t.shape[1]
     x = np.empty(k, dtype=np.float64)
     xs = np.empty(k, dtype=np.float32)
     scores = np.empty(n, dtype=np.float32)
+    score_bits = scores.view(np.int32)
+    one = np.empty(1, dtype=np.float32)
+    one_bits = one.view(np.int32)
     dist = np.empty(n, dtype=np.float64)
     flagged = 0
     for row in range(start, stop):
@@ -461,9 +466,15 @@ def _scan_py(u, k, cw32_t, sq32, cw_t, cmax, index, flags, codes, head, bits, st
                 d1, i1, d2 = _brute_block(x, cw_t, dist)
                 flagged += _finish(d1, i1, d2, x, index, flags, row, b)
                 continue
-            low = _scores(xs, cw32_t, sq32, scores)
-            # |score error| <= (k + 2) eps32 (||c||^2 + 2 ||x|| ||c||) for any summation order.
-            err = 2.0 * (k + 2) * 2.0 ** -24 * (cmax * cmax + 2.0 * np.sqrt(norm2) * cmax)
+            _scores(xs, np.float32(norm2), cw32_t, sq32, scores)
+            # The smallest score by its bit pattern (ordered like the value for scores >= 0; a
+            # rounded negative score sorts wrongly, but `low` is always one of the scores, so
+            # low >= the true minimum and limit below still admits every near-best codeword).
+            one_bits[0] = _bits_min(score_bits)
+            low = one[0]
+            # |score error| <= (k + 4) eps32 (||c|| + ||x||)^2 for any summation order (k + 2 terms,
+            # the rounding of ||c||^2 and ||x||^2 included); twice that here.
+            err = 2.0 * (k + 4) * 2.0 ** -24 * (cmax + np.sqrt(norm2)) ** 2
             limit = np.float64(low) + 2.0 * err + 1e-9
             count, position = _count_below(scores, limit)
             if count == 1:  # one codeword passes the screen: the nearest, and no near tie
@@ -510,7 +521,7 @@ def _pack_py(index, bits, codes, head, rows):
 def compile_kernels():
     """{"grid", "tree", "walk", "brute", "verify", "pack"} numba dispatchers, compiled (or loaded from numba's
     cache) on first call; `fast_search._kernels` calls it once, under a lock."""
-    global np, _consider, _finish, _brute_block, _screen, _pack_row, _min, _count_below, _scores
+    global np, _consider, _finish, _brute_block, _screen, _pack_row, _min, _count_below, _scores, _bits_min
     import numba
     import numpy
 
@@ -526,8 +537,9 @@ def compile_kernels():
     _count_below = numba.njit("Tuple((int64, int64))(float32[::1], float64)", fastmath=True, **jit)(_count_below_py)
     _screen = numba.njit("float32(float32[::1], float32[:, ::1], float32[::1])", fastmath=True,
                          **jit)(_screen_py)
-    _scores = numba.njit("float32(float32[::1], float32[:, ::1], float32[::1], float32[::1])", fastmath=True,
+    _scores = numba.njit("void(float32[::1], float32, float32[:, ::1], float32[::1], float32[::1])", fastmath=True,
                          **jit)(_scores_py)
+    _bits_min = numba.njit("int32(int32[::1])", fastmath=True, **jit)(_bits_min_py)
     _pack_row = numba.njit("void(int64[:, ::1], int64, int64, uint8[:, ::1], int64)", **jit)(_pack_row_py)
     u = "float32[:, ::1]"
     out = "int64[:, ::1], int8[:, ::1], uint8[:, ::1], int64, int64, int64, int64"
