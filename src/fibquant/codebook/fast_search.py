@@ -13,9 +13,9 @@
 - `grid` (k = 2, 3 with N <= 1024, k = 4 with N <= 256): the candidate lists of `grid_search.GridSearch`, further pruned
   by `prune_dominated`;
 - `tree` (other k <= TREE_MAX_K): a k-d tree;
-- `brute` (k > 4): a full scan (a numba loop for few blocks; from MATMUL_MIN_BLOCKS blocks the fused
-  float32 `scan` kernel for k <= SCAN_MAX_K, a float32 BLAS matmul above; the near-best of either
-  decided in float64).
+- `brute` (k > 4): a full scan (for k <= SCAN_MAX_K the fused float32 `scan` kernel; above, a numba
+  loop for few blocks and a float32 BLAS matmul from MATMUL_MIN_BLOCKS blocks; the near-best of
+  each decided in float64).
 
 All return the index of `nearest_codeword_reference` (float64 squared distances, the lowest index
 among equals): blocks whose best two distances agree to a relative 1e-12 are flagged by the kernel
@@ -44,7 +44,7 @@ TREE_LEAF = 8         # codewords per tree leaf
 # 0.35 s, 1.8 us per vector against 6 for the tree; N = 1024 would take 4x longer and ~1 GB).
 GRID = {2: (GRID_CELLS[2], 1024), 3: (GRID_CELLS[3], 1024), 4: (12, 256)}
 MATMUL_MIN_BLOCKS = 256  # "brute": from this many blocks a BLAS matmul screens (a numba loop below)
-SCAN_MAX_K = 8           # up to this k the screen's float32 scores are computed in the kernel (`scan`), not by BLAS
+SCAN_MAX_K = 8           # up to this k the full scan's float32 screen runs in one kernel (`scan`), any batch size
 _MIN_BLOCKS_PER_THREAD = 4096
 WALK = {4: (16, 4096)}   # k -> (start-grid cells per axis, largest N): the Delaunay walk ("walk")
 WALK_CHUNK = 4           # the walk scans its lists this many entries at a time (= search_numba.WALK_CHUNK)
@@ -363,7 +363,7 @@ class NumbaSearch:
             return index
         kernels = _KERNELS or _kernels()
         out = (index, flags, codes, head, bits)
-        if self.method == "brute" and self.k <= SCAN_MAX_K and n * n_blocks >= MATMUL_MIN_BLOCKS:
+        if self.method == "brute" and self.k <= SCAN_MAX_K:
             flagged = _run_rows(kernels["scan"], (u.numpy(), self.k, self.codewords_t32.numpy(), self.sq_norms.numpy(),
                                                   self._args[2], self.cmax, *out), n, n_blocks)
         elif self.method == "brute" and n * n_blocks >= MATMUL_MIN_BLOCKS:
