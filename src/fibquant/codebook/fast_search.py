@@ -332,6 +332,9 @@ class NumbaSearch:
             origin, scale, lut, guess = walk_guess(cw, dim, cells)
             offsets, nbr, pts, certified = build_delaunay(cw.numpy())
             offsets, nbr, reach, table = walk_lists(offsets, nbr, pts)
+            if len(pts) > np.iinfo(np.int16).max:
+                raise ValueError(f"walk: N + 2^k = {len(pts)} codewords and dummies exceed its int16 tables")
+            guess, nbr = guess.astype(np.int16), nbr.astype(np.int16)  # smaller tables: fewer cache misses
             self.lut, self.guess, self.offsets, self.neighbours, self.reach, self.table, self.certified = (
                 torch.from_numpy(a) for a in (lut, guess, offsets, nbr, reach, table, certified))
             size2 = float((pts[:self.n_codewords] ** 2).sum(1).max())

@@ -549,7 +549,7 @@ def compile_kernels():
         "tree": numba.njit(f"int64({u}, int64, float64[:, ::1], float64[:, ::1], int64[:, ::1], "
                            f"int64[:, ::1], float64[:, ::1], int64[::1], float64[:, ::1], {out})",
                            **jit)(_tree_py),
-        "walk": numba.njit(f"int64({u}, int64, float64, float64, int64[::1], int64, int32[:, ::1], int64[::1], int32[::1], "
+        "walk": numba.njit(f"int64({u}, int64, float64, float64, int64[::1], int64, int16[:, ::1], int64[::1], int16[::1], "
                            f"float32[::1], float64[:, ::1], int64, boolean[::1], float64, float64[:, ::1], {out})",
                            **jit)(_walk_py),
         "brute": numba.njit(f"int64({u}, int64, float32[:, ::1], float64[:, ::1], {out})", **jit)(_brute_py),
