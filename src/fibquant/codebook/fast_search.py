@@ -191,8 +191,8 @@ def build_delaunay(points: np.ndarray, margin: float = WALK_MARGIN) -> tuple[np.
 def walk_lists(offsets: np.ndarray, nbr: np.ndarray, pts: np.ndarray) -> tuple[np.ndarray, ...]:
     """The walk's tables from the neighbour lists: (offsets, nbr int32 with each codeword's list sorted
     by face distance ||w - v|| / 2 ascending (ties by index) and padded to a multiple of WALK_CHUNK by
-    repeating its last entry, reach float32 = that distance rounded down (so the kernel's skip bound
-    stays a bound; inf on padding), table float64 [N + D, k + 1] = (coordinates, ||c||^2 / 2))."""
+    repeating its last entry, reach float32 [entries / WALK_CHUNK] = the face distance of each
+    chunk's first entry rounded down (so the kernel's skip bound stays a bound), table float64 [N + D, k + 1] = (coordinates, ||c||^2 / 2))."""
     owner = np.repeat(np.arange(len(offsets) - 1), np.diff(offsets))
     reach = 0.5 * np.sqrt(((pts[nbr] - pts[owner]) ** 2).sum(1))
     order = np.lexsort((nbr, reach, owner))
@@ -210,7 +210,8 @@ def walk_lists(offsets: np.ndarray, nbr: np.ndarray, pts: np.ndarray) -> tuple[n
     source = np.repeat(offsets[:-1], padded) + np.minimum(slot, np.repeat(length, padded) - 1)
     nbr_padded = nbr[source]
     reach_padded = np.where(slot < np.repeat(length, padded), reach32[source], np.float32(np.inf)).astype(np.float32)
-    return new_offsets, np.ascontiguousarray(nbr_padded, dtype=np.int32), reach_padded, table
+    chunk_reach = np.ascontiguousarray(reach_padded[::WALK_CHUNK])                # each chunk's first face
+    return new_offsets, np.ascontiguousarray(nbr_padded, dtype=np.int32), chunk_reach, table
 
 
 def coordinate_quantile(dim: int, q: np.ndarray) -> np.ndarray:

@@ -179,11 +179,12 @@ def _walk_py(u, k, origin, scale, lut, cells, guess, offsets, nbr, reach, table,
     floor((v - origin) * scale), clamped, mapped to a cell by lut); while the block x is on the far side of a Delaunay face of the current
     codeword v (a neighbour w nearer: slack g(w) - g(v) < 0, g(c) = ||c||^2 / 2 - x.c, so that the
     slack is (||x - w||^2 - ||x - v||^2) / 2), move to the nearest such neighbour. v's neighbours are
-    listed by their face distance reach = ||w - v|| / 2 (rounded down), ascending; with
-    r = ||x - v||, a face with reach > r has slack >= 2 reach (reach - r), so the scan (WALK_CHUNK
-    faces at a time) stops before the first chunk whose first face exceeds tau that way (all later
-    faces are farther still; lists are padded to whole chunks by repeating their last entry with
-    reach = inf). A block deep inside its start cell looks at no face at all.
+    listed by their face distance ||w - v|| / 2 ascending; with r = ||x - v||, a face with distance
+    reach > r has slack >= 2 reach (reach - r), so the scan (WALK_CHUNK faces at a time; lists are
+    padded to whole chunks by repeating their last entry) stops before the first chunk whose first
+    face exceeds tau that way (all later faces are farther still): reach[c] = the face distance of
+    chunk c's first entry, rounded down. A block deep inside its start
+    cell looks at no face at all.
 
     Where every slack exceeds tau at a certified v, x lies inside v's Voronoi cell (a certified cell
     is the intersection of its neighbours' half-spaces), clear of every face, and every codeword
@@ -239,7 +240,7 @@ def _walk_py(u, k, origin, scale, lut, cells, guess, offsets, nbr, reach, table,
                     t0 = offsets[cur]
                     t1 = offsets[cur + 1]
                     while t0 < t1:  # WALK_CHUNK entries at a time (lists are padded), no branch inside
-                        reach_t = np.float64(reach[t0])
+                        reach_t = np.float64(reach[t0 // WALK_CHUNK])
                         if reach_t > r and 2.0 * reach_t * (reach_t - r) > tau:
                             break  # this face and all later ones are too far to be crossed
                         for t in range(t0, t0 + WALK_CHUNK):
@@ -275,7 +276,7 @@ def _walk_py(u, k, origin, scale, lut, cells, guess, offsets, nbr, reach, table,
                 state = 0
                 for _ in range(WALK_STEPS):
                     for t in range(offsets[cur], offsets[cur + 1]):
-                        if reach[t] == np.inf:  # padding (a repeat of the list's last entry)
+                        if t > offsets[cur] and nbr[t] == nbr[t - 1]:  # padding: a repeat of the list's last entry
                             continue
                         w = np.int64(nbr[t])
                         d = 0.0
