@@ -67,7 +67,8 @@ def reference_mismatches(codec: FibQuantCodec, x: torch.Tensor, codes: dict[str,
     blocks = u.reshape(-1, codec.k)
     ref = torch.cat([nearest_codeword_reference(blocks[i:i + 256], codec.codebook.codewords)
                      for i in range(0, len(blocks), 256)])
-    ref_codes = torch.cat([next(iter(codes.values()))[:rows, :2], pack_bits(ref.reshape(len(u), -1), codec.config.index_bits)], 1)
+    norm_bytes = next(iter(codes.values()))[:rows, :2]
+    ref_codes = torch.cat([norm_bytes, pack_bits(ref.reshape(len(u), -1), codec.config.index_bits)], 1)
     out = {}
     for name, path_codes in codes.items():
         differ = path_codes[:rows] != ref_codes
@@ -119,7 +120,8 @@ def vs_turboquant(args) -> int:
                    "vectors_off_reference": reference_mismatches(fib, x, {"fibquant": codes})["fibquant"]}
             rows.append(row)
             print(f"{dim:>4} {bits:>5g} {fib.k:>3} {fib.n_codewords:>5} {row['method']:>9} {fib_rate:>11.0f} "
-                  f"{strict:>8} {tq_rate[strict]:>11.0f} {row['ratio']:>6.2f} {paired:>6.2f} {row['vectors_off_reference']:>4}",
+                  f"{strict:>8} {tq_rate[strict]:>11.0f} {row['ratio']:>6.2f} {paired:>6.2f} "
+                  f"{row['vectors_off_reference']:>4}",
                   flush=True)
     out_dir = Path(args.out or os.environ.get("FIBQUANT_RESULTS_DIR", "results"))
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -119,16 +119,17 @@ def build_delaunay(points: np.ndarray, margin: float = WALK_MARGIN) -> tuple[np.
 
     The codewords and 2^k far points (dummies: the corners of a cube, each coordinate stretched by a
     fixed random factor in [1, 1.5] so that they are not cospherical; every codeword's Voronoi cell
-    is then bounded) are triangulated (scipy / Qhull). A codeword v is *certified* when every simplex S
-    containing v has a circumcentre y (solved in float64, refined once against a long-double
-    residual, with an error bound e from ||A^-1||) whose sphere is empty with room to spare: every
-    point u not in S has ||y - u||^2 - max_{s in S} ||y - s||^2 > margin (1 + max ||c||^2) + 4 e (2 r + sqrt(gap)), and no
-    facet through v lies on the hull. Then the simplices around v are Delaunay simplices that close
-    around it, so they are all of v's Delaunay simplices: v's Voronoi cell is the intersection of
-    the half-spaces of its listed neighbours, its vertices are those circumcentres, and (the gap
-    ||x - u||^2 - ||x - v||^2 being affine in x) every unlisted u is farther than v by more than
-    `margin` at every x of the cell. Non-certified codewords (degenerate, duplicate or skipped
-    points, too thin a simplex) make the walk fall back to the full search.
+    is then bounded) are triangulated (scipy / Qhull). A codeword v is *certified* when every
+    simplex S containing v has a circumcentre y (solved in float64, refined once against a
+    long-double residual, with an error bound e from ||A^-1||) whose sphere is empty with room to
+    spare: every point u not in S has ||y - u||^2 - max_{s in S} ||y - s||^2 > margin (1 + max
+    ||c||^2) + 4 e (2 r + sqrt(gap)) (r^2 = that max, gap = the left side), and no facet through v
+    lies on the hull. Then the simplices around v are Delaunay simplices that close around it, so
+    they are all of v's Delaunay simplices: v's Voronoi cell is the intersection of the half-spaces
+    of its listed neighbours, its vertices are those circumcentres, and (the gap ||x - u||^2 - ||x -
+    v||^2 being affine in x) every unlisted u is farther than v by more than `margin` at every x of
+    the cell. Non-certified codewords (degenerate, duplicate or skipped points, too thin a simplex)
+    make the walk fall back to the full search.
 
     Returns (offsets int64 [N + D + 1], neighbours int32 [...] (CSR; dummies are indices >= N),
     pts float64 [N + D, k] (codewords then dummies), certified bool [N]).
@@ -156,7 +157,9 @@ def build_delaunay(points: np.ndarray, margin: float = WALK_MARGIN) -> tuple[np.
     wide = corner.astype(np.longdouble)
     a_wide = 2.0 * (wide[:, 1:] - wide[:, :1])
     rhs_wide = (wide[:, 1:] ** 2).sum(-1) - (wide[:, :1] ** 2).sum(-1)
-    residual = lambda c: (rhs_wide - np.einsum("mij,mj->mi", a_wide, c.astype(np.longdouble))).astype(np.float64)  # noqa: E731
+    def residual(c: np.ndarray) -> np.ndarray:
+        return (rhs_wide - np.einsum("mij,mj->mi", a_wide, c.astype(np.longdouble))).astype(np.float64)
+
     y = y + np.linalg.solve(a_safe, residual(y)[..., None])[..., 0]
     inverse = np.linalg.norm(np.linalg.inv(a_safe), ord=2, axis=(1, 2))
     scale_ab = np.abs(a).sum((1, 2)) * np.abs(y).max(1) + np.abs(rhs).max(1)
@@ -192,7 +195,8 @@ def walk_lists(offsets: np.ndarray, nbr: np.ndarray, pts: np.ndarray) -> tuple[n
     """The walk's tables from the neighbour lists: (offsets, nbr int32 with each codeword's list sorted
     by face distance ||w - v|| / 2 ascending (ties by index) and padded to a multiple of WALK_CHUNK by
     repeating its last entry, reach float32 [entries / WALK_CHUNK] = the face distance of each
-    chunk's first entry rounded down (so the kernel's skip bound stays a bound), table float64 [N + D, k + 1] = (coordinates, ||c||^2 / 2))."""
+    chunk's first entry rounded down (so the kernel's skip bound stays a bound), table float64
+    [N + D, k + 1] = (coordinates, ||c||^2 / 2))."""
     owner = np.repeat(np.arange(len(offsets) - 1), np.diff(offsets))
     reach = 0.5 * np.sqrt(((pts[nbr] - pts[owner]) ** 2).sum(1))
     order = np.lexsort((nbr, reach, owner))
@@ -201,7 +205,7 @@ def walk_lists(offsets: np.ndarray, nbr: np.ndarray, pts: np.ndarray) -> tuple[n
     high = reach32.astype(np.float64) > reach
     reach32[high] = np.nextafter(reach32[high], np.float32(0))
     table = np.ascontiguousarray(np.hstack([pts, 0.5 * (pts ** 2).sum(1, keepdims=True)]))
-    # Pad every non-empty list to a multiple of WALK_CHUNK: repeats of its last entry, reach = inf.
+    # Pad every non-empty list to a multiple of WALK_CHUNK with repeats of its last entry.
     length = np.diff(offsets)
     padded = -(-length // WALK_CHUNK) * WALK_CHUNK
     new_offsets = np.zeros_like(offsets)

@@ -174,17 +174,17 @@ def _tree_py(u, k, lo, hi, child, bounds, pts, ids, cw_t, index, flags, codes, h
 
 def _walk_py(u, k, origin, scale, lut, cells, guess, offsets, nbr, reach, table, n_real, certified, size2, cw_t,
              index, flags, codes, head, bits, start, stop):
-    """Delaunay walk (`fast_search.build_delaunay`, `walk_lists`, `walk_guess`): start at the nearest of
-    the codewords `guess` holds for the block's box of a coarse grid (per axis: bin
-    floor((v - origin) * scale), clamped, mapped to a cell by lut); while the block x is on the far side of a Delaunay face of the current
-    codeword v (a neighbour w nearer: slack g(w) - g(v) < 0, g(c) = ||c||^2 / 2 - x.c, so that the
-    slack is (||x - w||^2 - ||x - v||^2) / 2), move to the nearest such neighbour. v's neighbours are
-    listed by their face distance ||w - v|| / 2 ascending; with r = ||x - v||, a face with distance
-    reach > r has slack >= 2 reach (reach - r), so the scan (WALK_CHUNK faces at a time; lists are
-    padded to whole chunks by repeating their last entry) stops before the first chunk whose first
-    face exceeds tau that way (all later faces are farther still): reach[c] = the face distance of
-    chunk c's first entry, rounded down. A block deep inside its start
-    cell looks at no face at all.
+    """Delaunay walk (`fast_search.build_delaunay`, `walk_lists`, `walk_guess`): start at the nearest
+    of the codewords `guess` holds for the block's box of a coarse grid (per axis: bin floor((v -
+    origin) * scale), clamped, mapped to a cell by lut); while the block x is on the far side of a
+    Delaunay face of the current codeword v (a neighbour w nearer: slack g(w) - g(v) < 0, g(c) =
+    ||c||^2 / 2 - x.c, so that the slack is (||x - w||^2 - ||x - v||^2) / 2), move to the nearest
+    such neighbour. v's neighbours are listed by their face distance ||w - v|| / 2 ascending; with r
+    = ||x - v||, a face with distance reach > r has slack >= 2 reach (reach - r), so the scan
+    (WALK_CHUNK faces at a time; lists are padded to whole chunks by repeating their last entry)
+    stops before the first chunk whose first face exceeds tau that way (all later faces are farther
+    still): reach[c] = the face distance of chunk c's first entry, rounded down. A block deep inside
+    its start cell looks at no face at all.
 
     Where every slack exceeds tau at a certified v, x lies inside v's Voronoi cell (a certified cell
     is the intersection of its neighbours' half-spaces), clear of every face, and every codeword
@@ -550,7 +550,8 @@ def compile_kernels():
         "tree": numba.njit(f"int64({u}, int64, float64[:, ::1], float64[:, ::1], int64[:, ::1], "
                            f"int64[:, ::1], float64[:, ::1], int64[::1], float64[:, ::1], {out})",
                            **jit)(_tree_py),
-        "walk": numba.njit(f"int64({u}, int64, float64, float64, int64[::1], int64, int16[:, ::1], int64[::1], int16[::1], "
+        "walk": numba.njit(f"int64({u}, int64, float64, float64, int64[::1], int64, int16[:, ::1], int64[::1], "
+                           f"int16[::1], "
                            f"float32[::1], float64[:, ::1], int64, boolean[::1], float64, float64[:, ::1], {out})",
                            **jit)(_walk_py),
         "brute": numba.njit(f"int64({u}, int64, float32[:, ::1], float64[:, ::1], {out})", **jit)(_brute_py),
