@@ -22,7 +22,7 @@ bits go to joint shaping, which measured best; see docs/codecs.md). For dim = 64
     d=128  ship    ship  ship   ship ship  ship ship  ship ship  ship  ship ship   (v3 files)
 
 (dim = 128 also takes 0.09375: k = 128, N = 4096.) Encode speed (CPU, numba search, one thread): every
-default rate from 1 to 4 bits encodes at >= 0.5x TurboQuant's rate (2.5 bits at d = 64 only just:
+default rate from 1 to 4 bits encodes at >= 0.5x TurboQuant's rate (2.5 bits at d = 64 on the line:
 0.41-0.56 across runs) except 1.5 bits (k = 8, N = 4096, a full scan: ~0.05x); no other block size
 comes within 1 % of its MSE (k = 4, N = 64: +7.8 %), so for_rate keeps it (docs/codecs.md, "Encode speed at the default rates against TurboQuant").
 Every other (dim, k, N), e.g. head sizes 80, 96
