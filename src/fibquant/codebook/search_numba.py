@@ -33,7 +33,7 @@ WALK_CHUNK = 4       # = fast_search.WALK_CHUNK: the walk's lists are padded to 
 WALK_SLACK = 1e-9    # Delaunay walk: slacks within +-WALK_SLACK (1 + ||x||^2 + max ||c||^2) use distances
 
 np = None            # numpy, bound by compile_kernels()
-_consider = _finish = _brute_block = _screen = _pack_row = _min = _count_below = _slack = None
+_consider = _finish = _brute_block = _screen = _pack_row = _min = _count_below = _slack = _nearest_below = None
 
 
 def _consider_py(d1, i1, d2, d, idx):
@@ -296,6 +296,19 @@ def _walk_py(u, k, origin, scale, lut, cells, guess, offsets, nbr, reach, table,
     return flagged
 
 
+def _nearest_below_py(x, cw_t, screened, limit):
+    """(d1, i1, d2) in float64 over the codewords whose screened float32 value is <= limit."""
+    d1, i1, d2 = np.inf, -1, np.inf
+    for c in range(cw_t.shape[1]):
+        if screened[c] <= limit:
+            d = 0.0
+            for j in range(x.shape[0]):
+                g = x[j] - cw_t[j, c]
+                d += g * g
+            d1, i1, d2 = _consider(d1, i1, d2, d, c)
+    return d1, i1, d2
+
+
 def _screen_py(xs, cw32_t, dist32):
     """float32 squared distances of xs [k] to all codewords into dist32 [N]; returns their minimum.
     Compiled with fastmath (any summation order, fused multiply-adds): the caller's slack covers
@@ -340,14 +353,7 @@ def _brute_py(u, k, cw32_t, cw_t, index, flags, codes, head, bits, start, stop):
             if count == 1:  # one codeword passes the screen: the nearest, and no near tie
                 index[row, b] = position
                 continue
-            d1, i1, d2 = np.inf, -1, np.inf
-            for c in range(n):
-                if dist32[c] <= limit:
-                    d = 0.0
-                    for j in range(k):
-                        g = x[j] - cw_t[j, c]
-                        d += g * g
-                    d1, i1, d2 = _consider(d1, i1, d2, d, c)
+            d1, i1, d2 = _nearest_below(x, cw_t, dist32, np.float64(limit))
             flagged += _finish(d1, i1, d2, x, index, flags, row, b)
         if bits > 0:
             _pack_row(index, row, bits, codes, head)
@@ -481,14 +487,7 @@ def _scan_py(u, k, cw32_t, sq32, cw_t, cmax, index, flags, codes, head, bits, st
             if count == 1:  # one codeword passes the screen: the nearest, and no near tie
                 index[row, b] = position
                 continue
-            d1, i1, d2 = np.inf, -1, np.inf
-            for c in range(n):
-                if scores[c] <= limit:
-                    d = 0.0
-                    for j in range(k):
-                        g = x[j] - cw_t[j, c]
-                        d += g * g
-                    d1, i1, d2 = _consider(d1, i1, d2, d, c)
+            d1, i1, d2 = _nearest_below(x, cw_t, scores, np.float64(limit))
             flagged += _finish(d1, i1, d2, x, index, flags, row, b)
         if bits > 0:
             _pack_row(index, row, bits, codes, head)
@@ -523,6 +522,7 @@ def compile_kernels():
     """{"grid", "tree", "walk", "brute", "verify", "pack"} numba dispatchers, compiled (or loaded from numba's
     cache) on first call; `fast_search._kernels` calls it once, under a lock."""
     global np, _consider, _finish, _brute_block, _screen, _pack_row, _min, _count_below, _scores, _bits_min
+    global _nearest_below
     import numba
     import numpy
 
@@ -534,6 +534,8 @@ def compile_kernels():
                          "int64, int64)", inline="always", **jit)(_finish_py)
     _brute_block = numba.njit("Tuple((float64, int64, float64))(float64[::1], float64[:, ::1], float64[::1])",
                               **jit)(_brute_block_py)
+    _nearest_below = numba.njit("Tuple((float64, int64, float64))(float64[::1], float64[:, ::1], float32[::1], "
+                                "float64)", **jit)(_nearest_below_py)
     _min = numba.njit("float32(float32[::1])", fastmath=True, **jit)(_min_py)
     _count_below = numba.njit("Tuple((int64, int64))(float32[::1], float64)", fastmath=True, **jit)(_count_below_py)
     _screen = numba.njit("float32(float32[::1], float32[:, ::1], float32[::1])", fastmath=True,
