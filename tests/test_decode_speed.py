@@ -9,10 +9,9 @@ import pytest
 import torch
 
 from _kv_helpers import real_model, tiny_llama
-from fibquant.eval.decode_speed import EXPERIMENT, context_tokens, run_decode_speed
+from fibquant.eval.decode_speed import EXPERIMENT, context_tokens, run_decode_speed, write_decode_speed
 from fibquant.eval.decode_speed_config import DEFAULT_CACHES, DecodeSpeedConfig, our_families, parse_cache_name
-from fibquant.eval.decode_speed_report import (TTFT_TARGET, decode_speed_targets, format_decode_speed,
-                                               write_decode_speed)
+from fibquant.eval.decode_speed_report import TTFT_TARGET, decode_speed_targets, format_decode_speed
 from fibquant.eval.memory import PeakRSS
 from fibquant.eval.report import get_experiment
 from fibquant.kv.memory import quantized_cache_nbytes

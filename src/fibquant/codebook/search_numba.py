@@ -33,7 +33,7 @@ WALK_CHUNK = 4       # = fast_search.WALK_CHUNK: the walk's lists are padded to 
 WALK_SLACK = 1e-9    # Delaunay walk: slacks within +-WALK_SLACK (1 + ||x||^2 + max ||c||^2) use distances
 
 np = None            # numpy, bound by compile_kernels()
-_consider = _finish = _brute_block = _screen = _pack_row = _min = _count_below = _slack = _nearest_below = None
+_consider = _finish = _brute_block = _screen = _pack_row = _min = _count_below = _slack = _settle = None
 
 
 def _consider_py(d1, i1, d2, d, idx):
@@ -296,8 +296,13 @@ def _walk_py(u, k, origin, scale, lut, cells, guess, offsets, nbr, reach, table,
     return flagged
 
 
-def _nearest_below_py(x, cw_t, screened, limit):
-    """(d1, i1, d2) in float64 over the codewords whose screened float32 value is <= limit."""
+def _settle_py(x, cw_t, screened, limit, index, flags, row, block):
+    """Decide block `block` of `row` from a float32 screen: the one codeword with screened value <= limit,
+    else the float64 nearest of those that pass (near ties flagged by `_finish`); returns the flags added."""
+    count, position = _count_below(screened, limit)
+    if count == 1:  # one codeword passes the screen: the nearest, and no near tie
+        index[row, block] = position
+        return 0
     d1, i1, d2 = np.inf, -1, np.inf
     for c in range(cw_t.shape[1]):
         if screened[c] <= limit:
@@ -306,7 +311,7 @@ def _nearest_below_py(x, cw_t, screened, limit):
                 g = x[j] - cw_t[j, c]
                 d += g * g
             d1, i1, d2 = _consider(d1, i1, d2, d, c)
-    return d1, i1, d2
+    return _finish(d1, i1, d2, x, index, flags, row, block)
 
 
 def _screen_py(xs, cw32_t, dist32):
@@ -349,12 +354,7 @@ def _brute_py(u, k, cw32_t, cw_t, index, flags, codes, head, bits, start, stop):
             # Every codeword whose float32 distance could round from within the tie window of the
             # best: its float64 distance decides (float32 sums of k squares err by < (2k+2) eps).
             limit = _screen(xs, cw32_t, dist32) * slack + np.float32(1e-30)
-            count, position = _count_below(dist32, np.float64(limit))
-            if count == 1:  # one codeword passes the screen: the nearest, and no near tie
-                index[row, b] = position
-                continue
-            d1, i1, d2 = _nearest_below(x, cw_t, dist32, np.float64(limit))
-            flagged += _finish(d1, i1, d2, x, index, flags, row, b)
+            flagged += _settle(x, cw_t, dist32, np.float64(limit), index, flags, row, b)
         if bits > 0:
             _pack_row(index, row, bits, codes, head)
     return flagged
@@ -483,12 +483,7 @@ def _scan_py(u, k, cw32_t, sq32, cw_t, cmax, index, flags, codes, head, bits, st
             # the rounding of ||c||^2 and ||x||^2 included); twice that here.
             err = 2.0 * (k + 4) * 2.0 ** -24 * (cmax + np.sqrt(norm2)) ** 2
             limit = np.float64(low) + 2.0 * err + 1e-9
-            count, position = _count_below(scores, limit)
-            if count == 1:  # one codeword passes the screen: the nearest, and no near tie
-                index[row, b] = position
-                continue
-            d1, i1, d2 = _nearest_below(x, cw_t, scores, np.float64(limit))
-            flagged += _finish(d1, i1, d2, x, index, flags, row, b)
+            flagged += _settle(x, cw_t, scores, np.float64(limit), index, flags, row, b)
         if bits > 0:
             _pack_row(index, row, bits, codes, head)
     return flagged
@@ -522,7 +517,7 @@ def compile_kernels():
     """{"grid", "tree", "walk", "brute", "verify", "pack"} numba dispatchers, compiled (or loaded from numba's
     cache) on first call; `fast_search._kernels` calls it once, under a lock."""
     global np, _consider, _finish, _brute_block, _screen, _pack_row, _min, _count_below, _scores, _bits_min
-    global _nearest_below
+    global _settle
     import numba
     import numpy
 
@@ -534,10 +529,10 @@ def compile_kernels():
                          "int64, int64)", inline="always", **jit)(_finish_py)
     _brute_block = numba.njit("Tuple((float64, int64, float64))(float64[::1], float64[:, ::1], float64[::1])",
                               **jit)(_brute_block_py)
-    _nearest_below = numba.njit("Tuple((float64, int64, float64))(float64[::1], float64[:, ::1], float32[::1], "
-                                "float64)", **jit)(_nearest_below_py)
     _min = numba.njit("float32(float32[::1])", fastmath=True, **jit)(_min_py)
     _count_below = numba.njit("Tuple((int64, int64))(float32[::1], float64)", fastmath=True, **jit)(_count_below_py)
+    _settle = numba.njit("int64(float64[::1], float64[:, ::1], float32[::1], float64, int64[:, ::1], int8[:, ::1], "
+                         "int64, int64)", **jit)(_settle_py)
     _screen = numba.njit("float32(float32[::1], float32[:, ::1], float32[::1])", fastmath=True,
                          **jit)(_screen_py)
     _scores = numba.njit("void(float32[::1], float32, float32[:, ::1], float32[::1], float32[::1])", fastmath=True,

@@ -44,11 +44,12 @@ import sys
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Optional
 
-from fibquant.eval.decode_speed_config import (DEFAULT_CACHES, CacheSpec, DecodeSpeedConfig, _package_version,
-                                               load_benchmark_model, peer_unavailable_reason)
+from fibquant.eval.decode_speed_config import (BYTES_COUNTING, DEFAULT_CACHES, CacheSpec, DecodeSpeedConfig,
+                                               _package_version, cache_bytes, load_benchmark_model,
+                                               peer_unavailable_reason)
 from fibquant.eval.decode_speed_report import (decode_speed_header, decode_speed_table, decode_speed_targets,
                                                plot_decode_speed)
-from fibquant.eval.decode_speed_ttft import Clocks, cpu_clock_name, time_fresh_prefill
+from fibquant.eval.decode_speed_ttft import Clocks, cpu_clock_name, fresh_cache, time_fresh_prefill
 from fibquant.eval.memory import PeakCUDA, PeakRSS, _synchronize, release_free_memory
 from fibquant.eval.report import Experiment
 from fibquant.eval.timing import Stopwatch, timed
@@ -59,7 +60,7 @@ if TYPE_CHECKING:
 
 # The cache names, the config and the report live in decode_speed_config.py / decode_speed_report.py.
 __all__ = ["BYTES_COUNTING", "DEFAULT_CACHES", "EXPERIMENT", "DecodeSpeedConfig", "cache_bytes", "context_tokens",
-           "run_decode_speed"]
+           "run_decode_speed", "write_decode_speed"]
 
 # ----------------------------------------------------------------------------- model calls
 
@@ -73,40 +74,10 @@ def _build_cache(spec: CacheSpec, prefill, model, codec, config: DecodeSpeedConf
         return CompressedCache.from_cache(prefill, codec, codec, sink_tokens=config.sink_tokens,
                                           recent_tokens=config.recent_tokens, attention=spec.attention,
                                           model=model)
-    from transformers import QuantizedCache
-
-    cache = QuantizedCache(spec.family, model.config, nbits=spec.bits, q_group_size=config.q_group_size,
-                           residual_length=config.residual_length)
+    cache = fresh_cache(spec, model, codec, config)
     for index, layer in enumerate(prefill.layers):
         cache.update(layer.keys, layer.values, index)
     return cache
-
-
-def cache_bytes(spec: CacheSpec, cache) -> dict:
-    """{"held", "used", and parts}: bytes of `cache` counted as described in `BYTES_COUNTING`."""
-    from fibquant.kv.memory import cache_nbytes, quantized_cache_nbytes
-
-    held = cache_nbytes(cache)
-    if spec.kind == "dynamic":
-        return {"held": held, "used": held}
-    if spec.kind == "compressed":
-        return {"held": held, "used": cache.used_nbytes(), "codec_shared": cache.shared_nbytes()}
-    parts = quantized_cache_nbytes(cache)
-    return {"held": held, "used": held, "quantized": parts["quantized"], "residual": parts["residual"]}
-
-
-BYTES_COUNTING = {
-    "dynamic": "fibquant.kv.memory.cache_nbytes: storage of every layer's keys/values (float32 here); "
-               "dynamic_fp16_bytes = that / element size * 2, what an fp16 DynamicCache holds",
-    "compressed": "CompressedCache.nbytes(): exact sinks + recent window (float32) + code buffers including "
-                  "their reserved capacity (grown by 1/16 of their capacity); used = used_nbytes(): only stored code rows; "
-                  "the codecs' shared codebook/rotation (codec_shared, once per model) is not included",
-    "quantized": "storage of every layer's _quantized_keys/_quantized_values (quanto: packed integer data + "
-                 "per-group scale and shift, through the tensor subclass's __tensor_flatten__; hqq: packed "
-                 "uint8 tensor + the scale/zero tensors of its meta dict; scales are in the model dtype, "
-                 "float32 here) + the float residual keys/values window (< residual_length tokens); each "
-                 "storage once at its real size",
-}
 
 
 @dataclass
@@ -460,3 +431,8 @@ def _warmup(specs, model, head_dim, config, token_ids, skipped, progress, codecs
 EXPERIMENT = Experiment(name="speed", stem="decode_speed", config=DecodeSpeedConfig, run=run_decode_speed,
                         header=decode_speed_header, table=decode_speed_table, plot=plot_decode_speed,
                         targets=decode_speed_targets)
+
+
+def write_decode_speed(payload: dict, out_dir=None, stem: str = "decode_speed") -> dict[str, str]:
+    """Write `<stem>.json` and `<stem>.png` under `out_dir` (default $FIBQUANT_RESULTS_DIR or results/)."""
+    return replace(EXPERIMENT, stem=stem).report(payload, out_dir, echo=False)

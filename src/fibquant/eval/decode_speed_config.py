@@ -180,3 +180,29 @@ def _package_version(name: str) -> Optional[str]:
     except metadata.PackageNotFoundError:
         return None
 
+
+def cache_bytes(spec: CacheSpec, cache) -> dict:
+    """{"held", "used", and parts}: bytes of `cache` counted as described in `BYTES_COUNTING`."""
+    from fibquant.kv.memory import cache_nbytes, quantized_cache_nbytes
+
+    held = cache_nbytes(cache)
+    if spec.kind == "dynamic":
+        return {"held": held, "used": held}
+    if spec.kind == "compressed":
+        return {"held": held, "used": cache.used_nbytes(), "codec_shared": cache.shared_nbytes()}
+    parts = quantized_cache_nbytes(cache)
+    return {"held": held, "used": held, "quantized": parts["quantized"], "residual": parts["residual"]}
+
+
+BYTES_COUNTING = {
+    "dynamic": "fibquant.kv.memory.cache_nbytes: storage of every layer's keys/values (float32 here); "
+               "dynamic_fp16_bytes = that / element size * 2, what an fp16 DynamicCache holds",
+    "compressed": "CompressedCache.nbytes(): exact sinks + recent window (float32) + code buffers including "
+                  "their reserved capacity (grown by 1/16 of their capacity); used = used_nbytes(): only stored code rows; "
+                  "the codecs' shared codebook/rotation (codec_shared, once per model) is not included",
+    "quantized": "storage of every layer's _quantized_keys/_quantized_values (quanto: packed integer data + "
+                 "per-group scale and shift, through the tensor subclass's __tensor_flatten__; hqq: packed "
+                 "uint8 tensor + the scale/zero tensors of its meta dict; scales are in the model dtype, "
+                 "float32 here) + the float residual keys/values window (< residual_length tokens); each "
+                 "storage once at its real size",
+}

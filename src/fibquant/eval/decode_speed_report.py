@@ -224,12 +224,3 @@ def plot_decode_speed(payload: dict, path) -> None:
             legend_ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
         fig.suptitle(f"{payload['model']} ({payload['model_dtype']}), {payload['text']}, "
                      f"{payload['threads']} torch thread(s); dashed: attention='decode' path", fontsize=9)
-
-
-def write_decode_speed(payload: dict, out_dir=None, stem: str = "decode_speed") -> dict[str, str]:
-    """Write `<stem>.json` and `<stem>.png` under `out_dir` (default $FIBQUANT_RESULTS_DIR or results/)."""
-    from dataclasses import replace
-
-    from fibquant.eval.decode_speed import EXPERIMENT
-
-    return replace(EXPERIMENT, stem=stem).report(payload, out_dir, echo=False)

@@ -24,7 +24,7 @@ import statistics
 import time
 from typing import Optional
 
-from fibquant.eval.decode_speed_config import CacheSpec, DecodeSpeedConfig
+from fibquant.eval.decode_speed_config import CacheSpec, DecodeSpeedConfig, cache_bytes
 from fibquant.eval.memory import PeakCUDA, PeakRSS, _synchronize, release_free_memory
 from fibquant.eval.timing import Stopwatch
 from fibquant.kv.model import last_logits
@@ -87,8 +87,6 @@ def _one_prefill(spec, model, ids, chunk: Optional[int], codec, config) -> dict:
                         token = int(logits.argmax())
                     _synchronize(model.device)
                 chunk_s.append(piece.seconds)
-    from fibquant.eval.decode_speed import cache_bytes  # the one byte count of the experiment
-
     nbytes = cache_bytes(spec, cache)
     out = {"seconds": total.seconds, "cpu_seconds": total.cpu_seconds, "chunk_s": chunk_s, "token": token, "peak_added": monitor.added,
            "cache_bytes": nbytes["held"], "cache_tokens": cache.get_seq_length(),

@@ -274,10 +274,9 @@ class CompressedCache(Cache):
                                "(expand_kv + kv_b_proj): the CompressedCache codes the latent and uses "
                                "attention='decode'")
                     attention = "decode"
-        windows = info["windows"] if any(w is not None for w in info["windows"]) else None
         return cls(key_codec, value_codec, sink_tokens, recent_tokens, attention, encode_batch, centre,
-                   allocate=allocate, num_layers=info["layers"] if allocate is not None or windows else None,
-                   layer_windows=windows, sliding_exact=sliding_exact)
+                   allocate=allocate, num_layers=info["layers"], layer_windows=info["windows"],
+                   sliding_exact=sliding_exact)
 
     @classmethod
     def from_cache(cls, cache: Cache, key_codec, value_codec, sink_tokens: int = 4,

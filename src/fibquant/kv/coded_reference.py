@@ -62,6 +62,15 @@ def _check_device(tensor: torch.Tensor, codes: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name} ({tensor.device}) and codes ({codes.device}) must be on the same device")
 
 
+def _check_code_size(name: str, code_size: int, dim_name: str, dim: int, k: int, index_bits: int,
+                     hint: str = "") -> None:
+    """ValueError unless a code row of `dim` coordinates in k-blocks of `index_bits` is `code_size` bytes."""
+    expected = NORM_BYTES + packed_size(dim // k, index_bits)
+    if code_size != expected:
+        raise ValueError(f"{name} have code_size={code_size} bytes, but {dim_name}={dim}, k={k}, "
+                         f"index_bits={index_bits} need {expected}{hint}")
+
+
 def _validate_scores(queries, codes, codewords, index_bits) -> tuple[int, int, int]:
     """-> (N, k, n_blocks)."""
     n_codewords, k = _check_codebook(codewords, index_bits)
@@ -75,10 +84,8 @@ def _validate_scores(queries, codes, codewords, index_bits) -> tuple[int, int, i
     if dim % k:
         raise ValueError(f"query dim D={dim} is not a multiple of the codeword size k={k}")
     n_blocks = dim // k
-    expected = NORM_BYTES + packed_size(n_blocks, index_bits)
-    if code_size != expected:
-        raise ValueError(f"codes have code_size={code_size} bytes, but D={dim}, k={k}, index_bits={index_bits} "
-                         f"need {expected} ({NORM_BYTES} norm bytes + {n_blocks} x {index_bits} bits)")
+    _check_code_size("codes", code_size, "D", dim, k, index_bits,
+                     f" ({NORM_BYTES} norm bytes + {n_blocks} x {index_bits} bits)")
     return n_codewords, k, n_blocks
 
 
@@ -106,10 +113,7 @@ def _validate_weighted_sum(weights, codes, codewords, index_bits, dim) -> tuple[
         if not _is_int(dim) or dim < 1 or dim % k:
             raise ValueError(f"dim must be a positive multiple of k={k}, got {dim!r}")
         n_blocks = dim // k
-    expected = NORM_BYTES + packed_size(n_blocks, index_bits)
-    if code_size != expected:
-        raise ValueError(f"codes have code_size={code_size} bytes, but D={n_blocks * k}, k={k}, "
-                         f"index_bits={index_bits} need {expected}")
+    _check_code_size("codes", code_size, "D", n_blocks * k, k, index_bits)
     return n_codewords, k, n_blocks
 
 
@@ -192,19 +196,13 @@ def _validate_decode(queries, key_codes, value_codes, key_codewords, value_codew
     if dim % k_key:
         raise ValueError(f"query dim D={dim} is not a multiple of the key codeword size k={k_key}")
     key_blocks = dim // k_key
-    expected = NORM_BYTES + packed_size(key_blocks, key_bits)
-    if key_size != expected:
-        raise ValueError(f"key_codes have code_size={key_size} bytes, but D={dim}, k={k_key}, index_bits={key_bits} "
-                         f"need {expected}")
+    _check_code_size("key_codes", key_size, "D", dim, k_key, key_bits)
     value_dim = dim if value_dim is None else value_dim
     if not _is_int(value_dim) or value_dim < 1 or value_dim % k_value:
         raise ValueError(f"value_dim must be a positive multiple of the value codeword size k={k_value}, "
                          f"got {value_dim!r}")
     value_blocks = value_dim // k_value
-    expected = NORM_BYTES + packed_size(value_blocks, value_bits)
-    if value_size != expected:
-        raise ValueError(f"value_codes have code_size={value_size} bytes, but Dv={value_dim}, k={k_value}, "
-                         f"index_bits={value_bits} need {expected} (pass value_dim when Dv != D)")
+    _check_code_size("value_codes", value_size, "Dv", value_dim, k_value, value_bits, " (pass value_dim when Dv != D)")
     _check_bias(bias, batch, q_heads, n_q, mk, key_codes.device)
     return key_blocks, value_blocks, q_heads // hk, value_dim
 
