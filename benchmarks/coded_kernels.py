@@ -1,4 +1,4 @@
-"""Micro-benchmark of attention on codes (fibquant.kv.coded_kernels) against dense float32 attention.
+"""Micro-benchmark of attention on codes (fibquant.kv.attention.kernels) against dense float32 attention.
 
 One decode step of one layer: B=1 batch, H=3 KV heads, Q=3 queries per KV head (3 query heads per
 KV head x 1 token), D=64, M cached tokens. Timed all on ONE thread (torch.set_num_threads(1)),
@@ -31,7 +31,7 @@ import torch
 
 from fibquant.codecs.fibquant import FibQuantCodec
 from fibquant.codecs.turboquant import TurboQuantCodec
-from fibquant.kv import coded_kernels as ck
+import fibquant.kv.attention.kernels as ck
 
 DIM = 64
 CODECS = {  # name -> (factory, label)

@@ -10,9 +10,9 @@ Variants, each timed as the median of --repeats after --warmup calls (CUDA event
 
     sdpa-bf16       torch.nn.functional.scaled_dot_product_attention, K/V bf16 [B, 8, M, 128],
                     enable_gqa=True (no repeated K/V)
-    <codec>-fused   fibquant.kv.coded_kernels.coded_decode_attention (backend "triton"): rotate the
+    <codec>-fused   fibquant.kv.attention.kernels.coded_decode_attention (backend "triton"): rotate the
                     query, fused kernel -> (out, lse), un-rotate: the whole coded part of a layer
-    <codec>-paged   fibquant.kv.coded_kernels.coded_decode_attention_paged (backend "triton"): the same
+    <codec>-paged   fibquant.kv.attention.kernels.coded_decode_attention_paged (backend "triton"): the same
                     codes in vLLM-style token-major pages ([blocks, --block-size, 8, slot] bytes, slot =
                     key code + value code + pad), one scrambled block table row per request, read in
                     place (what the vLLM backend runs on CUDA); --no-paged skips it
@@ -50,7 +50,7 @@ import torch  # noqa: E402
 
 from fibquant.codecs.bitpack import float16_to_bytes, pack_bits  # noqa: E402
 from fibquant.codecs.fibquant import FibQuantCodec  # noqa: E402
-from fibquant.kv import coded_kernels as ck  # noqa: E402
+import fibquant.kv.attention.kernels as ck  # noqa: E402
 
 CODECS = {"fibquant4": 4.0, "fibquant2": 2.0, "fibquant3": 3.0}  # name -> FibQuantCodec.for_rate bits
 
@@ -129,7 +129,7 @@ def main(argv=None) -> int:
     if not ck.triton_available():
         parser.error("triton is not importable: pip install 'fibquant[gpu]'")
     torch.set_num_threads(1)
-    from fibquant.kv import coded_triton
+    import fibquant.kv.attention.triton_kernels as coded_triton
 
     interpreted = coded_triton.INTERPRETED
     b, hq, hkv, d, t = args.batch, args.q_heads, args.kv_heads, args.dim, args.query_tokens

@@ -1,6 +1,6 @@
 """Compile the Triton kernels of attention on codes for a real GPU target without a GPU.
 
-Triton lowers each kernel (kv/coded_triton.py) at the tile sizes and options the wrappers use to
+Triton lowers each kernel (kv/attention/triton_kernels.py) at the tile sizes and options the wrappers use to
 PTX and, with the ptxas shipped in the triton wheel, to a cubin for --arch (default sm_90, H100 /
 H200); the cubin's resource usage (registers, stack = spilled bytes, shared memory) is read with the
 wheel's cuobjdump. This catches what Triton's interpreter cannot: kernels that do not lower for the
@@ -31,7 +31,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from fibquant.kv import coded_triton as ct  # noqa: E402
+import fibquant.kv.attention.triton_kernels as ct  # noqa: E402
 
 POINTERS = {
     "_decode_attention_kernel": dict(q_ptr="*fp32", kc_ptr="*u8", vc_ptr="*u8", kcw_ptr="*fp32", vcw_ptr="*fp32",

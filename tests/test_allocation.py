@@ -1,5 +1,5 @@
 """Per-layer codecs and rate allocation: CompressedCache with per-layer codecs / an allocate callable,
-the greedy allocator (fibquant.eval.allocation) and the cache-spec options @centre / @alloc."""
+the greedy allocator (fibquant.kv.allocation) and the cache-spec options @centre / @alloc."""
 from __future__ import annotations
 
 import itertools
@@ -11,8 +11,8 @@ from _kv_helpers import tiny_llama
 from transformers import DynamicCache
 
 from fibquant.codecs.integer import IntCodec
-from fibquant.eval.allocation import LADDER, RateAllocator, attention_weights, greedy, ladder_codec
-from fibquant.eval.cache_specs import parse_cache_spec
+from fibquant.kv.allocation import LADDER, RateAllocator, attention_weights, greedy, ladder_codec
+from fibquant.kv.specs import parse_cache_spec
 from fibquant.kv.cache import CompressedCache
 
 DIM = 16

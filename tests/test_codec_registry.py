@@ -1,4 +1,4 @@
-"""The codec registry (`fibquant.eval.methods`) and the state the codec base class owns:
+"""The codec registry (`fibquant.codecs.registry`) and the state the codec base class owns:
 spec strings and labels, save/load of calibrated codecs, lazy codebooks, shared tensors, and a
 new codec reaching every experiment through one registry line."""
 from __future__ import annotations
@@ -9,8 +9,8 @@ from _kv_helpers import tiny_llama
 
 from fibquant.codecs.base import Codec, PlotStyle
 from fibquant.codecs.bitpack import bytes_to_float16, float16_to_bytes, pack_bits, unpack_bits
-from fibquant.eval import methods
-from fibquant.eval.methods import Method, codec_classes, load_codec, parse_method
+from fibquant.codecs import registry as methods
+from fibquant.codecs.registry import Method, codec_classes, load_codec, parse_method
 
 # Spec strings and the labels results show: fixed, so that figures stay reproducible.
 SPECS = {
@@ -128,7 +128,7 @@ def test_codebooks_load_lazily(monkeypatch):
 
 def test_shared_tensors_count_state_per_device_and_parts():
     from fibquant.kv.layered import HeadwiseCodec
-    from fibquant.kv.memory import codec_state_nbytes
+    from fibquant.kv.accounting import codec_state_nbytes
 
     lowrank = _fitted("lowrank")
     state = lowrank.basis.numel() * 4 + lowrank.mean.numel() * 4
@@ -196,7 +196,7 @@ def _legend_of(plot, monkeypatch, *args) -> list[str]:
 
 
 def test_one_registry_line_reaches_every_experiment(toy_registered, monkeypatch, tmp_path):
-    from fibquant.eval.cache_specs import parse_cache_spec
+    from fibquant.kv.specs import parse_cache_spec
     from fibquant.eval.capture import CapturedAttention
     from fibquant.eval.fidelity import evaluate_method, plot_frontier
     from fibquant.eval.multiple_choice import CacheSetting

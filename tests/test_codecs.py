@@ -1,7 +1,7 @@
 """All codecs through the shared Codec interface: layout, exactness, errors, MSE bounds.
 
 The contract suite (CODECS) holds at least one codec of every family registered in
-`fibquant.eval.methods.REGISTRY` (checked by `test_contract_covers_every_registered_family`);
+`fibquant.codecs.registry.REGISTRY` (checked by `test_contract_covers_every_registered_family`);
 calibrated codecs are fitted on small synthetic data (`_calibration`).
 
 MSE bounds (total E||u - u_hat||^2 of unit vectors drawn uniformly on S^{dim-1}, fresh samples):
@@ -101,7 +101,7 @@ def test_shapes_and_dtypes(name, dtype):
 
 
 def test_contract_covers_every_registered_family():
-    from fibquant.eval.methods import codec_classes
+    from fibquant.codecs.registry import codec_classes
 
     assert {codec_for(name).family for name in CODECS} == set(codec_classes())
     assert set(CALIBRATED_BOUND) == {name for name in CODECS if codec_for(name).calibrated}

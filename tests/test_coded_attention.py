@@ -9,7 +9,7 @@ from transformers import DynamicCache
 from fibquant.codecs.fibquant import FibQuantCodec
 from fibquant.codecs.integer import IntCodec
 from fibquant.codecs.turboquant import TurboQuantCodec
-from fibquant.kv.attention import ATTENTION_NAME, attend_codes, coded_attention_forward, use_coded_attention
+from fibquant.kv.attention.entry import ATTENTION_NAME, attend_codes, coded_attention_forward, use_coded_attention
 from fibquant.kv.cache import CodedKV, CompressedCache, CompressedLayer
 
 DIM = 64
@@ -17,7 +17,7 @@ DIM = 64
 
 @pytest.fixture(autouse=True)
 def fresh_one_time_warnings(monkeypatch):
-    import fibquant.kv.attention as attention
+    import fibquant.kv.attention.entry as attention
 
     monkeypatch.setattr(attention, "_warned", set())
 
@@ -112,7 +112,7 @@ def test_fully_masked_row_gives_zeros_not_nan():
 def test_prefill_split_path_equals_the_joint_softmax(monkeypatch, past):
     """A prefill chunk's SDPA + code-kernel parts merged by log-sum-exp = one softmax over the row,
     sinks and fully masked rows included."""
-    import fibquant.kv.attention as attention
+    import fibquant.kv.attention.entry as attention
 
     generator = torch.Generator().manual_seed(11)
     layer = CompressedLayer(FibQuantCodec(DIM, 2, 256), TurboQuantCodec(DIM, 3), 4, 8, attention="codes", encode_batch=4)
@@ -136,7 +136,7 @@ def test_prefill_split_path_equals_the_joint_softmax(monkeypatch, past):
 
 
 def test_long_chunk_is_processed_in_query_blocks(monkeypatch):
-    import fibquant.kv.attention as attention
+    import fibquant.kv.attention.entry as attention
 
     layer = filled_layer(FibQuantCodec(DIM, 4, 256), TurboQuantCodec(DIM, 3), past=40)
     kv, _ = layer.update(torch.randn(2, 2, 37, DIM), torch.randn(2, 2, 37, DIM))

@@ -1,4 +1,4 @@
-"""Attention on codes (kv/coded_kernels.py): numba kernels == torch reference == decode-then-attend."""
+"""Attention on codes (kv/attention/kernels.py): numba kernels == torch reference == decode-then-attend."""
 import os
 import subprocess
 import sys
@@ -14,8 +14,8 @@ from fibquant import _numba
 from fibquant.codecs.bitpack import bytes_to_float16, pack_bits, packed_size, unpack_bits
 from fibquant.codecs.fibquant import FibQuantCodec
 from fibquant.codecs.turboquant import TurboQuantCodec
-from fibquant.kv import coded_kernels as ck
-from fibquant.kv.coded_kernels import (
+import fibquant.kv.attention.kernels as ck
+from fibquant.kv.attention.kernels import (
     coded_scores,
     coded_scores_reference,
     coded_weighted_sum,
@@ -321,7 +321,7 @@ def test_numba_backend_refuses_non_cpu_tensors_and_missing_numba(monkeypatch):
 
 
 def test_import_does_not_load_numba():
-    code = ("import sys, fibquant, fibquant.kv.coded_kernels; "
+    code = ("import sys, fibquant, fibquant.kv.attention.kernels; "
             "assert 'numba' not in sys.modules, 'numba imported eagerly'")
     subprocess.run([sys.executable, "-c", code], check=True)
 

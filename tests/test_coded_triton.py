@@ -1,7 +1,7 @@
-"""Triton kernels of attention on codes (kv/coded_triton.py) == the torch reference (kv/coded_reference.py).
+"""Triton kernels of attention on codes (kv/attention/triton_kernels.py) == the torch reference (kv/attention/reference.py).
 
 Without a GPU the kernels run on CPU tensors in Triton's interpreter: TRITON_INTERPRET=1 is set
-only while this module imports fibquant.kv.coded_triton (triton reads it when `triton.language` is
+only while this module imports fibquant.kv.attention.triton_kernels (triton reads it when `triton.language` is
 first imported and when a kernel is decorated; coded_triton keeps it set during its own launches),
 then restored, so the other test modules in the same pytest process see the environment they had.
 With a CUDA GPU the same tests run the compiled kernels on CUDA tensors.
@@ -33,14 +33,14 @@ if not CUDA and "triton" not in sys.modules:
     _saved = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     try:
-        from fibquant.kv import coded_triton
+        import fibquant.kv.attention.triton_kernels as coded_triton
     finally:
         if _saved is None:
             os.environ.pop("TRITON_INTERPRET", None)
         else:
             os.environ["TRITON_INTERPRET"] = _saved
 else:
-    from fibquant.kv import coded_triton
+    import fibquant.kv.attention.triton_kernels as coded_triton
 
 if not CUDA and not coded_triton.INTERPRETED:
     pytest.skip("triton was imported in this process without TRITON_INTERPRET=1 before this module, and there is "
@@ -49,12 +49,12 @@ if not CUDA and not coded_triton.INTERPRETED:
 from fibquant.codecs.bitpack import float16_to_bytes, pack_bits  # noqa: E402
 from fibquant.codecs.fibquant import FibQuantCodec  # noqa: E402
 from fibquant.codecs.turboquant import TurboQuantCodec  # noqa: E402
-from fibquant.kv import coded_kernels as ck  # noqa: E402
-from fibquant.kv.coded_kernels import (attention_with_lse, coded_decode_attention,  # noqa: E402
+import fibquant.kv.attention.kernels as ck  # noqa: E402
+from fibquant.kv.attention.kernels import (attention_with_lse, coded_decode_attention,  # noqa: E402
                                        coded_decode_attention_paged, coded_decode_attention_paged_reference,
                                        coded_decode_attention_reference, coded_scores, coded_scores_reference,
                                        coded_weighted_sum, coded_weighted_sum_reference, merge_lse)
-from fibquant.kv.coded_reference import _decoded_rotated  # noqa: E402
+from fibquant.kv.attention.reference import _decoded_rotated  # noqa: E402
 
 SCORE_ATOL = 1e-4   # max abs error of scores (norms <= 2, unit-scale codewords, Gaussian queries)
 OUT_RTOL = 1e-4     # max abs error of outputs relative to the largest output magnitude
@@ -282,7 +282,7 @@ def test_decode_attention_merged_with_exact_columns_equals_full_attention():
 
 
 def _fused_attend(query, kv, scaling):
-    """How kv/attention.py can use the fused kernel (a sketch for wiring, no mask: a decode step or
+    """How kv/attention/entry.py can use the fused kernel (a sketch for wiring, no mask: a decode step or
     a causal chunk): query [B, Hq, T, D] over a CodedKV -> [B, Hq, T, Dv] float32."""
     batch, q_heads, tokens, _ = query.shape
     q = query.to(torch.float32) * scaling
@@ -309,9 +309,9 @@ def _fused_attend(query, kv, scaling):
 
 @pytest.mark.parametrize("tokens", [1, 3])
 def test_fused_path_reproduces_attend_codes(tokens):
-    """attend_codes (kv/attention.py: numba / torch drop-ins, one softmax) == fused coded part + exact parts
+    """attend_codes (kv/attention/entry.py: numba / torch drop-ins, one softmax) == fused coded part + exact parts
     merged by merge_lse, on a real CompressedLayer (FibQuant keys k=2, TurboQuant 2-bit values, GQA 4/2)."""
-    from fibquant.kv.attention import attend_codes
+    from fibquant.kv.attention.entry import attend_codes
     from fibquant.kv.cache import CompressedLayer
 
     gen = torch.Generator().manual_seed(90)
@@ -572,10 +572,10 @@ def test_decode_at_8k_allocates_no_full_context_float_kv():
 
 @pytest.mark.parametrize("tokens", [1, 18])
 def test_attend_codes_wired_to_the_fused_kernel(monkeypatch, tokens):
-    """kv/attention.py with FUSED_CODED_BACKEND="triton" (what CUDA tensors get under "auto"): the
+    """kv/attention/entry.py with FUSED_CODED_BACKEND="triton" (what CUDA tensors get under "auto"): the
     coded columns go through coded_decode_attention, merged with the exact ones by log-sum-exp; equal
     to the numba / torch path with a padding mask, a fully masked row, sinks and centred codes."""
-    import fibquant.kv.attention as attention
+    import fibquant.kv.attention.entry as attention
     from fibquant.kv.cache import CompressedLayer
 
     gen = torch.Generator().manual_seed(91)

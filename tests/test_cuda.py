@@ -12,9 +12,9 @@ from _kv_helpers import tiny_llama
 from fibquant.codecs.fibquant import FibQuantCodec
 from fibquant.codecs.integer import IntCodec
 from fibquant.codecs.turboquant import TurboQuantCodec
-from fibquant.kv.attention import attend_codes
+from fibquant.kv.attention.entry import attend_codes
 from fibquant.kv.cache import CompressedCache, CompressedLayer
-from fibquant.kv.coded_kernels import coded_scores, coded_weighted_sum
+from fibquant.kv.attention.kernels import coded_scores, coded_weighted_sum
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DIM = 64

@@ -14,7 +14,7 @@ from fibquant.eval.decode_speed_config import DEFAULT_CACHES, DecodeSpeedConfig,
 from fibquant.eval.decode_speed_report import TTFT_TARGET, decode_speed_targets, format_decode_speed
 from fibquant.eval.memory import PeakRSS
 from fibquant.eval.report import get_experiment
-from fibquant.kv.memory import quantized_cache_nbytes
+from fibquant.kv.accounting import quantized_cache_nbytes
 
 
 def _tiny():

@@ -12,7 +12,7 @@ from fibquant.codecs.integer import IntCodec
 from fibquant.eval.capture import CapturedAttention, attention_modules, capture_attention
 from fibquant.eval.fidelity import (CalibrationBank, FidelityConfig, causal_attention, compare_frontiers,
                                     evaluate_method, exact_window_mask, output_cosine, pareto_front, run_fidelity)
-from fibquant.eval.methods import Method, parse_method
+from fibquant.codecs.registry import Method, parse_method
 
 
 def loop_attention(q, k, v, k_hat, v_hat, scaling, positions, sinks, recent):

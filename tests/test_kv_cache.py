@@ -10,7 +10,7 @@ from transformers import DynamicCache, LlamaConfig
 
 from fibquant.codecs.integer import IntCodec
 from fibquant.kv.cache import CompressedCache, CompressedLayer
-from fibquant.kv.memory import cache_nbytes, dynamic_cache_bytes_per_token, dynamic_cache_nbytes
+from fibquant.kv.accounting import cache_nbytes, dynamic_cache_bytes_per_token, dynamic_cache_nbytes
 from fibquant.kv.model import check_model_supported
 
 DIM = 16
@@ -244,7 +244,7 @@ def test_int8_greedy_generate_equals_uncompressed_on_real_model(request):
 
 def test_shared_state_counts_codebook_and_rotation_once():
     from fibquant.codecs.fibquant import FibQuantCodec
-    from fibquant.kv.memory import codec_state_nbytes
+    from fibquant.kv.accounting import codec_state_nbytes
 
     codec = FibQuantCodec(64, 4, 256)
     codec.decode(codec.encode(torch.randn(3, 64)))

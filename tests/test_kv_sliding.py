@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache
 
 from fibquant.codecs.fibquant import FibQuantCodec
-from fibquant.kv.attention import attend_codes, coded_attention_forward
+from fibquant.kv.attention.entry import attend_codes, coded_attention_forward
 from fibquant.kv.cache import CodeBuffer, CodedKV, CompressedCache, CompressedSlidingLayer
 
 DIM = 64
@@ -17,7 +17,7 @@ DIM = 64
 
 @pytest.fixture(autouse=True)
 def fresh_one_time_warnings(monkeypatch):
-    import fibquant.kv.attention as attention
+    import fibquant.kv.attention.entry as attention
 
     monkeypatch.setattr(attention, "_warned", set())
 

@@ -5,10 +5,10 @@ import pytest
 from _kv_helpers import real_model
 
 from fibquant.cli import main
-from fibquant.eval.cache_specs import parse_cache_specs
+from fibquant.kv.specs import parse_cache_specs
 from fibquant.eval.needle import (NEEDLE, NeedleConfig, build_trial, extract_answer, haystack_tokens, make_key,
                                   max_positions, needle_targets, run_needle, summarise)
-from fibquant.eval.ruler import ruler_trials
+from fibquant.eval.needle.ruler import ruler_trials
 
 
 def test_config_errors():

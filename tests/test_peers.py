@@ -10,12 +10,13 @@ from _kv_helpers import tiny_llama
 from transformers import DynamicCache
 
 from fibquant.codecs.integer import IntCodec
-from fibquant.eval.cache_specs import CacheSpec, parse_cache_spec, parse_cache_specs, split_available
-from fibquant.eval.peers import (PEERS, build_peer, kakeya_bits, nexus_block_points, nexus_bytes, parse_peer,
-                                 unavailable_reason)
+from fibquant.kv.specs import CacheSpec, parse_cache_spec, parse_cache_specs, split_available
+from fibquant.peers import PEERS, build_peer, parse_peer, unavailable_reason
+from fibquant.peers.kakeya import kakeya_bits
+from fibquant.peers.nexus import nexus_block_points, nexus_bytes
 from fibquant.eval.perplexity import PerplexityConfig, make_cache, window_nll
 from fibquant.kv.cache import CompressedCache
-from fibquant.kv.memory import cache_nbytes
+from fibquant.kv.accounting import cache_nbytes
 from fibquant.kv.roundtrip import RoundTripCache, RoundTripLayer
 
 DIM = 16

@@ -7,8 +7,8 @@ import pytest
 from _kv_helpers import real_model
 
 from fibquant.cli import build_parser, main
-from fibquant.eval.cache_specs import parse_cache_spec
-from fibquant.eval.peers import unavailable_reason
+from fibquant.kv.specs import parse_cache_spec
+from fibquant.peers import unavailable_reason
 from fibquant.eval.peers_report import (EXPERIMENT, PeersConfig, budget_check, metric_columns, metric_table,
                                         peers_checks, run, spec_row)
 from fibquant.eval.report import get_experiment
@@ -71,7 +71,7 @@ def test_quick_run_tables_json_plots_agree(request, tmp_path, monkeypatch):
     model, tokenizer = real_model(request)
     peer = "kakeya-e8:q=2"
     specs = ["fp", "fibquant:b=2", "fibquant:b=2/fibquant:b=1", "int:b=4", peer, "hqq:b=2"]
-    import fibquant.eval.cache_specs as cache_specs
+    import fibquant.kv.specs as cache_specs
 
     real_reason = cache_specs.unavailable_reason
     monkeypatch.setattr(cache_specs, "unavailable_reason",  # hqq stands for an absent package

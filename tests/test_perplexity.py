@@ -9,7 +9,7 @@ from _kv_helpers import REAL_PROMPT, real_model, tiny_llama
 from transformers import DynamicCache
 
 from fibquant.codecs.integer import IntCodec
-from fibquant.eval.methods import Method
+from fibquant.codecs.registry import Method
 from fibquant.eval.perplexity import (PerplexityConfig, perplexity_targets, run_perplexity, window_nll,
                                      window_stats)
 from fibquant.kv.cache import CompressedCache

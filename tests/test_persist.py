@@ -12,9 +12,9 @@ from fibquant.archive import RecoveryWarning
 from fibquant.codecs.fibquant import FibQuantCodec
 from fibquant.codecs.integer import IntCodec
 from fibquant.kv.cache import CompressedCache
-from fibquant.kv.persist import PersistentCache, load_cache, save_cache
-from fibquant.kv.persist_generate import CacheWriter, generate_persistent, resume_generate
-from fibquant.kv.prefix import common_prefix_length, find_prefix, prefill_with_prefix
+from fibquant.kv.persist.store import PersistentCache, load_cache, save_cache
+from fibquant.kv.persist.generate import CacheWriter, generate_persistent, resume_generate
+from fibquant.kv.persist.prefix import common_prefix_length, find_prefix, prefill_with_prefix
 
 torch.set_num_threads(1)
 FIELDS = ("sink_keys", "sink_values", "recent_keys", "recent_values")

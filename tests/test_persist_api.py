@@ -13,7 +13,7 @@ from fibquant.codecs.integer import IntCodec
 from fibquant.codecs.rvq import RVQCodec
 from fibquant.kv.cache import CompressedCache, CompressedLayer
 from fibquant.kv.layered import Fp16Codec, HeadwiseCodec, LayerwiseCompressedCache
-from fibquant.kv.persist import PersistentCache
+from fibquant.kv.persist.store import PersistentCache
 
 torch.set_num_threads(1)
 FIELDS = ("sink_keys", "sink_values", "recent_keys", "recent_values")
@@ -270,7 +270,7 @@ def test_find_many_equals_find_and_brute_force(model, codec, tmp_path):
 
 
 def test_cache_writer_refuses_batches(model, codec, tmp_path):
-    from fibquant.kv.persist_generate import CacheWriter
+    from fibquant.kv.persist.generate import CacheWriter
 
     cache, ids = _prefilled(model, codec, tokens=20)
     writer = cache.save(tmp_path / "w", model, ids, append=True)

@@ -21,9 +21,9 @@ from fibquant.codecs.lowrank import LowRankCodec
 from fibquant.codecs.rvq import RVQCodec
 from fibquant.kv.cache import CompressedCache
 from fibquant.kv.layered import Fp16Codec, HeadwiseCodec, LayerwiseCompressedCache
-from fibquant.kv.persist import PersistentCache
-from fibquant.kv.persist_format import SNAPSHOT_FILE, read_snapshot, write_snapshot
-from fibquant.kv.persist_generate import generate_persistent, resume_generate
+from fibquant.kv.persist.store import PersistentCache
+from fibquant.kv.persist.format import SNAPSHOT_FILE, read_snapshot, write_snapshot
+from fibquant.kv.persist.generate import generate_persistent, resume_generate
 
 torch.set_num_threads(1)
 FIELDS = ("sink_keys", "sink_values", "recent_keys", "recent_values")
@@ -279,7 +279,7 @@ def test_version_1_files_still_open(model, tmp_path):
 def test_learned_codecs_are_deduplicated_by_content(model, tmp_path, monkeypatch):
     import copy
 
-    from fibquant.kv import persist_codecs
+    import fibquant.kv.persist.entries as persist_codecs
 
     rvq, _ = _fits(4)
     twin = copy.deepcopy(rvq[0])  # another object, the same fit

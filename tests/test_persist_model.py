@@ -7,8 +7,8 @@ import torch
 from _kv_helpers import REAL_PROMPT, real_model
 from fibquant.codecs.fibquant import FibQuantCodec
 from fibquant.kv.cache import CompressedCache
-from fibquant.kv.persist import PersistentCache
-from fibquant.kv.persist_generate import generate_persistent, resume_generate
+from fibquant.kv.persist.store import PersistentCache
+from fibquant.kv.persist.generate import generate_persistent, resume_generate
 
 pytestmark = pytest.mark.model
 

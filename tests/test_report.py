@@ -120,7 +120,7 @@ def test_demo_header_names_the_text_author_and_window():
 
 
 def test_needle_report_from_a_payload(tmp_path, capsys):
-    from fibquant.eval.cache_specs import parse_cache_specs
+    from fibquant.kv.specs import parse_cache_specs
     from fibquant.eval.needle import EXPERIMENT, NeedleConfig, needle_targets, summarise
 
     config = NeedleConfig(lengths=(1024,), depths=(0.0, 1.0), keys_per_cell=1)

@@ -15,7 +15,7 @@ from fibquant.integrations.vllm import ENV_VAR, VllmCacheConfig, active_config, 
 
 
 def _interpreted_triton_kernels():
-    """fibquant.kv.coded_triton built for Triton's CPU interpreter, or None. vLLM imports triton when it is
+    """fibquant.kv.attention.triton_kernels built for Triton's CPU interpreter, or None. vLLM imports triton when it is
     imported, and triton picks interpreter vs compiler when `triton.language` is first imported: so, only
     on a machine without CUDA where vLLM and triton are installed and triton is not imported yet, import the
     kernels first with TRITON_INTERPRET=1 set for that import alone (vLLM's own kernels, decorated later
@@ -29,7 +29,7 @@ def _interpreted_triton_kernels():
     saved = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     try:
-        from fibquant.kv import coded_triton
+        import fibquant.kv.attention.triton_kernels as coded_triton
     except Exception:
         return None
     finally:

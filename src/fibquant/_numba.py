@@ -1,6 +1,6 @@
 """What the numba CPU paths share: whether numba imports, and splitting a kernel's work over threads.
 
-Used by `fibquant.codebook.fast_search` (nearest-codeword search) and `fibquant.kv.coded_kernels`
+Used by `fibquant.codebook.fast_search` (nearest-codeword search) and `fibquant.kv.attention.kernels`
 (attention on codes); it sits below both so that neither imports the other. numba itself is never
 imported here except by `numba_available()`, on its first call.
 

@@ -22,9 +22,9 @@ def _prompt_ids(args, tokenizer):
 
 
 def _save(args) -> int:
-    from fibquant.eval.methods import parse_method
+    from fibquant.codecs.registry import parse_method
     from fibquant.kv.model import load_model
-    from fibquant.kv.persist_generate import generate_persistent
+    from fibquant.kv.persist.generate import generate_persistent
 
     apply_threads(args)
     model, tokenizer = load_model(args.model)
@@ -41,7 +41,7 @@ def _save(args) -> int:
 
 
 def _info_of(path) -> int:
-    from fibquant.kv.persist import PersistentCache
+    from fibquant.kv.persist.store import PersistentCache
 
     with PersistentCache.open(path) as store:
         print(json.dumps(store.info(), indent=1))
@@ -54,14 +54,14 @@ def _info(args) -> int:
 
 def _generate(args) -> int:
     from fibquant.kv.model import load_model
-    from fibquant.kv.persist_generate import resume_generate
+    from fibquant.kv.persist.generate import resume_generate
 
     apply_threads(args)
     model, tokenizer = load_model(args.model)
     extra = None if args.prompt is None else tokenizer(args.prompt, add_special_tokens=False,
                                                        return_tensors="pt").input_ids[0]
     before = None
-    from fibquant.kv.persist import PersistentCache
+    from fibquant.kv.persist.store import PersistentCache
 
     with PersistentCache.open(args.cache) as store:
         before = len(store.tokens) + (0 if extra is None else extra.shape[0])

@@ -6,7 +6,7 @@ import argparse
 from ._common import (add_list_argument, add_out_argument, add_specs_argument, add_text_argument,
                       add_threads_argument, apply_threads, run_experiment)
 
-METHODS_HELP = "codec specs, e.g. fp fibquant:k=64,n=4096 turboquant:b=2 (see fibquant.eval.methods)"
+METHODS_HELP = "codec specs, e.g. fp fibquant:k=64,n=4096 turboquant:b=2 (see fibquant.codecs.registry)"
 
 
 def register(subparsers) -> None:

@@ -32,7 +32,7 @@ def register_eval(eval_subparsers) -> None:
                              "(pip install 'fibquant[ruler]'; --keys samples per length, RULER's own depths)")
     add_specs_argument(parser, "--caches",
                        help="cache specs, e.g. fp fibquant:b=2 fibquant:b=2/fibquant:b=1 quanto:b=2 "
-                            "(see fibquant.eval.cache_specs; default: FibQuant, TurboQuant and every peer)")
+                            "(see fibquant.kv.specs; default: FibQuant, TurboQuant and every peer)")
     parser.add_argument("--build-codebooks", action="store_true",
                         help="build FibQuant codebooks that are neither shipped nor cached (can be slow)")
     parser.add_argument("--no-progress", action="store_true")

@@ -121,7 +121,7 @@ def add_mc_arguments(parser: argparse.ArgumentParser) -> None:
     add_list_argument(parser, "--bits", type=float, default=[4.0, 2.0], metavar="B",
                       help="FibQuant bits per coordinate for keys and values")
     add_specs_argument(parser, default=[],
-                       help="extra cache codecs to compare, e.g. turboquant:b=2 int:b=4 (see fibquant.eval.methods)")
+                       help="extra cache codecs to compare, e.g. turboquant:b=2 int:b=4 (see fibquant.codecs.registry)")
     parser.add_argument("--sink-tokens", type=int, default=4, help="exact sink tokens of the standard window")
     parser.add_argument("--recent-tokens", type=int, default=32, help="exact recent tokens of the standard window")
     parser.add_argument("--small-window", type=int, nargs=2, default=[0, 0], metavar=("SINK", "RECENT"),

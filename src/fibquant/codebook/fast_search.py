@@ -24,7 +24,7 @@ and recomputed with the reference itself, so even exact ties break as the refere
 numba is imported on first use; kernels compile once per machine (numba's on-disk cache, a few
 seconds the first time). Threads: with torch.get_num_threads() > 1 and enough rows, the rows are
 split over a small thread pool (the kernels release the GIL; `fibquant._numba.run_split`, shared with
-`fibquant.kv.coded_kernels`); `torch.set_num_threads(1)` keeps it single-threaded.
+`fibquant.kv.attention.kernels`); `torch.set_num_threads(1)` keeps it single-threaded.
 """
 from __future__ import annotations
 

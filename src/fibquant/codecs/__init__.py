@@ -1,6 +1,6 @@
 """Codecs sharing one vocabulary (see base.Codec): encode float [..., dim] -> uint8 codes.
 
-The families used by the experiments are registered in `fibquant.eval.methods.REGISTRY`.
+The families used by the experiments are registered in `fibquant.codecs.registry.REGISTRY`.
 """
 from .base import Codec
 from .fibquant import FibQuantCodec

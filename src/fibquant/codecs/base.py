@@ -29,7 +29,7 @@ State (one place, for every codec):
 
 Codebooks load lazily: constructing a codec reads no file and builds no table.
 
-Registry metadata (class attributes, read by `fibquant.eval.methods`):
+Registry metadata (class attributes, read by `fibquant.codecs.registry`):
 
     family          the spec prefix ("fibquant" in "fibquant:b=2") and the family column of results
     calibrated      True when the codec is fitted on calibration vectors (`fit_spec`), not built

@@ -55,11 +55,11 @@ def measure_prefix_ttft(model, tokenizer, config: ArchiveKVConfig, workdir: Path
     from transformers import DynamicCache
 
     from fibquant.eval.kv_report import text_tokens
-    from fibquant.eval.methods import parse_method
+    from fibquant.codecs.registry import parse_method
     from fibquant.kv.cache import CompressedCache
     from fibquant.kv.model import check_model_supported
-    from fibquant.kv.persist import PersistentCache, save_cache
-    from fibquant.kv.prefix import prefill_with_prefix
+    from fibquant.kv.persist.store import PersistentCache, save_cache
+    from fibquant.kv.persist.prefix import prefill_with_prefix
 
     codec = parse_method(config.method).build(check_model_supported(model)["head_dim"])
     ids = text_tokens(tokenizer, config.text, config.prefix_tokens + config.suffix_tokens)
@@ -102,7 +102,7 @@ def measure_prefix_ttft(model, tokenizer, config: ArchiveKVConfig, workdir: Path
 
 
 def measure_code_search(path, config: ArchiveKVConfig) -> dict:
-    from fibquant.kv.persist import PersistentCache
+    from fibquant.kv.persist.store import PersistentCache
 
     with PersistentCache.open(path) as store:
         stream = store.value_stream

@@ -42,10 +42,10 @@ def measure_store(model, tokens: int = 8192, method: str = "fibquant:b=2", reads
                   opens: int = 9, seed: int = 0, workdir=None, warm_passes: int = 3) -> dict:
     from transformers import DynamicCache
 
-    from fibquant.eval.methods import parse_method
+    from fibquant.codecs.registry import parse_method
     from fibquant.kv.cache import CompressedCache
     from fibquant.kv.model import check_model_supported
-    from fibquant.kv.persist import PersistentCache
+    from fibquant.kv.persist.store import PersistentCache
 
     info = check_model_supported(model)
     L, H, D = info["layers"], info["kv_heads"], info["head_dim"]
@@ -114,7 +114,7 @@ def measure_find(path, lengths=(1, 4, 16), queries: int = 200, seed: int = 0, re
     """(a): multi-token code queries in one head, in place in a saved cache, vs brute force:
     `PersistentCache.find` one query at a time (median), and `find_many` over all the queries of
     a row (best of `repeats`, divided by the number of queries)."""
-    from fibquant.kv.persist import PersistentCache
+    from fibquant.kv.persist.store import PersistentCache
 
     out = {}
     with PersistentCache.open(path) as store:
@@ -158,7 +158,7 @@ def layer0_value_codes(model, tokenizer, count: int, head: int = 0, method: str 
     """(codes uint8 [count, code_size], token ids [count], codec) of layer-0 values of one KV head
     over the first `count` tokens of the Austen novels (concatenated)."""
     from fibquant.data.text import TEXTS, load_text
-    from fibquant.eval.methods import parse_method
+    from fibquant.codecs.registry import parse_method
     from fibquant.kv.model import check_model_supported
 
     info = check_model_supported(model)

@@ -155,7 +155,7 @@ def build_cache(row: dict, bank: RVQBank, model, config: StudyConfig, info: dict
     """The cache of one study row (a DynamicCache for fp), attention on decoded codes."""
     from transformers import DynamicCache
 
-    from fibquant.eval.methods import parse_method
+    from fibquant.codecs.registry import parse_method
     from fibquant.kv.cache import CompressedCache
     from fibquant.kv.layered import LayerwiseCompressedCache
 
@@ -177,7 +177,7 @@ def build_cache(row: dict, bank: RVQBank, model, config: StudyConfig, info: dict
 def row_bytes(row: dict, bank: RVQBank, config: StudyConfig, info: dict) -> dict:
     """Bytes per token (marginal codes; with the fp16 exact window at 1024 and 8192 tokens) and
     the codebook side information, for one study row."""
-    from fibquant.eval.methods import parse_method
+    from fibquant.codecs.registry import parse_method
 
     L, H, D = info["layers"], info["kv_heads"], info["head_dim"]
     fp16 = 2 * L * H * D * 2

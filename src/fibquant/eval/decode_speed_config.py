@@ -1,7 +1,7 @@
 """The caches a decode-speed run measures (parsed from names such as `fibquant4`, `hqq2`), its
 configuration, and what it needs from the machine (the model, the peers' packages).
 
-Ours are the registered codecs (`fibquant.eval.methods.REGISTRY`) that are built from a bit
+Ours are the registered codecs (`fibquant.codecs.registry.REGISTRY`) that are built from a bit
 count alone (a `b=` spec parameter, neither calibrated nor the fp reference): `<family><bits>`,
 e.g. `fibquant4`, `turboquant2`, `int4`. Torch-free at import (the CLI reads `DEFAULT_CACHES`
 for its help text).
@@ -41,8 +41,8 @@ class CacheSpec:
         return f"QuantizedCache {self.family} {self.bits}b"
 
     def method(self):
-        """The registered codec method of one of ours (`fibquant.eval.methods.Method`)."""
-        from fibquant.eval.methods import Method
+        """The registered codec method of one of ours (`fibquant.codecs.registry.Method`)."""
+        from fibquant.codecs.registry import Method
 
         if self.kind != "compressed":
             raise ValueError(f"{self.name} is not one of our compressed caches")
@@ -51,7 +51,7 @@ class CacheSpec:
 
 def our_families() -> tuple[str, ...]:
     """Registered codec families built from a bit count alone (`b=`; not calibrated, not the reference)."""
-    from fibquant.eval.methods import codec_classes
+    from fibquant.codecs.registry import codec_classes
 
     return tuple(family for family, cls in codec_classes().items()
                  if not cls.calibrated and not cls.reference and any(p.name == "bits" for p in cls.spec_params))
@@ -183,7 +183,7 @@ def _package_version(name: str) -> Optional[str]:
 
 def cache_bytes(spec: CacheSpec, cache) -> dict:
     """{"held", "used", and parts}: bytes of `cache` counted as described in `BYTES_COUNTING`."""
-    from fibquant.kv.memory import cache_nbytes, quantized_cache_nbytes
+    from fibquant.kv.accounting import cache_nbytes, quantized_cache_nbytes
 
     held = cache_nbytes(cache)
     if spec.kind == "dynamic":
@@ -195,7 +195,7 @@ def cache_bytes(spec: CacheSpec, cache) -> dict:
 
 
 BYTES_COUNTING = {
-    "dynamic": "fibquant.kv.memory.cache_nbytes: storage of every layer's keys/values (float32 here); "
+    "dynamic": "fibquant.kv.accounting.cache_nbytes: storage of every layer's keys/values (float32 here); "
                "dynamic_fp16_bytes = that / element size * 2, what an fp16 DynamicCache holds",
     "compressed": "CompressedCache.nbytes(): exact sinks + recent window (float32) + code buffers including "
                   "their reserved capacity (grown by 1/16 of their capacity); used = used_nbytes(): only stored code rows; "

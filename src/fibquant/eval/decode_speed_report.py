@@ -167,7 +167,7 @@ def format_decode_speed(payload: dict) -> str:
 
 
 def _marker(family: str) -> str:
-    from fibquant.eval.methods import plot_style
+    from fibquant.codecs.registry import plot_style
 
     style = plot_style(family)
     return style.marker if style is not None and style.marker else PEER_MARKERS.get(family, "o")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from fibquant.eval.fidelity import FidelityConfig, plot_frontier, run_fidelity
-from fibquant.eval.methods import is_reference, parse_methods
+from fibquant.codecs.registry import is_reference, parse_methods
 from fibquant.eval.perplexity import PerplexityConfig, run_perplexity
 from fibquant.eval.report import Experiment
 from fibquant.eval.timing import Stopwatch

@@ -21,8 +21,8 @@ from tqdm.auto import tqdm
 
 from fibquant.codecs.base import Codec
 from fibquant.eval.capture import CapturedAttention, capture_attention
-from fibquant.eval.methods import Method, codec_classes, is_reference, plot_style
-from fibquant.eval.peers import PEERS, PeerSpec, build_peer
+from fibquant.codecs.registry import Method, codec_classes, is_reference, plot_style
+from fibquant.peers import PEERS, PeerSpec, build_peer, peer_specs
 from fibquant.eval.report import Experiment, figure, format_table, target
 
 
@@ -158,7 +158,7 @@ def evaluate_method(method: Method | PeerSpec, captured: CapturedAttention, posi
                     bank: CalibrationBank | None = None, sink_tokens: int = 0, recent_tokens: int = 0,
                     reference: list[torch.Tensor] | None = None, model=None, centre: bool = False) -> dict:
     """One row of the frontier: rate, ratio and attention cosine of `method` (a Method, or a peer of
-    `fibquant.eval.peers`, whose bytes are its format's fixed-rate size) on `captured`."""
+    `fibquant.peers`, whose bytes are its format's fixed-rate size) on `captured`."""
     dim = captured.keys.shape[-1]
     if isinstance(method, PeerSpec):
         keys_hat, values_hat, code_bytes = peer_reconstruct(method, captured, model)
@@ -336,10 +336,7 @@ FIDELITY_METHODS = (
     "lowrank:r=1", "lowrank:r=2", "lowrank:r=4", "lowrank:r=8", "lowrank:r=12", "lowrank:r=16",
     "lowrank:r=24", "lowrank:r=32", "lowrank:r=48",
     "rvq:s=1,n=256", "rvq:s=2,n=256", "rvq:s=4,n=256",
-    # peers, run from their own packages (skipped with a note when absent)
-    "quanto:b=2", "quanto:b=4", "hqq:b=2", "hqq:b=4", "kakeya-e8:q=1", "kakeya-e8:q=2", "kakeya-e8:q=4",
-    "kakeya-d4:q=1", "kakeya-d4:q=2", "kakeya-d4:q=4", "nexus:b=2", "nexus:b=3", "nexus:b=4",
-)
+) + peer_specs()  # peers, run from their own packages (skipped with a note when absent)
 
 FIDELITY_COLUMNS = [("method", "method", ""), ("bits_per_coordinate", "bits/coord", ".4g"),
                     ("code_bytes_per_vector", "bytes/vector", ".4g"), ("compression_ratio", "ratio vs fp16", ".2f"),
@@ -350,8 +347,7 @@ def run(config: FidelityConfig = FidelityConfig(), methods: list[str] | None = N
         model_and_tokenizer=None, progress: bool = True) -> dict:
     """Run experiment 2 on `methods` (default FIDELITY_METHODS; unavailable ones and peers whose package is
     missing are skipped with a note) with the default model unless given; the payload with its targets."""
-    from fibquant.eval.methods import prepare_run
-    from fibquant.eval.peers import is_peer, parse_peer, unavailable_reason
+    from fibquant.peers import is_peer, parse_peer, unavailable_reason
 
     specs = list(methods or FIDELITY_METHODS)
     peers = [parse_peer(s) for s in specs if is_peer(s)]
@@ -399,3 +395,17 @@ def plot_fidelity(payload: dict, path) -> None:
 
 EXPERIMENT = Experiment(name="fidelity", stem=fidelity_stem, config=FidelityConfig, run=run, table=fidelity_table,
                         plot=plot_fidelity, targets=fidelity_targets, header=fidelity_header)
+
+
+def prepare_run(specs: list[str], build_codebooks: bool, model_and_tokenizer=None):
+    """Load the model (unless given) and split `specs` into ready methods and skip notes.
+
+    Returns (model, tokenizer, ready methods, skip notes).
+    """
+    from fibquant.codecs.registry import parse_methods, split_ready
+    from fibquant.kv.model import check_model_supported, load_model
+
+    model, tokenizer = model_and_tokenizer or load_model()
+    dim = check_model_supported(model)["head_dim"]
+    ready, skipped = split_ready(parse_methods(list(specs)), dim, build_codebooks)
+    return model, tokenizer, ready, skipped

@@ -1,5 +1,5 @@
 """Memory measurement for benchmarks: peak process RSS or peak CUDA allocation while a block
-runs. The bytes a cache holds are counted by `fibquant.kv.memory`.
+runs. The bytes a cache holds are counted by `fibquant.kv.accounting`.
 """
 from __future__ import annotations
 

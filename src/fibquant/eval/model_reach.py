@@ -20,7 +20,7 @@ runs the same 40-token prompt (prefilled in two chunks, then a few decode steps)
   attention (the switch must not change what other caches compute);
 - `model.generate` in a batch of 2 with left padding, codes vs decode: the same greedy tokens.
 
-fibquant's fallbacks warn once per process (`fibquant.kv.attention._warned`); the probe empties
+fibquant's fallbacks warn once per process (`fibquant.kv.attention.entry._warned`); the probe empties
 that set before a family and puts the previous entries back after, and records every
 RuntimeWarning raised meanwhile, so each family's count is its own.
 
@@ -300,7 +300,7 @@ class _FallbackRecorder:
     """Empties fibquant's once-per-process warning set, records RuntimeWarnings, restores the set."""
 
     def __enter__(self):
-        from fibquant.kv import attention
+        from fibquant.kv.attention.entry import entry as attention
 
         self._warned = getattr(attention, "_warned", None)
         self._saved = set(self._warned) if self._warned is not None else None
@@ -343,7 +343,7 @@ class _AttentionCalls:
     def __enter__(self):
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-        from fibquant.kv.attention import ATTENTION_NAME
+        from fibquant.kv.attention.entry import ATTENTION_NAME
 
         self._registry, self._name = ALL_ATTENTION_FUNCTIONS, ATTENTION_NAME
         self._had_local = ATTENTION_NAME in getattr(ALL_ATTENTION_FUNCTIONS, "_local_mapping", {})
@@ -352,7 +352,7 @@ class _AttentionCalls:
             return self
 
         def recording(module, query, key, value, attention_mask, *args, **kwargs):
-            from fibquant.kv.codes import CodedKV
+            from fibquant.kv.buffer import CodedKV
 
             named = {name: value for name, value in kwargs.items()
                      if value is not None and name not in _PLUMBING and not (name == "dropout" and not value)}

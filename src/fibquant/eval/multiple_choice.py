@@ -205,7 +205,7 @@ def evaluate_multiple_choice(examples: Sequence[MultipleChoiceExample], scorer: 
 
 @dataclass(frozen=True)
 class CacheSetting:
-    """One cache configuration: `method` is a spec of `fibquant.eval.methods` ("fp",
+    """One cache configuration: `method` is a spec of `fibquant.codecs.registry` ("fp",
     "fibquant:b=2", "turboquant:b=2", "int:b=4", ...), used for keys and values alike, with an
     exact window of `sink_tokens` + `recent_tokens` (ignored for the uncompressed reference, fp)."""
 
@@ -223,7 +223,7 @@ class CacheSetting:
 
     @property
     def parsed(self):
-        from .methods import parse_method
+        from fibquant.codecs.registry import parse_method
 
         if not isinstance(self.method, str):
             raise ValueError(f"method must be a spec string such as 'fibquant:b=2', got {self.method!r}")

@@ -1,6 +1,6 @@
 """Every method and every peer on every quality metric, from one list of cache specs (`fibquant eval peers`).
 
-One list of `fibquant.eval.cache_specs` specs (FibQuant at several rates, keys and values at
+One list of `fibquant.kv.specs` specs (FibQuant at several rates, keys and values at
 different rates, TurboQuant, INT and every installed peer: quanto, HQQ, KakeyaLattice E8/D4,
 NexusQuant) runs through the three in-the-loop experiments, each by its own module's code:
 
@@ -15,7 +15,7 @@ NexusQuant) runs through the three in-the-loop experiments, each by its own modu
 Every cache keeps the same exact window (sinks + recent tokens): our codecs in `CompressedCache`
 (attention on the codes), a peer in `RoundTripCache`. Bytes per stored vector are the cache
 spec's (`CacheSpec.key_bytes` / `value_bytes`: our codecs' `code_size`, a peer's fixed-rate size
-from its own format, `fibquant.eval.peers`). Specs that cannot run here (a peer package not
+from its own format, `fibquant.peers`). Specs that cannot run here (a peer package not
 installed, a codebook neither shipped nor cached) are kept as rows with the reason and no
 figures. The report is one JSON (`peers.json`), one Markdown table and one plot per metric
 (`peers_<metric>.md` / `.png`, all tables also in `peers.md`, an overview in `peers.png`), under
@@ -33,6 +33,7 @@ import torch
 
 from fibquant.eval.report import Experiment, figure, format_table, target
 from fibquant.paths import results_dir
+from fibquant.peers import PEERS, peer_specs
 
 METRICS = ("fidelity", "perplexity", "needle")
 BUDGET_RANGE = (3.5, 12.0)  # the issue's target: FibQuant >= every peer at <= its bytes in this ratio range
@@ -44,16 +45,8 @@ PEERS_REPORT_SPECS = (
     "fibquant:b=2/fibquant:b=1",
     "turboquant:b=4", "turboquant:b=3", "turboquant:b=2", "turboquant:b=1",
     "int:b=4", "int:b=3", "int:b=2",
-    "quanto:b=4", "quanto:b=2", "hqq:b=4", "hqq:b=2",
-    "kakeya-e8:q=4", "kakeya-e8:q=2", "kakeya-e8:q=1", "kakeya-d4:q=4", "kakeya-d4:q=2", "kakeya-d4:q=1",
-    "nexus:b=4", "nexus:b=3", "nexus:b=2",
-)
+) + peer_specs()  # every registered peer at its default values
 
-# Peers: hollow markers and dashed lines, one colour and marker per family (ours use the codecs' styles).
-PEER_STYLES = {
-    "quanto": ("C1", "v"), "hqq": ("C5", "<"), "kakeya-e8": ("C8", ">"), "kakeya-d4": ("C9", "h"),
-    "nexus": ("C6", "*"),
-}
 
 
 @dataclass(frozen=True)
@@ -184,9 +177,9 @@ def run(config: PeersConfig = PeersConfig(), caches=None, build_codebooks: bool 
         model_and_tokenizer=None, progress: bool = True) -> dict:
     """Parse `caches` (default PEERS_REPORT_SPECS; fp always first), run the configured metrics on the
     available specs with one model, merge everything into one row per spec."""
-    from fibquant.eval.cache_specs import parse_cache_specs, split_available
+    from fibquant.kv.specs import parse_cache_specs, split_available
     from fibquant.eval.needle import needle_targets, run_needle, target_checks
-    from fibquant.eval.peers import package_versions
+    from fibquant.peers import package_versions
     from fibquant.eval.perplexity import perplexity_checks, run_perplexity
     from fibquant.eval.timing import Stopwatch
     from fibquant.kv.model import check_model_supported, describe_model, load_model
@@ -364,7 +357,7 @@ def peers_header(payload: dict) -> str:
 def series_style(group: str, kind: str) -> dict:
     """Matplotlib keywords of one series: ours filled (the codec's style), K/V of ours filled 'P',
     peers hollow with dashed lines, anything else grey."""
-    from fibquant.eval.methods import plot_style
+    from fibquant.codecs.registry import plot_style
 
     style = plot_style(group)
     if kind == "ours" and style is not None:
@@ -375,8 +368,8 @@ def series_style(group: str, kind: str) -> dict:
         color = first.color if first is not None else "C1"
         return {"color": color, "marker": "P", "linestyle": "none", "filled": True,
                 "name": f"{first.name if first else group} K/V at different rates"}
-    if group in PEER_STYLES:
-        color, marker = PEER_STYLES[group]
+    if group in PEERS:  # peers: hollow markers and dashed lines, the family's registered colour and marker
+        color, marker = PEERS[group].style
         return {"color": color, "marker": marker, "linestyle": "--", "filled": False, "name": f"{group} (peer)"}
     return {"color": "0.4", "marker": "x", "linestyle": "none", "filled": True, "name": f"{group} (peer mix)"}
 

@@ -10,9 +10,9 @@ i+1, so context-1 predictions per window), and separately over the second half o
 window (positions >= context/2, where most of the context is compressed). The fp baseline
 uses a DynamicCache with the same windows and chunking. Several windows run as one batch.
 
-A method is any `fibquant.eval.cache_specs` spec: keys and values may use different codecs
+A method is any `fibquant.kv.specs` spec: keys and values may use different codecs
 ('fibquant:b=4/fibquant:b=2'), and a peer ('quanto:b=2', 'kakeya-e8:q=2', ...; see
-`fibquant.eval.peers`) runs in a `RoundTripCache` with the same exact window, its bytes counted
+`fibquant.peers`) runs in a `RoundTripCache` with the same exact window, its bytes counted
 from its own format.
 """
 from __future__ import annotations
@@ -23,9 +23,9 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from fibquant.eval.methods import Method, codec_classes, is_reference, plot_style
+from fibquant.codecs.registry import Method, codec_classes, is_reference, plot_style
 from fibquant.eval.report import Experiment, figure, target
-from fibquant.kv.memory import cache_nbytes
+from fibquant.kv.accounting import cache_nbytes
 from fibquant.kv.model import check_model_supported
 
 
@@ -62,7 +62,7 @@ class PerplexityConfig:
 
 def as_cache_spec(method):
     """A `cache_specs.CacheSpec` from a Method, a spec string or a CacheSpec."""
-    from fibquant.eval.cache_specs import CacheSpec, from_method, parse_cache_spec
+    from fibquant.kv.specs import CacheSpec, from_method, parse_cache_spec
 
     if isinstance(method, CacheSpec):
         return method
@@ -258,7 +258,7 @@ def run(config: PerplexityConfig = PerplexityConfig(), methods: list[str] | None
         build_codebooks: bool = False, model_and_tokenizer=None, progress: bool = True) -> dict:
     """Run experiment 3 on `methods` (default PERPLEXITY_METHODS; unavailable ones skipped with a note)
     with the default model unless given; the payload with its targets."""
-    from fibquant.eval.cache_specs import parse_cache_specs, split_available
+    from fibquant.kv.specs import parse_cache_specs, split_available
     from fibquant.kv.model import load_model
 
     model, tokenizer = model_and_tokenizer or load_model()

@@ -36,7 +36,7 @@ and adds it back on every read: the codec's bits go to what varies between token
 Per-layer codecs: `key_codec` / `value_codec` may each be a sequence with one codec per layer
 (layer l uses entry l). Or `allocate` (a callable) chooses them from the data itself: it is
 called once with, per layer, that layer's exact tokens after the sinks ([B, H, n, D] keys and
-values) and returns the per-layer key and value codecs (e.g. `fibquant.eval.allocation`).
+values) and returns the per-layer key and value codecs (e.g. `fibquant.kv.allocation`).
 `from_cache` calls it with the whole source cache before anything is coded; a cache filled
 through `update` calls it when a layer first has tokens to encode and every layer
 (`num_layers`, from the model with `for_model`) holds tokens; until then tokens stay exact
@@ -47,7 +47,7 @@ Two ways to read the coded part (`attention=`):
 - "decode" (the reference): `update` returns float keys/values with the coded part decoded,
   for any attention implementation;
 - "codes": `update` returns a `CodedKV` snapshot (no float copy of the coded part) that the
-  attention function of `fibquant.kv.attention` scores directly from the codes; the model
+  attention function of `fibquant.kv.attention.entry` scores directly from the codes; the model
   must use it (`CompressedCache.for_model` sets that up).
 
 Tested against the Cache / CacheLayerMixin contract of transformers 5.x.
@@ -60,13 +60,28 @@ import torch
 from transformers.cache_utils import Cache
 
 from fibquant.codecs.base import Codec
-from fibquant.kv.codes import CodeBuffer, CodedKV
+from fibquant.kv.buffer import CodeBuffer, CodedKV
 from fibquant.kv.layer import ATTENTION_MODES, CompressedLayer, CompressedSlidingLayer, _check_attention
-from fibquant.kv.memory import _per_token, codec_state_nbytes, dynamic_cache_bytes_per_token, dynamic_cache_nbytes
+from fibquant.kv.accounting import _per_token, codec_state_nbytes, dynamic_cache_bytes_per_token, dynamic_cache_nbytes
 from fibquant.kv.model import check_model_supported
 
-# The layer, its code storage, the model check and the byte counts live in kv/layer.py, kv/codes.py,
-# kv/model.py and kv/memory.py; they stay importable from here, where they were first defined.
+# The persistence package registers its save function, store and writer classes here on import
+# (`fibquant.kv`'s __init__ imports it), so `save` / `load` work without a cache -> persist import.
+_PERSISTENCE: list = []
+
+
+def register_persistence(save_cache, store_cls, writer_cls) -> None:
+    """Called by `fibquant.kv.persist`: what `CompressedCache.save` / `load` use."""
+    _PERSISTENCE[:] = [save_cache, store_cls, writer_cls]
+
+
+def _persistence():
+    if not _PERSISTENCE:
+        raise RuntimeError("fibquant.kv.persist is not imported (the fibquant.kv package imports it)")
+    return _PERSISTENCE
+
+# The layer, its code storage, the model check and the byte counts live in kv/layer.py, kv/buffer.py,
+# kv/model.py and kv/accounting.py; they stay importable from here, where they were first defined.
 __all__ = ["ATTENTION_MODES", "CodeBuffer", "CodedKV", "CompressedCache", "CompressedLayer", "CompressedSlidingLayer",
            "check_model_supported",
            "codec_state_nbytes", "dynamic_cache_bytes_per_token", "dynamic_cache_nbytes"]
@@ -249,7 +264,7 @@ class CompressedCache(Cache):
         every other cache as SDPA does); a model that cannot use it gets "decode" with a
         one-time warning naming why. MLA models (DeepSeek V3, Kimi) cache their latent (key
         codec: `kv_lora_rank` dims, value codec: `qk_rope_head_dim`); attention on its codes
-        absorbs the up-projections (`fibquant.kv.mla`), or decodes where the model's modules are
+        absorbs the up-projections (`fibquant.kv.attention.mla`), or decodes where the model's modules are
         not of the form it knows.
         """
         first_key, key_codecs = _codec_list(key_codec, "key_codec")
@@ -261,12 +276,12 @@ class CompressedCache(Cache):
             raise ValueError(f"{len(key_codecs)} per-layer codecs for a model of {info['layers']} layers")
         attention = _check_attention(attention)
         if attention == "codes":
-            from fibquant.kv.attention import _warn_once, try_use_coded_attention
+            from fibquant.kv.attention.entry import _warn_once, try_use_coded_attention
 
             if not try_use_coded_attention(model):
                 attention = "decode"
             elif info["latent"]:
-                from fibquant.kv import mla
+                import fibquant.kv.attention.mla as mla
 
                 if not mla.enable(model):
                     _warn_once(f"latent:{type(model).__name__}", f"{type(model).__name__} caches an MLA latent but "
@@ -343,7 +358,7 @@ class CompressedCache(Cache):
         codecs = [self.key_codec, self.value_codec] + list(self.key_codecs or []) + list(self.value_codecs or [])
         return sum(codec_state_nbytes(c) for c in {id(c): c for c in codecs}.values())
 
-    # ----------------------------------------------------------------- persistence (kv/persist.py)
+    # ----------------------------------------------------------------- persistence (kv/persist/store.py)
     def coded_rows_since(self, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Key and value code rows of coded tokens [start, num_coded) of every layer:
         uint8 [L, B, H, n, code_size] each (what a persistent writer appends)."""
@@ -355,7 +370,7 @@ class CompressedCache(Cache):
 
     def save(self, path, model, token_ids=None, *, append: bool = False, overwrite: bool = False,
              durable: bool = False, checkpoint_every: int = 64):
-        """Write this cache (and its token ids) to the directory `path` (fibquant.kv.persist).
+        """Write this cache (and its token ids) to the directory `path` (fibquant.kv.persist.store).
 
         `model` is the model that filled the cache (its config fingerprint is stored). With
         append=False the store is sealed and closed (returned closed). With append=True a
@@ -363,25 +378,20 @@ class CompressedCache(Cache):
         stopping_criteria=[writer])` and every newly coded token is appended to the archive
         after each step (checkpoint every `checkpoint_every` tokens); `writer.close()` (or a
         `with` block) seals the end. See docs/persistent-cache.md."""
-        from fibquant.kv.persist import save_cache
-
+        save_cache, store_cls, writer_cls = _persistence()
         if not append:
             return save_cache(self, path, model, token_ids, overwrite=overwrite, durable=durable)
-        from fibquant.kv.persist import PersistentCache
-        from fibquant.kv.persist_generate import CacheWriter
-
         save_cache(self, path, model, token_ids, overwrite=overwrite, durable=durable)
-        store = PersistentCache.open(path, "a", model=model, durable=durable)
-        return CacheWriter(store, self, checkpoint_every)
+        store = store_cls.open(path, "a", model=model, durable=durable)
+        return writer_cls(store, self, checkpoint_every)
 
     @classmethod
     def load(cls, path, model=None, attention: Optional[str] = None) -> "CompressedCache":
         """The cache saved at `path`, bit for bit. With `model`, its fingerprint must match the
         saved one (ValueError otherwise) and the attention is set up as `for_model` does; the
         saved token ids are attached as `cache.token_ids` (int64 [n])."""
-        from fibquant.kv.persist import PersistentCache
-
-        with PersistentCache.open(path, model=model) as store:
+        _, store_cls, _ = _persistence()
+        with store_cls.open(path, model=model) as store:
             cache = store.to_cache(model, attention)
             cache.token_ids = store.token_ids()
         return cache

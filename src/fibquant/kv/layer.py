@@ -7,7 +7,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from fibquant.codecs.base import Codec
-from fibquant.kv.codes import CodeBuffer, CodedKV, _decode_centred, _owned
+from fibquant.kv.buffer import CodeBuffer, CodedKV, _decode_centred, _owned
 
 _FLOAT_FIELDS = ("sink_keys", "sink_values", "recent_keys", "recent_values")
 ATTENTION_MODES = ("codes", "decode")
@@ -234,7 +234,7 @@ class CompressedLayer(CacheLayerMixin):
                           _decode_centred(self.value_codec, self.value_codes, self.value_mean, self.sink_values.dtype),
                           self.recent_values], dim=-2)
 
-    # ----------------------------------------------------------------- persistence (kv/persist.py)
+    # ----------------------------------------------------------------- persistence (kv/persist/store.py)
     @classmethod
     def from_state(cls, key_codec: Codec, value_codec: Codec, sink_tokens: int, recent_tokens: int,
                    state: dict, key_codes: torch.Tensor, value_codes: torch.Tensor, attention: str = "decode",

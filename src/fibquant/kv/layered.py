@@ -20,7 +20,7 @@ that saturates to inf instead of raising), the "exact" role of K-only / V-only s
 
 Attention on codes needs a rotated codebook; these codecs have none, so the cache's
 "codes" attention decodes them (use attention="decode", the default here). Such caches are
-saved by `fibquant.kv.persist` with one codec entry per layer (and head); learned codebooks
+saved by `fibquant.kv.persist.store` with one codec entry per layer (and head); learned codebooks
 go to safetensors files next to the manifest.
 """
 from __future__ import annotations

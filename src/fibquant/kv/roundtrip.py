@@ -1,6 +1,6 @@
 """A float KV cache that applies a quantizer's round trip outside the same exact window as
 `CompressedCache`: for quantizers that offer only a round trip (the peers of
-`fibquant.eval.peers`), or to compare any two key / value quantizers under one protocol.
+`fibquant.peers`), or to compare any two key / value quantizers under one protocol.
 
 Layout of one layer ([batch, kv_heads, tokens, head_dim], all float):
 

@@ -9,13 +9,13 @@ Exact window: every token written to the cache is stored as codes. The tokens of
 forward (a prefill chunk, or the one decode token) attend to each other exactly, since their
 float K/V are at hand, the first `sink_tokens` of the sequence exactly too (a small side store,
 `sinks.SinkStore`, outside the pages), and every other earlier token through its codes (the kernels
-of `fibquant.kv.coded_kernels`, one joint softmax: `fibquant.kv.attention.attend_codes`). There is
+of `fibquant.kv.attention.kernels`, one joint softmax: `fibquant.kv.attention.entry.attend_codes`). There is
 no exact recent window: the pages have room for codes only. A chunked prefill therefore compresses
 earlier chunks, exactly as `CompressedCache(sink_tokens=S, recent_tokens=0)` in transformers does.
 Decode requests attend in one batched call per layer, padded to the longest context and masked.
 
 On CUDA (when triton imports; `PAGED_CODED_BACKEND`) the coded tokens go through the paged fused
-kernel instead (`fibquant.kv.coded_kernels.coded_decode_attention_paged`): it reads each request's
+kernel instead (`fibquant.kv.attention.kernels.coded_decode_attention_paged`): it reads each request's
 codes in place through its block-table row, for exactly its own length (no gathered copy, no
 padding mask), and its (out, log-sum-exp) is merged exactly with the exact part (sinks + the
 forward's own tokens, `attention_with_lse`) and the learned sink logits by `merge_lse`. Logit
@@ -45,9 +45,9 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from fibquant.integrations.vllm.config import active_config
 from fibquant.integrations.vllm.sinks import SinkStore
-from fibquant.kv.attention import attend_codes
-from fibquant.kv.coded_kernels import attention_with_lse, coded_decode_attention_paged, merge_lse, triton_available
-from fibquant.kv.codes import CodedKV
+from fibquant.kv.attention.entry import attend_codes
+from fibquant.kv.attention.kernels import attention_with_lse, coded_decode_attention_paged, merge_lse, triton_available
+from fibquant.kv.buffer import CodedKV
 
 # The coded tokens through the paged Triton kernel (codes read in place through the block tables):
 # "auto" = for CUDA pages when triton imports; "triton" forces it (CPU pages need TRITON_INTERPRET=1 set

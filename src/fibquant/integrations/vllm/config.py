@@ -4,7 +4,7 @@
     fibquant:b=4                keys and values with FibQuant at 4 bits/coordinate
     fibquant:b=4/fibquant:b=2   keys / values at different rates (or codecs: turboquant:b=3, ...)
 
-Any calibration-free codec spec of `fibquant.eval.methods` works on each side; codecs with a rotated
+Any calibration-free codec spec of `fibquant.codecs.registry` works on each side; codecs with a rotated
 codebook (FibQuant, TurboQuant) are attended on their codes, others are decoded for attention.
 
 `FIBQUANT_VLLM_SINK_TOKENS` (default 4, 0 turns them off): the first tokens of each sequence that
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from fibquant.eval.cache_specs import CacheSpec
+    from fibquant.kv.specs import CacheSpec
 
 ENV_VAR = "FIBQUANT_VLLM_CACHE"
 SINKS_ENV_VAR = "FIBQUANT_VLLM_SINK_TOKENS"
@@ -27,7 +27,7 @@ DEFAULT_SINK_TOKENS = 4
 
 @dataclass(frozen=True)
 class VllmCacheConfig:
-    """A cache spec of our own codecs (`fibquant.eval.cache_specs`) and the exact sink tokens
+    """A cache spec of our own codecs (`fibquant.kv.specs`) and the exact sink tokens
     (validated on construction)."""
 
     cache: "CacheSpec"
@@ -46,7 +46,7 @@ class VllmCacheConfig:
     @classmethod
     def parse(cls, text: str, sink_tokens: int = DEFAULT_SINK_TOKENS) -> "VllmCacheConfig":
         """SPEC or KEY_SPEC/VALUE_SPEC, as every cache spec of the project."""
-        from fibquant.eval.cache_specs import parse_cache_spec
+        from fibquant.kv.specs import parse_cache_spec
 
         try:
             cache = parse_cache_spec(text)
@@ -76,7 +76,7 @@ class VllmCacheConfig:
 
 @functools.lru_cache(maxsize=None)
 def _codec(spec: str, head_dim: int):
-    from fibquant.eval.methods import parse_method
+    from fibquant.codecs.registry import parse_method
 
     return parse_method(spec).build(head_dim)
 

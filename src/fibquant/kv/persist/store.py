@@ -28,12 +28,12 @@ from fibquant.archive import Archive, RecoveryWarning
 from fibquant.archive.format import ArchiveError
 from fibquant.kv.cache import CompressedCache
 from fibquant.kv.model import check_model_supported
-from fibquant.kv.persist_codecs import (CodecBuilder, codec_mismatch, entry_from_codec, entry_to_json,
+from fibquant.kv.persist.entries import (CodecBuilder, codec_mismatch, entry_from_codec, entry_to_json,
                                         stream_format)
-from fibquant.kv.persist_format import (MANIFEST_FILE, SNAPSHOT_FILE, TOKENS_FILE, CodeStream, model_fingerprint,
+from fibquant.kv.persist.format import (MANIFEST_FILE, SNAPSHOT_FILE, TOKENS_FILE, CodeStream, model_fingerprint,
                                         open_tokens, read_snapshot, write_json_atomic, write_snapshot)
-from fibquant.kv.persist_read import PersistentCacheReader
-from fibquant.kv.persist_state import (CacheManifest, ExactState, parse_stream_format, recover_state,
+from fibquant.kv.persist.read import PersistentCacheReader
+from fibquant.kv.persist.state import (CacheManifest, ExactState, parse_stream_format, recover_state,
                                        snapshot_coded)
 
 

@@ -73,9 +73,9 @@ from typing import Optional
 
 import torch
 
-from .._numba import numba_available, run_split
-from .coded_numba import _MODE_BYTES, _MODE_FIELDS
-from .coded_reference import (BACKENDS, _check_backend, _validate_decode, _validate_paged, _validate_scores,
+from fibquant._numba import numba_available, run_split
+from fibquant.kv.attention.numba_kernels import _MODE_BYTES, _MODE_FIELDS
+from fibquant.kv.attention.reference import (BACKENDS, _check_backend, _validate_decode, _validate_paged, _validate_scores,
                               _validate_weighted_sum, attention_with_lse, coded_decode_attention_paged_reference,
                               coded_decode_attention_reference, coded_scores_reference,
                               coded_weighted_sum_reference, merge_lse)
@@ -109,7 +109,7 @@ def _kernels():
     if _KERNELS is None:
         with _KERNELS_LOCK:
             if _KERNELS is None:
-                from .coded_numba import compile_kernels
+                from fibquant.kv.attention.numba_kernels import compile_kernels
 
                 _KERNELS = compile_kernels()
     return _KERNELS
@@ -149,7 +149,7 @@ def _triton_probe():
     global _TRITON
     if _TRITON is None:
         try:
-            from . import coded_triton
+            import fibquant.kv.attention.triton_kernels as coded_triton
         except Exception as exc:  # ImportError, or a broken triton install
             _TRITON = (None, f"{type(exc).__name__}: {exc}")
         else:

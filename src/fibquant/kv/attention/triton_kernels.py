@@ -1,8 +1,8 @@
 """Triton kernels of attention on codes (CUDA; CPU tensors under Triton's interpreter).
 
-Imported only when the "triton" backend runs (kv/coded_kernels.py picks it for CUDA tensors when
+Imported only when the "triton" backend runs (kv/attention/kernels.py picks it for CUDA tensors when
 triton imports). The spec of every function here is the plain torch reference in
-kv/coded_reference.py; the code-row layout is the one of kv/coded_kernels.py's docstring:
+kv/attention/reference.py; the code-row layout is the one of kv/attention/kernels.py's docstring:
 bytes [0, 2) the fp16 norm nu (little-endian), then n_blocks indices of W bits, bit-packed
 little-endian (index j at bits [j*W, (j+1)*W) of the index bytes).
 

@@ -29,16 +29,14 @@ def cache_nbytes(cache: Cache, format_bytes: Optional[tuple[float, float]] = Non
     - transformers' `QuantizedCache`: quantized storage + float residual (`quantized_cache_nbytes`);
     - any other cache (e.g. `DynamicCache`): the storage of every layer's keys and values.
     """
-    from fibquant.kv.cache import CompressedCache
-    from fibquant.kv.roundtrip import RoundTripCache
-
-    if isinstance(cache, CompressedCache):
-        return cache.nbytes()
-    if isinstance(cache, RoundTripCache):
+    # Duck-typed, so that the caches below can use this module's counts without a cycle.
+    if callable(getattr(cache, "format_nbytes", None)):  # RoundTripCache
         if format_bytes is None:
             raise ValueError("a RoundTripCache stores floats: pass format_bytes=(key bytes, value bytes) per vector "
                              "of its quantizer's format")
         return cache.format_nbytes(*format_bytes)
+    if callable(getattr(cache, "nbytes", None)):  # CompressedCache (and its layered variants)
+        return cache.nbytes()
     if _is_quantized_cache(cache):
         return quantized_cache_nbytes(cache)["total"]
     return dynamic_cache_nbytes(cache)

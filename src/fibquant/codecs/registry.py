@@ -189,16 +189,3 @@ def split_ready(methods: list[Method], dim: int, build_codebooks: bool) -> tuple
             continue
         ready.append(method)
     return ready, skipped
-
-
-def prepare_run(specs: list[str], build_codebooks: bool, model_and_tokenizer=None):
-    """Load the model (unless given) and split `specs` into ready methods and skip notes.
-
-    Returns (model, tokenizer, ready methods, skip notes).
-    """
-    from fibquant.kv.model import check_model_supported, load_model
-
-    model, tokenizer = model_and_tokenizer or load_model()
-    dim = check_model_supported(model)["head_dim"]
-    ready, skipped = split_ready(parse_methods(list(specs)), dim, build_codebooks)
-    return model, tokenizer, ready, skipped

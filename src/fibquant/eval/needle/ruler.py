@@ -1,7 +1,7 @@
 """RULER's `niah_single_1` through the needle protocol (`fibquant eval needle --task ruler-niah_single_1`).
 
 lm-eval (optional extra `fibquant[ruler]`) builds the samples with RULER's own generator and
-scores them with its `string_match_all`; eval/needle.py runs them like its passkey trials (one
+scores them with its `string_match_all`; `fibquant.eval.needle` runs them like its passkey trials (one
 float prefill shared by every cache, question and answer through the cache). lm-eval's task
 function itself does not run offline here (see docs/peers-and-long-context.md), so its sample
 generator is called directly.
@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 from typing import Optional
 
-from fibquant.eval.needle import NeedleConfig, NeedleTrial, _ids, template_parts
+from fibquant.eval.needle.trials import NeedleConfig, NeedleTrial, template_parts, token_ids
 
 RULER_MIN_NEW_TOKENS = 12  # RULER's values are 7-digit numbers: SmolLM2 spends a token per digit
 
@@ -34,7 +34,7 @@ def ruler_trials(tokenizer, config: NeedleConfig, length: int, positions: Option
     new_tokens = max(config.max_new_tokens, RULER_MIN_NEW_TOKENS)
     if positions is not None and length > positions:
         raise ValueError(f"a {length}-token context does not fit the model's context of {positions} positions")
-    overhead = len(_ids(tokenizer, before)) + len(_ids(tokenizer, after + "The special magic number for "
+    overhead = len(token_ids(tokenizer, before)) + len(token_ids(tokenizer, after + "The special magic number for "
                                                          "some-key mentioned in the provided text is")) + new_tokens
     state = random.getstate()  # lm-eval draws keys, values and depths from the global `random`, as RULER
     random.seed(42 + config.seed)  # does after seeding it (42 by default): seed it, then restore the caller's
@@ -50,9 +50,9 @@ def ruler_trials(tokenizer, config: NeedleConfig, length: int, positions: Option
         text, key = sample["input"], sample["outputs"][0]
         cut = text.rindex("\nWhat ")
         at = text.index(key)
-        trials.append(NeedleTrial(length, round(at / cut, 3), rep, key, _ids(tokenizer, before + text[:cut]),
-                                  _ids(tokenizer, text[cut:] + after + sample["gen_prefix"]),
-                                  len(_ids(tokenizer, before + text[:at]))))
+        trials.append(NeedleTrial(length, round(at / cut, 3), rep, key, token_ids(tokenizer, before + text[:cut]),
+                                  token_ids(tokenizer, text[cut:] + after + sample["gen_prefix"]),
+                                  len(token_ids(tokenizer, before + text[:at]))))
     return trials
 
 

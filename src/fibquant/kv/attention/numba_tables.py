@@ -1,4 +1,4 @@
-"""Jitted helpers of the numba kernels (`fibquant.kv.coded_numba`): norm decoding, index checks
+"""Jitted helpers of the numba kernels (`fibquant.kv.attention.numba_kernels`): norm decoding, index checks
 and the lookup-table / histogram transforms. Plain Python functions compiled by `compile_helpers`
 on first use; it also binds the module globals they call (`np`, `_nibble_table` and the vector
 intrinsics `_copy4`, `_add4`, `_sum4`), so numba loads only when a kernel first runs.
@@ -192,7 +192,7 @@ def _contract_py(hist1, codewords, acc):
 
 def compile_helpers(numba, numpy, copy4, add4, sum4) -> dict:
     """The helpers above as numba dispatchers (keyed by name without `_py`), after binding the
-    globals they call. Called once, by `fibquant.kv.coded_numba.compile_kernels`."""
+    globals they call. Called once, by `fibquant.kv.attention.numba_kernels.compile_kernels`."""
     global np, _nibble_table, _copy4, _add4, _sum4
     np, _copy4, _add4, _sum4 = numpy, copy4, add4, sum4
     helper = numba.njit(nogil=True)

@@ -1,6 +1,6 @@
 """Codec identity in a saved cache's manifest (docs/persistent-cache.md).
 
-`CodecSpec` names one registered codec (`fibquant.eval.methods` registry): its family, its
+`CodecSpec` names one registered codec (`fibquant.codecs.registry` registry): its family, its
 config fields and a sha256 of the state that defines its decoding (codebook, rotation, learned
 tensors). A calibrated codec (RVQ, low-rank) is also written with its own `Codec.save` as
 `codecs/<family>-<sha256[:16]>.safetensors` next to the manifest, whose sha256 the spec keeps.
@@ -32,7 +32,7 @@ _V1_NAMES = ("k", "n_codewords", "bits", "group_size", "seed")
 
 
 def _registry() -> dict:
-    from fibquant.eval.methods import codec_classes
+    from fibquant.codecs.registry import codec_classes
 
     return codec_classes()
 

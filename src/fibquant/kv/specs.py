@@ -1,14 +1,14 @@
 """Cache specs for the in-the-loop experiments (perplexity, needle): one string -> one KV cache.
 
     fp                              the uncompressed DynamicCache (reference)
-    fibquant:b=2                    keys and values with the same codec (any `fibquant.eval.methods` spec
+    fibquant:b=2                    keys and values with the same codec (any `fibquant.codecs.registry` spec
                                     of a calibration-free codec: fibquant, turboquant, int, ...)
     fibquant:b=2/fibquant:b=1       keys / values at different rates (or different codecs)
-    quanto:b=2, kakeya-e8:q=2 ...   a peer (`fibquant.eval.peers`), keys and values; `KEY/VALUE` works too
+    quanto:b=2, kakeya-e8:q=2 ...   a peer (`fibquant.peers`), keys and values; `KEY/VALUE` works too
 
 Options after '@' (our codecs only, any order): `@centre` quantises keys and values minus a per-layer,
 per-head mean (`CompressedCache(centre=True)`); `@alloc=SIGNAL` (FibQuant `b=` rates on both sides)
-chooses one rate per layer and role from the cached tokens themselves (`fibquant.eval.allocation`:
+chooses one rate per layer and role from the cached tokens themselves (`fibquant.kv.allocation`:
 mse, attn, attn-keys, ends, uniform) with the base rate's bytes as each role's average budget, e.g.
 `fibquant:b=1.5/fibquant:b=1@centre@alloc=mse`. Without options a spec means what it always did.
 
@@ -25,8 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from fibquant.eval.methods import Method, parse_method, reference_method
-from fibquant.eval.peers import PeerSpec, build_peer, is_peer, parse_peer, unavailable_reason
+from fibquant.codecs.registry import Method, parse_method, reference_method
+from fibquant.peers import PeerSpec, build_peer, is_peer, parse_peer, unavailable_reason
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ class Side:
 
     def bytes_per_vector(self, dim: int) -> float:
         if self.is_peer:
-            from fibquant.eval.peers import PEERS
+            from fibquant.peers import PEERS
 
             return float(PEERS[self.quantizer.family].bytes_per_vector(self.quantizer.value, dim))
         return float(self.quantizer.build(dim).code_size)
@@ -96,7 +96,7 @@ class CacheSpec:
             raise ValueError("@centre and @alloc apply to our codecs on both sides (a CompressedCache), "
                              "not to fp or a peer")
         if self.alloc is not None:
-            from fibquant.eval.allocation import SIGNALS, rung_of
+            from fibquant.kv.allocation import SIGNALS, rung_of
 
             if self.alloc not in SIGNALS:
                 raise ValueError(f"@alloc={self.alloc}: the signal must be one of {SIGNALS}")
@@ -144,11 +144,11 @@ class CacheSpec:
         return text + (" centred" if self.centre else "") + (f" alloc={self.alloc}" if self.alloc else "")
 
     def allocator(self, dim: int, centre: bool = False, model=None):
-        """The `fibquant.eval.allocation.RateAllocator` of an `@alloc` spec (None without one);
+        """The `fibquant.kv.allocation.RateAllocator` of an `@alloc` spec (None without one);
         signal "attn" reads its weights from `model` (ValueError when it has none)."""
         if self.alloc is None:
             return None
-        from fibquant.eval.allocation import RateAllocator, attention_weights
+        from fibquant.kv.allocation import RateAllocator, attention_weights
 
         weights = (None, None)
         if self.alloc in ("attn", "attn-keys"):
@@ -288,13 +288,13 @@ def parse_cache_specs(texts) -> list[CacheSpec]:
 
 
 def from_method(method: Method) -> CacheSpec:
-    """The symmetric cache spec of a `fibquant.eval.methods.Method` (the reference, fp, stays fp)."""
+    """The symmetric cache spec of a `fibquant.codecs.registry.Method` (the reference, fp, stays fp)."""
     return CacheSpec() if method.reference else CacheSpec(Side(method), Side(method))
 
 
 def split_available(specs: list[CacheSpec], dim: int, build_codebooks: bool) -> tuple[list[CacheSpec], list[str]]:
     """Specs that can run now and notes on the rest (a peer package absent, a codebook not shipped)."""
-    from fibquant.eval.methods import split_ready
+    from fibquant.codecs.registry import split_ready
 
     ready, skipped = [], []
     for spec in specs:

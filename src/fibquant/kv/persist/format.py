@@ -1,5 +1,5 @@
 """On-disk pieces of a persisted `CompressedCache`: the model fingerprint, the code streams and
-the exact-window snapshot (docs/persistent-cache.md; codec specs: `fibquant.kv.persist_codecs`).
+the exact-window snapshot (docs/persistent-cache.md; codec specs: `fibquant.kv.persist.entries`).
 
 A saved cache is a directory:
 

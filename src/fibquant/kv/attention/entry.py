@@ -40,8 +40,8 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from fibquant.codecs.base import Codec
-from fibquant.kv.codes import CodedKV
-from fibquant.kv.coded_kernels import (attention_with_lse, coded_decode_attention, coded_scores, coded_weighted_sum,
+from fibquant.kv.buffer import CodedKV
+from fibquant.kv.attention.kernels import (attention_with_lse, coded_decode_attention, coded_scores, coded_weighted_sum,
                                        merge_lse, triton_available)
 
 ATTENTION_NAME = "fibquant"
@@ -49,7 +49,7 @@ QUERY_ROWS_PER_BLOCK = 2048      # query rows (query heads x tokens) per KV head
 # Chunks of at least this many query tokens (prefill) attend to their exact columns through SDPA
 # and merge with the coded columns by log-sum-exp; shorter ones (decode) use one joint softmax.
 SPLIT_MIN_TOKENS = 16
-# The coded columns through one fused kernel (kv/coded_triton.py: scores, online softmax and value
+# The coded columns through one fused kernel (kv/attention/triton_kernels.py: scores, online softmax and value
 # sums on chip, with the log-sum-exp): "auto" = for CUDA tensors when triton imports; "triton"
 # forces it (CPU tensors need TRITON_INTERPRET=1, as the tests do); "off" never.
 FUSED_CODED_BACKEND = "auto"
@@ -368,7 +368,7 @@ def coded_attention_forward(module, query, key, value, attention_mask, dropout: 
             unsupported.append("dropout")
         if not unsupported:
             scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-            custom = getattr(module, "coded_attention", None)  # e.g. kv/mla.py's latent attention
+            custom = getattr(module, "coded_attention", None)  # e.g. kv/attention/mla.py's latent attention
             if custom is not None:
                 return custom(module, query, key, attention_mask, scaling, **options), None
             return attend_codes(query, key, attention_mask, scaling, **options), None

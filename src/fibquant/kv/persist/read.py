@@ -1,4 +1,4 @@
-"""Random access into a saved cache: the read half of `fibquant.kv.persist.PersistentCache`."""
+"""Random access into a saved cache: the read half of `fibquant.kv.persist.store.PersistentCache`."""
 from __future__ import annotations
 
 from typing import Optional
@@ -8,8 +8,8 @@ import torch
 
 from fibquant.archive.codes import as_codes
 from fibquant.kv.cache import CompressedCache, CompressedLayer
-from fibquant.kv.codes import _decode_centred
-from fibquant.kv.persist_format import MEAN_FIELDS, CodeStream
+from fibquant.kv.buffer import _decode_centred
+from fibquant.kv.persist.format import MEAN_FIELDS, CodeStream
 
 
 class PersistentCacheReader:
@@ -234,7 +234,7 @@ class PersistentCacheReader:
             from fibquant.kv.model import check_model_supported
 
             if model is not None:
-                from fibquant.kv.attention import try_use_coded_attention
+                from fibquant.kv.attention.entry import try_use_coded_attention
 
                 check_model_supported(model, key_codec, value_codec)
                 if attention == "codes" and not try_use_coded_attention(model):

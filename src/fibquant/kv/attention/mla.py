@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from fibquant.kv.attention import _bias_block, _scores_from_codes, attend_codes
-from fibquant.kv.codes import CodedKV
+from fibquant.kv.attention.entry import _bias_block, _scores_from_codes, attend_codes
+from fibquant.kv.buffer import CodedKV
 
 _ATTRIBUTES = ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "num_heads", "kv_lora_rank")
 

@@ -1,5 +1,5 @@
 """The numba kernels of attention on codes: `coded_scores` / `coded_weighted_sum` over a range of
-work units (see `fibquant.kv.coded_kernels`, which validates, dispatches and threads them).
+work units (see `fibquant.kv.attention.kernels`, which validates, dispatches and threads them).
 """
 from __future__ import annotations
 
@@ -206,14 +206,14 @@ def _weighted_sum_py(weights, codes, codewords, out, index_bits, n_blocks, mode,
 
 def compile_kernels():
     """(scores, weighted_sum) numba dispatchers, compiled (or loaded from numba's cache); call once
-    (`fibquant.kv.coded_kernels._kernels` does, under a lock)."""
+    (`fibquant.kv.attention.kernels._kernels` does, under a lock)."""
     global np, _decode_norms, _count_invalid, _safe_fields
     global _build_table, _bytes_table, _spread_bytes, _contract, _lut_sum, _hist_add
     import numba
     import numpy
 
-    from .coded_intrinsics import _build_intrinsics
-    from .coded_numba_tables import compile_helpers
+    from fibquant.kv.attention.intrinsics import _build_intrinsics
+    from fibquant.kv.attention.numba_tables import compile_helpers
 
     # Globals of the kernel functions, bound before numba compiles (or loads) them.
     np = numpy

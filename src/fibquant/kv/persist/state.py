@@ -9,8 +9,8 @@ from typing import Optional
 import torch
 
 from fibquant.codecs.layout import CodeLayout
-from fibquant.kv.persist_codecs import Entry, entry_from_json, entry_specs, entry_to_json
-from fibquant.kv.persist_format import FORMAT_NAME, FORMAT_VERSION, READABLE_VERSIONS, SNAPSHOT_FILE, stored_layout
+from fibquant.kv.persist.entries import Entry, entry_from_json, entry_specs, entry_to_json
+from fibquant.kv.persist.format import FORMAT_NAME, FORMAT_VERSION, READABLE_VERSIONS, SNAPSHOT_FILE, stored_layout
 
 _DTYPES = {str(d): d for d in (torch.float16, torch.bfloat16, torch.float32, torch.float64)}
 ROLES = ("keys", "values")

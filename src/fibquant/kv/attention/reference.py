@@ -1,5 +1,5 @@
 """Code-row checks and the plain torch reference of attention on codes (the spec of
-`fibquant.kv.coded_kernels`; any device). Layout of a code row: see that module's docstring.
+`fibquant.kv.attention.kernels`; any device). Layout of a code row: see that module's docstring.
 
 Besides the two drop-ins (`coded_scores_reference`, `coded_weighted_sum_reference`) this module
 holds the spec of the fused decode attention (`coded_decode_attention_reference`, the Triton
@@ -13,8 +13,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..codecs.bitpack import MAX_BITS, bytes_to_float16, packed_size, unpack_bits
-from ..codecs.rotation import NORM_BYTES
+from fibquant.codecs.bitpack import MAX_BITS, bytes_to_float16, packed_size, unpack_bits
+from fibquant.codecs.rotation import NORM_BYTES
 
 BACKENDS = ("auto", "torch", "numba", "triton")
 

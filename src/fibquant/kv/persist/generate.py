@@ -16,7 +16,7 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from fibquant.kv.cache import CompressedCache
-from fibquant.kv.persist import PersistentCache
+from fibquant.kv.persist.store import PersistentCache
 
 
 _BATCH_ONE = ("CacheWriter saves batch-1 generation only (got batch {batch}): a saved cache holds one token-id "

@@ -161,7 +161,7 @@ class CodedKV:
         raise AttributeError(
             f"CodedKV has no attribute {name!r}: a CompressedCache with attention='codes' must be used by a model "
             "whose attention implementation is 'fibquant' (CompressedCache.for_model or "
-            "fibquant.kv.attention.use_coded_attention(model) set it), or create the cache with attention='decode'")
+            "fibquant.kv.attention.entry.use_coded_attention(model) set it), or create the cache with attention='decode'")
 
 
 def _decode_centred(codec: Codec, codes: torch.Tensor, mean: Optional[torch.Tensor], dtype) -> torch.Tensor:

@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from fibquant.kv.persist import MANIFEST_FILE, PersistentCache
+from fibquant.kv.persist.store import MANIFEST_FILE, PersistentCache
 
 
 def common_prefix_length(a: torch.Tensor, b: torch.Tensor) -> int:

@@ -1,4 +1,4 @@
-"""LLVM vector intrinsics of the numba kernels of `fibquant.kv.coded_numba` (numba and llvmlite
+"""LLVM vector intrinsics of the numba kernels of `fibquant.kv.attention.numba_kernels` (numba and llvmlite
 are imported only when `_build_intrinsics` runs)."""
 from __future__ import annotations
 

@@ -1,0 +1,64 @@
+"""transformers' own `QuantizedCache` layers as peers: quanto (optimum-quanto) and HQQ (hqq).
+
+Both quantize per-token groups of 64 elements (transformers' default `q_group_size`); the round
+trip is the layer's own `_quantize` / dequantize, and the native cache (what `eval speed`
+times) is `QuantizedCache(backend=..., nbits=b)`.
+"""
+from __future__ import annotations
+
+import torch
+
+from fibquant.peers.base import PeerFamily, PeerQuantizer, PeerSpec, one_of
+
+GROUP_SIZE = 64  # QuantizedCache's default q_group_size
+
+
+def group_int_bytes(bits: int, dim: int) -> float:
+    """b-bit levels + one fp16 scale and one fp16 zero/shift per group of 64 elements."""
+    return dim * bits / 8 + (dim / GROUP_SIZE) * 4
+
+
+def _build_quanto(spec: PeerSpec, dim: int, role: str, model=None) -> PeerQuantizer:
+    from transformers.cache_utils import QuantoQuantizedLayer
+
+    layer = QuantoQuantizedLayer(nbits=spec.value, q_group_size=GROUP_SIZE)
+
+    def fn(x, start):
+        return layer._quantize(x.contiguous(), axis=0).dequantize()
+    return PeerQuantizer(spec, dim, role, fn)
+
+
+def _build_hqq(spec: PeerSpec, dim: int, role: str, model=None) -> PeerQuantizer:
+    from transformers.cache_utils import HQQQuantizedLayer
+
+    layer = HQQQuantizedLayer(nbits=spec.value, q_group_size=GROUP_SIZE)
+
+    def fn(x, start):
+        layer.keys = torch.empty(0, dtype=x.dtype, device=x.device)  # _quantize reads device/dtype from it
+        return layer._dequantize(layer._quantize(x.contiguous(), axis=0))
+    return PeerQuantizer(spec, dim, role, fn)
+
+
+def _native(backend: str):
+    def build(bits: int, config=None):
+        from transformers import QuantizedCache
+
+        return QuantizedCache(backend=backend, config=config, nbits=bits)
+    return build
+
+
+FAMILIES = {
+    "quanto": PeerFamily(
+        "b", "b in (2, 4)", one_of((2, 4)), lambda b: f"quanto INT{b} (QuantizedCache)",
+        group_int_bytes,
+        "b bits per element + fp16 scale and fp16 shift per group of 64 (quanto stores them in the model dtype; "
+        "counted as fp16, i.e. what an fp16 model holds)", _build_quanto,
+        package=("optimum.quanto", "optimum-quanto"), style=("C1", "v"), defaults=(4, 2),
+        native_cache=_native("quanto")),
+    "hqq": PeerFamily(
+        "b", "b in (1, 2, 3, 4, 8)", one_of((1, 2, 3, 4, 8)), lambda b: f"HQQ INT{b} (QuantizedCache)",
+        group_int_bytes,
+        "b bits per element + fp16 scale and fp16 zero per group of 64 (axis 0, transformers' default)", _build_hqq,
+        package=("hqq.core.quantize", "hqq"), style=("C5", "<"), defaults=(4, 2),
+        native_cache=_native("hqq")),
+}
