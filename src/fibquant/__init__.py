@@ -1,7 +1,18 @@
 """fibquant: universal vector quantization of transformer KV caches.
 
-Public names are imported lazily so that `import fibquant` stays cheap and the
-heavy framework glue (transformers, model files) loads only when used.
+Public names, by area (each imported lazily from its module, so `import fibquant` stays cheap
+and the heavy framework glue — transformers, model files — loads only when used):
+
+- codecs: `Codec`, `FibQuantCodec`, `TurboQuantCodec`, `IntCodec`, `LowRankCodec`, `RVQCodec`,
+  `IdentityCodec`; `parse_method` (spec strings such as "fibquant:b=2", `.build(dim)`), `load_codec`;
+  codebooks `build_codebook`, `load_codebook`
+- caches: `CompressedCache`, `parse_cache_spec` ("fibquant:b=4/fibquant:b=2", peers, "@decode"),
+  `use_coded_attention`, `attend_codes`, `cache_nbytes`, `load_model`, `check_model_supported`
+- persistence: `PersistentCache`, `save_cache`, `load_cache`, `CacheWriter`,
+  `generate_persistent`, `resume_generate`, `find_prefix`, `prefill_with_prefix`
+- archive: `Archive`, `CodeArchive`
+- peers: `parse_peer`, `build_peer`
+- data: `load_text`, `list_texts`, `load_bigbench_task`
 """
 from __future__ import annotations
 
@@ -9,26 +20,41 @@ import importlib
 
 __version__ = "0.1.0"
 
-_EXPORTS = {
-    # codecs
-    "Codec": "fibquant.codecs.base",
-    "FibQuantCodec": "fibquant.codecs.fibquant",
-    "TurboQuantCodec": "fibquant.codecs.turboquant",
-    "IntCodec": "fibquant.codecs.integer",
-    "LowRankCodec": "fibquant.codecs.lowrank",
-    "RVQCodec": "fibquant.codecs.rvq",
-    # codebooks and canonical source
-    "build_codebook": "fibquant.codebook",
-    "load_codebook": "fibquant.codebook",
-    # KV cache and real components
-    "CompressedCache": "fibquant.kv.cache",
-    "use_coded_attention": "fibquant.kv.attention",
-    "load_model": "fibquant.kv.model",
-    "load_text": "fibquant.data.text",
-    "load_bigbench_task": "fibquant.data.bigbench",
-    # archive
-    "Archive": "fibquant.archive",
+_AREAS = {
+    "codecs": {
+        "fibquant.codecs.base": ("Codec",),
+        "fibquant.codecs.fibquant": ("FibQuantCodec",),
+        "fibquant.codecs.turboquant": ("TurboQuantCodec",),
+        "fibquant.codecs.integer": ("IntCodec",),
+        "fibquant.codecs.lowrank": ("LowRankCodec",),
+        "fibquant.codecs.rvq": ("RVQCodec",),
+        "fibquant.codecs.identity": ("IdentityCodec",),
+        "fibquant.codecs.registry": ("parse_method", "load_codec"),
+        "fibquant.codebook": ("build_codebook", "load_codebook"),
+    },
+    "caches": {
+        "fibquant.kv.cache": ("CompressedCache",),
+        "fibquant.kv.specs": ("parse_cache_spec",),
+        "fibquant.kv.attention": ("use_coded_attention", "attend_codes"),
+        "fibquant.kv.accounting": ("cache_nbytes",),
+        "fibquant.kv.model": ("load_model", "check_model_supported"),
+    },
+    "persistence": {
+        "fibquant.kv.persist": ("PersistentCache", "save_cache", "load_cache", "CacheWriter", "generate_persistent",
+                                "resume_generate", "find_prefix", "prefill_with_prefix"),
+    },
+    "archive": {
+        "fibquant.archive": ("Archive", "CodeArchive"),
+    },
+    "peers": {
+        "fibquant.peers": ("parse_peer", "build_peer"),
+    },
+    "data": {
+        "fibquant.data.text": ("load_text", "list_texts"),
+        "fibquant.data.bigbench": ("load_bigbench_task",),
+    },
 }
+_EXPORTS = {name: module for area in _AREAS.values() for module, names in area.items() for name in names}
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
 
@@ -38,3 +64,7 @@ def __getattr__(name: str):
     if module is None:
         raise AttributeError(f"module 'fibquant' has no attribute {name!r}")
     return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
