@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # GPU checks, one prepared script for a lent CUDA GPU, <= ~8 minutes by default:
-#   1. the CUDA tests: tests/test_cuda.py (codecs, coded kernels, attention on codes and generate on
-#      the GPU against the CPU), tests/test_coded_triton.py (the Triton kernels compiled for the GPU
-#      against the torch reference, plus the 8k-context peak-memory check), tests/test_coded_kernels.py;
+#   1. the CUDA tests: tests/kv/test_cuda.py (codecs, coded kernels, attention on codes and generate on
+#      the GPU against the CPU), tests/kv/attention/test_coded_triton.py (the Triton kernels compiled for the GPU
+#      against the torch reference, plus the 8k-context peak-memory check), tests/kv/attention/test_coded_kernels.py;
 #   2. per-layer decode attention at 8k and 32k tokens, Llama-8B-shaped (head_dim 128, 8 KV heads,
 #      32 query heads, random data): FibQuant 4-bit and 2-bit through the fused Triton kernel vs
 #      bf16 SDPA, with peak-memory deltas, and the same codes in vLLM-style token-major pages read
@@ -35,7 +35,7 @@ if [ "${FIBQUANT_GPU_REAL_MODEL:-0}" = 1 ]; then MARK=(); WEIGHTS=(); fi
 
 status=0
 timeout "${GPU_TEST_TIMEOUT:-300}" $PY -m pytest -q -p no:cacheprovider "${MARK[@]}" \
-    tests/test_cuda.py tests/test_coded_triton.py tests/test_coded_kernels.py 2>&1 \
+    tests/kv/test_cuda.py tests/kv/attention/test_coded_triton.py tests/kv/attention/test_coded_kernels.py 2>&1 \
     | tee "$OUT_DIR/gpu_tests.log" | tail -25
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 

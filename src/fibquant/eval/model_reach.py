@@ -585,7 +585,7 @@ def render_markdown(results: list[dict], command: str, provenance: dict) -> str:
         f"**Generated** by `{command}` ({provenance.get('date', '?')}; transformers "
         f"{provenance.get('transformers', '?')}, torch {provenance.get('torch', '?')}, fibquant "
         f"{provenance.get('commit', '?')}). Do not edit by hand: rerun the command. The same probe "
-        "(`fibquant.eval.model_reach.probe`) is asserted per family by `tests/test_model_families.py`.",
+        "(`fibquant.eval.model_reach.probe`) is asserted per family by `tests/kv/test_model_families.py`.",
         "",
         f"Each family is its own transformers class with a tiny random config ({len(results)} families: 2 layers, "
         f"hidden 128, vocabulary {VOCAB}, head_dim 64 where the family sets it, sliding window {WINDOW} with "

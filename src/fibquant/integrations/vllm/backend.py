@@ -51,7 +51,7 @@ from fibquant.kv.buffer import CodedKV
 
 # The coded tokens through the paged Triton kernel (codes read in place through the block tables):
 # "auto" = for CUDA pages when triton imports; "triton" forces it (CPU pages need TRITON_INTERPRET=1 set
-# before triton is first imported, as tests/test_vllm.py does); "off" = always the gathered path.
+# before triton is first imported, as tests/integrations/test_vllm.py does); "off" = always the gathered path.
 PAGED_CODED_BACKEND = "auto"
 EXACT_ROWS_PER_BLOCK = 2048  # query rows (query heads x tokens) of the paged path's exact part scored at once
 

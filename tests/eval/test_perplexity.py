@@ -104,7 +104,7 @@ def test_real_model_compressed_generation_and_short_perplexity(request):
 def test_real_model_perplexity_codes_path_equals_decode_path(request):
     """The fast path gives the reference path's perplexity.
 
-    Each attention call agrees to ~1e-6 (tests/test_coded_attention.py), but a key/value that
+    Each attention call agrees to ~1e-6 (tests/kv/attention/test_coded_attention.py), but a key/value that
     lands within 1e-6 of a Voronoi boundary is then coded differently, and the two caches drift
     apart slightly: measured 1.7e-3 relative for FibQuant 2-bit on these 256 tokens.
     """

@@ -538,7 +538,7 @@ def test_fused_kernel_compiles_for_sm90_without_spills(tmp_path):
     """The interpreter cannot see lowering errors or register spills: compile the fused decode kernel at the
     Llama-8B decode shape (D=128, 8-bit k=2 indices) to an sm_90 cubin, in a process without the interpreter."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "triton_compile_check.py"
+    script = Path(__file__).resolve().parents[3] / "benchmarks" / "triton_compile_check.py"
     result = subprocess.run([sys.executable, str(script), "--quick", "--dims", "128", "--no-spills",
                              "--out", str(tmp_path)], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]

@@ -27,7 +27,7 @@ from fibquant.kv.persist.generate import generate_persistent, resume_generate
 
 torch.set_num_threads(1)
 FIELDS = ("sink_keys", "sink_values", "recent_keys", "recent_values")
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).resolve().parents[2] / "fixtures"
 
 
 @pytest.fixture(scope="module")
@@ -244,7 +244,7 @@ def _sums(t):
 
 
 def test_version_1_files_still_open(model, tmp_path):
-    """tests/data/persist_v1.fqkv was written by format version 1 (FibQuant keys in a CodeArchive,
+    """tests/fixtures/persist_v1.fqkv was written by format version 1 (FibQuant keys in a CodeArchive,
     INT values in a byte stream). What it stores losslessly (code rows, exact window) must read back
     bit for bit; decoded floats and logits depend on the CPU's vector instructions, so they are
     compared with a tolerance: to sums recorded in persist_v1_expected.json and to a float
