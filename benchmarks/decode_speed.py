@@ -3,7 +3,7 @@
 (quanto / hqq).
 
 Usage: .venv/bin/python benchmarks/decode_speed.py [--contexts 1024 2048 4096 8192] [--decode-tokens 32]
-       [--caches dynamic fibquant4 fibquant4-old quanto4 ...] [--parts ttft,chunked,decode]
+       [--caches fp fibquant:b=4 fibquant:b=4@decode quanto:b=4 ...] [--parts ttft,chunked,decode]
        [--chunk-tokens 512] [--prefill-repeats 1] [--threads 1] [--out results/]
 --parts ttft: only the one-shot time to first token (a fresh cache, the whole prompt in one
 forward); chunked: the prompt in --chunk-tokens chunks; decode: greedy steps from one shared

@@ -40,7 +40,7 @@ timeout "${GPU_TEST_TIMEOUT:-300}" $PY -m pytest -q -p no:cacheprovider "${MARK[
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 
 timeout "${GPU_BENCH_TIMEOUT:-200}" $PY benchmarks/gpu_decode_attention.py --device cuda \
-    --contexts ${GPU_ATTN_CONTEXTS:-8192 32768} --codecs fibquant4 fibquant2 --reference --out "$OUT_DIR" \
+    --contexts ${GPU_ATTN_CONTEXTS:-8192 32768} --codecs fibquant:b=4 fibquant:b=2 --reference --out "$OUT_DIR" \
     2>&1 | tee "$OUT_DIR/gpu_decode_attention.log"
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 
@@ -49,7 +49,7 @@ if [ "${FIBQUANT_GPU_FULL:-0}" = 1 ]; then
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
     $PY benchmarks/decode_speed.py --device cuda "${WEIGHTS[@]}" --contexts ${GPU_CONTEXTS:-1024 2048 4096 8192} \
         --decode-tokens 32 --no-progress --out "$OUT_DIR" \
-        --caches ${GPU_CACHES:-dynamic fibquant4 fibquant3 fibquant2 turboquant4 turboquant2 fibquant4-old turboquant4-old quanto4 quanto2 hqq4 hqq2} \
+        --caches ${GPU_CACHES:-fp fibquant:b=4 fibquant:b=3 fibquant:b=2 turboquant:b=4 turboquant:b=2 fibquant:b=4@decode turboquant:b=4@decode quanto:b=4 quanto:b=2 hqq:b=4 hqq:b=2} \
         2>&1 | tee "$OUT_DIR/gpu_decode_speed.log" | grep -v Warning
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi

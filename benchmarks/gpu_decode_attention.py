@@ -30,7 +30,7 @@ set here before triton is imported): use tiny sizes, e.g. `--device cpu --contex
 that mode is a smoke test of the script and a correctness check.
 
 Usage: python benchmarks/gpu_decode_attention.py [--device cuda] [--contexts 8192 32768]
-       [--codecs fibquant4 fibquant2] [--reference] [--out DIR]
+       [--codecs fibquant:b=4 fibquant:b=2] [--reference] [--out DIR]
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ from fibquant.codecs.bitpack import float16_to_bytes, pack_bits  # noqa: E402
 from fibquant.codecs.fibquant import FibQuantCodec  # noqa: E402
 import fibquant.kv.attention.kernels as ck  # noqa: E402
 
-CODECS = {"fibquant4": 4.0, "fibquant2": 2.0, "fibquant3": 3.0}  # name -> FibQuantCodec.for_rate bits
+CODECS = {"fibquant:b=4": 4.0, "fibquant:b=2": 2.0, "fibquant:b=3": 3.0}  # name -> FibQuantCodec.for_rate bits
 
 
 def random_codes(codec: FibQuantCodec, shape: tuple[int, ...], device, gen) -> torch.Tensor:
@@ -110,7 +110,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768])
-    parser.add_argument("--codecs", nargs="+", default=["fibquant4", "fibquant2"], choices=sorted(CODECS))
+    parser.add_argument("--codecs", nargs="+", default=["fibquant:b=4", "fibquant:b=2"], choices=sorted(CODECS))
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--q-heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)

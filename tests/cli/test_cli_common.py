@@ -15,19 +15,24 @@ def test_split_specs_accepts_semicolons_and_spaces():
     assert split_specs("fibquant:k=64,n=4096") == ["fibquant:k=64,n=4096"]
 
 
-@pytest.mark.parametrize("argv, dest", [
-    (["eval", "fidelity", "--methods"], "methods"),
-    (["eval", "perplexity", "--methods"], "methods"),
-    (["eval", "mc", "--methods"], "methods"),
-    (["eval", "needle", "--caches"], "caches"),
-    (["eval", "speed", "--caches"], "caches"),
-], ids=lambda v: " ".join(v) if isinstance(v, list) else v)
-def test_spec_lists_take_both_separators_everywhere(argv, dest):
+SPEC_COMMANDS = (["eval", "fidelity"], ["eval", "perplexity"], ["eval", "mc"], ["eval", "needle"], ["eval", "speed"],
+                 ["eval", "peers"])
+
+
+@pytest.mark.parametrize("argv", SPEC_COMMANDS, ids=" ".join)
+def test_spec_lists_take_both_separators_everywhere(argv):
     parser = build_parser()
-    spaced = getattr(parser.parse_args([*argv, "fp", "int:b=4"]), dest)
-    semicolons = getattr(parser.parse_args([*argv, "fp;int:b=4"]), dest)
-    mixed = getattr(parser.parse_args([*argv, "fp;", "int:b=4"]), dest)
+    spaced = parser.parse_args([*argv, "--caches", "fp", "int:b=4"]).caches
+    semicolons = parser.parse_args([*argv, "--caches", "fp;int:b=4"]).caches
+    mixed = parser.parse_args([*argv, "--caches", "fp;", "int:b=4"]).caches
     assert spaced == semicolons == mixed == ["fp", "int:b=4"]
+
+
+@pytest.mark.parametrize("argv", SPEC_COMMANDS, ids=" ".join)
+def test_methods_is_a_deprecated_alias_of_caches(argv, capsys):
+    args = build_parser().parse_args([*argv, "--methods", "fp;int:b=4"])
+    assert args.caches == ["fp", "int:b=4"] and not hasattr(args, "methods")
+    assert "--methods is spelled --caches now" in capsys.readouterr().err
 
 
 def test_empty_spec_list_is_an_argument_error(capsys):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import math
 import statistics
 
@@ -25,7 +26,7 @@ def _tiny():
 def _check_payload(payload: dict, caches: list[str], tokens: int, decode_tokens: int) -> None:
     rows = {r["cache"]: r for r in payload["rows"]}
     assert list(rows) == caches
-    dyn = rows["dynamic"]
+    dyn = rows["fp"]
     assert dyn["kind"] == "dynamic" and dyn["conversion_s"] == 0.0
     assert dyn["dynamic_fp16_bytes"] * 2 == dyn["cache_bytes"]  # float32 model: fp16 is half
     for row in rows.values():
@@ -42,33 +43,44 @@ def _check_payload(payload: dict, caches: list[str], tokens: int, decode_tokens:
         assert 0.0 <= row["tokens_match_dynamic"] <= 1.0
     assert dyn["decode_vs_dynamic"] == 1.0 and dyn["tokens_match_dynamic"] == 1.0
     assert dyn["first_step_logits_max_abs_diff"] == 0.0
-    assert json.loads(json.dumps(payload, default=float))["rows"][0]["cache"] == "dynamic"
+    assert json.loads(json.dumps(payload, default=float))["rows"][0]["cache"] == "fp"
     for key in ("model", "text", "threads", "versions", "protocol", "config", "skipped"):
         assert key in payload
     assert {"torch", "transformers"} <= set(payload["versions"])
 
 
 def test_cache_names_parse_and_reject():
-    assert parse_cache_name("fibquant4").attention == "codes"
-    old = parse_cache_name("turboquant2-old")
-    assert (old.kind, old.family, old.bits, old.attention) == ("compressed", "turboquant", 2, "decode")
-    assert parse_cache_name("hqq2").kind == "quantized"
+    assert parse_cache_name("fibquant:b=4").attention == "codes"
+    old = parse_cache_name("turboquant:b=2@decode")
+    assert (old.name, old.kind, old.family, old.bits, old.attention) == (
+        "turboquant:b=2@decode", "compressed", "turboquant", 2, "decode")
+    quantized = parse_cache_name("hqq:b=2")
+    assert (quantized.kind, quantized.family, quantized.bits, quantized.name) == ("quantized", "hqq", 2, "hqq:b=2")
+    assert parse_cache_name("fp").kind == "dynamic"
     for name in DEFAULT_CACHES:
         parse_cache_name(name)
-    for bad in ("fibquant", "quanto3", "hqq4-old", "dynamic-old", "fp4", "lowrank4", "fibquant9"):
+    for bad in ("fibquant", "quanto:b=3", "hqq:b=4@decode", "fp@decode", "fp4", "lowrank:r=4", "fibquant:b=9",
+                "fibquant:b=4/fibquant:b=2", "kakeya-e8:q=2", "fibquant:b=2@centre", "fibquant:k=4,n=256"):
         with pytest.raises(ValueError):
             parse_cache_name(bad)
+
+
+@pytest.mark.parametrize("old, new", [("dynamic", "fp"), ("fibquant4", "fibquant:b=4"), ("int4-old", "int:b=4@decode"),
+                                      ("quanto2", "quanto:b=2"), ("hqq4", "hqq:b=4")])
+def test_earlier_cache_names_still_parse_with_a_warning(old, new):
+    with pytest.warns(DeprecationWarning, match=re.escape(repr(new))):
+        assert parse_cache_name(old) == parse_cache_name(new)
 
 
 def test_our_caches_come_from_the_codec_registry():
     # Registered codecs built from a bit count are ours; calibrated ones and the fp reference are not.
     assert our_families() == ("fibquant", "turboquant", "int")
-    spec = parse_cache_name("int4-old")
+    spec = parse_cache_name("int:b=4@decode")
     assert (spec.kind, spec.family, spec.bits, spec.attention) == ("compressed", "int", 4, "decode")
-    assert spec.label == "INT 4b (decode)" and parse_cache_name("fibquant4").label == "FibQuant 4b (codes)"
+    assert spec.label == "INT 4b (decode)" and parse_cache_name("fibquant:b=4").label == "FibQuant 4b (codes)"
     assert spec.method().spec == "int:b=4"
     with pytest.raises(ValueError, match="not one of our compressed caches"):
-        parse_cache_name("hqq4").method()
+        parse_cache_name("hqq:b=4").method()
     with pytest.raises(ValueError):
         DecodeSpeedConfig(decode_tokens=0)
 
@@ -89,26 +101,26 @@ def test_decode_speed_on_a_tiny_model(tmp_path, capsys):
     torch.set_num_threads(1)
     model = _tiny()
     ids = torch.randint(0, model.config.vocab_size, (64,), generator=torch.Generator().manual_seed(0))
-    config = DecodeSpeedConfig(contexts=(64,), decode_tokens=2, caches=("dynamic", "fibquant4", "fibquant4-old"))
+    config = DecodeSpeedConfig(contexts=(64,), decode_tokens=2, caches=("fp", "fibquant:b=4", "fibquant:b=4@decode"))
     payload = run_decode_speed(config, (model, None), token_ids=ids, progress=False)
     assert not payload["skipped"], payload["skipped"]
-    _check_payload(payload, ["dynamic", "fibquant4", "fibquant4-old"], 64, 2)
+    _check_payload(payload, ["fp", "fibquant:b=4", "fibquant:b=4@decode"], 64, 2)
     rows = {r["cache"]: r for r in payload["rows"]}
-    for name in ("fibquant4", "fibquant4-old"):
+    for name in ("fibquant:b=4", "fibquant:b=4@decode"):
         row = rows[name]
-        assert row["cache_used_bytes"] <= row["cache_bytes"] < rows["dynamic"]["cache_bytes"]
+        assert row["cache_used_bytes"] <= row["cache_bytes"] < rows["fp"]["cache_bytes"]
         assert row["conversion_s"] > 0
-    assert rows["fibquant4"]["attention_used"] == "codes" and rows["fibquant4-old"]["attention_used"] == "decode"
+    assert rows["fibquant:b=4"]["attention_used"] == "codes" and rows["fibquant:b=4@decode"]["attention_used"] == "decode"
     # The model's attention implementation is restored after the attention-on-codes run.
     assert model.config._attn_implementation != "fibquant"
     for row in rows.values():  # the default parts include both TTFTs next to the shared-prefill figures
         assert row["ttft_s"] > 0 and row["chunked_s"] > 0 and row["ttft_cache_tokens"] == 64
     table = format_decode_speed(payload)
-    assert "fibquant4-old" in table and "decode ms/tok" in table and "fp16 DynamicCache MiB" in table
+    assert "fibquant:b=4@decode" in table and "decode ms/tok" in table and "fp16 DynamicCache MiB" in table
     assert "TTFT s" in table and "chunked TTFT s" in table and "timed on 1 torch thread" in table
     paths = write_decode_speed(payload, tmp_path)
     saved = json.loads(open(paths["json"]).read())
-    assert [r["cache"] for r in saved["rows"]] == ["dynamic", "fibquant4", "fibquant4-old"]
+    assert [r["cache"] for r in saved["rows"]] == ["fp", "fibquant:b=4", "fibquant:b=4@decode"]
     assert (tmp_path / "decode_speed.png").stat().st_size > 0
     # The registered experiment prints the same header and table, and writes the same files.
     EXPERIMENT.report(payload, tmp_path / "report")
@@ -121,13 +133,13 @@ def test_ttft_parts_alone_on_a_tiny_model(tmp_path):
     torch.set_num_threads(2)
     model = _tiny()
     ids = torch.randint(0, model.config.vocab_size, (64,), generator=torch.Generator().manual_seed(2))
-    config = DecodeSpeedConfig(contexts=(64,), caches=("dynamic", "fibquant4"), parts=("ttft", "chunked"),
+    config = DecodeSpeedConfig(contexts=(64,), caches=("fp", "fibquant:b=4"), parts=("ttft", "chunked"),
                                chunk_tokens=24, prefill_repeats=2)
     payload = run_decode_speed(config, (model, None), token_ids=ids, progress=False)
     assert torch.get_num_threads() == 2 and payload["threads"] == 1  # ran on config.threads, then restored
     rows = {r["cache"]: r for r in payload["rows"]}
-    assert list(rows) == ["dynamic", "fibquant4"] and payload["parts"] == ["ttft", "chunked"]
-    dyn = rows["dynamic"]
+    assert list(rows) == ["fp", "fibquant:b=4"] and payload["parts"] == ["ttft", "chunked"]
+    dyn = rows["fp"]
     for row in rows.values():
         assert "decode_ms_median" not in row and "prefill_s" not in row  # the decode part did not run
         assert len(row["ttft_s_all"]) == 2 and all(t > 0 for t in row["ttft_s_all"])
@@ -142,23 +154,23 @@ def test_ttft_parts_alone_on_a_tiny_model(tmp_path):
             assert math.isclose(row[f"{part}_vs_dynamic"], row[f"{part}_s"] / dyn[f"{part}_s"])
             assert 0 < row[f"{part}_cpu_s"] and len(row[f"{part}_cpu_s_all"]) == 2
             assert math.isclose(row[f"{part}_cpu_vs_dynamic"], row[f"{part}_cpu_s"] / dyn[f"{part}_cpu_s"])
-    assert rows["fibquant4"]["ttft_attention_used"] == "codes"
-    assert rows["fibquant4"]["ttft_cache_bytes"] < dyn["ttft_cache_bytes"]
+    assert rows["fibquant:b=4"]["ttft_attention_used"] == "codes"
+    assert rows["fibquant:b=4"]["ttft_cache_bytes"] < dyn["ttft_cache_bytes"]
     # A one-shot prefill is exact for the prompt itself, so the first token is DynamicCache's.
-    assert rows["fibquant4"]["ttft_token_matches_dynamic"] is True
+    assert rows["fibquant:b=4"]["ttft_token_matches_dynamic"] is True
     assert model.config._attn_implementation != "fibquant"
     table = EXPERIMENT.table_text(payload)
     assert "TTFT s" in table and "chunked TTFT s" in table and "CPU x dyn" in table and "decode ms/tok" not in table
     paths = EXPERIMENT.report(payload, tmp_path, echo=False)
-    assert json.loads(open(paths["json"]).read())["rows"][1]["ttft_s"] == rows["fibquant4"]["ttft_s"]
+    assert json.loads(open(paths["json"]).read())["rows"][1]["ttft_s"] == rows["fibquant:b=4"]["ttft_s"]
     assert (tmp_path / "decode_speed.png").stat().st_size > 0
     # Targets judge the measured ratios at the contexts (none here: 64 tokens).
     assert decode_speed_targets(payload) == []
     moved = dict(payload, rows=[dict(r, context=2048) for r in payload["rows"]])
     judged = {t["target"]: t for t in decode_speed_targets(moved)}
-    mine = judged[f"fibquant4 one-shot TTFT <= {TTFT_TARGET}x DynamicCache at 2048"]
-    assert mine["measured"] == rows["fibquant4"]["ttft_vs_dynamic"]
-    assert mine["met"] == (rows["fibquant4"]["ttft_vs_dynamic"] <= TTFT_TARGET)
+    mine = judged[f"fibquant:b=4 one-shot TTFT <= {TTFT_TARGET}x DynamicCache at 2048"]
+    assert mine["measured"] == rows["fibquant:b=4"]["ttft_vs_dynamic"]
+    assert mine["met"] == (rows["fibquant:b=4"]["ttft_vs_dynamic"] <= TTFT_TARGET)
 
 
 def test_parts_and_threads_are_checked(capsys):
@@ -179,10 +191,10 @@ def test_quantized_cache_from_prefill_and_its_bytes(backend):
     torch.set_num_threads(1)
     model = _tiny()
     ids = torch.randint(0, model.config.vocab_size, (64,), generator=torch.Generator().manual_seed(1))
-    config = DecodeSpeedConfig(contexts=(64,), decode_tokens=2, caches=("dynamic", f"{backend}4"), warmup=False)
+    config = DecodeSpeedConfig(contexts=(64,), decode_tokens=2, caches=("fp", f"{backend}:b=4"), warmup=False)
     payload = run_decode_speed(config, (model, None), token_ids=ids, progress=False)
     assert not payload["skipped"], payload["skipped"]
-    _check_payload(payload, ["dynamic", f"{backend}4"], 64, 2)
+    _check_payload(payload, ["fp", f"{backend}:b=4"], 64, 2)
     row = payload["rows"][1]
     # 4-bit codes (32 B per 64-dim vector) + float32 group scale/zero (8 B) for 64 tokens, 2 float residual tokens.
     layers, heads, dim = model.config.num_hidden_layers, model.config.num_key_value_heads, 64
@@ -207,8 +219,8 @@ def test_quantized_cache_bytes_counts_storage_once():
 @pytest.mark.model
 def test_decode_speed_on_the_real_model(request, tmp_path):
     torch.set_num_threads(1)
-    config = DecodeSpeedConfig(contexts=(128,), decode_tokens=2, caches=("dynamic", "fibquant2"))
+    config = DecodeSpeedConfig(contexts=(128,), decode_tokens=2, caches=("fp", "fibquant:b=2"))
     payload = run_decode_speed(config, real_model(request), progress=False)
-    _check_payload(payload, ["dynamic", "fibquant2"], 128, 2)
+    _check_payload(payload, ["fp", "fibquant:b=2"], 128, 2)
     assert payload["text"] == "emma" and "SmolLM2" in payload["model"]
     assert payload["rows"][1]["bytes_vs_fp16_dynamic"] < 1.0  # float32 exact window of 36 of 130 tokens

@@ -205,7 +205,7 @@ def test_fidelity_command_runs_the_registered_experiment(monkeypatch):
     monkeypatch.setattr(kv, "run_experiment", lambda *args, **kwargs: calls.append((args, kwargs)))
     monkeypatch.setattr(kv, "apply_threads", lambda args: None)
     args = build_parser().parse_args(["eval", "fidelity", "--tokens", "64", "--layers", "0,15", "--sink-tokens", "2",
-                                      "--methods", "fp int:b=4"])
+                                      "--caches", "fp int:b=4"])
     assert args.func(args) == 0
     (name, config, out), resources = calls[0]
     assert name == "fidelity" and out is None and resources == {"methods": ["fp", "int:b=4"], "build_codebooks": False}

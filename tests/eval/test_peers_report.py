@@ -35,8 +35,8 @@ def _row(spec: str, **metrics) -> dict:
 def test_budget_check_counts_fibquant_at_no_more_bytes():
     rows = [_row("fp", cosine=1.0), _row("fibquant:b=2", cosine=0.97), _row("fibquant:b=2/fibquant:b=1", cosine=0.95),
             _row("turboquant:b=2", cosine=0.99), _row("int:b=4", cosine=0.999)]
-    rows.append(_row("quanto:b=2", cosine=0.96) | {"kind": "peer"})    # 20 B: FibQuant b=2 (18 B) 0.97 beats it
-    rows.append(_row("hqq:b=4", cosine=0.998) | {"kind": "peer"})      # 36 B: FibQuant's best at <= 36 B is 0.97
+    rows.append(_row("quanto-rt:b=2", cosine=0.96) | {"kind": "peer"})    # 20 B: FibQuant b=2 (18 B) 0.97 beats it
+    rows.append(_row("hqq-rt:b=4", cosine=0.998) | {"kind": "peer"})      # 36 B: FibQuant's best at <= 36 B is 0.97
     rows.append(_row("kakeya-d4:q=1", cosine=0.5) | {"kind": "peer"})  # 16 B: only K2/V1 (14 B, 0.95) counts
     check = budget_check(rows, "fidelity")
     assert check["peers"] == 3 and check["matched"] == 2
@@ -70,12 +70,12 @@ def test_quick_run_tables_json_plots_agree(request, tmp_path, monkeypatch):
     missing is a row with its reason and no figures."""
     model, tokenizer = real_model(request)
     peer = "kakeya-e8:q=2"
-    specs = ["fp", "fibquant:b=2", "fibquant:b=2/fibquant:b=1", "int:b=4", peer, "hqq:b=2"]
+    specs = ["fp", "fibquant:b=2", "fibquant:b=2/fibquant:b=1", "int:b=4", peer, "hqq-rt:b=2"]
     import fibquant.kv.specs as cache_specs
 
     real_reason = cache_specs.unavailable_reason
     monkeypatch.setattr(cache_specs, "unavailable_reason",  # hqq stands for an absent package
-                        lambda s: "hqq is not importable (test)" if s.family == "hqq" else real_reason(s))
+                        lambda s: "hqq is not importable (test)" if s.family == "hqq-rt" else real_reason(s))
     payload = run(PeersConfig.quick(), caches=specs, model_and_tokenizer=(model, tokenizer), progress=False)
     paths = EXPERIMENT.report(payload, tmp_path, echo=False)
 
@@ -87,7 +87,7 @@ def test_quick_run_tables_json_plots_agree(request, tmp_path, monkeypatch):
         assert row["codes_ratio"] == pytest.approx(256 / (row["key_bytes"] + row["value_bytes"]))
     kv = rows["fibquant:b=2/fibquant:b=1"]
     assert kv["key_bytes"] == 18 and kv["value_bytes"] == 10
-    skipped = rows["hqq:b=2"]
+    skipped = rows["hqq-rt:b=2"]
     assert not skipped["available"] and "not importable (test)" in skipped["note"]
     assert all(skipped.get(k) is None for k in ("cosine", "perplexity", "needle_accuracy"))
     ran = [r for r in rows.values() if r["available"]]

@@ -159,7 +159,7 @@ def test_perplexity_command_runs_the_registered_experiment(monkeypatch):
     monkeypatch.setattr(kv, "run_experiment", lambda *args, **kwargs: calls.append((args, kwargs)))
     monkeypatch.setattr(kv, "apply_threads", lambda args: None)
     args = build_parser().parse_args(["eval", "perplexity", "--tokens", "256", "--context", "128", "--centre",
-                                      "--methods", "fp;int:b=4/int:b=2", "--build-codebooks"])
+                                      "--caches", "fp;int:b=4/int:b=2", "--build-codebooks"])
     assert args.func(args) == 0
     (name, config, out), resources = calls[0]
     assert name == "perplexity" and resources == {"methods": ["fp", "int:b=4/int:b=2"], "build_codebooks": True}

@@ -191,12 +191,22 @@ def test_spec_options_parse_print_and_validate():
     assert "centred" in spec.label() and "alloc=attn" in spec.label()
     assert spec.key_bytes(64) == 14 and spec.codes_ratio(64) == pytest.approx(256 / 24)
     assert parse_cache_spec("fibquant:b=2").spec == "fibquant:b=2"  # no option: unchanged
-    for bad, match in [("fp@centre", "not to fp"), ("quanto:b=2@centre", "not to fp or a peer"),
+    for bad, match in [("fp@centre", "not to fp"), ("quanto-rt:b=2@centre", "not to fp or a peer"),
                        ("int:b=4@alloc=mse", "FibQuant rates"), ("fibquant:b=2@alloc=loud", "signal"),
                        ("fibquant:b=2@centre@centre", "at most once"), ("fibquant:b=1.25@alloc=mse", "ladder"),
-                       ("fibquant:b=2@shiny", "option")]:
+                       ("fibquant:b=2@shiny", "option"), ("fp@decode", "not to fp"),
+                       ("kakeya-e8:q=2@decode", "not to fp or a peer"), ("fibquant:b=2@decode@decode", "at most once")]:
         with pytest.raises(ValueError, match=match):
             parse_cache_spec(bad)
+
+
+def test_decode_option_builds_the_reference_attention_path():
+    model = tiny_llama(hidden_size=128, num_attention_heads=2, num_key_value_heads=1)  # head_dim 64
+    spec = parse_cache_spec("fibquant:b=2@decode")
+    assert spec.decode and spec.spec == "fibquant:b=2@decode" and spec.label().endswith("(decode)")
+    assert spec.key_bytes(64) == parse_cache_spec("fibquant:b=2").key_bytes(64)
+    assert spec.build(model).attention == "decode"
+    assert parse_cache_spec("fibquant:b=2").build(model, attention="codes").attention == "codes"
 
 
 def test_spec_centre_and_uniform_alloc_build_the_caches_they_name():

@@ -11,7 +11,7 @@ from transformers import DynamicCache
 
 from fibquant.codecs.integer import IntCodec
 from fibquant.kv.specs import CacheSpec, parse_cache_spec, parse_cache_specs, split_available
-from fibquant.peers import PEERS, build_peer, parse_peer, unavailable_reason
+from fibquant.peers import PEERS, build_peer, native_families, parse_peer, peer_specs, unavailable_reason
 from fibquant.peers.kakeya import kakeya_bits
 from fibquant.peers.nexus import nexus_block_points, nexus_bytes
 from fibquant.eval.perplexity import PerplexityConfig, make_cache, window_nll
@@ -32,9 +32,9 @@ def _skip_unless(spec: str) -> None:
 
 def test_parse_peer_and_errors():
     assert parse_peer("kakeya-e8:q=2").spec == "kakeya-e8:q=2"
-    assert parse_peer(" Quanto:b=4 ").value == 4
-    for bad, match in (("zip:b=2", "unknown peer"), ("quanto:q=2", "needs b="), ("quanto:b=3", "not supported"),
-                       ("kakeya-d4:q=0", "not supported"), ("nexus:b=two", "bad integer"), ("hqq", "needs b=")):
+    assert parse_peer(" Quanto-RT:b=4 ").value == 4
+    for bad, match in (("zip:b=2", "unknown peer"), ("quanto-rt:q=2", "needs b="), ("quanto-rt:b=3", "not supported"),
+                       ("kakeya-d4:q=0", "not supported"), ("nexus:b=two", "bad integer"), ("hqq-rt", "needs b=")):
         with pytest.raises(ValueError, match=match):
             parse_peer(bad)
 
@@ -48,7 +48,7 @@ def test_byte_counts_follow_the_documented_formats():
     assert nexus_block_points(4) == (5 ** 8 + 1) // 2 + 4 ** 8
     assert nexus_bytes(2, 64) == (math.ceil(8 * math.log2(nexus_block_points(4))) + 16) / 8 == 20.0
     # quanto / HQQ: b bits per element + fp16 scale and zero per group of 64.
-    assert PEERS["quanto"].bytes_per_vector(2, 64) == 20 and PEERS["hqq"].bytes_per_vector(4, 64) == 36
+    assert PEERS["quanto-rt"].bytes_per_vector(2, 64) == 20 and PEERS["hqq-rt"].bytes_per_vector(4, 64) == 36
 
 
 def test_kakeya_count_equals_the_package_own():
@@ -61,7 +61,7 @@ def test_kakeya_count_equals_the_package_own():
             "d4", q, 64)
 
 
-@pytest.mark.parametrize("spec", ["quanto:b=4", "hqq:b=4", "kakeya-e8:q=4", "kakeya-d4:q=4", "nexus:b=4"])
+@pytest.mark.parametrize("spec", ["quanto-rt:b=4", "hqq-rt:b=4", "kakeya-e8:q=4", "kakeya-d4:q=4", "nexus:b=4"])
 def test_peer_roundtrip_shape_dtype_and_error(spec):
     _skip_unless(spec)
     torch.manual_seed(0)
@@ -165,7 +165,7 @@ def test_cache_spec_parsing_bytes_and_errors():
     assert asym.codes_ratio(64) == 256 / (36 + 20) and asym.bits_per_coordinate(64) == 3.0
     # 36 exact tokens at fp16 + 964 coded ones
     assert asym.context_ratio(64, 1000, 4, 32) == pytest.approx(1000 * 256 / (36 * 256 + 964 * 56))
-    peer = parse_cache_spec("quanto:b=2/fibquant:b=1")
+    peer = parse_cache_spec("quanto-rt:b=2/fibquant:b=1")
     assert peer.uses_peer and peer.key_bytes(64) == 20 and peer.value_bytes(64) == 10
     for bad, match in (("", "empty"), ("int:b=4/int:b=2/int:b=3", "more than one"), ("lowrank:r=8", "stand-alone"),
                        ("fp/int:b=2", "stand-alone"), ("zip:b=2", "unknown method family")):
@@ -186,10 +186,10 @@ def test_asymmetric_and_peer_caches_in_the_perplexity_loop():
 
 
 def test_peer_cache_in_the_perplexity_loop():
-    _skip_unless("quanto:b=4")
+    _skip_unless("quanto-rt:b=4")
     model = tiny_llama(head_dim=64, hidden_size=256, num_attention_heads=4)
     config = PerplexityConfig(tokens=64, context=64, chunk=16, sink_tokens=2, recent_tokens=4)
-    spec = parse_cache_spec("quanto:b=4/int:b=4")
+    spec = parse_cache_spec("quanto-rt:b=4/int:b=4")
     cache = make_cache(spec, model, config)
     assert isinstance(cache, RoundTripCache)
     ids = torch.randint(0, 97, (1, 64), generator=torch.Generator().manual_seed(3))
@@ -217,7 +217,23 @@ def test_peer_row_in_the_fidelity_frontier():
 
 
 def test_peer_cache_refuses_centring():
-    _skip_unless("quanto:b=4")
+    _skip_unless("quanto-rt:b=4")
     model = tiny_llama(head_dim=64, hidden_size=256, num_attention_heads=4)
     with pytest.raises(ValueError, match="centring"):
-        parse_cache_spec("quanto:b=4").build(model, 2, 4, centre=True)
+        parse_cache_spec("quanto-rt:b=4").build(model, 2, 4, centre=True)
+
+
+def test_native_names_read_as_the_round_trip_for_one_release():
+    # quanto:b=B names transformers' QuantizedCache (eval speed); where a round trip is meant it is
+    # read as quanto-rt:b=B, with a warning naming the new spelling.
+    with pytest.warns(DeprecationWarning, match="'quanto-rt'"):
+        assert parse_peer("quanto:b=2") == parse_peer("quanto-rt:b=2")
+    with pytest.warns(DeprecationWarning, match="'hqq-rt'"):
+        assert parse_cache_spec("hqq:b=4").spec == "hqq-rt:b=4"
+    assert {"quanto", "hqq"} <= set(native_families()) and native_families()["hqq"] == "hqq-rt"
+
+
+def test_default_peer_rows_and_styles_come_from_the_registry():
+    assert set(peer_specs()) >= {"quanto-rt:b=4", "kakeya-e8:q=1", "nexus:b=2"}
+    assert peer_specs(lowest=1) == tuple(f"{name}:{PEERS[name].param}={PEERS[name].defaults[-1]}" for name in PEERS)
+    assert all(len(PEERS[name].style) == 2 and PEERS[name].package[1] for name in PEERS)

@@ -3,7 +3,7 @@
 Each command group lives in its own module exposing `register(subparsers)` (top-level
 commands) and/or `register_eval(eval_subparsers)` (under `fibquant eval`). A parser sets
 `func` to a callable taking the parsed namespace and returning an exit code. Arguments
-shared by several commands (`--methods`, `--out`, `--text`, `--model`, `--threads`) are
+shared by several commands (`--caches`, `--out`, `--text`, `--model`, `--threads`) are
 defined once in `_common`; experiments run through `_common.run_experiment`.
 """
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Arguments shared by several commands, defined once so they read and behave alike everywhere.
 
-- `--methods` / `--caches`: codec or cache specs, separated by spaces or ';' (both accepted:
-  `--methods fp int:b=4` and `--methods 'fp;int:b=4'`; specs themselves may contain ',');
+- `--caches`: cache specs (`fibquant.kv.specs`), separated by spaces or ';' (both accepted:
+  `--caches fp int:b=4` and `--caches 'fp;int:b=4'`; specs themselves may contain ','); every
+  command spells it so (`--methods`, its earlier name, still works for one release, with a warning);
 - lists of numbers or names (`--layers`, `--lengths`, `--parts`, ...): separated by spaces,
   ',' or ';' (`--layers 0 7 15` and `--layers 0,7,15` alike);
 - `--out`: the results folder (default `$FIBQUANT_RESULTS_DIR`, else ./results; fibquant.paths);
@@ -13,9 +14,11 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 
 from ._threads import add_threads_argument, apply_threads  # noqa: F401 - re-exported
 
+DEPRECATED_FLAGS = {"--methods": "--caches"}  # old flag -> its current spelling
 OUT_HELP = "results folder (default $FIBQUANT_RESULTS_DIR or ./results)"
 
 
@@ -37,6 +40,9 @@ class _ListAction(argparse.Action):
         super().__init__(*args, **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None):
+        if option_string in DEPRECATED_FLAGS:
+            print(f"warning: {option_string} is spelled {DEPRECATED_FLAGS[option_string]} now "
+                  f"(the old flag goes in the next release)", file=sys.stderr)
         items = [item for value in values for item in self.split(value)]
         if not items:
             parser.error(f"{option_string} needs at least one value")
@@ -47,11 +53,11 @@ class _ListAction(argparse.Action):
         setattr(namespace, self.dest, converted)
 
 
-def add_specs_argument(parser: argparse.ArgumentParser, flag: str = "--methods", default=None,
-                       help: str = "codec specs") -> None:
-    """`flag SPEC [SPEC ...]`, specs separated by spaces or ';'; parsed into a list of strings."""
-    parser.add_argument(flag, nargs="+", action=_ListAction, default=default, metavar="SPEC",
-                        help=f"{help} (separated by spaces or ';')")
+def add_specs_argument(parser: argparse.ArgumentParser, default=None, help: str = "cache specs") -> None:
+    """`--caches SPEC [SPEC ...]` (alias `--methods`, deprecated), specs separated by spaces or ';';
+    parsed into a list of strings at `args.caches`."""
+    parser.add_argument("--caches", *DEPRECATED_FLAGS, dest="caches", nargs="+", action=_ListAction,
+                        default=default, metavar="SPEC", help=f"{help} (separated by spaces or ';')")
 
 
 def add_list_argument(parser: argparse.ArgumentParser, flag: str, type=int, default=None, help: str = "",

@@ -30,8 +30,8 @@ def register_eval(eval_subparsers) -> None:
     parser.add_argument("--task", choices=TASKS, default=defaults.task,
                         help="passkey in the novel (default), or RULER's niah_single_1 built by lm-eval "
                              "(pip install 'fibquant[ruler]'; --keys samples per length, RULER's own depths)")
-    add_specs_argument(parser, "--caches",
-                       help="cache specs, e.g. fp fibquant:b=2 fibquant:b=2/fibquant:b=1 quanto:b=2 "
+    add_specs_argument(parser,
+                       help="cache specs, e.g. fp fibquant:b=2 fibquant:b=2/fibquant:b=1 quanto-rt:b=2 "
                             "(see fibquant.kv.specs; default: FibQuant, TurboQuant and every peer)")
     parser.add_argument("--build-codebooks", action="store_true",
                         help="build FibQuant codebooks that are neither shipped nor cached (can be slow)")

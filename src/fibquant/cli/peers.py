@@ -25,8 +25,8 @@ def register_eval(eval_subparsers) -> None:
                              f"tokens, needle {list(quick.lengths)} tokens at depth {list(quick.depths)}): minutes")
     add_list_argument(parser, "--metrics", type=str, default=list(METRICS), metavar="METRIC",
                       help=f"which of {' '.join(METRICS)} to run (default: all)")
-    add_specs_argument(parser, "--caches",
-                       help="cache specs, e.g. fp fibquant:b=2 fibquant:b=4/fibquant:b=2 turboquant:b=2 quanto:b=2 "
+    add_specs_argument(parser,
+                       help="cache specs, e.g. fp fibquant:b=2 fibquant:b=4/fibquant:b=2 turboquant:b=2 quanto-rt:b=2 "
                             "(default: FibQuant, K/V rates, TurboQuant, INT and every peer)")
     add_text_argument(parser, defaults.text)
     parser.add_argument("--sink-tokens", type=int, default=defaults.sink_tokens)

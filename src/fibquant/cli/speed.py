@@ -31,10 +31,10 @@ def add_speed_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-repeats", type=int, default=1,
                         help="fresh timed prefills per cache, context and TTFT part (the median is reported)")
     parser.add_argument("--decode-tokens", type=int, default=32, help="greedy decode steps per run")
-    add_specs_argument(parser, "--caches", default=list(DEFAULT_CACHES),
-                       help="caches to compare (DynamicCache always runs): dynamic, <codec family>B for the "
-                            "registered codecs built from a bit count (fibquantB, turboquantB, intB), with -old "
-                            "for the decode-the-whole-cache path, quantoB, hqqB "
+    add_specs_argument(parser, default=list(DEFAULT_CACHES),
+                       help="caches to compare, in the cache-spec grammar (fp = DynamicCache, always runs): "
+                            "ours built from a bit count (fibquant:b=4, turboquant:b=2, int:b=4), with @decode for "
+                            "the decode-the-whole-cache path; transformers' QuantizedCache as quanto:b=4, hqq:b=2 "
                             f"(default: {' '.join(DEFAULT_CACHES)})")
     add_text_argument(parser, help="novel to take the contexts from")
     parser.add_argument("--sink-tokens", type=int, default=4)

@@ -17,8 +17,8 @@ each optional (`DecodeSpeedConfig.parts`), run in this order for every cache bef
      next token starts every decode below;
   2. every cache under test is built from that prefill, so all start from the same state and
      the same first input token:
-     - "dynamic": a `DynamicCache` copy (the prefill's own cache stays untouched),
-     - ours (`fibquant4`, `turboquant2`, ...): `CompressedCache.from_cache(prefill, codec, codec,
+     - "fp": a `DynamicCache` copy (the prefill's own cache stays untouched),
+     - ours (`fibquant:b=4`, `turboquant:b=2`, ...): `CompressedCache.from_cache(prefill, codec, codec,
        sink_tokens, recent_tokens, attention="codes" | "decode")`; the conversion is timed and
        reported next to the prefill time,
      - transformers' `QuantizedCache` (quanto / hqq backends): the prefill keys/values are fed
@@ -44,7 +44,7 @@ import sys
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Optional
 
-from fibquant.eval.decode_speed_config import (BYTES_COUNTING, DEFAULT_CACHES, CacheSpec, DecodeSpeedConfig,
+from fibquant.eval.decode_speed_config import (BYTES_COUNTING, DEFAULT_CACHES, SpeedCache, DecodeSpeedConfig,
                                                _package_version, cache_bytes, load_benchmark_model,
                                                peer_unavailable_reason)
 from fibquant.eval.decode_speed_report import (decode_speed_header, decode_speed_table, decode_speed_targets,
@@ -64,7 +64,7 @@ __all__ = ["BYTES_COUNTING", "DEFAULT_CACHES", "EXPERIMENT", "DecodeSpeedConfig"
 
 # ----------------------------------------------------------------------------- model calls
 
-def _build_cache(spec: CacheSpec, prefill, model, codec, config: DecodeSpeedConfig):
+def _build_cache(spec: SpeedCache, prefill, model, codec, config: DecodeSpeedConfig):
     """The cache of `spec`, built from the prefill DynamicCache (`codec`: ours' codec, built once per run)."""
     if spec.kind == "dynamic":
         return copy_dynamic_cache(prefill, model.config)
@@ -101,7 +101,7 @@ def _restore_attention(model, implementation) -> None:
         model.set_attn_implementation(implementation)
 
 
-def _run_one(spec: CacheSpec, prefill: _Prefill, model, codec, config: DecodeSpeedConfig,
+def _run_one(spec: SpeedCache, prefill: _Prefill, model, codec, config: DecodeSpeedConfig,
              decode_tokens: int) -> dict:
     """Build `spec`'s cache from the prefill, decode greedily, return the measurements."""
     attention_before = getattr(model.config, "_attn_implementation", None)
@@ -230,7 +230,7 @@ def run_decode_speed(config: DecodeSpeedConfig = DecodeSpeedConfig(), model_and_
         torch.set_num_threads(threads_before)
 
 
-def _base_row(spec: CacheSpec, context: int, tokens: int) -> dict:
+def _base_row(spec: SpeedCache, context: int, tokens: int) -> dict:
     return {"cache": spec.name, "label": spec.label, "kind": spec.kind, "family": spec.family, "bits": spec.bits,
             "attention": spec.attention, "context": context, "tokens": tokens}
 
@@ -241,7 +241,7 @@ class _Skips:
     def __init__(self, skipped: list, bar):
         self.skipped, self.bar = skipped, bar
 
-    def attempt(self, spec: CacheSpec, where: str, fn):
+    def attempt(self, spec: SpeedCache, where: str, fn):
         try:
             return fn()
         except Exception as exc:

@@ -1,20 +1,28 @@
-"""The caches a decode-speed run measures (parsed from names such as `fibquant4`, `hqq2`), its
-configuration, and what it needs from the machine (the model, the peers' packages).
+"""The caches a decode-speed run measures, its configuration, and what it needs from the machine.
 
-Ours are the registered codecs (`fibquant.codecs.registry.REGISTRY`) that are built from a bit
-count alone (a `b=` spec parameter, neither calibrated nor the fp reference): `<family><bits>`,
-e.g. `fibquant4`, `turboquant2`, `int4`. Torch-free at import (the CLI reads `DEFAULT_CACHES`
-for its help text).
+Caches are named in the one cache-spec grammar (`fibquant.kv.specs`):
+
+    fp                      transformers' DynamicCache (the reference of every ratio)
+    fibquant:b=4            a CompressedCache of a registered codec built from `b=` alone (fibquant,
+                            turboquant, int), attention on the codes
+    fibquant:b=4@decode     the same cache through the decode path (attention='decode')
+    quanto:b=4, hqq:b=2     transformers' own QuantizedCache with that backend (`PeerFamily.native`)
+
+The names of earlier releases (`dynamic`, `fibquant4`, `fibquant4-old`, `quanto4`) still parse for
+one release, with a DeprecationWarning. Torch-free at import (the CLI reads `DEFAULT_CACHES` for its
+help text).
 """
 from __future__ import annotations
 
+import re
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
-PEER_BACKENDS = {"quanto": "optimum-quanto", "hqq": "hqq"}
-OUR_CACHES = ("fibquant4", "fibquant3", "fibquant2", "turboquant4", "turboquant2")
-PEER_CACHES = ("quanto4", "quanto2", "hqq4", "hqq2")
-DEFAULT_CACHES = ("dynamic", *OUR_CACHES, *PEER_CACHES, *(f"{name}-old" for name in OUR_CACHES))
+OUR_CACHES = ("fibquant:b=4", "fibquant:b=3", "fibquant:b=2", "turboquant:b=4", "turboquant:b=2")
+PEER_CACHES = ("quanto:b=4", "quanto:b=2", "hqq:b=4", "hqq:b=2")
+DEFAULT_CACHES = ("fp", *OUR_CACHES, *PEER_CACHES, *(f"{name}@decode" for name in OUR_CACHES))
+DECODE_OPTION = "@decode"
 # What a run measures per cache and context (`--parts`):
 #   ttft    - one-shot time to first token: a fresh cache, the whole prompt in one forward, argmax;
 #   chunked - the same with the prompt fed in chunks of `chunk_tokens` (one forward per chunk);
@@ -23,30 +31,31 @@ PARTS = ("ttft", "chunked", "decode")
 
 
 @dataclass(frozen=True)
-class CacheSpec:
-    """One cache under test, parsed from a name such as `fibquant4`, `turboquant2-old`, `hqq4`."""
+class SpeedCache:
+    """One cache under test: its spec (`name`, canonical spelling) and what the run builds from it."""
 
     name: str
     kind: str                        # "dynamic" | "compressed" | "quantized"
-    family: str = "dynamic"          # a registered codec family (ours) | quanto | hqq | dynamic
-    bits: Optional[int] = None
+    family: str = "dynamic"          # a registered codec family (ours) | a QuantizedCache backend | dynamic
+    bits: Optional[float] = None
     attention: Optional[str] = None  # "codes" | "decode" for ours
 
     @property
     def label(self) -> str:
         if self.kind == "dynamic":
             return "DynamicCache"
+        bits = f"{self.bits:g}b"
         if self.kind == "compressed":
-            return f"{self.method().style.name} {self.bits}b ({self.attention})"
-        return f"QuantizedCache {self.family} {self.bits}b"
+            return f"{self.method().style.name} {bits} ({self.attention})"
+        return f"QuantizedCache {self.family} {bits}"
 
     def method(self):
         """The registered codec method of one of ours (`fibquant.codecs.registry.Method`)."""
-        from fibquant.codecs.registry import Method
+        from fibquant.codecs.registry import parse_method
 
         if self.kind != "compressed":
             raise ValueError(f"{self.name} is not one of our compressed caches")
-        return Method(self.family, bits=self.bits)
+        return parse_method(self.name.removesuffix(DECODE_OPTION))
 
 
 def our_families() -> tuple[str, ...]:
@@ -57,36 +66,60 @@ def our_families() -> tuple[str, ...]:
                  if not cls.calibrated and not cls.reference and any(p.name == "bits" for p in cls.spec_params))
 
 
-def parse_cache_name(name: str) -> CacheSpec:
-    """`dynamic`, ours as `<family><bits>` (`fibquant4`, `turboquant2`, `int4`; + `-old`: the decode path),
-    `quanto{2,4}`, `hqq{1,2,3,4,8}`; ValueError otherwise."""
-    text = name.strip().lower()
+def _legacy_spelling(text: str) -> Optional[str]:
+    """The current spelling of an earlier release's name (`dynamic`, `fibquant4`, `int4-old`,
+    `quanto2`), or None when `text` is not one."""
     if text == "dynamic":
-        return CacheSpec("dynamic", "dynamic")
-    old = text.endswith("-old")
-    stem = text[: -len("-old")] if old else text
-    family = stem.rstrip("0123456789")
-    digits = stem[len(family):]
-    if not digits:
-        raise ValueError(f"cache name {name!r} has no bit count (e.g. fibquant4, quanto2)")
-    bits = int(digits)
-    ours = our_families()
-    if family in ours:
-        if not 1 <= bits <= 8:
-            raise ValueError(f"cache name {name!r}: bits must be in 1..8")
-        spec = CacheSpec(text, "compressed", family, bits, "decode" if old else "codes")
+        return "fp"
+    match = re.fullmatch(r"([a-z][a-z_]*?)(\d+)(-old)?", text)
+    if match is None:
+        return None
+    family, bits, old = match.groups()
+    from fibquant.peers import native_families
+
+    if family not in our_families() and (family not in native_families() or old):
+        return None
+    return f"{family}:b={bits}" + (DECODE_OPTION if old else "")
+
+
+def parse_cache_name(name: str) -> SpeedCache:
+    """`name` in the cache-spec grammar (module docstring) -> SpeedCache; ValueError otherwise."""
+    from fibquant.peers import native_families, parse_peer
+
+    text = name.strip().lower()
+    legacy = _legacy_spelling(text)
+    if legacy is not None:
+        warnings.warn(f"cache name {name!r} is spelled {legacy!r} now (the old name goes in the next release)",
+                      DeprecationWarning, stacklevel=2)
+        text = legacy
+    base = text.removesuffix(DECODE_OPTION)
+    family = base.partition(":")[0].strip()
+    hint = f"expected fp, ours as fibquant:b=4 (optionally {DECODE_OPTION}) or a QuantizedCache quanto:b=4 / hqq:b=2"
+    if family in native_families():
+        if base != text:
+            raise ValueError(f"cache {name!r}: {DECODE_OPTION} applies to our codecs; {hint}")
         try:
-            spec.method()
+            peer = parse_peer(f"{native_families()[family]}:{base.partition(':')[2]}")
         except ValueError as exc:
-            raise ValueError(f"cache name {name!r}: {exc}") from None
-        return spec
-    if family in PEER_BACKENDS and not old:
-        allowed = (2, 4) if family == "quanto" else (1, 2, 3, 4, 8)
-        if bits not in allowed:
-            raise ValueError(f"cache name {name!r}: the {family} backend takes nbits in {allowed}")
-        return CacheSpec(text, "quantized", family, bits)
-    raise ValueError(f"unknown cache name {name!r}: expected dynamic, {', '.join(f + 'B' for f in ours)} "
-                     f"(optionally -old), quantoB or hqqB, e.g. {' '.join(DEFAULT_CACHES[:4])}")
+            raise ValueError(f"cache {name!r}: {exc}") from None
+        return SpeedCache(f"{family}:b={peer.value}", "quantized", family, peer.value)
+    from fibquant.kv.specs import parse_cache_spec
+
+    try:
+        spec = parse_cache_spec(base)
+    except ValueError as exc:
+        raise ValueError(f"unknown cache {name!r} ({exc}); {hint}") from None
+    if spec.is_fp and base == text:
+        return SpeedCache("fp", "dynamic")
+    if spec.is_fp or not spec.symmetric or spec.uses_peer or spec.options or spec.key.quantizer.family not in our_families():
+        raise ValueError(f"cache {name!r} cannot be timed here: {hint} (ours: {', '.join(our_families())})")
+    method = spec.key.quantizer
+    bits = method.param("bits")
+    if bits is None or not 0 < bits <= 8:
+        raise ValueError(f"cache {name!r}: the speed run builds ours from b= alone, 0 < b <= 8; {hint}")
+    decode = base != text
+    return SpeedCache(method.spec + (DECODE_OPTION if decode else ""), "compressed", method.family, bits,
+                      "decode" if decode else "codes")
 
 
 # ----------------------------------------------------------------------------- config
@@ -132,13 +165,15 @@ class DecodeSpeedConfig:
             raise ValueError("no caches to run")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
-        for name in self.caches:
-            parse_cache_name(name)  # raises ValueError on a bad name
+        with warnings.catch_warnings():  # said once, by specs()
+            warnings.simplefilter("ignore", DeprecationWarning)
+            for name in self.caches:
+                parse_cache_name(name)  # raises ValueError on a bad name
 
-    def specs(self) -> list[CacheSpec]:
+    def specs(self) -> list[SpeedCache]:
         """Parsed caches, DynamicCache first (always run: it is the reference of every ratio)."""
         specs = [parse_cache_name(name) for name in self.caches]
-        unique = {spec.name: spec for spec in [CacheSpec("dynamic", "dynamic"), *specs]}
+        unique = {spec.name: spec for spec in [SpeedCache("fp", "dynamic"), *specs]}
         return list(unique.values())
 
 
@@ -159,12 +194,11 @@ def load_benchmark_model(config: "DecodeSpeedConfig"):
 
 def peer_unavailable_reason(backend: str) -> Optional[str]:
     """None when transformers' QuantizedCache can use `backend` here, else why not."""
-    module = {"quanto": "optimum.quanto", "hqq": "hqq.core.quantize"}[backend]
-    try:
-        __import__(module)
-    except Exception as exc:  # any import failure (missing package, broken build) means: skip
-        return (f"{PEER_BACKENDS[backend]} is not importable ({type(exc).__name__}: {exc}); "
-                f"install the peers extra: pip install 'fibquant[peers]'")
+    from fibquant.peers import native_families, unavailable_reason
+
+    reason = unavailable_reason(f"{native_families()[backend]}:b=4")
+    if reason is not None:
+        return reason
     try:
         from transformers import QuantizedCache  # noqa: F401
     except ImportError as exc:
@@ -181,7 +215,7 @@ def _package_version(name: str) -> Optional[str]:
         return None
 
 
-def cache_bytes(spec: CacheSpec, cache) -> dict:
+def cache_bytes(spec: SpeedCache, cache) -> dict:
     """{"held", "used", and parts}: bytes of `cache` counted as described in `BYTES_COUNTING`."""
     from fibquant.kv.accounting import cache_nbytes, quantized_cache_nbytes
 

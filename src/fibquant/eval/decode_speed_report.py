@@ -47,10 +47,10 @@ SHARED_PREFILL_COLUMNS = [
 ]
 
 # Targets of issue 17 (ours with attention on the codes; ratios to DynamicCache in the same run).
-TARGET_CACHES = ("fibquant4", "fibquant2")
+TARGET_CACHES = ("fibquant:b=4", "fibquant:b=2")
 TTFT_TARGET, TTFT_TARGET_CONTEXTS = 1.1, (2048, 4096, 8192)
 DECODE_TARGET, DECODE_TARGET_CONTEXTS = 1.0, (1024, 2048, 4096, 8192)
-DECODE_LONG_TARGET, DECODE_LONG_CONTEXT, DECODE_LONG_CACHE = 0.5, 8192, "fibquant2"
+DECODE_LONG_TARGET, DECODE_LONG_CONTEXT, DECODE_LONG_CACHE = 0.5, 8192, "fibquant:b=2"
 
 
 def _parts(payload: dict) -> tuple[str, ...]:
@@ -70,7 +70,7 @@ def decode_speed_header(payload: dict) -> str:
         f"timed on {threads} torch thread{'s' if threads != 1 else ''}"
         + (f" (load average at the end {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f})" if load else ""),
         f"exact window of ours: {config['sink_tokens']} sinks + {config['recent_tokens']} "
-        f"recent; '-old' = attention='decode' (whole cache decoded every step), else attention on the codes",
+        f"recent; '@decode' = attention='decode' (whole cache decoded every step), else attention on the codes",
     ]
     if "ttft" in parts or "chunked" in parts:
         lines.append(
@@ -180,7 +180,7 @@ def plot_decode_speed(payload: dict, path) -> None:
 
     rows = payload["rows"]
     names = list(dict.fromkeys(r["cache"] for r in rows))
-    colors = {"dynamic": "k"}
+    colors = {"fp": "k"}
     palette = iter(colormaps["tab20"].colors * 2)
     panels = (("ttft", "time to first token, s (solid: one-shot, dotted: chunked)"),
               ("decode_ms_median", "decode ms / token (median, shared prefill)"),
@@ -189,10 +189,10 @@ def plot_decode_speed(payload: dict, path) -> None:
         drawn = {key: False for key, _ in panels}
         for name in names:
             items = sorted((r for r in rows if r["cache"] == name), key=lambda r: r["tokens"])
-            stem = name[: -len("-old")] if name.endswith("-old") else name
+            stem = name.removesuffix("@decode")
             color = colors.setdefault(stem, next(palette))
             style = dict(color=color, marker=_marker(items[0]["family"]), markersize=4,
-                         linestyle="--" if name.endswith("-old") else "-")
+                         linestyle="--" if name.endswith("@decode") else "-")
 
             def line(ax, key, label, **extra):
                 points = [(r["tokens"], r[key]) for r in items if r.get(key) is not None]

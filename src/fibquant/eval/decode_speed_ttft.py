@@ -24,7 +24,7 @@ import statistics
 import time
 from typing import Optional
 
-from fibquant.eval.decode_speed_config import CacheSpec, DecodeSpeedConfig, cache_bytes
+from fibquant.eval.decode_speed_config import SpeedCache, DecodeSpeedConfig, cache_bytes
 from fibquant.eval.memory import PeakCUDA, PeakRSS, _synchronize, release_free_memory
 from fibquant.eval.timing import Stopwatch
 from fibquant.kv.model import last_logits
@@ -52,7 +52,7 @@ def cpu_clock_name() -> str:
             else "time.process_time (all threads of the process)")
 
 
-def fresh_cache(spec: CacheSpec, model, codec, config: DecodeSpeedConfig):
+def fresh_cache(spec: SpeedCache, model, codec, config: DecodeSpeedConfig):
     """An empty cache of `spec` for `model`, as a user would build it before `generate`."""
     if spec.kind == "dynamic":
         from transformers import DynamicCache
@@ -95,7 +95,7 @@ def _one_prefill(spec, model, ids, chunk: Optional[int], codec, config) -> dict:
     return out
 
 
-def time_fresh_prefill(spec: CacheSpec, model, ids, chunk: Optional[int], codec, config: DecodeSpeedConfig,
+def time_fresh_prefill(spec: SpeedCache, model, ids, chunk: Optional[int], codec, config: DecodeSpeedConfig,
                        prefix: str) -> dict:
     """`config.prefill_repeats` fresh prefills of `ids` [T] with `spec`'s cache; the row fields
     `<prefix>_s` (median wall seconds), `<prefix>_s_all`, `<prefix>_cpu_s` (median CPU seconds), `<prefix>_chunk_s` (per forward, last repeat),

@@ -4,9 +4,10 @@
     fibquant:b=2                    keys and values with the same codec (any `fibquant.codecs.registry` spec
                                     of a calibration-free codec: fibquant, turboquant, int, ...)
     fibquant:b=2/fibquant:b=1       keys / values at different rates (or different codecs)
-    quanto:b=2, kakeya-e8:q=2 ...   a peer (`fibquant.peers`), keys and values; `KEY/VALUE` works too
+    quanto-rt:b=2, kakeya-e8:q=2 …  a peer (`fibquant.peers`), keys and values; `KEY/VALUE` works too
 
-Options after '@' (our codecs only, any order): `@centre` quantises keys and values minus a per-layer,
+Options after '@' (our codecs only, any order): `@decode` runs attention through the reference
+path (every code decoded to floats, `attention="decode"`) instead of on the codes; `@centre` quantises keys and values minus a per-layer,
 per-head mean (`CompressedCache(centre=True)`); `@alloc=SIGNAL` (FibQuant `b=` rates on both sides)
 chooses one rate per layer and role from the cached tokens themselves (`fibquant.kv.allocation`:
 mse, attn, attn-keys, ends, uniform) with the base rate's bytes as each role's average budget, e.g.
@@ -88,12 +89,13 @@ class CacheSpec:
     value: Optional[Side] = None
     centre: bool = False
     alloc: Optional[str] = None
+    decode: bool = False
 
     def __post_init__(self) -> None:
         if (self.key is None) != (self.value is None):
             raise ValueError("a cache spec has both a key and a value side, or neither (fp)")
-        if (self.centre or self.alloc is not None) and (self.is_fp or self.uses_peer):
-            raise ValueError("@centre and @alloc apply to our codecs on both sides (a CompressedCache), "
+        if (self.centre or self.alloc is not None or self.decode) and (self.is_fp or self.uses_peer):
+            raise ValueError("@centre, @alloc and @decode apply to our codecs on both sides (a CompressedCache), "
                              "not to fp or a peer")
         if self.alloc is not None:
             from fibquant.kv.allocation import SIGNALS, rung_of
@@ -108,7 +110,8 @@ class CacheSpec:
 
     @property
     def options(self) -> str:
-        return ("@centre" if self.centre else "") + (f"@alloc={self.alloc}" if self.alloc else "")
+        return (("@centre" if self.centre else "") + (f"@alloc={self.alloc}" if self.alloc else "")
+                + ("@decode" if self.decode else ""))
 
     @property
     def is_fp(self) -> bool:
@@ -141,7 +144,8 @@ class CacheSpec:
         if self.is_fp:
             return reference_method().label(dim)
         text = self.key.label(dim) if self.symmetric else f"K {self.key.label(dim)} / V {self.value.label(dim)}"
-        return text + (" centred" if self.centre else "") + (f" alloc={self.alloc}" if self.alloc else "")
+        return (text + (" centred" if self.centre else "") + (f" alloc={self.alloc}" if self.alloc else "")
+                + (" (decode)" if self.decode else ""))
 
     def allocator(self, dim: int, centre: bool = False, model=None):
         """The `fibquant.kv.allocation.RateAllocator` of an `@alloc` spec (None without one);
@@ -226,6 +230,7 @@ class CacheSpec:
         key, value = quantizers if quantizers is not None else self.quantizers(model)
         if not self.uses_peer:
             centre = bool(centre or self.centre)
+            attention = "decode" if self.decode else attention
             allocate = self.allocator(key.dim, centre, model)
             if prefill is None:
                 return CompressedCache.for_model(model, key, value, sink_tokens, recent_tokens, attention=attention,
@@ -254,14 +259,16 @@ def _parse_options(items: list[str], text: str) -> dict:
             options["centre"] = True
         elif name == "alloc" and eq and value.strip() and "alloc" not in options:
             options["alloc"] = value.strip()
+        elif name == "decode" and not eq and "decode" not in options:
+            options["decode"] = True
         else:
-            raise ValueError(f"bad cache spec option {item!r} in {text!r}; expected @centre or @alloc=SIGNAL "
-                             "(each at most once)")
+            raise ValueError(f"bad cache spec option {item!r} in {text!r}; expected @centre, @alloc=SIGNAL or "
+                             "@decode (each at most once)")
     return options
 
 
 def parse_cache_spec(text: str) -> CacheSpec:
-    """'fp', 'fibquant:b=2', 'fibquant:b=2/fibquant:b=1', 'quanto:b=2', '...@centre@alloc=mse'
+    """'fp', 'fibquant:b=2', 'fibquant:b=2/fibquant:b=1', 'quanto-rt:b=2', '...@centre@alloc=mse', '...@decode'
     (see the module docstring)."""
     text = text.strip()
     if not text:

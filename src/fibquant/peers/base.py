@@ -16,6 +16,7 @@ and one line in `REGISTRY` below. Its spec strings, default rows, plot style, in
 from __future__ import annotations
 
 import importlib
+import warnings
 from dataclasses import dataclass, field
 from functools import lru_cache
 from collections.abc import Mapping
@@ -35,8 +36,9 @@ class PeerFamily:
     """How to build one registered peer: parameter name and check, label, byte count, builder,
     the package it runs from, its plot style and its default values in experiments.
 
-    `native_cache(value)`, where set, builds the package's own transformers `Cache` at that
-    value (what the speed experiment times); `None` when the peer has none."""
+    `native`, where set, names the family's own transformers cache in the cache-spec grammar:
+    `<native>:<param>=<value>` is transformers' `QuantizedCache(backend=<native>, nbits=value)`,
+    what the speed experiment times (the family itself is the float round trip)."""
 
     param: str
     param_help: str
@@ -48,7 +50,7 @@ class PeerFamily:
     package: tuple[str, str] = ("", "")                   # (importable module, PyPI name)
     style: tuple[str, str] = ("C7", "o")                  # (matplotlib colour, marker)
     defaults: tuple[int, ...] = ()                        # default values in experiments, highest rate first
-    native_cache: Optional[Callable[[int], object]] = field(default=None, repr=False)
+    native: Optional[str] = None
 
 
 @lru_cache(maxsize=None)
@@ -128,10 +130,28 @@ def one_of(values):
     return lambda v: v in values
 
 
+def native_families() -> dict[str, str]:
+    """native cache name (e.g. "quanto") -> the round-trip family that has it (e.g. "quanto-rt")."""
+    return {family.native: name for name, family in PEERS.items() if family.native}
+
+
+def _family_name(text: str) -> str:
+    """The family of a peer spec; a native name (quanto, hqq) where a round trip is meant is read
+    as that round trip for one release, with a DeprecationWarning."""
+    family = text.strip().partition(":")[0].strip().lower()
+    if family in native_families():
+        new = native_families()[family]
+        warnings.warn(f"{family!r} names transformers' QuantizedCache (measured by `eval speed`); its float "
+                      f"round trip under fibquant's exact window is now spelled {new!r}: read as {new!r} for "
+                      f"one release", DeprecationWarning, stacklevel=3)
+        return new
+    return family
+
+
 def parse_peer(text: str) -> PeerSpec:
     """'kakeya-e8:q=2' -> PeerSpec('kakeya-e8', 2). ValueError for an unknown family or parameter."""
-    family, _, params = text.strip().partition(":")
-    family = family.strip().lower()
+    family = _family_name(text)
+    params = text.strip().partition(":")[2]
     if family not in PEERS:
         raise ValueError(f"unknown peer {family!r}; expected one of {tuple(PEERS)}")
     name, eq, raw = params.partition("=")
@@ -145,7 +165,8 @@ def parse_peer(text: str) -> PeerSpec:
 
 
 def is_peer(text: str) -> bool:
-    return text.strip().partition(":")[0].strip().lower() in PEERS
+    family = text.strip().partition(":")[0].strip().lower()
+    return family in PEERS or family in native_families()
 
 
 def peer_specs(lowest: Optional[int] = None) -> tuple[str, ...]:

@@ -1,8 +1,15 @@
 """transformers' own `QuantizedCache` layers as peers: quanto (optimum-quanto) and HQQ (hqq).
 
-Both quantize per-token groups of 64 elements (transformers' default `q_group_size`); the round
-trip is the layer's own `_quantize` / dequantize, and the native cache (what `eval speed`
-times) is `QuantizedCache(backend=..., nbits=b)`.
+Two spellings, two things measured:
+
+- `quanto-rt:b=4`, `hqq-rt:b=2`: the layer's own `_quantize` / dequantize as a float round trip
+  of every vector outside fibquant's exact window (`RoundTripCache`), so quality experiments
+  compare the quantizers under the same window as `CompressedCache`;
+- `quanto:b=4`, `hqq:b=2`: transformers' `QuantizedCache(backend=..., nbits=b)` itself (its own
+  float residual of `residual_length` tokens), what `eval speed` times (`PeerFamily.native`).
+
+Both quantize per-token groups of 64 elements (transformers' default `q_group_size`). In quality
+experiments `quanto:b=B` / `hqq:b=B` are read as the round trip for one release, with a warning.
 """
 from __future__ import annotations
 
@@ -39,26 +46,18 @@ def _build_hqq(spec: PeerSpec, dim: int, role: str, model=None) -> PeerQuantizer
     return PeerQuantizer(spec, dim, role, fn)
 
 
-def _native(backend: str):
-    def build(bits: int, config=None):
-        from transformers import QuantizedCache
-
-        return QuantizedCache(backend=backend, config=config, nbits=bits)
-    return build
-
-
 FAMILIES = {
-    "quanto": PeerFamily(
-        "b", "b in (2, 4)", one_of((2, 4)), lambda b: f"quanto INT{b} (QuantizedCache)",
+    "quanto-rt": PeerFamily(
+        "b", "b in (2, 4)", one_of((2, 4)), lambda b: f"quanto INT{b} (round trip)",
         group_int_bytes,
         "b bits per element + fp16 scale and fp16 shift per group of 64 (quanto stores them in the model dtype; "
         "counted as fp16, i.e. what an fp16 model holds)", _build_quanto,
         package=("optimum.quanto", "optimum-quanto"), style=("C1", "v"), defaults=(4, 2),
-        native_cache=_native("quanto")),
-    "hqq": PeerFamily(
-        "b", "b in (1, 2, 3, 4, 8)", one_of((1, 2, 3, 4, 8)), lambda b: f"HQQ INT{b} (QuantizedCache)",
+        native="quanto"),
+    "hqq-rt": PeerFamily(
+        "b", "b in (1, 2, 3, 4, 8)", one_of((1, 2, 3, 4, 8)), lambda b: f"HQQ INT{b} (round trip)",
         group_int_bytes,
         "b bits per element + fp16 scale and fp16 zero per group of 64 (axis 0, transformers' default)", _build_hqq,
         package=("hqq.core.quantize", "hqq"), style=("C5", "<"), defaults=(4, 2),
-        native_cache=_native("hqq")),
+        native="hqq"),
 }
