@@ -11,7 +11,8 @@ from transformers import DynamicCache
 
 from fibquant.codecs.integer import IntCodec
 from fibquant.kv.specs import CacheSpec, parse_cache_spec, parse_cache_specs, split_available
-from fibquant.peers import PEERS, build_peer, native_families, parse_peer, peer_specs, unavailable_reason
+from fibquant.peers import (PEERS, PeerFamily, build_peer, native_families, one_of, parse_peer, peer_families, peer_specs,
+                            unavailable_reason)
 from fibquant.peers.kakeya import kakeya_bits
 from fibquant.peers.nexus import nexus_block_points, nexus_bytes
 from fibquant.eval.perplexity import PerplexityConfig, make_cache, window_nll
@@ -237,3 +238,55 @@ def test_default_peer_rows_and_styles_come_from_the_registry():
     assert set(peer_specs()) >= {"quanto-rt:b=4", "kakeya-e8:q=1", "nexus:b=2"}
     assert peer_specs(lowest=1) == tuple(f"{name}:{PEERS[name].param}={PEERS[name].defaults[-1]}" for name in PEERS)
     assert all(len(PEERS[name].style) == 2 and PEERS[name].package[1] for name in PEERS)
+
+
+# ----------------------------------------------------------------------------- a new peer: one module + one line
+
+def _halve_build(spec, dim, role, model=None):
+    from fibquant.peers import PeerQuantizer
+
+    return PeerQuantizer(spec, dim, role, lambda x, start: (x * 2 ** spec.value).round() / 2 ** spec.value)
+
+
+FAMILIES = {  # this test module is the new peer's "one file"
+    "toy-round": PeerFamily("b", "b in (1, 2)", one_of((1, 2)), lambda b: f"toy rounding {b}", lambda b, d: d * 1.0,
+                            "one byte per coordinate", _halve_build, package=("math", "math"), style=("C3", "x"),
+                            defaults=(2, 1)),
+}
+
+
+@pytest.fixture
+def toy_peer(monkeypatch):
+    from fibquant.peers import base
+
+    monkeypatch.setattr(base, "REGISTRY", base.REGISTRY + (__name__,))  # the "one line"
+    peer_families.cache_clear()
+    yield
+    monkeypatch.undo()
+    peer_families.cache_clear()
+
+
+def test_a_new_peer_is_one_module_and_one_registry_line(toy_peer):
+    assert "toy-round" in PEERS and "toy-round:b=1" in peer_specs()
+    spec = parse_cache_spec("toy-round:b=2")
+    assert spec.uses_peer and spec.key_bytes(64) == 64.0 and spec.label() == "toy rounding 2"
+    assert unavailable_reason("toy-round:b=1") is None
+    model = tiny_llama(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64)
+    cache = spec.build(model, sink_tokens=1, recent_tokens=2)
+    assert isinstance(cache, RoundTripCache)
+    x = torch.randn(1, 1, 5, 64)
+    quantizer = build_peer("toy-round:b=1", 64)
+    assert torch.equal(quantizer.roundtrip(x), (x * 2).round() / 2)
+
+
+def test_a_duplicate_peer_family_is_refused(monkeypatch):
+    from fibquant.peers import base
+
+    monkeypatch.setattr(base, "REGISTRY", base.REGISTRY + ("fibquant.peers.kakeya",))
+    peer_families.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="registered twice"):
+            peer_families()
+    finally:
+        monkeypatch.undo()
+        peer_families.cache_clear()
