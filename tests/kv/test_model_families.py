@@ -96,7 +96,7 @@ def test_probe_counts_each_familys_fallback_warning():
 
 def test_probe_reports_wrong_logits(monkeypatch):
     """Attention on codes with a 5 % wrong scale: the probe sees it in both logit comparisons."""
-    from fibquant.kv.attention.entry import entry as attention
+    import fibquant.kv.attention.entry as attention
 
     right = attention.attend_codes
 

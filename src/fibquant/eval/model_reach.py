@@ -300,7 +300,7 @@ class _FallbackRecorder:
     """Empties fibquant's once-per-process warning set, records RuntimeWarnings, restores the set."""
 
     def __enter__(self):
-        from fibquant.kv.attention.entry import entry as attention
+        import fibquant.kv.attention.entry as attention
 
         self._warned = getattr(attention, "_warned", None)
         self._saved = set(self._warned) if self._warned is not None else None
