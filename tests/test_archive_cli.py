@@ -91,3 +91,18 @@ def test_torn_archive_warns_in_one_line_and_errors_in_one_line(tmp_path, capsys)
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 2 and lines[0].startswith("fibquant: warning:") and "dropped" in lines[0]
     assert lines[1] == f"fibquant: error: index 3 out of range for archive {target} of length 0"
+
+
+def _strict_loads(text: str):
+    """json.loads that rejects NaN / Infinity (not JSON) instead of reading them as floats."""
+    def reject(token):
+        raise AssertionError(f"{token} is not valid JSON")
+    return json.loads(text, parse_constant=reject)
+
+
+def test_info_of_an_empty_archive_is_valid_json_with_null_bits_per_symbol(tmp_path, capsys):
+    target = tmp_path / "empty.fqa"
+    Archive.create(target, 256).close()
+    assert main(["archive", "info", str(target)]) == 0
+    info = _strict_loads(capsys.readouterr().out)
+    assert info["symbols"] == 0 and info["bits_per_symbol"] is None

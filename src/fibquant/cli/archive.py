@@ -1,13 +1,13 @@
 """`fibquant archive pack|get|search|info` and `fibquant eval archive [--quick]`."""
 from __future__ import annotations
 
-import json
 import sys
 import warnings
 from pathlib import Path
 
 import numpy as np
 
+from .. import _json as strict_json
 from ._common import add_threads_argument, apply_threads, run_experiment
 
 
@@ -95,7 +95,7 @@ def _search(args) -> int:
 
 
 def _print_info(info: dict) -> None:
-    print(json.dumps(info, indent=1))
+    print(strict_json.dumps(info, indent=1))
 
 
 def _info(args) -> int:
