@@ -24,6 +24,7 @@ _EXPORTS = {
     "CompressedCache": "fibquant.kv.cache",
     "use_coded_attention": "fibquant.kv.attention",
     "load_model": "fibquant.kv.model",
+    "cache_kwarg": "fibquant.kv.model",
     "load_text": "fibquant.data.text",
     "load_bigbench_task": "fibquant.data.bigbench",
     # archive
