@@ -2,6 +2,8 @@
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -28,3 +30,31 @@ def test_makefile_installs_cpu_torch_but_the_package_does_not_pin_it():
     # A user's CUDA torch must not be replaced by the package's requirement.
     assert re.search(r'"torch>=[0-9.]+"', pyproject) and "torch==" not in pyproject
     assert re.search(r'"transformers>=5[0-9.]*,<6"', pyproject)
+
+
+def readme_quick_start() -> str:
+    """The Python block after the README's `<!-- quick-start-python ... -->` marker."""
+    readme = (ROOT / "README.md").read_text()
+    found = re.search(r"<!-- quick-start-python.*?-->\n```python\n(.*?)```", readme, flags=re.S)
+    assert found, "README.md has no <!-- quick-start-python --> block"
+    return found.group(1)
+
+
+@pytest.mark.model
+def test_readme_quick_start_compresses(model_and_tokenizer, monkeypatch, capsys):
+    """The README's snippet, run as written (the session's model stands in for load_model()):
+    its prompt leaves the exact window, so bytes per token is well below uncompressed."""
+    import torch
+
+    monkeypatch.setattr("fibquant.kv.model.load_model", lambda *args, **kwargs: model_and_tokenizer)
+    namespace: dict = {}
+    exec(compile(readme_quick_start(), "README.md:quick-start-python", "exec"), namespace)
+    cache, model = namespace["cache"], namespace["model"]
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    itemsize = torch.empty(0, dtype=model.dtype).element_size()
+    uncompressed = config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * itemsize  # K and V
+    assert uncompressed == 46_080  # SmolLM2-135M in float32: 30 layers x K,V x 3 heads x 64 x 4 bytes
+    printed = capsys.readouterr().out.split()
+    assert float(printed[-1]) == cache.bytes_per_token() < uncompressed / 2
+    assert cache.get_seq_length() > 32 + 4 + 100  # most tokens left the exact window
