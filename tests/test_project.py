@@ -73,3 +73,10 @@ def test_readme_quick_start_compresses(model_and_tokenizer, monkeypatch, capsys)
     printed = capsys.readouterr().out.split()
     assert float(printed[-1]) == cache.bytes_per_token() < uncompressed / 2
     assert cache.get_seq_length() > 32 + 4 + 100  # most tokens left the exact window
+
+
+def test_dev_extra_holds_the_peers_so_make_test_runs_their_tests():
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert set(extras["peers"]) <= set(extras["dev"])
