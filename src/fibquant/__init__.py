@@ -7,7 +7,7 @@ and the heavy framework glue — transformers, model files — loads only when u
   `IdentityCodec`; `parse_method` (spec strings such as "fibquant:b=2", `.build(dim)`), `load_codec`;
   codebooks `build_codebook`, `load_codebook`
 - caches: `CompressedCache`, `parse_cache_spec` ("fibquant:b=4/fibquant:b=2", peers, "@decode"),
-  `use_coded_attention`, `attend_codes`, `cache_nbytes`, `load_model`, `check_model_supported`
+  `use_coded_attention`, `attend_codes`, `cache_nbytes`, `load_model`, `check_model_supported`, `cache_kwarg`
 - persistence: `PersistentCache`, `save_cache`, `load_cache`, `CacheWriter`,
   `generate_persistent`, `resume_generate`, `find_prefix`, `prefill_with_prefix`
 - archive: `Archive`, `CodeArchive`
@@ -37,7 +37,7 @@ _AREAS = {
         "fibquant.kv.specs": ("parse_cache_spec",),
         "fibquant.kv.attention": ("use_coded_attention", "attend_codes"),
         "fibquant.kv.accounting": ("cache_nbytes",),
-        "fibquant.kv.model": ("load_model", "check_model_supported"),
+        "fibquant.kv.model": ("load_model", "check_model_supported", "cache_kwarg"),
     },
     "persistence": {
         "fibquant.kv.persist": ("PersistentCache", "save_cache", "load_cache", "CacheWriter", "generate_persistent",

@@ -56,13 +56,53 @@ def test_pack_npy_with_float_variant(tmp_path, capsys):
     (["archive", "search", "{archive}", "999"], r"\[0, 256\)"),
     (["archive", "search", "{archive}"], "as symbols or with --text"),
     (["archive", "pack", "missing.txt", "{tmp}/o.fqa"], "no such input"),
+    (["archive", "get", "{archive}", "99999"], r"index 99999 out of range .*length 3$"),
+    (["archive", "get", "{archive}", "-4"], r"index -4 out of range .*length 3$"),
+    (["archive", "get", "{tmp}", "0"], "cannot open archive"),
+    (["archive", "get", "missing.fqa", "0"], "cannot open archive"),
+    (["archive", "search", "{archive}", "1", "--limit", "-1"], "--limit must be a non-negative"),
+    (["archive", "search", "{archive}", "1", "--context", "-2"], "--context must be a non-negative"),
+    (["archive", "info", "{foreign}"], "not a fibquant archive"),
+    (["archive", "get", "{short}", "0"], "truncated archive header"),
 ])
 def test_errors_are_one_line_messages(tmp_path, capsys, argv, message):
     archive = tmp_path / "a.fqa"
     with Archive.create(archive, 256) as a:
         a.append([1, 2, 3])
-    argv = [arg.format(archive=archive, tmp=tmp_path) for arg in argv]
+    (tmp_path / "foreign.fqa").write_bytes(TEXT)
+    (tmp_path / "short.fqa").write_bytes(archive.read_bytes()[:10])
+    argv = [arg.format(archive=archive, tmp=tmp_path, foreign=tmp_path / "foreign.fqa", short=tmp_path / "short.fqa")
+            for arg in argv]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("fibquant: error:") and len(err.strip().splitlines()) == 1
     assert re.search(message, err)
+
+
+def test_torn_archive_warns_in_one_line_and_errors_in_one_line(tmp_path, capsys):
+    """A file cut mid-block: the torn tail is dropped with one warning line; reads past the
+    recovered length are one-line errors naming the index and the length."""
+    source, target = tmp_path / "novel.txt", tmp_path / "novel.fqa"
+    source.write_bytes(TEXT)
+    assert main(["archive", "pack", str(source), str(target)]) == 0
+    capsys.readouterr()
+    target.write_bytes(target.read_bytes()[:target.stat().st_size - 5])
+    assert main(["archive", "get", str(target), "3"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("fibquant: warning:") and "dropped" in lines[0]
+    assert lines[1] == f"fibquant: error: index 3 out of range for archive {target} of length 0"
+
+
+def _strict_loads(text: str):
+    """json.loads that rejects NaN / Infinity (not JSON) instead of reading them as floats."""
+    def reject(token):
+        raise AssertionError(f"{token} is not valid JSON")
+    return json.loads(text, parse_constant=reject)
+
+
+def test_info_of_an_empty_archive_is_valid_json_with_null_bits_per_symbol(tmp_path, capsys):
+    target = tmp_path / "empty.fqa"
+    Archive.create(target, 256).close()
+    assert main(["archive", "info", str(target)]) == 0
+    info = _strict_loads(capsys.readouterr().out)
+    assert info["symbols"] == 0 and info["bits_per_symbol"] is None

@@ -167,3 +167,19 @@ def test_archive_kv_targets_judge_each_part_present():
     assert not met["read one token's K/V <= 50 us (median, warm)"]
     assert met["a hybrid at >= 36x vs fp16 below +11.2 % perplexity (ratio_marginal)"] is False
     assert archive_kv_targets({}) == []
+
+
+def test_write_json_writes_non_finite_numbers_as_null(tmp_path):
+    import numpy as np
+    import torch
+
+    from fibquant.eval.report import write_json
+
+    payload = {"nan": float("nan"), "inf": float("inf"), "rows": [{"x": np.float32("nan"), "y": -np.inf},
+               (1.5, torch.tensor(float("nan")))], "ok": np.float64(0.25), "n": np.int64(3), "flag": True}
+    text = write_json(tmp_path / "r.json", payload).read_text()
+
+    def reject(token):
+        raise AssertionError(f"{token} is not valid JSON")
+    assert json.loads(text, parse_constant=reject) == {
+        "nan": None, "inf": None, "rows": [{"x": None, "y": None}, [1.5, None]], "ok": 0.25, "n": 3, "flag": True}

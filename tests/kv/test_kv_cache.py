@@ -255,3 +255,38 @@ def test_shared_state_counts_codebook_and_rotation_once():
     assert codec_state_nbytes(codec) == codebook + rotation + search
     cache = CompressedCache(codec, codec)
     assert cache.shared_nbytes() == codebook + rotation + search  # one codec for keys and values: counted once
+
+
+def test_cache_kwarg_passes_the_cache_without_a_deprecation_warning():
+    """forward and generate get the cache by the name the installed transformers accepts
+    (`cache` from 5.24 on, which warns on `past_key_values=`): no deprecation warning."""
+    import inspect
+    import warnings
+
+    from fibquant.kv.model import cache_kwarg
+
+    model = tiny_llama()
+    params = inspect.signature(type(model).forward).parameters
+    name = "cache" if "cache" in params else "past_key_values"
+    assert cache_kwarg(model, 1) == cache_kwarg(model.forward, 1) == cache_kwarg(model.generate, 1) == {name: 1}
+    ids = torch.randint(3, 97, (1, 12), generator=torch.Generator().manual_seed(5))
+
+    def new_cache():
+        return CompressedCache(IntCodec(DIM, 8), IntCodec(DIM, 8), sink_tokens=2, recent_tokens=4)
+
+    def deprecations(caught):
+        return [str(w.message) for w in caught
+                if issubclass(w.category, (FutureWarning, DeprecationWarning)) and "past_key_values" in str(w.message)]
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(input_ids=ids, **cache_kwarg(model, new_cache()), use_cache=True)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,
+                             pad_token_id=0, **cache_kwarg(model.generate, new_cache()))
+    assert out.shape == (1, 15)
+    assert deprecations(caught) == []
+    if name == "cache":  # the check above sees the warning where there is one
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model(input_ids=ids, past_key_values=new_cache(), use_cache=True)
+        assert deprecations(caught)

@@ -1,11 +1,13 @@
 """`fibquant archive pack|get|search|info` and `fibquant eval archive [--quick]`."""
 from __future__ import annotations
 
-import json
+import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
 
+from .. import _json as strict_json
 from ._common import add_threads_argument, apply_threads, run_experiment
 
 
@@ -33,6 +35,21 @@ def _pack(args) -> int:
     return 0
 
 
+def _open(path):
+    """Archive.open(path) for reading; a recovered torn tail (RecoveryWarning) is one stderr line."""
+    from ..archive import Archive, RecoveryWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", RecoveryWarning)
+        archive = Archive.open(path)
+    for warning in caught:
+        if issubclass(warning.category, RecoveryWarning):
+            print(f"fibquant: warning: {warning.message}", file=sys.stderr)
+        else:
+            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+    return archive
+
+
 def _parse_range(text: str) -> slice | int:
     if ":" in text:
         start, _, stop = text.partition(":")
@@ -48,24 +65,25 @@ def _show(symbols, as_text: bool) -> str:
 
 
 def _get(args) -> int:
-    from ..archive import Archive
-
-    with Archive.open(args.archive) as archive:
-        try:
-            where = _parse_range(args.index)
-        except ValueError:
-            raise ValueError(f"index must be an int or start:stop, got {args.index!r}") from None
+    try:
+        where = _parse_range(args.index)
+    except ValueError:
+        raise ValueError(f"index must be an int or start:stop, got {args.index!r}") from None
+    with _open(args.archive) as archive:
+        if isinstance(where, int) and not -len(archive) <= where < len(archive):
+            raise ValueError(f"index {where} out of range for archive {args.archive} of length {len(archive)}")
         print(_show(archive[where], args.text))
     return 0
 
 
 def _search(args) -> int:
-    from ..archive import Archive
-
     if (args.text is None) == (not args.symbols):
         raise ValueError("give the query as symbols or with --text, not both")
+    for flag, value in (("--context", args.context), ("--limit", args.limit)):
+        if value < 0:
+            raise ValueError(f"{flag} must be a non-negative int, got {value}")
     query = list(args.text.encode("utf-8")) if args.text is not None else args.symbols
-    with Archive.open(args.archive) as archive:
+    with _open(args.archive) as archive:
         hits = archive.search(query)
         print(f"{hits.size} matches")
         for position in hits[:args.limit].tolist():
@@ -77,13 +95,11 @@ def _search(args) -> int:
 
 
 def _print_info(info: dict) -> None:
-    print(json.dumps(info, indent=1))
+    print(strict_json.dumps(info, indent=1))
 
 
 def _info(args) -> int:
-    from ..archive import Archive
-
-    with Archive.open(args.archive) as archive:
+    with _open(args.archive) as archive:
         _print_info(archive.info())
     return 0
 

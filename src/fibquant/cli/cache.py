@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
+from .. import _json as strict_json
 from ._common import (add_list_argument, add_model_argument, add_out_argument, add_text_argument,
                       add_threads_argument, apply_threads)
 
@@ -44,7 +44,7 @@ def _info_of(path) -> int:
     from fibquant.kv.persist.store import PersistentCache
 
     with PersistentCache.open(path) as store:
-        print(json.dumps(store.info(), indent=1))
+        print(strict_json.dumps(store.info(), indent=1))
     return 0
 
 

@@ -28,6 +28,7 @@ import torch
 
 from fibquant.eval.report import Experiment, figure
 from fibquant.eval.timing import Stopwatch, best_of, timed
+from fibquant.kv.model import cache_kwarg
 
 
 @dataclass(frozen=True)
@@ -69,17 +70,17 @@ def measure_prefix_ttft(model, tokenizer, config: ArchiveKVConfig, workdir: Path
         return CompressedCache.for_model(model, codec, codec, config.sink_tokens, config.recent_tokens)
 
     cache = fresh()
-    model(input_ids=prefix[None], past_key_values=cache, use_cache=True)
+    model(input_ids=prefix[None], **cache_kwarg(model, cache), use_cache=True)
     path = workdir / "prefix.fqkv"
     save_s, _ = timed(lambda: save_cache(cache, path, model, prefix, overwrite=True))
     with PersistentCache.open(path) as store:
         disk = store.nbytes()
 
     def cold():
-        return model(input_ids=ids[None], past_key_values=fresh(), use_cache=True).logits[:, -1]
+        return model(input_ids=ids[None], **cache_kwarg(model, fresh()), use_cache=True).logits[:, -1]
 
     def fp():
-        return model(input_ids=ids[None], past_key_values=DynamicCache(), use_cache=True).logits[:, -1]
+        return model(input_ids=ids[None], **cache_kwarg(model, DynamicCache()), use_cache=True).logits[:, -1]
 
     cold_s, cold_logits = best_of(cold, config.repeats)
     fp_s, fp_logits = best_of(fp, config.repeats)

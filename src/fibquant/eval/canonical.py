@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from scipy import stats
 
+from ..kv.model import cache_kwarg
 from ..source import block_radii, canonicalize, haar_rotation, radius_law, sample_sphere
 from .report import Experiment
 
@@ -62,7 +63,7 @@ def cached_states(model, input_ids: torch.Tensor,
         raise ValueError(f"layers {bad} out of range for a model with {n_layers} layers")
     cache = DynamicCache()
     device = next(model.parameters()).device
-    model(input_ids=input_ids.to(device), past_key_values=cache, use_cache=True)
+    model(input_ids=input_ids.to(device), **cache_kwarg(model, cache), use_cache=True)
     out = {}
     for i in layers:
         layer = cache.layers[i]

@@ -544,6 +544,8 @@ def _probe_stages(family: Family, seed: int, bits: float, generate: bool, result
 
 def _generate_equal(model, new_cache) -> bool:
     """Greedy generate, batch 2 (row 1 left-padded by 5), codes vs decode: the same tokens?"""
+    from fibquant.kv.model import cache_kwarg
+
     generator = torch.Generator().manual_seed(7)
     ids = torch.randint(3, VOCAB, (2, PROMPT_TOKENS - 8), generator=generator)
     mask = torch.ones_like(ids)
@@ -552,7 +554,7 @@ def _generate_equal(model, new_cache) -> bool:
     for attention in ("decode", "codes"):
         cache = new_cache(attention)
         with torch.no_grad():
-            outputs.append(model.generate(ids, attention_mask=mask, past_key_values=cache,
+            outputs.append(model.generate(ids, attention_mask=mask, **cache_kwarg(model, cache),
                                           max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
                                           eos_token_id=None))
     return bool(outputs[1].shape == (2, ids.shape[1] + NEW_TOKENS) and torch.equal(outputs[0], outputs[1]))

@@ -31,6 +31,7 @@ from typing import Callable, Protocol, Sequence
 import torch
 
 from ..data.bigbench import MultipleChoiceExample
+from ..kv.model import cache_kwarg
 from .report import Experiment, figure, format_table
 
 
@@ -107,13 +108,13 @@ class CacheScorer:
         if prefix:
             # One prefill, then one copy of the cached context per option (codes are copied as
             # codes: every option reads back exactly the same compressed context).
-            self.model(input_ids=torch.tensor([prefix], device=device), past_key_values=cache, use_cache=True)
+            self.model(input_ids=torch.tensor([prefix], device=device), **cache_kwarg(self.model, cache), use_cache=True)
             cache.batch_repeat_interleave(batch)
         compressed = compressed_token_count(cache)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         inputs = torch.tensor([[context_ids[-1]] + ids[:-1] + [pad] * (longest - len(ids)) for ids in option_ids],
                               device=device)
-        logits = self.model(input_ids=inputs, past_key_values=cache, use_cache=True).logits
+        logits = self.model(input_ids=inputs, **cache_kwarg(self.model, cache), use_cache=True).logits
         log_probs = torch.log_softmax(logits.float(), dim=-1)
         logliks = []
         for row, ids in enumerate(option_ids):

@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 from fibquant.codecs.registry import Method, codec_classes, is_reference, plot_style
 from fibquant.eval.report import Experiment, figure, target
 from fibquant.kv.accounting import cache_nbytes
-from fibquant.kv.model import check_model_supported
+from fibquant.kv.model import cache_kwarg, check_model_supported
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,7 @@ def window_stats(model, ids: torch.Tensor, caches: list, chunk: int, reference=N
     for start in range(0, length, chunk):
         piece = ids[:, start: start + chunk]
         targets = ids[:, start + 1: start + chunk + 1]
-        logits = [model(input_ids=piece, past_key_values=cache, use_cache=True).logits.float()[:, : targets.shape[1]]
+        logits = [model(input_ids=piece, **cache_kwarg(model, cache), use_cache=True).logits.float()[:, : targets.shape[1]]
                   for cache in runs]
         reference_logp = None if index is None else torch.log_softmax(logits[index], dim=-1)
         for own, out in zip(logits, stats):

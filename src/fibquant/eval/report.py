@@ -37,12 +37,12 @@ that depends on the run (e.g. a suffix) is a function of the payload (`stem=lamb
 from __future__ import annotations
 
 import importlib
-import json
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
+from fibquant import _json as strict_json
 from fibquant.paths import results_dir
 
 Column = tuple[str, str, str]   # (row key, header, format spec such as ".3f"; "" prints str(value))
@@ -135,10 +135,10 @@ def figure(path, *, dpi: int = 120, tight: bool = True, **subplots) -> Iterator[
 
 
 def write_json(path, payload: dict) -> Path:
-    """Write `payload` as indented JSON (numpy / torch scalars through float); returns the path."""
+    """Write `payload` as indented JSON (numpy / torch scalars through float; NaN / Inf as null); returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2, default=float))
+    path.write_text(strict_json.dumps(payload, indent=2, default=float))
     return path
 
 

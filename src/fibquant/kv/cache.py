@@ -137,7 +137,8 @@ class CompressedCache(Cache):
     `for_model` reads them from the model's config (`layer_types`). With it the layers are
     created up front (transformers builds a hybrid model's masks from them), else lazily on
     first update. sliding_exact: keep the whole window of sliding layers exact instead of coding
-    its older tokens. Pass it as `past_key_values=` to a forward pass or to `model.generate`.
+    its older tokens. Pass it to a forward pass or to `model.generate` as `**cache_kwarg(model, cache)`
+    (fibquant.kv.model: `cache=` on transformers >= 5.24, else `past_key_values=`).
     """
 
     def __init__(self, key_codec: Union[Codec, Sequence[Codec]], value_codec: Union[Codec, Sequence[Codec]],

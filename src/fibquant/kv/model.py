@@ -110,6 +110,26 @@ def _forward_arguments(model_class) -> tuple[str, bool]:
     return ("cache" if "cache" in params else "past_key_values"), "logits_to_keep" in params
 
 
+def cache_kwarg(model_or_fn, cache) -> dict:
+    """{name: cache} for passing `cache` to `model_or_fn` (a model, its `forward` or its `generate`)
+    by the name the installed transformers accepts: `cache` where `forward` declares it (5.24
+    renamed it and warns on `past_key_values=`, removed in 5.40 for forward, 6.0 for generate),
+    else `past_key_values`. `model(**ids, **cache_kwarg(model, cache))`,
+    `model.generate(**inputs, **cache_kwarg(model, cache))`."""
+    return {_cache_argument(model_or_fn): cache}
+
+
+def _cache_argument(target) -> str:
+    if not inspect.isroutine(target) and hasattr(target, "forward"):  # a model
+        return _forward_arguments(type(target))[0]
+    params = inspect.signature(target).parameters
+    for name in ("cache", "past_key_values"):
+        if name in params:
+            return name
+    owner = getattr(target, "__self__", None)  # model.generate(..., **kwargs): as its model's forward
+    return _forward_arguments(type(owner))[0] if hasattr(owner, "forward") else "past_key_values"
+
+
 def last_logits(model, ids, cache):
     """Logits [vocab] of the last position after running ids [1, T] through `model` with `cache`
     (only that position's logits are computed where the model allows it)."""

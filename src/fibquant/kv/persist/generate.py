@@ -16,6 +16,7 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from fibquant.kv.cache import CompressedCache
+from fibquant.kv.model import cache_kwarg
 from fibquant.kv.persist.store import PersistentCache
 
 
@@ -63,7 +64,7 @@ def _generate(model, ids: torch.Tensor, cache: CompressedCache, writer: CacheWri
     criteria.append(writer)
     generate_kwargs.setdefault("do_sample", False)
     try:
-        return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+        return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **cache_kwarg(model, cache),
                               stopping_criteria=criteria, **generate_kwargs)
     finally:
         writer.close()

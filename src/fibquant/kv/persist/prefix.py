@@ -17,6 +17,7 @@ from typing import Optional
 
 import torch
 
+from fibquant.kv.model import cache_kwarg
 from fibquant.kv.persist.store import MANIFEST_FILE, PersistentCache
 
 
@@ -66,7 +67,7 @@ def prefill_with_prefix(model, ids, path, attention: Optional[str] = None, chunk
     rest = ids[reuse:][None]
     step = rest.shape[1] if chunk is None else chunk
     for s in range(0, rest.shape[1], step):
-        logits = model(input_ids=rest[:, s:s + step], past_key_values=cache, use_cache=True).logits[:, -1]
+        logits = model(input_ids=rest[:, s:s + step], **cache_kwarg(model, cache), use_cache=True).logits[:, -1]
     done = time.perf_counter()
     stats = {"reused_tokens": reuse, "computed_tokens": int(rest.shape[1]), "load_s": loaded - start,
              "prefill_s": done - loaded, "ttft_s": done - start}
