@@ -391,21 +391,13 @@ class NumbaSearch:
             self.sep, self.rho, self.cluster_offsets, self.ids = (torch.from_numpy(a) for a in (sep, rho, offsets, ids))
             sorted32 = cw[torch.from_numpy(ids)]
             self.centres_sq32 = (self.centres_t32 ** 2).sum(0)
-            sizes = np.diff(offsets)
-            width = max(8, -(-int(sizes.max()) // 8) * 8)
-            far = 1e18  # padding slots: a point so far that its score never passes
-            padded = np.full((len(sizes), self.k, width), 0.0, dtype=np.float32)
-            sqp = np.full((len(sizes), width), np.float32(far), dtype=np.float32)
-            s32 = sorted32.numpy()
-            for g in range(len(sizes)):
-                part = s32[offsets[g]:offsets[g + 1]]
-                padded[g, :, :len(part)] = part.T
-                sqp[g, :len(part)] = (part.astype(np.float32) ** 2).sum(1)
-            self.padded32, self.padded_sq32 = torch.from_numpy(padded), torch.from_numpy(sqp)
+            self.sorted_flat32 = torch.cat([sorted32[int(offsets[g]):int(offsets[g + 1])].T.reshape(-1)
+                                            for g in range(len(offsets) - 1)]).contiguous()
+            self.sorted_sq32 = (sorted32 ** 2).sum(-1)
             self.sorted_t64 = sorted32.T.to(torch.float64).contiguous()
             self.cmax = float(cw.to(torch.float64).norm(dim=1).max())
-            tables = (self.centres_t32, self.centres_sq32, self.sep, self.rho, self.cluster_offsets, self.padded32,
-                      self.padded_sq32,
+            tables = (self.centres_t32, self.centres_sq32, self.sep, self.rho, self.cluster_offsets, self.sorted_flat32,
+                      self.sorted_sq32,
                       self.sorted_t64, self.ids, self.codewords_t64, self.cmax)
         elif self.method == "tree":
             self.lo, self.hi, self.child, self.bounds, self.points, self.ids = (

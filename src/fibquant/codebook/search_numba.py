@@ -298,7 +298,7 @@ def _walk_py(u, k, origin, scale, lut, cells, guess, offsets, nbr, reach, table,
     return flagged
 
 
-def _cluster_py(u, k, centres_t, csq32, sep, rho, offsets, padded, sqp, pts_t, ids, cw_t, cmax, index, flags, codes, head, bits,
+def _cluster_py(u, k, centres_t, csq32, sep, rho, offsets, flat32, sq32, pts_t, ids, cw_t, cmax, index, flags, codes, head, bits,
                 start, stop):
     """Exact search over codewords grouped in clusters (`fast_search.build_clusters`: G centres, each
     codeword in the cluster of its nearest centre; codewords in cluster order, so a cluster is a
@@ -318,8 +318,9 @@ def _cluster_py(u, k, centres_t, csq32, sep, rho, offsets, padded, sqp, pts_t, i
     xs = np.empty(k, dtype=np.float32)
     dist = np.empty(n, dtype=np.float64)
     dc = np.empty(n_clusters, dtype=np.float32)
-    scores = np.empty((n_clusters, padded.shape[2]), dtype=np.float32)
+    scores = np.empty(n, dtype=np.float32)
     visited = np.empty(n_clusters, dtype=np.int64)
+    lowest = np.empty(n_clusters, dtype=np.float32)
     csize = 0.0
     for g in range(n_clusters):
         w = 0.0
@@ -370,16 +371,19 @@ def _cluster_py(u, k, centres_t, csq32, sep, rho, offsets, padded, sqp, pts_t, i
                             bound = max(bound, (dg - np.float64(dc[a]) - 2.0 * err) / (2.0 * s))
                         if bound > thr:
                             continue
-                    m32 = _range_scores(xs, xx, padded, g, sqp, scores)
+                    m32 = _range_scores(xs, xx, flat32, np.uint64(lo), np.uint64(hi - lo), sq32, scores)
                     low = min(low, np.float64(m32))
                     visited[nv] = g
+                    lowest[nv] = m32
                     nv += 1
             limit = low + 2.0 * err + 1e-9
             d1, i1, d2 = np.inf, -1, np.inf
             for q in range(nv):
+                if np.float64(lowest[q]) > limit:  # no codeword of this cluster passes the screen
+                    continue
                 g = visited[q]
                 for c in range(offsets[g], offsets[g + 1]):
-                    if scores[g, c - offsets[g]] <= limit:
+                    if scores[c] <= limit:
                         d = 0.0
                         for j in range(k):
                             t = x[j] - pts_t[j, c]
@@ -531,19 +535,22 @@ def _scores_py(xs, xx, cw32_t, sq32, scores):
             scores[c] += m * cw32_t[j, c]
 
 
-def _range_scores_py(xs, xx, padded, g, sqp, scores):
-    """`_scores` over cluster g of the padded cluster table padded [G, k, S] (sqp [G, S] the squared
-    norms; padding slots hold a far point): writes scores[g, :], returns their minimum (fastmath)."""
-    size = padded.shape[2]
+def _range_scores_py(xs, xx, flat32, lo, size, sq32, scores):
+    """`_scores` over the codewords lo .. lo + size - 1 of one cluster of a cluster-ordered table:
+    flat32 holds each cluster's coordinates axis-major (axis j of codeword lo + c at k lo + j size +
+    c); writes scores[lo:lo + size], returns their minimum (fastmath, as `_scores`; unsigned indices,
+    so that no negative-index wraparound keeps the loops from vectorising)."""
+    low = np.float32(np.inf)
+    k = np.uint64(xs.shape[0])
     for c in range(size):
-        scores[g, c] = sqp[g, c] + xx
-    for j in range(xs.shape[0]):
+        scores[lo + c] = sq32[lo + c] + xx
+    for j in range(k):
         m = np.float32(-2.0) * xs[j]
+        base = k * lo + j * size
         for c in range(size):
-            scores[g, c] += m * padded[g, j, c]
-    low = scores[g, 0]
+            scores[lo + c] += m * flat32[base + c]
     for c in range(size):
-        low = min(low, scores[g, c])
+        low = min(low, scores[lo + c])
     return low
 
 
@@ -648,7 +655,7 @@ def compile_kernels():
                          **jit)(_screen_py)
     _scores = numba.njit("void(float32[::1], float32, float32[:, ::1], float32[::1], float32[::1])", fastmath=True,
                          **jit)(_scores_py)
-    _range_scores = numba.njit("float32(float32[::1], float32, float32[:, :, ::1], int64, float32[:, ::1], float32[:, ::1])",
+    _range_scores = numba.njit("float32(float32[::1], float32, float32[::1], uint64, uint64, float32[::1], float32[::1])",
                                fastmath=True, **jit)(_range_scores_py)
     _bits_min = numba.njit("int32(int32[::1])", fastmath=True, **jit)(_bits_min_py)
     _pack_row = numba.njit("void(int64[:, ::1], int64, int64, uint8[:, ::1], int64)", **jit)(_pack_row_py)
@@ -665,7 +672,7 @@ def compile_kernels():
                            f"float32[::1], float64[:, ::1], int64, boolean[::1], float64, float64[:, ::1], {out})",
                            **jit)(_walk_py),
         "cluster": numba.njit(f"int64({u}, int64, float32[:, ::1], float32[::1], float64[:, ::1], float64[::1], "
-                              f"int64[::1], float32[:, :, ::1], float32[:, ::1], float64[:, ::1], int64[::1], float64[:, ::1], float64, {out})",
+                              f"int64[::1], float32[::1], float32[::1], float64[:, ::1], int64[::1], float64[:, ::1], float64, {out})",
                               **jit)(_cluster_py),
         "brute": numba.njit(f"int64({u}, int64, float32[:, ::1], float64[:, ::1], {out})", **jit)(_brute_py),
         "scan": numba.njit(f"int64({u}, int64, float32[:, ::1], float32[::1], float64[:, ::1], float64, {out})",
