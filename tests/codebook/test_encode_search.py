@@ -133,3 +133,41 @@ def test_scan_on_codewords_and_midpoints(dim, n):
                         codewords[:50] * 3.0, torch.zeros(2, 8)]).contiguous()
     assert len(blocks) >= 256
     assert torch.equal(search.indices(blocks).reshape(-1), reference_index(blocks, codewords))
+
+
+def cluster_blocks(codewords: torch.Tensor, m: int, seed: int) -> torch.Tensor:
+    """Blocks for the cluster search: on codewords, on midpoints of pairs (ties up to float32 rounding)
+    and one float32 step beside them, far out, and zero."""
+    gen = torch.Generator().manual_seed(seed)
+    n, k = codewords.shape
+    pairs = torch.randint(0, n, (m, 2), generator=gen)
+    mid = 0.5 * (codewords[pairs[:, 0]] + codewords[pairs[:, 1]])
+    step = torch.randint(-1, 2, mid.shape, generator=gen).float()
+    beside = torch.where(step == 0, mid, torch.nextafter(mid, step * float("inf")))
+    far = torch.randn(8, k, generator=gen) * 3.0
+    return torch.cat([codewords[:m], mid, beside, far, torch.zeros(1, k)]).contiguous()
+
+
+def test_cluster_search_like_the_reference():
+    """The opt-in cluster search (k-means clusters of the codebook, ball and half-space bounds, float32
+    screen, float64 decision) on the shipped k = 8, N = 4096 codebook: canonical rotated blocks, ties."""
+    codewords = load_codebook(128, 8, 4096).codewords
+    search = NumbaSearch(codewords, 64, "cluster")
+    u = sample_sphere(60, 64, seed=7).float().reshape(-1, 8)
+    blocks = torch.cat([u, cluster_blocks(codewords, 300, 4)])
+    assert torch.equal(search.indices(blocks).reshape(-1), reference_index(blocks, codewords))
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(2, 8), st.integers(2, 300), st.integers(0, 2 ** 16), st.booleans())
+def test_cluster_property(k, n, seed, duplicates):
+    """Random codebooks (with duplicate and near-duplicate codewords) and blocks on and beside their
+    midpoints: the cluster search returns the reference's index, ties included."""
+    gen = torch.Generator().manual_seed(seed)
+    codewords = torch.randn(n, k, generator=gen) * 0.2
+    if duplicates:
+        codewords[n // 2] = codewords[0]
+        codewords[n - 1] = torch.nextafter(codewords[1], torch.full((k,), 1.0))
+    search = NumbaSearch(codewords, 16, "cluster")
+    blocks = torch.cat([cluster_blocks(codewords, 60, seed), torch.randn(60, k, generator=gen) * 0.3])
+    assert torch.equal(search.indices(blocks).reshape(-1), reference_index(blocks, codewords))

@@ -15,7 +15,12 @@
 - `tree` (other k <= TREE_MAX_K): a k-d tree;
 - `brute` (k > 4): a full scan (for k <= SCAN_MAX_K the fused float32 `scan` kernel; above, a numba
   loop for few blocks and a float32 BLAS matmul from MATMUL_MIN_BLOCKS blocks; the near-best of
-  each decided in float64).
+  each decided in float64);
+- `cluster` (opt-in only, `NumbaSearch(codewords, dim, "cluster")`): k-means clusters of the
+  codebook (`build_clusters`), clusters skipped by a ball and a half-space lower bound, float32
+  screen, float64 decision. Exact; at k = 8, N = 4096 it scores ~1110 of 4096 codewords per
+  canonical block but measured no faster than the full scan (docs/codecs.md, "Why 1.5 bits stays
+  a full scan").
 
 All return the index of `nearest_codeword_reference` (float64 squared distances, the lowest index
 among equals): blocks whose best two distances agree to a relative 1e-12 are flagged by the kernel
@@ -46,6 +51,8 @@ GRID = {2: (GRID_CELLS[2], 1024), 3: (GRID_CELLS[3], 1024), 4: (12, 256)}
 MATMUL_MIN_BLOCKS = 256  # "brute": from this many blocks a BLAS matmul screens (a numba loop below)
 SCAN_MAX_K = 8           # up to this k the full scan's float32 screen runs in one kernel (`scan`), any batch size
 _MIN_BLOCKS_PER_THREAD = 4096
+CLUSTER_G = 64           # clusters of the opt-in "cluster" search (NumbaSearch(..., method="cluster"), k = 8 measured)
+CLUSTER_MIN_SEP = 1e-6   # centres closer than this (relative) give no half-space bound
 WALK = {4: (16, 4096)}   # k -> (start-grid cells per axis, largest N): the Delaunay walk ("walk")
 WALK_CHUNK = 4           # the walk scans its lists this many entries at a time (= search_numba.WALK_CHUNK)
 WALK_STARTS = 1          # start candidates per box of the walk's grid (the nearest to the block is taken)
@@ -227,7 +234,8 @@ def coordinate_quantile(dim: int, q: np.ndarray) -> np.ndarray:
     return np.sign(q - 0.5) * np.sqrt(special.betaincinv(0.5, (dim - 1) / 2, tail))
 
 
-def walk_guess(codewords: torch.Tensor, dim: int, cells: int) -> tuple[float, float, np.ndarray, np.ndarray]:
+def walk_guess(codewords: torch.Tensor, dim: int, cells: int,
+               starts: int = WALK_STARTS) -> tuple[float, float, np.ndarray, np.ndarray]:
     """The walk's start table: (origin, scale, lut int64 [WALK_BINS], guess int32 [cells^k, WALK_STARTS]). Per axis
     `cells` cells of equal probability under one coordinate of the canonical source for `dim`
     (finest where blocks are densest); a coordinate v falls in bin floor((v - origin) * scale)
@@ -246,10 +254,47 @@ def walk_guess(codewords: torch.Tensor, dim: int, cells: int) -> tuple[float, fl
     tree = cKDTree(codewords.detach().to("cpu", torch.float64).numpy())
     boxes = np.arange(cells ** k)
     cell = np.stack([(boxes // cells ** j) % cells for j in range(k)], 1)             # axis j: stride cells^j
-    starts = min(WALK_STARTS, codewords.shape[0])
+    starts = min(starts, codewords.shape[0])
     _, guess = tree.query(coordinate_quantile(dim, (cell + 0.5) / cells), k=starts)  # nearest the centre
     guess = guess.reshape(len(boxes), starts).astype(np.int32)
     return -radius, 1.0 / width, lut, np.ascontiguousarray(guess)
+
+
+def build_clusters(points: np.ndarray, n_clusters: int) -> tuple[np.ndarray, ...]:
+    """The cluster search's tables (`search_numba._cluster_py`) over codewords points [N, k]: k-means
+    centres (scipy kmeans2, k-means++ seeded with 0: deterministic), each codeword in the cluster of
+    its nearest centre (float64, ties to the lower centre). Returns (centres [G, k], sep [G, G] =
+    ||mu_g - mu_h|| (0 where below CLUSTER_MIN_SEP (1 + max ||mu||): no half-space bound there), rho [G]
+    (cluster radii, rounded up), offsets [G + 1], pts [N, k] (codewords in cluster order), ids [N])."""
+    from scipy.cluster.vq import kmeans2
+
+    points = np.ascontiguousarray(points, dtype=np.float64)
+    n = len(points)
+    g = max(1, min(n_clusters, n))
+    centres = points[:g].copy()
+    if g > 1 and np.isfinite(points).all():
+        try:
+            import warnings
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # empty clusters: kept empty (the kernel skips them)
+                fitted, _ = kmeans2(points, g, iter=20, minit="++", seed=0)
+            if np.isfinite(fitted).all():
+                centres = fitted
+        except Exception:  # degenerate codebooks: any centres are correct, only slower
+            pass
+    centres = np.ascontiguousarray(centres.astype(np.float32), dtype=np.float64)  # the kernel's float32 centres
+    label = ((points[:, None, :] - centres[None, :, :]) ** 2).sum(-1).argmin(1)
+    order = np.argsort(label, kind="stable")
+    offsets = np.zeros(g + 1, dtype=np.int64)
+    offsets[1:] = np.cumsum(np.bincount(label, minlength=g))
+    pts = np.ascontiguousarray(points[order])
+    rho = np.zeros(g)
+    np.maximum.at(rho, label, np.sqrt(((points - centres[label]) ** 2).sum(1)))
+    rho = rho * (1.0 + 1e-12) + 1e-300
+    sep = np.sqrt(((centres[:, None, :] - centres[None, :, :]) ** 2).sum(-1))
+    sep = np.where(sep > CLUSTER_MIN_SEP * (1.0 + float(np.abs(centres).max())), sep, 0.0)
+    return centres, np.ascontiguousarray(sep), rho, offsets, pts, order.astype(np.int64)
 
 
 def compact_lists(padded: torch.Tensor, heavy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -316,7 +361,7 @@ class NumbaSearch:
         cw = codewords.detach().to("cpu", torch.float32).contiguous()
         self.n_codewords, self.k = cw.shape
         self.method = method or choose_method(self.k, self.n_codewords)
-        if self.method not in ("grid", "walk", "tree", "brute"):
+        if self.method not in ("grid", "walk", "cluster", "tree", "brute"):
             raise ValueError(f"unknown search method {self.method!r}")
         # Tables are tensor attributes (counted with the codec's device state); kernels get numpy views.
         self.codewords = cw
@@ -345,6 +390,20 @@ class NumbaSearch:
             size2 = float((pts[:self.n_codewords] ** 2).sum(1).max())
             tables = (origin, scale, self.lut, cells, self.guess, self.offsets, self.neighbours, self.reach,
                       self.table, self.n_codewords, self.certified, size2, self.codewords_t64)
+        elif self.method == "cluster":
+            centres, sep, rho, offsets, pts, ids = build_clusters(cw.numpy(), CLUSTER_G)
+            self.centres_t32 = torch.from_numpy(centres.T.astype(np.float32).copy())
+            self.sep, self.rho, self.cluster_offsets, self.ids = (torch.from_numpy(a) for a in (sep, rho, offsets, ids))
+            sorted32 = cw[torch.from_numpy(ids)]
+            self.centres_sq32 = (self.centres_t32 ** 2).sum(0)
+            self.sorted_flat32 = torch.cat([sorted32[int(offsets[g]):int(offsets[g + 1])].T.reshape(-1)
+                                            for g in range(len(offsets) - 1)]).contiguous()
+            self.sorted_sq32 = (sorted32 ** 2).sum(-1)
+            self.sorted_t64 = sorted32.T.to(torch.float64).contiguous()
+            self.cmax = float(cw.to(torch.float64).norm(dim=1).max())
+            tables = (self.centres_t32, self.centres_sq32, self.sep, self.rho, self.cluster_offsets, self.sorted_flat32,
+                      self.sorted_sq32,
+                      self.sorted_t64, self.ids, self.codewords_t64, self.cmax)
         elif self.method == "tree":
             self.lo, self.hi, self.child, self.bounds, self.points, self.ids = (
                 torch.from_numpy(a) for a in build_tree(cw.numpy()))

@@ -30,10 +30,12 @@ GRID_OUTER = 1.5     # = grid_search.OUTER: the grid's boxes cover [-GRID_OUTER,
 STACK = 128          # tree search stack (depth of a tree over <= 2^20 codewords is far below)
 WALK_STEPS = 64      # Delaunay walk: after this many moves the block takes the full search
 WALK_CHUNK = 4       # = fast_search.WALK_CHUNK: the walk's lists are padded to multiples of this
+CLUSTER_REL = 1e-7   # cluster search: a cluster is skipped when its bound exceeds r (1 + this) + CLUSTER_ABS (1 + ||x||^2)
+CLUSTER_ABS = 1e-9
 WALK_SLACK = 1e-9    # Delaunay walk: slacks within +-WALK_SLACK (1 + ||x||^2 + max ||c||^2) use distances
 
 np = None            # numpy, bound by compile_kernels()
-_consider = _finish = _brute_block = _screen = _pack_row = _min = _count_below = _slack = _settle = None
+_consider = _finish = _brute_block = _range_scores = _screen = _pack_row = _min = _count_below = _slack = _settle = None
 
 
 def _consider_py(d1, i1, d2, d, idx):
@@ -296,6 +298,103 @@ def _walk_py(u, k, origin, scale, lut, cells, guess, offsets, nbr, reach, table,
     return flagged
 
 
+def _cluster_py(u, k, centres_t, csq32, sep, rho, offsets, flat32, sq32, pts_t, ids, cw_t, cmax, index, flags, codes, head, bits,
+                start, stop):
+    """Exact search over codewords grouped in clusters (`fast_search.build_clusters`: G centres, each
+    codeword in the cluster of its nearest centre; codewords in cluster order, so a cluster is a
+    slice [offsets[g], offsets[g + 1]) of the tables): float32 squared distances (`_scores`'s
+    arithmetic) of the block x to the centres, then to the codewords of its nearest centre's cluster
+    a, then of each other cluster g unless a lower bound on the distance from x to any of its
+    codewords exceeds the best distance so far (both sides widened by the float32 error bound):
+    ||x - mu_g|| - rho_g (rho_g: the cluster's radius) and the distance from x to the half-space
+    {z : ||z - mu_g|| <= ||z - mu_a||}, which holds every codeword of cluster g, (||x - mu_g||^2 -
+    ||x - mu_a||^2) / (2 ||mu_g - mu_a||) (sep[a, g]; 0 where the centres are too close for it).
+    The scanned codewords whose score lies within twice the error bound of the lowest are decided in
+    float64 (`_finish`'s tie flag); a skipped cluster holds none of them."""
+    n_blocks = u.shape[1] // k
+    n_clusters = centres_t.shape[1]
+    n = cw_t.shape[1]
+    x = np.empty(k, dtype=np.float64)
+    xs = np.empty(k, dtype=np.float32)
+    dist = np.empty(n, dtype=np.float64)
+    dc = np.empty(n_clusters, dtype=np.float32)
+    scores = np.empty(n, dtype=np.float32)
+    visited = np.empty(n_clusters, dtype=np.int64)
+    lowest = np.empty(n_clusters, dtype=np.float32)
+    csize = 0.0
+    for g in range(n_clusters):
+        w = 0.0
+        for j in range(k):
+            w += np.float64(centres_t[j, g]) ** 2
+        csize = max(csize, np.sqrt(w))
+    reach = max(cmax, csize)
+    flagged = 0
+    for row in range(start, stop):
+        for b in range(n_blocks):
+            norm2 = 0.0
+            finite = True
+            for j in range(k):
+                xs[j] = u[row, b * k + j]
+                x[j] = xs[j]
+                norm2 += x[j] * x[j]
+                if not np.isfinite(x[j]):
+                    finite = False
+            if not finite:
+                d1, i1, d2 = _brute_block(x, cw_t, dist)
+                flagged += _finish(d1, i1, d2, x, index, flags, row, b)
+                continue
+            # |float32 squared distance error| <= (k + 4) eps32 (||c|| + ||x||)^2 (see `_scan_py`).
+            err = (k + 4) * 2.0 ** -24 * (reach + np.sqrt(norm2)) ** 2 + 1e-30
+            xx = np.float32(norm2)
+            _scores(xs, xx, centres_t, csq32, dc)
+            a = 0
+            for g in range(n_clusters):
+                if dc[g] < dc[a]:
+                    a = g
+            # scores of cluster a first
+            low = np.inf
+            nv = 0
+            for pass_ in range(2):
+                for g in range(n_clusters):
+                    if pass_ == 0 and g != a or pass_ == 1 and g == a:
+                        continue
+                    lo = offsets[g]
+                    hi = offsets[g + 1]
+                    if lo == hi:
+                        continue
+                    if pass_ == 1:
+                        thr = np.sqrt(max(low, 0.0) + err) * (1.0 + CLUSTER_REL) + CLUSTER_ABS * (1.0 + norm2)
+                        dg = np.float64(dc[g])
+                        bound = np.sqrt(max(dg - err, 0.0)) - rho[g]
+                        s = sep[a, g]
+                        if s > 0.0:
+                            bound = max(bound, (dg - np.float64(dc[a]) - 2.0 * err) / (2.0 * s))
+                        if bound > thr:
+                            continue
+                    m32 = _range_scores(xs, xx, flat32, np.uint64(lo), np.uint64(hi - lo), sq32, scores)
+                    low = min(low, np.float64(m32))
+                    visited[nv] = g
+                    lowest[nv] = m32
+                    nv += 1
+            limit = low + 2.0 * err + 1e-9
+            d1, i1, d2 = np.inf, -1, np.inf
+            for q in range(nv):
+                if np.float64(lowest[q]) > limit:  # no codeword of this cluster passes the screen
+                    continue
+                g = visited[q]
+                for c in range(offsets[g], offsets[g + 1]):
+                    if scores[c] <= limit:
+                        d = 0.0
+                        for j in range(k):
+                            t = x[j] - pts_t[j, c]
+                            d += t * t
+                        d1, i1, d2 = _consider(d1, i1, d2, d, ids[c])
+            flagged += _finish(d1, i1, d2, x, index, flags, row, b)
+        if bits > 0:
+            _pack_row(index, row, bits, codes, head)
+    return flagged
+
+
 def _settle_py(x, cw_t, screened, limit, index, flags, row, block):
     """Decide block `block` of `row` from a float32 screen: the one codeword with screened value <= limit,
     else the float64 nearest of those that pass (near ties flagged by `_finish`); returns the flags added."""
@@ -436,6 +535,25 @@ def _scores_py(xs, xx, cw32_t, sq32, scores):
             scores[c] += m * cw32_t[j, c]
 
 
+def _range_scores_py(xs, xx, flat32, lo, size, sq32, scores):
+    """`_scores` over the codewords lo .. lo + size - 1 of one cluster of a cluster-ordered table:
+    flat32 holds each cluster's coordinates axis-major (axis j of codeword lo + c at k lo + j size +
+    c); writes scores[lo:lo + size], returns their minimum (fastmath, as `_scores`; unsigned indices,
+    so that no negative-index wraparound keeps the loops from vectorising)."""
+    low = np.float32(np.inf)
+    k = np.uint64(xs.shape[0])
+    for c in range(size):
+        scores[lo + c] = sq32[lo + c] + xx
+    for j in range(k):
+        m = np.float32(-2.0) * xs[j]
+        base = k * lo + j * size
+        for c in range(size):
+            scores[lo + c] += m * flat32[base + c]
+    for c in range(size):
+        low = min(low, scores[lo + c])
+    return low
+
+
 def _bits_min_py(bits):
     """The smallest of int32 values [N] (fastmath: vectorised)."""
     low = bits[0]
@@ -517,7 +635,7 @@ def compile_kernels():
     """{"grid", "tree", "walk", "brute", "verify", "pack"} numba dispatchers, compiled (or loaded from numba's
     cache) on first call; `fast_search._kernels` calls it once, under a lock."""
     global np, _consider, _finish, _brute_block, _screen, _pack_row, _min, _count_below, _scores, _bits_min
-    global _settle
+    global _settle, _range_scores
     import numba
     import numpy
 
@@ -537,6 +655,8 @@ def compile_kernels():
                          **jit)(_screen_py)
     _scores = numba.njit("void(float32[::1], float32, float32[:, ::1], float32[::1], float32[::1])", fastmath=True,
                          **jit)(_scores_py)
+    _range_scores = numba.njit("float32(float32[::1], float32, float32[::1], uint64, uint64, float32[::1], float32[::1])",
+                               fastmath=True, **jit)(_range_scores_py)
     _bits_min = numba.njit("int32(int32[::1])", fastmath=True, **jit)(_bits_min_py)
     _pack_row = numba.njit("void(int64[:, ::1], int64, int64, uint8[:, ::1], int64)", **jit)(_pack_row_py)
     u = "float32[:, ::1]"
@@ -551,6 +671,9 @@ def compile_kernels():
                            f"int16[::1], "
                            f"float32[::1], float64[:, ::1], int64, boolean[::1], float64, float64[:, ::1], {out})",
                            **jit)(_walk_py),
+        "cluster": numba.njit(f"int64({u}, int64, float32[:, ::1], float32[::1], float64[:, ::1], float64[::1], "
+                              f"int64[::1], float32[::1], float32[::1], float64[:, ::1], int64[::1], float64[:, ::1], float64, {out})",
+                              **jit)(_cluster_py),
         "brute": numba.njit(f"int64({u}, int64, float32[:, ::1], float64[:, ::1], {out})", **jit)(_brute_py),
         "scan": numba.njit(f"int64({u}, int64, float32[:, ::1], float32[::1], float64[:, ::1], float64, {out})",
                            **jit)(_scan_py),
