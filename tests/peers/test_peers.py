@@ -213,7 +213,7 @@ def test_peer_row_in_the_fidelity_frontier():
     assert row["peer"] and row["code_bytes_per_vector"] == kakeya_bits("e8", 4, 64) / 8
     assert row["compression_ratio"] == 128 / row["code_bytes_per_vector"] and 0.5 < row["cosine"] < 1.0
     checks = compare_frontiers([row])["matched_ratio_checks"]
-    assert checks[0]["method"] == "KakeyaLattice E8 Q=4" and checks[0]["fibquant_best_at_ratio"] is None
+    assert checks[0]["label"] == "KakeyaLattice E8 Q=4" and checks[0]["cache"] == "kakeya-e8:q=4" and checks[0]["fibquant_best_at_ratio"] is None
 
 
 def test_peer_cache_refuses_centring():
