@@ -101,14 +101,21 @@ def test_calibrated_rvq_per_head_improves_with_stages():
     assert bank.codec("key", Method("rvq", stages=3, n=8), 1, 1) is bank.codec("key", Method("rvq", stages=3, n=8), 1, 1)
 
 
+def test_rows_name_the_cache_as_the_speed_rows_do():
+    """A row carries `cache` (the spec string of --caches) and `label` (the human name), as `eval speed`'s."""
+    row = evaluate_method(parse_method("int:b=4"), _random_capture(), torch.arange(4))
+    assert row["cache"] == "int:b=4" and row["label"] == parse_method("int:b=4").label(16)
+    assert not set(row) & {"method", "spec"}
+
+
 def test_frontier_logic():
-    rows = [{"method": "a", "family": "fibquant", "compression_ratio": 4.0, "cosine": 0.99},
-            {"method": "b", "family": "fibquant", "compression_ratio": 8.0, "cosine": 0.95},
-            {"method": "c", "family": "fibquant", "compression_ratio": 6.0, "cosine": 0.90},
-            {"method": "t", "family": "turboquant", "compression_ratio": 7.0, "cosine": 0.93},
-            {"method": "i", "family": "int", "compression_ratio": 3.0, "cosine": 0.995}]
-    assert [r["method"] for r in pareto_front(rows[:3])] == ["a", "b"]
-    checks = {c["method"]: c for c in compare_frontiers(rows)["matched_ratio_checks"]}
+    rows = [{"cache": "a", "label": "a", "family": "fibquant", "compression_ratio": 4.0, "cosine": 0.99},
+            {"cache": "b", "label": "b", "family": "fibquant", "compression_ratio": 8.0, "cosine": 0.95},
+            {"cache": "c", "label": "c", "family": "fibquant", "compression_ratio": 6.0, "cosine": 0.90},
+            {"cache": "t", "label": "t", "family": "turboquant", "compression_ratio": 7.0, "cosine": 0.93},
+            {"cache": "i", "label": "i", "family": "int", "compression_ratio": 3.0, "cosine": 0.995}]
+    assert [r["label"] for r in pareto_front(rows[:3])] == ["a", "b"]
+    checks = {c["cache"]: c for c in compare_frontiers(rows)["matched_ratio_checks"]}
     assert checks["t"]["fibquant_best_at_ratio"] == 0.95 and checks["t"]["fibquant_above"]
     assert checks["i"]["fibquant_best_at_ratio"] == 0.99 and not checks["i"]["fibquant_above"]
 
@@ -142,7 +149,7 @@ def test_fidelity_on_real_model_short(request):
     model, tokenizer = real_model(request)
     methods = [Method("fp"), Method("int", bits=8), Method("int", bits=2), Method("lowrank", rank=8)]
     result = run_fidelity(model, tokenizer, methods, FidelityConfig(tokens=96, layers=(0, 15)), progress=False)
-    cosine = {r["spec"]: r["cosine"] for r in result["rows"]}
+    cosine = {r["cache"]: r["cosine"] for r in result["rows"]}
     assert cosine["fp"] == pytest.approx(1.0, abs=1e-5)
     assert cosine["int:b=8"] > 0.999 and cosine["int:b=2"] < cosine["int:b=8"]
     assert 0.0 < cosine["lowrank:r=8"] < 1.0
@@ -164,7 +171,7 @@ def test_reconstruct_with_centring_is_mean_shifted_round_trip():
 
 
 def _fidelity_payload(sinks: int, recent: int) -> dict:
-    rows = [{"method": m, "family": f, "compression_ratio": r, "cosine": c, "bits_per_coordinate": 16 / r,
+    rows = [{"cache": m, "label": m, "family": f, "compression_ratio": r, "cosine": c, "bits_per_coordinate": 16 / r,
              "code_bytes_per_vector": 128 / r, "cosine_worst_layer": c - 0.01}
             for m, f, r, c in (("fp", "fp", 1.0, 1.0), ("a", "fibquant", 4.0, 0.99), ("b", "fibquant", 8.0, 0.95),
                                ("t", "turboquant", 7.0, 0.93), ("i", "int", 3.0, 0.995))]

@@ -141,12 +141,13 @@ def test_run_multiple_choice_on_the_tiny_model(tmp_path):
     fp, small = payload["rows"]
     assert payload["n_examples"] == 4 and payload["pool_size"] == 6
     assert payload["chance_accuracy"] == pytest.approx(1 / 3)
-    assert fp["name"] == "fp" and fp["agreement_with_fp"] == 1.0 and fp["mean_compressed_tokens"] == 0
+    assert fp["cache"] == fp["label"] == "fp" and not set(fp) & {"name", "method", "spec"}
+    assert fp["agreement_with_fp"] == 1.0 and fp["mean_compressed_tokens"] == 0
     assert small["mean_compressed_tokens"] == pytest.approx(small["mean_context_tokens"] - 1)
     assert small["n"] == fp["n"] == 4
     assert small["code_bytes"] == IntCodec(16, 4).code_size and fp["ratio_vs_fp16"] == 1.0
     paths = save_multiple_choice(payload, tmp_path)
-    assert json.loads(Path(paths["json"]).read_text())["rows"][1]["method"] == "int:b=4"
+    assert json.loads(Path(paths["json"]).read_text())["rows"][1]["cache"] == "int:b=4"
     assert Path(paths["png"]).stat().st_size > 10_000
     if fp["acc"]:
         assert small["acc_ratio"] == pytest.approx(small["acc"] / fp["acc"])
@@ -173,13 +174,13 @@ def test_mc_experiment_runs_from_its_config_and_reports(tmp_path, capsys):
                                   recent_tokens=0, small_window=None)
     payload = EXPERIMENT.main(config, tmp_path, model_and_tokenizer=(tiny_llama(), CharTokenizer()),
                               progress=False, examples=examples)
-    assert [r["method"] for r in payload["rows"]] == ["fp", "int:b=4"] and payload["n_examples"] == 3
+    assert [r["cache"] for r in payload["rows"]] == ["fp", "int:b=4"] and payload["n_examples"] == 3
     out = capsys.readouterr().out
     assert "Multiple choice: BIG-bench toy (HellaSwag substitute), 3 of 5 examples (seed 0)" in out
     assert "INT4 (sink 0, recent 0)" in out and "coded tok: mean context tokens" in out
     written = json.loads((tmp_path / "multiple_choice.json").read_text())  # acc ratios may be NaN: not ==
     assert written.keys() == payload.keys()
-    assert [r["name"] for r in written["rows"]] == ["fp", "INT4 (sink 0, recent 0)"]
+    assert [r["label"] for r in written["rows"]] == ["fp", "INT4 (sink 0, recent 0)"]
     assert (tmp_path / "multiple_choice.png").stat().st_size > 10_000
 
 

@@ -54,7 +54,7 @@ def test_extract_answer():
 
 def _trials(spec, corrects):
     cells = [(1024, 0.0, 0), (1024, 1.0, 0), (2048, 0.0, 0), (2048, 1.0, 0)]
-    return [{"spec": spec, "length": n, "depth": d, "rep": r, "correct": c} for (n, d, r), c in zip(cells, corrects)]
+    return [{"cache": spec, "length": n, "depth": d, "rep": r, "correct": c} for (n, d, r), c in zip(cells, corrects)]
 
 
 def test_summary_and_target():
@@ -62,12 +62,14 @@ def test_summary_and_target():
     config = NeedleConfig(lengths=(1024, 2048), depths=(0.0, 1.0), keys_per_cell=1)
     trials = (_trials("fp", [True, True, True, False]) + _trials("int:b=4", [True, True, True, True])
               + _trials("int:b=2", [True, False, True, False]))
-    rows = {r["spec"]: r for r in summarise(trials, specs, config, 64)}
+    rows = {r["cache"]: r for r in summarise(trials, specs, config, 64)}
     assert rows["fp"]["accuracy"] == 0.75 and rows["fp"]["by_depth_2048"] == {"0": 1.0, "1": 0.0}
     assert rows["int:b=4"]["equals_fp"] and rows["int:b=4"]["misses_where_fp_right"] == 0
     assert not rows["int:b=2"]["equals_fp"] and rows["int:b=2"]["misses_where_fp_right"] == 1
     assert rows["int:b=2"]["acc_1024"] == 0.5 and rows["int:b=4"]["codes_ratio"] == 256 / 72
     assert rows["int:b=4"]["ratio_1024"] == pytest.approx(1024 * 256 / (36 * 256 + 988 * 72))
+    assert [r["label"] for r in rows.values()] == [s.label(64) for s in specs]
+    assert not any(set(r) & {"method", "spec"} for r in rows.values())
     targets = needle_targets(list(rows.values()))
     assert "INT4" in targets["best ratio with fp-equal retrieval (any cache)"]
     assert targets["best FibQuant ratio with fp-equal retrieval (target >= 10x)"] is None

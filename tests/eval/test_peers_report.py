@@ -79,7 +79,7 @@ def test_quick_run_tables_json_plots_agree(request, tmp_path, monkeypatch):
     payload = run(PeersConfig.quick(), caches=specs, model_and_tokenizer=(model, tokenizer), progress=False)
     paths = EXPERIMENT.report(payload, tmp_path, echo=False)
 
-    rows = {r["spec"]: r for r in payload["rows"]}
+    rows = {r["cache"]: r for r in payload["rows"]}
     assert list(rows) == specs
     for spec, row in rows.items():
         cache = parse_cache_spec(spec)
@@ -105,12 +105,16 @@ def test_quick_run_tables_json_plots_agree(request, tmp_path, monkeypatch):
         assert row["needle_trials"] == 1 and row["needle_accuracy"] in (0.0, 1.0)
     # the merged rows are the experiments' own rows
     parts = payload["parts"]
-    assert [r["spec"] for r in parts["perplexity"]["rows"]] == [r["spec"] for r in ran]
+    assert [r["cache"] for r in parts["perplexity"]["rows"]] == [r["cache"] for r in ran]
+    assert [r["cache"] for r in parts["fidelity"]["rows"]] == [r["cache"] for r in ran]
+    for part in parts.values():  # every row names its cache as the speed rows do: cache (spec) + label
+        assert all(set(r) >= {"cache", "label"} and not set(r) & {"method", "spec"} for r in part["rows"])
+        assert [r["label"] for r in part["rows"]] == [r["label"] for r in ran]
     for part_row in parts["perplexity"]["rows"]:
-        assert rows[part_row["spec"]]["perplexity"] == part_row["perplexity"]
-        assert part_row["key_bytes_per_vector"] == rows[part_row["spec"]]["key_bytes"]
+        assert rows[part_row["cache"]]["perplexity"] == part_row["perplexity"]
+        assert part_row["key_bytes_per_vector"] == rows[part_row["cache"]]["key_bytes"]
     for part_row in parts["needle"]["rows"]:
-        assert rows[part_row["spec"]]["needle_accuracy"] == part_row["accuracy"]
+        assert rows[part_row["cache"]]["needle_accuracy"] == part_row["accuracy"]
 
     # JSON on disk == payload; tables list every spec with its figures; plots written
     on_disk = json.loads((tmp_path / "peers.json").read_text())
@@ -127,7 +131,7 @@ def test_quick_run_tables_json_plots_agree(request, tmp_path, monkeypatch):
         index = header_cells.index(next(t for k, t, _ in metric_columns(payload, metric) if k == key))
         for line in lines:
             cells = [c.strip() for c in line.strip("|").split("|")]
-            row = next(r for r in rows.values() if r["method"] == cells[0])
+            row = next(r for r in rows.values() if r["label"] == cells[0])
             assert cells[index] == ("-" if row.get(key) is None else format(row[key], spec))
             assert cells[header_cells.index("K B/vec")] == format(row["key_bytes"], ".4g")
             assert ("not importable" in cells[-1]) == (not row["available"])

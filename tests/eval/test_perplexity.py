@@ -88,7 +88,7 @@ def test_real_model_compressed_generation_and_short_perplexity(request):
     assert cache.nbytes() >= expected  # plus the reserved capacity of the code buffers
     config = PerplexityConfig(tokens=192, context=192, chunk=32, batch_size=1)
     methods = [Method("fp"), Method("int", bits=8), Method("int", bits=2)]
-    rows = {r["spec"]: r for r in run_perplexity(model, tokenizer, methods, config, progress=False)["rows"]}
+    rows = {r["cache"]: r for r in run_perplexity(model, tokenizer, methods, config, progress=False)["rows"]}
     fp = rows["fp"]["perplexity"]
     assert math.isfinite(fp) and 1.0 < fp < 200.0
     assert abs(rows["int:b=8"]["perplexity"] / fp - 1.0) < 0.01
@@ -113,14 +113,14 @@ def test_real_model_perplexity_codes_path_equals_decode_path(request):
     results = {}
     for mode in ("decode", "codes"):
         config = PerplexityConfig(tokens=256, context=256, chunk=32, batch_size=1, attention=mode)
-        results[mode] = {r["spec"]: r["perplexity"]
+        results[mode] = {r["cache"]: r["perplexity"]
                          for r in run_perplexity(model, tokenizer, methods, config, progress=False)["rows"]}
     for spec, perplexity in results["decode"].items():
         assert results["codes"][spec] == pytest.approx(perplexity, rel=5e-3), spec
 
 
 def _perplexity_rows() -> list[dict]:
-    rows = [{"method": m, "spec": m, "family": f, "bits_per_coordinate": b, "code_bytes_per_vector": 128 * b / 16,
+    rows = [{"cache": m, "label": m, "family": f, "bits_per_coordinate": b, "code_bytes_per_vector": 128 * b / 16,
              "compression_ratio": 16 / b, "perplexity": 10 * (1 + c / 100), "perplexity_change_pct": c,
              "peer": f == "quanto"}
             for m, f, b, c in (("fp", "fp", 16.0, 0.0), ("fibquant:b=4", "fibquant", 4.0, 1.5),

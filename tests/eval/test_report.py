@@ -124,7 +124,7 @@ def test_needle_report_from_a_payload(tmp_path, capsys):
     from fibquant.eval.needle import EXPERIMENT, NeedleConfig, needle_targets, summarise
 
     config = NeedleConfig(lengths=(1024,), depths=(0.0, 1.0), keys_per_cell=1)
-    trials = [{"spec": s, "length": 1024, "depth": d, "rep": 0, "correct": True}
+    trials = [{"cache": s, "length": 1024, "depth": d, "rep": 0, "correct": True}
               for s in ("fp", "int:b=4") for d in (0.0, 1.0)]
     rows = summarise(trials, parse_cache_specs("fp;int:b=4"), config, 64)
     payload = {"model": "m", "text": "emma", "rows": rows, "skipped": ["quanto:b=2: not installed"],

@@ -79,16 +79,9 @@ def test_peer_roundtrip_shape_dtype_and_error(spec):
 
 
 def test_unavailable_reason_names_the_install_command(monkeypatch):
-    import builtins
+    import sys
 
-    real_import = builtins.__import__
-
-    def fake_import(name, *args, **kwargs):
-        if name == "kakeyalattice":
-            raise ImportError("not here")
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", fake_import)
+    monkeypatch.setitem(sys.modules, "kakeyalattice", None)  # importing it now raises ImportError
     reason = unavailable_reason("kakeya-e8:q=2")
     assert "kakeyalattice" in reason and "fibquant[peers]" in reason
     with pytest.raises(ValueError, match="fibquant\\[peers\\]"):
@@ -214,7 +207,7 @@ def test_peer_row_in_the_fidelity_frontier():
     assert row["peer"] and row["code_bytes_per_vector"] == kakeya_bits("e8", 4, 64) / 8
     assert row["compression_ratio"] == 128 / row["code_bytes_per_vector"] and 0.5 < row["cosine"] < 1.0
     checks = compare_frontiers([row])["matched_ratio_checks"]
-    assert checks[0]["method"] == "KakeyaLattice E8 Q=4" and checks[0]["fibquant_best_at_ratio"] is None
+    assert checks[0]["label"] == "KakeyaLattice E8 Q=4" and checks[0]["cache"] == "kakeya-e8:q=4" and checks[0]["fibquant_best_at_ratio"] is None
 
 
 def test_peer_cache_refuses_centring():

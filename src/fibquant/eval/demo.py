@@ -20,7 +20,7 @@ DEMO_METHODS = ("fp", "fibquant:b=4", "fibquant:b=2", "fibquant:b=0.5", "turboqu
                 "int:b=4", "int:b=2")
 
 DEMO_COLUMNS = [
-    ("method", "method", ""),
+    ("label", "method", ""),
     ("bits_per_coordinate", "bits/coord", ".3g"),
     ("compression_ratio", "codes vs fp16", ".2f"),
     ("cache_bytes_per_token", "cache B/token", ".0f"),

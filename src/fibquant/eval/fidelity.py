@@ -164,7 +164,7 @@ def evaluate_method(method: Method | PeerSpec, captured: CapturedAttention, posi
         keys_hat, values_hat, code_bytes = peer_reconstruct(method, captured, model)
         cosine = output_cosine(captured, keys_hat, values_hat, positions, sink_tokens, recent_tokens, reference)
         return {
-            "method": method.label, "spec": method.spec, "family": method.family, "peer": True,
+            "cache": method.spec, "label": method.label, "family": method.family, "peer": True,
             "k": None, "n": None, "rank": None, "bits_per_coordinate": 8.0 * code_bytes / dim,
             "code_bytes_per_vector": code_bytes, "stored_bits_per_coordinate": 8.0 * code_bytes / dim,
             "compression_ratio": 2.0 * dim / code_bytes, "bytes_note": PEERS[method.family].bytes_note,
@@ -190,7 +190,7 @@ def evaluate_method(method: Method | PeerSpec, captured: CapturedAttention, posi
         code_bytes, bits = codec.code_size, codec.bits_per_coordinate
     cosine = output_cosine(captured, keys_hat, values_hat, positions, sink_tokens, recent_tokens, reference)
     return {
-        "method": method.label(dim), "spec": method.spec, "family": method.family,
+        "cache": method.spec, "label": method.label(dim), "family": method.family,
         "k": method.param("k"), "n": method.param("n"), "rank": method.param("rank"),
         "bits_per_coordinate": bits, "code_bytes_per_vector": code_bytes,
         "stored_bits_per_coordinate": 8.0 * code_bytes / dim,
@@ -303,7 +303,7 @@ def compare_frontiers(rows: list[dict]) -> dict:
         if is_reference(row["family"]) or row["family"] == "fibquant":
             continue
         mine = frontier_at(fib, row["compression_ratio"])
-        checks.append({"method": row["method"], "ratio": row["compression_ratio"], "cosine": row["cosine"],
+        checks.append({"cache": row["cache"], "label": row["label"], "ratio": row["compression_ratio"], "cosine": row["cosine"],
                        "fibquant_best_at_ratio": mine,
                        "fibquant_above": mine is not None and mine > row["cosine"]})
     best = {f"fibquant_best_at_{ratio:g}x": frontier_at(fib, ratio) for ratio in REPORTED_RATIOS}
@@ -317,8 +317,8 @@ def fidelity_targets(payload: dict) -> list[dict]:
     out = [target(f"FibQuant best attention cosine at >= {ratio:g}x", checks[f"fibquant_best_at_{ratio:g}x"], None)
            for ratio in REPORTED_RATIOS]
     for check in checks["matched_ratio_checks"]:
-        out.append(target(f"FibQuant above {check['method']} at {check['ratio']:.2f}x", check["fibquant_best_at_ratio"],
-                          check["fibquant_above"], f"{check['method']}: {check['cosine']:.4f}"))
+        out.append(target(f"FibQuant above {check['label']} at {check['ratio']:.2f}x", check["fibquant_best_at_ratio"],
+                          check["fibquant_above"], f"{check['label']}: {check['cosine']:.4f}"))
     return out
 
 
@@ -338,7 +338,7 @@ FIDELITY_METHODS = (
     "rvq:s=1,n=256", "rvq:s=2,n=256", "rvq:s=4,n=256",
 ) + peer_specs()  # peers, run from their own packages (skipped with a note when absent)
 
-FIDELITY_COLUMNS = [("method", "method", ""), ("bits_per_coordinate", "bits/coord", ".4g"),
+FIDELITY_COLUMNS = [("label", "method", ""), ("bits_per_coordinate", "bits/coord", ".4g"),
                     ("code_bytes_per_vector", "bytes/vector", ".4g"), ("compression_ratio", "ratio vs fp16", ".2f"),
                     ("cosine", "attn cosine", ".4f"), ("cosine_worst_layer", "worst layer", ".4f")]
 

@@ -278,9 +278,9 @@ def run_multiple_choice(model, tokenizer, task: str = "goal_step_wikihow", limit
                         progress: bool = True, examples: Sequence[MultipleChoiceExample] | None = None) -> dict:
     """Evaluate every setting on the same seeded sample of `task`; returns the JSON payload.
 
-    Each row: acc, acc_norm (with binomial standard errors), their ratios to fp, the fraction of
-    examples where the setting picks the same option as fp, and how many context tokens were
-    read back from codes. `examples` overrides loading the task (tests).
+    Each row: the cache (`cache`: its spec; `label`: its name with the window), acc, acc_norm
+    (with binomial standard errors), their ratios to fp, the fraction of examples where the
+    setting picks the same option as fp, and how many context tokens were read back from codes. `examples` overrides loading the task (tests).
     """
     from ..data.bigbench import load_bigbench_task
     from ..kv.model import check_model_supported, describe_model
@@ -300,8 +300,10 @@ def run_multiple_choice(model, tokenizer, task: str = "goal_step_wikihow", limit
     baseline = results[0][1]
     rows = []
     for setting, result in results:
-        row = result.to_dict()
-        row.update(method=setting.method, code_bytes=code_bytes[setting],
+        # the cache's spec and label lead, as in every experiment comparing caches
+        row = {"cache": setting.parsed.spec, "label": result.name}
+        row.update({key: value for key, value in result.to_dict().items() if key != "name"})
+        row.update(code_bytes=code_bytes[setting],
                    ratio_vs_fp16=2 * head_dim / code_bytes[setting],
                    sink_tokens=setting.sink_tokens, recent_tokens=setting.recent_tokens,
                    acc_ratio=result.acc / baseline.acc if baseline.acc else float("nan"),
@@ -318,7 +320,7 @@ def run_multiple_choice(model, tokenizer, task: str = "goal_step_wikihow", limit
             "rows": rows}
 
 
-MC_COLUMNS = [("name", "cache", ""), ("code_bytes", "B/vec", "d"), ("ratio_vs_fp16", "x fp16", ".2f"),
+MC_COLUMNS = [("label", "cache", ""), ("code_bytes", "B/vec", "d"), ("ratio_vs_fp16", "x fp16", ".2f"),
               ("acc", "acc", ".3f"), ("acc_stderr", "±", ".3f"), ("acc_norm", "acc_norm", ".3f"),
               ("acc_norm_stderr", "±", ".3f"), ("acc_ratio", "acc/fp", ".3f"), ("acc_norm_ratio", "norm/fp", ".3f"),
               ("agreement_with_fp", "same as fp", ".3f"), ("agreement_norm_with_fp", "same (norm)", ".3f"),
@@ -330,7 +332,7 @@ def plot_multiple_choice(payload: dict, path) -> None:
     questions where each setting picks the same option as fp (more sensitive than accuracy)."""
     rows = payload["rows"]
     x = list(range(len(rows)))
-    labels = [r["name"].replace(" (", "\n(") for r in rows]
+    labels = [r["label"].replace(" (", "\n(") for r in rows]
     width = 0.38
     with figure(path, ncols=2, figsize=(max(10, 2.6 * len(rows)), 4.8)) as (fig, (left, right)):
         for ax, keys, title in ((left, ("acc", "acc_norm"), "accuracy"),

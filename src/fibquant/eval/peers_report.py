@@ -142,8 +142,8 @@ def run_fidelity_specs(model, tokenizer, specs, config, progress: bool = True) -
             values_hat = side_states(spec.value, captured.values, "value", model)
         cosine = output_cosine(captured, keys_hat, values_hat, positions, config.sink_tokens, config.recent_tokens,
                                reference)
-        rows.append({"spec": spec.spec, "cosine": float(cosine.mean()),
-                     "cosine_worst_layer": float(cosine.mean(1).min()),
+        rows.append({"cache": spec.spec, "label": spec.label(captured.keys.shape[-1]),
+                     "cosine": float(cosine.mean()), "cosine_worst_layer": float(cosine.mean(1).min()),
                      "cosine_per_layer": [float(c) for c in cosine.mean(1)]})
     return {"tokens": config.tokens, "offset": config.offset,
             "query_positions": f"0..{config.tokens - 1} step {config.query_stride}",
@@ -167,7 +167,7 @@ def group_of(spec) -> str:
 def spec_row(spec, dim: int, reason: Optional[str] = None) -> dict:
     """The bytes and names of one spec (what every table shares)."""
     key, value = spec.key_bytes(dim), spec.value_bytes(dim)
-    return {"method": spec.label(dim), "spec": spec.spec, "family": spec.family, "group": group_of(spec),
+    return {"cache": spec.spec, "label": spec.label(dim), "family": spec.family, "group": group_of(spec),
             "kind": kind_of(spec), "key_bytes": key, "value_bytes": value, "bytes_per_vector": 0.5 * (key + value),
             "codes_ratio": spec.codes_ratio(dim), "bits_per_coordinate": spec.bits_per_coordinate(dim),
             "available": reason is None, "note": reason or ""}
@@ -196,7 +196,7 @@ def run(config: PeersConfig = PeersConfig(), caches=None, build_codebooks: bool 
         ready += ok
         notes += why
         rows.append(spec_row(spec, dim, None if ok else "; ".join(why) or "not available here"))
-    by_spec = {row["spec"]: row for row in rows}
+    by_cache = {row["cache"]: row for row in rows}
 
     parts, timing = {}, {}
     if "fidelity" in config.metrics:
@@ -204,14 +204,14 @@ def run(config: PeersConfig = PeersConfig(), caches=None, build_codebooks: bool 
             part = run_fidelity_specs(model, tokenizer, ready, config.fidelity_config(), progress)
         timing["fidelity_s"] = watch.seconds
         for r in part["rows"]:
-            by_spec[r["spec"]].update(cosine=r["cosine"], cosine_worst_layer=r["cosine_worst_layer"])
+            by_cache[r["cache"]].update(cosine=r["cosine"], cosine_worst_layer=r["cosine_worst_layer"])
         parts["fidelity"] = part
     if "perplexity" in config.metrics:
         with Stopwatch() as watch:
             part = run_perplexity(model, tokenizer, ready, config.perplexity_config(), progress)
         timing["perplexity_s"] = watch.seconds
         for r in part["rows"]:
-            by_spec[r["spec"]].update({k: r.get(k) for k in (
+            by_cache[r["cache"]].update({k: r.get(k) for k in (
                 "perplexity", "perplexity_change_pct", "perplexity_second_half", "second_half_change_pct",
                 "kl", "top1_agreement", "cache_bytes_per_token")})
         part["checks"] = perplexity_checks(part["rows"])
@@ -224,7 +224,7 @@ def run(config: PeersConfig = PeersConfig(), caches=None, build_codebooks: bool 
             extra = {"needle_accuracy": r["accuracy"], "needle_trials": r["trials"],
                      "needle_misses_vs_fp": r.get("misses_where_fp_right"), "needle_equals_fp": r.get("equals_fp")}
             extra |= {f"needle_acc_{n}": r[f"acc_{n}"] for n in config.lengths}
-            by_spec[r["spec"]].update(extra)
+            by_cache[r["cache"]].update(extra)
         part["targets"] = needle_targets(part["rows"])
         part["checks"] = target_checks(part)
         parts["needle"] = part
@@ -249,7 +249,7 @@ METRIC_KEYS = {  # metric -> (row key, higher is better, axis label, table heade
 
 def is_fibquant(row: dict) -> bool:
     """Our FibQuant on both sides (any rates)."""
-    return row["kind"] == "ours" and all(part.startswith("fibquant") for part in row["spec"].split("/"))
+    return row["kind"] == "ours" and all(part.startswith("fibquant") for part in row["cache"].split("/"))
 
 
 def budget_check(rows: list[dict], metric: str, lo: float = BUDGET_RANGE[0], hi: float = BUDGET_RANGE[1]) -> dict:
@@ -262,11 +262,11 @@ def budget_check(rows: list[dict], metric: str, lo: float = BUDGET_RANGE[0], hi:
     for peer in peers:
         eligible = [r[key] for r in fib if r["codes_ratio"] >= peer["codes_ratio"] - 1e-9]
         if not eligible:
-            misses.append(f"{peer['method']} ({peer['codes_ratio']:.2f}x): no FibQuant point at <= its bytes")
+            misses.append(f"{peer['label']} ({peer['codes_ratio']:.2f}x): no FibQuant point at <= its bytes")
             continue
         best = max(eligible) if higher else min(eligible)
         if (best < peer[key]) if higher else (best > peer[key]):
-            misses.append(f"{peer['method']} ({peer['codes_ratio']:.2f}x) {peer[key]:.4g} vs FibQuant {best:.4g}")
+            misses.append(f"{peer['label']} ({peer['codes_ratio']:.2f}x) {peer[key]:.4g} vs FibQuant {best:.4g}")
     return {"peers": len(peers), "matched": len(peers) - len(misses), "misses": misses}
 
 
@@ -294,7 +294,7 @@ def peers_checks(payload: dict) -> list[dict]:
 # --------------------------------------------------------------------------- tables
 
 def metric_columns(payload: dict, metric: str) -> list[tuple[str, str, str]]:
-    base = [("method", "method", ""), ("kind", "kind", ""), ("key_bytes", "K B/vec", ".4g"),
+    base = [("label", "method", ""), ("kind", "kind", ""), ("key_bytes", "K B/vec", ".4g"),
             ("value_bytes", "V B/vec", ".4g"), ("bytes_per_vector", "B/vec (K+V)/2", ".4g"),
             ("codes_ratio", "K+V vs fp16", ".2f")]
     if metric == "fidelity":
@@ -311,7 +311,7 @@ def metric_columns(payload: dict, metric: str) -> list[tuple[str, str, str]]:
 
 def metric_rows(payload: dict, metric: str) -> list[dict]:
     """Rows sorted by bytes (fp first), skipped specs included with their note."""
-    return sorted(payload["rows"], key=lambda r: (r["kind"] != "fp", -r["bytes_per_vector"], r["spec"]))
+    return sorted(payload["rows"], key=lambda r: (r["kind"] != "fp", -r["bytes_per_vector"], r["cache"]))
 
 
 def metric_title(payload: dict, metric: str) -> str:
@@ -394,8 +394,8 @@ def draw_metric(ax, payload: dict, metric: str, annotate: bool = True) -> None:
                 markeredgecolor=style["color"], label=style["name"])
         if annotate:
             for r in items:
-                short = r["spec"].replace("fibquant:", "").replace("turboquant:", "") if kind == "ours" else \
-                    r["spec"].split(":")[-1]
+                short = r["cache"].replace("fibquant:", "").replace("turboquant:", "") if kind == "ours" else \
+                    r["cache"].split(":")[-1]
                 ax.annotate(short, (r["codes_ratio"], r[key]), fontsize=5, color=style["color"],
                             xytext=(3, 3), textcoords="offset points")
     for row in payload["rows"]:

@@ -168,7 +168,7 @@ def run_perplexity(model, tokenizer, methods: list, config: PerplexityConfig = P
         key_bytes, value_bytes = spec.key_bytes(head_dim), spec.value_bytes(head_dim)
         count = total["count"]
         rows.append({
-            "method": spec.label(head_dim), "spec": spec.spec, "family": spec.family,
+            "cache": spec.spec, "label": spec.label(head_dim), "family": spec.family,
             "bits_per_coordinate": spec.bits_per_coordinate(head_dim),
             "key_bytes_per_vector": key_bytes, "value_bytes_per_vector": value_bytes,
             "code_bytes_per_vector": 0.5 * (key_bytes + value_bytes), "compression_ratio": spec.codes_ratio(head_dim),
@@ -180,7 +180,7 @@ def run_perplexity(model, tokenizer, methods: list, config: PerplexityConfig = P
             "kl": total["kl"] / count, "top1_agreement": total["top1"] / count,
         })
         if progress:
-            tqdm.write(f"{rows[-1]['method']}: perplexity {rows[-1]['perplexity']:.3f} "
+            tqdm.write(f"{rows[-1]['label']}: perplexity {rows[-1]['perplexity']:.3f} "
                        f"(second half {rows[-1]['perplexity_second_half']:.3f}), KL {rows[-1]['kl']:.4f} nats, "
                        f"top-1 agreement {rows[-1]['top1_agreement']:.3f}")
     baseline = next((r for r in rows if is_reference(r["family"])), None)
@@ -220,7 +220,7 @@ def plot_perplexity(rows: list[dict], path, title: str) -> None:
                 color = "C1" if row["family"] == "kv" and not row.get("peer") else "0.4"
                 ax.scatter(row["compression_ratio"], row["perplexity"], color=color,
                            marker="x" if row.get("peer") else "D")
-                ax.annotate(row["method"], (row["compression_ratio"], row["perplexity"]), fontsize=6, rotation=15)
+                ax.annotate(row["label"], (row["compression_ratio"], row["perplexity"]), fontsize=6, rotation=15)
         ax.set_yscale("log")
         ax.set_xlabel("key + value compression vs fp16 (stored bytes per vector, side information included)")
         ax.set_ylabel("perplexity")
@@ -238,7 +238,7 @@ PERPLEXITY_METHODS = (
 )
 
 PERPLEXITY_COLUMNS = [
-    ("method", "method", ""),
+    ("label", "method", ""),
     ("bits_per_coordinate", "bits/coord", ".4g"),
     ("key_bytes_per_vector", "K B/vec", ".4g"),
     ("value_bytes_per_vector", "V B/vec", ".4g"),
@@ -293,7 +293,7 @@ def perplexity_checks(rows: list[dict]) -> list[dict]:
             met = fib2["perplexity_change_pct"] <= best["perplexity_change_pct"]
             out.append(target("fibquant_b2_change_pct vs best peer at <= its bytes (target: FibQuant <= peer)",
                               f"{fib2['perplexity_change_pct']:+.2f} % vs {best['perplexity_change_pct']:+.2f} % "
-                              f"({best['method']}, {best['code_bytes_per_vector']:.4g} B/vector): "
+                              f"({best['label']}, {best['code_bytes_per_vector']:.4g} B/vector): "
                               f"{'met' if met else 'missed'}", met))
     if fib4 is not None:
         change = fib4["perplexity_change_pct"]

@@ -102,7 +102,7 @@ def run_needle(model, tokenizer, specs, config: NeedleConfig = NeedleConfig(), p
                 cache = spec.build(model, config.sink_tokens, config.recent_tokens, config.attention, prefill=source)
                 text = answer(model, tokenizer, cache, trial.question_ids, max_new_tokens)
             timing["caches_s"] += watch.seconds
-            trials.append({"spec": spec.spec, "length": length, "depth": depth, "rep": rep, "key": trial.key,
+            trials.append({"cache": spec.spec, "length": length, "depth": depth, "rep": rep, "key": trial.key,
                            "needle_start": trial.needle_start, "haystack_tokens": int(trial.prefill_ids.shape[0]),
                            "answer": text,
                            "correct": ruler_correct(text, trial.key) if ruler else extract_answer(text) == trial.key})
@@ -126,11 +126,11 @@ def run_needle(model, tokenizer, specs, config: NeedleConfig = NeedleConfig(), p
 def summarise(trials: list[dict], specs, config: NeedleConfig, dim: int) -> list[dict]:
     """One row per spec: bytes, ratios, accuracy overall / per length / per (length, depth), agreement with fp."""
     fp_specs = {spec.spec for spec in specs if spec.is_fp}
-    fp = {(t["length"], t["depth"], t["rep"]): t["correct"] for t in trials if t["spec"] in fp_specs}
+    fp = {(t["length"], t["depth"], t["rep"]): t["correct"] for t in trials if t["cache"] in fp_specs}
     rows = []
     for spec in specs:
-        mine = [t for t in trials if t["spec"] == spec.spec]
-        row = {"method": spec.label(dim), "spec": spec.spec, "family": spec.family,
+        mine = [t for t in trials if t["cache"] == spec.spec]
+        row = {"cache": spec.spec, "label": spec.label(dim), "family": spec.family,
                "key_bytes": spec.key_bytes(dim), "value_bytes": spec.value_bytes(dim),
                "bits_per_coordinate": spec.bits_per_coordinate(dim), "codes_ratio": spec.codes_ratio(dim),
                "accuracy": sum(t["correct"] for t in mine) / max(len(mine), 1), "trials": len(mine)}
@@ -156,13 +156,13 @@ def needle_targets(rows: list[dict]) -> dict:
     key+value compression; the best ratio reached by any cache and by FibQuant, as printable text."""
     matching = [r for r in rows if not is_reference(r["family"]) and r.get("equals_fp")]
     best = max(matching, key=lambda r: r["codes_ratio"], default=None)
-    fib = [r for r in matching if r["spec"].startswith("fibquant")]
+    fib = [r for r in matching if r["cache"].startswith("fibquant")]
     best_fib = max(fib, key=lambda r: r["codes_ratio"], default=None)
     return {
         "best ratio with fp-equal retrieval (any cache)": None if best is None else
-        f"{best['codes_ratio']:.2f}x ({best['method']})",
+        f"{best['codes_ratio']:.2f}x ({best['label']})",
         f"best FibQuant ratio with fp-equal retrieval (target >= {RATIO_TARGET:g}x)": None if best_fib is None else
-        f"{best_fib['codes_ratio']:.2f}x ({best_fib['method']}): "
+        f"{best_fib['codes_ratio']:.2f}x ({best_fib['label']}): "
         f"{'met' if best_fib['codes_ratio'] >= RATIO_TARGET else 'missed'}",
     }
 
@@ -181,7 +181,7 @@ def target_checks(payload: dict) -> list[dict]:
 
 
 def needle_columns(lengths) -> list[tuple[str, str, str]]:
-    columns = [("method", "cache", ""), ("key_bytes", "K B/vec", ".4g"), ("value_bytes", "V B/vec", ".4g"),
+    columns = [("label", "cache", ""), ("key_bytes", "K B/vec", ".4g"), ("value_bytes", "V B/vec", ".4g"),
                ("codes_ratio", "K+V vs fp16", ".2f")]
     for length in lengths:
         columns += [(f"ratio_{length}", f"ctx {length} ratio", ".2f"), (f"acc_{length}", f"acc {length}", ".2f")]
@@ -194,10 +194,10 @@ def plot_needle(payload: dict, path) -> None:
 
     with figure(path, dpi=130, figsize=(8, 5)) as (fig, ax):
         for row in payload["rows"]:
-            ours = row["spec"].split("/")[0].split(":")[0] in codec_classes()  # a registered codec
-            color = "C3" if row["spec"].startswith("fibquant") else ("C0" if ours else "0.5")
+            ours = row["cache"].split("/")[0].split(":")[0] in codec_classes()  # a registered codec
+            color = "C3" if row["cache"].startswith("fibquant") else ("C0" if ours else "0.5")
             ax.scatter(row["codes_ratio"], row["accuracy"], color=color, s=30)
-            ax.annotate(row["method"], (row["codes_ratio"], row["accuracy"]), fontsize=6, rotation=20)
+            ax.annotate(row["label"], (row["codes_ratio"], row["accuracy"]), fontsize=6, rotation=20)
         ax.axvline(RATIO_TARGET, color="k", linestyle=":", linewidth=1)
         ax.set_xscale("log")
         ax.set_xlabel("key + value compression vs fp16 (stored bytes per vector, side information included)")
