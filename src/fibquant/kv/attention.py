@@ -34,6 +34,7 @@ run through this module's float path.
 """
 from __future__ import annotations
 
+import threading
 import warnings
 import weakref
 
@@ -174,12 +175,12 @@ def attend_codes(query: torch.Tensor, kv: CodedKV, attention_mask: torch.Tensor 
     heads = kv.new_keys.shape[1]
     if q_heads % heads:
         raise ValueError(f"{q_heads} query heads are not a multiple of {heads} KV heads")
-    if softcap is None and (tokens >= SPLIT_MIN_TOKENS or _fused(kv, query.device)):
-        return _attend_split(query, kv, attention_mask, scaling, sinks, window)
     if tokens == 1 and softcap is None:
         plans = _decode_plans(query, kv)
         if plans is not None:
             return _attend_decode_numba(query, kv, attention_mask, scaling, sinks, window, plans)
+    if softcap is None and (tokens >= SPLIT_MIN_TOKENS or _fused(kv, query.device)):
+        return _attend_split(query, kv, attention_mask, scaling, sinks, window)
     groups = q_heads // heads
     length, n_sink, coded = kv.length, kv.num_sink, kv.num_coded
     past = length - tokens
@@ -266,19 +267,45 @@ def _codec_plan(codec: Codec):
 
 
 def _decode_plans(query: torch.Tensor, kv: CodedKV):
-    """The key and value plans when this one-token step can run the fused numba kernel, else None."""
-    if not NUMBA_DECODE or query.device.type != "cpu" or not kv.num_coded or (
+    """(kernel, key plan, value plan) when this one-token step can run the fused numba kernel, else None."""
+    global _KERNEL
+    if not NUMBA_DECODE or query.device.type != "cpu" or not kv.key_codes.shape[-2] or (
             query.requires_grad and torch.is_grad_enabled()):
         return None
-    from fibquant._numba import numba_available
-    if not numba_available():
-        return None
+    if _KERNEL is None:
+        from fibquant._numba import numba_available
+        if not numba_available():
+            return None
+        from fibquant.kv.coded_numba_decode import compile_decode_kernel
+        _KERNEL = compile_decode_kernel()
     groups = query.shape[1] // kv.new_keys.shape[1]
     keys, values = _codec_plan(kv.key_codec), _codec_plan(kv.value_codec)
     if keys is None or values is None or groups > 8 or (groups > 4 and 1 in (keys[5], values[5]) and max(
             keys[3], values[3]) > 25):
         return None
     return keys, values
+
+
+_KERNEL = None
+_SCRATCH = threading.local()  # per calling thread: {(slot, sizes, lanes): [table1, lut, hist1, hist, coded, norms]}
+_SIZES: dict = {}
+
+
+def _scratch(slot: int, sizes: tuple, lanes: int, tokens: int) -> list:
+    """The fused kernel's scratch arrays for worker `slot`, reused across layers and steps (no
+    per-call allocation of its ~100-500 KB of tables); the token arrays grow geometrically."""
+    cache = getattr(_SCRATCH, "arrays", None)
+    if cache is None:
+        cache = _SCRATCH.arrays = {}
+    key = (slot, sizes, lanes)
+    arrays = cache.get(key)
+    if arrays is None:
+        arrays = cache[key] = [np.empty(n, dtype=np.float32) for n in sizes] + [
+            np.empty((lanes, 0), dtype=np.float32), np.empty(0, dtype=np.float32)]
+    if arrays[5].shape[0] < tokens:
+        capacity = max(tokens, 2 * arrays[5].shape[0], 256)
+        arrays[4], arrays[5] = np.empty((lanes, capacity), dtype=np.float32), np.empty(capacity, dtype=np.float32)
+    return arrays
 
 
 def _f32(tensor: torch.Tensor):
@@ -288,18 +315,21 @@ def _f32(tensor: torch.Tensor):
     return tensor.numpy()
 
 
+def _code_rows(codes: torch.Tensor):
+    if codes.requires_grad or (codes.shape[-1] > 1 and codes.stride(-1) != 1):
+        codes = codes.detach().contiguous()
+    return codes.numpy()
+
+
 def _attend_decode_numba(query: torch.Tensor, kv: CodedKV, attention_mask, scaling: float, sinks, window,
                          plans) -> torch.Tensor:
     """`attend_codes` for one query token on the CPU: one call of the fused kernel (same result to
     float32 rounding; see kv/coded_numba_decode.py)."""
     global _DUMMY
-    from fibquant.kv.coded_kernels import _run_units
-    from fibquant.kv.coded_numba_decode import compile_decode_kernel
-
-    kernel = compile_decode_kernel()
     keys, values = plans
-    batch, q_heads, _, dim = query.shape
+    batch, q_heads = query.shape[:2]
     heads = kv.new_keys.shape[1]
+    coded = kv.key_codes.shape[-2]
     if _DUMMY is None:
         _DUMMY = (np.zeros((1, 1, 1), dtype=np.float32), np.zeros(1, dtype=np.float32))
     flags = 0
@@ -310,25 +340,43 @@ def _attend_decode_numba(query: torch.Tensor, kv: CodedKV, attention_mask, scali
     if kv.value_mean is not None:
         value_mean, flags = _f32(kv.value_mean), flags | 2
     if attention_mask is not None or window is not None:
-        bias = _bias_block(attention_mask, slice(0, 1), kv.length, kv.length - 1, query.device, window)
+        length = kv.length
+        bias = _bias_block(attention_mask, slice(0, 1), length, length - 1, query.device, window)
         if bias is not None:
             bias_np, flags = _f32(bias[:, :, 0]), flags | 4
     if sinks is not None:
         sinks_np, flags = _f32(sinks.reshape(-1)), flags | 8
-    out = torch.empty(batch, 1, q_heads, values[1].shape[0], dtype=torch.float32)
-    codes = (kv.key_codes.detach(), kv.value_codes.detach())
-    for c in codes:
-        if c.shape[-1] > 1 and c.stride(-1) != 1:
-            raise ValueError("code rows must have contiguous bytes")
+    value_dim = values[1].shape[0]
+    out = torch.empty(batch, q_heads, value_dim, dtype=torch.float32)
     lanes = 4 if q_heads // heads <= 4 else 8
-    args = (_f32(query[:, :, 0]), float(scaling), keys[0], values[1], keys[2], values[2],
-            codes[0].numpy(), codes[1].numpy(), _f32(kv.sink_keys), _f32(kv.sink_values), _f32(kv.recent_keys),
-            _f32(kv.recent_values), _f32(kv.new_keys), _f32(kv.new_values), key_mean, value_mean, bias_np, sinks_np,
-            out[:, 0].numpy(), flags, keys[3], values[3], keys[4], values[4], keys[5], values[5], lanes)
-    bad = _run_units(kernel, args, batch * heads, kv.num_coded * (keys[4] + values[4]))
+    args = (_f32(query.view(batch, q_heads, -1) if query.is_contiguous() else query[:, :, 0]), float(scaling),
+            keys[0], values[1], keys[2], values[2], _code_rows(kv.key_codes), _code_rows(kv.value_codes),
+            _f32(kv.sink_keys), _f32(kv.sink_values), _f32(kv.recent_keys), _f32(kv.recent_values),
+            _f32(kv.new_keys), _f32(kv.new_values), key_mean, value_mean, bias_np, sinks_np, out.numpy(), flags,
+            keys[3], values[3], keys[4], values[4], keys[5], values[5], lanes)
+    units = batch * heads
+    shape = (keys[2].shape[0], keys[4], keys[3], keys[5], values[2].shape[0], values[4], values[3], values[5], lanes)
+    sizes = _SIZES.get(shape)
+    if sizes is None:
+        from fibquant.kv.coded_numba_decode import scratch_sizes
+        sizes = _SIZES[shape] = scratch_sizes(*shape)
+    threads = torch.get_num_threads()
+    if threads > 1:
+        from fibquant.kv.coded_kernels import _MIN_WORK_PER_THREAD
+        threads = min(threads, units, units * coded * (keys[4] + values[4]) // _MIN_WORK_PER_THREAD)
+    if threads <= 1:
+        bad = _KERNEL(*args, *_scratch(0, sizes, lanes, coded), 0, units)
+    else:
+        from fibquant._numba import _pool
+        pool = _pool("fibquant-decode", threads)
+        bounds = [units * t // threads for t in range(threads + 1)]
+        futures = [pool.submit(_KERNEL, *args, *_scratch(t, sizes, lanes, coded), bounds[t], bounds[t + 1])
+                   for t in range(threads)]
+        bad = sum(int(f.result()) for f in futures)
     if bad:
         raise ValueError(f"codes hold {bad} index(es) >= N (index_bits={keys[3]} / {values[3]})")
-    return out.to(query.dtype)
+    out = out.unsqueeze(1)
+    return out if query.dtype == torch.float32 else out.to(query.dtype)
 
 
 def _exact_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None,

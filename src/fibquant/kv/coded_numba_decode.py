@@ -144,11 +144,12 @@ def _exact_values_py(values, b, h, start, weights, result, groups):
 def _decode_step_py(query, scaling, key_forward, value_inverse, key_codewords, value_codewords, key_codes,
                     value_codes, sink_keys, sink_values, recent_keys, recent_values, new_keys, new_values,
                     key_mean, value_mean, bias, sinks, out, flags, key_bits, value_bits, key_blocks, value_blocks,
-                    key_mode, value_mode, lanes, unit_start, unit_stop):
+                    key_mode, value_mode, lanes, table1, lut, hist1, hist, coded, norms, unit_start, unit_stop):
     """out[b, h*G + t] for units [unit_start, unit_stop) of (b, KV head h); returns the count of
     invalid indices (>= N) seen. query [B, Hq, D] (unscaled, unrotated), the exact parts [B, H, n, D],
     codes [B, H, M, C], means [B, H, D] (read when flags bit 0 / 1), bias [B|1, Hq|1, L] (bit 2),
-    sinks [Hq] (bit 3), out [B, Hq, Dv] float32."""
+    sinks [Hq] (bit 3), out [B, Hq, Dv] float32. Scratch (reused across calls, sized by `scratch_sizes`):
+    table1, lut (key tables), hist1, hist (value histograms), coded [lanes, >= M], norms [>= M]."""
     n_b, n_qh, dim = query.shape
     n_h = key_codes.shape[1]
     groups = n_qh // n_h
@@ -168,8 +169,6 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_codewords, v
     kn, kk = key_codewords.shape
     k_per_byte = 8 // key_bits if key_mode == 0 else 1
     k_pos = (key_blocks + k_per_byte - 1) // k_per_byte
-    table1 = np.empty(kn * key_blocks * lanes, dtype=np.float32)
-    lut = np.empty(k_pos * 256 * lanes if key_mode == 0 else 4, dtype=np.float32)
     qmat = np.zeros((kk, key_blocks * lanes), dtype=np.float32)
     k_word = 4 if key_bits <= 25 else 8
     k_safe_bytes = _safe_fields(k_pos, 8, key_codes.shape[3] - 2, 4)
@@ -179,18 +178,14 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_codewords, v
     vn, vk = value_codewords.shape
     v_per_byte = 8 // value_bits if value_mode == 0 else 1
     v_pos = (value_blocks + v_per_byte - 1) // v_per_byte
-    hist1 = np.empty(vn * value_blocks * lanes, dtype=np.float32)
-    hist = np.empty(v_pos * 256 * lanes if value_mode == 0 else 4, dtype=np.float32)
     acc = np.empty((vk, value_blocks * lanes), dtype=np.float32)
     v_word = 4 if value_bits <= 25 else 8
     v_safe_bytes = _safe_fields(v_pos, 8, value_codes.shape[3] - 2, 4)
     v_safe = _safe_fields(value_blocks, value_bits, value_codes.shape[3] - 2, v_word)
     v_check = value_mode == 1 and vn < (1 << value_bits)
 
-    norms = np.empty(n_tokens, dtype=np.float32)
     scaled = np.empty((groups, dim), dtype=np.float32)
     rotated = np.empty(dim, dtype=np.float32)
-    coded = np.zeros((lanes, n_tokens), dtype=np.float32)  # coded scores, then their weights
     exact = np.empty((groups, n_exact), dtype=np.float32)
     peak = np.empty(groups, dtype=np.float32)
     total = np.empty(groups, dtype=np.float32)
@@ -284,9 +279,9 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_codewords, v
             if v_check:
                 bad += _count_invalid(value_rows, value_bits, value_blocks, vn)
             if value_mode == 0:
-                hist[:] = 0.0
+                hist[:v_pos * 256 * lanes] = 0.0
             else:
-                hist1[:] = 0.0
+                hist1[:vn * value_blocks * lanes] = 0.0
             _hist_tokens(hist1, hist, value_rows, coded, groups, norms, value_mode, lanes, value_bits, value_blocks,
                          v_pos, vn, v_safe, v_safe_bytes, v_word)
             if value_mode == 0:
@@ -316,6 +311,14 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_codewords, v
 _KERNEL = None
 
 
+def scratch_sizes(key_codewords: int, key_blocks: int, key_bits: int, key_mode: int, value_codewords: int,
+                  value_blocks: int, value_bits: int, value_mode: int, lanes: int) -> tuple[int, int, int, int]:
+    """Floats of the scratch tables table1, lut, hist1, hist of `_decode_step_py` (mode as in coded_numba)."""
+    lut = -(-key_blocks // (8 // key_bits)) * 256 * lanes if key_mode == 0 and key_bits != 8 else 4
+    hist = -(-value_blocks // (8 // value_bits)) * 256 * lanes if value_mode == 0 and value_bits != 8 else 4
+    return key_codewords * key_blocks * lanes, lut, value_codewords * value_blocks * lanes, hist
+
+
 def compile_decode_kernel():
     """The fused decode-step dispatcher (numba, cache=True); binds the helpers of coded_numba first."""
     global _KERNEL, np, _decode_norms, _count_invalid, _safe_fields, _build_table, _bytes_table, _spread_bytes
@@ -341,6 +344,7 @@ def compile_decode_kernel():
     signature = (f"int64(float32[:, :, ::1], float32, float32[:, ::1], float32[:, ::1], float32[:, ::1], "
                  f"float32[:, ::1], uint8[:, :, :, :], uint8[:, :, :, :], {f32}, {f32}, {f32}, {f32}, {f32}, {f32}, "
                  "float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[::1], float32[:, :, ::1], "
-                 "int64, int64, int64, int64, int64, int64, int64, int64, int64, int64)")
+                 "int64, int64, int64, int64, int64, int64, int64, int64, float32[::1], float32[::1], float32[::1], "
+                 "float32[::1], float32[:, ::1], float32[::1], int64, int64)")
     _KERNEL = numba.njit(signature, nogil=True, cache=True)(_decode_step_py)
     return _KERNEL
