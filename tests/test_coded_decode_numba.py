@@ -149,3 +149,22 @@ def test_fused_step_falls_back_cleanly(monkeypatch, fused_calls):
         out = attend_codes(query, kv, None, 0.125)
     assert not fused_calls
     torch.testing.assert_close(out, spec(query, kv, None, 0.125), rtol=1e-4, atol=1e-5)
+
+
+def test_fused_step_split_over_threads(monkeypatch, fused_calls):
+    """With 2 torch threads and enough work the (batch, KV head) units run on two workers, each
+    with its own scratch tables: same result as one thread."""
+    layer, generator = layer_of("fibquant k2/k4 (8-bit indices)", 2, 2, past=800)
+    kv, _ = layer.update(torch.randn(2, 2, 1, DIM, generator=generator), torch.randn(2, 2, 1, DIM, generator=generator))
+    query = torch.randn(2, 6, 1, DIM, generator=generator)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = attend_codes(query, kv, None, 0.125)
+        torch.set_num_threads(2)
+        split = attend_codes(query, kv, None, 0.125)
+    finally:
+        torch.set_num_threads(previous)
+    assert len(fused_calls) == 2
+    torch.testing.assert_close(split, single, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(split, spec(query, kv, None, 0.125), rtol=1e-4, atol=1e-5)
