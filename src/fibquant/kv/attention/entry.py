@@ -34,8 +34,11 @@ run through this module's float path.
 """
 from __future__ import annotations
 
+import threading
 import warnings
+import weakref
 
+import numpy as np
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -53,6 +56,9 @@ SPLIT_MIN_TOKENS = 16
 # sums on chip, with the log-sum-exp): "auto" = for CUDA tensors when triton imports; "triton"
 # forces it (CPU tensors need TRITON_INTERPRET=1, as the tests do); "off" never.
 FUSED_CODED_BACKEND = "auto"
+# One-token steps (decode) on the CPU through one fused numba kernel per layer
+# (kv/coded_numba_decode.py) when numba imports; False: the torch ops + two kernels below.
+NUMBA_DECODE = True
 _UNSUPPORTED_KWARGS = ("position_bias",)
 _EAGER_KWARGS = ("softcap", "s_aux")  # applied here; SDPA would ignore them
 _warned: set[str] = set()
@@ -169,6 +175,10 @@ def attend_codes(query: torch.Tensor, kv: CodedKV, attention_mask: torch.Tensor 
     heads = kv.new_keys.shape[1]
     if q_heads % heads:
         raise ValueError(f"{q_heads} query heads are not a multiple of {heads} KV heads")
+    if tokens == 1 and softcap is None:
+        plans = _decode_plans(query, kv)
+        if plans is not None:
+            return _attend_decode_numba(query, kv, attention_mask, scaling, sinks, window, plans)
     if softcap is None and (tokens >= SPLIT_MIN_TOKENS or _fused(kv, query.device)):
         return _attend_split(query, kv, attention_mask, scaling, sinks, window)
     groups = q_heads // heads
@@ -222,6 +232,151 @@ def attend_codes(query: torch.Tensor, kv: CodedKV, attention_mask: torch.Tensor 
                 .transpose(1, 2).contiguous().to(query.dtype)
         out[:, :, :, rows] = mixed.view(batch, heads, groups, width, value_dim)
     return out.reshape(batch, q_heads, tokens, value_dim).transpose(1, 2).contiguous().to(query.dtype)
+
+
+# --------------------------------------------------------------------- the fused one-token step (CPU)
+_PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_DUMMY = None
+
+
+def _codec_plan(codec: Codec):
+    """(forward, forward.T, codewords as numpy, index_bits, n_blocks, numba mode) of a codec's rotated
+    codebook on the CPU, built once per codec; None when it has none (or one the kernel cannot serve)."""
+    try:
+        plan = _PLANS.get(codec)
+    except TypeError:  # an unhashable codec: no cache
+        plan = None
+    if plan is not None:
+        return plan or None
+    rotated = codec.rotated_codebook(torch.device("cpu"))
+    plan = ()
+    if rotated is not None:
+        codewords = rotated.codewords.detach().to(torch.float32).contiguous()
+        k = codewords.shape[-1]
+        forward = rotated.forward.detach().to(torch.float32).contiguous()
+        if codewords.ndim == 2 and codec.dim % k == 0 and tuple(forward.shape) == (codec.dim, codec.dim) \
+                and (codec.dim // k) * rotated.index_bits <= 8 * (codec.code_size - 2):
+            from fibquant.kv.coded_kernels import _numba_mode
+            plan = (forward.numpy(), forward.T.contiguous().numpy(), codewords.numpy(), rotated.index_bits,
+                    codec.dim // k, _numba_mode(codewords.shape[0], rotated.index_bits), (forward, codewords))
+    try:
+        _PLANS[codec] = plan
+    except TypeError:
+        pass
+    return plan or None
+
+
+def _decode_plans(query: torch.Tensor, kv: CodedKV):
+    """(kernel, key plan, value plan) when this one-token step can run the fused numba kernel, else None."""
+    global _KERNEL
+    if not NUMBA_DECODE or query.device.type != "cpu" or not kv.key_codes.shape[-2] or (
+            query.requires_grad and torch.is_grad_enabled()):
+        return None
+    if _KERNEL is None:
+        from fibquant._numba import numba_available
+        if not numba_available():
+            return None
+        from fibquant.kv.coded_numba_decode import compile_decode_kernel
+        _KERNEL = compile_decode_kernel()
+    groups = query.shape[1] // kv.new_keys.shape[1]
+    keys, values = _codec_plan(kv.key_codec), _codec_plan(kv.value_codec)
+    if keys is None or values is None or groups > 8 or (groups > 4 and 1 in (keys[5], values[5]) and max(
+            keys[3], values[3]) > 25):
+        return None
+    return keys, values
+
+
+_KERNEL = None
+_SCRATCH = threading.local()  # per calling thread: {(slot, sizes, lanes): [table1, lut, hist1, hist, coded, norms]}
+_SIZES: dict = {}
+
+
+def _scratch(slot: int, sizes: tuple, lanes: int, tokens: int) -> list:
+    """The fused kernel's scratch arrays for worker `slot`, reused across layers and steps (no
+    per-call allocation of its ~100-500 KB of tables); the token arrays grow geometrically."""
+    cache = getattr(_SCRATCH, "arrays", None)
+    if cache is None:
+        cache = _SCRATCH.arrays = {}
+    key = (slot, sizes, lanes)
+    arrays = cache.get(key)
+    if arrays is None:
+        arrays = cache[key] = [np.empty(n, dtype=np.float32) for n in sizes] + [
+            np.empty((lanes, 0), dtype=np.float32), np.empty(0, dtype=np.float32)]
+    if arrays[5].shape[0] < tokens:
+        capacity = max(tokens, 2 * arrays[5].shape[0], 256)
+        arrays[4], arrays[5] = np.empty((lanes, capacity), dtype=np.float32), np.empty(capacity, dtype=np.float32)
+    return arrays
+
+
+def _f32(tensor: torch.Tensor):
+    """A float32 C-contiguous numpy view of a CPU tensor (a copy only when it is not one already)."""
+    if tensor.dtype != torch.float32 or tensor.requires_grad or not tensor.is_contiguous():
+        tensor = tensor.detach().to(torch.float32).contiguous()
+    return tensor.numpy()
+
+
+def _code_rows(codes: torch.Tensor):
+    if codes.requires_grad or (codes.shape[-1] > 1 and codes.stride(-1) != 1):
+        codes = codes.detach().contiguous()
+    return codes.numpy()
+
+
+def _attend_decode_numba(query: torch.Tensor, kv: CodedKV, attention_mask, scaling: float, sinks, window,
+                         plans) -> torch.Tensor:
+    """`attend_codes` for one query token on the CPU: one call of the fused kernel (same result to
+    float32 rounding; see kv/coded_numba_decode.py)."""
+    global _DUMMY
+    keys, values = plans
+    batch, q_heads = query.shape[:2]
+    heads = kv.new_keys.shape[1]
+    coded = kv.key_codes.shape[-2]
+    if _DUMMY is None:
+        _DUMMY = (np.zeros((1, 1, 1), dtype=np.float32), np.zeros(1, dtype=np.float32))
+    flags = 0
+    key_mean = value_mean = bias_np = _DUMMY[0]
+    sinks_np = _DUMMY[1]
+    if kv.key_mean is not None:
+        key_mean, flags = _f32(kv.key_mean), flags | 1
+    if kv.value_mean is not None:
+        value_mean, flags = _f32(kv.value_mean), flags | 2
+    if attention_mask is not None or window is not None:
+        length = kv.length
+        bias = _bias_block(attention_mask, slice(0, 1), length, length - 1, query.device, window)
+        if bias is not None:
+            bias_np, flags = _f32(bias[:, :, 0]), flags | 4
+    if sinks is not None:
+        sinks_np, flags = _f32(sinks.reshape(-1)), flags | 8
+    value_dim = values[1].shape[0]
+    out = torch.empty(batch, q_heads, value_dim, dtype=torch.float32)
+    lanes = 4 if q_heads // heads <= 4 else 8
+    args = (_f32(query.view(batch, q_heads, -1) if query.is_contiguous() else query[:, :, 0]), float(scaling),
+            keys[0], values[1], keys[2], values[2], _code_rows(kv.key_codes), _code_rows(kv.value_codes),
+            _f32(kv.sink_keys), _f32(kv.sink_values), _f32(kv.recent_keys), _f32(kv.recent_values),
+            _f32(kv.new_keys), _f32(kv.new_values), key_mean, value_mean, bias_np, sinks_np, out.numpy(), flags,
+            keys[3], values[3], keys[4], values[4], keys[5], values[5], lanes)
+    units = batch * heads
+    shape = (keys[2].shape[0], keys[4], keys[3], keys[5], values[2].shape[0], values[4], values[3], values[5], lanes)
+    sizes = _SIZES.get(shape)
+    if sizes is None:
+        from fibquant.kv.coded_numba_decode import scratch_sizes
+        sizes = _SIZES[shape] = scratch_sizes(*shape)
+    threads = torch.get_num_threads()
+    if threads > 1:
+        from fibquant.kv.coded_kernels import _MIN_WORK_PER_THREAD
+        threads = min(threads, units, units * coded * (keys[4] + values[4]) // _MIN_WORK_PER_THREAD)
+    if threads <= 1:
+        bad = _KERNEL(*args, *_scratch(0, sizes, lanes, coded), 0, units)
+    else:
+        from fibquant._numba import _pool
+        pool = _pool("fibquant-decode", threads)
+        bounds = [units * t // threads for t in range(threads + 1)]
+        futures = [pool.submit(_KERNEL, *args, *_scratch(t, sizes, lanes, coded), bounds[t], bounds[t + 1])
+                   for t in range(threads)]
+        bad = sum(int(f.result()) for f in futures)
+    if bad:
+        raise ValueError(f"codes hold {bad} index(es) >= N (index_bits={keys[3]} / {values[3]})")
+    out = out.unsqueeze(1)
+    return out if query.dtype == torch.float32 else out.to(query.dtype)
 
 
 def _exact_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None,

@@ -1,0 +1,350 @@
+"""One fused numba kernel for a decode step on codes: one query token, every column of a `CodedKV`.
+
+`decode_step` (see `fibquant.kv.attention._attend_decode_numba`, which prepares the arguments)
+does, per unit (b, KV head h) and the G = Hq / Hkv query heads that read it, what `attend_codes`
+does with ~20 torch ops and two kernel calls:
+
+1. the queries scaled and rotated by the key codec (q @ forward), laid out as the L = 4 / 8
+   lanes of the lookup table of `coded_numba` (one tile: G <= L);
+2. the coded scores through that table (`_lut_sum`, the same intrinsic as `coded_scores`), plus
+   q . mu for centred keys; the exact columns (sinks, recent window, the new token) as float dot
+   products; the additive bias (padding / sliding mask) over the columns in their true order
+   [sinks | coded | recent, new];
+3. one softmax over every column of the row (and a learned sink logit, which takes weight but has
+   no value): max, exp, sum;
+4. the value sums: the coded part as the weighted histogram of `coded_weighted_sum`
+   (`_hist_add`, spread and contracted with the codewords), un-rotated once (@ forward.T), plus
+   (sum of coded weights) * mu for centred values; the exact part as float sums;
+5. out = (coded + exact) / total, a fully masked row gives zeros (as `attend_codes`).
+
+So the per-layer cost of a step is this one call plus the argument conversion, not the torch
+dispatch of ~20 small ops. Results equal `attend_codes`' joint softmax to float32 rounding (the
+order of summation differs). Compiled on first use (cache=True: numba caches it on disk).
+"""
+from __future__ import annotations
+
+np = None
+_decode_norms = _count_invalid = _safe_fields = None
+_build_table = _bytes_table = _spread_bytes = _contract = None
+_lut_sum = _hist_add = None
+_score_tokens = _hist_tokens = _exact_scores = _exact_values = None
+
+
+def _score_tokens_py(table1, lut, rows, res, nq, norms, mode, lanes, bits, n_blocks, n_pos, n_codewords,
+                     safe, safe_bytes, word):
+    """res[t, i] = nu_i * (table sum of code row i)[t] for t < nq (literal variants as in coded_numba)."""
+    n_tokens = rows.shape[0]
+    if mode == 2:  # whole index bytes (8-bit indices) looked up in the [codeword, block, lane] table
+        if lanes == 4:
+            if n_blocks == 32:
+                for i in range(n_tokens):
+                    _lut_sum(table1, rows, i, 32, 8, 1, 32, 256, safe_bytes, 4, 4, res, 0, nq, norms[i])
+            elif n_blocks == 16:
+                for i in range(n_tokens):
+                    _lut_sum(table1, rows, i, 16, 8, 1, 16, 256, safe_bytes, 4, 4, res, 0, nq, norms[i])
+            else:
+                for i in range(n_tokens):
+                    _lut_sum(table1, rows, i, n_blocks, 8, 1, n_blocks, 256, safe_bytes, 4, 4, res, 0, nq, norms[i])
+        else:
+            for i in range(n_tokens):
+                _lut_sum(table1, rows, i, n_blocks, 8, 1, n_blocks, 256, safe_bytes, 4, 8, res, 0, nq, norms[i])
+    elif mode == 0:
+        if lanes == 4:
+            for i in range(n_tokens):
+                _lut_sum(lut, rows, i, n_pos, 8, 256, 1, 256, safe_bytes, 4, 4, res, 0, nq, norms[i])
+        else:
+            for i in range(n_tokens):
+                _lut_sum(lut, rows, i, n_pos, 8, 256, 1, 256, safe_bytes, 4, 8, res, 0, nq, norms[i])
+    elif lanes == 4:
+        if bits == 10:
+            for i in range(n_tokens):
+                _lut_sum(table1, rows, i, n_blocks, 10, 1, n_blocks, n_codewords, safe, 4, 4, res, 0, nq, norms[i])
+        elif bits == 12:
+            for i in range(n_tokens):
+                _lut_sum(table1, rows, i, n_blocks, 12, 1, n_blocks, n_codewords, safe, 4, 4, res, 0, nq, norms[i])
+        elif word == 4:
+            for i in range(n_tokens):
+                _lut_sum(table1, rows, i, n_blocks, bits, 1, n_blocks, n_codewords, safe, 4, 4, res, 0, nq, norms[i])
+        else:
+            for i in range(n_tokens):
+                _lut_sum(table1, rows, i, n_blocks, bits, 1, n_blocks, n_codewords, safe, 8, 4, res, 0, nq, norms[i])
+    else:
+        for i in range(n_tokens):
+            _lut_sum(table1, rows, i, n_blocks, bits, 1, n_blocks, n_codewords, safe, 4, 8, res, 0, nq, norms[i])
+
+
+def _hist_tokens_py(hist1, hist, rows, wts, nq, norms, mode, lanes, bits, n_blocks, n_pos, n_codewords,
+                    safe, safe_bytes, word):
+    """The weighted histogram of wts[t, i] * nu_i over the code rows (literal variants as in coded_numba)."""
+    n_tokens = rows.shape[0]
+    if mode == 2:  # whole index bytes (8-bit indices) added into the [codeword, block, lane] histogram
+        if lanes == 4:
+            if n_blocks == 32:
+                for i in range(n_tokens):
+                    _hist_add(hist1, rows, i, 32, 8, 1, 32, 256, safe_bytes, 4, 4, wts, 0, nq, norms[i])
+            elif n_blocks == 16:
+                for i in range(n_tokens):
+                    _hist_add(hist1, rows, i, 16, 8, 1, 16, 256, safe_bytes, 4, 4, wts, 0, nq, norms[i])
+            else:
+                for i in range(n_tokens):
+                    _hist_add(hist1, rows, i, n_blocks, 8, 1, n_blocks, 256, safe_bytes, 4, 4, wts, 0, nq, norms[i])
+        else:
+            for i in range(n_tokens):
+                _hist_add(hist1, rows, i, n_blocks, 8, 1, n_blocks, 256, safe_bytes, 4, 8, wts, 0, nq, norms[i])
+    elif mode == 0:
+        if lanes == 4:
+            for i in range(n_tokens):
+                _hist_add(hist, rows, i, n_pos, 8, 256, 1, 256, safe_bytes, 4, 4, wts, 0, nq, norms[i])
+        else:
+            for i in range(n_tokens):
+                _hist_add(hist, rows, i, n_pos, 8, 256, 1, 256, safe_bytes, 4, 8, wts, 0, nq, norms[i])
+    elif lanes == 4:
+        if bits == 10:
+            for i in range(n_tokens):
+                _hist_add(hist1, rows, i, n_blocks, 10, 1, n_blocks, n_codewords, safe, 4, 4, wts, 0, nq, norms[i])
+        elif bits == 12:
+            for i in range(n_tokens):
+                _hist_add(hist1, rows, i, n_blocks, 12, 1, n_blocks, n_codewords, safe, 4, 4, wts, 0, nq, norms[i])
+        elif word == 4:
+            for i in range(n_tokens):
+                _hist_add(hist1, rows, i, n_blocks, bits, 1, n_blocks, n_codewords, safe, 4, 4, wts, 0, nq, norms[i])
+        else:
+            for i in range(n_tokens):
+                _hist_add(hist1, rows, i, n_blocks, bits, 1, n_blocks, n_codewords, safe, 8, 4, wts, 0, nq, norms[i])
+    else:
+        for i in range(n_tokens):
+            _hist_add(hist1, rows, i, n_blocks, bits, 1, n_blocks, n_codewords, safe, 4, 8, wts, 0, nq, norms[i])
+
+
+def _exact_scores_py(keys, b, h, start, scores, query, groups):
+    """scores[t, start + e] = query[t] . keys[b, h, e] for the exact keys of one part (the loop over e
+    innermost: independent sums, no float reduction chain)."""
+    dim = query.shape[1]
+    n = keys.shape[2]
+    for t in range(groups):
+        for e in range(n):
+            scores[t, start + e] = 0.0
+        for d in range(dim):
+            x = query[t, d]
+            for e in range(n):
+                scores[t, start + e] += x * keys[b, h, e, d]
+
+
+def _exact_values_py(values, b, h, start, weights, result, groups):
+    """result[t] += sum_e weights[t, start + e] * values[b, h, e] for the exact values of one part."""
+    dim = values.shape[3]
+    for e in range(values.shape[2]):
+        for t in range(groups):
+            w = weights[t, start + e]
+            if w != 0.0:
+                for d in range(dim):
+                    result[t, d] += w * values[b, h, e, d]
+
+
+def _decode_step_py(query, scaling, key_forward, value_inverse, key_codewords, value_codewords, key_codes,
+                    value_codes, sink_keys, sink_values, recent_keys, recent_values, new_keys, new_values,
+                    key_mean, value_mean, bias, sinks, out, flags, key_bits, value_bits, key_blocks, value_blocks,
+                    key_mode, value_mode, lanes, table1, lut, hist1, hist, coded, norms, unit_start, unit_stop):
+    """out[b, h*G + t] for units [unit_start, unit_stop) of (b, KV head h); returns the count of
+    invalid indices (>= N) seen. query [B, Hq, D] (unscaled, unrotated), the exact parts [B, H, n, D],
+    codes [B, H, M, C], means [B, H, D] (read when flags bit 0 / 1), bias [B|1, Hq|1, L] (bit 2),
+    sinks [Hq] (bit 3), out [B, Hq, Dv] float32. Scratch (reused across calls, sized by `scratch_sizes`):
+    table1, lut (key tables), hist1, hist (value histograms), coded [lanes, >= M], norms [>= M]."""
+    n_b, n_qh, dim = query.shape
+    n_h = key_codes.shape[1]
+    groups = n_qh // n_h
+    n_tokens = key_codes.shape[2]
+    n_sink, n_recent, n_new = sink_keys.shape[2], recent_keys.shape[2], new_keys.shape[2]
+    n_exact = n_sink + n_recent + n_new
+    value_dim = value_inverse.shape[0]
+    has_key_mean, has_value_mean = (flags & 1) != 0, (flags & 2) != 0
+    has_bias, has_sinks = (flags & 4) != 0, (flags & 8) != 0
+    # 8-bit indices with N = 256 (mode 0, one block per byte): read the [codeword, block, lane] table
+    # and histogram in place (mode 2), no byte-table copy or spread
+    if key_mode == 0 and key_bits == 8:
+        key_mode = 2
+    if value_mode == 0 and value_bits == 8:
+        value_mode = 2
+    # key role tables
+    kn, kk = key_codewords.shape
+    k_per_byte = 8 // key_bits if key_mode == 0 else 1
+    k_pos = (key_blocks + k_per_byte - 1) // k_per_byte
+    qmat = np.zeros((kk, key_blocks * lanes), dtype=np.float32)
+    k_word = 4 if key_bits <= 25 else 8
+    k_safe_bytes = _safe_fields(k_pos, 8, key_codes.shape[3] - 2, 4)
+    k_safe = _safe_fields(key_blocks, key_bits, key_codes.shape[3] - 2, k_word)
+    k_check = key_mode == 1 and kn < (1 << key_bits)
+    # value role tables
+    vn, vk = value_codewords.shape
+    v_per_byte = 8 // value_bits if value_mode == 0 else 1
+    v_pos = (value_blocks + v_per_byte - 1) // v_per_byte
+    acc = np.empty((vk, value_blocks * lanes), dtype=np.float32)
+    v_word = 4 if value_bits <= 25 else 8
+    v_safe_bytes = _safe_fields(v_pos, 8, value_codes.shape[3] - 2, 4)
+    v_safe = _safe_fields(value_blocks, value_bits, value_codes.shape[3] - 2, v_word)
+    v_check = value_mode == 1 and vn < (1 << value_bits)
+
+    scaled = np.empty((groups, dim), dtype=np.float32)
+    rotated = np.empty(dim, dtype=np.float32)
+    exact = np.empty((groups, n_exact), dtype=np.float32)
+    peak = np.empty(groups, dtype=np.float32)
+    total = np.empty(groups, dtype=np.float32)
+    coded_total = np.empty(groups, dtype=np.float32)
+    result = np.empty((groups, value_dim), dtype=np.float32)
+    unrot = np.empty(value_dim, dtype=np.float32)
+    bad = 0
+    for unit in range(unit_start, unit_stop):
+        b = unit // n_h
+        h = unit % n_h
+        for t in range(groups):
+            for d in range(dim):
+                scaled[t, d] = query[b, h * groups + t, d] * scaling
+        # --- coded scores
+        if n_tokens:
+            key_rows = key_codes[b, h]
+            _decode_norms(key_rows, norms)
+            if k_check:
+                bad += _count_invalid(key_rows, key_bits, key_blocks, kn)
+            for t in range(groups):
+                for e in range(dim):
+                    rotated[e] = 0.0
+                for d in range(dim):
+                    x = scaled[t, d]
+                    for e in range(dim):
+                        rotated[e] += x * key_forward[d, e]
+                for j in range(key_blocks):
+                    for c in range(kk):
+                        qmat[c, j * lanes + t] = rotated[j * kk + c]
+            _build_table(key_codewords, qmat, table1)
+            if key_mode == 0:
+                _bytes_table(table1, key_blocks, key_bits, lanes, lut)
+            _score_tokens(table1, lut, key_rows, coded, groups, norms, key_mode, lanes, key_bits, key_blocks,
+                          k_pos, kn, k_safe, k_safe_bytes, k_word)
+            if has_key_mean:
+                for t in range(groups):
+                    shift = np.float32(0.0)
+                    for d in range(dim):
+                        shift += scaled[t, d] * key_mean[b, h, d]
+                    for i in range(n_tokens):
+                        coded[t, i] += shift
+        # --- exact scores: columns [sinks, recent, new]
+        _exact_scores(sink_keys, b, h, 0, exact, scaled, groups)
+        _exact_scores(recent_keys, b, h, n_sink, exact, scaled, groups)
+        _exact_scores(new_keys, b, h, n_sink + n_recent, exact, scaled, groups)
+        if has_bias:  # bias columns: [sinks | coded | recent, new]
+            bb = b if bias.shape[0] > 1 else 0
+            for t in range(groups):
+                hb = h * groups + t if bias.shape[1] > 1 else 0
+                for e in range(n_sink):
+                    exact[t, e] += bias[bb, hb, e]
+                for i in range(n_tokens):
+                    coded[t, i] += bias[bb, hb, n_sink + i]
+                for e in range(n_sink, n_exact):
+                    exact[t, e] += bias[bb, hb, n_tokens + e]
+        # --- one softmax over the row (and the sink logit)
+        for t in range(groups):
+            top = -np.inf
+            for i in range(n_tokens):
+                if coded[t, i] > top:
+                    top = coded[t, i]
+            for e in range(n_exact):
+                if exact[t, e] > top:
+                    top = exact[t, e]
+            sink_logit = np.float32(sinks[h * groups + t]) if has_sinks else np.float32(-np.inf)
+            if sink_logit > top:
+                top = sink_logit
+            if top == -np.inf:  # every column masked: zeros
+                top = np.float32(0.0)
+            peak[t] = top
+            for i in range(n_tokens):
+                coded[t, i] = np.exp(coded[t, i] - top)
+            for e in range(n_exact):
+                exact[t, e] = np.exp(exact[t, e] - top)
+            s = np.float32(0.0)
+            for i in range(n_tokens):
+                s += coded[t, i]
+            coded_total[t] = s
+            for e in range(n_exact):
+                s += exact[t, e]
+            if has_sinks:
+                s += np.float32(np.exp(sink_logit - top))
+            total[t] = s
+        # --- value sums
+        for t in range(groups):
+            for d in range(value_dim):
+                result[t, d] = 0.0
+        if n_tokens:
+            value_rows = value_codes[b, h]
+            _decode_norms(value_rows, norms)
+            if v_check:
+                bad += _count_invalid(value_rows, value_bits, value_blocks, vn)
+            if value_mode == 0:
+                hist[:v_pos * 256 * lanes] = 0.0
+            else:
+                hist1[:vn * value_blocks * lanes] = 0.0
+            _hist_tokens(hist1, hist, value_rows, coded, groups, norms, value_mode, lanes, value_bits, value_blocks,
+                         v_pos, vn, v_safe, v_safe_bytes, v_word)
+            if value_mode == 0:
+                _spread_bytes(hist, value_blocks, value_bits, lanes, hist1)
+            _contract(hist1, value_codewords, acc)
+            for t in range(groups):  # un-rotate: result[t, d] = sum_e acc_t[e] * forward[d, e] (inverse = forward.T)
+                for j in range(value_blocks):
+                    for c in range(vk):
+                        unrot[j * vk + c] = acc[c, j * lanes + t]
+                for e in range(value_dim):
+                    x = unrot[e]
+                    for d in range(value_dim):
+                        result[t, d] += x * value_inverse[e, d]
+                if has_value_mean:
+                    for d in range(value_dim):
+                        result[t, d] += coded_total[t] * value_mean[b, h, d]
+        _exact_values(sink_values, b, h, 0, exact, result, groups)
+        _exact_values(recent_values, b, h, n_sink, exact, result, groups)
+        _exact_values(new_values, b, h, n_sink + n_recent, exact, result, groups)
+        for t in range(groups):
+            scale = np.float32(1.0) / total[t] if total[t] > 0 else np.float32(0.0)
+            for d in range(value_dim):
+                out[b, h * groups + t, d] = result[t, d] * scale
+    return bad
+
+
+_KERNEL = None
+
+
+def scratch_sizes(key_codewords: int, key_blocks: int, key_bits: int, key_mode: int, value_codewords: int,
+                  value_blocks: int, value_bits: int, value_mode: int, lanes: int) -> tuple[int, int, int, int]:
+    """Floats of the scratch tables table1, lut, hist1, hist of `_decode_step_py` (mode as in coded_numba)."""
+    lut = -(-key_blocks // (8 // key_bits)) * 256 * lanes if key_mode == 0 and key_bits != 8 else 4
+    hist = -(-value_blocks // (8 // value_bits)) * 256 * lanes if value_mode == 0 and value_bits != 8 else 4
+    return key_codewords * key_blocks * lanes, lut, value_codewords * value_blocks * lanes, hist
+
+
+def compile_decode_kernel():
+    """The fused decode-step dispatcher (numba, cache=True); binds the helpers of coded_numba first."""
+    global _KERNEL, np, _decode_norms, _count_invalid, _safe_fields, _build_table, _bytes_table, _spread_bytes
+    global _contract, _lut_sum, _hist_add, _score_tokens, _hist_tokens, _exact_scores, _exact_values
+    if _KERNEL is not None:
+        return _KERNEL
+    import numba
+
+    from . import coded_numba
+    from .coded_kernels import _kernels
+
+    _kernels()  # binds coded_numba's globals (numpy, helpers, intrinsics)
+    np = coded_numba.np
+    _decode_norms, _count_invalid, _safe_fields = (coded_numba._decode_norms, coded_numba._count_invalid,
+                                                   coded_numba._safe_fields)
+    _build_table, _bytes_table = coded_numba._build_table, coded_numba._bytes_table
+    _spread_bytes, _contract = coded_numba._spread_bytes, coded_numba._contract
+    _lut_sum, _hist_add = coded_numba._lut_sum, coded_numba._hist_add
+    helper = numba.njit(nogil=True, cache=True)
+    _score_tokens, _hist_tokens = helper(_score_tokens_py), helper(_hist_tokens_py)
+    _exact_scores, _exact_values = helper(_exact_scores_py), helper(_exact_values_py)
+    f32 = "float32[:, :, :, ::1]"
+    signature = (f"int64(float32[:, :, ::1], float32, float32[:, ::1], float32[:, ::1], float32[:, ::1], "
+                 f"float32[:, ::1], uint8[:, :, :, :], uint8[:, :, :, :], {f32}, {f32}, {f32}, {f32}, {f32}, {f32}, "
+                 "float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[::1], float32[:, :, ::1], "
+                 "int64, int64, int64, int64, int64, int64, int64, int64, float32[::1], float32[::1], float32[::1], "
+                 "float32[::1], float32[:, ::1], float32[::1], int64, int64)")
+    _KERNEL = numba.njit(signature, nogil=True, cache=True)(_decode_step_py)
+    return _KERNEL

@@ -1,0 +1,170 @@
+"""The fused numba decode step (kv/coded_numba_decode.py) against the torch path and the spec."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fibquant.codecs.fibquant import FibQuantCodec
+from fibquant.codecs.integer import IntCodec
+from fibquant.codecs.turboquant import TurboQuantCodec
+from fibquant.kv import attention
+from fibquant.kv.attention import attend_codes
+from fibquant.kv.cache import CompressedLayer
+
+pytest.importorskip("numba")
+
+DIM = 64
+PAIRS = {
+    "fibquant k2/k4 (8-bit indices)": lambda: (FibQuantCodec(DIM, 2, 256), FibQuantCodec(DIM, 4, 256)),
+    "fibquant 12/10-bit indices": lambda: (FibQuantCodec(DIM, 4, 4096), FibQuantCodec(DIM, 4, 1024)),
+    "turboquant 4/2 (byte tables)": lambda: (TurboQuantCodec(DIM, 4), TurboQuantCodec(DIM, 2)),
+    "turboquant 3 (3-bit fields)": lambda: (TurboQuantCodec(DIM, 3), FibQuantCodec(DIM, 8, 256)),
+}
+
+
+def spec(query, kv, bias, scaling, sinks=None):
+    """Decode every code, repeat KV heads, one softmax (+ sink column) over the row; bias additive
+    [B|1, 1|Hq, 1, L] or None."""
+    keys, values = (t.to(torch.float32) for t in kv.materialize())
+    groups = query.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
+    scores = query.to(torch.float32) @ keys.transpose(-1, -2) * scaling
+    if bias is not None:
+        scores = scores + bias
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)], dim=-1)
+    weights = torch.softmax(scores, -1).nan_to_num(0.0)
+    if sinks is not None:
+        weights = weights[..., :-1]
+    return (weights @ values).transpose(1, 2)
+
+
+def layer_of(pair, batch, heads, past, sinks=4, recent=8, centre=False, seed=0):
+    key_codec, value_codec = PAIRS[pair]()
+    layer = CompressedLayer(key_codec, value_codec, sinks, recent, attention="codes", centre=centre)
+    generator = torch.Generator().manual_seed(seed)
+    offset = 3.0 * torch.randn(1, heads, 1, DIM, generator=generator) if centre else 0.0
+    for chunk in (past - 2, 1, 1):
+        layer.update(torch.randn(batch, heads, chunk, DIM, generator=generator) + offset,
+                     torch.randn(batch, heads, chunk, DIM, generator=generator) + offset)
+    return layer, generator
+
+
+@pytest.fixture
+def fused_calls(monkeypatch):
+    """Counts calls of the fused kernel path (and checks it ran where expected)."""
+    calls = []
+    original = attention._attend_decode_numba
+    monkeypatch.setattr(attention, "_attend_decode_numba", lambda *a: calls.append(1) or original(*a))
+    return calls
+
+
+def both_paths(monkeypatch, *args, **kwargs):
+    fast = attend_codes(*args, **kwargs)
+    with monkeypatch.context() as patch:
+        patch.setattr(attention, "NUMBA_DECODE", False)
+        slow = attend_codes(*args, **kwargs)
+    return fast, slow
+
+
+@pytest.mark.parametrize("pair", sorted(PAIRS))
+@pytest.mark.parametrize("groups", [1, 3, 6])  # 6 query heads per KV head: 8 lanes
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "float-per-head"])
+def test_fused_step_equals_torch_path_and_spec(monkeypatch, fused_calls, pair, groups, mask_kind):
+    batch, heads = 2, 2
+    layer, generator = layer_of(pair, batch, heads, past=70)
+    kv, _ = layer.update(torch.randn(batch, heads, 1, DIM, generator=generator),
+                         torch.randn(batch, heads, 1, DIM, generator=generator))
+    query = torch.randn(batch, heads * groups, 1, DIM, generator=generator)
+    length = kv.length
+    mask = bias = None
+    if mask_kind != "none":
+        allowed = torch.ones(batch, 1 if mask_kind == "bool" else heads * groups, 1, length, dtype=torch.bool)
+        allowed[1, :, :, :3] = False        # left padding
+        allowed[1, :, :, 20:25] = False     # a span inside the coded part
+        allowed[0, :, :, length - 4] = False  # one column of the recent window
+        if mask_kind == "bool":
+            mask = allowed
+        else:
+            mask = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
+            mask[0] += torch.randn(mask[0].shape, generator=generator)  # a finite bias too
+        bias = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf")) if mask_kind == "bool" else mask
+    fast, slow = both_paths(monkeypatch, query, kv, mask, 0.125)
+    assert fused_calls, "the fused path did not run"
+    assert fast.shape == (batch, 1, heads * groups, DIM) and fast.dtype == query.dtype
+    torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(fast, spec(query, kv, bias, 0.125), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("pair", ["fibquant k2/k4 (8-bit indices)", "turboquant 4/2 (byte tables)"])
+def test_fused_step_with_sinks_centring_and_window(monkeypatch, fused_calls, pair):
+    layer, generator = layer_of(pair, 2, 3, past=90, centre=True)
+    assert layer.key_mean is not None
+    kv, _ = layer.update(torch.randn(2, 3, 1, DIM, generator=generator) + 1.0,
+                         torch.randn(2, 3, 1, DIM, generator=generator) + 1.0)
+    query = torch.randn(2, 9, 1, DIM, generator=generator)
+    sinks = torch.randn(9, generator=generator)
+    fast, slow = both_paths(monkeypatch, query, kv, None, 0.1, sinks=sinks)
+    torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(fast, spec(query, kv, None, 0.1, sinks), rtol=1e-4, atol=1e-5)
+    # a sliding window (mask None): the oldest columns blocked
+    window = kv.length - 10
+    fast, slow = both_paths(monkeypatch, query, kv, None, 0.1, window=window)
+    blocked = torch.arange(kv.length) <= kv.length - 1 - window
+    bias = torch.zeros(kv.length).masked_fill_(blocked, float("-inf"))[None, None, None]
+    torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(fast, spec(query, kv, bias, 0.1), rtol=1e-4, atol=1e-5)
+    assert len(fused_calls) == 2
+
+
+def test_fused_step_fully_masked_row_and_dtype(monkeypatch, fused_calls):
+    layer, generator = layer_of("fibquant k2/k4 (8-bit indices)", 2, 2, past=40)
+    kv, _ = layer.update(torch.randn(2, 2, 1, DIM, generator=generator), torch.randn(2, 2, 1, DIM, generator=generator))
+    mask = torch.ones(2, 1, 1, kv.length, dtype=torch.bool)
+    mask[0] = False
+    out = attend_codes(torch.randn(2, 4, 1, DIM, generator=generator), kv, mask, 0.125)
+    assert fused_calls and torch.isfinite(out).all() and torch.equal(out[0], torch.zeros_like(out[0]))
+    query = torch.randn(2, 4, 1, DIM, generator=generator).to(torch.bfloat16)
+    fast, slow = both_paths(monkeypatch, query, kv, None, 0.125)
+    assert fast.dtype == torch.bfloat16
+    torch.testing.assert_close(fast, slow, rtol=1e-2, atol=1e-2)
+
+
+def test_fused_step_falls_back_cleanly(monkeypatch, fused_calls):
+    """softcap, an INT codec (no rotated codebook), many query heads per KV head and autograd
+    take the torch path; the results still match the spec."""
+    monkeypatch.setattr(attention, "_warned", set())
+    layer, generator = layer_of("fibquant k2/k4 (8-bit indices)", 1, 2, past=40)
+    kv, _ = layer.update(torch.randn(1, 2, 1, DIM, generator=generator), torch.randn(1, 2, 1, DIM, generator=generator))
+    query = torch.randn(1, 4, 1, DIM, generator=generator)
+    attend_codes(query, kv, None, 0.125, softcap=30.0)
+    wide = torch.randn(1, 18, 1, DIM, generator=generator)  # 9 query heads per KV head
+    torch.testing.assert_close(attend_codes(wide, kv, None, 0.125), spec(wide, kv, None, 0.125), rtol=1e-4, atol=1e-5)
+    attend_codes(query.clone().requires_grad_(True), kv, None, 0.125)
+    assert not fused_calls
+    int_layer = CompressedLayer(IntCodec(DIM, 4), FibQuantCodec(DIM, 2, 256), 2, 4, attention="codes")
+    int_layer.update(torch.randn(1, 2, 30, DIM), torch.randn(1, 2, 30, DIM))
+    kv, _ = int_layer.update(torch.randn(1, 2, 1, DIM), torch.randn(1, 2, 1, DIM))
+    with pytest.warns(RuntimeWarning, match="no rotated codebook"):
+        out = attend_codes(query, kv, None, 0.125)
+    assert not fused_calls
+    torch.testing.assert_close(out, spec(query, kv, None, 0.125), rtol=1e-4, atol=1e-5)
+
+
+def test_fused_step_split_over_threads(monkeypatch, fused_calls):
+    """With 2 torch threads and enough work the (batch, KV head) units run on two workers, each
+    with its own scratch tables: same result as one thread."""
+    layer, generator = layer_of("fibquant k2/k4 (8-bit indices)", 2, 2, past=800)
+    kv, _ = layer.update(torch.randn(2, 2, 1, DIM, generator=generator), torch.randn(2, 2, 1, DIM, generator=generator))
+    query = torch.randn(2, 6, 1, DIM, generator=generator)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = attend_codes(query, kv, None, 0.125)
+        torch.set_num_threads(2)
+        split = attend_codes(query, kv, None, 0.125)
+    finally:
+        torch.set_num_threads(previous)
+    assert len(fused_calls) == 2
+    torch.testing.assert_close(split, single, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(split, spec(query, kv, None, 0.125), rtol=1e-4, atol=1e-5)
