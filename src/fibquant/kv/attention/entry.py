@@ -57,7 +57,7 @@ SPLIT_MIN_TOKENS = 16
 # forces it (CPU tensors need TRITON_INTERPRET=1, as the tests do); "off" never.
 FUSED_CODED_BACKEND = "auto"
 # One-token steps (decode) on the CPU through one fused numba kernel per layer
-# (kv/coded_numba_decode.py) when numba imports; False: the torch ops + two kernels below.
+# (kv/attention/numba_decode.py) when numba imports; False: the torch ops + two kernels below.
 NUMBA_DECODE = True
 _UNSUPPORTED_KWARGS = ("position_bias",)
 _EAGER_KWARGS = ("softcap", "s_aux")  # applied here; SDPA would ignore them
@@ -256,7 +256,7 @@ def _codec_plan(codec: Codec):
         forward = rotated.forward.detach().to(torch.float32).contiguous()
         if codewords.ndim == 2 and codec.dim % k == 0 and tuple(forward.shape) == (codec.dim, codec.dim) \
                 and (codec.dim // k) * rotated.index_bits <= 8 * (codec.code_size - 2):
-            from fibquant.kv.coded_kernels import _numba_mode
+            from fibquant.kv.attention.kernels import _numba_mode
             plan = (forward.numpy(), forward.T.contiguous().numpy(), codewords.numpy(), rotated.index_bits,
                     codec.dim // k, _numba_mode(codewords.shape[0], rotated.index_bits), (forward, codewords))
     try:
@@ -276,7 +276,7 @@ def _decode_plans(query: torch.Tensor, kv: CodedKV):
         from fibquant._numba import numba_available
         if not numba_available():
             return None
-        from fibquant.kv.coded_numba_decode import compile_decode_kernel
+        from fibquant.kv.attention.numba_decode import compile_decode_kernel
         _KERNEL = compile_decode_kernel()
     groups = query.shape[1] // kv.new_keys.shape[1]
     keys, values = _codec_plan(kv.key_codec), _codec_plan(kv.value_codec)
@@ -324,7 +324,7 @@ def _code_rows(codes: torch.Tensor):
 def _attend_decode_numba(query: torch.Tensor, kv: CodedKV, attention_mask, scaling: float, sinks, window,
                          plans) -> torch.Tensor:
     """`attend_codes` for one query token on the CPU: one call of the fused kernel (same result to
-    float32 rounding; see kv/coded_numba_decode.py)."""
+    float32 rounding; see kv/attention/numba_decode.py)."""
     global _DUMMY
     keys, values = plans
     batch, q_heads = query.shape[:2]
@@ -358,11 +358,11 @@ def _attend_decode_numba(query: torch.Tensor, kv: CodedKV, attention_mask, scali
     shape = (keys[2].shape[0], keys[4], keys[3], keys[5], values[2].shape[0], values[4], values[3], values[5], lanes)
     sizes = _SIZES.get(shape)
     if sizes is None:
-        from fibquant.kv.coded_numba_decode import scratch_sizes
+        from fibquant.kv.attention.numba_decode import scratch_sizes
         sizes = _SIZES[shape] = scratch_sizes(*shape)
     threads = torch.get_num_threads()
     if threads > 1:
-        from fibquant.kv.coded_kernels import _MIN_WORK_PER_THREAD
+        from fibquant.kv.attention.kernels import _MIN_WORK_PER_THREAD
         threads = min(threads, units, units * coded * (keys[4] + values[4]) // _MIN_WORK_PER_THREAD)
     if threads <= 1:
         bad = _KERNEL(*args, *_scratch(0, sizes, lanes, coded), 0, units)

@@ -5,7 +5,7 @@ does, per unit (b, KV head h) and the G = Hq / Hkv query heads that read it, wha
 does with ~20 torch ops and two kernel calls:
 
 1. the queries scaled and rotated by the key codec (q @ forward), laid out as the L = 4 / 8
-   lanes of the lookup table of `coded_numba` (one tile: G <= L);
+   lanes of the lookup table of `numba_kernels` (one tile: G <= L);
 2. the coded scores through that table (`_lut_sum`, the same intrinsic as `coded_scores`), plus
    q . mu for centred keys; the exact columns (sinks, recent window, the new token) as float dot
    products; the additive bias (padding / sliding mask) over the columns in their true order
@@ -32,7 +32,7 @@ _score_tokens = _hist_tokens = _exact_scores = _exact_values = None
 
 def _score_tokens_py(table1, lut, rows, res, nq, norms, mode, lanes, bits, n_blocks, n_pos, n_codewords,
                      safe, safe_bytes, word):
-    """res[t, i] = nu_i * (table sum of code row i)[t] for t < nq (literal variants as in coded_numba)."""
+    """res[t, i] = nu_i * (table sum of code row i)[t] for t < nq (literal variants as in numba_kernels)."""
     n_tokens = rows.shape[0]
     if mode == 2:  # whole index bytes (8-bit indices) looked up in the [codeword, block, lane] table
         if lanes == 4:
@@ -75,7 +75,7 @@ def _score_tokens_py(table1, lut, rows, res, nq, norms, mode, lanes, bits, n_blo
 
 def _hist_tokens_py(hist1, hist, rows, wts, nq, norms, mode, lanes, bits, n_blocks, n_pos, n_codewords,
                     safe, safe_bytes, word):
-    """The weighted histogram of wts[t, i] * nu_i over the code rows (literal variants as in coded_numba)."""
+    """The weighted histogram of wts[t, i] * nu_i over the code rows (literal variants as in numba_kernels)."""
     n_tokens = rows.shape[0]
     if mode == 2:  # whole index bytes (8-bit indices) added into the [codeword, block, lane] histogram
         if lanes == 4:
@@ -313,30 +313,30 @@ _KERNEL = None
 
 def scratch_sizes(key_codewords: int, key_blocks: int, key_bits: int, key_mode: int, value_codewords: int,
                   value_blocks: int, value_bits: int, value_mode: int, lanes: int) -> tuple[int, int, int, int]:
-    """Floats of the scratch tables table1, lut, hist1, hist of `_decode_step_py` (mode as in coded_numba)."""
+    """Floats of the scratch tables table1, lut, hist1, hist of `_decode_step_py` (mode as in numba_kernels)."""
     lut = -(-key_blocks // (8 // key_bits)) * 256 * lanes if key_mode == 0 and key_bits != 8 else 4
     hist = -(-value_blocks // (8 // value_bits)) * 256 * lanes if value_mode == 0 and value_bits != 8 else 4
     return key_codewords * key_blocks * lanes, lut, value_codewords * value_blocks * lanes, hist
 
 
 def compile_decode_kernel():
-    """The fused decode-step dispatcher (numba, cache=True); binds the helpers of coded_numba first."""
+    """The fused decode-step dispatcher (numba, cache=True); binds the helpers of numba_kernels first."""
     global _KERNEL, np, _decode_norms, _count_invalid, _safe_fields, _build_table, _bytes_table, _spread_bytes
     global _contract, _lut_sum, _hist_add, _score_tokens, _hist_tokens, _exact_scores, _exact_values
     if _KERNEL is not None:
         return _KERNEL
     import numba
 
-    from . import coded_numba
-    from .coded_kernels import _kernels
+    import fibquant.kv.attention.numba_kernels as numba_kernels
+    from fibquant.kv.attention.kernels import _kernels
 
-    _kernels()  # binds coded_numba's globals (numpy, helpers, intrinsics)
-    np = coded_numba.np
-    _decode_norms, _count_invalid, _safe_fields = (coded_numba._decode_norms, coded_numba._count_invalid,
-                                                   coded_numba._safe_fields)
-    _build_table, _bytes_table = coded_numba._build_table, coded_numba._bytes_table
-    _spread_bytes, _contract = coded_numba._spread_bytes, coded_numba._contract
-    _lut_sum, _hist_add = coded_numba._lut_sum, coded_numba._hist_add
+    _kernels()  # binds numba_kernels's globals (numpy, helpers, intrinsics)
+    np = numba_kernels.np
+    _decode_norms, _count_invalid, _safe_fields = (numba_kernels._decode_norms, numba_kernels._count_invalid,
+                                                   numba_kernels._safe_fields)
+    _build_table, _bytes_table = numba_kernels._build_table, numba_kernels._bytes_table
+    _spread_bytes, _contract = numba_kernels._spread_bytes, numba_kernels._contract
+    _lut_sum, _hist_add = numba_kernels._lut_sum, numba_kernels._hist_add
     helper = numba.njit(nogil=True, cache=True)
     _score_tokens, _hist_tokens = helper(_score_tokens_py), helper(_hist_tokens_py)
     _exact_scores, _exact_values = helper(_exact_scores_py), helper(_exact_values_py)

@@ -1,4 +1,4 @@
-"""The fused numba decode step (kv/coded_numba_decode.py) against the torch path and the spec."""
+"""The fused numba decode step (kv/attention/numba_decode.py) against the torch path and the spec."""
 from __future__ import annotations
 
 import pytest
@@ -7,7 +7,7 @@ import torch
 from fibquant.codecs.fibquant import FibQuantCodec
 from fibquant.codecs.integer import IntCodec
 from fibquant.codecs.turboquant import TurboQuantCodec
-from fibquant.kv import attention
+import fibquant.kv.attention.entry as attention
 from fibquant.kv.attention import attend_codes
 from fibquant.kv.cache import CompressedLayer
 
