@@ -207,7 +207,7 @@ def test_one_registry_line_reaches_every_experiment(toy_registered, monkeypatch,
     generator = torch.Generator().manual_seed(0)
     captured = CapturedAttention(*(torch.randn(2, h, 24, 16, generator=generator) for h in (4, 2, 2)), 0.25)
     rows = [evaluate_method(parse_method(s), captured, torch.arange(24)) for s in ("fp", "int:b=4", "toysign")]
-    assert rows[2]["family"] == "toysign" and rows[2]["method"] == "toy sign" and 0 < rows[2]["cosine"] < 1
+    assert rows[2]["family"] == "toysign" and rows[2]["label"] == "toy sign" and 0 < rows[2]["cosine"] < 1
     assert "toy sign" in _legend_of(plot_frontier, monkeypatch, rows, tmp_path / "f.png", "t")
     config = PerplexityConfig(tokens=32, context=32, chunk=8, sink_tokens=1, recent_tokens=2, attention="decode")
     model = tiny_llama()
@@ -215,7 +215,7 @@ def test_one_registry_line_reaches_every_experiment(toy_registered, monkeypatch,
     assert isinstance(cache.key_codec, ToySignCodec)
     assert torch.isfinite(window_nll(model, torch.randint(0, 97, (1, 32)), cache, 8)).all()
     ppl_rows = [{"family": r["family"], "compression_ratio": r["compression_ratio"], "perplexity": 2.0 + i,
-                 "method": r["method"]} for i, r in enumerate(rows)]
+                 "label": r["label"], "cache": r["cache"]} for i, r in enumerate(rows)]
     assert "toy sign" in _legend_of(plot_perplexity, monkeypatch, ppl_rows, tmp_path / "p.png", "t")
     assert parse_cache_spec("toysign/int:b=4").family == "kv"
     assert CacheSetting("toysign").name(16) == "toy sign (sink 4, recent 32)"
