@@ -3,7 +3,7 @@ Haar-rotated vs not (table on stdout, results/canonical_source.json and .png).
 
     .venv/bin/python benchmarks/canonical_source.py [--text emma --tokens 1024 --layers 0 7 15 29]
 
-Same as `fibquant eval canonical`; the work is done by fibquant.eval.canonical.
+Same as `fibquant eval canonical-source`; the work is done by fibquant.eval.canonical_source.
 """
 import argparse
 import sys

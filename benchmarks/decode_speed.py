@@ -9,11 +9,11 @@ Usage: .venv/bin/python benchmarks/decode_speed.py [--contexts 1024 2048 4096 81
 forward); chunked: the prompt in --chunk-tokens chunks; decode: greedy steps from one shared
 float prefill. Timed on 1 torch thread unless --threads says otherwise; wall clock and CPU time.
 Prints the tables and the issue-17 targets; writes results/decode_speed.json and .png. Same as
-`fibquant eval speed`; the work is done by fibquant.eval.decode_speed.
+`fibquant eval decode-speed`; the work is done by fibquant.eval.decode_speed.
 """
 import sys
 
 from fibquant.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main(["eval", "speed", *sys.argv[1:]]))
+    sys.exit(main(["eval", "decode-speed", *sys.argv[1:]]))

@@ -3,7 +3,7 @@ FibQuant-compressed KV caches (table on stdout, results/multiple_choice.json and
 
     .venv/bin/python benchmarks/multiple_choice.py [--limit 200 --bits 4 2 --small-window 0 0]
 
-Same as `fibquant eval mc`; the work is done by fibquant.eval.multiple_choice.
+Same as `fibquant eval multiple-choice`; the work is done by fibquant.eval.multiple_choice.
 """
 import argparse
 import sys

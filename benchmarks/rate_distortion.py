@@ -2,7 +2,7 @@
 
     python benchmarks/rate_distortion.py [--quick] [--dims 64 128] [--out results/]
 
-Same as `fibquant eval rd`. Prints the table and its targets at d = 64 (MSE vs TurboQuant,
+Same as `fibquant eval rate-distortion`. Prints the table and its targets at d = 64 (MSE vs TurboQuant,
 sub-one-bit MSE, encode/decode throughput; see fibquant.eval.rate_distortion), writes
 results/rate_distortion.json and results/rate_distortion.png.
 """

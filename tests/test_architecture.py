@@ -123,6 +123,8 @@ OLD_NAMES = {
     "fibquant.kv.prefix": ("fibquant.kv.persist.prefix", "prefill_with_prefix"),
     "fibquant.kv.persist_generate": ("fibquant.kv.persist.generate", "generate_persistent"),
     "fibquant.kv.memory": ("fibquant.kv.accounting", "cache_nbytes"),
+    "fibquant.eval.canonical": ("fibquant.eval.canonical_source", "CanonicalConfig"),
+    "fibquant.eval.peers_report": ("fibquant.eval.peers", "PeersConfig"),
 }
 
 

@@ -15,7 +15,7 @@ def test_split_specs_accepts_semicolons_and_spaces():
     assert split_specs("fibquant:k=64,n=4096") == ["fibquant:k=64,n=4096"]
 
 
-SPEC_COMMANDS = (["eval", "fidelity"], ["eval", "perplexity"], ["eval", "mc"], ["eval", "needle"], ["eval", "speed"],
+SPEC_COMMANDS = (["eval", "fidelity"], ["eval", "perplexity"], ["eval", "multiple-choice"], ["eval", "needle"], ["eval", "decode-speed"],
                  ["eval", "peers"])
 
 
@@ -61,14 +61,14 @@ def test_eval_rd_writes_to_the_results_env_dir(tmp_path, monkeypatch, capsys):
     seen = []
     monkeypatch.setattr(rd, "run_rate_distortion", lambda config: seen.append(config) or _report(0.08, 0.5))
     monkeypatch.setenv("FIBQUANT_RESULTS_DIR", str(tmp_path / "env"))
-    assert main(["eval", "rd", "--quick", "--vectors", "512", "--threads", "1"]) == 0
+    assert main(["eval", "rate-distortion", "--quick", "--vectors", "512", "--threads", "1"]) == 0
     assert seen[0].n_vectors == 512 and seen[0].quick and not seen[0].build_missing
     payload = json.loads((tmp_path / "env" / "rate_distortion.json").read_text())
     assert payload["points"][0]["mse"] == 0.08
     assert (tmp_path / "env" / "rate_distortion.png").stat().st_size > 1000
     out = capsys.readouterr().out
     assert "FibQuant*" in out and "[MISSED] FibQuant MSE at b=0.5 <= 0.57" in out
-    assert main(["eval", "rd", "--quick", "--out", str(tmp_path / "given"), "--threads", "1"]) == 0
+    assert main(["eval", "rate-distortion", "--quick", "--out", str(tmp_path / "given"), "--threads", "1"]) == 0
     assert (tmp_path / "given" / "rate_distortion.json").is_file()
 
 
@@ -78,10 +78,10 @@ def test_eval_archive_out_defaults_to_the_results_env_dir(tmp_path, monkeypatch)
     calls = []
     monkeypatch.setattr(archive_cli, "run_experiment", lambda name, config, out_dir: calls.append(out_dir))
     monkeypatch.setenv("FIBQUANT_RESULTS_DIR", str(tmp_path))
-    assert main(["eval", "archive", "--quick", "--threads", "1"]) == 0
+    assert main(["eval", "archive-bench", "--quick", "--threads", "1"]) == 0
     monkeypatch.delenv("FIBQUANT_RESULTS_DIR")
-    assert main(["eval", "archive", "--quick", "--threads", "1"]) == 0
-    assert main(["eval", "archive", "--quick", "--out", str(tmp_path / "x"), "--threads", "1"]) == 0
+    assert main(["eval", "archive-bench", "--quick", "--threads", "1"]) == 0
+    assert main(["eval", "archive-bench", "--quick", "--out", str(tmp_path / "x"), "--threads", "1"]) == 0
     assert [str(c) for c in calls] == [str(tmp_path / "archive"), "results/archive", str(tmp_path / "x")]
 
 
@@ -89,19 +89,46 @@ def test_number_and_name_lists_take_commas_and_spaces():
     parser = build_parser()
     for argv in (["0,7", "15"], ["0", "7", "15"], ["0;7;15"]):
         assert parser.parse_args(["eval", "fidelity", "--layers", *argv]).layers == [0, 7, 15]
-        assert parser.parse_args(["eval", "canonical", "--layers", *argv]).layers == [0, 7, 15]
+        assert parser.parse_args(["eval", "canonical-source", "--layers", *argv]).layers == [0, 7, 15]
     args = parser.parse_args(["eval", "archive-kv", "--parts", "ttft,search", "--search-sizes", "100", "200"])
     assert args.parts == ["ttft", "search"] and args.search_sizes == [100, 200]
     assert parser.parse_args(["eval", "needle", "--depths", "0,0.5"]).depths == [0.0, 0.5]
-    assert parser.parse_args(["eval", "rd", "--dims", "64,128"]).dims == [64, 128]
+    assert parser.parse_args(["eval", "rate-distortion", "--dims", "64,128"]).dims == [64, 128]
 
 
 def test_bad_list_values_are_argument_errors(capsys):
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["eval", "canonical", "--layers", "0,x"])
+        build_parser().parse_args(["eval", "canonical-source", "--layers", "0,x"])
     assert "--layers: expected int values" in capsys.readouterr().err
 
 
 def test_unknown_archive_kv_part_fails_before_loading_the_model(capsys):
     assert main(["eval", "archive-kv", "--parts", "ttft,nope", "--threads", "1"]) == 2
     assert "unknown parts ['nope']" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("old, new", [("rd", "rate-distortion"), ("speed", "decode-speed"), ("mc", "multiple-choice"),
+                                      ("canonical", "canonical-source"), ("archive", "archive-bench")])
+def test_renamed_experiments_answer_to_their_old_names_with_a_warning(old, new, capsys):
+    from fibquant.eval.report import EXPERIMENTS, get_experiment
+
+    assert new in EXPERIMENTS and get_experiment(new).name == new
+    assert main(["eval", old, "--threads", "0"]) == 2  # parsed as the experiment (then refused: threads 0)
+    assert f"fibquant eval {old} is spelled fibquant eval {new} now" in capsys.readouterr().err
+    assert main(["eval", new, "--threads", "0"]) == 2
+    assert "is spelled" not in capsys.readouterr().err
+
+
+def test_experiment_name_module_stem_and_benchmark_agree():
+    from pathlib import Path
+
+    from fibquant.eval.report import EXPERIMENTS, get_experiment
+
+    benchmarks = {p.stem for p in (Path(__file__).resolve().parents[2] / "benchmarks").glob("*.py")}
+    for name, module in EXPERIMENTS.items():
+        assert module.split(".")[-1] in (name.replace("-", "_"), name.split("-")[-1]), (name, module)
+        stem = get_experiment(name).stem
+        if isinstance(stem, str):
+            assert stem == name.replace("-", "_"), (name, stem)
+        if name != "demo":  # `make demo` / `fibquant demo` is its entry point
+            assert name.replace("-", "_") in benchmarks, name

@@ -1,4 +1,4 @@
-"""`fibquant data ...`, `fibquant eval canonical|mc`: argument handling and error reporting (offline)."""
+"""`fibquant data ...`, `fibquant eval canonical-source|mc`: argument handling and error reporting (offline)."""
 from __future__ import annotations
 
 from fibquant.cli import main
@@ -24,9 +24,9 @@ def test_data_list_shows_texts_and_cache_state(tmp_path, monkeypatch, capsys):
 
 
 def test_eval_mc_rejects_bad_arguments_before_loading_the_model(capsys):
-    assert main(["eval", "mc", "--limit", "-1"]) == 2
+    assert main(["eval", "multiple-choice", "--limit", "-1"]) == 2
     assert "--limit must be >= 0" in capsys.readouterr().err
-    assert main(["eval", "mc", "--threads", "0", "--limit", "5"]) == 2
+    assert main(["eval", "multiple-choice", "--threads", "0", "--limit", "5"]) == 2
     assert "--threads must be >= 1" in capsys.readouterr().err
-    assert main(["eval", "canonical", "--tokens", "1"]) == 2
+    assert main(["eval", "canonical-source", "--tokens", "1"]) == 2
     assert "tokens must be an integer >= 2" in capsys.readouterr().err

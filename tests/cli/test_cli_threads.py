@@ -63,7 +63,7 @@ def test_apply_sets_torch_threads_and_reports(restore_threads, capsys):
 def test_cli_commands_reject_bad_thread_counts_before_loading(capsys):
     from fibquant.cli import main
 
-    assert main(["eval", "speed", "--threads", "0"]) == 2
+    assert main(["eval", "decode-speed", "--threads", "0"]) == 2
     assert "--threads must be >= 1" in capsys.readouterr().err
     assert main(["eval", "perplexity", "--threads", "-1"]) == 2
     assert "--threads must be >= 1" in capsys.readouterr().err

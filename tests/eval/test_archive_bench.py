@@ -5,8 +5,8 @@ import pytest
 
 import numpy as np
 
-from fibquant.eval.archive_baselines import BenchmarkCheckError, check_lookups, search_quality
-from fibquant.eval.archive_bench import EXPERIMENT, BenchConfig, run
+from fibquant.eval.archive.baselines import BenchmarkCheckError, check_lookups, search_quality
+from fibquant.eval.archive.bench import EXPERIMENT, BenchConfig, run
 
 
 def test_tiny_benchmark_writes_every_method_and_labels_the_text_fallback(tmp_path, capsys):

@@ -11,8 +11,8 @@ import torch
 
 from _kv_helpers import real_model, tiny_llama
 from fibquant.eval.decode_speed import EXPERIMENT, context_tokens, run_decode_speed, write_decode_speed
-from fibquant.eval.decode_speed_config import DEFAULT_CACHES, DecodeSpeedConfig, our_families, parse_cache_name
-from fibquant.eval.decode_speed_report import TTFT_TARGET, decode_speed_targets, format_decode_speed
+from fibquant.eval.decode_speed.config import DEFAULT_CACHES, DecodeSpeedConfig, our_families, parse_cache_name
+from fibquant.eval.decode_speed.report import TTFT_TARGET, decode_speed_targets, format_decode_speed
 from fibquant.eval.memory import PeakRSS
 from fibquant.eval.report import get_experiment
 from fibquant.kv.accounting import quantized_cache_nbytes
@@ -181,7 +181,7 @@ def test_parts_and_threads_are_checked(capsys):
     with pytest.raises(ValueError, match="chunk_tokens"):
         DecodeSpeedConfig(chunk_tokens=0)
     assert DecodeSpeedConfig(parts=("TTFT", "ttft")).parts == ("ttft",)
-    assert main(["eval", "speed", "--parts", "ttft,bogus", "--threads", "1"]) == 2
+    assert main(["eval", "decode-speed", "--parts", "ttft,bogus", "--threads", "1"]) == 2
     assert "parts must be" in capsys.readouterr().err
 
 

@@ -1,4 +1,4 @@
-"""fibquant.eval.canonical: KS statistics on synthetic data (offline) and on real keys (model)."""
+"""fibquant.eval.canonical_source: KS statistics on synthetic data (offline) and on real keys (model)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,7 +7,7 @@ import pytest
 import torch
 from scipy import stats
 
-from fibquant.eval.canonical import (CanonicalConfig, cached_states, canonical_ks, ks_statistic, run_canonical,
+from fibquant.eval.canonical_source import (CanonicalConfig, cached_states, canonical_ks, ks_statistic, run_canonical,
                                      save_canonical, uniform_floor, unit_rows)
 from fibquant.source import block_radii, haar_rotation, sample_sphere
 

@@ -193,12 +193,12 @@ def test_mc_command_builds_the_config(monkeypatch):
     monkeypatch.setattr(realdata, "run_experiment", lambda *args, **kwargs: calls.append((args, kwargs)))
     monkeypatch.setattr(realdata, "apply_threads", lambda args: None)
     monkeypatch.setattr(fibquant.kv.model, "load_model", lambda name=None: ("model", "tokenizer"))
-    args = build_parser().parse_args(["eval", "mc", "--limit", "0", "--bits", "4", "--methods", "int:b=4",
+    args = build_parser().parse_args(["eval", "multiple-choice", "--limit", "0", "--bits", "4", "--methods", "int:b=4",
                                       "--no-small-window", "--no-progress"])
     assert args.func(args) == 0
     (name, config, out), resources = calls[0]
     assert name == "mc" and resources == {"model_and_tokenizer": ("model", "tokenizer"), "progress": False}
     assert config == MultipleChoiceConfig(limit=None, bits=(4.0,), methods=("int:b=4",), small_window=None)
-    args = build_parser().parse_args(["eval", "mc", "--limit", "-1"])
+    args = build_parser().parse_args(["eval", "multiple-choice", "--limit", "-1"])
     with pytest.raises(ValueError, match="--limit must be >= 0"):
         args.func(args)

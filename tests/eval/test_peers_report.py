@@ -9,7 +9,7 @@ from _kv_helpers import real_model
 from fibquant.cli import build_parser, main
 from fibquant.kv.specs import parse_cache_spec
 from fibquant.peers import unavailable_reason
-from fibquant.eval.peers_report import (EXPERIMENT, PeersConfig, budget_check, metric_columns, metric_table,
+from fibquant.eval.peers import (EXPERIMENT, PeersConfig, budget_check, metric_columns, metric_table,
                                         peers_checks, run, spec_row)
 from fibquant.eval.report import get_experiment
 

@@ -141,8 +141,8 @@ def test_needle_report_from_a_payload(tmp_path, capsys):
 def test_archive_kv_report_writes_the_study_plot_beside_the_ttft_plot(tmp_path):
     import dataclasses
 
-    from fibquant.eval.archive_kv import EXPERIMENT
-    from fibquant.eval.archive_study import STUDY_COLUMNS, study_table
+    from fibquant.eval.archive.kv import EXPERIMENT
+    from fibquant.eval.archive.study import STUDY_COLUMNS, study_table
 
     row = {key: 1 for key, _, _ in STUDY_COLUMNS} | {"name": "hybrid K4/V2 per-head", "group": "hybrid",
                                                       "ratio_marginal": 40.0, "perplexity_change_pct": 5.0}
@@ -156,7 +156,7 @@ def test_archive_kv_report_writes_the_study_plot_beside_the_ttft_plot(tmp_path):
 
 
 def test_archive_kv_targets_judge_each_part_present():
-    from fibquant.eval.archive_kv import archive_kv_targets
+    from fibquant.eval.archive.kv import archive_kv_targets
 
     payload = {"store_8k": {"open_ms_median": 10.0, "token_read_us_median_warm": 70.0,
                             "token_read_us_median_cold": 60.0, "disk_over_memory": 1.004,

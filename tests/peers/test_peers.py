@@ -218,7 +218,7 @@ def test_peer_cache_refuses_centring():
 
 
 def test_native_names_read_as_the_round_trip_for_one_release():
-    # quanto:b=B names transformers' QuantizedCache (eval speed); where a round trip is meant it is
+    # quanto:b=B names transformers' QuantizedCache (eval decode-speed); where a round trip is meant it is
     # read as quanto-rt:b=B, with a warning naming the new spelling.
     with pytest.warns(DeprecationWarning, match="'quanto-rt'"):
         assert parse_peer("quanto:b=2") == parse_peer("quanto-rt:b=2")

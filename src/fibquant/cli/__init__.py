@@ -12,14 +12,16 @@ import argparse
 import importlib
 import sys
 
+from fibquant.cli._common import warn_renamed_experiment
+
 # Modules contributing commands; each owns its own arguments.
 _COMMAND_MODULES = (
     "fibquant.cli.codebook",   # fibquant codebook build|info
-    "fibquant.cli.eval_rd",    # fibquant eval rd
+    "fibquant.cli.eval_rd",    # fibquant eval rate-distortion
     "fibquant.cli.kv",         # fibquant demo, fibquant eval fidelity|perplexity
-    "fibquant.cli.realdata",   # fibquant eval canonical|mc, fibquant data fetch
-    "fibquant.cli.archive",    # fibquant archive pack|get|search|info, fibquant eval archive
-    "fibquant.cli.speed",      # fibquant eval speed
+    "fibquant.cli.realdata",   # fibquant eval canonical-source|mc, fibquant data fetch
+    "fibquant.cli.archive",    # fibquant archive pack|get|search|info, fibquant eval archive-bench
+    "fibquant.cli.speed",      # fibquant eval decode-speed
     "fibquant.cli.cache",      # fibquant cache save|info|generate, fibquant eval archive-kv
     "fibquant.cli.needle",     # fibquant eval needle
     "fibquant.cli.peers",      # fibquant eval peers
@@ -53,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    warn_renamed_experiment(args)
     try:
         return int(args.func(args) or 0)
     except ValueError as exc:  # bad input: a clear message, no traceback

@@ -53,6 +53,25 @@ class _ListAction(argparse.Action):
         setattr(namespace, self.dest, converted)
 
 
+def add_eval_parser(eval_subparsers, name: str, **kwargs) -> argparse.ArgumentParser:
+    """`fibquant eval <name>`, the experiment's registered name (`fibquant.eval.report.EXPERIMENTS`),
+    also answering to its earlier name (`RENAMED`) for one release."""
+    from fibquant.eval.report import RENAMED
+
+    aliases = [old for old, new in RENAMED.items() if new == name]
+    return eval_subparsers.add_parser(name, aliases=aliases, **kwargs)
+
+
+def warn_renamed_experiment(args) -> None:
+    """One stderr line when `args` came from an experiment's earlier name."""
+    from fibquant.eval.report import RENAMED
+
+    used = getattr(args, "experiment", None)
+    if used in RENAMED:
+        print(f"warning: fibquant eval {used} is spelled fibquant eval {RENAMED[used]} now "
+              f"(the old name goes in the next release)", file=sys.stderr)
+
+
 def add_specs_argument(parser: argparse.ArgumentParser, default=None, help: str = "cache specs") -> None:
     """`--caches SPEC [SPEC ...]` (alias `--methods`, deprecated), specs separated by spaces or ';';
     parsed into a list of strings at `args.caches`."""

@@ -1,4 +1,4 @@
-"""`fibquant archive pack|get|search|info` and `fibquant eval archive [--quick]`."""
+"""`fibquant archive pack|get|search|info` and `fibquant eval archive-bench [--quick]`."""
 from __future__ import annotations
 
 import sys
@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import _json as strict_json
-from ._common import add_threads_argument, apply_threads, run_experiment
+from ._common import add_eval_parser, add_threads_argument, apply_threads, run_experiment
 
 
 def _read_symbols(path: Path, input_format: str) -> tuple[np.ndarray, int]:
@@ -24,7 +24,7 @@ def _read_symbols(path: Path, input_format: str) -> tuple[np.ndarray, int]:
 
 
 def _pack(args) -> int:
-    from ..archive import Archive
+    from fibquant.archive import Archive
 
     symbols, alphabet = _read_symbols(Path(args.input), args.input_format)
     alphabet = alphabet if args.alphabet is None else args.alphabet
@@ -37,7 +37,7 @@ def _pack(args) -> int:
 
 def _open(path):
     """Archive.open(path) for reading; a recovered torn tail (RecoveryWarning) is one stderr line."""
-    from ..archive import Archive, RecoveryWarning
+    from fibquant.archive import Archive, RecoveryWarning
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", RecoveryWarning)
@@ -133,7 +133,7 @@ def register(subparsers) -> None:
 
 
 def register_eval(eval_subparsers) -> None:
-    parser = eval_subparsers.add_parser("archive", help="fractal archive benchmark (table, JSON, plot)")
+    parser = add_eval_parser(eval_subparsers, "archive-bench", help="fractal archive benchmark (table, JSON, plot)")
     parser.add_argument("--quick", action="store_true", help="10^5 symbols per stream")
     parser.add_argument("--out", default=None,
                         help="output folder (default $FIBQUANT_RESULTS_DIR/archive, else ./results/archive)")
@@ -143,15 +143,15 @@ def register_eval(eval_subparsers) -> None:
 
 def eval_out_dir(out) -> Path:
     """`--out`, else `<results directory>/archive` (fibquant.paths)."""
-    from ..paths import results_root
+    from fibquant.paths import results_root
 
     return Path(out) if out else results_root() / "archive"
 
 
 def _eval(args) -> int:
-    from ..eval.archive_bench import config_for
+    from fibquant.eval.archive.bench import config_for
 
     config = config_for(args.quick)
     apply_threads(args)
-    run_experiment("archive", config, eval_out_dir(args.out))
+    run_experiment("archive-bench", config, eval_out_dir(args.out))
     return 0

@@ -128,11 +128,11 @@ def register_eval(eval_subparsers) -> None:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from fibquant.eval.archive_kv import ArchiveKVConfig, main_archive_kv
+    from fibquant.eval.archive.kv import ArchiveKVConfig, main_archive_kv
 
     config = ArchiveKVConfig(text=args.text, prefix_tokens=args.prefix_tokens, suffix_tokens=args.suffix_tokens,
                              method=args.method, repeats=args.repeats)
-    from fibquant.eval.archive_study import StudyConfig
+    from fibquant.eval.archive.study import StudyConfig
 
     study = StudyConfig(windows=args.study_windows, context=args.study_context,
                         calibration_tokens=args.study_calibration_tokens, groups=tuple(g.replace("-", " ") for g in args.study_groups))

@@ -30,8 +30,8 @@ def register(subparsers) -> None:
 
 
 def _build(args: argparse.Namespace) -> int:
-    from ..codebook import build_codebook, load_codebook, save_codebook
-    from ..codecs.fibquant import choose_block
+    from fibquant.codebook import build_codebook, load_codebook, save_codebook
+    from fibquant.codecs.fibquant import choose_block
 
     if args.rates:
         pairs = [choose_block(args.dim, rate) for rate in args.rates]
@@ -54,8 +54,8 @@ def _build(args: argparse.Namespace) -> int:
 
 
 def _info(args: argparse.Namespace) -> int:
-    from ..codebook import read_codebook
-    from ..codebook.store import SHIPPED_DIR, cache_dir
+    from fibquant.codebook import read_codebook
+    from fibquant.codebook.store import SHIPPED_DIR, cache_dir
 
     for label, folder in (("shipped", SHIPPED_DIR), ("cache", cache_dir())):
         files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []

@@ -1,15 +1,16 @@
-"""`fibquant eval rd`: the rate-distortion benchmark (table, JSON and PNG under --out)."""
+"""`fibquant eval rate-distortion`: the rate-distortion benchmark (table, JSON and PNG under --out)."""
 from __future__ import annotations
 
 import argparse
 import dataclasses
 
-from ._common import add_list_argument, add_out_argument, add_threads_argument, apply_threads, run_experiment
+from ._common import (add_eval_parser, add_list_argument, add_out_argument, add_threads_argument, apply_threads,
+                      run_experiment)
 
 
 def register_eval(eval_subparsers) -> None:
-    parser = eval_subparsers.add_parser(
-        "rd", help="rate-distortion of FibQuant vs TurboQuant vs INT on the canonical source")
+    parser = add_eval_parser(
+        eval_subparsers, "rate-distortion", help="rate-distortion of FibQuant vs TurboQuant vs INT on the canonical source")
     add_arguments(parser)
     parser.set_defaults(func=run)
 
@@ -30,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace):
     """The RDConfig the arguments ask for."""
-    from ..eval.rate_distortion import RDConfig, quick_config
+    from fibquant.eval.rate_distortion import RDConfig, quick_config
 
     if args.quick:
         config = quick_config(tuple(args.dims or (64,)), args.seed)
@@ -49,5 +50,5 @@ def config_from_args(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     apply_threads(args)
-    run_experiment("rd", config, args.out)
+    run_experiment("rate-distortion", config, args.out)
     return 0

@@ -17,7 +17,7 @@ def register(subparsers) -> None:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from ..integrations.hf_export import check_export, export_hf
+    from fibquant.integrations.hf_export import check_export, export_hf
 
     out = export_hf(args.out, model=args.model, dtype=args.dtype, overwrite=args.overwrite)
     info = check_export(out)

@@ -14,7 +14,7 @@ SIZE_FLAGS = {  # flag dest -> PeersConfig field (None: the --quick / default si
 
 
 def register_eval(eval_subparsers) -> None:
-    from fibquant.eval.peers_report import METRICS, PeersConfig
+    from fibquant.eval.peers import METRICS, PeersConfig
 
     defaults, quick = PeersConfig(), PeersConfig.quick()
     parser = eval_subparsers.add_parser(
@@ -60,7 +60,7 @@ def register_eval(eval_subparsers) -> None:
 
 def config_from_args(args: argparse.Namespace):
     """The PeersConfig of the parsed arguments: --quick or the defaults, then every size flag given."""
-    from fibquant.eval.peers_report import PeersConfig
+    from fibquant.eval.peers import PeersConfig
 
     sizes = {field: (tuple(value) if isinstance(value, list) else value)
              for dest, field in SIZE_FLAGS.items() if (value := getattr(args, dest)) is not None}

@@ -1,4 +1,4 @@
-"""`fibquant data fetch|list`, `fibquant eval canonical`, `fibquant eval mc`: real text and tasks.
+"""`fibquant data fetch|list`, `fibquant eval canonical-source`, `fibquant eval multiple-choice`: real text and tasks.
 
 Only argument parsing and calls into fibquant.data / fibquant.eval live here.
 """
@@ -8,7 +8,7 @@ import argparse
 import functools
 import sys
 
-from ._common import (add_list_argument, add_model_argument, add_out_argument, add_specs_argument, add_text_argument,
+from ._common import (add_eval_parser, add_list_argument, add_model_argument, add_out_argument, add_specs_argument, add_text_argument,
                       add_threads_argument, apply_threads, run_experiment)
 
 
@@ -75,12 +75,12 @@ def _list(args) -> int:
 # --------------------------------------------------------------------------- eval
 
 def register_eval(eval_subparsers) -> None:
-    canonical = eval_subparsers.add_parser(
-        "canonical", help="the canonical source on real KV: KS test of k-block radii, rotated vs not")
+    canonical = add_eval_parser(
+        eval_subparsers, "canonical-source", help="the canonical source on real KV: KS test of k-block radii, rotated vs not")
     add_canonical_arguments(canonical)
     canonical.set_defaults(func=run_canonical_command)
-    mc = eval_subparsers.add_parser(
-        "mc", help="multiple-choice acc / acc_norm, fp vs compressed caches")
+    mc = add_eval_parser(
+        eval_subparsers, "multiple-choice", help="multiple-choice acc / acc_norm, fp vs compressed caches")
     add_mc_arguments(mc)
     mc.set_defaults(func=run_mc_command)
 
@@ -104,13 +104,13 @@ def add_canonical_arguments(parser: argparse.ArgumentParser) -> None:
 
 @_reports_unavailable_data
 def run_canonical_command(args) -> int:
-    from fibquant.eval.canonical import CanonicalConfig
+    from fibquant.eval.canonical_source import CanonicalConfig
     from fibquant.kv.model import load_model
 
     config = CanonicalConfig(text=args.text, tokens=args.tokens, offset=args.offset, layers=tuple(args.layers),
                              block_sizes=tuple(args.block_sizes), seed=args.seed)
     apply_threads(args)
-    run_experiment("canonical", config, args.out, model_and_tokenizer=load_model(args.model),
+    run_experiment("canonical-source", config, args.out, model_and_tokenizer=load_model(args.model),
                    progress=not args.no_progress)
     return 0
 
@@ -142,5 +142,5 @@ def run_mc_command(args) -> int:
                                   recent_tokens=args.recent_tokens, seed=args.seed,
                                   small_window=None if args.no_small_window else tuple(args.small_window))
     apply_threads(args)
-    run_experiment("mc", config, args.out, model_and_tokenizer=load_model(args.model), progress=not args.no_progress)
+    run_experiment("multiple-choice", config, args.out, model_and_tokenizer=load_model(args.model), progress=not args.no_progress)
     return 0

@@ -1,25 +1,25 @@
-"""`fibquant eval speed`: time to first token (one-shot and chunked prefill with a fresh cache), decode
+"""`fibquant eval decode-speed`: time to first token (one-shot and chunked prefill with a fresh cache), decode
 ms/token, cache bytes and peak memory per KV cache (argument parsing only)."""
 from __future__ import annotations
 
 import argparse
 
-from ._common import (add_list_argument, add_model_argument, add_out_argument, add_specs_argument, add_text_argument,
+from ._common import (add_eval_parser, add_list_argument, add_model_argument, add_out_argument, add_specs_argument, add_text_argument,
                       apply_threads, run_experiment)
 
 TIMING_THREADS = 1  # --threads default of this command (not half the cores: timings are per thread)
 
 
 def register_eval(eval_subparsers) -> None:
-    parser = eval_subparsers.add_parser(
-        "speed", help="time to first token, decode speed and memory: DynamicCache vs CompressedCache vs "
+    parser = add_eval_parser(
+        eval_subparsers, "decode-speed", help="time to first token, decode speed and memory: DynamicCache vs CompressedCache vs "
                       "QuantizedCache")
     add_speed_arguments(parser)
     parser.set_defaults(func=run_speed_command)
 
 
 def add_speed_arguments(parser: argparse.ArgumentParser) -> None:
-    from fibquant.eval.decode_speed_config import DEFAULT_CACHES, PARTS  # torch-free at import
+    from fibquant.eval.decode_speed.config import DEFAULT_CACHES, PARTS  # torch-free at import
 
     add_list_argument(parser, "--contexts", default=[1024, 2048, 4096, 8192],
                       help="context lengths in tokens (cut to leave room for the decoded tokens)")
@@ -53,7 +53,7 @@ def add_speed_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_speed_command(args: argparse.Namespace) -> int:
-    from fibquant.eval.decode_speed_config import DecodeSpeedConfig
+    from fibquant.eval.decode_speed.config import DecodeSpeedConfig
     from fibquant.kv.model import load_model
 
     if args.threads is None:
@@ -70,7 +70,7 @@ def run_speed_command(args: argparse.Namespace) -> int:
     else:
         model, tokenizer = load_model(args.model)
         model_and_tokenizer = (model.to(args.device), tokenizer)
-    payload = run_experiment("speed", config, args.out, model_and_tokenizer=model_and_tokenizer,
+    payload = run_experiment("decode-speed", config, args.out, model_and_tokenizer=model_and_tokenizer,
                              progress=not args.no_progress)
     print(f"({payload['seconds']:.0f} s)")
     return 0

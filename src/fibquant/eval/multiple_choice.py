@@ -30,9 +30,9 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
-from ..data.bigbench import MultipleChoiceExample
-from ..kv.model import cache_kwarg
-from .report import Experiment, figure, format_table
+from fibquant.data.bigbench import MultipleChoiceExample
+from fibquant.kv.model import cache_kwarg
+from fibquant.eval.report import Experiment, figure, format_table
 
 
 @dataclass(frozen=True)
@@ -249,7 +249,7 @@ class CacheSetting:
         here unless given)."""
         if self.is_fp:
             return None
-        from ..kv.cache import CompressedCache
+        from fibquant.kv.cache import CompressedCache
 
         codec = codec if codec is not None else self.build_codec(head_dim)
         # encode_batch=1: every context token outside the window is compressed, however short the context.
@@ -282,8 +282,8 @@ def run_multiple_choice(model, tokenizer, task: str = "goal_step_wikihow", limit
     (with binomial standard errors), their ratios to fp, the fraction of examples where the
     setting picks the same option as fp, and how many context tokens were read back from codes. `examples` overrides loading the task (tests).
     """
-    from ..data.bigbench import load_bigbench_task
-    from ..kv.model import check_model_supported, describe_model
+    from fibquant.data.bigbench import load_bigbench_task
+    from fibquant.kv.model import check_model_supported, describe_model
 
     settings = list(settings) if settings is not None else default_settings()
     if not settings or not settings[0].is_fp:  # fp first: every ratio and agreement refers to it
@@ -369,7 +369,7 @@ class MultipleChoiceConfig:
 def run(config: MultipleChoiceConfig = MultipleChoiceConfig(), model_and_tokenizer=None, progress: bool = True,
         examples: Sequence[MultipleChoiceExample] | None = None) -> dict:
     """`run_multiple_choice` with `config`'s settings on `model_and_tokenizer` (default: the default model)."""
-    from ..kv.model import load_model
+    from fibquant.kv.model import load_model
 
     model, tokenizer = model_and_tokenizer or load_model()
     settings = default_settings(config.bits, config.sink_tokens, config.recent_tokens, config.small_window,
@@ -390,7 +390,7 @@ def mc_table(payload: dict) -> str:
             "scoring pass read back from codes")
 
 
-EXPERIMENT = Experiment(name="mc", stem="multiple_choice", config=MultipleChoiceConfig, run=run, table=mc_table,
+EXPERIMENT = Experiment(name="multiple-choice", stem="multiple_choice", config=MultipleChoiceConfig, run=run, table=mc_table,
                         plot=plot_multiple_choice, header=mc_header)
 
 

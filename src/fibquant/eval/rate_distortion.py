@@ -14,12 +14,12 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..codebook import load_codebook
-from ..codecs import FibQuantCodec, IntCodec, TurboQuantCodec
-from ..codecs.fibquant import MAX_SEARCH_CODEWORDS, choose_block
-from ..source import sample_sphere
-from .report import Experiment, figure, format_table, format_targets
-from .timing import Stopwatch, rate
+from fibquant.codebook import load_codebook
+from fibquant.codecs import FibQuantCodec, IntCodec, TurboQuantCodec
+from fibquant.codecs.fibquant import MAX_SEARCH_CODEWORDS, choose_block
+from fibquant.source import sample_sphere
+from fibquant.eval.report import Experiment, figure, format_table, format_targets
+from fibquant.eval.timing import Stopwatch, rate
 
 # Point.codec: each codec's registered name (its plot style's name), e.g. "FibQuant".
 FIBQUANT, TURBOQUANT, INT = (cls.style.name for cls in (FibQuantCodec, TurboQuantCodec, IntCodec))
@@ -313,7 +313,7 @@ def run(config: RDConfig = RDConfig()) -> dict:
     return run_rate_distortion(config).to_json()
 
 
-EXPERIMENT = Experiment(name="rd", stem="rate_distortion", config=RDConfig, run=run, table=rd_table,
+EXPERIMENT = Experiment(name="rate-distortion", stem="rate_distortion", config=RDConfig, run=run, table=rd_table,
                         plot=plot_report, targets=lambda payload: payload["targets"])
 
 

@@ -50,18 +50,21 @@ Columns = Union[Sequence[Column], Callable[[dict], Sequence[Column]]]
 
 # name -> module defining EXPERIMENT; one line per experiment.
 EXPERIMENTS: dict[str, str] = {
-    "rd": "fibquant.eval.rate_distortion",
-    "canonical": "fibquant.eval.canonical",
+    "rate-distortion": "fibquant.eval.rate_distortion",
+    "canonical-source": "fibquant.eval.canonical_source",
     "needle": "fibquant.eval.needle",
-    "archive-kv": "fibquant.eval.archive_kv",
+    "archive-kv": "fibquant.eval.archive.kv",
     "demo": "fibquant.eval.demo",
     "fidelity": "fibquant.eval.fidelity",
     "perplexity": "fibquant.eval.perplexity",
-    "mc": "fibquant.eval.multiple_choice",
-    "speed": "fibquant.eval.decode_speed",
-    "archive": "fibquant.eval.archive_bench",
-    "peers": "fibquant.eval.peers_report",
+    "multiple-choice": "fibquant.eval.multiple_choice",
+    "decode-speed": "fibquant.eval.decode_speed",
+    "archive-bench": "fibquant.eval.archive.bench",
+    "peers": "fibquant.eval.peers",
 }
+# Earlier names of experiments (`fibquant eval rate-distortion`, ...): still accepted for one release, with a warning.
+RENAMED: dict[str, str] = {"rd": "rate-distortion", "canonical": "canonical-source", "mc": "multiple-choice",
+                           "speed": "decode-speed", "archive": "archive-bench"}
 
 
 # --------------------------------------------------------------------------- tables

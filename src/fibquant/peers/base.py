@@ -141,7 +141,7 @@ def _family_name(text: str) -> str:
     family = text.strip().partition(":")[0].strip().lower()
     if family in native_families():
         new = native_families()[family]
-        warnings.warn(f"{family!r} names transformers' QuantizedCache (measured by `eval speed`); its float "
+        warnings.warn(f"{family!r} names transformers' QuantizedCache (measured by `eval decode-speed`); its float "
                       f"round trip under fibquant's exact window is now spelled {new!r}: read as {new!r} for "
                       f"one release", DeprecationWarning, stacklevel=3)
         return new

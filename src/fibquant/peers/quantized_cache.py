@@ -6,7 +6,7 @@ Two spellings, two things measured:
   of every vector outside fibquant's exact window (`RoundTripCache`), so quality experiments
   compare the quantizers under the same window as `CompressedCache`;
 - `quanto:b=4`, `hqq:b=2`: transformers' `QuantizedCache(backend=..., nbits=b)` itself (its own
-  float residual of `residual_length` tokens), what `eval speed` times (`PeerFamily.native`).
+  float residual of `residual_length` tokens), what `eval decode-speed` times (`PeerFamily.native`).
 
 Both quantize per-token groups of 64 elements (transformers' default `q_group_size`). In quality
 experiments `quanto:b=B` / `hqq:b=B` are read as the round trip for one release, with a warning.

@@ -211,7 +211,7 @@ def test_headwise_and_layerwise_codecs(model, codec):
 
 
 def test_study_bytes_arithmetic():
-    from fibquant.eval.archive_study import StudyConfig, row_bytes
+    from fibquant.eval.archive.study import StudyConfig, row_bytes
 
     class Bank:  # codebook bytes only
         def codebook_bytes(self, depth, kind):

@@ -8,7 +8,7 @@ each optional (`DecodeSpeedConfig.parts`), run in this order for every cache bef
   (`DynamicCache(config=...)`, `CompressedCache.for_model(model, codec, codec, sink_tokens,
   recent_tokens, attention=...)`, `QuantizedCache(...)`), the whole prompt goes through the model
   in one forward with that cache in the loop (last-position logits only), then the argmax of the
-  first token; all of it is timed (`fibquant.eval.decode_speed_ttft`), with the peak memory the
+  first token; all of it is timed (`fibquant.eval.decode_speed.ttft`), with the peak memory the
   prefill adds;
 - "chunked", the same with the prompt fed in chunks of `chunk_tokens` tokens, one forward each
   (later chunks of ours attend to the earlier ones through their codes);
@@ -44,12 +44,12 @@ import sys
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Optional
 
-from fibquant.eval.decode_speed_config import (BYTES_COUNTING, DEFAULT_CACHES, SpeedCache, DecodeSpeedConfig,
+from fibquant.eval.decode_speed.config import (BYTES_COUNTING, DEFAULT_CACHES, SpeedCache, DecodeSpeedConfig,
                                                _package_version, cache_bytes, load_benchmark_model,
                                                peer_unavailable_reason)
-from fibquant.eval.decode_speed_report import (decode_speed_header, decode_speed_table, decode_speed_targets,
+from fibquant.eval.decode_speed.report import (decode_speed_header, decode_speed_table, decode_speed_targets,
                                                plot_decode_speed)
-from fibquant.eval.decode_speed_ttft import Clocks, cpu_clock_name, fresh_cache, time_fresh_prefill
+from fibquant.eval.decode_speed.ttft import Clocks, cpu_clock_name, fresh_cache, time_fresh_prefill
 from fibquant.eval.memory import PeakCUDA, PeakRSS, _synchronize, release_free_memory
 from fibquant.eval.report import Experiment
 from fibquant.eval.timing import Stopwatch, timed
@@ -58,7 +58,7 @@ from fibquant.kv.model import copy_dynamic_cache, last_logits
 if TYPE_CHECKING:
     import torch
 
-# The cache names, the config and the report live in decode_speed_config.py / decode_speed_report.py.
+# The cache names, the config and the report live in decode_speed/config.py / decode_speed/report.py.
 __all__ = ["BYTES_COUNTING", "DEFAULT_CACHES", "EXPERIMENT", "DecodeSpeedConfig", "cache_bytes", "context_tokens",
            "run_decode_speed", "write_decode_speed"]
 
@@ -428,7 +428,7 @@ def _warmup(specs, model, head_dim, config, token_ids, skipped, progress, codecs
             print(f"skipping {spec.name}: {reason}", file=sys.stderr, flush=True)
 
 
-EXPERIMENT = Experiment(name="speed", stem="decode_speed", config=DecodeSpeedConfig, run=run_decode_speed,
+EXPERIMENT = Experiment(name="decode-speed", stem="decode_speed", config=DecodeSpeedConfig, run=run_decode_speed,
                         header=decode_speed_header, table=decode_speed_table, plot=plot_decode_speed,
                         targets=decode_speed_targets)
 

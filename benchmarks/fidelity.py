@@ -1,6 +1,6 @@
 """Experiment 2 (FibQuant paper 4.2): attention-output cosine vs compression ratio on real K/V.
 
-Usage: .venv/bin/python benchmarks/attention_fidelity.py [--tokens 1024] [--text emma]
+Usage: .venv/bin/python benchmarks/fidelity.py [--tokens 1024] [--text emma]
        [--calibration-text persuasion] [--layers 0,5,10] [--query-stride 1]
        [--sink-tokens 0 --recent-tokens 0] [--caches 'fp;fibquant:k=64,n=4096;...'] [--build-codebooks]
 Prints the table and target checks; writes results/attention_fidelity*.json and .png.

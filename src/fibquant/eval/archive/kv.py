@@ -7,7 +7,7 @@
    suffix only); fp = `DynamicCache`, whole prompt. Next-token logits of warm and cold are
    compared with fp's (max |diff|, same argmax).
 2. Code-stream search: queries are the layer-0, head-0 value codes of sampled coded tokens.
-   (Also answered by `PersistentCache.find`/`find_many`, the row search of eval/archive_store.py.)
+   (Also answered by `PersistentCache.find`/`find_many`, the row search of eval/archive/store.py.)
    Layer-0 values carry no position (no RoPE on values, no earlier attention), so equal
    tokens have equal codes: a code search finds a token's other occurrences. The archive's
    in-place suffix search over the whole value index stream (every layer and head, hits kept
@@ -175,7 +175,7 @@ def check_parts(parts) -> None:
 def run_archive_kv(model, tokenizer, config: ArchiveKVConfig, workdir=None, parts=PARTS, study=None,
                    search_sizes=(100_000, 1_000_000)) -> dict:
     """The parts of `fibquant eval archive-kv` asked for (see PARTS and the module docstrings of
-    eval/archive_store.py and eval/archive_study.py)."""
+    eval/archive/store.py and eval/archive/study.py)."""
     from fibquant.eval import archive_store
 
     check_parts(parts)
@@ -200,7 +200,7 @@ def run_archive_kv(model, tokenizer, config: ArchiveKVConfig, workdir=None, part
         if "store" in parts:
             measured("store_8k", lambda: archive_store.measure_store(model, workdir=folder))
     if "study" in parts:
-        from fibquant.eval.archive_study import StudyConfig, run_study
+        from fibquant.eval.archive.study import StudyConfig, run_study
 
         measured("study", lambda: run_study(model, tokenizer, study or StudyConfig()))
     return payload
@@ -210,7 +210,7 @@ def plot_archive_kv(payload: dict, path) -> None:
     """Time to first token bars; the study's plot goes to `path` when there is no TTFT part, else
     next to it as `<stem>_study.png`."""
     if "study" in payload:
-        from fibquant.eval.archive_study import plot_study
+        from fibquant.eval.archive.study import plot_study
 
         alone = "prefix_ttft" not in payload
         plot_study(payload["study"]["rows"], path if alone else Path(path).with_name(Path(path).stem + "_study.png"))
@@ -290,7 +290,7 @@ def archive_kv_table(payload: dict) -> str:
                       f"{_load(payload, 'search_scale')}\n"
                       + format_table(rows, SEARCH_COLUMNS_SCALE))
     if "study" in payload:
-        from fibquant.eval.archive_study import study_table
+        from fibquant.eval.archive.study import study_table
 
         blocks.insert(0, study_table(payload["study"]["rows"]))
     return "\n\n".join(blocks)
@@ -341,7 +341,7 @@ SEARCH_US_TARGET = 50.0         # one code search at ~10^6 stored symbols, media
 
 def archive_kv_targets(payload: dict) -> list[dict]:
     """The targets of the parts present in `payload`, each met / missed on the measured figure."""
-    from fibquant.eval.archive_study import PAPER
+    from fibquant.eval.archive.study import PAPER
     from fibquant.eval.report import target
 
     out = []

@@ -27,12 +27,12 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from ..archive import Archive, FloatMapCoder, brute_force_search, make_coder
-from ..archive.search import PointIndex
-from .archive_baselines import (BenchmarkCheckError, bench_bitpack, bench_raw, bench_search_baselines, bench_zstd,
+from fibquant.archive import Archive, FloatMapCoder, brute_force_search, make_coder
+from fibquant.archive.search import PointIndex
+from fibquant.eval.archive.baselines import (BenchmarkCheckError, bench_bitpack, bench_raw, bench_search_baselines, bench_zstd,
                                 best_time, check_lookups, sample_queries, search_quality, time_lookups)
-from .report import Experiment, figure, format_table, target
-from .timing import timed
+from fibquant.eval.report import Experiment, figure, format_table, target
+from fibquant.eval.timing import timed
 
 # Targets of fractal-exact on every stream: 100x the figures of the fractal-archive paper
 # (µs per symbol / lookup / appended symbol / query over 10^5 positions), the stored bits over
@@ -98,7 +98,7 @@ def make_streams(config: BenchConfig) -> list[dict]:
 def text_stream(config: BenchConfig, rng) -> dict:
     """The bytes of real novels (N = 256), or a clearly labelled fallback."""
     try:
-        from ..data.text import load_text
+        from fibquant.data.text import load_text
 
         text = "\n\n".join(load_text(name) for name in config.text_names)
         raw = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
@@ -335,7 +335,7 @@ def plot_archive(payload: dict, path: Path) -> None:
         fig.tight_layout(rect=(0, 0.04, 1, 1))
 
 
-EXPERIMENT = Experiment(name="archive", stem="archive_bench", config=BenchConfig, run=run, table=archive_table,
+EXPERIMENT = Experiment(name="archive-bench", stem="archive_bench", config=BenchConfig, run=run, table=archive_table,
                         plot=plot_archive, targets=archive_targets, rows_key="results", table_suffix=".md")
 
 

@@ -21,9 +21,9 @@ from bisect import bisect_left, bisect_right
 
 import numpy as np
 
-from ..archive import brute_force_search
-from ..archive.search import key_depth
-from .timing import Stopwatch, best_of, timed
+from fibquant.archive import brute_force_search
+from fibquant.archive.search import key_depth
+from fibquant.eval.timing import Stopwatch, best_of, timed
 
 
 class BenchmarkCheckError(RuntimeError):

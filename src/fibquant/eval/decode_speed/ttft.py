@@ -24,7 +24,7 @@ import statistics
 import time
 from typing import Optional
 
-from fibquant.eval.decode_speed_config import SpeedCache, DecodeSpeedConfig, cache_bytes
+from fibquant.eval.decode_speed.config import SpeedCache, DecodeSpeedConfig, cache_bytes
 from fibquant.eval.memory import PeakCUDA, PeakRSS, _synchronize, release_free_memory
 from fibquant.eval.timing import Stopwatch
 from fibquant.kv.model import last_logits

@@ -1,0 +1,6 @@
+"""`python -m fibquant.cli` = the `fibquant` command."""
+import sys
+
+from fibquant.cli import main
+
+sys.exit(main())
