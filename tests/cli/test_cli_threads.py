@@ -10,7 +10,7 @@ import torch
 from fibquant.cli import build_parser
 from fibquant.cli._threads import add_threads_argument, apply_threads, default_threads
 
-EVAL_COMMANDS = ("rd", "canonical", "fidelity", "perplexity", "mc", "archive", "speed")
+EVAL_COMMANDS = ("rate-distortion", "canonical-source", "fidelity", "perplexity", "multiple-choice", "archive-bench", "decode-speed")
 
 
 def _eval_subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:

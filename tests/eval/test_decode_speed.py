@@ -126,7 +126,7 @@ def test_decode_speed_on_a_tiny_model(tmp_path, capsys):
     EXPERIMENT.report(payload, tmp_path / "report")
     assert table in capsys.readouterr().out
     assert sorted(p.name for p in (tmp_path / "report").iterdir()) == ["decode_speed.json", "decode_speed.png"]
-    assert get_experiment("speed") is EXPERIMENT
+    assert get_experiment("decode-speed") is EXPERIMENT
 
 
 def test_ttft_parts_alone_on_a_tiny_model(tmp_path):

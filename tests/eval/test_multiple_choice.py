@@ -197,7 +197,7 @@ def test_mc_command_builds_the_config(monkeypatch):
                                       "--no-small-window", "--no-progress"])
     assert args.func(args) == 0
     (name, config, out), resources = calls[0]
-    assert name == "mc" and resources == {"model_and_tokenizer": ("model", "tokenizer"), "progress": False}
+    assert name == "multiple-choice" and resources == {"model_and_tokenizer": ("model", "tokenizer"), "progress": False}
     assert config == MultipleChoiceConfig(limit=None, bits=(4.0,), methods=("int:b=4",), small_window=None)
     args = build_parser().parse_args(["eval", "multiple-choice", "--limit", "-1"])
     with pytest.raises(ValueError, match="--limit must be >= 0"):
