@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import DynamicCache
 
+from fibquant.kv.model import cache_kwarg
 from fibquant.codecs.integer import IntCodec
 from fibquant.eval.capture import CapturedAttention, attention_modules, capture_attention
 from fibquant.eval.fidelity import (CalibrationBank, FidelityConfig, causal_attention, compare_frontiers,
@@ -57,7 +58,7 @@ def test_capture_reproduces_the_model_attention():
 
     handle = module.register_forward_hook(keep_output)
     with torch.no_grad():
-        model(ids, past_key_values=cache, use_cache=True)
+        model(ids, **cache_kwarg(model, cache), use_cache=True)
     handle.remove()
     torch.testing.assert_close(captured.keys[1], cache.layers[1].keys[0])  # post-RoPE keys, as cached
     torch.testing.assert_close(captured.values[1], cache.layers[1].values[0])

@@ -8,6 +8,7 @@ import torch
 from _kv_helpers import REAL_PROMPT, real_model, tiny_llama
 from transformers import DynamicCache
 
+from fibquant.kv.model import cache_kwarg
 from fibquant.codecs.integer import IntCodec
 from fibquant.codecs.registry import Method
 from fibquant.eval.perplexity import (PerplexityConfig, perplexity_targets, run_perplexity, window_nll,
@@ -42,7 +43,7 @@ def test_kl_and_top1_against_the_uncompressed_distribution():
     torch.testing.assert_close(own["kl"], coded["kl"])
     with torch.no_grad():  # the lossy cache's own distribution, recomputed chunk by chunk
         again = CompressedCache(IntCodec(16, 2), IntCodec(16, 2), 1, 2)
-        logits = torch.cat([model(ids[:, s:s + 8], past_key_values=again, use_cache=True).logits for s in range(0, 40, 8)],
+        logits = torch.cat([model(ids[:, s:s + 8], **cache_kwarg(model, again), use_cache=True).logits for s in range(0, 40, 8)],
                            dim=1)[:, :-1].float()
     logp = torch.log_softmax(logits, -1)
     expected = (reference.exp() * (reference - logp)).sum(-1)
@@ -77,7 +78,7 @@ def test_real_model_compressed_generation_and_short_perplexity(request):
     model, tokenizer = real_model(request)
     inputs = tokenizer(REAL_PROMPT, return_tensors="pt")
     cache = CompressedCache.for_model(model, IntCodec(64, 3), IntCodec(64, 3), encode_batch=1)
-    generated = model.generate(**inputs, past_key_values=cache, max_new_tokens=8, do_sample=False,
+    generated = model.generate(**inputs, **cache_kwarg(model, cache), max_new_tokens=8, do_sample=False,
                                pad_token_id=tokenizer.eos_token_id)
     assert generated.shape[1] == inputs.input_ids.shape[1] + 8
     tokens = cache.get_seq_length()

@@ -10,6 +10,7 @@ import torch
 from _kv_helpers import tiny_llama
 from transformers import DynamicCache
 
+from fibquant.kv.model import cache_kwarg
 from fibquant.codecs.integer import IntCodec
 from fibquant.kv.allocation import LADDER, RateAllocator, attention_weights, greedy, ladder_codec
 from fibquant.kv.specs import parse_cache_spec
@@ -113,7 +114,7 @@ def test_allocator_errors():
 def feed(model, cache, ids, chunk):
     outs = []
     for start in range(0, ids.shape[1], chunk):
-        outs.append(model(input_ids=ids[:, start:start + chunk], past_key_values=cache, use_cache=True).logits)
+        outs.append(model(input_ids=ids[:, start:start + chunk], **cache_kwarg(model, cache), use_cache=True).logits)
     return torch.cat(outs, dim=1)
 
 
@@ -157,7 +158,7 @@ def test_from_cache_with_allocate_sees_the_tokens_after_the_sinks():
     ids = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(2))
     source = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(input_ids=ids, past_key_values=source, use_cache=True)
+        model(input_ids=ids, **cache_kwarg(model, source), use_cache=True)
     recorder = Recorder()
     cache = CompressedCache.from_cache(source, IntCodec(DIM, 4), IntCodec(DIM, 4), 3, 8, allocate=recorder)
     assert recorder.calls == [[(1, 2, 37, DIM)] * 2]
@@ -177,7 +178,7 @@ def test_per_layer_codec_errors():
     with pytest.raises(ValueError, match="codecs for 1 layers"):
         model = tiny_llama()
         cache = CompressedCache([IntCodec(DIM, 4)], [IntCodec(DIM, 4)])
-        model(input_ids=torch.tensor([[1, 2, 3]]), past_key_values=cache, use_cache=True)
+        model(input_ids=torch.tensor([[1, 2, 3]]), **cache_kwarg(model, cache), use_cache=True)
     with pytest.raises(ValueError, match="per-layer codecs for a model of 2 layers"):
         CompressedCache.for_model(tiny_llama(), [IntCodec(DIM, 4)] * 3, [IntCodec(DIM, 4)] * 3, attention="decode")
 
@@ -214,7 +215,7 @@ def test_spec_centre_and_uniform_alloc_build_the_caches_they_name():
     ids = torch.randint(0, 97, (1, 60), generator=torch.Generator().manual_seed(3))
     source = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(input_ids=ids, past_key_values=source, use_cache=True)
+        model(input_ids=ids, **cache_kwarg(model, source), use_cache=True)
     plain = parse_cache_spec("fibquant:b=3/fibquant:b=2.5").build(model, 4, 8, "decode", prefill=source)
     uniform = parse_cache_spec("fibquant:b=3/fibquant:b=2.5@alloc=uniform").build(model, 4, 8, "decode",
                                                                                  prefill=source)

@@ -9,6 +9,7 @@ import pytest
 import torch
 from _kv_helpers import tiny_llama
 
+from fibquant.kv.model import cache_kwarg
 from fibquant.codecs.fibquant import FibQuantCodec
 from fibquant.codecs.integer import IntCodec
 from fibquant.codecs.turboquant import TurboQuantCodec
@@ -82,7 +83,7 @@ def test_generate_on_cuda_codes_path_equals_decode_path(dtype):
         codec = FibQuantCodec(DIM, 4, 256)
         cache = CompressedCache.for_model(model, codec, codec, sink_tokens=4, recent_tokens=8, attention=mode)
         results[mode] = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10,
-                                       do_sample=False, past_key_values=cache, pad_token_id=0,
+                                       do_sample=False, **cache_kwarg(model, cache), pad_token_id=0,
                                        output_scores=True, return_dict_in_generate=True)
         layer = cache.layers[0]
         assert layer.key_codes.device.type == "cuda" and layer.recent_keys.dtype == dtype

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import DynamicCache, LlamaConfig
 
+from fibquant.kv.model import cache_kwarg
 from fibquant.codecs.integer import IntCodec
 from fibquant.kv.cache import CompressedCache, CompressedLayer
 from fibquant.kv.accounting import cache_nbytes, dynamic_cache_bytes_per_token, dynamic_cache_nbytes
@@ -107,8 +108,8 @@ def test_cache_nbytes_sums_layers_and_beats_dynamic_cache():
     cache = CompressedCache(IntCodec(DIM, 4), IntCodec(DIM, 4), sink_tokens=4, recent_tokens=8)
     dynamic = DynamicCache()
     with torch.no_grad():
-        model(ids, past_key_values=cache, use_cache=True)
-        model(ids, past_key_values=dynamic, use_cache=True)
+        model(ids, **cache_kwarg(model, cache), use_cache=True)
+        model(ids, **cache_kwarg(model, dynamic), use_cache=True)
     assert len(cache.layers) == 2 and cache.get_seq_length() == 120
     assert cache.nbytes() == sum(layer.nbytes() for layer in cache.layers)
     assert cache.bytes_per_token() == pytest.approx(cache.used_nbytes() / (2 * 120))
@@ -138,8 +139,8 @@ def test_prefill_then_decode_matches_dynamic_cache_when_window_covers_everything
     exact = CompressedCache(IntCodec(DIM, 2), IntCodec(DIM, 2), sink_tokens=0, recent_tokens=64)
     with torch.no_grad():
         reference = model(ids).logits
-        parts = [model(ids[:, :20], past_key_values=exact, use_cache=True).logits]
-        parts += [model(ids[:, t:t + 1], past_key_values=exact, use_cache=True).logits for t in range(20, 30)]
+        parts = [model(ids[:, :20], **cache_kwarg(model, exact), use_cache=True).logits]
+        parts += [model(ids[:, t:t + 1], **cache_kwarg(model, exact), use_cache=True).logits for t in range(20, 30)]
     torch.testing.assert_close(torch.cat(parts, dim=1), reference, rtol=1e-4, atol=1e-4)
     assert exact.layers[0].num_coded == 0
 
@@ -149,7 +150,7 @@ def test_generate_with_compressed_cache_batch_and_gqa():
     ids = torch.randint(3, 97, (2, 24), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(ids)
     cache = CompressedCache(IntCodec(DIM, 8), IntCodec(DIM, 8), sink_tokens=2, recent_tokens=4, encode_batch=1)
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, past_key_values=cache,
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, **cache_kwarg(model, cache),
                          pad_token_id=0)
     reference = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert out.shape == reference.shape == (2, 32)
@@ -186,12 +187,12 @@ def test_cache_level_crop_and_mask_sizes():
     ids = torch.randint(0, 97, (1, 50), generator=torch.Generator().manual_seed(4))
     cache = CompressedCache(IntCodec(DIM, 8), IntCodec(DIM, 8), sink_tokens=4, recent_tokens=8)
     with torch.no_grad():
-        model(ids, past_key_values=cache, use_cache=True)
+        model(ids, **cache_kwarg(model, cache), use_cache=True)
     assert cache.get_mask_sizes(3, 0) == (53, 0)
     cache.crop(-5)  # transformers 5: crop takes the number of tokens to drop, negative
     assert cache.get_seq_length() == 45
     with torch.no_grad():
-        logits = model(ids[:, 45:], past_key_values=cache, use_cache=True).logits
+        logits = model(ids[:, 45:], **cache_kwarg(model, cache), use_cache=True).logits
     assert logits.shape == (1, 5, 97) and torch.isfinite(logits).all()
     assert cache.layers[0].keys.shape == (1, 2, 50, DIM)  # decoded on request
 
@@ -236,7 +237,7 @@ def test_int8_greedy_generate_equals_uncompressed_on_real_model(request):
     reference = model.generate(**inputs, **kwargs)
     cache = CompressedCache.for_model(model, IntCodec(64, 8), IntCodec(64, 8), sink_tokens=4, recent_tokens=32,
                                       encode_batch=1)
-    compressed = model.generate(**inputs, past_key_values=cache, **kwargs)
+    compressed = model.generate(**inputs, **cache_kwarg(model, cache), **kwargs)
     assert torch.equal(compressed, reference), tokenizer.decode(compressed[0]) + " | " + tokenizer.decode(reference[0])
     assert cache.layers[0].num_coded > 0
     assert len(cache.layers) == 30

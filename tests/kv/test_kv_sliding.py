@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from fibquant.kv.model import cache_kwarg
 from fibquant.codecs.fibquant import FibQuantCodec
 from fibquant.kv.attention.entry import attend_codes, coded_attention_forward
 from fibquant.kv.cache import CodeBuffer, CodedKV, CompressedCache, CompressedSlidingLayer
@@ -75,7 +76,7 @@ def _run(model, cache, ids, chunks, steps):
     out, start = [], 0
     with torch.no_grad():
         for chunk in list(chunks) + [1] * steps:
-            out.append(model(input_ids=ids[:, start:start + chunk], past_key_values=cache, use_cache=True).logits)
+            out.append(model(input_ids=ids[:, start:start + chunk], **cache_kwarg(model, cache), use_cache=True).logits)
             start += chunk
     return torch.cat(out, dim=1)
 
@@ -153,12 +154,12 @@ def test_generate_with_left_padding_matches_dynamic_cache():
     settings = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, output_scores=True,
                     return_dict_in_generate=True)
     exact = CompressedCache.for_model(model, _int8(), _int8(), sink_tokens=4, recent_tokens=1000, sliding_exact=True)
-    got = model.generate(ids, past_key_values=exact, **settings)
+    got = model.generate(ids, **cache_kwarg(model, exact), **settings)
     want = model.generate(ids, past_key_values=DynamicCache(config=model.config), **settings)
     assert torch.equal(got.sequences, want.sequences)
     torch.testing.assert_close(torch.stack(got.scores), torch.stack(want.scores), rtol=1e-4, atol=1e-4)
     coded = CompressedCache.for_model(model, _int8(), _int8(), sink_tokens=2, recent_tokens=4, encode_batch=4)
-    on_codes = model.generate(ids, past_key_values=coded, **settings)
+    on_codes = model.generate(ids, **cache_kwarg(model, coded), **settings)
     decoded = model.generate(ids, past_key_values=CompressedCache.for_model(
         model, _int8(), _int8(), 2, 4, attention="decode", encode_batch=4), **settings)
     torch.testing.assert_close(torch.stack(on_codes.scores), torch.stack(decoded.scores), rtol=1e-4, atol=1e-4)

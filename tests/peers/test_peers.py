@@ -9,6 +9,7 @@ import torch
 from _kv_helpers import tiny_llama
 from transformers import DynamicCache
 
+from fibquant.kv.model import cache_kwarg
 from fibquant.codecs.integer import IntCodec
 from fibquant.kv.specs import CacheSpec, parse_cache_spec, parse_cache_specs, split_available
 from fibquant.peers import (PEERS, PeerFamily, build_peer, native_families, one_of, parse_peer, peer_families, peer_specs,
@@ -129,7 +130,7 @@ def test_roundtrip_cache_equals_compressed_cache_decode_path():
     # from_cache = one update with every prefill token
     source = DynamicCache()
     with torch.no_grad():
-        model(input_ids=ids, past_key_values=source, use_cache=True)
+        model(input_ids=ids, **cache_kwarg(model, source), use_cache=True)
     built = RoundTripCache.from_cache(source, lambda x, s: codec.roundtrip(x), lambda x, s: codec.roundtrip(x), **config)
     assert built.get_seq_length() == 40 and built.layers[0].archived == 35
     assert torch.equal(built.layers[0].keys[..., :3, :], source.layers[0].keys[..., :3, :])

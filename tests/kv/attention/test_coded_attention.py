@@ -6,6 +6,7 @@ import torch
 from _kv_helpers import REAL_PROMPT, real_model, tiny_llama
 from transformers import DynamicCache
 
+from fibquant.kv.model import cache_kwarg
 from fibquant.codecs.fibquant import FibQuantCodec
 from fibquant.codecs.integer import IntCodec
 from fibquant.codecs.turboquant import TurboQuantCodec
@@ -160,9 +161,9 @@ def test_model_logits_codes_equal_decode_path(codecs):
         assert cache.attention == mode
         assert (model.config._attn_implementation == ATTENTION_NAME) == (mode == "codes")
         with torch.no_grad():
-            parts = [model(ids[:, :30], past_key_values=cache, use_cache=True).logits,
-                     model(ids[:, 30:50], past_key_values=cache, use_cache=True).logits]
-            parts += [model(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits for t in range(50, 70)]
+            parts = [model(ids[:, :30], **cache_kwarg(model, cache), use_cache=True).logits,
+                     model(ids[:, 30:50], **cache_kwarg(model, cache), use_cache=True).logits]
+            parts += [model(ids[:, t:t + 1], **cache_kwarg(model, cache), use_cache=True).logits for t in range(50, 70)]
         logits[mode] = torch.cat(parts, dim=1)
         layer = cache.layers[0]  # 4 sinks, 8..8+15 recent (encode_batch 16), the rest coded
         assert layer.num_coded == 70 - 4 - layer.num_recent and 8 <= layer.num_recent < 8 + 16
@@ -179,7 +180,7 @@ def test_generate_with_left_padding_same_tokens_on_both_paths():
         cache = CompressedCache.for_model(model, FibQuantCodec(DIM, 2, 256), FibQuantCodec(DIM, 2, 256),
                                           sink_tokens=2, recent_tokens=4, attention=mode)
         outputs[mode] = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
-                                       past_key_values=cache, pad_token_id=0, output_scores=True,
+                                       **cache_kwarg(model, cache), pad_token_id=0, output_scores=True,
                                        return_dict_in_generate=True)
     assert torch.equal(outputs["codes"].sequences, outputs["decode"].sequences)
     for got, want in zip(outputs["codes"].scores, outputs["decode"].scores):
@@ -190,9 +191,9 @@ def test_fibquant_attention_serves_other_caches_as_sdpa():
     ids = torch.randint(0, 97, (1, 20), generator=torch.Generator().manual_seed(9))
     model = tiny_llama64()
     with torch.no_grad():
-        reference = model(ids, past_key_values=DynamicCache(), use_cache=True).logits
+        reference = model(ids, **cache_kwarg(model, DynamicCache()), use_cache=True).logits
         use_coded_attention(model)
-        got = model(ids, past_key_values=DynamicCache(), use_cache=True).logits
+        got = model(ids, **cache_kwarg(model, DynamicCache()), use_cache=True).logits
     torch.testing.assert_close(got, reference, rtol=1e-5, atol=1e-5)
 
 
@@ -200,7 +201,7 @@ def test_codes_cache_with_another_attention_fails_clearly():
     model = tiny_llama64()  # sdpa
     cache = CompressedCache(FibQuantCodec(DIM, 2, 256), FibQuantCodec(DIM, 2, 256), attention="codes")
     with pytest.raises(AttributeError, match="attention implementation is 'fibquant'"):
-        model(torch.randint(0, 97, (1, 10)), past_key_values=cache, use_cache=True)
+        model(torch.randint(0, 97, (1, 10)), **cache_kwarg(model, cache), use_cache=True)
 
 
 def test_unsupported_options_fall_back_to_decoding_with_a_warning():
@@ -233,7 +234,7 @@ def test_from_cache_equals_one_update_and_keeps_source():
     model = tiny_llama64()
     dynamic = DynamicCache()
     with torch.no_grad():
-        model(ids, past_key_values=dynamic, use_cache=True)
+        model(ids, **cache_kwarg(model, dynamic), use_cache=True)
     keys_before = dynamic.layers[0].keys.clone()
     codecs = (FibQuantCodec(DIM, 2, 256), TurboQuantCodec(DIM, 2))
     converted = CompressedCache.from_cache(dynamic, *codecs, sink_tokens=4, recent_tokens=8)
@@ -275,7 +276,7 @@ def test_real_model_codes_path_equals_decode_path(request):
         for mode in ("decode", "codes"):
             cache = CompressedCache.for_model(model, FibQuantCodec.for_rate(64, 2), FibQuantCodec.for_rate(64, 2),
                                               sink_tokens=4, recent_tokens=8, attention=mode)
-            results[mode] = model.generate(**inputs, past_key_values=cache, **kwargs)
+            results[mode] = model.generate(**inputs, **cache_kwarg(model, cache), **kwargs)
             assert cache.layers[0].num_coded > 0
     finally:
         model.set_attn_implementation(previous)

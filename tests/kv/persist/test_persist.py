@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from _kv_helpers import tiny_llama
+from fibquant.kv.model import cache_kwarg
 from fibquant.archive import RecoveryWarning
 from fibquant.codecs.fibquant import FibQuantCodec
 from fibquant.codecs.integer import IntCodec
@@ -39,7 +40,7 @@ def _ids(n, seed=0):
 
 def _run(model, cache, ids):
     with torch.no_grad():
-        return model(input_ids=ids, past_key_values=cache, use_cache=True).logits
+        return model(input_ids=ids, **cache_kwarg(model, cache), use_cache=True).logits
 
 
 def _assert_same_state(a: CompressedCache, b: CompressedCache):
@@ -194,7 +195,7 @@ def test_crash_during_generation_then_resume(model, codecs, tmp_path):
     cache = CompressedCache.for_model(model, *codecs, 4, 8, encode_batch=4)
     store = PersistentCache.create(tmp_path / "g", model, *codecs, recent_tokens=8, encode_batch=4)
     writer = CacheWriter(store, cache, checkpoint_every=16)
-    model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache, do_sample=False,
+    model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **cache_kwarg(model, cache), do_sample=False,
                    max_new_tokens=60, stopping_criteria=[writer])
     shutil.copytree(tmp_path / "g", tmp_path / "crashed")  # the files as a killed process leaves them
     store.close()

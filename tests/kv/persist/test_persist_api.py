@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from _kv_helpers import tiny_llama
+from fibquant.kv.model import cache_kwarg
 from fibquant.archive.exact import RadixCoder
 from fibquant.codecs.fibquant import FibQuantCodec
 from fibquant.codecs.integer import IntCodec
@@ -37,7 +38,7 @@ def _ids(n, seed=0):
 
 def _run(model, cache, ids):
     with torch.no_grad():
-        return model(input_ids=ids, past_key_values=cache, use_cache=True).logits
+        return model(input_ids=ids, **cache_kwarg(model, cache), use_cache=True).logits
 
 
 def _prefilled(model, codec, tokens=70, chunk=9, seed=0):
@@ -104,7 +105,7 @@ def test_save_append_writer_during_generate(model, codec, tmp_path):
     _run(model, cache, ids[:, :19])  # the prompt but its last token, which generate feeds
     writer = cache.save(tmp_path / "w", model, ids[:, :19], append=True, checkpoint_every=5)
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **cache_kwarg(model, cache),
                              do_sample=False, max_new_tokens=30, stopping_criteria=[writer])
     with PersistentCache.open(tmp_path / "w") as store:  # before close: every sealed checkpoint is there
         assert store.num_coded > 0

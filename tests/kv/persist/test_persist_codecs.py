@@ -13,6 +13,7 @@ import torch
 from transformers import DynamicCache
 
 from _kv_helpers import tiny_llama
+from fibquant.kv.model import cache_kwarg
 from fibquant.archive import RecoveryWarning
 from fibquant.codecs.fibquant import FibQuantCodec
 from fibquant.codecs.identity import IdentityCodec
@@ -43,7 +44,7 @@ def _ids(n, seed=0):
 
 def _run(model, cache, ids):
     with torch.no_grad():
-        return model(input_ids=ids, past_key_values=cache, use_cache=True).logits
+        return model(input_ids=ids, **cache_kwarg(model, cache), use_cache=True).logits
 
 
 def _fill(model, cache, tokens=70, chunk=9):

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from _kv_helpers import REAL_PROMPT, real_model
+from fibquant.kv.model import cache_kwarg
 from fibquant.codecs.fibquant import FibQuantCodec
 from fibquant.kv.cache import CompressedCache
 from fibquant.kv.persist.store import PersistentCache
@@ -24,7 +25,7 @@ def test_real_model_resume_is_identical(model_tok, tmp_path):
     codec = FibQuantCodec.for_rate(64, 2.0)
     ids = tokenizer(REAL_PROMPT, return_tensors="pt").input_ids
     cache = CompressedCache.for_model(model, codec, codec, 4, 32)
-    reference = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+    reference = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **cache_kwarg(model, cache),
                                do_sample=False, max_new_tokens=40, output_scores=True, return_dict_in_generate=True)
     first = generate_persistent(model, ids, tmp_path / "c", codec, codec, max_new_tokens=20, checkpoint_every=8)
     assert torch.equal(first[0], reference.sequences[0, : ids.shape[1] + 20])
@@ -74,7 +75,7 @@ def test_real_model_calibrated_per_head_roundtrip(model_tok, tmp_path):
     cache = LayerwiseCompressedCache(key_codecs, value_codecs, 4, 16, encode_batch=4)
     ids = tokenizer(REAL_PROMPT, return_tensors="pt").input_ids
     with torch.no_grad():
-        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        model(input_ids=ids, **cache_kwarg(model, cache), use_cache=True)
     cache.save(tmp_path / "c", model, ids)
     loaded = CompressedCache.load(tmp_path / "c", model, attention="decode")
     assert len(list((tmp_path / "c/codecs").iterdir())) == 2 * layers * heads
@@ -83,6 +84,6 @@ def test_real_model_calibrated_per_head_roundtrip(model_tok, tmp_path):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
     nxt = tokenizer(" and then", return_tensors="pt").input_ids
     with torch.no_grad():
-        live = model(input_ids=nxt, past_key_values=cache, use_cache=True).logits
-        resumed = model(input_ids=nxt, past_key_values=loaded, use_cache=True).logits
+        live = model(input_ids=nxt, **cache_kwarg(model, cache), use_cache=True).logits
+        resumed = model(input_ids=nxt, **cache_kwarg(model, loaded), use_cache=True).logits
     assert torch.equal(live, resumed)
