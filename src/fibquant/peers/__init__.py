@@ -11,9 +11,10 @@ Spec strings (one module per family, listed in `base.REGISTRY`; `b` bits, `q` la
 
 Absent packages: `unavailable_reason(spec)` says why (install `pip install 'fibquant[peers]'`).
 """
-from fibquant.peers.base import (PEERS, REGISTRY, PeerFamily, PeerQuantizer, PeerSpec, build_peer, is_peer,
-                                 native_families, one_of, package_versions, parse_peer, peer_families, peer_specs,
-                                 unavailable_reason)
+from fibquant.peers.base import (PEERS, REGISTRY, PeerFamily, PeerQuantizer, PeerSpec, build_peer,
+                                 family_unavailable_reason, is_peer, native_families, one_of, package_versions,
+                                 parse_peer, peer_families, peer_specs, unavailable_reason)
 
-__all__ = ["PEERS", "REGISTRY", "PeerFamily", "PeerQuantizer", "PeerSpec", "build_peer", "is_peer", "native_families", "one_of",
-           "package_versions", "parse_peer", "peer_families", "peer_specs", "unavailable_reason"]
+__all__ = ["PEERS", "REGISTRY", "PeerFamily", "PeerQuantizer", "PeerSpec", "build_peer", "family_unavailable_reason",
+           "is_peer", "native_families", "one_of", "package_versions", "parse_peer", "peer_families", "peer_specs",
+           "unavailable_reason"]

@@ -178,8 +178,12 @@ def peer_specs(lowest: Optional[int] = None) -> tuple[str, ...]:
 
 def unavailable_reason(spec: PeerSpec | str) -> Optional[str]:
     """None when the peer's package imports here, else one line saying what to install."""
-    spec = parse_peer(spec) if isinstance(spec, str) else spec
-    module, package = PEERS[spec.family].package
+    return family_unavailable_reason((parse_peer(spec) if isinstance(spec, str) else spec).family)
+
+
+def family_unavailable_reason(family: str) -> Optional[str]:
+    """`unavailable_reason` of the registered family `family` (any of its values)."""
+    module, package = PEERS[family].package
     try:
         importlib.import_module(module)
     except Exception as exc:  # a missing or broken package both mean: skip

@@ -194,9 +194,9 @@ def load_benchmark_model(config: "DecodeSpeedConfig"):
 
 def peer_unavailable_reason(backend: str) -> Optional[str]:
     """None when transformers' QuantizedCache can use `backend` here, else why not."""
-    from fibquant.peers import native_families, unavailable_reason
+    from fibquant.peers import family_unavailable_reason, native_families
 
-    reason = unavailable_reason(f"{native_families()[backend]}:b=4")
+    reason = family_unavailable_reason(native_families()[backend])
     if reason is not None:
         return reason
     try:

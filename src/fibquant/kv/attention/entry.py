@@ -42,10 +42,11 @@ import numpy as np
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from fibquant._numba import run_split
 from fibquant.codecs.base import Codec
 from fibquant.kv.buffer import CodedKV
-from fibquant.kv.attention.kernels import (attention_with_lse, coded_decode_attention, coded_scores, coded_weighted_sum,
-                                       merge_lse, triton_available)
+from fibquant.kv.attention.kernels import (_MIN_WORK_PER_THREAD, attention_with_lse, coded_decode_attention,
+                                       coded_scores, coded_weighted_sum, merge_lse, triton_available)
 
 ATTENTION_NAME = "fibquant"
 QUERY_ROWS_PER_BLOCK = 2048      # query rows (query heads x tokens) per KV head scored at once
@@ -360,19 +361,8 @@ def _attend_decode_numba(query: torch.Tensor, kv: CodedKV, attention_mask, scali
     if sizes is None:
         from fibquant.kv.attention.numba_decode import scratch_sizes
         sizes = _SIZES[shape] = scratch_sizes(*shape)
-    threads = torch.get_num_threads()
-    if threads > 1:
-        from fibquant.kv.attention.kernels import _MIN_WORK_PER_THREAD
-        threads = min(threads, units, units * coded * (keys[4] + values[4]) // _MIN_WORK_PER_THREAD)
-    if threads <= 1:
-        bad = _KERNEL(*args, *_scratch(0, sizes, lanes, coded), 0, units)
-    else:
-        from fibquant._numba import _pool
-        pool = _pool("fibquant-decode", threads)
-        bounds = [units * t // threads for t in range(threads + 1)]
-        futures = [pool.submit(_KERNEL, *args, *_scratch(t, sizes, lanes, coded), bounds[t], bounds[t + 1])
-                   for t in range(threads)]
-        bad = sum(int(f.result()) for f in futures)
+    bad = run_split(_KERNEL, args, units, coded * (keys[4] + values[4]), _MIN_WORK_PER_THREAD, "fibquant-decode",
+                    per_thread=lambda t: _scratch(t, sizes, lanes, coded))
     if bad:
         raise ValueError(f"codes hold {bad} index(es) >= N (index_bits={keys[3]} / {values[3]})")
     out = out.unsqueeze(1)
