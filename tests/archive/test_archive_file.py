@@ -293,3 +293,10 @@ def test_truncate_fsyncs_when_durable(tmp_path, monkeypatch):
     with Archive.open(tmp_path / "a.fqa", "a", durable=True) as archive:
         archive.truncate(100)
         assert len(calls) == 2  # the cut, then the re-sealed leading symbols of the cut record
+
+
+def test_info_of_an_empty_archive_states_no_rate(tmp_path):
+    Archive.create(tmp_path / "e.fqa", 16).close()
+    with Archive.open(tmp_path / "e.fqa") as archive:
+        info = archive.info()
+    assert info["symbols"] == 0 and info["bits_per_symbol"] is None

@@ -399,6 +399,7 @@ class Archive:
 
     # ------------------------------------------------------------------- misc
     def info(self) -> dict:
+        """Header and size figures; `bits_per_symbol` is None for an empty archive (no rate to state)."""
         file_bytes = self._end
         n = len(self)
         return {
@@ -406,7 +407,7 @@ class Archive:
             "r": self.header.r, "segment": self.header.segment, "block_symbols": self.block_symbols,
             "symbols": n, "sealed_symbols": self._sealed, "blocks": len(self._counts),
             "file_bytes": file_bytes,
-            "bits_per_symbol": 8.0 * file_bytes / n if n else float("nan"),
+            "bits_per_symbol": 8.0 * file_bytes / n if n else None,
         }
 
     def close(self) -> None:
