@@ -22,14 +22,17 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
-from fibquant.integrations.vllm.config import DEFAULT_SINK_TOKENS, ENV_VAR, SINKS_ENV_VAR
+from fibquant.integrations.vllm.config import (DEFAULT_RECENT_TOKENS, DEFAULT_SINK_TOKENS, ENV_VAR, RECENT_ENV_VAR,
+                                               SINKS_ENV_VAR, VllmCacheConfig)
 
 RESULT_MARK = "FIBQUANT_RESULT "
 
 
 @dataclass(frozen=True)
 class EngineSettings:
-    """What the engine is started with. `kv_cache_gib` sets VLLM_CPU_KVCACHE_SPACE (the CPU KV budget);
+    """What the engine is started with. `kv_cache_gib` is the KV budget (vLLM's kv_cache_memory_bytes,
+    any fraction of a GiB); with a FibQuant cache the exact-window side stores (`window_bytes`) are
+    taken off it, so the pages and the window together fit the same budget as bf16's pages.
     `chunk_tokens` caps the tokens of one forward (chunked prefill), which is also what decides how
     many earlier tokens a prompt token sees through codes."""
 
@@ -43,6 +46,7 @@ class EngineSettings:
     kv_cache_dtype: str = "auto"  # vLLM's own cache dtypes (fp8, turboquant_*), with cache_spec None
     device: str = "cpu"           # "cuda": the budget goes through kv_cache_memory_bytes
     sink_tokens: int = DEFAULT_SINK_TOKENS  # exact first tokens of each sequence (FibQuant cache only)
+    recent_tokens: int = DEFAULT_RECENT_TOKENS  # exact last tokens before each forward (FibQuant cache only)
 
     def __post_init__(self) -> None:
         if self.chunk_tokens < 1 or self.max_model_len < 2 or self.kv_cache_gib <= 0:
@@ -63,7 +67,8 @@ def run_task(settings: EngineSettings, task: dict, timeout: float = 1800.0, pyth
     if settings.cache_spec:
         env[ENV_VAR] = settings.cache_spec
         env[SINKS_ENV_VAR] = str(settings.sink_tokens)
-    env["VLLM_CPU_KVCACHE_SPACE"] = f"{settings.kv_cache_gib:g}"
+        env[RECENT_ENV_VAR] = str(settings.recent_tokens)
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override kv_cache_memory_bytes (whole GiB only)
     env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     env.setdefault("HF_HUB_OFFLINE", "1")
     payload = json.dumps({"settings": asdict(settings), "task": task})
@@ -76,14 +81,32 @@ def run_task(settings: EngineSettings, task: dict, timeout: float = 1800.0, pyth
     raise RuntimeError(f"vLLM child exited with {done.returncode} and no result:\n{tail}")
 
 
+def window_bytes(settings: EngineSettings) -> int:
+    """Bytes of the exact-window side stores of a FibQuant engine at their bound (0 without one): every
+    layer keeps (sinks + recent) keys and values per schedulable sequence (`window.ExactWindow`)."""
+    if not settings.cache_spec:
+        return 0
+    with open(os.path.join(settings.model_dir, "config.json")) as handle:
+        model = json.load(handle)
+    model = model.get("text_config", model)
+    heads = model["num_attention_heads"]
+    head_dim = model.get("head_dim") or model["hidden_size"] // heads
+    element = 4 if settings.dtype in ("float32", "float") else 2
+    config = VllmCacheConfig.parse(settings.cache_spec, settings.sink_tokens, settings.recent_tokens)
+    return config.window_bytes(head_dim, model.get("num_key_value_heads") or heads, model["num_hidden_layers"],
+                               settings.max_num_seqs, element)
+
+
 def _engine(settings: EngineSettings):
     from vllm import LLM
 
-    extra = {}
-    if settings.device == "cuda":
-        extra["kv_cache_memory_bytes"] = int(settings.kv_cache_gib * 2 ** 30)
-        if settings.cache_spec:
-            extra["attention_backend"] = "CUSTOM"
+    budget = int(settings.kv_cache_gib * 2 ** 30)
+    extra = {"kv_cache_memory_bytes": budget - window_bytes(settings)}
+    if extra["kv_cache_memory_bytes"] <= 0:
+        raise ValueError(f"the exact windows of {settings.max_num_seqs} sequences ({window_bytes(settings)} bytes) "
+                         f"do not fit the KV budget of {settings.kv_cache_gib:g} GiB")
+    if settings.device == "cuda" and settings.cache_spec:
+        extra["attention_backend"] = "CUSTOM"
     return LLM(model=settings.model_dir, dtype=settings.dtype, enforce_eager=True,
                max_model_len=settings.max_model_len, enable_chunked_prefill=True,
                max_num_batched_tokens=settings.chunk_tokens, max_num_seqs=settings.max_num_seqs,
@@ -160,7 +183,7 @@ def _main() -> None:
     start = time.perf_counter()
     llm = _engine(settings)
     result = {"load_s": time.perf_counter() - start, "kv_capacity_tokens": _capacity(llm),
-              "cache_spec": settings.cache_spec}
+              "cache_spec": settings.cache_spec, "window_bytes": window_bytes(settings)}
     start = time.perf_counter()
     result.update(TASKS[task["task"]](llm, task))
     result["task_s"] = time.perf_counter() - start
