@@ -165,13 +165,15 @@ def parity_rows(model_dir):
 @pytest.mark.parametrize("spec", ["fibquant:b=4", "fibquant:b=2"])
 def test_perplexity_increase_through_vllm_matches_transformers_cache(parity_rows, spec):
     row = parity_rows[spec]
+    print(f"{spec}: transformers {row.transformers_increase:+.5f}, vLLM {row.vllm_increase:+.5f}")
     assert row.transformers_increase > 0  # the codes are lossy: the comparison is not vacuous
-    # The same cache semantics in both engines: the increases agree to 1.5 points + 10 % of the increase.
-    # The engines differ in weight precision (bf16 in vLLM, float32 in transformers), and bf16 makes one
-    # 512-token span noisy: moving vLLM's prefill chunks to the SDPA + log-sum-exp path (float32 results
-    # within 1e-6 of the joint softmax; one bf16 ulp apart in 0.03 % of the attention outputs) moved its
-    # 4-bit increase from +0.45 % to +1.12 % while transformers' stayed at +0.12 %.
-    assert abs(row.vllm_increase - row.transformers_increase) <= 0.015 + 0.1 * row.transformers_increase
+    # The same cache semantics in both engines (4 sinks and a 32-token recent window exact, chunks of 32):
+    # the increases agree to 1 point (the issue's target) + 5 % of the increase. The engines differ in
+    # weight precision (bf16 in vLLM, float32 in transformers), and bf16 makes one 512-token span noisy
+    # (without the window, moving vLLM's prefill chunks to the SDPA + log-sum-exp path moved its 4-bit
+    # increase from +0.45 % to +1.12 % while transformers' stayed at +0.12 %). Measured 2026-12-02 with
+    # the window: 4-bit +0.70 % / +1.28 %, 2-bit +5.73 % / +6.73 % (transformers / vLLM).
+    assert abs(row.vllm_increase - row.transformers_increase) <= 0.01 + 0.05 * row.transformers_increase
 
 
 @needs_vllm

@@ -11,7 +11,12 @@ Tasks (JSON in, JSON out; every result also has `kv_capacity_tokens`, `load_s` a
     {"task": "prompt_logprobs", "token_ids": [int]}
         -> {"logprobs": [float]}  (log p of tokens 1..n-1 given their prefix)
     {"task": "throughput", "prompt_token_ids": [[int]], "max_tokens": int}
-        -> {"seconds", "ttft_s", "prefill_s", "decode_tokens_per_s", "generated", "prompt_tokens"}
+        -> {"seconds", "ttft_s", "prefill_s", "decode_tokens_per_s", "generated", "prompt_tokens",
+            "decode_attention_s", "decode_attention_calls"}  (the attention backend's forward + cache
+           write of the measured batch's decode-only steps: seconds in all, and layer calls)
+    {"task": "serve", "prompt_token_ids": [[int]], "max_tokens": int}
+        -> {"seconds", "latencies_s": [float], "generated", "prompt_tokens", "preemptions"}: every
+           request submitted at once (a burst) and served to the end; latency = its finish time
 """
 from __future__ import annotations
 
@@ -145,6 +150,72 @@ def _prompt_logprobs(llm, task: dict) -> dict:
     return {"logprobs": values}
 
 
+_ATTENTION = {"seconds": 0.0, "calls": 0, "decode_tokens": 0}
+_PREEMPTIONS = [0]
+
+
+def _attention_class(settings: EngineSettings):
+    if settings.cache_spec:
+        from fibquant.integrations.vllm.backend import FibQuantAttentionImpl
+
+        return FibQuantAttentionImpl
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    return CPUAttentionBackendImpl
+
+
+def _instrument(settings: EngineSettings) -> None:
+    """Time the attention backend's forward and cache write on decode-only steps (at most
+    `_ATTENTION["decode_tokens"]` tokens), and count the scheduler's preemptions."""
+    impl = _attention_class(settings)
+    for name, counts in (("forward", True), ("do_kv_cache_update", False)):
+        original = getattr(impl, name)
+
+        def timed(self, layer, first, *args, __original=original, __counts=counts, **kwargs):
+            start = time.perf_counter()
+            out = __original(self, layer, first, *args, **kwargs)
+            if 0 < first.shape[0] <= _ATTENTION["decode_tokens"]:
+                _ATTENTION["seconds"] += time.perf_counter() - start
+                _ATTENTION["calls"] += int(__counts)
+            return out
+
+        setattr(impl, name, timed)
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    preempt = Scheduler._preempt_request
+
+    def counted(self, *args, **kwargs):
+        _PREEMPTIONS[0] += 1
+        return preempt(self, *args, **kwargs)
+
+    Scheduler._preempt_request = counted
+
+
+def _serve(llm, task: dict) -> dict:
+    """A burst: every prompt submitted at once, the engine stepped until all finish (after a warm-up
+    of two requests); per request the time from submission to its last token."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in task["prompt_token_ids"]]
+    llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    engine = llm.llm_engine
+    params = SamplingParams(max_tokens=task["max_tokens"], temperature=0.0, ignore_eos=True)
+    _PREEMPTIONS[0] = 0
+    start = time.perf_counter()
+    for index, prompt in enumerate(prompts):
+        engine.add_request(f"serve-{index}", prompt, params)
+    finished, generated = {}, 0
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished and output.request_id not in finished:
+                finished[output.request_id] = time.perf_counter() - start
+                generated += len(output.outputs[0].token_ids)
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "latencies_s": sorted(finished.values()), "generated": generated,
+            "prompt_tokens": sum(len(ids) for ids in task["prompt_token_ids"]), "preemptions": _PREEMPTIONS[0]}
+
+
 def _throughput(llm, task: dict) -> dict:
     """After a warm-up (kernels compiled, codebooks loaded), the time to first token of one prompt,
     the batch's prefill alone (max_tokens=1), then the batch with `max_tokens` greedy tokens each."""
@@ -163,16 +234,18 @@ def _throughput(llm, task: dict) -> dict:
     llm.generate(prompts, one, use_tqdm=False)
     prefill = time.perf_counter() - start
     params = SamplingParams(max_tokens=task["max_tokens"], temperature=0.0, ignore_eos=True)
+    _ATTENTION.update(seconds=0.0, calls=0)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     return {"seconds": seconds, "ttft_s": ttft, "prefill_s": prefill, "generated": generated,
             "decode_tokens_per_s": (generated - len(prompts)) / max(seconds - prefill, 1e-9),
-            "prompt_tokens": sum(len(ids) for ids in task["prompt_token_ids"])}
+            "prompt_tokens": sum(len(ids) for ids in task["prompt_token_ids"]),
+            "decode_attention_s": _ATTENTION["seconds"], "decode_attention_calls": _ATTENTION["calls"]}
 
 
-TASKS = {"greedy": _greedy, "prompt_logprobs": _prompt_logprobs, "throughput": _throughput}
+TASKS = {"greedy": _greedy, "prompt_logprobs": _prompt_logprobs, "throughput": _throughput, "serve": _serve}
 
 
 def _main() -> None:
@@ -180,6 +253,9 @@ def _main() -> None:
     settings, task = EngineSettings(**request["settings"]), request["task"]
     if task.get("task") not in TASKS:
         raise ValueError(f"unknown task {task.get('task')!r}; expected one of {sorted(TASKS)}")
+    if task["task"] in ("throughput", "serve"):
+        _ATTENTION["decode_tokens"] = len(task["prompt_token_ids"])
+        _instrument(settings)
     start = time.perf_counter()
     llm = _engine(settings)
     result = {"load_s": time.perf_counter() - start, "kv_capacity_tokens": _capacity(llm),
