@@ -57,7 +57,11 @@ class ExactWindow:
             entry[0][:, past:stop] = keys[: stop - past].transpose(0, 1)
             entry[1][:, past:stop] = values[: stop - past].transpose(0, 1)
         first = max(past, sinks, past + count - recent)  # the newest positions >= S that stay in the ring
-        if recent and first < past + count:
+        if recent and first == past + count - 1:  # one position (every decode step): one copy per role
+            slot = sinks + (first - sinks) % recent
+            entry[0][:, slot] = keys[count - 1]
+            entry[1][:, slot] = values[count - 1]
+        elif recent and first < past + count:
             slots = torch.arange(first, past + count).sub_(sinks).remainder_(recent).add_(sinks)
             entry[0][:, slots] = keys[first - past:].transpose(0, 1)
             entry[1][:, slots] = values[first - past:].transpose(0, 1)
