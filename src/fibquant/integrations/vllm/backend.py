@@ -225,7 +225,13 @@ class FibQuantAttentionImpl(AttentionImpl):
             codes = torch.cat([both[: keys.shape[0]], both[keys.shape[0]:]], dim=-1)
         else:
             codes = torch.cat([self.key_codec.encode(keys), self.value_codec.encode(values)], dim=-1)
-        pages[slots // block_size, :, slots % block_size, : codes.shape[-1]] = codes
+        if codes.shape[-1] < pages.shape[-1]:  # the pad byte of an odd code pair: one full slot row
+            codes = torch.nn.functional.pad(codes, (0, pages.shape[-1] - codes.shape[-1]))
+        tokens = pages.permute(0, 2, 1, 3)                                    # [blocks, bs, Hk, slot]
+        if codes.shape[-1] == pages.shape[-1] and tokens.is_contiguous():  # token-major pages: one row per slot
+            tokens.view(-1, *tokens.shape[2:]).index_copy_(0, slots, codes)
+        else:
+            pages[slots // block_size, :, slots % block_size, : codes.shape[-1]] = codes
 
     def _context_codes(self, pages: torch.Tensor, tables: torch.Tensor, stops: list[int]):
         """Key and value codes [R, Hk, max(stops), code_size] of the positions [0, stop) of the requests
