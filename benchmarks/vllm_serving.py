@@ -165,8 +165,11 @@ def main(argv=None) -> int:
     args.caches = args.caches or CPU_CACHES + (GPU_ONLY if args.device == "cuda" else [])
     if args.caches[0] != "bf16":
         args.caches.insert(0, "bf16")
-    print(f"vLLM serving benchmark: {MODEL}; {args.prompts} prompts x {args.prompt_tokens} tokens of Emma, "
-          f"{args.max_tokens} generated each; KV budget {args.kv_cache_gib:g} GiB; device {args.device}; "
+    workload = (f"KV pressure only: {args.pressure_prompts} prompts x {args.pressure_prompt_tokens} tokens of Emma, "
+                f"{args.max_tokens} generated each; KV budget {args.pressure_kv_gib:g} GiB" if args.skip_equal_batch else
+                f"{args.prompts} prompts x {args.prompt_tokens} tokens of Emma, {args.max_tokens} generated each; "
+                f"KV budget {args.kv_cache_gib:g} GiB")
+    print(f"vLLM serving benchmark: {MODEL}; {workload}; device {args.device}; "
           f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}", flush=True)
     with tempfile.TemporaryDirectory() as scratch:
         model_dir = args.model_dir

@@ -7,17 +7,22 @@ hook vLLM's own TurboQuant backend uses; the physical layout is token-major (LBN
 
 Exact window: every token written to the cache is stored as codes. The tokens of the running
 forward (a prefill chunk, or the one decode token) attend to each other exactly, since their
-float K/V are at hand, the first `sink_tokens` of the sequence exactly too (a small side store,
-`sinks.SinkStore`, outside the pages), and every other earlier token through its codes (the kernels
-of `fibquant.kv.attention.kernels`, one joint softmax: `fibquant.kv.attention.entry.attend_codes`). There is
-no exact recent window: the pages have room for codes only. A chunked prefill therefore compresses
-earlier chunks, exactly as `CompressedCache(sink_tokens=S, recent_tokens=0)` in transformers does.
-Decode requests attend in one batched call per layer, padded to the longest context and masked.
+float K/V are at hand; the first `sink_tokens` of the sequence and its last `recent_tokens` before
+the forward exactly too (a small side store outside the pages, `window.ExactWindow`, its bytes taken
+off the KV budget by the engine); and every other earlier token through its codes (the kernels of
+`fibquant.kv.attention`, one joint softmax). A chunked prefill therefore reads earlier chunks exactly
+as `CompressedCache(sink_tokens=S, recent_tokens=R, encode_batch=1)` does in transformers.
+
+Decode requests of a step attend in one call per layer (per exact-window size: one in a steady
+state). On CPU pages that is the paged numba kernel (`fibquant.kv.attention.paged`,
+`PAGED_NUMBA_DECODE`): each sequence's codes read in place through its block-table row, for exactly
+its own coded range, no gathered copy, no padding. With a soft-cap (or the switch off) they take the
+gathered path, padded to the longest context and masked. Prefill chunks take the gathered path.
 
 On CUDA (when triton imports; `PAGED_CODED_BACKEND`) the coded tokens go through the paged fused
 kernel instead (`fibquant.kv.attention.kernels.coded_decode_attention_paged`): it reads each request's
 codes in place through its block-table row, for exactly its own length (no gathered copy, no
-padding mask), and its (out, log-sum-exp) is merged exactly with the exact part (sinks + the
+padding mask), and its (out, log-sum-exp) is merged exactly with the exact part (the window + the
 forward's own tokens, `attention_with_lse`) and the learned sink logits by `merge_lse`. Logit
 soft-capping keeps the gathered path (the kernel has no soft-cap). Nothing of this was measured on a GPU.
 
@@ -25,7 +30,8 @@ Logit soft-capping (Gemma 2) and learned attention-sink logits (gpt-oss `sinks`)
 as in transformers (`attend_codes(softcap=, sinks=)`). Not supported (a clear NotImplementedError at
 engine start): ALiBi, sliding windows (vLLM frees a sliding layer's blocks as the window moves, which
 this backend does not follow yet), encoder / cross attention, fp8 `kv_cache_dtype` (the codes are
-the cache dtype).
+the cache dtype), prefix caching (vLLM's default: pass enable_prefix_caching=False) and tensor /
+pipeline parallelism > 1 (`_engine_refusals`).
 """
 from __future__ import annotations
 
