@@ -374,12 +374,13 @@ class FibQuantAttentionImpl(AttentionImpl):
         starts, tables = attn_metadata.query_start_loc, attn_metadata.block_table
         decodes: dict[int, list] = {}  # exact window size -> [(request, past, window)]
         records = []
+        first_blocks = tables[: len(attn_metadata.seq_lens), 0].tolist()  # one host copy, not one per request
         for request, total in enumerate(attn_metadata.seq_lens):
             start, stop = starts[request], starts[request + 1]
             if stop <= start:
                 continue
             span, past = slice(start, stop), total - (stop - start)
-            first_block = int(tables[request, 0])
+            first_block = first_blocks[request]
             records.append((first_block, past, span))
             window = self.window.lookup(first_block, past)
             if stop - start == 1 and past > 0:
