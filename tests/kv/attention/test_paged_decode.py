@@ -51,8 +51,8 @@ def _scenario(pair, heads=6, kv_heads=2, block=8, token_major=True, exact=5, see
                 scaling=DIM ** -0.5, **tensors)
 
 
-@pytest.mark.parametrize("pair", list(PAIRS))
-@pytest.mark.parametrize("token_major", [True, False])
+@pytest.mark.parametrize("pair, token_major", [(pair, True) for pair in PAIRS] + [
+    ("fibquant 4/2 bit", False), ("turboquant 3 (3-bit fields)", False)])
 def test_paged_decode_equals_reference(pair, token_major):
     case = _scenario(pair, token_major=token_major)
     want = paged_decode_attention_reference(**case)
