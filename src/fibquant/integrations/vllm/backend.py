@@ -7,17 +7,22 @@ hook vLLM's own TurboQuant backend uses; the physical layout is token-major (LBN
 
 Exact window: every token written to the cache is stored as codes. The tokens of the running
 forward (a prefill chunk, or the one decode token) attend to each other exactly, since their
-float K/V are at hand, the first `sink_tokens` of the sequence exactly too (a small side store,
-`sinks.SinkStore`, outside the pages), and every other earlier token through its codes (the kernels
-of `fibquant.kv.attention.kernels`, one joint softmax: `fibquant.kv.attention.entry.attend_codes`). There is
-no exact recent window: the pages have room for codes only. A chunked prefill therefore compresses
-earlier chunks, exactly as `CompressedCache(sink_tokens=S, recent_tokens=0)` in transformers does.
-Decode requests attend in one batched call per layer, padded to the longest context and masked.
+float K/V are at hand; the first `sink_tokens` of the sequence and its last `recent_tokens` before
+the forward exactly too (a small side store outside the pages, `window.ExactWindow`, its bytes taken
+off the KV budget by the engine); and every other earlier token through its codes (the kernels of
+`fibquant.kv.attention`, one joint softmax). A chunked prefill therefore reads earlier chunks exactly
+as `CompressedCache(sink_tokens=S, recent_tokens=R, encode_batch=1)` does in transformers.
+
+Decode requests of a step attend in one call per layer (per exact-window size: one in a steady
+state). On CPU pages that is the paged numba kernel (`fibquant.kv.attention.paged`,
+`PAGED_NUMBA_DECODE`): each sequence's codes read in place through its block-table row, for exactly
+its own coded range, no gathered copy, no padding. With a soft-cap (or the switch off) they take the
+gathered path, padded to the longest context and masked. Prefill chunks take the gathered path.
 
 On CUDA (when triton imports; `PAGED_CODED_BACKEND`) the coded tokens go through the paged fused
 kernel instead (`fibquant.kv.attention.kernels.coded_decode_attention_paged`): it reads each request's
 codes in place through its block-table row, for exactly its own length (no gathered copy, no
-padding mask), and its (out, log-sum-exp) is merged exactly with the exact part (sinks + the
+padding mask), and its (out, log-sum-exp) is merged exactly with the exact part (the window + the
 forward's own tokens, `attention_with_lse`) and the learned sink logits by `merge_lse`. Logit
 soft-capping keeps the gathered path (the kernel has no soft-cap). Nothing of this was measured on a GPU.
 
@@ -25,7 +30,8 @@ Logit soft-capping (Gemma 2) and learned attention-sink logits (gpt-oss `sinks`)
 as in transformers (`attend_codes(softcap=, sinks=)`). Not supported (a clear NotImplementedError at
 engine start): ALiBi, sliding windows (vLLM frees a sliding layer's blocks as the window moves, which
 this backend does not follow yet), encoder / cross attention, fp8 `kv_cache_dtype` (the codes are
-the cache dtype).
+the cache dtype), prefix caching (vLLM's default: pass enable_prefix_caching=False) and tensor /
+pipeline parallelism > 1 (`_engine_refusals`).
 """
 from __future__ import annotations
 
@@ -44,16 +50,20 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from fibquant.integrations.vllm.config import active_config
-from fibquant.integrations.vllm.sinks import SinkStore
+from fibquant.integrations.vllm.window import ExactWindow
 from fibquant.kv.attention.entry import attend_codes
 from fibquant.kv.attention.kernels import attention_with_lse, coded_decode_attention_paged, merge_lse, triton_available
+from fibquant.kv.attention.paged import paged_decode_attention, paged_plans
 from fibquant.kv.buffer import CodedKV
 
 # The coded tokens through the paged Triton kernel (codes read in place through the block tables):
 # "auto" = for CUDA pages when triton imports; "triton" forces it (CPU pages need TRITON_INTERPRET=1 set
 # before triton is first imported, as tests/integrations/test_vllm.py does); "off" = always the gathered path.
 PAGED_CODED_BACKEND = "auto"
-EXACT_ROWS_PER_BLOCK = 2048  # query rows (query heads x tokens) of the paged path's exact part scored at once
+EXACT_ROWS_PER_BLOCK = 2048
+# Batches of one-token steps on CPU pages through the paged numba kernel (`kv.attention.paged`: codes read
+# in place through the block tables, no padding); False: the gathered, padded path of `attend_codes`.
+PAGED_NUMBA_DECODE = True  # query rows (query heads x tokens) of the paged path's exact part scored at once
 
 
 def _config():
@@ -147,6 +157,25 @@ def _max_num_seqs(default: int = 256) -> int:
         return default
 
 
+def _engine_refusals() -> list[str]:
+    """What the running engine asks for that the backend does not support (empty outside an engine)."""
+    try:
+        from vllm.config import get_current_vllm_config
+
+        config = get_current_vllm_config()
+    except Exception:  # outside an engine (unit tests): nothing to refuse
+        return []
+    refused = []
+    if getattr(config.cache_config, "enable_prefix_caching", False):
+        refused.append("prefix caching (pass enable_prefix_caching=False / --no-enable-prefix-caching): shared "
+                       "coded blocks and their exact windows are not built yet")
+    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        size = int(getattr(config.parallel_config, name, 1) or 1)
+        if size > 1:
+            refused.append(f"{name}={size} (only 1 is tested; each worker's coded KV heads are not verified)")
+    return refused
+
+
 class FibQuantAttentionImpl(AttentionImpl):
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
                  alibi_slopes=None, sliding_window: int | None = None, kv_cache_dtype: str = "auto",
@@ -155,7 +184,7 @@ class FibQuantAttentionImpl(AttentionImpl):
         unsupported = {"ALiBi slopes": alibi_slopes is not None, "a sliding window": sliding_window is not None,
                        f"attention type {attn_type!r}": attn_type != AttentionType.DECODER,
                        f"kv_cache_dtype={kv_cache_dtype!r}": kv_cache_dtype != "auto"}
-        refused = [name for name, hit in unsupported.items() if hit]
+        refused = [name for name, hit in unsupported.items() if hit] + _engine_refusals()
         if refused:
             raise NotImplementedError(f"the FibQuant vLLM backend does not support {', '.join(refused)}; "
                                       "unset FIBQUANT_VLLM_CACHE to serve this model with vLLM's own backend")
@@ -175,7 +204,9 @@ class FibQuantAttentionImpl(AttentionImpl):
         self.key_codec, self.value_codec = config.codecs(head_size)
         self.key_bytes = self.key_codec.code_size
         self.value_bytes = self.value_codec.code_size
-        self.sinks = SinkStore(config.sink_tokens, max_entries=2 * _max_num_seqs())
+        # at most one entry per schedulable sequence: the bound the engine takes off the KV budget
+        self.window = ExactWindow(config.sink_tokens, config.recent_tokens, max_entries=_max_num_seqs())
+        self._paged_plans = paged_plans(self.key_codec, self.value_codec, self.num_heads, self.num_kv_heads)
 
     def _pages(self, kv_cache: torch.Tensor) -> torch.Tensor:
         """The layer's cache as bytes, logical [num_blocks, num_kv_heads, block_size, slot_bytes] (any strides)."""
@@ -200,13 +231,19 @@ class FibQuantAttentionImpl(AttentionImpl):
             codes = torch.cat([both[: keys.shape[0]], both[keys.shape[0]:]], dim=-1)
         else:
             codes = torch.cat([self.key_codec.encode(keys), self.value_codec.encode(values)], dim=-1)
-        pages[slots // block_size, :, slots % block_size, : codes.shape[-1]] = codes
+        if codes.shape[-1] < pages.shape[-1]:  # the pad byte of an odd code pair: one full slot row
+            codes = torch.nn.functional.pad(codes, (0, pages.shape[-1] - codes.shape[-1]))
+        tokens = pages.permute(0, 2, 1, 3)                                    # [blocks, bs, Hk, slot]
+        if codes.shape[-1] == pages.shape[-1] and tokens.is_contiguous():  # token-major pages: one row per slot
+            tokens.view(-1, *tokens.shape[2:]).index_copy_(0, slots, codes)
+        else:
+            pages[slots // block_size, :, slots % block_size, : codes.shape[-1]] = codes
 
-    def _context_codes(self, pages: torch.Tensor, tables: torch.Tensor, pasts: list[int]):
-        """Key and value codes [R, Hk, max(pasts), code_size] of the earlier tokens of the requests whose
-        block-table rows are `tables` [R, max_blocks]; a shorter request's padding rows are zero codes
-        (norm 0; the caller masks them too)."""
-        length = max(pasts)
+    def _context_codes(self, pages: torch.Tensor, tables: torch.Tensor, stops: list[int]):
+        """Key and value codes [R, Hk, max(stops), code_size] of the positions [0, stop) of the requests
+        whose block-table rows are `tables` [R, max_blocks]; a shorter request's padding rows are zero
+        codes (norm 0; the caller masks them too)."""
+        length = max(stops)
         block_size = pages.shape[2]
         # Entries past a request's own blocks are stale ids (masked by the caller): clamp keeps them in range.
         used = tables[:, : -(-length // block_size)].to(torch.long).clamp_(0, pages.shape[0] - 1)  # [R, nb]
@@ -218,36 +255,44 @@ class FibQuantAttentionImpl(AttentionImpl):
         else:
             rows = blocks[used]                                                    # [R, nb, bs, Hk, C]
         rows = rows.reshape(used.shape[0], -1, self.num_kv_heads, pages.shape[-1])[:, :length].permute(0, 2, 1, 3)
-        for row, past in enumerate(pasts):  # another request's bytes (rows is a copy of the pages)
-            if past < length:
-                rows[row, :, past:] = 0
+        for row, stop in enumerate(stops):  # another request's bytes (rows is a copy of the pages)
+            if stop < length:
+                rows[row, :, stop:] = 0
         return rows[..., : self.key_bytes], rows[..., self.key_bytes: self.key_bytes + self.value_bytes]
 
     def _paged(self, pages: torch.Tensor) -> bool:
-        """Whether the coded tokens go through the paged kernel (PAGED_CODED_BACKEND; no soft-cap)."""
+        """Whether the coded tokens go through the paged Triton kernel (PAGED_CODED_BACKEND; no soft-cap)."""
         if PAGED_CODED_BACKEND == "off" or self.softcap is not None:
             return False
         if PAGED_CODED_BACKEND == "auto" and (pages.device.type != "cuda" or not triton_available()):
             return False
         return all(codec.rotated_codebook(pages.device) is not None for codec in (self.key_codec, self.value_codec))
 
-    def _attend_paged(self, pages, tables, pasts: list[int], query, key, value, sinks=None) -> torch.Tensor:
-        """`_attend` with the coded positions [s, past) of each request read in place by the paged kernel,
-        merged by log-sum-exp with the exact part (sinks, the own tokens causally) and the sink logits."""
+    def _numba_paged(self, pages: torch.Tensor) -> bool:
+        """Whether a batch of one-token steps goes through the paged numba kernel (`kv.attention.paged`):
+        CPU pages, no soft-cap, codecs the kernel serves, PAGED_NUMBA_DECODE on."""
+        return (PAGED_NUMBA_DECODE and self._paged_plans is not None and self.softcap is None
+                and pages.device.type == "cpu")
+
+    def _attend_paged(self, pages, tables, skip: int, stops: list[int], query, key, value,
+                      window=None) -> torch.Tensor:
+        """`_attend` with the coded positions [skip, stop) of each request read in place by the paged
+        kernel, merged by log-sum-exp with the exact part (the window, the own tokens causally) and the
+        sink logits."""
         count, tokens = query.shape[:2]
         device = pages.device
         key_book, value_book = (codec.rotated_codebook(device) for codec in (self.key_codec, self.value_codec))
         q = query.transpose(1, 2).to(torch.float32) * self.scale                    # [R, Hq, T, D]
-        skip = 0 if sinks is None else sinks[0].shape[2]
+        exact = 0 if window is None else window[0].shape[2]
         coded_out, coded_lse = coded_decode_attention_paged(
-            q @ key_book.forward, pages, tables, pasts, key_book.codewords, value_book.codewords,
+            q @ key_book.forward, pages, tables, stops, key_book.codewords, value_book.codewords,
             key_book.index_bits, value_book.index_bits, self.key_bytes, context_starts=skip,
             value_dim=self.value_codec.dim, backend="auto" if PAGED_CODED_BACKEND == "auto" else "triton")
         coded_out = coded_out @ value_book.forward.T
         exact_keys, exact_values = key.transpose(1, 2), value.transpose(1, 2)      # [R, Hk, T, D]
-        if skip:
-            exact_keys = torch.cat([sinks[0].to(exact_keys.dtype), exact_keys], dim=2)
-            exact_values = torch.cat([sinks[1].to(exact_values.dtype), exact_values], dim=2)
+        if exact:
+            exact_keys = torch.cat([window[0].to(exact_keys.dtype), exact_keys], dim=2)
+            exact_values = torch.cat([window[1].to(exact_values.dtype), exact_values], dim=2)
         exact_keys, exact_values = exact_keys.to(torch.float32), exact_values.to(torch.float32)
         groups = self.num_heads // self.num_kv_heads
         step = max(1, EXACT_ROWS_PER_BLOCK // groups)
@@ -255,9 +300,9 @@ class FibQuantAttentionImpl(AttentionImpl):
         for start in range(0, tokens, step):
             rows = slice(start, min(start + step, tokens))
             bias = None
-            if tokens > 1:  # own token t sees sinks and own tokens <= t
-                columns = torch.arange(skip + tokens, device=device)
-                hidden = columns[None, :] > skip + torch.arange(rows.start, rows.stop, device=device)[:, None]
+            if tokens > 1:  # own token t sees the window and own tokens <= t
+                columns = torch.arange(exact + tokens, device=device)
+                hidden = columns[None, :] > exact + torch.arange(rows.start, rows.stop, device=device)[:, None]
                 bias = torch.zeros(hidden.shape, device=device).masked_fill_(hidden, float("-inf"))[None, None]
             parts = [(coded_out[:, :, rows], coded_lse[:, :, rows]),
                      attention_with_lse(q[:, :, rows], exact_keys, exact_values, bias)]
@@ -269,43 +314,50 @@ class FibQuantAttentionImpl(AttentionImpl):
             out[:, :, rows] = merge_lse(parts)[0]
         return out.transpose(1, 2).reshape(count, tokens, -1).to(query.dtype)
 
-    def _attend(self, pages, tables, pasts: list[int], query, key, value, mask=None, sinks=None) -> torch.Tensor:
+    def _attend(self, pages, tables, skip: int, stops: list[int], query, key, value, mask=None,
+                window=None) -> torch.Tensor:
         """Requests with equal new-token counts T: query [R, T, Hq, D], key/value [R, T, Hk, D] ->
-        [R, T, Hq*D]. `sinks`: exact keys/values [R, Hk, s, D] of positions 0..s-1 (s <= every past);
-        `mask` (additive float [R, 1, T, max(pasts) + T]) hides other requests' padding (not needed, and
-        ignored, on the paged path: each request reads its own length)."""
+        [R, T, Hq*D]. Request r attends to `window` (exact keys/values [R, Hk, n, D]: its sinks and
+        recent window, or None), its coded positions [skip, stops[r]) and its own tokens (causally).
+        `mask` (additive float [R, 1, T, n + max(stops) - skip + T]) hides other requests' padding
+        (not needed, and ignored, on the paged paths: each request reads its own range)."""
         count, tokens = query.shape[:2]
-        longest = max(pasts)
-        if longest and self._paged(pages):
-            return self._attend_paged(pages, tables, pasts, query, key, value, sinks)
+        coded = max(stops) - skip
+        if coded > 0 and self._paged(pages):
+            return self._attend_paged(pages, tables, skip, stops, query, key, value, window)
         options = {"softcap": self.softcap, "sinks": self.logit_sinks}
-        if not longest and self.softcap is None and self.logit_sinks is None:
-            # nothing coded yet (a first prefill chunk): plain causal attention, model dtype
-            out = torch.nn.functional.scaled_dot_product_attention(
-                query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), is_causal=tokens > 1,
-                scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
-            return out.transpose(1, 2).reshape(count, tokens, -1)
         new_keys, new_values = key.transpose(1, 2), value.transpose(1, 2)          # [R, Hk, T, D]
-        if not longest:
+        if coded <= 0 and window is None:
+            if self.softcap is None and self.logit_sinks is None:
+                # nothing coded, nothing exact before (a first prefill chunk): plain causal attention, model dtype
+                out = torch.nn.functional.scaled_dot_product_attention(
+                    query.transpose(1, 2), new_keys, new_values, is_causal=tokens > 1,
+                    scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
+                return out.transpose(1, 2).reshape(count, tokens, -1)
             return attend_codes(query.transpose(1, 2), CodedKV.of_tensors(new_keys, new_values), None, self.scale,
                                 **options).reshape(count, tokens, -1)
-        key_codes, value_codes = self._context_codes(pages, tables, pasts)
+        if coded > 0:
+            key_codes, value_codes = self._context_codes(pages, tables, stops)
+            key_codes, value_codes = key_codes[:, :, skip:], value_codes[:, :, skip:]
+        else:
+            key_codes = torch.empty(count, self.num_kv_heads, 0, self.key_bytes, dtype=torch.uint8, device=pages.device)
+            value_codes = torch.empty(count, self.num_kv_heads, 0, self.value_bytes, dtype=torch.uint8,
+                                      device=pages.device)
         empty = new_keys.new_empty((count, self.num_kv_heads, 0, self.head_size))
-        sink_keys, sink_values = sinks if sinks is not None else (empty, empty)
-        skip = sink_keys.shape[2]
-        coded = CodedKV(sink_keys=sink_keys, sink_values=sink_values, key_codes=key_codes[:, :, skip:],
-                        value_codes=value_codes[:, :, skip:], recent_keys=empty, recent_values=empty,
-                        new_keys=new_keys, new_values=new_values, key_codec=self.key_codec,
-                        value_codec=self.value_codec)
-        return attend_codes(query.transpose(1, 2), coded, mask, self.scale, **options).reshape(count, tokens, -1)
+        window_keys, window_values = window if window is not None else (empty, empty)
+        kv = CodedKV(sink_keys=window_keys, sink_values=window_values, key_codes=key_codes, value_codes=value_codes,
+                     recent_keys=empty, recent_values=empty, new_keys=new_keys, new_values=new_values,
+                     key_codec=self.key_codec, value_codec=self.value_codec)
+        return attend_codes(query.transpose(1, 2), kv, mask, self.scale, **options).reshape(count, tokens, -1)
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: FibQuantMetadata | None, output: torch.Tensor | None = None,
                 output_scale=None, output_block_scale=None) -> torch.Tensor:
         """query [N, Hq*D] (or [N, Hq, D]), key/value [N, Hk*D] -> output [N, Hq*D].
 
-        Decode requests (one new token each) attend in one batched call, padded to the longest
-        context and masked; every other request (a prefill chunk) attends on its own."""
+        Decode requests (one new token each) attend in one batched call per exact-window size (in a
+        steady state: one call per layer); every other request (a prefill chunk) attends on its own.
+        The forward's new tokens enter the exact window after the layer's attention."""
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("fused output quantization is not supported by the FibQuant backend")
         if output is None:
@@ -320,44 +372,68 @@ class FibQuantAttentionImpl(AttentionImpl):
         keys = key[:count].reshape(count, self.num_kv_heads, self.head_size)
         values = value[:count].reshape(count, self.num_kv_heads, self.head_size)
         starts, tables = attn_metadata.query_start_loc, attn_metadata.block_table
-        decodes: dict[int, list] = {}  # sinks used -> [(request, past, sinks)]
+        decodes: dict[int, list] = {}  # exact window size -> [(request, past, window)]
+        records = []
+        first_blocks = tables[: len(attn_metadata.seq_lens), 0].tolist()  # one host copy, not one per request
         for request, total in enumerate(attn_metadata.seq_lens):
             start, stop = starts[request], starts[request + 1]
             if stop <= start:
                 continue
             span, past = slice(start, stop), total - (stop - start)
-            first_block = int(tables[request, 0])
-            self.sinks.record(first_block, past, keys[span], values[span])
-            sinks = self.sinks.lookup(first_block, past)
+            first_block = first_blocks[request]
+            records.append((first_block, past, span))
+            window = self.window.lookup(first_block, past)
             if stop - start == 1 and past > 0:
-                decodes.setdefault(0 if sinks is None else sinks[0].shape[0], []).append((request, past, sinks))
+                decodes.setdefault(0 if window is None else window[0].shape[1], []).append((request, past, window))
                 continue
-            exact = None if sinks is None else (sinks[0].transpose(0, 1)[None], sinks[1].transpose(0, 1)[None])
-            out = self._attend(pages, tables[request:request + 1], [past], queries[span][None], keys[span][None],
-                               values[span][None], sinks=exact)
+            skip, recent = self._exact_counts(window, past)
+            exact = None if window is None else (window[0][None], window[1][None])
+            out = self._attend(pages, tables[request:request + 1], skip, [past - recent], queries[span][None],
+                               keys[span][None], values[span][None], window=exact)
             flat_out[span] = out[0].to(flat_out.dtype)
-        for used, group in decodes.items():
-            self._decode_batch(pages, tables, starts, group, used, queries, keys, values, flat_out)
+        for size, group in decodes.items():
+            self._decode_batch(pages, tables, starts, group, size, queries, keys, values, flat_out)
+        for first_block, past, span in records:
+            self.window.record(first_block, past, keys[span], values[span])
         return output
 
-    def _decode_batch(self, pages, tables, starts, group, used: int, queries, keys, values, flat_out) -> None:
-        """One attention call for decode requests [(request, past, sinks)] that use `used` sinks each."""
+    def _exact_counts(self, window, past: int) -> tuple[int, int]:
+        """(first coded position, recent positions read exactly) of a request with `past` earlier tokens."""
+        return (0, 0) if window is None else self.window.counts(past)
+
+    def _decode_batch(self, pages, tables, starts, group, size: int, queries, keys, values, flat_out) -> None:
+        """One attention call for decode requests [(request, past, window)] whose exact windows hold
+        `size` positions each (so they share the first coded position and the recent count)."""
         device = queries.device
         requests = [request for request, _, _ in group]
-        pasts = [past for _, past, _ in group]
-        rows = torch.tensor([starts[r] for r in requests], device=device)
-        longest = max(pasts)
+        skip, recent = self._exact_counts(group[0][2], group[0][1])
+        stops = [past - recent for _, past, _ in group]
+        first, rows = starts[requests[0]], [starts[r] for r in requests]
+        # vLLM puts the decodes first: their rows are one contiguous range (a view, no index copy)
+        rows = slice(first, first + len(rows)) if rows == list(range(first, first + len(rows))) else \
+            torch.tensor(rows, device=device)
+        table_rows = tables[requests[0]:requests[-1] + 1] if requests == list(range(requests[0], requests[-1] + 1)) \
+            else tables[torch.tensor(requests, device=tables.device)]
+        window = None
+        if size:
+            window = (torch.stack([exact[0] for _, _, exact in group]), torch.stack([exact[1] for _, _, exact in group]))
+        if max(stops) > skip and self._numba_paged(pages):
+            empty = keys.new_empty((len(group), self.num_kv_heads, 0, self.head_size))
+            exact_keys, exact_values = window if window is not None else (empty, empty)
+            out = paged_decode_attention(queries[rows], pages, table_rows, [skip] * len(group), stops, self.key_codec,
+                                         self.value_codec, exact_keys, exact_values, keys[rows].unsqueeze(2),
+                                         values[rows].unsqueeze(2), self.scale, key_offset=0,
+                                         value_offset=self.key_bytes, sinks=self.logit_sinks, plans=self._paged_plans)
+            flat_out[rows] = out.reshape(len(group), -1).to(flat_out.dtype)
+            return
+        longest = max(stops)
         mask = None
-        # padding columns of shorter contexts: -inf; the own token: seen (the paged kernel needs no mask)
-        if min(pasts) < longest and not self._paged(pages):
-            columns = torch.arange(longest + 1, device=device)
-            hidden = (columns[None, :] >= torch.tensor(pasts, device=device)[:, None]) & (columns < longest)
+        # padding columns of shorter coded ranges: -inf (the paged kernels need no mask)
+        if longest > skip and min(stops) < longest and not self._paged(pages):
+            columns = torch.arange(size + longest - skip + 1, device=device)
+            ends = size + torch.tensor(stops, device=device) - skip
+            hidden = (columns[None, :] >= ends[:, None]) & (columns < size + longest - skip)
             mask = torch.zeros(hidden.shape, device=device).masked_fill_(hidden, float("-inf"))[:, None, None]
-        sinks = None
-        if used:
-            sinks = (torch.stack([exact[0].transpose(0, 1) for _, _, exact in group]),
-                     torch.stack([exact[1].transpose(0, 1) for _, _, exact in group]))
-        index = torch.tensor(requests, device=tables.device)
-        out = self._attend(pages, tables[index], pasts, queries[rows][:, None], keys[rows][:, None],
-                           values[rows][:, None], mask, sinks)
+        out = self._attend(pages, table_rows, skip, stops, queries[rows][:, None], keys[rows][:, None],
+                           values[rows][:, None], mask, window)
         flat_out[rows] = out[:, 0].to(flat_out.dtype)

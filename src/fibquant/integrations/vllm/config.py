@@ -8,7 +8,10 @@ Any calibration-free codec spec of `fibquant.codecs.registry` works on each side
 codebook (FibQuant, TurboQuant) are attended on their codes, others are decoded for attention.
 
 `FIBQUANT_VLLM_SINK_TOKENS` (default 4, 0 turns them off): the first tokens of each sequence that
-attention also reads exactly (attention sinks; see `sinks`).
+attention also reads exactly (attention sinks); `FIBQUANT_VLLM_RECENT_TOKENS` (default 32, as the
+transformers cache's `recent_tokens`; 0 turns it off): the last tokens before each forward that
+attention reads exactly. Both live in a side store beside the pages (`window`); its bytes
+(`window_bytes`) are taken off the KV budget by the engine (`engine.EngineSettings`).
 """
 from __future__ import annotations
 
@@ -22,20 +25,25 @@ if TYPE_CHECKING:
 
 ENV_VAR = "FIBQUANT_VLLM_CACHE"
 SINKS_ENV_VAR = "FIBQUANT_VLLM_SINK_TOKENS"
+RECENT_ENV_VAR = "FIBQUANT_VLLM_RECENT_TOKENS"
 DEFAULT_SINK_TOKENS = 4
+DEFAULT_RECENT_TOKENS = 32
 
 
 @dataclass(frozen=True)
 class VllmCacheConfig:
-    """A cache spec of our own codecs (`fibquant.kv.specs`) and the exact sink tokens
-    (validated on construction)."""
+    """A cache spec of our own codecs (`fibquant.kv.specs`) and the exact window: sink and recent
+    tokens (validated on construction)."""
 
     cache: "CacheSpec"
     sink_tokens: int = DEFAULT_SINK_TOKENS
+    recent_tokens: int = DEFAULT_RECENT_TOKENS
 
     def __post_init__(self) -> None:
-        if not isinstance(self.sink_tokens, int) or self.sink_tokens < 0:
-            raise ValueError(f"{SINKS_ENV_VAR}: sink tokens must be an integer >= 0, got {self.sink_tokens!r}")
+        for name, value, var in (("sink", self.sink_tokens, SINKS_ENV_VAR),
+                                 ("recent", self.recent_tokens, RECENT_ENV_VAR)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{var}: {name} tokens must be an integer >= 0, got {value!r}")
         if self.cache.is_fp or self.cache.uses_peer:
             raise ValueError(f"{ENV_VAR}={self.cache.spec!r}: the pages need one of our calibration-free codecs "
                              "on both sides, e.g. fibquant:b=4 or turboquant:b=3")
@@ -44,7 +52,8 @@ class VllmCacheConfig:
                              "vLLM pages hold one codec per role for every layer, uncentred")
 
     @classmethod
-    def parse(cls, text: str, sink_tokens: int = DEFAULT_SINK_TOKENS) -> "VllmCacheConfig":
+    def parse(cls, text: str, sink_tokens: int = DEFAULT_SINK_TOKENS,
+              recent_tokens: int = DEFAULT_RECENT_TOKENS) -> "VllmCacheConfig":
         """SPEC or KEY_SPEC/VALUE_SPEC, as every cache spec of the project."""
         from fibquant.kv.specs import parse_cache_spec
 
@@ -52,7 +61,7 @@ class VllmCacheConfig:
             cache = parse_cache_spec(text)
         except ValueError as exc:
             raise ValueError(f"{ENV_VAR}={text!r}: {exc}") from exc
-        return cls(cache, sink_tokens)
+        return cls(cache, sink_tokens, recent_tokens)
 
     @property
     def key_spec(self) -> str:
@@ -73,6 +82,11 @@ class VllmCacheConfig:
         size = key.code_size + value.code_size
         return size + (size % 2)
 
+    def window_bytes(self, head_dim: int, kv_heads: int, layers: int, sequences: int, element_bytes: int = 2) -> int:
+        """Bytes of the exact-window side stores at their bound: (sinks + recent) keys and values of
+        `kv_heads` x `head_dim` in the model dtype, per layer and live sequence (`window.ExactWindow`)."""
+        return (self.sink_tokens + self.recent_tokens) * kv_heads * head_dim * 2 * element_bytes * layers * sequences
+
 
 @functools.lru_cache(maxsize=None)
 def _codec(spec: str, head_dim: int):
@@ -86,7 +100,10 @@ def active_config() -> VllmCacheConfig | None:
     text = os.environ.get(ENV_VAR, "").strip()
     if not text:
         return None
-    sinks = os.environ.get(SINKS_ENV_VAR, "").strip() or str(DEFAULT_SINK_TOKENS)
-    if not sinks.isdigit():
-        raise ValueError(f"{SINKS_ENV_VAR}={sinks!r}: expected an integer >= 0")
-    return VllmCacheConfig.parse(text, int(sinks))
+    counts = []
+    for var, default in ((SINKS_ENV_VAR, DEFAULT_SINK_TOKENS), (RECENT_ENV_VAR, DEFAULT_RECENT_TOKENS)):
+        value = os.environ.get(var, "").strip() or str(default)
+        if not value.isdigit():
+            raise ValueError(f"{var}={value!r}: expected an integer >= 0")
+        counts.append(int(value))
+    return VllmCacheConfig.parse(text, *counts)

@@ -11,7 +11,12 @@ Tasks (JSON in, JSON out; every result also has `kv_capacity_tokens`, `load_s` a
     {"task": "prompt_logprobs", "token_ids": [int]}
         -> {"logprobs": [float]}  (log p of tokens 1..n-1 given their prefix)
     {"task": "throughput", "prompt_token_ids": [[int]], "max_tokens": int}
-        -> {"seconds", "ttft_s", "prefill_s", "decode_tokens_per_s", "generated", "prompt_tokens"}
+        -> {"seconds", "ttft_s", "prefill_s", "decode_tokens_per_s", "generated", "prompt_tokens",
+            "decode_attention_s", "decode_attention_calls"}  (the attention backend's forward + cache
+           write of the measured batch's decode-only steps: seconds in all, and layer calls)
+    {"task": "serve", "prompt_token_ids": [[int]], "max_tokens": int}
+        -> {"seconds", "latencies_s": [float], "generated", "prompt_tokens", "preemptions"}: every
+           request submitted at once (a burst) and served to the end; latency = its finish time
 """
 from __future__ import annotations
 
@@ -22,14 +27,17 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
-from fibquant.integrations.vllm.config import DEFAULT_SINK_TOKENS, ENV_VAR, SINKS_ENV_VAR
+from fibquant.integrations.vllm.config import (DEFAULT_RECENT_TOKENS, DEFAULT_SINK_TOKENS, ENV_VAR, RECENT_ENV_VAR,
+                                               SINKS_ENV_VAR, VllmCacheConfig)
 
 RESULT_MARK = "FIBQUANT_RESULT "
 
 
 @dataclass(frozen=True)
 class EngineSettings:
-    """What the engine is started with. `kv_cache_gib` sets VLLM_CPU_KVCACHE_SPACE (the CPU KV budget);
+    """What the engine is started with. `kv_cache_gib` is the KV budget (vLLM's kv_cache_memory_bytes,
+    any fraction of a GiB); with a FibQuant cache the exact-window side stores (`window_bytes`) are
+    taken off it, so the pages and the window together fit the same budget as bf16's pages.
     `chunk_tokens` caps the tokens of one forward (chunked prefill), which is also what decides how
     many earlier tokens a prompt token sees through codes."""
 
@@ -43,6 +51,7 @@ class EngineSettings:
     kv_cache_dtype: str = "auto"  # vLLM's own cache dtypes (fp8, turboquant_*), with cache_spec None
     device: str = "cpu"           # "cuda": the budget goes through kv_cache_memory_bytes
     sink_tokens: int = DEFAULT_SINK_TOKENS  # exact first tokens of each sequence (FibQuant cache only)
+    recent_tokens: int = DEFAULT_RECENT_TOKENS  # exact last tokens before each forward (FibQuant cache only)
 
     def __post_init__(self) -> None:
         if self.chunk_tokens < 1 or self.max_model_len < 2 or self.kv_cache_gib <= 0:
@@ -63,7 +72,8 @@ def run_task(settings: EngineSettings, task: dict, timeout: float = 1800.0, pyth
     if settings.cache_spec:
         env[ENV_VAR] = settings.cache_spec
         env[SINKS_ENV_VAR] = str(settings.sink_tokens)
-    env["VLLM_CPU_KVCACHE_SPACE"] = f"{settings.kv_cache_gib:g}"
+        env[RECENT_ENV_VAR] = str(settings.recent_tokens)
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override kv_cache_memory_bytes (whole GiB only)
     env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     env.setdefault("HF_HUB_OFFLINE", "1")
     payload = json.dumps({"settings": asdict(settings), "task": task})
@@ -76,14 +86,32 @@ def run_task(settings: EngineSettings, task: dict, timeout: float = 1800.0, pyth
     raise RuntimeError(f"vLLM child exited with {done.returncode} and no result:\n{tail}")
 
 
+def window_bytes(settings: EngineSettings) -> int:
+    """Bytes of the exact-window side stores of a FibQuant engine at their bound (0 without one): every
+    layer keeps (sinks + recent) keys and values per schedulable sequence (`window.ExactWindow`)."""
+    if not settings.cache_spec:
+        return 0
+    with open(os.path.join(settings.model_dir, "config.json")) as handle:
+        model = json.load(handle)
+    model = model.get("text_config", model)
+    heads = model["num_attention_heads"]
+    head_dim = model.get("head_dim") or model["hidden_size"] // heads
+    element = 4 if settings.dtype in ("float32", "float") else 2
+    config = VllmCacheConfig.parse(settings.cache_spec, settings.sink_tokens, settings.recent_tokens)
+    return config.window_bytes(head_dim, model.get("num_key_value_heads") or heads, model["num_hidden_layers"],
+                               settings.max_num_seqs, element)
+
+
 def _engine(settings: EngineSettings):
     from vllm import LLM
 
-    extra = {}
-    if settings.device == "cuda":
-        extra["kv_cache_memory_bytes"] = int(settings.kv_cache_gib * 2 ** 30)
-        if settings.cache_spec:
-            extra["attention_backend"] = "CUSTOM"
+    budget = int(settings.kv_cache_gib * 2 ** 30)
+    extra = {"kv_cache_memory_bytes": budget - window_bytes(settings)}
+    if extra["kv_cache_memory_bytes"] <= 0:
+        raise ValueError(f"the exact windows of {settings.max_num_seqs} sequences ({window_bytes(settings)} bytes) "
+                         f"do not fit the KV budget of {settings.kv_cache_gib:g} GiB")
+    if settings.device == "cuda" and settings.cache_spec:
+        extra["attention_backend"] = "CUSTOM"
     return LLM(model=settings.model_dir, dtype=settings.dtype, enforce_eager=True,
                max_model_len=settings.max_model_len, enable_chunked_prefill=True,
                max_num_batched_tokens=settings.chunk_tokens, max_num_seqs=settings.max_num_seqs,
@@ -122,6 +150,72 @@ def _prompt_logprobs(llm, task: dict) -> dict:
     return {"logprobs": values}
 
 
+_ATTENTION = {"seconds": 0.0, "calls": 0, "decode_tokens": 0}
+_PREEMPTIONS = [0]
+
+
+def _attention_class(settings: EngineSettings):
+    if settings.cache_spec:
+        from fibquant.integrations.vllm.backend import FibQuantAttentionImpl
+
+        return FibQuantAttentionImpl
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    return CPUAttentionBackendImpl
+
+
+def _instrument(settings: EngineSettings) -> None:
+    """Time the attention backend's forward and cache write on decode-only steps (at most
+    `_ATTENTION["decode_tokens"]` tokens), and count the scheduler's preemptions."""
+    impl = _attention_class(settings)
+    for name, counts in (("forward", True), ("do_kv_cache_update", False)):
+        original = getattr(impl, name)
+
+        def timed(self, layer, first, *args, __original=original, __counts=counts, **kwargs):
+            start = time.perf_counter()
+            out = __original(self, layer, first, *args, **kwargs)
+            if 0 < first.shape[0] <= _ATTENTION["decode_tokens"]:
+                _ATTENTION["seconds"] += time.perf_counter() - start
+                _ATTENTION["calls"] += int(__counts)
+            return out
+
+        setattr(impl, name, timed)
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    preempt = Scheduler._preempt_request
+
+    def counted(self, *args, **kwargs):
+        _PREEMPTIONS[0] += 1
+        return preempt(self, *args, **kwargs)
+
+    Scheduler._preempt_request = counted
+
+
+def _serve(llm, task: dict) -> dict:
+    """A burst: every prompt submitted at once, the engine stepped until all finish (after a warm-up
+    of two requests); per request the time from submission to its last token."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in task["prompt_token_ids"]]
+    llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    engine = llm.llm_engine
+    params = SamplingParams(max_tokens=task["max_tokens"], temperature=0.0, ignore_eos=True)
+    _PREEMPTIONS[0] = 0
+    start = time.perf_counter()
+    for index, prompt in enumerate(prompts):
+        engine.add_request(f"serve-{index}", prompt, params)
+    finished, generated = {}, 0
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished and output.request_id not in finished:
+                finished[output.request_id] = time.perf_counter() - start
+                generated += len(output.outputs[0].token_ids)
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "latencies_s": sorted(finished.values()), "generated": generated,
+            "prompt_tokens": sum(len(ids) for ids in task["prompt_token_ids"]), "preemptions": _PREEMPTIONS[0]}
+
+
 def _throughput(llm, task: dict) -> dict:
     """After a warm-up (kernels compiled, codebooks loaded), the time to first token of one prompt,
     the batch's prefill alone (max_tokens=1), then the batch with `max_tokens` greedy tokens each."""
@@ -140,16 +234,18 @@ def _throughput(llm, task: dict) -> dict:
     llm.generate(prompts, one, use_tqdm=False)
     prefill = time.perf_counter() - start
     params = SamplingParams(max_tokens=task["max_tokens"], temperature=0.0, ignore_eos=True)
+    _ATTENTION.update(seconds=0.0, calls=0)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     return {"seconds": seconds, "ttft_s": ttft, "prefill_s": prefill, "generated": generated,
             "decode_tokens_per_s": (generated - len(prompts)) / max(seconds - prefill, 1e-9),
-            "prompt_tokens": sum(len(ids) for ids in task["prompt_token_ids"])}
+            "prompt_tokens": sum(len(ids) for ids in task["prompt_token_ids"]),
+            "decode_attention_s": _ATTENTION["seconds"], "decode_attention_calls": _ATTENTION["calls"]}
 
 
-TASKS = {"greedy": _greedy, "prompt_logprobs": _prompt_logprobs, "throughput": _throughput}
+TASKS = {"greedy": _greedy, "prompt_logprobs": _prompt_logprobs, "throughput": _throughput, "serve": _serve}
 
 
 def _main() -> None:
@@ -157,10 +253,13 @@ def _main() -> None:
     settings, task = EngineSettings(**request["settings"]), request["task"]
     if task.get("task") not in TASKS:
         raise ValueError(f"unknown task {task.get('task')!r}; expected one of {sorted(TASKS)}")
+    if task["task"] in ("throughput", "serve"):
+        _ATTENTION["decode_tokens"] = len(task["prompt_token_ids"])
+        _instrument(settings)
     start = time.perf_counter()
     llm = _engine(settings)
     result = {"load_s": time.perf_counter() - start, "kv_capacity_tokens": _capacity(llm),
-              "cache_spec": settings.cache_spec}
+              "cache_spec": settings.cache_spec, "window_bytes": window_bytes(settings)}
     start = time.perf_counter()
     result.update(TASKS[task["task"]](llm, task))
     result["task_s"] = time.perf_counter() - start

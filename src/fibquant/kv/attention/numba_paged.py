@@ -1,0 +1,222 @@
+"""The fused one-token decode step of `numba_decode`, reading each sequence's codes in place from
+paged storage (vLLM's KV pages) through its block-table row, for exactly its own coded range.
+
+`paged_step` (prepared by `fibquant.kv.attention.paged.paged_decode_attention`) does, per unit
+(sequence b, KV head h) and the G = Hq / Hkv query heads that read it, what `numba_decode`'s
+`decode_step` does over a `CodedKV`, with one difference: the coded positions [start_b, stop_b)
+of sequence b are not a contiguous [M, C] row block but slots of pages
+
+    position p  ->  pages[tables[b, p // block_size], h, p % block_size, offset : offset + code_size]
+
+so the token loops (`_score_tokens`, `_hist_tokens` of numba_decode, the same lookup-table and
+histogram intrinsics) run block by block over 2-d strided views of the pages, writing the scores
+of block j into columns [j * block_size - start_b, ...) of the row's score scratch. No codes are
+copied, and no sequence is padded to the longest: the work of sequence b is its own length.
+
+Exact columns (the sinks and the recent window the caller keeps beside the pages, and the new
+token) are float dot products as in numba_decode; every column of the row (and a learned sink
+logit) goes through one softmax. No additive bias: each sequence sees all of its own columns.
+Block ids outside [0, num_blocks) are counted (the caller raises) and skipped, never read.
+"""
+from __future__ import annotations
+
+np = None
+_decode_norms = _count_invalid = _safe_fields = None
+_build_table = _bytes_table = _spread_bytes = _contract = None
+_score_tokens = _hist_tokens = _exact_scores = _exact_values = None
+
+
+def _paged_step_py(query, scaling, key_forward, value_inverse, key_codewords, value_codewords, pages, tables,
+                   starts, stops, key_offset, key_size, value_offset, value_size, exact_keys, exact_values,
+                   new_keys, new_values, sinks, out, flags, key_bits, value_bits, key_blocks, value_blocks,
+                   key_mode, value_mode, lanes, table1, lut, hist1, hist, coded, norms, unit_start, unit_stop):
+    """out[b, h*G + t] for units [unit_start, unit_stop) of (b, KV head h); returns the count of
+    invalid indices (>= N) and out-of-range block ids seen. query [B, Hq, D] (unscaled, unrotated),
+    pages uint8 [num_blocks, H, block_size, slot] (any strides, slot bytes contiguous), tables
+    int32 [B, max_blocks], starts / stops int64 [B] (coded positions [start, stop)), exact parts
+    [B, H, n, D] (n may be 0), sinks [Hq] (read when flags bit 3), out [B, Hq, Dv] float32.
+    Scratch as `numba_decode.scratch_sizes`, coded [lanes, >= max coded tokens], norms [>= that]."""
+    n_b, n_qh, dim = query.shape
+    n_h = pages.shape[1]
+    block_size = pages.shape[2]
+    n_pages = pages.shape[0]
+    groups = n_qh // n_h
+    n_exact_in, n_new = exact_keys.shape[2], new_keys.shape[2]
+    n_exact = n_exact_in + n_new
+    value_dim = value_inverse.shape[0]
+    has_sinks = (flags & 8) != 0
+    if key_mode == 0 and key_bits == 8:
+        key_mode = 2
+    if value_mode == 0 and value_bits == 8:
+        value_mode = 2
+    kn, kk = key_codewords.shape
+    k_per_byte = 8 // key_bits if key_mode == 0 else 1
+    k_pos = (key_blocks + k_per_byte - 1) // k_per_byte
+    qmat = np.zeros((kk, key_blocks * lanes), dtype=np.float32)
+    k_word = 4 if key_bits <= 25 else 8
+    k_safe_bytes = _safe_fields(k_pos, 8, key_size - 2, 4)
+    k_safe = _safe_fields(key_blocks, key_bits, key_size - 2, k_word)
+    k_check = key_mode == 1 and kn < (1 << key_bits)
+    vn, vk = value_codewords.shape
+    v_per_byte = 8 // value_bits if value_mode == 0 else 1
+    v_pos = (value_blocks + v_per_byte - 1) // v_per_byte
+    acc = np.empty((vk, value_blocks * lanes), dtype=np.float32)
+    v_word = 4 if value_bits <= 25 else 8
+    v_safe_bytes = _safe_fields(v_pos, 8, value_size - 2, 4)
+    v_safe = _safe_fields(value_blocks, value_bits, value_size - 2, v_word)
+    v_check = value_mode == 1 and vn < (1 << value_bits)
+
+    scaled = np.empty((groups, dim), dtype=np.float32)
+    rotated = np.empty(dim, dtype=np.float32)
+    exact = np.empty((groups, n_exact), dtype=np.float32)
+    total = np.empty(groups, dtype=np.float32)
+    coded_total = np.empty(groups, dtype=np.float32)
+    result = np.empty((groups, value_dim), dtype=np.float32)
+    unrot = np.empty(value_dim, dtype=np.float32)
+    bad = 0
+    for unit in range(unit_start, unit_stop):
+        b = unit // n_h
+        h = unit % n_h
+        start = starts[b]
+        stop = stops[b]
+        n_tokens = stop - start if stop > start else 0
+        for t in range(groups):
+            for d in range(dim):
+                scaled[t, d] = query[b, h * groups + t, d] * scaling
+        first_block = start // block_size
+        last_block = (stop + block_size - 1) // block_size
+        # --- coded scores, block by block
+        if n_tokens:
+            for t in range(groups):
+                for e in range(dim):
+                    rotated[e] = 0.0
+                for d in range(dim):
+                    x = scaled[t, d]
+                    for e in range(dim):
+                        rotated[e] += x * key_forward[d, e]
+                for j in range(key_blocks):
+                    for c in range(kk):
+                        qmat[c, j * lanes + t] = rotated[j * kk + c]
+            _build_table(key_codewords, qmat, table1)
+            if key_mode == 0:
+                _bytes_table(table1, key_blocks, key_bits, lanes, lut)
+            for j in range(first_block, last_block):
+                lo = max(start, j * block_size)
+                hi = min(stop, (j + 1) * block_size)
+                base = lo - start
+                page = tables[b, j]
+                if page < 0 or page >= n_pages:
+                    bad += 1
+                    for t in range(groups):
+                        for i in range(hi - lo):
+                            coded[t, base + i] = -np.inf
+                    continue
+                rows = pages[page, h, lo - j * block_size:hi - j * block_size, key_offset:key_offset + key_size]
+                block_norms = norms[base:base + hi - lo]
+                _decode_norms(rows, block_norms)
+                if k_check:
+                    bad += _count_invalid(rows, key_bits, key_blocks, kn)
+                _score_tokens(table1, lut, rows, coded[:, base:base + hi - lo], groups, block_norms, key_mode, lanes,
+                              key_bits, key_blocks, k_pos, kn, k_safe, k_safe_bytes, k_word)
+        # --- exact scores: columns [the caller's exact window, the new token]
+        _exact_scores(exact_keys, b, h, 0, exact, scaled, groups)
+        _exact_scores(new_keys, b, h, n_exact_in, exact, scaled, groups)
+        # --- one softmax over the row (and the sink logit)
+        for t in range(groups):
+            top = -np.inf
+            for i in range(n_tokens):
+                if coded[t, i] > top:
+                    top = coded[t, i]
+            for e in range(n_exact):
+                if exact[t, e] > top:
+                    top = exact[t, e]
+            sink_logit = np.float32(sinks[h * groups + t]) if has_sinks else np.float32(-np.inf)
+            if sink_logit > top:
+                top = sink_logit
+            if top == -np.inf:
+                top = np.float32(0.0)
+            for i in range(n_tokens):
+                coded[t, i] = np.exp(coded[t, i] - top)
+            for e in range(n_exact):
+                exact[t, e] = np.exp(exact[t, e] - top)
+            s = np.float32(0.0)
+            for i in range(n_tokens):
+                s += coded[t, i]
+            coded_total[t] = s
+            for e in range(n_exact):
+                s += exact[t, e]
+            if has_sinks:
+                s += np.float32(np.exp(sink_logit - top))
+            total[t] = s
+        # --- value sums, block by block
+        for t in range(groups):
+            for d in range(value_dim):
+                result[t, d] = 0.0
+        if n_tokens:
+            if value_mode == 0:
+                hist[:v_pos * 256 * lanes] = 0.0
+            else:
+                hist1[:vn * value_blocks * lanes] = 0.0
+            for j in range(first_block, last_block):
+                lo = max(start, j * block_size)
+                hi = min(stop, (j + 1) * block_size)
+                base = lo - start
+                page = tables[b, j]
+                if page < 0 or page >= n_pages:
+                    continue
+                rows = pages[page, h, lo - j * block_size:hi - j * block_size, value_offset:value_offset + value_size]
+                block_norms = norms[base:base + hi - lo]
+                _decode_norms(rows, block_norms)
+                if v_check:
+                    bad += _count_invalid(rows, value_bits, value_blocks, vn)
+                _hist_tokens(hist1, hist, rows, coded[:, base:base + hi - lo], groups, block_norms, value_mode, lanes,
+                             value_bits, value_blocks, v_pos, vn, v_safe, v_safe_bytes, v_word)
+            if value_mode == 0:
+                _spread_bytes(hist, value_blocks, value_bits, lanes, hist1)
+            _contract(hist1, value_codewords, acc)
+            for t in range(groups):  # un-rotate: result[t, d] = sum_e acc_t[e] * forward[d, e]
+                for j in range(value_blocks):
+                    for c in range(vk):
+                        unrot[j * vk + c] = acc[c, j * lanes + t]
+                for e in range(value_dim):
+                    x = unrot[e]
+                    for d in range(value_dim):
+                        result[t, d] += x * value_inverse[e, d]
+        _exact_values(exact_values, b, h, 0, exact, result, groups)
+        _exact_values(new_values, b, h, n_exact_in, exact, result, groups)
+        for t in range(groups):
+            scale = np.float32(1.0) / total[t] if total[t] > 0 else np.float32(0.0)
+            for d in range(value_dim):
+                out[b, h * groups + t, d] = result[t, d] * scale
+    return bad
+
+
+_KERNEL = None
+
+
+def compile_paged_kernel():
+    """The paged decode-step dispatcher (numba, cache=True); binds numba_decode's helpers first."""
+    global _KERNEL, np, _decode_norms, _count_invalid, _safe_fields, _build_table, _bytes_table, _spread_bytes
+    global _contract, _score_tokens, _hist_tokens, _exact_scores, _exact_values
+    if _KERNEL is not None:
+        return _KERNEL
+    import numba
+
+    import fibquant.kv.attention.numba_decode as numba_decode
+
+    numba_decode.compile_decode_kernel()  # binds numba_decode's (and numba_kernels') helpers
+    np = numba_decode.np
+    _decode_norms, _count_invalid, _safe_fields = (numba_decode._decode_norms, numba_decode._count_invalid,
+                                                   numba_decode._safe_fields)
+    _build_table, _bytes_table = numba_decode._build_table, numba_decode._bytes_table
+    _spread_bytes, _contract = numba_decode._spread_bytes, numba_decode._contract
+    _score_tokens, _hist_tokens = numba_decode._score_tokens, numba_decode._hist_tokens
+    _exact_scores, _exact_values = numba_decode._exact_scores, numba_decode._exact_values
+    f32 = "float32[:, :, :, ::1]"
+    signature = ("int64(float32[:, :, ::1], float32, float32[:, ::1], float32[:, ::1], float32[:, ::1], "
+                 "float32[:, ::1], uint8[:, :, :, :], int32[:, :], int64[::1], int64[::1], int64, int64, int64, "
+                 f"int64, {f32}, {f32}, {f32}, {f32}, float32[::1], float32[:, :, ::1], "
+                 "int64, int64, int64, int64, int64, int64, int64, int64, float32[::1], float32[::1], float32[::1], "
+                 "float32[::1], float32[:, ::1], float32[::1], int64, int64)")
+    _KERNEL = numba.njit(signature, nogil=True, cache=True)(_paged_step_py)
+    return _KERNEL

@@ -1,0 +1,158 @@
+"""Decode attention over paged codes (vLLM's KV pages) on the CPU: one call of the fused numba
+kernel of `numba_paged` for a whole batch of one-token steps, each sequence's codes read in place
+through its block-table row for exactly its own coded range (no gathered copy, no padding).
+
+`paged_decode_attention` is the fast path; `paged_decode_attention_reference` (gather the codes,
+decode them with the codecs, one float softmax) is its spec, and the tests hold the two together.
+
+Per sequence b, the columns attended are
+
+    [exact window (the caller's: sinks and recent tokens, [n] in any order) | coded positions
+     [starts[b], stops[b]) of the pages | the new token]
+
+with one softmax over all of them (and a learned sink logit per query head, if given).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from fibquant._numba import numba_available, run_split
+from fibquant.codecs.base import Codec
+from fibquant.kv.attention.kernels import _MIN_WORK_PER_THREAD
+from fibquant.kv.attention.reference import gather_paged_codes
+
+_KERNEL = None
+_SIZES: dict = {}
+_DUMMY_SINKS = np.zeros(1, dtype=np.float32)
+
+
+def paged_plans(key_codec: Codec, value_codec: Codec, q_heads: int, kv_heads: int):
+    """(key plan, value plan) of `fibquant.kv.attention.entry._codec_plan` when the paged kernel can
+    serve these codecs and head counts (numba present, rotated codebooks, G = Hq/Hkv <= 8), else None."""
+    if not numba_available() or q_heads % kv_heads:
+        return None
+    from fibquant.kv.attention.entry import _codec_plan
+
+    keys, values = _codec_plan(key_codec), _codec_plan(value_codec)
+    groups = q_heads // kv_heads
+    if keys is None or values is None or groups > 8 or (groups > 4 and 1 in (keys[5], values[5]) and max(
+            keys[3], values[3]) > 25):
+        return None
+    return keys, values
+
+
+def _f32(tensor: torch.Tensor):
+    if tensor.dtype != torch.float32 or not tensor.is_contiguous():
+        tensor = tensor.detach().to(torch.float32).contiguous()
+    return tensor.numpy()
+
+
+def paged_decode_attention(query: torch.Tensor, pages: torch.Tensor, tables: torch.Tensor, starts: list[int],
+                           stops: list[int], key_codec: Codec, value_codec: Codec, exact_keys: torch.Tensor,
+                           exact_values: torch.Tensor, new_keys: torch.Tensor, new_values: torch.Tensor,
+                           scaling: float, *, key_offset: int = 0, value_offset: int | None = None,
+                           sinks: torch.Tensor | None = None, plans=None) -> torch.Tensor:
+    """One decode step of B sequences -> out float32 [B, Hq, Dv].
+
+    query        [B, Hq, D] (unscaled, unrotated; any float dtype)
+    pages        uint8 [num_blocks, Hkv, block_size, slot_bytes], any strides with each slot's bytes
+                 contiguous; a slot holds the key code at `key_offset` and the value code at
+                 `value_offset` (default key_offset + key code size)
+    tables       int32 [B, max_blocks]: position p of sequence b is slot p % block_size of page tables[b, p // bs]
+    starts/stops B ints: sequence b attends to its coded positions [starts[b], stops[b])
+    exact_keys/values [B, Hkv, n, D|Dv] (n >= 0: e.g. sinks + recent window), new_keys/values [B, Hkv, 1, D|Dv]
+    sinks        optional [Hq] learned sink logits (a softmax column with no value)
+    plans        `paged_plans(...)` (computed when None; raises when the kernel cannot serve the codecs)
+    """
+    global _KERNEL
+    if query.ndim != 3 or pages.ndim != 4 or pages.dtype != torch.uint8 or query.device.type != "cpu":
+        raise ValueError(f"expected CPU query [B, Hq, D] and uint8 pages [blocks, Hkv, bs, slot], got "
+                         f"{tuple(query.shape)} on {query.device}, {pages.dtype} {tuple(pages.shape)}")
+    batch, q_heads, dim = query.shape
+    kv_heads, block_size = pages.shape[1], pages.shape[2]
+    if plans is None:
+        plans = paged_plans(key_codec, value_codec, q_heads, kv_heads)
+        if plans is None:
+            raise ValueError("the paged numba kernel cannot serve these codecs / head counts (or numba is missing)")
+    keys, values = plans
+    key_size, value_size = key_codec.code_size, value_codec.code_size
+    value_offset = key_offset + key_size if value_offset is None else value_offset
+    if key_offset < 0 or value_offset < 0 or max(key_offset + key_size, value_offset + value_size) > pages.shape[3]:
+        raise ValueError(f"codes at bytes {key_offset}+{key_size} / {value_offset}+{value_size} do not fit a slot "
+                         f"of {pages.shape[3]} bytes")
+    if pages.shape[3] > 1 and pages.stride(3) != 1:
+        raise ValueError("pages must hold each slot's bytes contiguously (stride 1 in the last dimension)")
+    if tables.ndim != 2 or tables.shape[0] != batch:
+        raise ValueError(f"tables must be [B={batch}, max_blocks], got {tuple(tables.shape)}")
+    if len(starts) != batch or len(stops) != batch:
+        raise ValueError(f"starts and stops need {batch} entries, got {len(starts)} and {len(stops)}")
+    capacity = tables.shape[1] * block_size
+    longest = 0
+    for start, stop in zip(starts, stops):
+        if start < 0 or stop > capacity:
+            raise ValueError(f"coded range [{start}, {stop}) outside the {capacity} positions of a table row")
+        longest = max(longest, stop - start)
+    for name, tensor, width in (("exact_keys", exact_keys, dim), ("exact_values", exact_values, value_codec.dim),
+                                ("new_keys", new_keys, dim), ("new_values", new_values, value_codec.dim)):
+        if tensor.ndim != 4 or tensor.shape[0] != batch or tensor.shape[1] != kv_heads or tensor.shape[3] != width:
+            raise ValueError(f"{name} must be [B={batch}, Hkv={kv_heads}, n, {width}], got {tuple(tensor.shape)}")
+    if exact_keys.shape[2] != exact_values.shape[2] or new_keys.shape[2] != new_values.shape[2]:
+        raise ValueError("exact / new keys and values must hold the same number of tokens")
+    if _KERNEL is None:
+        from fibquant.kv.attention.numba_paged import compile_paged_kernel
+        _KERNEL = compile_paged_kernel()
+    flags, sinks_np = 0, _DUMMY_SINKS
+    if sinks is not None:
+        if sinks.numel() != q_heads:
+            raise ValueError(f"sinks must hold {q_heads} logits, got {tuple(sinks.shape)}")
+        sinks_np, flags = _f32(sinks.reshape(-1)), 8
+    if tables.dtype != torch.int32 or (tables.shape[1] > 1 and tables.stride(1) != 1):
+        tables = tables.to(torch.int32).contiguous()
+    value_dim = values[1].shape[0]
+    out = torch.empty(batch, q_heads, value_dim, dtype=torch.float32)
+    lanes = 4 if q_heads // kv_heads <= 4 else 8
+    args = (_f32(query), float(scaling), keys[0], values[1], keys[2], values[2], pages.numpy(), tables.numpy(),
+            np.asarray(starts, dtype=np.int64), np.asarray(stops, dtype=np.int64), int(key_offset), key_size,
+            int(value_offset), value_size, _f32(exact_keys), _f32(exact_values), _f32(new_keys), _f32(new_values),
+            sinks_np, out.numpy(), flags, keys[3], values[3], keys[4], values[4], keys[5], values[5], lanes)
+    shape = (keys[2].shape[0], keys[4], keys[3], keys[5], values[2].shape[0], values[4], values[3], values[5], lanes)
+    sizes = _SIZES.get(shape)
+    if sizes is None:
+        from fibquant.kv.attention.numba_decode import scratch_sizes
+        sizes = _SIZES[shape] = scratch_sizes(*shape)
+    from fibquant.kv.attention.entry import _scratch
+
+    units = batch * kv_heads
+    bad = run_split(_KERNEL, args, units, longest * (keys[4] + values[4]), _MIN_WORK_PER_THREAD, "fibquant-paged",
+                    per_thread=lambda t: _scratch(t, sizes, lanes, longest))
+    if bad:
+        raise ValueError(f"paged codes hold {bad} invalid index(es) or block id(s) outside the pages")
+    return out
+
+
+def paged_decode_attention_reference(query: torch.Tensor, pages: torch.Tensor, tables: torch.Tensor,
+                                     starts: list[int], stops: list[int], key_codec: Codec, value_codec: Codec,
+                                     exact_keys: torch.Tensor, exact_values: torch.Tensor, new_keys: torch.Tensor,
+                                     new_values: torch.Tensor, scaling: float, *, key_offset: int = 0,
+                                     value_offset: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """The spec of `paged_decode_attention`: gather each sequence's codes, decode them, one float softmax."""
+    batch, q_heads, dim = query.shape
+    kv_heads = pages.shape[1]
+    groups = q_heads // kv_heads
+    key_size, value_size = key_codec.code_size, value_codec.code_size
+    value_offset = key_offset + key_size if value_offset is None else value_offset
+    out = torch.empty(batch, q_heads, value_codec.dim, dtype=torch.float32)
+    for b in range(batch):
+        key_codes, value_codes = gather_paged_codes(pages[..., key_offset:], tables, b, starts[b], max(stops[b], starts[b]),
+                                                    value_offset - key_offset, key_size, value_size)
+        coded_keys = key_codec.decode(key_codes[0].contiguous()).to(torch.float32)      # [Hkv, m, D]
+        coded_values = value_codec.decode(value_codes[0].contiguous()).to(torch.float32)
+        k = torch.cat([exact_keys[b].float(), coded_keys, new_keys[b].float()], dim=1).repeat_interleave(groups, 0)
+        v = torch.cat([exact_values[b].float(), coded_values, new_values[b].float()], dim=1).repeat_interleave(groups, 0)
+        scores = torch.einsum("hd,hkd->hk", query[b].float(), k) * scaling
+        if sinks is not None:
+            scores = torch.cat([scores, sinks.reshape(-1, 1).float()], dim=-1)
+        weights = scores.softmax(-1)[:, :k.shape[1]]
+        out[b] = torch.einsum("hk,hkd->hd", weights, v)
+    return out
