@@ -28,6 +28,7 @@ from fibquant.codecs.base import Codec, PlotStyle, read_codec_file
 REGISTRY = (
     "fibquant.codecs.identity.IdentityCodec",
     "fibquant.codecs.fibquant.FibQuantCodec",
+    "fibquant.codecs.residual.ResidualFibQuantCodec",
     "fibquant.codecs.turboquant.TurboQuantCodec",
     "fibquant.codecs.integer.IntCodec",
     "fibquant.codecs.lowrank.LowRankCodec",
