@@ -14,15 +14,16 @@ Searches (x [n, k] -> indices [n, S]):
   argmin, the lowest flat index (i_1 * N^(S-1) + ... + i_S) among equals. Affordable for
   N^S <= EXHAUSTIVE_MAX (tests, and the measurement of the beam's gap).
 - `beam_search` (the codec's encoder): stage by stage keep the `beam` best partial sums
-  (float32 scores ||r - c||^2 of every kept residual r against every codeword c of the stage).
+  (float64 scores ||r - c||^2 of every kept residual r against every codeword c of the stage).
   Not exact in general: it can miss the best sum when the best first stage choices are not among
   the kept ones. With beam >= N^(S-1) it keeps every partial sum and is the exhaustive search (up
-  to float32 rounding). The measured gap to the exhaustive search is in docs/codecs.md
+  to float64 rounding at exact ties). The measured gap to the exhaustive search is in docs/codecs.md
   ("FibQuant-RVQ"); tests bound it.
 
 Construction (recipe RECIPE, `build_residual`): stages are added one at a time; after adding a
 stage (initialised with random residuals of the current code), ITERATIONS joint Lloyd steps, each
-on a *fresh* seeded batch of BATCH canonical blocks: encode with the beam (TRAIN_BEAM), then move
+on a *fresh* seeded batch of BATCH canonical blocks: encode with the beam (TRAIN_BEAM, float32
+scores), then move
 every stage's codewords to the mean of (x - the other stages' codewords) over its cell (the
 block-coordinate-descent update of a residual code); empty cells keep their codeword. Seeds are
 derived from (dim, k, S, N, seed, RECIPE), so a build is reproducible (float32 matmuls: the same
@@ -52,7 +53,10 @@ TRAIN_BEAM = 16          # beam of the encoder during construction
 EXHAUSTIVE_MAX = 1 << 20  # the largest N^S the exhaustive reference enumerates
 MAX_STAGES = 8
 MAX_STAGE_CODEWORDS = 4096
-SCORE_BUDGET = 1 << 22   # float32 scores per chunk of the beam search (n_chunk * beam * N)
+SCORE_BUDGET = 1 << 22   # scores per chunk of the beam search (n_chunk * beam * N)
+SCORE_DTYPE = torch.float64  # the codec's beam scores: float64, so one row and a batch pick the same sums
+                             # (float32 matmuls round differently by batch size); ~2.5x the float32 time
+BUILD_DTYPE = torch.float32  # the construction's beam scores (recipe r1)
 
 
 @dataclass(frozen=True)
@@ -122,17 +126,18 @@ def exhaustive_search(x: torch.Tensor, stages: torch.Tensor) -> torch.Tensor:
     return torch.stack(digits[::-1], dim=1)
 
 
-def beam_search(x: torch.Tensor, stages: torch.Tensor, beam: int) -> torch.Tensor:
-    """Blocks x [n, k] (float32) -> indices [n, S] (int64): stage by stage, the `beam` best partial
-    sums (float32 squared distances) are kept; the best final one is returned. See the module
-    docstring for how it relates to `exhaustive_search`."""
+def beam_search(x: torch.Tensor, stages: torch.Tensor, beam: int, dtype: torch.dtype = SCORE_DTYPE) -> torch.Tensor:
+    """Blocks x [n, k] -> indices [n, S] (int64): stage by stage, the `beam` best partial sums
+    (squared distances in `dtype`: float64 for the codec, float32 in the construction) are kept;
+    the best final one is returned (the lowest (parent, codeword) order among equal scores, as
+    torch.topk sorts). See the module docstring for how it relates to `exhaustive_search`."""
     check_stages(x, stages)
     if isinstance(beam, bool) or not isinstance(beam, int) or beam < 1:
         raise ValueError(f"beam must be a positive integer, got {beam!r}")
     s, n_cw, k = stages.shape
-    book = stages.to(device=x.device, dtype=torch.float32)
+    book = stages.to(device=x.device, dtype=dtype)
     sq = (book ** 2).sum(-1)  # [S, N]
-    x = x.to(torch.float32)
+    x = x.to(dtype)
     out = torch.empty(x.shape[0], s, dtype=torch.int64, device=x.device)
     chunk = max(1, SCORE_BUDGET // (beam * n_cw))
     for start in range(0, x.shape[0], chunk):
@@ -177,13 +182,13 @@ def build_residual(spec: ResidualSpec, *, batch: int = BATCH, iterations: int = 
     for stage in range(spec.stages):
         x = sample_blocks(batch, spec.dim, spec.k, seed=spec.derived_seed(f"init{stage}"))
         book = torch.stack(stages) if stages else None
-        resid = x - reconstruct(beam_search(x, book, beam), book) if stages else x
+        resid = x - reconstruct(beam_search(x, book, beam, BUILD_DTYPE), book) if stages else x
         pick = torch.randperm(batch, generator=torch.Generator().manual_seed(spec.derived_seed(f"pick{stage}")))
         stages.append(resid[pick[:spec.n_codewords]].clone())
         for it in range(iterations):
             x = sample_blocks(batch, spec.dim, spec.k, seed=spec.derived_seed(f"batch{stage},{it}"))
             book = torch.stack(stages)
-            idx = beam_search(x, book, beam)
+            idx = beam_search(x, book, beam, BUILD_DTYPE)
             full = reconstruct(idx, book)
             last_mse = blocks_per_vector * float(((x - full) ** 2).sum(-1).mean())
             for j in range(len(stages)):  # block coordinate descent: every stage to its cells' means
