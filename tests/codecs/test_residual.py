@@ -6,7 +6,7 @@ Bounds (measured on canonical blocks / unit vectors, docs/codecs.md "FibQuant-RV
 |----------------------------------------------------|-------|-----------------------------------|
 | beam 16 MSE / exhaustive MSE, shipped 2 x 256      | 1.02  | 1.006 (beam = exhaustive on ~74 %) |
 | beam >= N^(S-1) against exhaustive (small stages)  | equal | equal                             |
-| shipped stages' fresh MSE / their build MSE        | 1.03  | 0.99-1.01                         |
+| shipped stages' fresh MSE (160 vectors) / build MSE | 1.06 | 0.99-1.03               |
 | decoded norm / input norm with norm correction     | 2^-10 | fp16 rounding of the stored norm  |
 """
 from __future__ import annotations
@@ -48,13 +48,13 @@ def test_exhaustive_search_prefers_the_lowest_flat_index_on_ties():
 def test_beam_on_shipped_stages_within_documented_bound_of_exhaustive():
     codec = ResidualFibQuantCodec.from_spec(64, bits=2)
     stages = codec.codebook
-    x = sample_blocks(512, 64, 8, seed=77)
+    x = sample_blocks(192, 64, 8, seed=77)
     reference = R.exhaustive_search(x, stages)
     beam = R.beam_search(x, stages, codec.beam)
     ratio = R.block_mse(x, stages, beam) / R.block_mse(x, stages, reference)
     assert 1.0 - 1e-9 <= ratio <= 1.02, ratio
     # The codec's exhaustive path is the same search.
-    u = sample_sphere(64, 64, seed=78)
+    u = sample_sphere(8, 64, seed=78)
     exact = codec.encode_with(u, exhaustive=True)
     assert ((codec.decode(exact) - u) ** 2).sum(1).mean() <= ((codec.roundtrip(u) - u) ** 2).sum(1).mean() + 1e-7
 
@@ -125,6 +125,7 @@ def test_missing_codebook_is_reported_not_built(tmp_path, monkeypatch):
                          ids=["fibquant", "fibrvq"])
 def test_norm_correction_keeps_the_norm_at_zero_extra_bytes(codec):
     plain = type(codec)(**{**codec.config.__dict__, "norm_correction": False})
+    codec.fast_search = plain.fast_search = False  # the torch search (no numba compile): the same codes
     assert codec.code_size == plain.code_size
     x = torch.randn(200, 64, generator=torch.Generator().manual_seed(3)) * torch.linspace(0.2, 4, 64)
     x[5] = 0
@@ -178,10 +179,10 @@ def test_shipped_stages_match_their_build_record(stages):
     path = store.SHIPPED_DIR / spec.file_name
     book, meta = store.read_file(path)
     assert book.shape == (stages, 256, 8) and meta["recipe"] == R.RECIPE
-    u = sample_sphere(2048, 64, seed=4343)
-    codec = ResidualFibQuantCodec(64, stages=stages)
+    u = sample_sphere(160, 64, seed=4343)
+    codec = ResidualFibQuantCodec(64, stages=stages)  # beam 16, the construction's
     fresh = float(((codec.roundtrip(u) - u) ** 2).sum(1).mean())
-    assert fresh < 1.03 * float(meta["total_mse"]), (fresh, meta["total_mse"])
+    assert fresh < 1.06 * float(meta["total_mse"]), (fresh, meta["total_mse"])
 
 
 def test_compressed_cache_round_trip_with_decode_fallback():
@@ -192,7 +193,7 @@ def test_compressed_cache_round_trip_with_decode_fallback():
     from fibquant.kv.model import cache_kwarg
 
     model = tiny_llama(head_dim=64)
-    ids = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(6))
+    ids = torch.randint(0, 97, (1, 24), generator=torch.Generator().manual_seed(6))
     codec = ResidualFibQuantCodec(64, stages=2)
     cache, dynamic = CompressedCache(codec, codec, sink_tokens=2, recent_tokens=4), DynamicCache()
     with torch.no_grad():
