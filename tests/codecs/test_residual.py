@@ -208,3 +208,20 @@ def test_compressed_cache_round_trip_with_decode_fallback():
     assert len(coded) > 0
     got = layer.keys[..., coded, :]
     torch.testing.assert_close(got, codec.roundtrip(exact_keys[..., coded, :]), rtol=0, atol=1e-5)
+
+
+def test_a_fibquant_file_saved_before_norm_correction_still_loads(tmp_path):
+    import json
+
+    from safetensors.torch import save_file
+
+    from fibquant.codecs.base import FORMAT_NAME, config_matches
+    from fibquant.codecs.registry import load_codec
+
+    old = {"dim": 64, "k": 4, "n_codewords": 256, "seed": 0}  # the config before the field existed
+    save_file({}, str(tmp_path / "old.safetensors"),
+              metadata={"format": FORMAT_NAME, "family": "fibquant", "config": json.dumps(old)})
+    codec = load_codec(tmp_path / "old.safetensors")
+    assert isinstance(codec, FibQuantCodec) and not codec.norm_correction
+    assert config_matches(codec.config, old) and not config_matches(codec.config, {**old, "norm_correction": True})
+    assert not config_matches(codec.config, {"dim": 64})  # a field without a default must be there
