@@ -9,7 +9,9 @@ Code layout of one vector (code_size bytes, vector i of a flat batch at byte i *
 code_size = 2 + ceil((dim/k) * ceil(log2 N) / 8). `bits_per_coordinate` (the index stream, see
 codecs/base.py) is ceil(log2 N) / k; for N not a power of two the information rate log2(N)/k is
 smaller and is `nominal_bits_per_coordinate`. `stored_bits_per_coordinate` adds the norm.
-A zero vector stores nu = 0 and decodes to zero.
+A zero vector stores nu = 0 and decodes to zero. With `norm_correction=True` (spec "fibquant:b=2,nc=1",
+default off) bytes [0, 2) hold ||x|| / ||u_hat|| instead (u_hat the code's concatenated codewords), so
+the decoded vector keeps the input's norm at zero extra bytes (measured in docs/codecs.md, "FibQuant-RVQ").
 
 `for_rate(dim, bits)` picks (k, N) with log2(N)/k = bits: among the block sizes k dividing dim
 with N = 2^(bits*k) an integer power of two in [2, MAX_SEARCH_CODEWORDS], the largest k (more
