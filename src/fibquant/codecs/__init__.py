@@ -7,7 +7,9 @@ from .fibquant import FibQuantCodec
 from .identity import IdentityCodec
 from .integer import IntCodec
 from .lowrank import LowRankCodec
+from .residual import ResidualFibQuantCodec
 from .rvq import RVQCodec
 from .turboquant import TurboQuantCodec
 
-__all__ = ["Codec", "FibQuantCodec", "IdentityCodec", "IntCodec", "LowRankCodec", "RVQCodec", "TurboQuantCodec"]
+__all__ = ["Codec", "FibQuantCodec", "IdentityCodec", "IntCodec", "LowRankCodec", "RVQCodec", "ResidualFibQuantCodec",
+           "TurboQuantCodec"]

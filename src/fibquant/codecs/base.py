@@ -42,7 +42,7 @@ from __future__ import annotations
 import json
 import math
 from abc import ABC, abstractmethod
-from dataclasses import asdict, dataclass, is_dataclass
+from dataclasses import MISSING, asdict, dataclass, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Optional, TypeVar
 
@@ -220,7 +220,7 @@ class Codec(ABC):
         if family != cls.family:
             raise ValueError(f"{path} holds a {family!r} codec, not {cls.family!r} ({cls.__name__})")
         codec = cls.from_state(config, tensors)
-        if asdict(codec.config) != config:
+        if not config_matches(codec.config, config):
             raise ValueError(f"{path}: the stored tensors give config {codec.config}, the file says {config}")
         return codec
 
@@ -311,6 +311,14 @@ class Codec(ABC):
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(dim={self.dim}, bits/coord={self.bits_per_coordinate:.4g}, "
                 f"code_size={self.code_size}B, ratio={self.compression_ratio:.2f}x)")
+
+
+def config_matches(config: Any, saved: dict) -> bool:
+    """Whether a codec's config dataclass equals a saved config dict, a field the saved dict lacks
+    counting as its default (so a file saved before a defaulted field was added, e.g. FibQuant's
+    norm_correction, still matches the codec it describes)."""
+    defaults = {f.name: f.default for f in fields(config) if f.default is not MISSING}
+    return asdict(config) == {**defaults, **saved}
 
 
 def read_codec_file(path: str | Path) -> tuple[str, dict, dict[str, torch.Tensor]]:

@@ -9,7 +9,9 @@ Code layout of one vector (code_size bytes, vector i of a flat batch at byte i *
 code_size = 2 + ceil((dim/k) * ceil(log2 N) / 8). `bits_per_coordinate` (the index stream, see
 codecs/base.py) is ceil(log2 N) / k; for N not a power of two the information rate log2(N)/k is
 smaller and is `nominal_bits_per_coordinate`. `stored_bits_per_coordinate` adds the norm.
-A zero vector stores nu = 0 and decodes to zero.
+A zero vector stores nu = 0 and decodes to zero. With `norm_correction=True` (spec "fibquant:b=2,nc=1",
+default off) bytes [0, 2) hold ||x|| / ||u_hat|| instead (u_hat the code's concatenated codewords), so
+the decoded vector keeps the input's norm at zero extra bytes (measured in docs/codecs.md, "FibQuant-RVQ").
 
 `for_rate(dim, bits)` picks (k, N) with log2(N)/k = bits: among the block sizes k dividing dim
 with N = 2^(bits*k) an integer power of two in [2, MAX_SEARCH_CODEWORDS], the largest k (more
@@ -42,7 +44,7 @@ from ..codebook.fast_search import NumbaSearch, numba_available
 from ..codebook.grid_search import GridSearch, default_cells
 from ..codebook.search import nearest_codeword
 from .base import FP16_MAX, Codec, PlotStyle, RotatedCodebook, SpecParam
-from .bitpack import pack_bits, packed_size, unpack_bits
+from .bitpack import float16_to_bytes, pack_bits, packed_size, unpack_bits
 from .layout import CodeLayout
 from .rotation import NORM_BYTES, RotationState
 
@@ -56,9 +58,12 @@ class FibQuantConfig:
     k: int
     n_codewords: int
     seed: int = 0
+    norm_correction: bool = False  # store ||x|| / ||u_hat|| in place of ||x|| (same 2 bytes)
 
     def __post_init__(self) -> None:
         CodebookSpec(self.dim, self.k, self.n_codewords, self.seed)  # validates all four
+        if not isinstance(self.norm_correction, bool):
+            raise ValueError(f"norm_correction must be a bool, got {self.norm_correction!r}")
 
     @property
     def index_bits(self) -> int:
@@ -96,15 +101,15 @@ class FibQuantCodec(Codec):
     """
 
     family = "fibquant"
-    spec_params = (SpecParam("b", "bits", float), SpecParam("k", "k"), SpecParam("n", "n"))
+    spec_params = (SpecParam("b", "bits", float), SpecParam("k", "k"), SpecParam("n", "n"), SpecParam("nc", "nc"))
     style = PlotStyle("FibQuant", "C3", "o", frontier="frontier; dots: all k, N")
     # CPU encode through the numba search (codebook/fast_search.py) when numba imports; False: the
     # torch path (`search_method`), which CUDA tensors always take. Both give the reference's codes.
     fast_search = True
 
-    def __init__(self, dim: int, k: int, n_codewords: int, seed: int = 0):
-        super().__init__(FibQuantConfig(dim, k, n_codewords, seed))
-        self.k, self.n_codewords, self.seed = k, n_codewords, seed
+    def __init__(self, dim: int, k: int, n_codewords: int, seed: int = 0, norm_correction: bool = False):
+        super().__init__(FibQuantConfig(dim, k, n_codewords, seed, norm_correction))
+        self.k, self.n_codewords, self.seed, self.norm_correction = k, n_codewords, seed, norm_correction
         self._codebook = None  # loaded (or built) on first use: constructing a codec is cheap
         self._cpu_encode = None  # (NumbaSearch, Pi^T) once built (both also held in device_state)
         self._rotation = RotationState(dim, seed, self.device_state)
@@ -113,12 +118,12 @@ class FibQuantCodec(Codec):
         self.search_method = "grid" if cells is not None and n_codewords <= MAX_GRID_CODEWORDS else "matmul"
 
     @classmethod
-    def for_rate(cls, dim: int, bits: float, seed: int = 0) -> "FibQuantCodec":
+    def for_rate(cls, dim: int, bits: float, seed: int = 0, norm_correction: bool = False) -> "FibQuantCodec":
         """The codec for `bits` per coordinate (see the module table)."""
         if not isinstance(dim, int) or dim < 2:
             raise ValueError(f"dim must be an integer >= 2, got {dim!r}")
         k, n_codewords = choose_block(dim, bits)
-        return cls(dim, k, n_codewords, seed)
+        return cls(dim, k, n_codewords, seed, norm_correction)
 
     @staticmethod
     def block_of(dim: int, bits: float | None = None, k: int | None = None, n: int | None = None) -> tuple[int, int]:
@@ -132,20 +137,25 @@ class FibQuantCodec(Codec):
             raise ValueError("fibquant needs b=<bits> or both k=<block> and n=<codewords>")
         if params.get("bits") is not None and explicit:
             raise ValueError("fibquant takes b=<bits> or k=<block>,n=<codewords>, not both")
+        if params.get("nc") not in (None, 0, 1):
+            raise ValueError(f"fibquant nc= (norm correction) must be 0 or 1, got {params.get('nc')}")
 
     @classmethod
-    def spec_label(cls, dim: int, bits: float | None = None, k: int | None = None, n: int | None = None) -> str:
+    def spec_label(cls, dim: int, bits: float | None = None, k: int | None = None, n: int | None = None,
+                   nc: int | None = None) -> str:
         k, n = cls.block_of(dim, bits, k, n)
-        return f"FibQuant b={(n - 1).bit_length() / k:.4g} (k={k},N={n})"
+        return f"FibQuant b={(n - 1).bit_length() / k:.4g} (k={k},N={n}{',nc' if nc else ''})"
 
     @classmethod
     def from_spec(cls, dim: int, bits: float | None = None, k: int | None = None,
-                  n: int | None = None) -> "FibQuantCodec":
-        return cls(dim, k, n) if k is not None else cls.for_rate(dim, bits)
+                  n: int | None = None, nc: int | None = None) -> "FibQuantCodec":
+        if k is not None:
+            return cls(dim, k, n, norm_correction=bool(nc))
+        return cls.for_rate(dim, bits, norm_correction=bool(nc))
 
     @classmethod
     def spec_unavailable(cls, dim: int, bits: float | None = None, k: int | None = None,
-                         n: int | None = None) -> str | None:
+                         n: int | None = None, nc: int | None = None) -> str | None:
         k, n = cls.block_of(dim, bits, k, n)
         try:
             load_codebook(dim, k, n, build=False)
@@ -229,6 +239,25 @@ class FibQuantCodec(Codec):
         return fast.encode(u, norm_bytes, self.config.index_bits)
 
     def _encode_flat(self, x: torch.Tensor) -> torch.Tensor:
+        codes = self._encode_plain(x)
+        return self._correct_norms(x, codes) if self.norm_correction else codes
+
+    def _correct_norms(self, x: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        """Norm correction: overwrite the stored ||x|| with ||x|| / ||u_hat|| (u_hat the decoded unit-domain
+        vector of the code's indices, ||u_hat||^2 = the sum of its codewords' squared norms), so decode
+        returns a vector of the input's norm. Same 2 bytes; zero vectors keep 0."""
+        index = unpack_bits(codes[:, NORM_BYTES:], self.config.index_bits, self.config.n_blocks)
+        _, sq_norms = self._table(codes.device)
+        u_norm = sq_norms.to(torch.float64)[index].sum(1).sqrt()
+        norms = x.to(torch.float64).norm(dim=1)
+        stored = torch.where(norms > 0, norms / u_norm.clamp_min(1e-30), torch.zeros_like(norms))
+        if float(stored.max()) > FP16_MAX:
+            raise ValueError(f"{type(self).__name__}: corrected norm exceeds the fp16 range of the stored norm")
+        codes = codes.clone()
+        codes[:, :NORM_BYTES] = float16_to_bytes(stored.to(torch.float32))
+        return codes
+
+    def _encode_plain(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cpu" and self._cpu_encode is not None and self.fast_search and x.is_contiguous():
             return self._encode_numba(x, *self._cpu_encode)
         fast = self._numba_search(x.device)

@@ -4,6 +4,8 @@ Spec strings (also accepted on the command line):
     fp                      no compression (the reference)
     fibquant:b=2            FibQuant at 2 bits/coordinate, (k, N) chosen by FibQuantCodec.for_rate
     fibquant:k=64,n=4096    FibQuant with an explicit block size and codebook size
+    fibquant:b=2,nc=1       FibQuant with norm correction (stores ||x|| / ||u_hat||, same bytes)
+    fibrvq:b=2              FibQuant-RVQ: universal residual codes in k = 8, b stages of 256 (beam search)
     turboquant:b=3          TurboQuant (scalar Lloyd-Max after a rotation), integer bits 1..4
     int:b=4                 per-token asymmetric INT quantization
     lowrank:r=8             calibrated PCA projection (fitted per layer and KV head)
@@ -28,6 +30,7 @@ from fibquant.codecs.base import Codec, PlotStyle, read_codec_file
 REGISTRY = (
     "fibquant.codecs.identity.IdentityCodec",
     "fibquant.codecs.fibquant.FibQuantCodec",
+    "fibquant.codecs.residual.ResidualFibQuantCodec",
     "fibquant.codecs.turboquant.TurboQuantCodec",
     "fibquant.codecs.integer.IntCodec",
     "fibquant.codecs.lowrank.LowRankCodec",

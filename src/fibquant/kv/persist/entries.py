@@ -22,7 +22,7 @@ from typing import Optional, Union
 
 import torch
 
-from fibquant.codecs.base import Codec
+from fibquant.codecs.base import Codec, config_matches
 from fibquant.codecs.layout import CodeLayout
 
 CODEC_DIR = "codecs"
@@ -113,7 +113,7 @@ class CodecSpec:
             if root is None:
                 raise ValueError(f"the {self.family} codec is stored in {self.file}: the cache directory is needed")
             codec = _read_codec_file(cls, Path(root) / self.file, self.file_sha256)
-            if asdict(codec.config) != config:
+            if not config_matches(codec.config, config):
                 raise ValueError(f"{self.file} holds a codec with config {asdict(codec.config)}, the manifest "
                                  f"says {config}")
         elif cls.calibrated:
@@ -170,7 +170,7 @@ def codec_mismatch(entry: "Entry", codec: Codec) -> Optional[str]:
         where = f" (KV head {head})" if len(specs) > 1 else ""
         if getattr(plain, "family", None) != spec.family:
             return f"family {getattr(plain, 'family', type(plain).__name__)!r}, saved {spec.family!r}{where}"
-        if spec.config is not None and is_dataclass(plain.config) and asdict(plain.config) != spec.config:
+        if spec.config is not None and is_dataclass(plain.config) and not config_matches(plain.config, spec.config):
             return f"config {asdict(plain.config)}, saved {spec.config}{where}"
         if spec.state_sha256 and codec_state_sha256(plain) != spec.state_sha256:
             return f"another codebook/rotation/learned state{where}"
