@@ -288,7 +288,7 @@ def _decode_plans(query: torch.Tensor, kv: CodedKV):
 
 
 _KERNEL = None
-_SCRATCH = threading.local()  # per calling thread: {(slot, sizes, lanes): [table1, lut, hist1, hist, coded, norms]}
+_SCRATCH = threading.local()  # per thread: {(slot, sizes, lanes): [table1, lut, hist1, hist, coded, norms, ibits]}
 _SIZES: dict = {}
 
 
@@ -302,10 +302,11 @@ def _scratch(slot: int, sizes: tuple, lanes: int, tokens: int) -> list:
     arrays = cache.get(key)
     if arrays is None:
         arrays = cache[key] = [np.empty(n, dtype=np.float32) for n in sizes] + [
-            np.empty((lanes, 0), dtype=np.float32), np.empty(0, dtype=np.float32)]
+            np.empty((lanes, 0), dtype=np.float32), np.empty(0, dtype=np.float32), np.empty(0, dtype=np.int32)]
     if arrays[5].shape[0] < tokens:
         capacity = max(tokens, 2 * arrays[5].shape[0], 256)
         arrays[4], arrays[5] = np.empty((lanes, capacity), dtype=np.float32), np.empty(capacity, dtype=np.float32)
+        arrays[6] = np.empty(capacity, dtype=np.int32)
     return arrays
 
 
