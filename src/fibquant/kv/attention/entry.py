@@ -317,6 +317,14 @@ def _f32(tensor: torch.Tensor):
     return tensor.numpy()
 
 
+def _rows32(tensor: torch.Tensor):
+    """A float32 numpy view of a CPU tensor whose last dimension is contiguous (the window buffers'
+    views are strided over the tokens); a copy only when it is not one already."""
+    if tensor.dtype != torch.float32 or tensor.requires_grad or (tensor.stride(-1) != 1 and tensor.shape[-1] > 1):
+        tensor = tensor.detach().to(torch.float32).contiguous()
+    return tensor.numpy()
+
+
 def _code_rows(codes: torch.Tensor):
     if codes.requires_grad or (codes.shape[-1] > 1 and codes.stride(-1) != 1):
         codes = codes.detach().contiguous()
@@ -353,8 +361,8 @@ def _attend_decode_numba(query: torch.Tensor, kv: CodedKV, attention_mask, scali
     lanes = 4 if q_heads // heads <= 4 else 8
     args = (_f32(query.view(batch, q_heads, -1) if query.is_contiguous() else query[:, :, 0]), float(scaling),
             keys[0], values[1], keys[2], values[2], _code_rows(kv.key_codes), _code_rows(kv.value_codes),
-            _f32(kv.sink_keys), _f32(kv.sink_values), _f32(kv.recent_keys), _f32(kv.recent_values),
-            _f32(kv.new_keys), _f32(kv.new_values), key_mean, value_mean, bias_np, sinks_np, out.numpy(), flags,
+            _rows32(kv.sink_keys), _rows32(kv.sink_values), _rows32(kv.recent_keys), _rows32(kv.recent_values),
+            _rows32(kv.new_keys), _rows32(kv.new_values), key_mean, value_mean, bias_np, sinks_np, out.numpy(), flags,
             keys[3], values[3], keys[4], values[4], keys[5], values[5], lanes)
     units = batch * heads
     shape = (keys[2].shape[0], keys[4], keys[3], keys[5], values[2].shape[0], values[4], values[3], values[5], lanes)

@@ -400,7 +400,7 @@ def compile_decode_kernel():
     _row_max = numba.njit(nogil=True, cache=True, fastmath={"nnan", "nsz", "reassoc"})(_row_max_py)
     _exp_sum = numba.njit(nogil=True, cache=True, fastmath={"nsz", "reassoc", "contract"})(_exp_sum_py)
     _norms = helper(_norms_py)
-    f32 = "float32[:, :, :, ::1]"
+    f32 = "float32[:, :, :, :]"  # the exact parts: views of the window buffers (last dimension contiguous)
     signature = (f"int64(float32[:, :, ::1], float32, float32[:, ::1], float32[:, ::1], float32[:, ::1], "
                  f"float32[:, ::1], uint8[:, :, :, :], uint8[:, :, :, :], {f32}, {f32}, {f32}, {f32}, {f32}, {f32}, "
                  "float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[::1], float32[:, :, ::1], "
