@@ -345,6 +345,8 @@ def test_steps_across_window_moves_and_edits_equal_a_fresh_layer(edit):
     layer.update(keys[..., :12, :], values[..., :12, :])
     for t in range(12, 30):
         view, _ = layer.update(keys[..., t:t + 1, :], values[..., t:t + 1, :])
+        assert view.length == t + 1
+        assert view.num_sink + view.num_coded + view.recent_keys.shape[-2] == t  # every stored token, codes too
         views.append((view, view.recent_keys.clone(), view.key_codes.clone()))
     cut = 30
     if edit == "select":
@@ -358,6 +360,7 @@ def test_steps_across_window_moves_and_edits_equal_a_fresh_layer(edit):
         cut = 27
     for t in range(cut, total):
         view, _ = layer.update(keys[index, :, t:t + 1, :], values[index, :, t:t + 1, :])
+        assert view.num_sink + view.num_coded + view.recent_keys.shape[-2] == t
         views.append((view, view.recent_keys.clone(), view.key_codes.clone()))
     if edit == "crop":  # only exact tokens were cut, and tokens 27.. came again: the sequence is 0..59
         assert layer.get_seq_length() == total

@@ -62,7 +62,6 @@ class CodeBuffer:
 
     def append(self, rows: torch.Tensor) -> None:
         """rows: uint8 [B, H, n, code_size]."""
-        self._view = None
         n = rows.shape[-2]
         if self.max_rows is not None and self.used + n > self.max_rows:
             raise ValueError(f"CodeBuffer: {self.used} + {n} rows exceed max_rows={self.max_rows}")
@@ -76,21 +75,22 @@ class CodeBuffer:
             self.data, self.start, self.stop = grown, 0, self.used
         self.data[..., self.stop: self.stop + n, :] = rows
         self.stop += n
+        self._view = None  # reset last: growth above reads the old rows through view()
 
     def drop_front(self, n: int) -> None:
         """Forget the oldest `n` live rows (tokens that left a sliding window)."""
-        self._view = None
         self.start = min(self.stop, self.start + max(n, 0))
+        self._view = None
 
     def truncate(self, used: int) -> None:
-        self._view = None
         self.stop = self.start + min(self.used, max(used, 0))
+        self._view = None
 
     def remap(self, fn) -> None:
         """Apply a batch edit (select, repeat, move) to the stored rows; capacity shrinks to fit."""
-        self._view = None
         self.data = _owned(fn(self.view()))
         self.start, self.stop = 0, self.data.shape[-2]
+        self._view = None
 
     def nbytes(self) -> int:
         return self.data.untyped_storage().nbytes()
