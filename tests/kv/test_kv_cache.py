@@ -99,7 +99,11 @@ def test_only_codes_outside_window_and_exact_accounting():
     assert layer.used_nbytes() == float_bytes + 2 * 3 * 28 * code_row_bytes
     # 28 rows arrived as 23 (prefill overflow) then one per step: capacity max(64, 23) = 64 rows reserved.
     assert layer.key_buffer.capacity == layer.value_buffer.capacity == 64
-    assert layer.nbytes() == float_bytes + 2 * 3 * 64 * code_row_bytes
+    # The recent window's buffers: 8 rows live, recent + max(encode_batch, 16) = 24 reserved (rows are
+    # written in place; the live ones move to a new buffer at most once every 16 steps).
+    assert layer._recent_k.capacity == layer._recent_v.capacity == 24
+    window_reserve = 2 * 3 * (24 - 8) * DIM * 4 * 2
+    assert layer.nbytes() == float_bytes + window_reserve + 2 * 3 * 64 * code_row_bytes
 
 
 def test_cache_nbytes_sums_layers_and_beats_dynamic_cache():
@@ -291,3 +295,86 @@ def test_cache_kwarg_passes_the_cache_without_a_deprecation_warning():
             warnings.simplefilter("always")
             model(input_ids=ids, past_key_values=new_cache(), use_cache=True)
         assert deprecations(caught)
+
+
+def test_window_buffer_writes_in_place_and_keeps_earlier_views():
+    from fibquant.kv.buffer import WindowBuffer
+
+    rows = torch.arange(2 * 3 * 4 * 5, dtype=torch.float32).reshape(2, 3, 4, 5)
+    window = WindowBuffer(rows, min_capacity=8)
+    assert window.data is rows and (window.used, window.capacity) == (4, 4)
+    window.append(torch.full((2, 3, 1, 5), -1.0))  # full: the rows move to a new buffer first
+    assert window.data is not rows and window.capacity == 8 and torch.equal(rows, torch.arange(120.).reshape(2, 3, 4, 5))
+    storage = window.data.data_ptr()
+    before = window.view()
+    kept = before.clone()
+    for step in range(3):  # in place, past the earlier view
+        window.append(torch.full((2, 3, 1, 5), float(step)))
+    assert window.data.data_ptr() == storage and window.used == 8
+    assert torch.equal(before, kept)
+    window.drop_front(5)
+    assert torch.equal(window.view(), torch.cat([torch.full((2, 3, 1, 5), float(s)) for s in range(3)], dim=-2))
+    last = window.view()
+    window.append(torch.full((2, 3, 2, 5), 7.0))  # 3 + 2 > the 0 rows left after stop: moved, capacity >= 8
+    assert window.data.data_ptr() != storage and window.capacity == 8 and window.used == 5
+    assert torch.equal(last, torch.cat([torch.full((2, 3, 1, 5), float(s)) for s in range(3)], dim=-2))  # still valid
+    assert torch.equal(window.view()[..., 3:, :], torch.full((2, 3, 2, 5), 7.0))
+    window.truncate(1)
+    assert window.used == 1 and torch.equal(window.view(), torch.zeros(2, 3, 1, 5))
+    big = WindowBuffer(torch.zeros(1, 1, 0, 2))
+    big.append(torch.ones(1, 1, 80, 2))  # no minimum: used + used / 8 reserved
+    assert big.capacity == 90 and big.used == 80
+
+
+@pytest.mark.parametrize("edit", ["select", "reorder", "repeat", "crop"])
+def test_steps_across_window_moves_and_edits_equal_a_fresh_layer(edit):
+    """Many one-token steps (encodes every 4, the window's rows moving to new buffers) with a batch
+    edit in the middle give exactly what a layer fed the edited tokens from the start holds; the views
+    an update returned stay what they were."""
+    batch, heads, total = 3, 2, 60
+    generator = torch.Generator().manual_seed(3)
+    keys = torch.randn(batch, heads, total, DIM, generator=generator)
+    values = torch.randn(batch, heads, total, DIM, generator=generator)
+    index = {"select": torch.tensor([2, 0]), "reorder": torch.tensor([1, 2, 0]),
+             "repeat": torch.tensor([0, 0, 1, 1, 2, 2]), "crop": torch.arange(batch)}[edit]
+
+    def make():
+        return CompressedLayer(IntCodec(DIM, 4), IntCodec(DIM, 3), 2, 5, attention="codes", encode_batch=4)
+
+    layer, views = make(), []
+    layer.update(keys[..., :12, :], values[..., :12, :])
+    for t in range(12, 30):
+        view, _ = layer.update(keys[..., t:t + 1, :], values[..., t:t + 1, :])
+        assert view.length == t + 1
+        assert view.num_sink + view.num_coded + view.recent_keys.shape[-2] == t  # every stored token, codes too
+        views.append((view, view.recent_keys.clone(), view.key_codes.clone()))
+    cut = 30
+    if edit == "select":
+        layer.batch_select_indices(index)
+    elif edit == "reorder":
+        layer.reorder_cache(index)
+    elif edit == "repeat":
+        layer.batch_repeat_interleave(2)
+    else:
+        layer.crop(-3)  # drops 3 recent (exact) tokens: they come back below
+        cut = 27
+    for t in range(cut, total):
+        view, _ = layer.update(keys[index, :, t:t + 1, :], values[index, :, t:t + 1, :])
+        assert view.num_sink + view.num_coded + view.recent_keys.shape[-2] == t
+        views.append((view, view.recent_keys.clone(), view.key_codes.clone()))
+    if edit == "crop":  # only exact tokens were cut, and tokens 27.. came again: the sequence is 0..59
+        assert layer.get_seq_length() == total
+        coded = range(layer.num_sink, layer.num_sink + layer.num_coded)
+        assert torch.equal(layer.keys, reference_view(keys, coded, layer.key_codec))
+        assert torch.equal(layer.values, reference_view(values, coded, layer.value_codec))
+    else:
+        fresh = make()
+        fresh.update(keys[index, :, :12, :], values[index, :, :12, :])
+        for t in range(12, total):
+            fresh.update(keys[index, :, t:t + 1, :], values[index, :, t:t + 1, :])
+        assert (layer.num_sink, layer.num_coded, layer.num_recent) == (fresh.num_sink, fresh.num_coded,
+                                                                       fresh.num_recent)
+        assert torch.equal(layer.keys, fresh.keys) and torch.equal(layer.values, fresh.values)
+    for view, recent, codes in views:
+        assert torch.equal(view.recent_keys, recent) and torch.equal(view.key_codes, codes)
+    assert layer.nbytes() == sum(t.untyped_storage().nbytes() for t in layer.tensors())

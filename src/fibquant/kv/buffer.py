@@ -39,6 +39,7 @@ class CodeBuffer:
         self.start = 0  # first live row (rows before it were dropped)
         self.stop = 0   # one past the last live row
         self.max_rows = max_rows
+        self._view = None  # view() cached until the rows change (a decode step reads it every layer)
 
     @classmethod
     def from_rows(cls, rows: torch.Tensor, max_rows: Optional[int] = None) -> "CodeBuffer":
@@ -55,7 +56,9 @@ class CodeBuffer:
         return self.data.shape[-2]
 
     def view(self) -> torch.Tensor:
-        return self.data[..., self.start: self.stop, :]
+        if self._view is None:
+            self._view = self.data[..., self.start: self.stop, :]
+        return self._view
 
     def append(self, rows: torch.Tensor) -> None:
         """rows: uint8 [B, H, n, code_size]."""
@@ -72,24 +75,83 @@ class CodeBuffer:
             self.data, self.start, self.stop = grown, 0, self.used
         self.data[..., self.stop: self.stop + n, :] = rows
         self.stop += n
+        self._view = None  # reset last: growth above reads the old rows through view()
 
     def drop_front(self, n: int) -> None:
         """Forget the oldest `n` live rows (tokens that left a sliding window)."""
         self.start = min(self.stop, self.start + max(n, 0))
+        self._view = None
 
     def truncate(self, used: int) -> None:
         self.stop = self.start + min(self.used, max(used, 0))
+        self._view = None
 
     def remap(self, fn) -> None:
         """Apply a batch edit (select, repeat, move) to the stored rows; capacity shrinks to fit."""
         self.data = _owned(fn(self.view()))
         self.start, self.stop = 0, self.data.shape[-2]
+        self._view = None
 
     def nbytes(self) -> int:
         return self.data.untyped_storage().nbytes()
 
     def used_nbytes(self) -> int:
         return self.view().numel()
+
+
+WINDOW_RESERVE_FRACTION = 8  # a window buffer that outgrows its capacity gets used / 8 rows of reserve
+
+
+class WindowBuffer:
+    """The float rows of an exact window [B, H, capacity, D]: appended at the end, dropped from the front.
+
+    `view()` is [B, H, used, D], the live rows in place (the last dimension contiguous). An append
+    that does not fit after the last live row moves the live rows into a new buffer of capacity
+    max(used + n + (used + n) / 8, `min_capacity`), so a view taken before an append stays valid
+    (appends write past it, a move leaves the old buffer as it was). With `min_capacity` = the
+    window's steady size (recent_tokens + encode_batch) a decode step writes its row in place and the
+    live rows move once every `encode_batch` steps, instead of two concatenations per step.
+    Setting a window from a tensor (`from_rows`) keeps that tensor as the buffer, full: the next
+    append moves the rows first, so a tensor handed in is never written to.
+    """
+
+    def __init__(self, rows: torch.Tensor, min_capacity: int = 0):
+        if rows.stride(-1) != 1 and rows.shape[-1] > 1:
+            rows = rows.contiguous()
+        self.data = rows
+        self.start = 0
+        self.stop = rows.shape[-2]
+        self.min_capacity = min_capacity
+
+    @property
+    def used(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def capacity(self) -> int:
+        return self.data.shape[-2]
+
+    def view(self) -> torch.Tensor:
+        return self.data.narrow(-2, self.start, self.stop - self.start)
+
+    def append(self, rows: torch.Tensor) -> None:
+        """rows: [B, H, n, D] (cast to the buffer's dtype)."""
+        n = rows.shape[-2]
+        if self.stop + n > self.capacity:
+            need = self.used + n
+            capacity = max(need + need // WINDOW_RESERVE_FRACTION, self.min_capacity)
+            moved = self.data.new_empty(*self.data.shape[:2], capacity, self.data.shape[-1])
+            moved.narrow(-2, 0, self.used).copy_(self.view())
+            self.data, self.start, self.stop = moved, 0, self.used
+        if n:
+            self.data.narrow(-2, self.stop, n).copy_(rows)
+            self.stop += n
+
+    def drop_front(self, n: int) -> None:
+        self.start = min(self.stop, self.start + max(n, 0))
+
+    def truncate(self, used: int) -> None:
+        self.stop = self.start + min(self.used, max(used, 0))
 
 
 @dataclass(frozen=True)

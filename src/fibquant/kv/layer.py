@@ -7,9 +7,10 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from fibquant.codecs.base import Codec
-from fibquant.kv.buffer import CodeBuffer, CodedKV, _decode_centred, _owned
+from fibquant.kv.buffer import CodeBuffer, CodedKV, WindowBuffer, _decode_centred, _owned
 
 _FLOAT_FIELDS = ("sink_keys", "sink_values", "recent_keys", "recent_values")
+WINDOW_MIN_RESERVE = 16  # rows a window buffer reserves beyond recent_tokens at least
 ATTENTION_MODES = ("codes", "decode")
 
 
@@ -49,6 +50,30 @@ class CompressedLayer(CacheLayerMixin):
         # -> True once they are (then set_codecs has run); until then tokens leaving the window stay exact.
         self.resolver = None
 
+    # The recent window lives in two `WindowBuffer`s (rows written in place, no concatenation per
+    # step); recent_keys / recent_values read and set it as tensors [B, H, r, D] (a view of the live rows).
+    @property
+    def recent_keys(self) -> Optional[torch.Tensor]:
+        return None if self._recent_k is None else self._recent_k.view()
+
+    @recent_keys.setter
+    def recent_keys(self, rows: Optional[torch.Tensor]) -> None:
+        self._recent_k = None if rows is None else WindowBuffer(rows, self._window_capacity())
+
+    @property
+    def recent_values(self) -> Optional[torch.Tensor]:
+        return None if self._recent_v is None else self._recent_v.view()
+
+    @recent_values.setter
+    def recent_values(self, rows: Optional[torch.Tensor]) -> None:
+        self._recent_v = None if rows is None else WindowBuffer(rows, self._window_capacity())
+
+    def _window_capacity(self) -> int:
+        """Rows reserved for the window: what it holds at most in a steady decode (recent_tokens +
+        encode_batch - 1, plus one), and at least 16 rows beyond recent_tokens, so its live rows move to
+        a new buffer at most once every 16 steps."""
+        return self.recent_tokens + max(self.encode_batch, WINDOW_MIN_RESERVE)
+
     def __repr__(self) -> str:
         return (f"CompressedLayer(tokens={self.get_seq_length()}, sinks={self.num_sink}, "
                 f"coded={self.num_coded}, recent={self.num_recent}, attention={self.attention!r})")
@@ -64,7 +89,7 @@ class CompressedLayer(CacheLayerMixin):
 
     @property
     def num_recent(self) -> int:
-        return 0 if self.recent_keys is None else self.recent_keys.shape[-2]
+        return 0 if self._recent_k is None else self._recent_k.used
 
     @property
     def key_codes(self) -> Optional[torch.Tensor]:
@@ -85,10 +110,12 @@ class CompressedLayer(CacheLayerMixin):
         return [getattr(self, name) for name in _FLOAT_FIELDS] + means
 
     def tensors(self) -> list[torch.Tensor]:
-        """Every tensor this layer holds (code buffers with their reserved capacity)."""
+        """Every tensor this layer holds (window and code buffers with their reserved capacity)."""
         if not self.is_initialized:
             return []
-        return self._float_tensors() + [self.key_buffer.data, self.value_buffer.data]
+        means = [t for t in (self.key_mean, self.value_mean) if t is not None]
+        return [self.sink_keys, self.sink_values, self._recent_k.data, self._recent_v.data] + means + [
+            self.key_buffer.data, self.value_buffer.data]
 
     def nbytes(self) -> int:
         """Bytes of storage held by this layer, reserved code capacity included."""
@@ -167,11 +194,17 @@ class CompressedLayer(CacheLayerMixin):
         if to_sink > 0:
             self.sink_keys = _owned(torch.cat([self.sink_keys, key_states[..., :to_sink, :]], dim=-2))
             self.sink_values = _owned(torch.cat([self.sink_values, value_states[..., :to_sink, :]], dim=-2))
-        recent_keys = torch.cat([self.recent_keys, key_states[..., to_sink:, :]], dim=-2)
-        recent_values = torch.cat([self.recent_values, value_states[..., to_sink:, :]], dim=-2)
-        overflow = recent_keys.shape[-2] - self.recent_tokens
-        if overflow >= self.encode_batch and (self.resolver is None
-                                              or self.resolver(self, recent_keys, recent_values)):
+        new_keys = key_states[..., to_sink:, :] if to_sink else key_states
+        new_values = value_states[..., to_sink:, :] if to_sink else value_states
+        held = self._recent_k.used
+        overflow = held + new_keys.shape[-2] - self.recent_tokens
+        if overflow < self.encode_batch:  # a decode step between encodes: the rows go in place
+            self._recent_k.append(new_keys)
+            self._recent_v.append(new_values)
+            return
+        recent_keys = torch.cat([self.recent_keys, new_keys], dim=-2)
+        recent_values = torch.cat([self.recent_values, new_values], dim=-2)
+        if self.resolver is None or self.resolver(self, recent_keys, recent_values):
             leaving_keys, leaving_values = recent_keys[..., :overflow, :], recent_values[..., :overflow, :]
             if self.centre:
                 if self.key_mean is None:  # fixed once, from the first tokens encoded (e.g. the prefill)
@@ -181,6 +214,13 @@ class CompressedLayer(CacheLayerMixin):
                 leaving_values = leaving_values.to(torch.float32) - self.value_mean.unsqueeze(-2)
             self.key_buffer.append(self.key_codec.encode(leaving_keys))
             self.value_buffer.append(self.value_codec.encode(leaving_values))
+            if overflow <= held:
+                # what stays: the held rows after the leaving ones, then the new rows, in place
+                self._recent_k.drop_front(overflow)
+                self._recent_v.drop_front(overflow)
+                self._recent_k.append(new_keys)
+                self._recent_v.append(new_values)
+                return
             recent_keys, recent_values = recent_keys[..., overflow:, :], recent_values[..., overflow:, :]
         # The recent slice is copied so the dropped (now encoded) floats are really freed.
         self.recent_keys, self.recent_values = _owned(recent_keys), _owned(recent_values)
@@ -364,8 +404,8 @@ class CompressedSlidingLayer(CompressedLayer):
             excess -= from_codes
         if excess > 0:
             from_recent = min(excess, self.num_recent)
-            self.recent_keys = self.recent_keys[..., from_recent:, :]
-            self.recent_values = self.recent_values[..., from_recent:, :]
+            self._recent_k.drop_front(from_recent)
+            self._recent_v.drop_front(from_recent)
             excess -= from_recent
         if excess > 0:  # a chunk longer than the window: its first tokens are never held
             key_states, value_states = key_states[..., excess:, :], value_states[..., excess:, :]

@@ -168,3 +168,45 @@ def test_fused_step_split_over_threads(monkeypatch, fused_calls):
     assert len(fused_calls) == 2
     torch.testing.assert_close(split, single, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(split, spec(query, kv, None, 0.125), rtol=1e-4, atol=1e-5)
+
+
+def _helpers():
+    from fibquant.kv.attention import numba_decode, numba_kernels
+    from fibquant.kv.attention.kernels import _kernels
+
+    _kernels()
+    numba_decode.compile_decode_kernel()
+    return numba_decode, numba_kernels
+
+
+def test_branch_free_norms_equal_the_plain_fp16_decoder_bit_for_bit():
+    import numpy as np
+
+    numba_decode, numba_kernels = _helpers()
+    halves = np.arange(1 << 16, dtype=np.uint16)
+    rows = np.zeros((halves.size, 4), dtype=np.uint8)
+    rows[:, :2] = halves.view(np.uint8).reshape(-1, 2)
+    fast, plain = np.empty(halves.size, np.float32), np.empty(halves.size, np.float32)
+    numba_decode._norms(rows, fast, np.empty(halves.size, np.int32))
+    numba_kernels._decode_norms(rows, plain)
+    nan = np.isnan(plain)
+    assert np.array_equal(nan, np.isnan(fast)) and nan.sum() == 2046
+    assert np.array_equal(fast[~nan].view(np.uint32), plain[~nan].view(np.uint32))  # -0.0 too
+    assert np.array_equal(fast[~nan], halves.view(np.float16)[~nan].astype(np.float32))
+
+
+def test_vectorised_exp_is_within_a_few_ulp_and_masked_columns_give_zero():
+    import numpy as np
+
+    numba_decode, _ = _helpers()
+    x = np.concatenate([np.linspace(-90.0, 0.0, 200001, dtype=np.float32),
+                        np.array([-np.inf, -1e30, 0.0], dtype=np.float32)])
+    row, top = x + np.float32(3.5), np.float32(3.5)
+    total = numba_decode._exp_sum(row, row.size, top, np.empty(row.size, np.int32))
+    expected = np.exp(x.astype(np.float64))
+    assert np.all(row[-3:-1] == 0.0) and row[-1] == 1.0
+    assert np.all(row[x < -87.34] == 0.0)
+    keep = x >= -87.0
+    assert np.max(np.abs(row[keep] - expected[keep]) / expected[keep]) < 4e-7
+    assert abs(total - row.astype(np.float64).sum()) <= 1e-5 * total
+    assert numba_decode._row_max(row, row.size, np.float32(-np.inf)) == 1.0

@@ -288,7 +288,7 @@ def _decode_plans(query: torch.Tensor, kv: CodedKV):
 
 
 _KERNEL = None
-_SCRATCH = threading.local()  # per calling thread: {(slot, sizes, lanes): [table1, lut, hist1, hist, coded, norms]}
+_SCRATCH = threading.local()  # per thread: {(slot, sizes, lanes): [table1, lut, hist1, hist, coded, norms, ibits]}
 _SIZES: dict = {}
 
 
@@ -302,16 +302,25 @@ def _scratch(slot: int, sizes: tuple, lanes: int, tokens: int) -> list:
     arrays = cache.get(key)
     if arrays is None:
         arrays = cache[key] = [np.empty(n, dtype=np.float32) for n in sizes] + [
-            np.empty((lanes, 0), dtype=np.float32), np.empty(0, dtype=np.float32)]
+            np.empty((lanes, 0), dtype=np.float32), np.empty(0, dtype=np.float32), np.empty(0, dtype=np.int32)]
     if arrays[5].shape[0] < tokens:
         capacity = max(tokens, 2 * arrays[5].shape[0], 256)
         arrays[4], arrays[5] = np.empty((lanes, capacity), dtype=np.float32), np.empty(capacity, dtype=np.float32)
+        arrays[6] = np.empty(capacity, dtype=np.int32)
     return arrays
 
 
 def _f32(tensor: torch.Tensor):
     """A float32 C-contiguous numpy view of a CPU tensor (a copy only when it is not one already)."""
     if tensor.dtype != torch.float32 or tensor.requires_grad or not tensor.is_contiguous():
+        tensor = tensor.detach().to(torch.float32).contiguous()
+    return tensor.numpy()
+
+
+def _rows32(tensor: torch.Tensor):
+    """A float32 numpy view of a CPU tensor whose last dimension is contiguous (the window buffers'
+    views are strided over the tokens); a copy only when it is not one already."""
+    if tensor.dtype != torch.float32 or tensor.requires_grad or (tensor.stride(-1) != 1 and tensor.shape[-1] > 1):
         tensor = tensor.detach().to(torch.float32).contiguous()
     return tensor.numpy()
 
@@ -352,8 +361,8 @@ def _attend_decode_numba(query: torch.Tensor, kv: CodedKV, attention_mask, scali
     lanes = 4 if q_heads // heads <= 4 else 8
     args = (_f32(query.view(batch, q_heads, -1) if query.is_contiguous() else query[:, :, 0]), float(scaling),
             keys[0], values[1], keys[2], values[2], _code_rows(kv.key_codes), _code_rows(kv.value_codes),
-            _f32(kv.sink_keys), _f32(kv.sink_values), _f32(kv.recent_keys), _f32(kv.recent_values),
-            _f32(kv.new_keys), _f32(kv.new_values), key_mean, value_mean, bias_np, sinks_np, out.numpy(), flags,
+            _rows32(kv.sink_keys), _rows32(kv.sink_values), _rows32(kv.recent_keys), _rows32(kv.recent_values),
+            _rows32(kv.new_keys), _rows32(kv.new_values), key_mean, value_mean, bias_np, sinks_np, out.numpy(), flags,
             keys[3], values[3], keys[4], values[4], keys[5], values[5], lanes)
     units = batch * heads
     shape = (keys[2].shape[0], keys[4], keys[3], keys[5], values[2].shape[0], values[4], values[3], values[5], lanes)

@@ -28,6 +28,7 @@ _decode_norms = _count_invalid = _safe_fields = None
 _build_table = _bytes_table = _spread_bytes = _contract = None
 _lut_sum = _hist_add = None
 _score_tokens = _hist_tokens = _exact_scores = _exact_values = None
+_row_max = _exp_sum = _norms = None
 
 
 def _score_tokens_py(table1, lut, rows, res, nq, norms, mode, lanes, bits, n_blocks, n_pos, n_codewords,
@@ -141,15 +142,76 @@ def _exact_values_py(values, b, h, start, weights, result, groups):
                     result[t, d] += w * values[b, h, e, d]
 
 
+# Cephes' expf: exp(x) = 2^n * exp(r), n = round(x / ln 2), r = x - n ln 2 (ln 2 split in two for
+# an exact product), exp(r) by a degree-7 polynomial on |r| <= ln 2 / 2: about 1 ulp from libm's
+# expf. Written as straight-line float / int arithmetic over an array, so LLVM vectorises it
+# (numba calls the scalar libm expf otherwise: ~20 cycles per score, the largest per-token cost).
+_EXP_LOG2E = 1.44269504088896341
+_EXP_C1 = 0.693359375
+_EXP_C2 = -2.12194440e-4
+_EXP_LO = -87.33654  # below: 0 (exp underflows; -inf, a masked column, gives exactly 0)
+
+
+def _row_max_py(row, n, top):
+    """max(top, row[0..n)) (vectorised: no NaN among the scores)."""
+    for i in range(n):
+        x = row[i]
+        top = x if x > top else top
+    return top
+
+
+def _exp_sum_py(row, n, top, bits):
+    """row[i] = exp(row[i] - top) in place for i < n; returns their sum. bits: int32 scratch [>= n]."""
+    for i in range(n):
+        x = row[i] - top
+        keep = x >= np.float32(_EXP_LO)
+        x = x if keep else np.float32(0.0)
+        k = np.floor(x * np.float32(_EXP_LOG2E) + np.float32(0.5))
+        r = x - k * np.float32(_EXP_C1)
+        r = r - k * np.float32(_EXP_C2)
+        z = r * r
+        p = ((((np.float32(1.9875691500e-4) * r + np.float32(1.3981999507e-3)) * r + np.float32(8.3334519073e-3))
+              * r + np.float32(4.1665795894e-2)) * r + np.float32(1.6666665459e-1)) * r + np.float32(5.0000001201e-1)
+        row[i] = (p * z + r + np.float32(1.0)) if keep else np.float32(0.0)
+        bits[i] = (np.int32(k) + np.int32(127)) << np.int32(23)
+    scale = bits[:n].view(np.float32)
+    s = np.float32(0.0)
+    for i in range(n):
+        e = row[i] * scale[i]
+        row[i] = e
+        s += e
+    return s
+
+
+def _norms_py(rows, norms, bits):
+    """norms[i] = the fp16 norm of code row i (its two little-endian bytes), bit-exact like
+    numba_tables._decode_norms but branch-free (vectorised): normals and inf / nan by moving the
+    exponent and mantissa bits, subnormals as (2^-14 (1 + m / 1024)) - 2^-14 = m 2^-24 (exact)."""
+    n = rows.shape[0]
+    for i in range(n):
+        half = np.int32(rows[i, 0]) | (np.int32(rows[i, 1]) << np.int32(8))
+        em = half & np.int32(0x7FFF)
+        shift = np.int32(113 << 23) if em < np.int32(0x400) else (
+            np.int32(224 << 23) if em >= np.int32(0x7C00) else np.int32(112 << 23))
+        bits[i] = (em << np.int32(13)) + shift
+    value = bits[:n].view(np.float32)
+    for i in range(n):
+        half = np.int32(rows[i, 0]) | (np.int32(rows[i, 1]) << np.int32(8))
+        v = value[i] - (np.float32(2.0 ** -14) if (half & np.int32(0x7C00)) == 0 else np.float32(0.0))
+        norms[i] = -v if (half & np.int32(0x8000)) != 0 else v
+
+
 def _decode_step_py(query, scaling, key_forward, value_inverse, key_codewords, value_codewords, key_codes,
                     value_codes, sink_keys, sink_values, recent_keys, recent_values, new_keys, new_values,
                     key_mean, value_mean, bias, sinks, out, flags, key_bits, value_bits, key_blocks, value_blocks,
-                    key_mode, value_mode, lanes, table1, lut, hist1, hist, coded, norms, unit_start, unit_stop):
+                    key_mode, value_mode, lanes, table1, lut, hist1, hist, coded, norms, ibits, unit_start,
+                    unit_stop):
     """out[b, h*G + t] for units [unit_start, unit_stop) of (b, KV head h); returns the count of
     invalid indices (>= N) seen. query [B, Hq, D] (unscaled, unrotated), the exact parts [B, H, n, D],
     codes [B, H, M, C], means [B, H, D] (read when flags bit 0 / 1), bias [B|1, Hq|1, L] (bit 2),
     sinks [Hq] (bit 3), out [B, Hq, Dv] float32. Scratch (reused across calls, sized by `scratch_sizes`):
-    table1, lut (key tables), hist1, hist (value histograms), coded [lanes, >= M], norms [>= M]."""
+    table1, lut (key tables), hist1, hist (value histograms), coded [lanes, >= M], norms [>= M],
+    ibits (int32 [>= M])."""
     n_b, n_qh, dim = query.shape
     n_h = key_codes.shape[1]
     groups = n_qh // n_h
@@ -202,7 +264,7 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_codewords, v
         # --- coded scores
         if n_tokens:
             key_rows = key_codes[b, h]
-            _decode_norms(key_rows, norms)
+            _norms(key_rows, norms, ibits)
             if k_check:
                 bad += _count_invalid(key_rows, key_bits, key_blocks, kn)
             for t in range(groups):
@@ -243,10 +305,7 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_codewords, v
                     exact[t, e] += bias[bb, hb, n_tokens + e]
         # --- one softmax over the row (and the sink logit)
         for t in range(groups):
-            top = -np.inf
-            for i in range(n_tokens):
-                if coded[t, i] > top:
-                    top = coded[t, i]
+            top = _row_max(coded[t], n_tokens, np.float32(-np.inf))
             for e in range(n_exact):
                 if exact[t, e] > top:
                     top = exact[t, e]
@@ -256,15 +315,10 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_codewords, v
             if top == -np.inf:  # every column masked: zeros
                 top = np.float32(0.0)
             peak[t] = top
-            for i in range(n_tokens):
-                coded[t, i] = np.exp(coded[t, i] - top)
-            for e in range(n_exact):
-                exact[t, e] = np.exp(exact[t, e] - top)
-            s = np.float32(0.0)
-            for i in range(n_tokens):
-                s += coded[t, i]
+            s = _exp_sum(coded[t], n_tokens, top, ibits)
             coded_total[t] = s
             for e in range(n_exact):
+                exact[t, e] = np.exp(exact[t, e] - top)
                 s += exact[t, e]
             if has_sinks:
                 s += np.float32(np.exp(sink_logit - top))
@@ -275,7 +329,7 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_codewords, v
                 result[t, d] = 0.0
         if n_tokens:
             value_rows = value_codes[b, h]
-            _decode_norms(value_rows, norms)
+            _norms(value_rows, norms, ibits)
             if v_check:
                 bad += _count_invalid(value_rows, value_bits, value_blocks, vn)
             if value_mode == 0:
@@ -323,6 +377,7 @@ def compile_decode_kernel():
     """The fused decode-step dispatcher (numba, cache=True); binds the helpers of numba_kernels first."""
     global _KERNEL, np, _decode_norms, _count_invalid, _safe_fields, _build_table, _bytes_table, _spread_bytes
     global _contract, _lut_sum, _hist_add, _score_tokens, _hist_tokens, _exact_scores, _exact_values
+    global _row_max, _exp_sum, _norms
     if _KERNEL is not None:
         return _KERNEL
     import numba
@@ -340,11 +395,16 @@ def compile_decode_kernel():
     helper = numba.njit(nogil=True, cache=True)
     _score_tokens, _hist_tokens = helper(_score_tokens_py), helper(_hist_tokens_py)
     _exact_scores, _exact_values = helper(_exact_scores_py), helper(_exact_values_py)
-    f32 = "float32[:, :, :, ::1]"
+    # Reassociation (and no NaN among the scores, for the max) lets LLVM vectorise these reductions;
+    # no 'ninf': masked scores are -inf.
+    _row_max = numba.njit(nogil=True, cache=True, fastmath={"nnan", "nsz", "reassoc"})(_row_max_py)
+    _exp_sum = numba.njit(nogil=True, cache=True, fastmath={"nsz", "reassoc", "contract"})(_exp_sum_py)
+    _norms = helper(_norms_py)
+    f32 = "float32[:, :, :, :]"  # the exact parts: views of the window buffers (last dimension contiguous)
     signature = (f"int64(float32[:, :, ::1], float32, float32[:, ::1], float32[:, ::1], float32[:, ::1], "
                  f"float32[:, ::1], uint8[:, :, :, :], uint8[:, :, :, :], {f32}, {f32}, {f32}, {f32}, {f32}, {f32}, "
                  "float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[::1], float32[:, :, ::1], "
                  "int64, int64, int64, int64, int64, int64, int64, int64, float32[::1], float32[::1], float32[::1], "
-                 "float32[::1], float32[:, ::1], float32[::1], int64, int64)")
+                 "float32[::1], float32[:, ::1], float32[::1], int32[::1], int64, int64)")
     _KERNEL = numba.njit(signature, nogil=True, cache=True)(_decode_step_py)
     return _KERNEL
