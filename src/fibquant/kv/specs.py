@@ -84,6 +84,17 @@ def _fibquant_bits(side: "Side") -> Optional[float]:
     return side.quantizer.param("bits")
 
 
+def _alloc_parts(alloc: str) -> tuple[str, Optional[int]]:
+    """'ends:4' -> ('ends', 4): signal ends with its layer count (first and last N layers one step up,
+    as many middle layers one step down); a plain signal -> (signal, None)."""
+    signal, colon, count = alloc.partition(":")
+    if not colon:
+        return signal, None
+    if not count.isdigit() or int(count) < 1:
+        raise ValueError(f"@alloc={alloc}: the layer count after ':' must be an integer >= 1")
+    return signal, int(count)
+
+
 @dataclass(frozen=True)
 class CacheSpec:
     """fp (key = value = None) or a key side and a value side, with the options centre and alloc."""
@@ -112,8 +123,11 @@ class CacheSpec:
         if self.alloc is not None:
             from fibquant.kv.allocation import SIGNALS, rung_of
 
-            if self.alloc not in SIGNALS:
+            signal, count = _alloc_parts(self.alloc)
+            if signal not in SIGNALS:
                 raise ValueError(f"@alloc={self.alloc}: the signal must be one of {SIGNALS}")
+            if count is not None and signal != "ends":
+                raise ValueError(f"@alloc={self.alloc}: only ends takes a layer count (ends:N)")
             for side in (self.key, self.value):
                 bits = _fibquant_bits(side)
                 if bits is None:
@@ -167,11 +181,13 @@ class CacheSpec:
         from fibquant.kv.allocation import RateAllocator, attention_weights
 
         weights = (None, None)
-        if self.alloc in ("attn", "attn-keys"):
+        signal, count = _alloc_parts(self.alloc)
+        if signal in ("attn", "attn-keys"):
             weights = attention_weights(model) if model is not None else None
             if weights is None:
                 raise ValueError(f"{self.spec}: signal attn needs a model with q/k/o projections it can read")
-        return RateAllocator(dim, _fibquant_bits(self.key), _fibquant_bits(self.value), self.alloc,
+        extra = {} if count is None else {"ends": count}
+        return RateAllocator(dim, _fibquant_bits(self.key), _fibquant_bits(self.value), signal, **extra,
                              centre=centre or self.centre, key_weights=weights[0], value_weights=weights[1])
 
     def unavailable_reason(self) -> Optional[str]:
