@@ -42,6 +42,11 @@ through `update` calls it when a layer first has tokens to encode and every laye
 (`num_layers`, from the model with `for_model`) holds tokens; until then tokens stay exact
 (a layer that had to wait encodes its backlog as soon as the codecs are chosen).
 
+A heavy tier (`tier=`, a `fibquant.kv.tier.HeavyTier`): each layer is a `TieredLayer` that also
+stores a fixed fraction of its coded tokens per KV head (the highest by a score of the tokens
+themselves, e.g. key norm) at a second, higher rate, as a second fixed-size code stream with an int32
+index; reads patch those rows in, and attention runs on the decoded floats (see `fibquant.kv.tier`).
+
 Two ways to read the coded part (`attention=`):
 
 - "decode" (the reference): `update` returns float keys/values with the coded part decoded,
