@@ -229,3 +229,19 @@ def test_spec_centre_and_uniform_alloc_build_the_caches_they_name():
     assert attn.allocation["signal"] == "attn"
     assert attn.used_nbytes() <= plain.used_nbytes()
     assert sum(layer.key_codec.code_size for layer in attn.layers) <= 2 * ladder_codec(64, 3.0).code_size
+
+
+def test_ends_takes_a_layer_count_in_the_spec():
+    spec = parse_cache_spec("fibquant:b=1.5/fibquant:b=1@alloc=ends:4")
+    assert spec.spec == "fibquant:b=1.5/fibquant:b=1@alloc=ends:4"
+    allocator = spec.allocator(64)
+    assert allocator.signal == "ends" and allocator.ends == 4
+    keys, values, info = allocator([(torch.zeros(1, 1, 4, 64), torch.zeros(1, 1, 4, 64))] * 30)
+    assert info["key_bits"][:4] == [2.0] * 4 and info["key_bits"][-4:] == [2.0] * 4
+    assert info["key_bits"].count(1.0) == 8 and info["value_bits"].count(0.5) == 8
+    assert info["key_bytes_mean"] == info["key_budget"] and info["value_bytes_mean"] == info["value_budget"]
+    assert parse_cache_spec("fibquant:b=2@alloc=ends").allocator(64).ends == 2  # the default count
+    for bad, match in [("fibquant:b=2@alloc=ends:0", "integer >= 1"), ("fibquant:b=2@alloc=ends:x", "integer >= 1"),
+                       ("fibquant:b=2@alloc=mse:3", "only ends"), ("fibquant:b=2@alloc=loud:3", "signal")]:
+        with pytest.raises(ValueError, match=match):
+            parse_cache_spec(bad)

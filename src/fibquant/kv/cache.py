@@ -42,6 +42,11 @@ through `update` calls it when a layer first has tokens to encode and every laye
 (`num_layers`, from the model with `for_model`) holds tokens; until then tokens stay exact
 (a layer that had to wait encodes its backlog as soon as the codecs are chosen).
 
+A heavy tier (`tier=`, a `fibquant.kv.tier.HeavyTier`): each layer is a `TieredLayer` that also
+stores a fixed fraction of its coded tokens per KV head (the highest by a score of the tokens
+themselves, e.g. key norm) at a second, higher rate, as a second fixed-size code stream with an int32
+index; reads patch those rows in, and attention runs on the decoded floats (see `fibquant.kv.tier`).
+
 Two ways to read the coded part (`attention=`):
 
 - "decode" (the reference): `update` returns float keys/values with the coded part decoded,
@@ -144,7 +149,8 @@ class CompressedCache(Cache):
     def __init__(self, key_codec: Union[Codec, Sequence[Codec]], value_codec: Union[Codec, Sequence[Codec]],
                  sink_tokens: int = 4, recent_tokens: int = 32, attention: str = "decode", encode_batch: int = 16,
                  centre: bool = False, allocate: Optional[Callable] = None, num_layers: Optional[int] = None,
-                 layer_windows: Optional[Sequence[Optional[int]]] = None, sliding_exact: bool = False):
+                 layer_windows: Optional[Sequence[Optional[int]]] = None, sliding_exact: bool = False,
+                 tier=None):
         key_codec, key_codecs = _codec_list(key_codec, "key_codec")
         value_codec, value_codecs = _codec_list(value_codec, "value_codec")
         if (key_codecs is None) != (value_codecs is None) or (key_codecs is not None
@@ -181,6 +187,16 @@ class CompressedCache(Cache):
             raise ValueError(f"sliding_exact must be True or False, got {sliding_exact!r}")
         self.sliding_exact = sliding_exact
         self.layer_windows = _check_layer_windows(layer_windows)
+        if tier is not None:
+            from fibquant.kv.tier import HeavyTier
+
+            if not isinstance(tier, HeavyTier):
+                raise ValueError(f"tier must be a fibquant.kv.tier.HeavyTier, got {type(tier).__name__}")
+            if centre:
+                raise ValueError("a heavy tier does not combine with centre=True")
+            if self.layer_windows is not None:
+                raise ValueError("a heavy tier applies to full-attention layers only (this model has sliding ones)")
+        self.tier = tier
         if self.layer_windows is not None:
             for name, count in (("num_layers", num_layers), ("per-layer codecs", len(key_codecs or ()) or None)):
                 if count is not None and count != len(self.layer_windows):
@@ -207,6 +223,11 @@ class CompressedCache(Cache):
         if window is not None:
             layer = CompressedSlidingLayer(key, value, window, self.recent_tokens, self.attention, self.encode_batch,
                                            self.centre, exact_window=self.sliding_exact)
+        elif self.tier is not None:
+            from fibquant.kv.tier import TieredLayer
+
+            layer = TieredLayer(key, value, self.sink_tokens, self.recent_tokens, self.tier, self.attention,
+                                self.encode_batch)
         else:
             layer = CompressedLayer(key, value, self.sink_tokens, self.recent_tokens, self.attention,
                                     self.encode_batch, self.centre)
@@ -257,7 +278,7 @@ class CompressedCache(Cache):
     def for_model(cls, model, key_codec, value_codec, sink_tokens: int = 4,
                   recent_tokens: int = 32, attention: str = "codes", encode_batch: int = 16,
                   centre: bool = False, allocate: Optional[Callable] = None,
-                  sliding_exact: bool = False) -> "CompressedCache":
+                  sliding_exact: bool = False, tier=None) -> "CompressedCache":
         """A cache for `model` after checking that the model's attention is supported.
 
         The layers follow the model's own layer types (full / sliding / chunked attention).
@@ -292,13 +313,14 @@ class CompressedCache(Cache):
                     attention = "decode"
         return cls(key_codec, value_codec, sink_tokens, recent_tokens, attention, encode_batch, centre,
                    allocate=allocate, num_layers=info["layers"], layer_windows=info["windows"],
-                   sliding_exact=sliding_exact)
+                   sliding_exact=sliding_exact, tier=tier)
 
     @classmethod
     def from_cache(cls, cache: Cache, key_codec, value_codec, sink_tokens: int = 4,
                    recent_tokens: int = 32, attention: str = "decode", model=None,
                    encode_batch: int = 16, centre: bool = False,
-                   allocate: Optional[Callable] = None, sliding_exact: bool = False) -> "CompressedCache":
+                   allocate: Optional[Callable] = None, sliding_exact: bool = False,
+                   tier=None) -> "CompressedCache":
         """Compress an already computed cache (e.g. a `DynamicCache` after a float prefill).
 
         The result holds what this cache would hold had it seen the same tokens in one update:
@@ -308,10 +330,11 @@ class CompressedCache(Cache):
         """
         if model is not None:
             target = cls.for_model(model, key_codec, value_codec, sink_tokens, recent_tokens, attention,
-                                   encode_batch, centre, allocate, sliding_exact=sliding_exact)
+                                   encode_batch, centre, allocate, sliding_exact=sliding_exact, tier=tier)
         else:
             target = cls(key_codec, value_codec, sink_tokens, recent_tokens, attention, encode_batch, centre,
-                         allocate=allocate, num_layers=len(cache.layers) if allocate is not None else None)
+                         allocate=allocate, num_layers=len(cache.layers) if allocate is not None else None,
+                         tier=tier)
         for index, layer in enumerate(cache.layers):
             keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
             if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor):
@@ -379,6 +402,9 @@ class CompressedCache(Cache):
         stopping_criteria=[writer])` and every newly coded token is appended to the archive
         after each step (checkpoint every `checkpoint_every` tokens); `writer.close()` (or a
         `with` block) seals the end. See docs/persistent-cache.md."""
+        if getattr(self, "tier", None) is not None:
+            raise ValueError("saving a cache with a heavy tier is not implemented (the store holds one code "
+                             "stream per role)")
         save_cache, store_cls, writer_cls = _persistence()
         if not append:
             return save_cache(self, path, model, token_ids, overwrite=overwrite, durable=durable)

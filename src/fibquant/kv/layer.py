@@ -212,8 +212,7 @@ class CompressedLayer(CacheLayerMixin):
                     self.value_mean = leaving_values.to(torch.float32).mean(dim=-2)
                 leaving_keys = leaving_keys.to(torch.float32) - self.key_mean.unsqueeze(-2)
                 leaving_values = leaving_values.to(torch.float32) - self.value_mean.unsqueeze(-2)
-            self.key_buffer.append(self.key_codec.encode(leaving_keys))
-            self.value_buffer.append(self.value_codec.encode(leaving_values))
+            self._store_codes(leaving_keys, leaving_values)
             if overflow <= held:
                 # what stays: the held rows after the leaving ones, then the new rows, in place
                 self._recent_k.drop_front(overflow)
@@ -224,6 +223,12 @@ class CompressedLayer(CacheLayerMixin):
             recent_keys, recent_values = recent_keys[..., overflow:, :], recent_values[..., overflow:, :]
         # The recent slice is copied so the dropped (now encoded) floats are really freed.
         self.recent_keys, self.recent_values = _owned(recent_keys), _owned(recent_values)
+
+    def _store_codes(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Encode tokens leaving the window ([B, H, n, D], centred when the layer centres) and append
+        their code rows (a tiered layer, `fibquant.kv.tier`, also keeps a few of them at a higher rate)."""
+        self.key_buffer.append(self.key_codec.encode(keys))
+        self.value_buffer.append(self.value_codec.encode(values))
 
     def set_codecs(self, key_codec: Codec, value_codec: Codec) -> None:
         """Change the codecs of a layer that has coded nothing yet (per-layer allocation)."""

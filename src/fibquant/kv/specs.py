@@ -11,7 +11,10 @@ path (every code decoded to floats, `attention="decode"`) instead of on the code
 per-head mean (`CompressedCache(centre=True)`); `@alloc=SIGNAL` (FibQuant `b=` rates on both sides)
 chooses one rate per layer and role from the cached tokens themselves (`fibquant.kv.allocation`:
 mse, attn, attn-keys, ends, uniform) with the base rate's bytes as each role's average budget, e.g.
-`fibquant:b=1.5/fibquant:b=1@centre@alloc=mse`. Without options a spec means what it always did.
+`fibquant:b=1.5/fibquant:b=1@centre@alloc=mse`; `@heavy=F[:SCORE[:RATE]]` adds a second, higher-rate
+tier for the fraction F of coded tokens per layer and KV head with the highest SCORE (`fibquant.kv.tier`:
+knorm, vnorm, kerr, kverr; default knorm) at RATE (FibQuant bits, 'fp' for fp16, or KEY/VALUE, e.g.
+`fibquant:b=1.5/fibquant:b=1@heavy=0.02:knorm:4`; default 4), its rows and index counted in the bytes. Without options a spec means what it always did.
 
 Our codecs on both sides give a `CompressedCache` (codes stored, attention on the codes); a peer on
 either side gives a `RoundTripCache` (`fibquant.kv.roundtrip`) with the same exact window (sinks +
@@ -81,6 +84,17 @@ def _fibquant_bits(side: "Side") -> Optional[float]:
     return side.quantizer.param("bits")
 
 
+def _alloc_parts(alloc: str) -> tuple[str, Optional[int]]:
+    """'ends:4' -> ('ends', 4): signal ends with its layer count (first and last N layers one step up,
+    as many middle layers one step down); a plain signal -> (signal, None)."""
+    signal, colon, count = alloc.partition(":")
+    if not colon:
+        return signal, None
+    if not count.isdigit() or int(count) < 1:
+        raise ValueError(f"@alloc={alloc}: the layer count after ':' must be an integer >= 1")
+    return signal, int(count)
+
+
 @dataclass(frozen=True)
 class CacheSpec:
     """fp (key = value = None) or a key side and a value side, with the options centre and alloc."""
@@ -90,18 +104,30 @@ class CacheSpec:
     centre: bool = False
     alloc: Optional[str] = None
     decode: bool = False
+    heavy: Optional[object] = None  # a fibquant.kv.tier.HeavySpec
 
     def __post_init__(self) -> None:
         if (self.key is None) != (self.value is None):
             raise ValueError("a cache spec has both a key and a value side, or neither (fp)")
-        if (self.centre or self.alloc is not None or self.decode) and (self.is_fp or self.uses_peer):
-            raise ValueError("@centre, @alloc and @decode apply to our codecs on both sides (a CompressedCache), "
-                             "not to fp or a peer")
+        if (self.centre or self.alloc is not None or self.decode or self.heavy is not None) and (
+                self.is_fp or self.uses_peer):
+            raise ValueError("@centre, @alloc, @decode and @heavy apply to our codecs on both sides (a "
+                             "CompressedCache), not to fp or a peer")
+        if self.heavy is not None:
+            from fibquant.kv.tier import HeavySpec
+
+            if not isinstance(self.heavy, HeavySpec):
+                raise ValueError(f"heavy must be a fibquant.kv.tier.HeavySpec, got {type(self.heavy).__name__}")
+            if self.centre:
+                raise ValueError("@heavy does not combine with @centre")
         if self.alloc is not None:
             from fibquant.kv.allocation import SIGNALS, rung_of
 
-            if self.alloc not in SIGNALS:
+            signal, count = _alloc_parts(self.alloc)
+            if signal not in SIGNALS:
                 raise ValueError(f"@alloc={self.alloc}: the signal must be one of {SIGNALS}")
+            if count is not None and signal != "ends":
+                raise ValueError(f"@alloc={self.alloc}: only ends takes a layer count (ends:N)")
             for side in (self.key, self.value):
                 bits = _fibquant_bits(side)
                 if bits is None:
@@ -111,7 +137,7 @@ class CacheSpec:
     @property
     def options(self) -> str:
         return (("@centre" if self.centre else "") + (f"@alloc={self.alloc}" if self.alloc else "")
-                + ("@decode" if self.decode else ""))
+                + ("@decode" if self.decode else "") + (f"@heavy={self.heavy.text}" if self.heavy else ""))
 
     @property
     def is_fp(self) -> bool:
@@ -145,7 +171,7 @@ class CacheSpec:
             return reference_method().label(dim)
         text = self.key.label(dim) if self.symmetric else f"K {self.key.label(dim)} / V {self.value.label(dim)}"
         return (text + (" centred" if self.centre else "") + (f" alloc={self.alloc}" if self.alloc else "")
-                + (" (decode)" if self.decode else ""))
+                + (" (decode)" if self.decode else "") + (f" heavy={self.heavy.text}" if self.heavy else ""))
 
     def allocator(self, dim: int, centre: bool = False, model=None):
         """The `fibquant.kv.allocation.RateAllocator` of an `@alloc` spec (None without one);
@@ -155,11 +181,13 @@ class CacheSpec:
         from fibquant.kv.allocation import RateAllocator, attention_weights
 
         weights = (None, None)
-        if self.alloc in ("attn", "attn-keys"):
+        signal, count = _alloc_parts(self.alloc)
+        if signal in ("attn", "attn-keys"):
             weights = attention_weights(model) if model is not None else None
             if weights is None:
                 raise ValueError(f"{self.spec}: signal attn needs a model with q/k/o projections it can read")
-        return RateAllocator(dim, _fibquant_bits(self.key), _fibquant_bits(self.value), self.alloc,
+        extra = {} if count is None else {"ends": count}
+        return RateAllocator(dim, _fibquant_bits(self.key), _fibquant_bits(self.value), signal, **extra,
                              centre=centre or self.centre, key_weights=weights[0], value_weights=weights[1])
 
     def unavailable_reason(self) -> Optional[str]:
@@ -172,18 +200,24 @@ class CacheSpec:
 
     # ------------------------------------------------------------------ bytes
     # With @alloc the per-layer sizes vary; each role's average over layers is at most (at d = 64:
-    # exactly) its base codec's, which these report.
+    # exactly) its base codec's, which these report. With @heavy each role adds the tier's average
+    # bytes per vector (`HeavySpec.extra_bytes`: fraction x (heavy code size + half the 4-byte index)).
     def key_bytes(self, dim: int) -> float:
-        return 2.0 * dim if self.is_fp else self.key.bytes_per_vector(dim)
+        if self.is_fp:
+            return 2.0 * dim
+        return self.key.bytes_per_vector(dim) + (self.heavy.extra_bytes(dim)[0] if self.heavy else 0.0)
 
     def value_bytes(self, dim: int) -> float:
-        return 2.0 * dim if self.is_fp else self.value.bytes_per_vector(dim)
+        if self.is_fp:
+            return 2.0 * dim
+        return self.value.bytes_per_vector(dim) + (self.heavy.extra_bytes(dim)[1] if self.heavy else 0.0)
 
     def bits_per_coordinate(self, dim: int) -> float:
         """Mean of the key and value sides' bits per coordinate (16 for fp)."""
         if self.is_fp:
             return 16.0
-        return 0.5 * (self.key.bits_per_coordinate(dim) + self.value.bits_per_coordinate(dim))
+        extra = 0.0 if self.heavy is None else 8.0 * sum(self.heavy.extra_bytes(dim)) / dim
+        return 0.5 * (self.key.bits_per_coordinate(dim) + self.value.bits_per_coordinate(dim) + extra)
 
     def codes_ratio(self, dim: int) -> float:
         """fp16 key + value (4 * dim bytes) over the stored key + value vector bytes."""
@@ -232,11 +266,12 @@ class CacheSpec:
             centre = bool(centre or self.centre)
             attention = "decode" if self.decode else attention
             allocate = self.allocator(key.dim, centre, model)
+            tier = None if self.heavy is None else self.heavy.build(key.dim)
             if prefill is None:
                 return CompressedCache.for_model(model, key, value, sink_tokens, recent_tokens, attention=attention,
-                                                 centre=centre, allocate=allocate)
+                                                 centre=centre, allocate=allocate, tier=tier)
             return CompressedCache.from_cache(prefill, key, value, sink_tokens, recent_tokens, attention=attention,
-                                              model=model, centre=centre, allocate=allocate)
+                                              model=model, centre=centre, allocate=allocate, tier=tier)
         if centre:
             raise ValueError(f"{self.spec}: centring applies to our codecs (CompressedCache), not to a peer")
         from fibquant.kv.roundtrip import RoundTripCache
@@ -261,9 +296,13 @@ def _parse_options(items: list[str], text: str) -> dict:
             options["alloc"] = value.strip()
         elif name == "decode" and not eq and "decode" not in options:
             options["decode"] = True
+        elif name == "heavy" and eq and value.strip() and "heavy" not in options:
+            from fibquant.kv.tier import HeavySpec
+
+            options["heavy"] = HeavySpec.parse(value.strip())
         else:
-            raise ValueError(f"bad cache spec option {item!r} in {text!r}; expected @centre, @alloc=SIGNAL or "
-                             "@decode (each at most once)")
+            raise ValueError(f"bad cache spec option {item!r} in {text!r}; expected @centre, @alloc=SIGNAL, "
+                             "@decode or @heavy=F[:SCORE[:RATE]] (each at most once)")
     return options
 
 

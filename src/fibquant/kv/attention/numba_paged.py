@@ -21,21 +21,24 @@ Block ids outside [0, num_blocks) are counted (the caller raises) and skipped, n
 from __future__ import annotations
 
 np = None
-_decode_norms = _count_invalid = _safe_fields = None
+_count_invalid = _safe_fields = None
 _build_table = _bytes_table = _spread_bytes = _contract = None
 _score_tokens = _hist_tokens = _exact_scores = _exact_values = None
+_row_max = _exp_sum = _norms = None
 
 
 def _paged_step_py(query, scaling, key_forward, value_inverse, key_codewords, value_codewords, pages, tables,
                    starts, stops, key_offset, key_size, value_offset, value_size, exact_keys, exact_values,
                    new_keys, new_values, sinks, out, flags, key_bits, value_bits, key_blocks, value_blocks,
-                   key_mode, value_mode, lanes, table1, lut, hist1, hist, coded, norms, unit_start, unit_stop):
+                   key_mode, value_mode, lanes, table1, lut, hist1, hist, coded, norms, ibits, unit_start,
+                   unit_stop):
     """out[b, h*G + t] for units [unit_start, unit_stop) of (b, KV head h); returns the count of
     invalid indices (>= N) and out-of-range block ids seen. query [B, Hq, D] (unscaled, unrotated),
     pages uint8 [num_blocks, H, block_size, slot] (any strides, slot bytes contiguous), tables
     int32 [B, max_blocks], starts / stops int64 [B] (coded positions [start, stop)), exact parts
     [B, H, n, D] (n may be 0), sinks [Hq] (read when flags bit 3), out [B, Hq, Dv] float32.
-    Scratch as `numba_decode.scratch_sizes`, coded [lanes, >= max coded tokens], norms [>= that]."""
+    Scratch as `numba_decode.scratch_sizes`, coded [lanes, >= max coded tokens], norms and ibits
+    (int32) [>= that]."""
     n_b, n_qh, dim = query.shape
     n_h = pages.shape[1]
     block_size = pages.shape[2]
@@ -113,7 +116,7 @@ def _paged_step_py(query, scaling, key_forward, value_inverse, key_codewords, va
                     continue
                 rows = pages[page, h, lo - j * block_size:hi - j * block_size, key_offset:key_offset + key_size]
                 block_norms = norms[base:base + hi - lo]
-                _decode_norms(rows, block_norms)
+                _norms(rows, block_norms, ibits)
                 if k_check:
                     bad += _count_invalid(rows, key_bits, key_blocks, kn)
                 _score_tokens(table1, lut, rows, coded[:, base:base + hi - lo], groups, block_norms, key_mode, lanes,
@@ -123,10 +126,7 @@ def _paged_step_py(query, scaling, key_forward, value_inverse, key_codewords, va
         _exact_scores(new_keys, b, h, n_exact_in, exact, scaled, groups)
         # --- one softmax over the row (and the sink logit)
         for t in range(groups):
-            top = -np.inf
-            for i in range(n_tokens):
-                if coded[t, i] > top:
-                    top = coded[t, i]
+            top = _row_max(coded[t], n_tokens, np.float32(-np.inf))
             for e in range(n_exact):
                 if exact[t, e] > top:
                     top = exact[t, e]
@@ -135,15 +135,10 @@ def _paged_step_py(query, scaling, key_forward, value_inverse, key_codewords, va
                 top = sink_logit
             if top == -np.inf:
                 top = np.float32(0.0)
-            for i in range(n_tokens):
-                coded[t, i] = np.exp(coded[t, i] - top)
-            for e in range(n_exact):
-                exact[t, e] = np.exp(exact[t, e] - top)
-            s = np.float32(0.0)
-            for i in range(n_tokens):
-                s += coded[t, i]
+            s = _exp_sum(coded[t], n_tokens, top, ibits)
             coded_total[t] = s
             for e in range(n_exact):
+                exact[t, e] = np.exp(exact[t, e] - top)
                 s += exact[t, e]
             if has_sinks:
                 s += np.float32(np.exp(sink_logit - top))
@@ -166,7 +161,7 @@ def _paged_step_py(query, scaling, key_forward, value_inverse, key_codewords, va
                     continue
                 rows = pages[page, h, lo - j * block_size:hi - j * block_size, value_offset:value_offset + value_size]
                 block_norms = norms[base:base + hi - lo]
-                _decode_norms(rows, block_norms)
+                _norms(rows, block_norms, ibits)
                 if v_check:
                     bad += _count_invalid(rows, value_bits, value_blocks, vn)
                 _hist_tokens(hist1, hist, rows, coded[:, base:base + hi - lo], groups, block_norms, value_mode, lanes,
@@ -196,8 +191,8 @@ _KERNEL = None
 
 def compile_paged_kernel():
     """The paged decode-step dispatcher (numba, cache=True); binds numba_decode's helpers first."""
-    global _KERNEL, np, _decode_norms, _count_invalid, _safe_fields, _build_table, _bytes_table, _spread_bytes
-    global _contract, _score_tokens, _hist_tokens, _exact_scores, _exact_values
+    global _KERNEL, np, _count_invalid, _safe_fields, _build_table, _bytes_table, _spread_bytes
+    global _contract, _score_tokens, _hist_tokens, _exact_scores, _exact_values, _row_max, _exp_sum, _norms
     if _KERNEL is not None:
         return _KERNEL
     import numba
@@ -206,17 +201,17 @@ def compile_paged_kernel():
 
     numba_decode.compile_decode_kernel()  # binds numba_decode's (and numba_kernels') helpers
     np = numba_decode.np
-    _decode_norms, _count_invalid, _safe_fields = (numba_decode._decode_norms, numba_decode._count_invalid,
-                                                   numba_decode._safe_fields)
+    _count_invalid, _safe_fields = numba_decode._count_invalid, numba_decode._safe_fields
     _build_table, _bytes_table = numba_decode._build_table, numba_decode._bytes_table
     _spread_bytes, _contract = numba_decode._spread_bytes, numba_decode._contract
     _score_tokens, _hist_tokens = numba_decode._score_tokens, numba_decode._hist_tokens
     _exact_scores, _exact_values = numba_decode._exact_scores, numba_decode._exact_values
+    _row_max, _exp_sum, _norms = numba_decode._row_max, numba_decode._exp_sum, numba_decode._norms
     f32 = "float32[:, :, :, ::1]"
     signature = ("int64(float32[:, :, ::1], float32, float32[:, ::1], float32[:, ::1], float32[:, ::1], "
                  "float32[:, ::1], uint8[:, :, :, :], int32[:, :], int64[::1], int64[::1], int64, int64, int64, "
                  f"int64, {f32}, {f32}, {f32}, {f32}, float32[::1], float32[:, :, ::1], "
                  "int64, int64, int64, int64, int64, int64, int64, int64, float32[::1], float32[::1], float32[::1], "
-                 "float32[::1], float32[:, ::1], float32[::1], int64, int64)")
+                 "float32[::1], float32[:, ::1], float32[::1], int32[::1], int64, int64)")
     _KERNEL = numba.njit(signature, nogil=True, cache=True)(_paged_step_py)
     return _KERNEL
