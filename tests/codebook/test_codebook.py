@@ -151,9 +151,20 @@ def test_initial_codebook_construction():
 
 
 def test_shipped_codebooks_load_and_fit_the_budget():
+    import re
+
+    from fibquant.codebook.residual import ResidualSpec, load_residual
+
     files = sorted(SHIPPED_DIR.glob("*.safetensors"))
     assert sum(p.stat().st_size for p in files) < SHIPPED_BUDGET_BYTES
-    for path in files:
+    residual = [p for p in files if p.name.startswith("fibquant-rvq_")]  # [S, N, k] stages, their own loader
+    for path in residual:
+        d, k, s, n, seed = map(int, re.fullmatch(r"fibquant-rvq_d(\d+)_k(\d+)_s(\d+)_n(\d+)_seed(\d+)_r\d+"
+                                                 r"\.safetensors", path.name).groups())
+        spec = ResidualSpec(d, k, s, n, seed)
+        assert spec.file_name == path.name
+        assert torch.isfinite(load_residual(spec, build=False)).all()
+    for path in (p for p in files if p not in residual):
         codebook = read_codebook(path)
         assert path.name == codebook.file_name
         assert codebook.codewords.shape == (codebook.spec.n_codewords, codebook.spec.k)
