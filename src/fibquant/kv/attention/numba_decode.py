@@ -29,6 +29,7 @@ _build_table = _bytes_table = _spread_bytes = _contract = None
 _lut_sum = _hist_add = None
 _score_tokens = _hist_tokens = _exact_scores = _exact_values = None
 _row_max = _exp_sum = _norms = None
+_query_table = _softmax_row = _unrotate_add = None
 
 
 def _score_tokens_py(table1, lut, rows, res, nq, norms, mode, lanes, bits, n_blocks, n_pos, n_codewords,
@@ -201,6 +202,54 @@ def _norms_py(rows, norms, bits):
         norms[i] = -v if (half & np.int32(0x8000)) != 0 else v
 
 
+def _query_table_py(scaled, groups, key_forward, rotated, qmat, key_blocks, kk, lanes):
+    """qmat[c, j * lanes + t] = (rotated scaled query t)[j * kk + c]: the key table's right-hand side."""
+    dim = scaled.shape[1]
+    for t in range(groups):
+        for e in range(dim):
+            rotated[e] = 0.0
+        for d in range(dim):
+            x = scaled[t, d]
+            for e in range(dim):
+                rotated[e] += x * key_forward[d, e]
+        for j in range(key_blocks):
+            for c in range(kk):
+                qmat[c, j * lanes + t] = rotated[j * kk + c]
+
+
+def _softmax_row_py(coded_row, n_tokens, exact_row, n_exact, sink_logit, ibits):
+    """One softmax over a row's coded and exact columns (and a sink logit, -inf for none), in place,
+    unnormalised; returns (peak, sum of the coded weights, sum of all weights). Every column masked: zeros."""
+    top = _row_max(coded_row, n_tokens, np.float32(-np.inf))
+    for e in range(n_exact):
+        if exact_row[e] > top:
+            top = exact_row[e]
+    if sink_logit > top:
+        top = sink_logit
+    if top == -np.inf:
+        top = np.float32(0.0)
+    coded_sum = _exp_sum(coded_row, n_tokens, top, ibits)
+    s = coded_sum
+    for e in range(n_exact):
+        exact_row[e] = np.exp(exact_row[e] - top)
+        s += exact_row[e]
+    if sink_logit != -np.inf:
+        s += np.float32(np.exp(sink_logit - top))
+    return top, coded_sum, s
+
+
+def _unrotate_add_py(acc, t, value_blocks, vk, lanes, value_inverse, unrot, result):
+    """result[t, d] += sum_e acc_t[e] * value_inverse[e, d] (acc_t: lane t of the contracted histogram)."""
+    for j in range(value_blocks):
+        for c in range(vk):
+            unrot[j * vk + c] = acc[c, j * lanes + t]
+    value_dim = value_inverse.shape[0]
+    for e in range(value_dim):
+        x = unrot[e]
+        for d in range(value_dim):
+            result[t, d] += x * value_inverse[e, d]
+
+
 def _decode_step_py(query, scaling, key_forward, value_inverse, key_codewords, value_codewords, key_codes,
                     value_codes, sink_keys, sink_values, recent_keys, recent_values, new_keys, new_values,
                     key_mean, value_mean, bias, sinks, out, flags, key_bits, value_bits, key_blocks, value_blocks,
@@ -267,16 +316,7 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_codewords, v
             _norms(key_rows, norms, ibits)
             if k_check:
                 bad += _count_invalid(key_rows, key_bits, key_blocks, kn)
-            for t in range(groups):
-                for e in range(dim):
-                    rotated[e] = 0.0
-                for d in range(dim):
-                    x = scaled[t, d]
-                    for e in range(dim):
-                        rotated[e] += x * key_forward[d, e]
-                for j in range(key_blocks):
-                    for c in range(kk):
-                        qmat[c, j * lanes + t] = rotated[j * kk + c]
+            _query_table(scaled, groups, key_forward, rotated, qmat, key_blocks, kk, lanes)
             _build_table(key_codewords, qmat, table1)
             if key_mode == 0:
                 _bytes_table(table1, key_blocks, key_bits, lanes, lut)
@@ -305,24 +345,8 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_codewords, v
                     exact[t, e] += bias[bb, hb, n_tokens + e]
         # --- one softmax over the row (and the sink logit)
         for t in range(groups):
-            top = _row_max(coded[t], n_tokens, np.float32(-np.inf))
-            for e in range(n_exact):
-                if exact[t, e] > top:
-                    top = exact[t, e]
             sink_logit = np.float32(sinks[h * groups + t]) if has_sinks else np.float32(-np.inf)
-            if sink_logit > top:
-                top = sink_logit
-            if top == -np.inf:  # every column masked: zeros
-                top = np.float32(0.0)
-            peak[t] = top
-            s = _exp_sum(coded[t], n_tokens, top, ibits)
-            coded_total[t] = s
-            for e in range(n_exact):
-                exact[t, e] = np.exp(exact[t, e] - top)
-                s += exact[t, e]
-            if has_sinks:
-                s += np.float32(np.exp(sink_logit - top))
-            total[t] = s
+            peak[t], coded_total[t], total[t] = _softmax_row(coded[t], n_tokens, exact[t], n_exact, sink_logit, ibits)
         # --- value sums
         for t in range(groups):
             for d in range(value_dim):
@@ -341,14 +365,8 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_codewords, v
             if value_mode == 0:
                 _spread_bytes(hist, value_blocks, value_bits, lanes, hist1)
             _contract(hist1, value_codewords, acc)
-            for t in range(groups):  # un-rotate: result[t, d] = sum_e acc_t[e] * forward[d, e] (inverse = forward.T)
-                for j in range(value_blocks):
-                    for c in range(vk):
-                        unrot[j * vk + c] = acc[c, j * lanes + t]
-                for e in range(value_dim):
-                    x = unrot[e]
-                    for d in range(value_dim):
-                        result[t, d] += x * value_inverse[e, d]
+            for t in range(groups):  # un-rotate (inverse = forward.T)
+                _unrotate_add(acc, t, value_blocks, vk, lanes, value_inverse, unrot, result)
                 if has_value_mean:
                     for d in range(value_dim):
                         result[t, d] += coded_total[t] * value_mean[b, h, d]
@@ -377,7 +395,7 @@ def compile_decode_kernel():
     """The fused decode-step dispatcher (numba, cache=True); binds the helpers of numba_kernels first."""
     global _KERNEL, np, _decode_norms, _count_invalid, _safe_fields, _build_table, _bytes_table, _spread_bytes
     global _contract, _lut_sum, _hist_add, _score_tokens, _hist_tokens, _exact_scores, _exact_values
-    global _row_max, _exp_sum, _norms
+    global _row_max, _exp_sum, _norms, _query_table, _softmax_row, _unrotate_add
     if _KERNEL is not None:
         return _KERNEL
     import numba
@@ -400,6 +418,8 @@ def compile_decode_kernel():
     _row_max = numba.njit(nogil=True, cache=True, fastmath={"nnan", "nsz", "reassoc"})(_row_max_py)
     _exp_sum = numba.njit(nogil=True, cache=True, fastmath={"nsz", "reassoc", "contract"})(_exp_sum_py)
     _norms = helper(_norms_py)
+    _query_table, _unrotate_add = helper(_query_table_py), helper(_unrotate_add_py)
+    _softmax_row = helper(_softmax_row_py)  # binds _row_max / _exp_sum above: compiled after them
     f32 = "float32[:, :, :, :]"  # the exact parts: views of the window buffers (last dimension contiguous)
     signature = (f"int64(float32[:, :, ::1], float32, float32[:, ::1], float32[:, ::1], float32[:, ::1], "
                  f"float32[:, ::1], uint8[:, :, :, :], uint8[:, :, :, :], {f32}, {f32}, {f32}, {f32}, {f32}, {f32}, "

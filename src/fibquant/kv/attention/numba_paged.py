@@ -24,7 +24,7 @@ np = None
 _count_invalid = _safe_fields = None
 _build_table = _bytes_table = _spread_bytes = _contract = None
 _score_tokens = _hist_tokens = _exact_scores = _exact_values = None
-_row_max = _exp_sum = _norms = None
+_norms = _query_table = _softmax_row = _unrotate_add = None
 
 
 def _paged_step_py(query, scaling, key_forward, value_inverse, key_codewords, value_codewords, pages, tables,
@@ -73,7 +73,6 @@ def _paged_step_py(query, scaling, key_forward, value_inverse, key_codewords, va
     rotated = np.empty(dim, dtype=np.float32)
     exact = np.empty((groups, n_exact), dtype=np.float32)
     total = np.empty(groups, dtype=np.float32)
-    coded_total = np.empty(groups, dtype=np.float32)
     result = np.empty((groups, value_dim), dtype=np.float32)
     unrot = np.empty(value_dim, dtype=np.float32)
     bad = 0
@@ -90,16 +89,7 @@ def _paged_step_py(query, scaling, key_forward, value_inverse, key_codewords, va
         last_block = (stop + block_size - 1) // block_size
         # --- coded scores, block by block
         if n_tokens:
-            for t in range(groups):
-                for e in range(dim):
-                    rotated[e] = 0.0
-                for d in range(dim):
-                    x = scaled[t, d]
-                    for e in range(dim):
-                        rotated[e] += x * key_forward[d, e]
-                for j in range(key_blocks):
-                    for c in range(kk):
-                        qmat[c, j * lanes + t] = rotated[j * kk + c]
+            _query_table(scaled, groups, key_forward, rotated, qmat, key_blocks, kk, lanes)
             _build_table(key_codewords, qmat, table1)
             if key_mode == 0:
                 _bytes_table(table1, key_blocks, key_bits, lanes, lut)
@@ -126,23 +116,8 @@ def _paged_step_py(query, scaling, key_forward, value_inverse, key_codewords, va
         _exact_scores(new_keys, b, h, n_exact_in, exact, scaled, groups)
         # --- one softmax over the row (and the sink logit)
         for t in range(groups):
-            top = _row_max(coded[t], n_tokens, np.float32(-np.inf))
-            for e in range(n_exact):
-                if exact[t, e] > top:
-                    top = exact[t, e]
             sink_logit = np.float32(sinks[h * groups + t]) if has_sinks else np.float32(-np.inf)
-            if sink_logit > top:
-                top = sink_logit
-            if top == -np.inf:
-                top = np.float32(0.0)
-            s = _exp_sum(coded[t], n_tokens, top, ibits)
-            coded_total[t] = s
-            for e in range(n_exact):
-                exact[t, e] = np.exp(exact[t, e] - top)
-                s += exact[t, e]
-            if has_sinks:
-                s += np.float32(np.exp(sink_logit - top))
-            total[t] = s
+            _, _, total[t] = _softmax_row(coded[t], n_tokens, exact[t], n_exact, sink_logit, ibits)
         # --- value sums, block by block
         for t in range(groups):
             for d in range(value_dim):
@@ -169,14 +144,8 @@ def _paged_step_py(query, scaling, key_forward, value_inverse, key_codewords, va
             if value_mode == 0:
                 _spread_bytes(hist, value_blocks, value_bits, lanes, hist1)
             _contract(hist1, value_codewords, acc)
-            for t in range(groups):  # un-rotate: result[t, d] = sum_e acc_t[e] * forward[d, e]
-                for j in range(value_blocks):
-                    for c in range(vk):
-                        unrot[j * vk + c] = acc[c, j * lanes + t]
-                for e in range(value_dim):
-                    x = unrot[e]
-                    for d in range(value_dim):
-                        result[t, d] += x * value_inverse[e, d]
+            for t in range(groups):  # un-rotate
+                _unrotate_add(acc, t, value_blocks, vk, lanes, value_inverse, unrot, result)
         _exact_values(exact_values, b, h, 0, exact, result, groups)
         _exact_values(new_values, b, h, n_exact_in, exact, result, groups)
         for t in range(groups):
@@ -192,7 +161,8 @@ _KERNEL = None
 def compile_paged_kernel():
     """The paged decode-step dispatcher (numba, cache=True); binds numba_decode's helpers first."""
     global _KERNEL, np, _count_invalid, _safe_fields, _build_table, _bytes_table, _spread_bytes
-    global _contract, _score_tokens, _hist_tokens, _exact_scores, _exact_values, _row_max, _exp_sum, _norms
+    global _contract, _score_tokens, _hist_tokens, _exact_scores, _exact_values, _norms
+    global _query_table, _softmax_row, _unrotate_add
     if _KERNEL is not None:
         return _KERNEL
     import numba
@@ -206,7 +176,8 @@ def compile_paged_kernel():
     _spread_bytes, _contract = numba_decode._spread_bytes, numba_decode._contract
     _score_tokens, _hist_tokens = numba_decode._score_tokens, numba_decode._hist_tokens
     _exact_scores, _exact_values = numba_decode._exact_scores, numba_decode._exact_values
-    _row_max, _exp_sum, _norms = numba_decode._row_max, numba_decode._exp_sum, numba_decode._norms
+    _norms, _query_table = numba_decode._norms, numba_decode._query_table
+    _softmax_row, _unrotate_add = numba_decode._softmax_row, numba_decode._unrotate_add
     f32 = "float32[:, :, :, ::1]"
     signature = ("int64(float32[:, :, ::1], float32, float32[:, ::1], float32[:, ::1], float32[:, ::1], "
                  "float32[:, ::1], uint8[:, :, :, :], int32[:, :], int64[::1], int64[::1], int64, int64, int64, "
