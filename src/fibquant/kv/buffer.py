@@ -20,7 +20,23 @@ def _owned(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-class CodeBuffer:
+class _RowSpan:
+    """Live rows [start, stop) of a preallocated `data` [..., capacity, width]."""
+
+    data: torch.Tensor
+    start: int
+    stop: int
+
+    @property
+    def used(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def capacity(self) -> int:
+        return self.data.shape[-2]
+
+
+class CodeBuffer(_RowSpan):
     """Rows of uint8 codes [B, H, capacity, code_size]: appended at the end, dropped from the front.
 
     Growth adds max(capacity / 16, 64) rows (or what the append needs): each stored row is copied
@@ -46,14 +62,6 @@ class CodeBuffer:
         buffer = cls(rows.shape[0], rows.shape[1], rows.shape[-1], rows.device, max_rows)
         buffer.data, buffer.stop = _owned(rows), rows.shape[-2]
         return buffer
-
-    @property
-    def used(self) -> int:
-        return self.stop - self.start
-
-    @property
-    def capacity(self) -> int:
-        return self.data.shape[-2]
 
     def view(self) -> torch.Tensor:
         if self._view is None:
@@ -102,7 +110,7 @@ class CodeBuffer:
 WINDOW_RESERVE_FRACTION = 8  # a window buffer that outgrows its capacity gets used / 8 rows of reserve
 
 
-class WindowBuffer:
+class WindowBuffer(_RowSpan):
     """The float rows of an exact window [B, H, capacity, D]: appended at the end, dropped from the front.
 
     `view()` is [B, H, used, D], the live rows in place (the last dimension contiguous). An append
@@ -122,14 +130,6 @@ class WindowBuffer:
         self.start = 0
         self.stop = rows.shape[-2]
         self.min_capacity = min_capacity
-
-    @property
-    def used(self) -> int:
-        return self.stop - self.start
-
-    @property
-    def capacity(self) -> int:
-        return self.data.shape[-2]
 
     def view(self) -> torch.Tensor:
         return self.data.narrow(-2, self.start, self.stop - self.start)
