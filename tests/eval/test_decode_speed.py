@@ -91,9 +91,18 @@ def test_contexts_leave_room_for_decoded_tokens():
 
 
 def test_peak_rss_sees_an_allocation():
+    import mmap
+
+    import numpy as np
+
+    # A fresh anonymous mapping: new pages for certain (a torch tensor may reuse heap pages an
+    # earlier test left resident, which raises no RSS; it failed so once in a fresh-clone run).
     with PeakRSS(0.001) as monitor:
-        block = torch.ones(64 * 1024 * 1024 // 4)  # 64 MiB, touched
-        del block
+        region = mmap.mmap(-1, 64 * 1024 * 1024)
+        pages = np.frombuffer(region, dtype=np.uint8)
+        pages[:] = 1  # touch every page
+        del pages
+        region.close()
     assert monitor.added >= 32 * 1024 * 1024
 
 
