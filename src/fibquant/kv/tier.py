@@ -239,13 +239,13 @@ class TieredLayer(CompressedLayer):
         self.heavy_index = torch.cat([self.heavy_index, (chosen + start).to(torch.int32)], dim=-1)
 
     # ----------------------------------------------------------------- reading
-    def _coded_floats(self, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        index = self.heavy_index
-        keys = patched_decode(self.key_codec, self.key_codes, self.tier.key_codec, self.heavy_key_buffer.view(),
-                              index, dtype)
-        values = patched_decode(self.value_codec, self.value_codes, self.tier.value_codec,
-                                self.heavy_value_buffer.view(), index, dtype)
-        return keys, values
+    def _coded_keys(self, dtype) -> torch.Tensor:
+        return patched_decode(self.key_codec, self.key_codes, self.tier.key_codec, self.heavy_key_buffer.view(),
+                              self.heavy_index, dtype)
+
+    def _coded_values(self, dtype) -> torch.Tensor:
+        return patched_decode(self.value_codec, self.value_codes, self.tier.value_codec,
+                              self.heavy_value_buffer.view(), self.heavy_index, dtype)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Float keys and values [B, H, seq_before + T, D] (the coded part patched by the heavy tier),
@@ -253,10 +253,9 @@ class TieredLayer(CompressedLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self._check_states(key_states, value_states)
-        coded_keys, coded_values = self._coded_floats(key_states.dtype)
-        keys = torch.cat([self.sink_keys.to(key_states.dtype), coded_keys, self.recent_keys.to(key_states.dtype),
-                          key_states], dim=-2)
-        values = torch.cat([self.sink_values.to(value_states.dtype), coded_values.to(value_states.dtype),
+        keys = torch.cat([self.sink_keys.to(key_states.dtype), self._coded_keys(key_states.dtype),
+                          self.recent_keys.to(key_states.dtype), key_states], dim=-2)
+        values = torch.cat([self.sink_values.to(value_states.dtype), self._coded_values(value_states.dtype),
                             self.recent_values.to(value_states.dtype), value_states], dim=-2)
         self._absorb(key_states, value_states)
         return keys, values
@@ -265,14 +264,13 @@ class TieredLayer(CompressedLayer):
     def keys(self) -> Optional[torch.Tensor]:
         if not self.is_initialized:
             return None
-        return torch.cat([self.sink_keys, self._coded_floats(self.sink_keys.dtype)[0], self.recent_keys], dim=-2)
+        return torch.cat([self.sink_keys, self._coded_keys(self.sink_keys.dtype), self.recent_keys], dim=-2)
 
     @property
     def values(self) -> Optional[torch.Tensor]:
         if not self.is_initialized:
             return None
-        return torch.cat([self.sink_values, self._coded_floats(self.sink_values.dtype)[1], self.recent_values],
-                         dim=-2)
+        return torch.cat([self.sink_values, self._coded_values(self.sink_values.dtype), self.recent_values], dim=-2)
 
     def snapshot(self, key_states, value_states):
         raise ValueError("a tiered layer (heavy tier) has no CodedKV view: attention on codes does not serve its "

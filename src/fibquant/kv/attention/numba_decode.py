@@ -24,12 +24,12 @@ order of summation differs). Compiled on first use (cache=True: numba caches it 
 from __future__ import annotations
 
 np = None
-_decode_norms = _count_invalid = _safe_fields = None
+_count_invalid = _safe_fields = None
 _build_table = _bytes_table = _spread_bytes = _contract = None
 _lut_sum = _hist_add = None
 _score_tokens = _hist_tokens = _exact_scores = _exact_values = None
 _row_max = _exp_sum = _norms = None
-_query_table = _softmax_row = _unrotate_add = None
+_query_table = _softmax_row = _unrotate_add = _role_fields = None
 
 
 def _score_tokens_py(table1, lut, rows, res, nq, norms, mode, lanes, bits, n_blocks, n_pos, n_codewords,
@@ -202,6 +202,20 @@ def _norms_py(rows, norms, bits):
         norms[i] = -v if (half & np.int32(0x8000)) != 0 else v
 
 
+def _role_fields_py(n_codewords, bits, blocks, mode, code_size):
+    """A role's code-reading constants: (mode, byte positions, word bytes, safe byte fields, safe
+    index fields, whether indices >= N can occur). 8-bit indices with N = 256 (mode 0, one block per
+    byte) read the [codeword, block, lane] table and histogram in place: mode 2, no byte-table copy."""
+    if mode == 0 and bits == 8:
+        mode = 2
+    per_byte = 8 // bits if mode == 0 else 1
+    pos = (blocks + per_byte - 1) // per_byte
+    word = 4 if bits <= 25 else 8
+    safe_bytes = _safe_fields(pos, 8, code_size - 2, 4)
+    safe = _safe_fields(blocks, bits, code_size - 2, word)
+    return mode, pos, word, safe_bytes, safe, mode == 1 and n_codewords < (1 << bits)
+
+
 def _query_table_py(scaled, groups, key_forward, rotated, qmat, key_blocks, kk, lanes):
     """qmat[c, j * lanes + t] = (rotated scaled query t)[j * kk + c]: the key table's right-hand side."""
     dim = scaled.shape[1]
@@ -270,30 +284,14 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_codewords, v
     value_dim = value_inverse.shape[0]
     has_key_mean, has_value_mean = (flags & 1) != 0, (flags & 2) != 0
     has_bias, has_sinks = (flags & 4) != 0, (flags & 8) != 0
-    # 8-bit indices with N = 256 (mode 0, one block per byte): read the [codeword, block, lane] table
-    # and histogram in place (mode 2), no byte-table copy or spread
-    if key_mode == 0 and key_bits == 8:
-        key_mode = 2
-    if value_mode == 0 and value_bits == 8:
-        value_mode = 2
-    # key role tables
     kn, kk = key_codewords.shape
-    k_per_byte = 8 // key_bits if key_mode == 0 else 1
-    k_pos = (key_blocks + k_per_byte - 1) // k_per_byte
+    key_mode, k_pos, k_word, k_safe_bytes, k_safe, k_check = _role_fields(kn, key_bits, key_blocks, key_mode,
+                                                                          key_codes.shape[3])
     qmat = np.zeros((kk, key_blocks * lanes), dtype=np.float32)
-    k_word = 4 if key_bits <= 25 else 8
-    k_safe_bytes = _safe_fields(k_pos, 8, key_codes.shape[3] - 2, 4)
-    k_safe = _safe_fields(key_blocks, key_bits, key_codes.shape[3] - 2, k_word)
-    k_check = key_mode == 1 and kn < (1 << key_bits)
-    # value role tables
     vn, vk = value_codewords.shape
-    v_per_byte = 8 // value_bits if value_mode == 0 else 1
-    v_pos = (value_blocks + v_per_byte - 1) // v_per_byte
+    value_mode, v_pos, v_word, v_safe_bytes, v_safe, v_check = _role_fields(vn, value_bits, value_blocks,
+                                                                            value_mode, value_codes.shape[3])
     acc = np.empty((vk, value_blocks * lanes), dtype=np.float32)
-    v_word = 4 if value_bits <= 25 else 8
-    v_safe_bytes = _safe_fields(v_pos, 8, value_codes.shape[3] - 2, 4)
-    v_safe = _safe_fields(value_blocks, value_bits, value_codes.shape[3] - 2, v_word)
-    v_check = value_mode == 1 and vn < (1 << value_bits)
 
     scaled = np.empty((groups, dim), dtype=np.float32)
     rotated = np.empty(dim, dtype=np.float32)
@@ -393,9 +391,9 @@ def scratch_sizes(key_codewords: int, key_blocks: int, key_bits: int, key_mode: 
 
 def compile_decode_kernel():
     """The fused decode-step dispatcher (numba, cache=True); binds the helpers of numba_kernels first."""
-    global _KERNEL, np, _decode_norms, _count_invalid, _safe_fields, _build_table, _bytes_table, _spread_bytes
+    global _KERNEL, np, _count_invalid, _safe_fields, _build_table, _bytes_table, _spread_bytes
     global _contract, _lut_sum, _hist_add, _score_tokens, _hist_tokens, _exact_scores, _exact_values
-    global _row_max, _exp_sum, _norms, _query_table, _softmax_row, _unrotate_add
+    global _row_max, _exp_sum, _norms, _query_table, _softmax_row, _unrotate_add, _role_fields
     if _KERNEL is not None:
         return _KERNEL
     import numba
@@ -405,8 +403,7 @@ def compile_decode_kernel():
 
     _kernels()  # binds numba_kernels's globals (numpy, helpers, intrinsics)
     np = numba_kernels.np
-    _decode_norms, _count_invalid, _safe_fields = (numba_kernels._decode_norms, numba_kernels._count_invalid,
-                                                   numba_kernels._safe_fields)
+    _count_invalid, _safe_fields = numba_kernels._count_invalid, numba_kernels._safe_fields
     _build_table, _bytes_table = numba_kernels._build_table, numba_kernels._bytes_table
     _spread_bytes, _contract = numba_kernels._spread_bytes, numba_kernels._contract
     _lut_sum, _hist_add = numba_kernels._lut_sum, numba_kernels._hist_add
@@ -419,6 +416,7 @@ def compile_decode_kernel():
     _exp_sum = numba.njit(nogil=True, cache=True, fastmath={"nsz", "reassoc", "contract"})(_exp_sum_py)
     _norms = helper(_norms_py)
     _query_table, _unrotate_add = helper(_query_table_py), helper(_unrotate_add_py)
+    _role_fields = helper(_role_fields_py)
     _softmax_row = helper(_softmax_row_py)  # binds _row_max / _exp_sum above: compiled after them
     f32 = "float32[:, :, :, :]"  # the exact parts: views of the window buffers (last dimension contiguous)
     signature = (f"int64(float32[:, :, ::1], float32, float32[:, ::1], float32[:, ::1], float32[:, ::1], "

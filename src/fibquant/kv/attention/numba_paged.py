@@ -21,7 +21,7 @@ Block ids outside [0, num_blocks) are counted (the caller raises) and skipped, n
 from __future__ import annotations
 
 np = None
-_count_invalid = _safe_fields = None
+_count_invalid = _role_fields = None
 _build_table = _bytes_table = _spread_bytes = _contract = None
 _score_tokens = _hist_tokens = _exact_scores = _exact_values = None
 _norms = _query_table = _softmax_row = _unrotate_add = None
@@ -48,26 +48,14 @@ def _paged_step_py(query, scaling, key_forward, value_inverse, key_codewords, va
     n_exact = n_exact_in + n_new
     value_dim = value_inverse.shape[0]
     has_sinks = (flags & 8) != 0
-    if key_mode == 0 and key_bits == 8:
-        key_mode = 2
-    if value_mode == 0 and value_bits == 8:
-        value_mode = 2
     kn, kk = key_codewords.shape
-    k_per_byte = 8 // key_bits if key_mode == 0 else 1
-    k_pos = (key_blocks + k_per_byte - 1) // k_per_byte
+    key_mode, k_pos, k_word, k_safe_bytes, k_safe, k_check = _role_fields(kn, key_bits, key_blocks, key_mode,
+                                                                          key_size)
     qmat = np.zeros((kk, key_blocks * lanes), dtype=np.float32)
-    k_word = 4 if key_bits <= 25 else 8
-    k_safe_bytes = _safe_fields(k_pos, 8, key_size - 2, 4)
-    k_safe = _safe_fields(key_blocks, key_bits, key_size - 2, k_word)
-    k_check = key_mode == 1 and kn < (1 << key_bits)
     vn, vk = value_codewords.shape
-    v_per_byte = 8 // value_bits if value_mode == 0 else 1
-    v_pos = (value_blocks + v_per_byte - 1) // v_per_byte
+    value_mode, v_pos, v_word, v_safe_bytes, v_safe, v_check = _role_fields(vn, value_bits, value_blocks,
+                                                                            value_mode, value_size)
     acc = np.empty((vk, value_blocks * lanes), dtype=np.float32)
-    v_word = 4 if value_bits <= 25 else 8
-    v_safe_bytes = _safe_fields(v_pos, 8, value_size - 2, 4)
-    v_safe = _safe_fields(value_blocks, value_bits, value_size - 2, v_word)
-    v_check = value_mode == 1 and vn < (1 << value_bits)
 
     scaled = np.empty((groups, dim), dtype=np.float32)
     rotated = np.empty(dim, dtype=np.float32)
@@ -160,7 +148,7 @@ _KERNEL = None
 
 def compile_paged_kernel():
     """The paged decode-step dispatcher (numba, cache=True); binds numba_decode's helpers first."""
-    global _KERNEL, np, _count_invalid, _safe_fields, _build_table, _bytes_table, _spread_bytes
+    global _KERNEL, np, _count_invalid, _role_fields, _build_table, _bytes_table, _spread_bytes
     global _contract, _score_tokens, _hist_tokens, _exact_scores, _exact_values, _norms
     global _query_table, _softmax_row, _unrotate_add
     if _KERNEL is not None:
@@ -171,7 +159,7 @@ def compile_paged_kernel():
 
     numba_decode.compile_decode_kernel()  # binds numba_decode's (and numba_kernels') helpers
     np = numba_decode.np
-    _count_invalid, _safe_fields = numba_decode._count_invalid, numba_decode._safe_fields
+    _count_invalid, _role_fields = numba_decode._count_invalid, numba_decode._role_fields
     _build_table, _bytes_table = numba_decode._build_table, numba_decode._bytes_table
     _spread_bytes, _contract = numba_decode._spread_bytes, numba_decode._contract
     _score_tokens, _hist_tokens = numba_decode._score_tokens, numba_decode._hist_tokens
