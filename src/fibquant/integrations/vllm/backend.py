@@ -38,6 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
+import numpy as np
 import torch
 from vllm.v1.attention.backend import (
     AttentionBackend,
@@ -219,25 +220,44 @@ class FibQuantAttentionImpl(AttentionImpl):
         if count == 0:
             return
         pages = self._pages(kv_cache)
-        block_size = pages.shape[2]
         keys = key[:count].reshape(count, self.num_kv_heads, self.head_size)
         values = value[:count].reshape(count, self.num_kv_heads, self.head_size)
+        tokens = pages.permute(0, 2, 1, 3)                                    # [blocks, bs, Hk, slot]
+        if pages.device.type == "cpu" and tokens.is_contiguous():  # token-major host pages: numpy rows per slot
+            slots = slot_mapping.numpy()
+            if slots.dtype != np.int64:
+                slots = slots.astype(np.int64)
+            if slots.min() < 0:  # padded tokens carry slot -1
+                valid = slots >= 0
+                slots, chosen = slots[valid], torch.from_numpy(np.flatnonzero(valid))
+                keys, values = keys.index_select(0, chosen), values.index_select(0, chosen)
+            rows = tokens.view(-1, *tokens.shape[2:]).numpy()                  # [slots, Hk, slot]
+            key_codes, value_codes = self._encode_both(keys, values)
+            rows[slots, :, : self.key_bytes] = key_codes.numpy()
+            rows[slots, :, self.key_bytes: self.key_bytes + self.value_bytes] = value_codes.numpy()
+            if self.key_bytes + self.value_bytes < rows.shape[-1]:  # the pad byte of an odd code pair
+                rows[slots, :, self.key_bytes + self.value_bytes:] = 0
+            return
+        block_size = pages.shape[2]
         slots = slot_mapping.to(torch.long)
         valid = slots >= 0  # padded tokens carry slot -1
         if not bool(valid.all()):
             slots, keys, values = slots[valid], keys[valid], values[valid]
-        if self.key_codec is self.value_codec:  # one encode call for both: per-call overhead dominates a decode step
-            both = self.key_codec.encode(torch.cat([keys, values]))
-            codes = torch.cat([both[: keys.shape[0]], both[keys.shape[0]:]], dim=-1)
-        else:
-            codes = torch.cat([self.key_codec.encode(keys), self.value_codec.encode(values)], dim=-1)
+        codes = torch.cat(self._encode_both(keys, values), dim=-1)
         if codes.shape[-1] < pages.shape[-1]:  # the pad byte of an odd code pair: one full slot row
             codes = torch.nn.functional.pad(codes, (0, pages.shape[-1] - codes.shape[-1]))
-        tokens = pages.permute(0, 2, 1, 3)                                    # [blocks, bs, Hk, slot]
         if codes.shape[-1] == pages.shape[-1] and tokens.is_contiguous():  # token-major pages: one row per slot
             tokens.view(-1, *tokens.shape[2:]).index_copy_(0, slots, codes)
         else:
             pages[slots // block_size, :, slots % block_size, : codes.shape[-1]] = codes
+
+    def _encode_both(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Key and value codes [N, Hk, code size] of keys / values [N, Hk, D]: one encode call for both
+        when one codec codes both roles (per-call overhead dominates a decode step)."""
+        if self.key_codec is self.value_codec:
+            both = self.key_codec.encode(torch.cat([keys, values]))
+            return both[: keys.shape[0]], both[keys.shape[0]:]
+        return self.key_codec.encode(keys), self.value_codec.encode(values)
 
     def _context_codes(self, pages: torch.Tensor, tables: torch.Tensor, stops: list[int]):
         """Key and value codes [R, Hk, max(stops), code_size] of the positions [0, stop) of the requests
@@ -372,7 +392,8 @@ class FibQuantAttentionImpl(AttentionImpl):
         keys = key[:count].reshape(count, self.num_kv_heads, self.head_size)
         values = value[:count].reshape(count, self.num_kv_heads, self.head_size)
         starts, tables = attn_metadata.query_start_loc, attn_metadata.block_table
-        decodes: dict[int, list] = {}  # exact window size -> [(request, past, window)]
+        decodes: dict[int, tuple[list, list, list]] = {}  # exact columns n -> (requests, pasts, slab rows)
+        decoded_blocks, decoded_pasts, decoded_requests = [], [], []
         records = []
         first_blocks = tables[: len(attn_metadata.seq_lens), 0].tolist()  # one host copy, not one per request
         for request, total in enumerate(attn_metadata.seq_lens):
@@ -381,50 +402,57 @@ class FibQuantAttentionImpl(AttentionImpl):
                 continue
             span, past = slice(start, stop), total - (stop - start)
             first_block = first_blocks[request]
+            if stop - start == 1 and past > 0:
+                row = self.window.row(first_block, past)
+                group = decodes.setdefault(sum(self.window.counts(past)) if row >= 0 else 0, ([], [], []))
+                group[0].append(request)
+                group[1].append(past)
+                group[2].append(row)
+                decoded_blocks.append(first_block)
+                decoded_pasts.append(past)
+                decoded_requests.append(request)
+                continue
             records.append((first_block, past, span))
             window = self.window.lookup(first_block, past)
-            if stop - start == 1 and past > 0:
-                decodes.setdefault(0 if window is None else window[0].shape[1], []).append((request, past, window))
-                continue
             skip, recent = self._exact_counts(window, past)
             exact = None if window is None else (window[0][None], window[1][None])
             out = self._attend(pages, tables[request:request + 1], skip, [past - recent], queries[span][None],
                                keys[span][None], values[span][None], window=exact)
             flat_out[span] = out[0].to(flat_out.dtype)
-        for size, group in decodes.items():
-            self._decode_batch(pages, tables, starts, group, size, queries, keys, values, flat_out)
+        for size, (requests, pasts, rows) in decodes.items():
+            self._decode_batch(pages, tables, starts, requests, pasts, rows, size, queries, keys, values, flat_out)
         for first_block, past, span in records:
             self.window.record(first_block, past, keys[span], values[span])
+        if decoded_requests:  # one indexed write per role for every decode of the step
+            lines = _rows(decoded_requests, starts, keys.device)
+            self.window.record_tokens(decoded_blocks, decoded_pasts, keys[lines], values[lines])
         return output
 
     def _exact_counts(self, window, past: int) -> tuple[int, int]:
         """(first coded position, recent positions read exactly) of a request with `past` earlier tokens."""
         return (0, 0) if window is None else self.window.counts(past)
 
-    def _decode_batch(self, pages, tables, starts, group, size: int, queries, keys, values, flat_out) -> None:
-        """One attention call for decode requests [(request, past, window)] whose exact windows hold
-        `size` positions each (so they share the first coded position and the recent count)."""
+    def _decode_batch(self, pages, tables, starts, requests: list[int], pasts: list[int], rows: list[int],
+                      size: int, queries, keys, values, flat_out) -> None:
+        """One attention call for decode requests `requests` (with `pasts` earlier tokens) whose exact
+        windows hold `size` columns each, in slab rows `rows` of the window store (so they share the
+        first coded position and the recent count; size 0: no window)."""
         device = queries.device
-        requests = [request for request, _, _ in group]
-        skip, recent = self._exact_counts(group[0][2], group[0][1])
-        stops = [past - recent for _, past, _ in group]
-        first, rows = starts[requests[0]], [starts[r] for r in requests]
-        # vLLM puts the decodes first: their rows are one contiguous range (a view, no index copy)
-        rows = slice(first, first + len(rows)) if rows == list(range(first, first + len(rows))) else \
-            torch.tensor(rows, device=device)
-        table_rows = tables[requests[0]:requests[-1] + 1] if requests == list(range(requests[0], requests[-1] + 1)) \
+        skip, recent = self.window.counts(pasts[0]) if size else (0, 0)
+        stops = [past - recent for past in pasts]
+        lines = _rows(requests, starts, device)
+        table_rows = tables[requests[0]:requests[-1] + 1] if requests[-1] - requests[0] == len(requests) - 1 \
             else tables[torch.tensor(requests, device=tables.device)]
-        window = None
-        if size:
-            window = (torch.stack([exact[0] for _, _, exact in group]), torch.stack([exact[1] for _, _, exact in group]))
+        window = self.window.gather(rows, size) if size else None
         if max(stops) > skip and self._numba_paged(pages):
-            empty = keys.new_empty((len(group), self.num_kv_heads, 0, self.head_size))
+            empty = keys.new_empty((len(requests), self.num_kv_heads, 0, self.head_size))
             exact_keys, exact_values = window if window is not None else (empty, empty)
-            out = paged_decode_attention(queries[rows], pages, table_rows, [skip] * len(group), stops, self.key_codec,
-                                         self.value_codec, exact_keys, exact_values, keys[rows].unsqueeze(2),
-                                         values[rows].unsqueeze(2), self.scale, key_offset=0,
-                                         value_offset=self.key_bytes, sinks=self.logit_sinks, plans=self._paged_plans)
-            flat_out[rows] = out.reshape(len(group), -1).to(flat_out.dtype)
+            out = paged_decode_attention(queries[lines], pages, table_rows, [skip] * len(requests), stops,
+                                         self.key_codec, self.value_codec, exact_keys, exact_values,
+                                         keys[lines].unsqueeze(2), values[lines].unsqueeze(2), self.scale,
+                                         key_offset=0, value_offset=self.key_bytes, sinks=self.logit_sinks,
+                                         plans=self._paged_plans)
+            flat_out[lines] = out.reshape(len(requests), -1).to(flat_out.dtype)
             return
         longest = max(stops)
         mask = None
@@ -434,6 +462,15 @@ class FibQuantAttentionImpl(AttentionImpl):
             ends = size + torch.tensor(stops, device=device) - skip
             hidden = (columns[None, :] >= ends[:, None]) & (columns < size + longest - skip)
             mask = torch.zeros(hidden.shape, device=device).masked_fill_(hidden, float("-inf"))[:, None, None]
-        out = self._attend(pages, table_rows, skip, stops, queries[rows][:, None], keys[rows][:, None],
-                           values[rows][:, None], mask, window)
-        flat_out[rows] = out[:, 0].to(flat_out.dtype)
+        out = self._attend(pages, table_rows, skip, stops, queries[lines][:, None], keys[lines][:, None],
+                           values[lines][:, None], mask, window)
+        flat_out[lines] = out[:, 0].to(flat_out.dtype)
+
+
+def _rows(requests: list[int], starts: list[int], device):
+    """The token rows of one-token requests: a slice when contiguous (vLLM puts the decodes first: a
+    view, no index copy), else an index tensor."""
+    first = starts[requests[0]]
+    if all(starts[r] == first + i for i, r in enumerate(requests)):
+        return slice(first, first + len(requests))
+    return torch.tensor([starts[r] for r in requests], device=device)
