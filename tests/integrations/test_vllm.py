@@ -92,8 +92,11 @@ def test_window_defaults_and_bytes(monkeypatch):
     monkeypatch.delenv("FIBQUANT_VLLM_RECENT_TOKENS", raising=False)
     config = active_config()
     assert (config.sink_tokens, config.recent_tokens) == (4, 32)  # the transformers cache's defaults
-    # SmolLM2: 3 KV heads x 64, 30 layers; 36 exact tokens of keys and values in bf16 per sequence
-    assert config.window_bytes(64, 3, 30, sequences=2) == 36 * 3 * 64 * 2 * 2 * 30 * 2
+    # SmolLM2: 3 KV heads x 64, 30 layers; 36 exact tokens of keys and values in bf16 per sequence, and
+    # 16 decode tokens awaiting their batched encode (`deferred`)
+    assert config.deferred_steps == 16
+    assert config.window_bytes(64, 3, 30, sequences=2) == (36 + 16) * 3 * 64 * 2 * 2 * 30 * 2
+    assert VllmCacheConfig.parse("fibquant:b=4", 4, 8).deferred_steps == 8  # capped by the recent window
     with pytest.raises(ValueError, match="FIBQUANT_VLLM_RECENT_TOKENS"):
         VllmCacheConfig.parse("fibquant:b=4", 4, -1)
 
@@ -146,7 +149,7 @@ def test_greedy_tokens_equal_bf16_at_8_bits_and_pages_hold_more(model_dir):
     assert agreed >= len(PROMPTS) * 5  # most of the comparison is real, not cut short by early ties
     # 66 + 66 bytes per token and head against 256: the same memory budget holds 1.94x the tokens, less
     # the exact windows (sinks + recent of every schedulable sequence), which are taken off the budget.
-    assert base["window_bytes"] == 0 and coded["window_bytes"] == 36 * 3 * 64 * 2 * 2 * 30 * 16
+    assert base["window_bytes"] == 0 and coded["window_bytes"] == (36 + 16) * 3 * 64 * 2 * 2 * 30 * 16
     ratio = coded["kv_capacity_tokens"] / base["kv_capacity_tokens"]
     assert ratio == pytest.approx(256 / 132 * (1 - coded["window_bytes"] / 2 ** 30), rel=0.005)
 
@@ -309,7 +312,6 @@ def _check_paged_scenario(monkeypatch, spec, sink_tokens, token_major, extras, r
         starts = [0]
         for r in requests:
             starts.append(starts[-1] + len(parts[r]))
-        impl.do_kv_cache_update(None, k, v, kv_cache, mapping)
         query = torch.randn(len(mapping), heads * dim)
         meta = FibQuantMetadata(len(mapping), starts, totals, tables, mapping)
         return query, impl.forward(None, query, k, v, kv_cache, meta, torch.empty(len(mapping), heads * dim))
@@ -375,3 +377,89 @@ def test_exact_window_keeps_sinks_and_the_recent_positions_of_whole_entries():
     assert ExactWindow(0, 0, 1).lookup(1, 5) is None
     with pytest.raises(ValueError):
         ExactWindow(sink_tokens=-1, recent_tokens=0, max_entries=1)
+
+
+@needs_vllm
+def test_deferred_code_writes_equal_immediate_ones(monkeypatch):
+    """Decode tokens of sequences with a whole exact window have their codes written in one batched
+    encode every `deferred_steps` forwards (`deferred`). Against a backend writing every forward's
+    codes at once, over 30 steps with a sequence arriving mid-way (a mixed forward: the held writes go
+    first), one finishing and its blocks handed to a new sequence at once (whose codes must not be
+    overwritten by the finished one's held writes), and one losing its window entry (its decodes read
+    their own codes at once): every forward's output is bitwise the same, and so are the pages once
+    the held writes are flushed."""
+    import torch
+
+    from fibquant.integrations.vllm import backend
+
+    monkeypatch.setenv(ENV_VAR, "fibquant:b=4/fibquant:b=2")
+    monkeypatch.setenv("FIBQUANT_VLLM_SINK_TOKENS", "3")
+    monkeypatch.setenv("FIBQUANT_VLLM_RECENT_TOKENS", "8")
+    heads, kv_heads, dim, block = 4, 2, 64, 8
+    deferred = backend.FibQuantAttentionImpl(heads, dim, dim ** -0.5, kv_heads)
+    monkeypatch.setattr(backend, "DEFER_CODES", False)
+    immediate = backend.FibQuantAttentionImpl(heads, dim, dim ** -0.5, kv_heads)
+    assert deferred.deferred.steps == 8 and immediate.deferred.steps == 0
+    slot = VllmCacheConfig.parse("fibquant:b=4/fibquant:b=2").slot_bytes(dim)
+    caches = [torch.zeros(40, block, kv_heads, slot // 2, dtype=torch.bfloat16).transpose(1, 2) for _ in range(2)]
+    generator = torch.Generator().manual_seed(0)
+    tables = torch.randperm(40, generator=generator)[:36].view(4, 9).to(torch.int32)
+    tables = torch.cat([tables, tables[1:2], tables[0:1]])  # 4 and 5 get the blocks of 1 and 0 when they finish
+    lengths = [0] * 6  # tokens in the cache per request
+    live = {0: 20, 1: 9, 2: 30}  # request -> tokens of its next forward
+
+    def forward() -> None:
+        requests = sorted(live, key=lambda r: (live[r] > 1, r))  # vLLM puts the decodes first
+        mapping, starts, totals = [], [0], []
+        for r in requests:
+            positions = range(lengths[r], lengths[r] + live[r])
+            mapping += [int(tables[r, p // block]) * block + p % block for p in positions]
+            starts.append(starts[-1] + live[r])
+            totals.append(lengths[r] + live[r])
+        n = len(mapping)
+        k, v = (torch.randn(n, kv_heads * dim, generator=generator).bfloat16() for _ in range(2))
+        query = torch.randn(n, heads * dim, generator=generator).bfloat16()
+        meta = backend.FibQuantMetadata(n, starts, totals, tables[requests], torch.tensor(mapping))
+        outs = [impl.forward(None, query, k, v, cache, meta, torch.empty(n, heads * dim, dtype=torch.bfloat16))
+                for impl, cache in zip((deferred, immediate), caches)]
+        assert torch.equal(outs[0], outs[1])
+        for r in requests:
+            lengths[r] += live[r]
+            live[r] = 1
+
+    for step in range(30):
+        forward()
+        if step == 12:
+            live[3] = 11             # a prefill joins the decodes
+        if step == 20:
+            del live[1]              # a request finishes, its blocks go to a new one
+            live[4] = 13
+        if step == 18:
+            for impl in (deferred, immediate):
+                impl.window._drop(int(tables[2, 0]))  # request 2 loses its window: codes from now on
+    assert len(deferred.deferred) > 0  # some writes held: all requests end, a lone prefill takes 0's blocks
+    live.clear()
+    live[5] = 56  # over the blocks where 0 held its last writes
+    forward()
+    forward()
+    deferred._flush(deferred._pages(caches[0]))
+    assert torch.equal(caches[0].view(torch.uint8), caches[1].view(torch.uint8))
+
+
+def test_deferred_codes_keep_the_newest_write_of_a_slot():
+    import numpy as np
+    import torch
+
+    from fibquant.integrations.vllm.deferred import DeferredCodes
+
+    store = DeferredCodes(steps=2)
+    assert store.take() is None
+    first, second = torch.arange(6.0).reshape(3, 1, 2), -torch.arange(4.0).reshape(2, 1, 2)
+    assert not store.add(first, first, np.array([5, 7, 9]))
+    first.zero_()  # the store copied the caller's buffer
+    assert store.add(second, second, np.array([9, 11]))
+    keys, values, slots = store.take()
+    assert slots.tolist() == [5, 7, 9, 11] and len(store) == 0
+    assert torch.equal(keys[:, 0, 0], torch.tensor([0.0, 2.0, 0.0, -2.0]))  # slot 9: the second write
+    with pytest.raises(ValueError):
+        DeferredCodes(steps=-1)

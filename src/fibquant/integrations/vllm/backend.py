@@ -51,6 +51,7 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from fibquant.integrations.vllm.config import active_config
+from fibquant.integrations.vllm.deferred import DeferredCodes
 from fibquant.integrations.vllm.window import ExactWindow
 from fibquant.kv.attention.entry import attend_codes
 from fibquant.kv.attention.kernels import attention_with_lse, coded_decode_attention_paged, merge_lse, triton_available
@@ -61,10 +62,13 @@ from fibquant.kv.buffer import CodedKV
 # "auto" = for CUDA pages when triton imports; "triton" forces it (CPU pages need TRITON_INTERPRET=1 set
 # before triton is first imported, as tests/integrations/test_vllm.py does); "off" = always the gathered path.
 PAGED_CODED_BACKEND = "auto"
-EXACT_ROWS_PER_BLOCK = 2048
+EXACT_ROWS_PER_BLOCK = 2048  # query rows (query heads x tokens) of the paged path's exact part scored at once
 # Batches of one-token steps on CPU pages through the paged numba kernel (`kv.attention.paged`: codes read
 # in place through the block tables, no padding); False: the gathered, padded path of `attend_codes`.
-PAGED_NUMBA_DECODE = True  # query rows (query heads x tokens) of the paged path's exact part scored at once
+PAGED_NUMBA_DECODE = True
+# Decode tokens of sequences with a whole exact window: codes written in one batched encode every
+# `VllmCacheConfig.deferred_steps` forwards (`deferred`; CPU pages); False: every forward encodes its own.
+DEFER_CODES = True
 
 
 def _config():
@@ -78,7 +82,8 @@ class FibQuantAttentionBackend(AttentionBackend):
     """Registered over CPU_ATTN (and as CUSTOM) by `fibquant.integrations.vllm.register`."""
 
     accept_output_buffer: bool = True
-    forward_includes_kv_cache_update: bool = False
+    # the forward writes the codes (it knows which tokens are decodes whose writes can wait: `deferred`)
+    forward_includes_kv_cache_update: bool = True
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
     supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto"]
 
@@ -207,6 +212,7 @@ class FibQuantAttentionImpl(AttentionImpl):
         self.value_bytes = self.value_codec.code_size
         # at most one entry per schedulable sequence: the bound the engine takes off the KV budget
         self.window = ExactWindow(config.sink_tokens, config.recent_tokens, max_entries=_max_num_seqs())
+        self.deferred = DeferredCodes(config.deferred_steps if DEFER_CODES else 0)
         self._paged_plans = paged_plans(self.key_codec, self.value_codec, self.num_heads, self.num_kv_heads)
 
     def _pages(self, kv_cache: torch.Tensor) -> torch.Tensor:
@@ -215,22 +221,35 @@ class FibQuantAttentionImpl(AttentionImpl):
 
     def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                            slot_mapping: torch.Tensor) -> None:
-        """Encode the forward's new K/V [N, Hk*D] and write their codes at `slot_mapping` [N]."""
+        """Encode K/V [N, Hk*D] and write their codes at `slot_mapping` [N] now (the forward does this
+        itself, deferring what it can: vLLM calls this only for backends whose forward does not)."""
         count = slot_mapping.shape[0]
         if count == 0:
             return
-        pages = self._pages(kv_cache)
-        keys = key[:count].reshape(count, self.num_kv_heads, self.head_size)
-        values = value[:count].reshape(count, self.num_kv_heads, self.head_size)
+        self._flush(self._pages(kv_cache))
+        self._write_codes(self._pages(kv_cache), key[:count].reshape(count, self.num_kv_heads, self.head_size),
+                          value[:count].reshape(count, self.num_kv_heads, self.head_size), slot_mapping)
+
+    def _flush(self, pages: torch.Tensor) -> None:
+        """Write the held decode codes (`deferred`), oldest first, before any other write or code read."""
+        held = self.deferred.take()
+        if held is not None:
+            self._write_codes(pages, *held)
+
+    def _write_codes(self, pages: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slot_mapping) -> None:
+        """Encode keys / values [N, Hk, D] and write their codes at page slots `slot_mapping` [N] (int64
+        tensor or array; -1 = a padded token, skipped)."""
         tokens = pages.permute(0, 2, 1, 3)                                    # [blocks, bs, Hk, slot]
         if pages.device.type == "cpu" and tokens.is_contiguous():  # token-major host pages: numpy rows per slot
-            slots = slot_mapping.numpy()
+            slots = slot_mapping.numpy() if isinstance(slot_mapping, torch.Tensor) else slot_mapping
             if slots.dtype != np.int64:
                 slots = slots.astype(np.int64)
             if slots.min() < 0:  # padded tokens carry slot -1
                 valid = slots >= 0
                 slots, chosen = slots[valid], torch.from_numpy(np.flatnonzero(valid))
                 keys, values = keys.index_select(0, chosen), values.index_select(0, chosen)
+            if slots.shape[0] == 0:
+                return
             rows = tokens.view(-1, *tokens.shape[2:]).numpy()                  # [slots, Hk, slot]
             key_codes, value_codes = self._encode_both(keys, values)
             rows[slots, :, : self.key_bytes] = key_codes.numpy()
@@ -239,7 +258,7 @@ class FibQuantAttentionImpl(AttentionImpl):
                 rows[slots, :, self.key_bytes + self.value_bytes:] = 0
             return
         block_size = pages.shape[2]
-        slots = slot_mapping.to(torch.long)
+        slots = torch.as_tensor(slot_mapping, device=pages.device).to(torch.long)
         valid = slots >= 0  # padded tokens carry slot -1
         if not bool(valid.all()):
             slots, keys, values = slots[valid], keys[valid], values[valid]
@@ -394,13 +413,15 @@ class FibQuantAttentionImpl(AttentionImpl):
         starts, tables = attn_metadata.query_start_loc, attn_metadata.block_table
         decodes: dict[int, tuple[list, list, list]] = {}  # exact columns n -> (requests, pasts, slab rows)
         decoded_blocks, decoded_pasts, decoded_requests = [], [], []
-        records = []
+        chunks = []  # (request, first block, past, span) of every other request
+        held = []    # decode requests whose code writes can wait (a whole exact window: `deferred`)
+        defer = self.deferred.steps > 0 and pages.device.type == "cpu"
         first_blocks = tables[: len(attn_metadata.seq_lens), 0].tolist()  # one host copy, not one per request
         for request, total in enumerate(attn_metadata.seq_lens):
             start, stop = starts[request], starts[request + 1]
             if stop <= start:
                 continue
-            span, past = slice(start, stop), total - (stop - start)
+            past = total - (stop - start)
             first_block = first_blocks[request]
             if stop - start == 1 and past > 0:
                 row = self.window.row(first_block, past)
@@ -411,8 +432,14 @@ class FibQuantAttentionImpl(AttentionImpl):
                 decoded_blocks.append(first_block)
                 decoded_pasts.append(past)
                 decoded_requests.append(request)
-                continue
-            records.append((first_block, past, span))
+                if defer and row >= 0:
+                    held.append(request)
+                    continue
+            chunks.append((request, first_block, past, slice(start, stop)))
+        self._store(pages, keys, values, attn_metadata.slot_mapping[:count], starts, held)
+        for request, first_block, past, span in chunks:
+            if span.stop - span.start == 1 and past > 0:
+                continue  # a decode without a whole window: in its batch below
             window = self.window.lookup(first_block, past)
             skip, recent = self._exact_counts(window, past)
             exact = None if window is None else (window[0][None], window[1][None])
@@ -421,12 +448,36 @@ class FibQuantAttentionImpl(AttentionImpl):
             flat_out[span] = out[0].to(flat_out.dtype)
         for size, (requests, pasts, rows) in decodes.items():
             self._decode_batch(pages, tables, starts, requests, pasts, rows, size, queries, keys, values, flat_out)
-        for first_block, past, span in records:
-            self.window.record(first_block, past, keys[span], values[span])
+        for _, first_block, past, span in chunks:
+            if not (span.stop - span.start == 1 and past > 0):
+                self.window.record(first_block, past, keys[span], values[span])
         if decoded_requests:  # one indexed write per role for every decode of the step
             lines = _rows(decoded_requests, starts, keys.device)
             self.window.record_tokens(decoded_blocks, decoded_pasts, keys[lines], values[lines])
+        if self.deferred.steps and len(self.deferred) >= self.deferred.steps:
+            self._flush(pages)
         return output
+
+    def _store(self, pages, keys, values, slot_mapping: torch.Tensor, starts: list[int], held: list[int]) -> None:
+        """The forward's code writes: the tokens of `held` decode requests join the deferred writes;
+        every other token is encoded now, after the deferred ones (so each slot sees its writes in order)."""
+        count = slot_mapping.shape[0]
+        if not held:
+            self._flush(pages)
+            self._write_codes(pages, keys, values, slot_mapping)
+            return
+        lines = _rows(held, starts, keys.device)
+        picks = lines if isinstance(lines, slice) else lines.numpy()
+        slots = slot_mapping.numpy()
+        if len(held) == count:  # a decode-only step (the steady state): nothing written now
+            self.deferred.add(keys[lines], values[lines], slots[picks])
+            return
+        self._flush(pages)
+        rest = np.ones(count, dtype=bool)
+        rest[picks] = False
+        chosen = torch.from_numpy(np.flatnonzero(rest))
+        self._write_codes(pages, keys.index_select(0, chosen), values.index_select(0, chosen), slots[rest])
+        self.deferred.add(keys[lines], values[lines], slots[picks])
 
     def _exact_counts(self, window, past: int) -> tuple[int, int]:
         """(first coded position, recent positions read exactly) of a request with `past` earlier tokens."""

@@ -28,6 +28,9 @@ SINKS_ENV_VAR = "FIBQUANT_VLLM_SINK_TOKENS"
 RECENT_ENV_VAR = "FIBQUANT_VLLM_RECENT_TOKENS"
 DEFAULT_SINK_TOKENS = 4
 DEFAULT_RECENT_TOKENS = 32
+# Decode steps whose new tokens' codes are written in one batched encode (`deferred.DeferredCodes`),
+# capped by the recent window (those tokens are read exactly until they leave it).
+DEFERRED_STEPS = 16
 
 
 @dataclass(frozen=True)
@@ -82,10 +85,19 @@ class VllmCacheConfig:
         size = key.code_size + value.code_size
         return size + (size % 2)
 
+    @property
+    def deferred_steps(self) -> int:
+        """Decode steps whose codes wait for one batched encode (0: written at once): DEFERRED_STEPS,
+        at most the recent window, which reads those tokens exactly meanwhile (`deferred`)."""
+        return min(DEFERRED_STEPS, self.recent_tokens)
+
     def window_bytes(self, head_dim: int, kv_heads: int, layers: int, sequences: int, element_bytes: int = 2) -> int:
         """Bytes of the exact-window side stores at their bound: (sinks + recent) keys and values of
-        `kv_heads` x `head_dim` in the model dtype, per layer and live sequence (`window.ExactWindow`)."""
-        return (self.sink_tokens + self.recent_tokens) * kv_heads * head_dim * 2 * element_bytes * layers * sequences
+        `kv_heads` x `head_dim` in the model dtype, per layer and live sequence (`window.ExactWindow`),
+        and the decode tokens awaiting their batched encode (`deferred_steps` per sequence,
+        `deferred.DeferredCodes`)."""
+        tokens = self.sink_tokens + self.recent_tokens + self.deferred_steps
+        return tokens * kv_heads * head_dim * 2 * element_bytes * layers * sequences
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,0 +1,60 @@
+"""Deferred code writes of the vLLM backend: decode tokens whose codes nobody reads yet, held raw
+and encoded in one batched call every `steps` forwards.
+
+Why it is safe. A decode token of a sequence whose exact window (`window.ExactWindow`) is whole
+is read exactly (the new token, then a recent-window column) until it leaves the recent window,
+R forwards later; only then does the sequence read it through its page codes. So its code may be
+written up to R forwards late, and `steps` <= R. Every other write (a prefill chunk's tokens, the
+decodes of a sequence without a whole window) is immediate, and the held writes go first
+(`take` before any immediate write): each page slot then sees its writes in the order vLLM made
+them, so a freed block that vLLM hands to another sequence never gets a stale code written over
+its new one. A sequence without a whole window reads its own codes up to its newest token; it
+never has held writes, since its decode tokens are immediate, and a forward holding one flushes
+the held writes before its attention.
+
+Why: one encode call per layer and decode step costs far more in per-call overhead (torch and
+numpy dispatch, cold caches after the attention kernel) than its search for the few new vectors;
+batching `steps` steps divides that overhead by `steps`. The codes written are the same
+(`Codec.encode` is row-independent).
+
+Memory, counted against the KV budget with the window (`VllmCacheConfig.window_bytes`): at most
+`steps` tokens per live sequence, keys and values in the model dtype.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class DeferredCodes:
+    def __init__(self, steps: int) -> None:
+        if steps < 0:
+            raise ValueError(f"steps must be >= 0, got {steps}")
+        self.steps = steps
+        self._held: list[tuple[torch.Tensor, torch.Tensor, np.ndarray]] = []
+
+    def __len__(self) -> int:
+        """Forwards held (each one add)."""
+        return len(self._held)
+
+    def add(self, keys: torch.Tensor, values: torch.Tensor, slots: np.ndarray) -> bool:
+        """Hold one forward's decode tokens: keys / values [N, Hk, D] (copied: vLLM reuses its buffers),
+        page slots int64 [N]. Returns True when `steps` forwards are held (the caller takes them)."""
+        self._held.append((keys.clone(), values.clone(), np.array(slots, dtype=np.int64)))
+        return len(self._held) >= self.steps
+
+    def take(self) -> tuple[torch.Tensor, torch.Tensor, np.ndarray] | None:
+        """Every held token, oldest first (keys, values [M, Hk, D], slots [M]), emptying the store; None if empty."""
+        if not self._held:
+            return None
+        held, self._held = self._held, []
+        if len(held) == 1:
+            return held[0]
+        keys, values = torch.cat([h[0] for h in held]), torch.cat([h[1] for h in held])
+        slots = np.concatenate([h[2] for h in held])
+        # A slot held twice (a finished sequence's last block handed to a growing decode): the newer write wins.
+        _, last = np.unique(slots[::-1], return_index=True)
+        if len(last) < len(slots):
+            keep = torch.from_numpy(np.sort(len(slots) - 1 - last))
+            keys, values, slots = keys.index_select(0, keep), values.index_select(0, keep), slots[keep.numpy()]
+        return keys, values, slots
