@@ -13,6 +13,13 @@ off the KV budget by the engine); and every other earlier token through its code
 `fibquant.kv.attention`, one joint softmax). A chunked prefill therefore reads earlier chunks exactly
 as `CompressedCache(sink_tokens=S, recent_tokens=R, encode_batch=1)` does in transformers.
 
+Writes: the forward writes the codes itself (`forward_includes_kv_cache_update`), since it knows
+which tokens are decodes of sequences with a whole exact window: on CPU pages those are held raw and
+encoded in one batched call every `VllmCacheConfig.deferred_steps` forwards (`deferred.DeferredCodes`:
+they are read exactly until they leave the recent window, so their codes may come late); every
+other token is encoded at once, after the held ones, so each slot sees its writes in order. The
+codes are the same as written at once (tested bitwise).
+
 Decode requests of a step attend in one call per layer (per exact-window size: one in a steady
 state). On CPU pages that is the paged numba kernel (`fibquant.kv.attention.paged`,
 `PAGED_NUMBA_DECODE`): each sequence's codes read in place through its block-table row, for exactly
