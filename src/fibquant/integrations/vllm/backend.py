@@ -443,7 +443,8 @@ class FibQuantAttentionImpl(AttentionImpl):
                     held.append(request)
                     continue
             chunks.append((request, first_block, past, slice(start, stop)))
-        self._store(pages, keys, values, attn_metadata.slot_mapping[:count], starts, held)
+        if self.kv_sharing_target_layer_name is None:  # a layer sharing another's KV cache writes nothing
+            self._store(pages, keys, values, attn_metadata.slot_mapping[:count], starts, held)
         for request, first_block, past, span in chunks:
             if span.stop - span.start == 1 and past > 0:
                 continue  # a decode without a whole window: in its batch below
