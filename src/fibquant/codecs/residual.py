@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from ..codebook.residual import ResidualSpec, beam_search, exhaustive_search, index_bits, load_residual
+from ..codebook.residual_numba import fast_beam_search
 from .base import FP16_MAX, Codec, PlotStyle, SpecParam
 from .bitpack import float16_to_bytes, pack_bits, packed_size, unpack_bits
 from .layout import CodeLayout
@@ -86,6 +87,7 @@ class ResidualFibQuantCodec(Codec):
         super().__init__(ResidualFibQuantConfig(dim, k, stages, n_codewords, beam, norm_correction, seed))
         self.k, self.stages, self.n_codewords, self.beam = k, stages, n_codewords, beam
         self.norm_correction, self.seed = norm_correction, seed
+        self.fast_search = True  # the numba beam search (same codes as the torch one); False: torch's
         self._codebook: torch.Tensor | None = None
         self._rotation = RotationState(dim, seed, self.device_state)
 
@@ -162,12 +164,15 @@ class ResidualFibQuantCodec(Codec):
 
     # ------------------------------------------------------------------ coding
     def block_indices(self, u: torch.Tensor, exhaustive: bool = False) -> torch.Tensor:
-        """Rotated unit rows u [n, dim] -> indices [n, dim/k, S] (int64): the beam search, or with
+        """Rotated unit rows u [n, dim] -> indices [n, dim/k, S] (int64): the beam search (numba's
+        `fast_beam_search` when `fast_search`, else torch's `beam_search`: the same indices), or with
         `exhaustive` the reference search over all N^S sums (small N^S only)."""
         blocks = u.reshape(-1, self.k)
         stages = self._stages(u.device)
-        idx = exhaustive_search(blocks.cpu(), stages.cpu()).to(u.device) if exhaustive else \
-            beam_search(blocks, stages, self.beam)
+        if exhaustive:
+            idx = exhaustive_search(blocks.cpu(), stages.cpu()).to(u.device)
+        else:
+            idx = (fast_beam_search if self.fast_search else beam_search)(blocks, stages, self.beam)
         return idx.reshape(u.shape[0], self.config.n_blocks, self.stages)
 
     def _unit_reconstruction(self, index: torch.Tensor, device: torch.device) -> torch.Tensor:
