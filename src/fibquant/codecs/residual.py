@@ -16,10 +16,11 @@ code_size = 2 + ceil((dim/k) * S * ceil(log2 N) / 8): d = 64, b = 2: 18 bytes (F
 `bits_per_coordinate` = S * ceil(log2 N) / k. Decode: sum the S codewords of each block, concatenate,
 apply Pi^T, scale by the stored norm. A zero vector stores 0 and decodes to zero.
 
-Attention on codes: this codec has no single rotated codebook (`rotated_codebook` is None), so the
-cache's attention decodes its codes to floats for scores and values (`kv/attention/entry.py` warns
-once); q . (c_1 + c_2) = q . c_1 + q . c_2 would let per-stage tables serve it, which the coded
-kernels do not implement yet.
+Attention on codes: this codec has no single rotated codebook (`rotated_codebook` is None) but
+`rotated_stages`: q . (c_1 + c_2) = q . c_1 + q . c_2, so a one-token decode step on the CPU reads
+its codes with one lookup table per stage (kv/attention/numba_residual.py, N = 256). Other paths
+(prefill chunks, CUDA, N != 256) decode its codes to floats for that role (`kv/attention/entry.py`
+warns once).
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ import torch
 
 from ..codebook.residual import ResidualSpec, beam_search, exhaustive_search, index_bits, load_residual
 from ..codebook.residual_numba import fast_beam_search
-from .base import FP16_MAX, Codec, PlotStyle, SpecParam
+from .base import FP16_MAX, Codec, PlotStyle, RotatedStages, SpecParam
 from .bitpack import float16_to_bytes, pack_bits, packed_size, unpack_bits
 from .layout import CodeLayout
 from .rotation import NORM_BYTES, RotationState
@@ -144,6 +145,10 @@ class ResidualFibQuantCodec(Codec):
 
     def _stages(self, device: torch.device) -> torch.Tensor:
         return self.device_state.get("stages", device, lambda d: self.codebook.to(d))
+
+    def rotated_stages(self, device: torch.device) -> RotatedStages:
+        return RotatedStages(self._rotation.forward_matrix(torch.device(device)), self._stages(torch.device(device)),
+                             self.config.index_bits)
 
     def shared_tensors(self) -> list[torch.Tensor]:
         loaded = [self._codebook] if self._codebook is not None else []

@@ -180,6 +180,11 @@ def attend_codes(query: torch.Tensor, kv: CodedKV, attention_mask: torch.Tensor 
         plans = _decode_plans(query, kv)
         if plans is not None:
             return _attend_decode_numba(query, kv, attention_mask, scaling, sinks, window, plans)
+        if NUMBA_DECODE:  # residual codes (one table per stage): kv/attention/numba_residual.py
+            from fibquant.kv.attention.numba_residual import attend_decode_residual, residual_decode_plans
+            staged = residual_decode_plans(query, kv)
+            if staged is not None:
+                return attend_decode_residual(query, kv, attention_mask, scaling, sinks, window, staged)
     if softcap is None and (tokens >= SPLIT_MIN_TOKENS or _fused(kv, query.device)):
         return _attend_split(query, kv, attention_mask, scaling, sinks, window)
     groups = q_heads // heads
