@@ -152,11 +152,27 @@ def _dots_py(book32_t, xs, out):
 
 
 def _screen_py(sq32, xc, gram32, picks, j, part):
-    """part[c] = ||c||^2 - 2 (x . c - sum_{s < j} C_s[picks[s]] . c) (float32, vectorised over c)."""
-    n_cw = sq32.shape[0]
+    """part[c] = ||c||^2 - 2 (x . c - sum_{s < j} C_s[picks[s]] . c) (float32, vectorised over c:
+    unsigned indices, so that no negative-index wraparound keeps the loops from vectorising; one
+    pass for j <= 2)."""
+    n_cw = np.uint64(sq32.shape[0])
+    if j == 0:
+        for c in range(n_cw):
+            part[c] = sq32[c] - np.float32(2.0) * xc[c]
+        return
+    g = gram32[0, j, picks[0]]
+    if j == 1:
+        for c in range(n_cw):
+            part[c] = sq32[c] - np.float32(2.0) * (xc[c] - g[c])
+        return
+    h = gram32[1, j, picks[1]]
+    if j == 2:
+        for c in range(n_cw):
+            part[c] = sq32[c] - np.float32(2.0) * ((xc[c] - g[c]) - h[c])
+        return
     for c in range(n_cw):
-        part[c] = xc[c]
-    for s in range(j):
+        part[c] = (xc[c] - g[c]) - h[c]
+    for s in range(2, j):
         g = gram32[s, j, picks[s]]
         for c in range(n_cw):
             part[c] -= g[c]
