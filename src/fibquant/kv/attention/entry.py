@@ -184,7 +184,9 @@ def attend_codes(query: torch.Tensor, kv: CodedKV, attention_mask: torch.Tensor 
             from fibquant.kv.attention.numba_residual import attend_decode_residual, residual_decode_plans
             staged = residual_decode_plans(query, kv)
             if staged is not None:
-                return attend_decode_residual(query, kv, attention_mask, scaling, sinks, window, staged)
+                bias = None if attention_mask is None and window is None else _bias_block(
+                    attention_mask, slice(0, 1), kv.length, kv.length - 1, query.device, window)
+                return attend_decode_residual(query, kv, bias, scaling, sinks, staged)
     if softcap is None and (tokens >= SPLIT_MIN_TOKENS or _fused(kv, query.device)):
         return _attend_split(query, kv, attention_mask, scaling, sinks, window)
     groups = q_heads // heads

@@ -37,45 +37,48 @@ _unrotate_add = _exact_scores = _exact_values = _safe_fields = None
 
 
 def _staged_table_py(stages, qmat, blocks, lanes, tmp, table1):
-    """table1[i, j * S + s, t] = C_s[i] . q_t,j ([codeword, position, lane], flat): per stage the
-    [codeword, block, lane] table of `_build_table` (tmp), scattered to the stage's positions."""
+    """table1[i, j * S + s, t] = C_s[i] . q_t,j ([codeword, position, lane], flat; qmat[c, j * L + t] =
+    q_t,j[c]): per stage the [codeword, block, lane] table of `_build_table` (tmp), copied to the
+    stage's positions (L floats at a time; unsigned indices, so the copies vectorise)."""
     n_st, n_cw, k = stages.shape
     if n_st == 1:
         _build_table(stages[0], qmat, table1)
         return
-    width = blocks * lanes
-    row = blocks * n_st * lanes
-    for s in range(n_st):
+    lanes_u, st_u, blocks_u = np.uint64(lanes), np.uint64(n_st), np.uint64(blocks)
+    width = blocks_u * lanes_u
+    row = width * st_u
+    for s in range(st_u):
         _build_table(stages[s], qmat, tmp)
-        for i in range(n_cw):
-            for j in range(blocks):
-                src = i * width + j * lanes
-                dst = i * row + (j * n_st + s) * lanes
-                for t in range(lanes):
+        for i in range(np.uint64(n_cw)):
+            for j in range(blocks_u):
+                src = i * width + j * lanes_u
+                dst = i * row + (j * st_u + s) * lanes_u
+                for t in range(lanes_u):
                     table1[dst + t] = tmp[src + t]
 
 
 def _staged_contract_py(hist1, stages, blocks, lanes, tmp, acc_s, acc):
-    """acc[c, j * L + t] = sum_s sum_i C_s[i, c] * hist1[i, j * S + s, t]: per stage the positions'
-    histogram gathered (tmp) and contracted by `_contract`, summed over the stages."""
+    """acc[c, j * L + t] = sum_s sum_i C_s[i, c] * hist1[i, j * S + s, t]: per stage its positions'
+    histogram gathered (tmp) and contracted by `_contract` (acc_s), summed over the stages."""
     n_st, n_cw, k = stages.shape
     if n_st == 1:
         _contract(hist1, stages[0], acc)
         return
-    width = blocks * lanes
-    row = blocks * n_st * lanes
-    acc[:, :] = 0.0
-    for s in range(n_st):
-        for i in range(n_cw):
-            for j in range(blocks):
-                src = i * row + (j * n_st + s) * lanes
-                dst = i * width + j * lanes
-                for t in range(lanes):
+    lanes_u, st_u, blocks_u = np.uint64(lanes), np.uint64(n_st), np.uint64(blocks)
+    width = blocks_u * lanes_u
+    row = width * st_u
+    for s in range(st_u):
+        for i in range(np.uint64(n_cw)):
+            for j in range(blocks_u):
+                src = i * row + (j * st_u + s) * lanes_u
+                dst = i * width + j * lanes_u
+                for t in range(lanes_u):
                     tmp[dst + t] = hist1[src + t]
-        _contract(tmp, stages[s], acc_s)
-        for c in range(k):
-            for x in range(width):
-                acc[c, x] += acc_s[c, x]
+        _contract(tmp, stages[s], acc if s == 0 else acc_s)
+        if s > 0:
+            for c in range(np.uint64(k)):
+                for x in range(width):
+                    acc[c, x] += acc_s[c, x]
 
 
 def _score_rows_py(table1, rows, res, nq, norms, positions, safe_bytes, lanes):
@@ -237,7 +240,8 @@ def compile_residual_kernel():
                      "_softmax_row", "_unrotate_add", "_exact_scores", "_exact_values", "_safe_fields"):
             globals()[name] = getattr(numba_decode, name)
         helper = numba.njit(nogil=True, cache=True)
-        _staged_table, _staged_contract = helper(_staged_table_py), helper(_staged_contract_py)
+        fast = numba.njit(nogil=True, cache=True, fastmath={"contract", "reassoc", "nsz"})  # float sums: any order
+        _staged_table, _staged_contract = fast(_staged_table_py), fast(_staged_contract_py)
         _score_rows, _hist_rows = helper(_score_rows_py), helper(_hist_rows_py)
         f32 = "float32[:, :, :, :]"
         signature = (f"int64(float32[:, :, ::1], float32, float32[:, ::1], float32[:, ::1], float32[:, :, ::1], "
@@ -299,12 +303,32 @@ def residual_decode_plans(query: torch.Tensor, kv):
     return keys, values
 
 
-def attend_decode_residual(query: torch.Tensor, kv, attention_mask, scaling: float, sinks, window,
+def _f32(tensor: torch.Tensor):
+    """A float32 C-contiguous numpy view of a CPU tensor (a copy only when it is not one already)."""
+    if tensor.dtype != torch.float32 or tensor.requires_grad or not tensor.is_contiguous():
+        tensor = tensor.detach().to(torch.float32).contiguous()
+    return tensor.numpy()
+
+
+def _rows32(tensor: torch.Tensor):
+    """A float32 numpy view whose last dimension is contiguous (a copy only when it is not one already)."""
+    if tensor.dtype != torch.float32 or tensor.requires_grad or (tensor.stride(-1) != 1 and tensor.shape[-1] > 1):
+        tensor = tensor.detach().to(torch.float32).contiguous()
+    return tensor.numpy()
+
+
+def _code_rows(codes: torch.Tensor):
+    if codes.requires_grad or (codes.shape[-1] > 1 and codes.stride(-1) != 1):
+        codes = codes.detach().contiguous()
+    return codes.numpy()
+
+
+def attend_decode_residual(query: torch.Tensor, kv, bias: torch.Tensor | None, scaling: float, sinks,
                            plans) -> torch.Tensor:
     """`attend_codes` for one query token on the CPU through the residual kernel (as
-    `entry._attend_decode_numba`): out [B, 1, Hq, Dv] in query's dtype."""
+    `entry._attend_decode_numba`; bias: the step's additive float32 [B|1, Hq|1, 1, L] from
+    `entry._bias_block`, or None): out [B, 1, Hq, Dv] in query's dtype."""
     from fibquant._numba import run_split
-    from fibquant.kv.attention.entry import _bias_block, _code_rows, _f32, _rows32
     from fibquant.kv.attention.kernels import _MIN_WORK_PER_THREAD
 
     kernel = compile_residual_kernel()
@@ -320,11 +344,8 @@ def attend_decode_residual(query: torch.Tensor, kv, attention_mask, scaling: flo
         key_mean, flags = _f32(kv.key_mean), flags | 1
     if kv.value_mean is not None:
         value_mean, flags = _f32(kv.value_mean), flags | 2
-    if attention_mask is not None or window is not None:
-        length = kv.length
-        bias = _bias_block(attention_mask, slice(0, 1), length, length - 1, query.device, window)
-        if bias is not None:
-            bias_np, flags = _f32(bias[:, :, 0]), flags | 4
+    if bias is not None:
+        bias_np, flags = _f32(bias[:, :, 0]), flags | 4
     if sinks is not None:
         sinks_np, flags = _f32(sinks.reshape(-1)), flags | 8
     value_dim = values[1].shape[0]
