@@ -98,3 +98,14 @@ def test_codec_codes_equal_the_torch_path(bits):
     finally:
         codec.fast_search = True
     assert torch.equal(fast, slow)
+
+
+def test_prebuilt_tables_give_the_same_indices_and_are_checked():
+    from fibquant.codebook.residual_numba import beam_tables
+
+    book = R.load_residual(R.ResidualSpec(64, 8, 2, 256))
+    x = sample_blocks(64, 64, 8, seed=12)
+    tables = beam_tables(book)
+    assert torch.equal(fast_beam_search(x, book, 16, tables), R.beam_search(x, book, 16))
+    with pytest.raises(ValueError, match="tables"):
+        fast_beam_search(x, book, 16, beam_tables(R.load_residual(R.ResidualSpec(64, 8, 3, 256))))

@@ -207,27 +207,39 @@ def _kernel():
     return _KERNEL
 
 
-def fast_beam_search(x: torch.Tensor, stages: torch.Tensor, beam: int) -> torch.Tensor:
+def beam_tables(stages: torch.Tensor) -> tuple:
+    """The kernel's tables of stages [S, N, k]: (float64 [S, k, N], float32 [S, k, N], ||c||^2 float64
+    [S, N] (torch's, bit for bit), float32 [S, N], Gram float32 [S, S, N, N]) as numpy arrays. ~S^2 N^2 k
+    operations: build once per codebook (`ResidualFibQuantCodec` caches them) and pass to
+    `fast_beam_search`, whose per-call cost is then the search alone (a decode step encodes a few rows)."""
+    book = stages.detach().to(device="cpu", dtype=torch.float64)
+    sq = (book ** 2).sum(-1).contiguous()  # the reference's ||c||^2, bit for bit
+    book_t = book.transpose(1, 2).contiguous()
+    gram = torch.einsum("aik,bck->abic", book, book).to(torch.float32).contiguous()  # [S, S, N, N]
+    return (book_t.numpy(), book_t.to(torch.float32).numpy(), sq.numpy(), sq.to(torch.float32).numpy(),
+            gram.numpy())
+
+
+def fast_beam_search(x: torch.Tensor, stages: torch.Tensor, beam: int, tables: tuple | None = None) -> torch.Tensor:
     """Blocks x [n, k] -> indices [n, S] (int64, on x's device): equal to `beam_search(x, stages, beam)`
-    (float64 scores). numba on the CPU when it imports; otherwise (or for CUDA tensors) the reference."""
+    (float64 scores). numba on the CPU when it imports; otherwise (or for CUDA tensors) the reference.
+    tables: `beam_tables(stages)` (built here when None)."""
     check_stages(x, stages)
     if isinstance(beam, bool) or not isinstance(beam, int) or beam < 1:
         raise ValueError(f"beam must be a positive integer, got {beam!r}")
     if x.device.type != "cpu" or not numba_available():
         return beam_search(x, stages, beam)
     s, n_cw, k = stages.shape
-    book = stages.detach().to(device="cpu", dtype=torch.float64)
-    sq = (book ** 2).sum(-1).contiguous()  # the reference's ||c||^2, bit for bit
-    book_t = book.transpose(1, 2).contiguous()
     xd = x.detach().to(torch.float64).contiguous()
     n = xd.shape[0]
     index = np.zeros((n, s), dtype=np.int64)
     flags = np.zeros(n, dtype=np.uint8)
     if n:
-        gram = torch.einsum("aik,bck->abic", book, book).to(torch.float32).contiguous()  # [S, S, N, N]
-        args = (xd.numpy(), book_t.numpy(), book_t.to(torch.float32).numpy(), sq.numpy(),
-                sq.to(torch.float32).numpy(), gram.numpy(), beam, index, flags)
-        bad = run_split(_kernel(), args, n,
+        if tables is None:
+            tables = beam_tables(stages)
+        if tables[0].shape != (s, k, n_cw):
+            raise ValueError(f"tables are for stages of shape {tables[0].shape}, not {(s, k, n_cw)} transposed")
+        bad = run_split(_kernel(), (xd.numpy(), *tables, beam, index, flags), n,
                         beam * n_cw * s, _MIN_BLOCKS_PER_THREAD * beam * n_cw * s, "fibquant-rvq")
         out = torch.from_numpy(index)
         if bad:

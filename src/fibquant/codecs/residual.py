@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from ..codebook.residual import ResidualSpec, beam_search, exhaustive_search, index_bits, load_residual
-from ..codebook.residual_numba import fast_beam_search
+from ..codebook.residual_numba import beam_tables, fast_beam_search
 from .base import FP16_MAX, Codec, PlotStyle, RotatedStages, SpecParam
 from .bitpack import float16_to_bytes, pack_bits, packed_size, unpack_bits
 from .layout import CodeLayout
@@ -176,8 +176,11 @@ class ResidualFibQuantCodec(Codec):
         stages = self._stages(u.device)
         if exhaustive:
             idx = exhaustive_search(blocks.cpu(), stages.cpu()).to(u.device)
+        elif self.fast_search and u.device.type == "cpu":
+            tables = self.device_state.get("beam_tables", u.device, lambda d: beam_tables(stages))
+            idx = fast_beam_search(blocks, stages, self.beam, tables)
         else:
-            idx = (fast_beam_search if self.fast_search else beam_search)(blocks, stages, self.beam)
+            idx = beam_search(blocks, stages, self.beam)
         return idx.reshape(u.shape[0], self.config.n_blocks, self.stages)
 
     def _unit_reconstruction(self, index: torch.Tensor, device: torch.device) -> torch.Tensor:
