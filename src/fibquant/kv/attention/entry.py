@@ -26,7 +26,9 @@ new tokens) and `coded_attention_forward`, registered as "fibquant", attends to 
   model's sliding mask, built over the columns a `CompressedSlidingLayer` holds).
 
 Anything else falls back, never silently wrongly: a codec without a rotated codebook (INT,
-low-rank, RVQ) has its codes decoded to floats for that role (one-time warning); options the
+low-rank, RVQ) has its codes decoded to floats for that role (one-time warning), except that a
+one-token step on the CPU reads FibQuant-RVQ's residual codes with one table per stage
+(`numba_residual`, when the codec has `rotated_stages`); options the
 path does not implement (`position_bias`, dropout) decode the whole `CodedKV` and run SDPA on
 it (one-time warning); caches other than a `CompressedCache` in "codes" mode are served by
 transformers' SDPA unchanged, except with soft-capping or sinks, which SDPA cannot apply: those
