@@ -2,6 +2,8 @@
 torch path on decoded floats and the spec (decode every code, one softmax), to float32 tolerance."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -40,8 +42,14 @@ def spec(query, kv, bias, scaling, sinks=None):
     return (weights @ values).transpose(1, 2)
 
 
+@functools.lru_cache(maxsize=None)
+def codecs_of(pair):
+    """One codec pair per test session (their search tables build once; layers share codecs anyway)."""
+    return PAIRS[pair]()
+
+
 def layer_of(pair, batch, heads, past, centre=False, seed=0):
-    key_codec, value_codec = PAIRS[pair]()
+    key_codec, value_codec = codecs_of(pair)
     layer = CompressedLayer(key_codec, value_codec, 4, 8, attention="codes", centre=centre)
     generator = torch.Generator().manual_seed(seed)
     offset = 3.0 * torch.randn(1, heads, 1, DIM, generator=generator) if centre else 0.0
