@@ -37,7 +37,7 @@ def seconds(fn, calls: int = 1) -> float:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dim", type=int, default=64)
-    parser.add_argument("--rates", default="2,3,4")
+    parser.add_argument("--rates", default="1,2,3,4")
     parser.add_argument("--beams", default="16,4")
     parser.add_argument("--batch", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=5)

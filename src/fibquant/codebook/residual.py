@@ -13,7 +13,8 @@ Searches (x [n, k] -> indices [n, S]):
 - `exhaustive_search` (the reference): every one of the N^S sums, squared distances in float64,
   argmin, the lowest flat index (i_1 * N^(S-1) + ... + i_S) among equals. Affordable for
   N^S <= EXHAUSTIVE_MAX (tests, and the measurement of the beam's gap).
-- `beam_search` (the codec's encoder): stage by stage keep the `beam` best partial sums
+- `beam_search` (the spec of the codec's encoder; `residual_numba.fast_beam_search` gives the same
+  indices faster and is what the codec runs on the CPU): stage by stage keep the `beam` best partial sums
   (float64 scores ||r - c||^2 of every kept residual r against every codeword c of the stage).
   Not exact in general: it can miss the best sum when the best first stage choices are not among
   the kept ones. With beam >= N^(S-1) it keeps every partial sum and is the exhaustive search (up

@@ -71,6 +71,22 @@ class RotatedCodebook:
 
 
 @dataclass(frozen=True)
+class RotatedStages:
+    """What attention on codes needs from a rotate-then-residual-quantize codec (FibQuant-RVQ).
+
+    A code row [nu (fp16), then per k-block j the S stage indices i_j1 .. i_jS (index_bits each,
+    position j * S + s)] decodes to x_hat = nu * concat_j(sum_s stages[s, i_js]) @ forward.T, so
+    q . x_hat = nu * sum_j sum_s (q @ forward)_j . stages[s, i_js]: one lookup table per stage.
+
+    forward: float32 [dim, dim] (Pi^T, u = x @ forward); stages: float32 [S, N, k]; both on one device.
+    """
+
+    forward: torch.Tensor
+    stages: torch.Tensor
+    index_bits: int
+
+
+@dataclass(frozen=True)
 class PlotStyle:
     """How a codec family appears in every plot: legend name, matplotlib colour and marker.
 
@@ -200,6 +216,11 @@ class Codec(ABC):
     def rotated_codebook(self, device: torch.device) -> RotatedCodebook | None:
         """The codec's rotated-domain structure on `device`, or None when it has none (then
         attention on codes falls back to decoding this codec's codes to floats)."""
+        return None
+
+    def rotated_stages(self, device: torch.device) -> RotatedStages | None:
+        """The rotated-domain stages of a residual codec on `device` (kv/attention/numba_residual.py
+        reads its codes with one table per stage), or None for every other codec."""
         return None
 
     # ------------------------------------------------------------------ save / load

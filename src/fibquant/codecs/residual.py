@@ -16,10 +16,11 @@ code_size = 2 + ceil((dim/k) * S * ceil(log2 N) / 8): d = 64, b = 2: 18 bytes (F
 `bits_per_coordinate` = S * ceil(log2 N) / k. Decode: sum the S codewords of each block, concatenate,
 apply Pi^T, scale by the stored norm. A zero vector stores 0 and decodes to zero.
 
-Attention on codes: this codec has no single rotated codebook (`rotated_codebook` is None), so the
-cache's attention decodes its codes to floats for scores and values (`kv/attention/entry.py` warns
-once); q . (c_1 + c_2) = q . c_1 + q . c_2 would let per-stage tables serve it, which the coded
-kernels do not implement yet.
+Attention on codes: this codec has no single rotated codebook (`rotated_codebook` is None) but
+`rotated_stages`: q . (c_1 + c_2) = q . c_1 + q . c_2, so a one-token decode step on the CPU reads
+its codes with one lookup table per stage (kv/attention/numba_residual.py, N = 256). Other paths
+(prefill chunks, CUDA, N != 256) decode its codes to floats for that role (`kv/attention/entry.py`
+warns once).
 """
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ from dataclasses import dataclass
 import torch
 
 from ..codebook.residual import ResidualSpec, beam_search, exhaustive_search, index_bits, load_residual
-from .base import FP16_MAX, Codec, PlotStyle, SpecParam
+from ..codebook.residual_numba import beam_tables, fast_beam_search
+from .base import FP16_MAX, Codec, PlotStyle, RotatedStages, SpecParam
 from .bitpack import float16_to_bytes, pack_bits, packed_size, unpack_bits
 from .layout import CodeLayout
 from .rotation import NORM_BYTES, RotationState
@@ -86,6 +88,7 @@ class ResidualFibQuantCodec(Codec):
         super().__init__(ResidualFibQuantConfig(dim, k, stages, n_codewords, beam, norm_correction, seed))
         self.k, self.stages, self.n_codewords, self.beam = k, stages, n_codewords, beam
         self.norm_correction, self.seed = norm_correction, seed
+        self.fast_search = True  # the numba beam search (same codes as the torch one); False: torch's
         self._codebook: torch.Tensor | None = None
         self._rotation = RotationState(dim, seed, self.device_state)
 
@@ -143,6 +146,10 @@ class ResidualFibQuantCodec(Codec):
     def _stages(self, device: torch.device) -> torch.Tensor:
         return self.device_state.get("stages", device, lambda d: self.codebook.to(d))
 
+    def rotated_stages(self, device: torch.device) -> RotatedStages:
+        return RotatedStages(self._rotation.forward_matrix(torch.device(device)), self._stages(torch.device(device)),
+                             self.config.index_bits)
+
     def shared_tensors(self) -> list[torch.Tensor]:
         loaded = [self._codebook] if self._codebook is not None else []
         return loaded + super().shared_tensors()
@@ -162,12 +169,18 @@ class ResidualFibQuantCodec(Codec):
 
     # ------------------------------------------------------------------ coding
     def block_indices(self, u: torch.Tensor, exhaustive: bool = False) -> torch.Tensor:
-        """Rotated unit rows u [n, dim] -> indices [n, dim/k, S] (int64): the beam search, or with
+        """Rotated unit rows u [n, dim] -> indices [n, dim/k, S] (int64): the beam search (numba's
+        `fast_beam_search` when `fast_search`, else torch's `beam_search`: the same indices), or with
         `exhaustive` the reference search over all N^S sums (small N^S only)."""
         blocks = u.reshape(-1, self.k)
         stages = self._stages(u.device)
-        idx = exhaustive_search(blocks.cpu(), stages.cpu()).to(u.device) if exhaustive else \
-            beam_search(blocks, stages, self.beam)
+        if exhaustive:
+            idx = exhaustive_search(blocks.cpu(), stages.cpu()).to(u.device)
+        elif self.fast_search and u.device.type == "cpu":
+            tables = self.device_state.get("beam_tables", u.device, lambda d: beam_tables(stages))
+            idx = fast_beam_search(blocks, stages, self.beam, tables)
+        else:
+            idx = beam_search(blocks, stages, self.beam)
         return idx.reshape(u.shape[0], self.config.n_blocks, self.stages)
 
     def _unit_reconstruction(self, index: torch.Tensor, device: torch.device) -> torch.Tensor:

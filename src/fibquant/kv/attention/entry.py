@@ -26,7 +26,9 @@ new tokens) and `coded_attention_forward`, registered as "fibquant", attends to 
   model's sliding mask, built over the columns a `CompressedSlidingLayer` holds).
 
 Anything else falls back, never silently wrongly: a codec without a rotated codebook (INT,
-low-rank, RVQ) has its codes decoded to floats for that role (one-time warning); options the
+low-rank, RVQ) has its codes decoded to floats for that role (one-time warning), except that a
+one-token step on the CPU reads FibQuant-RVQ's residual codes with one table per stage
+(`numba_residual`, when the codec has `rotated_stages`); options the
 path does not implement (`position_bias`, dropout) decode the whole `CodedKV` and run SDPA on
 it (one-time warning); caches other than a `CompressedCache` in "codes" mode are served by
 transformers' SDPA unchanged, except with soft-capping or sinks, which SDPA cannot apply: those
@@ -180,6 +182,13 @@ def attend_codes(query: torch.Tensor, kv: CodedKV, attention_mask: torch.Tensor 
         plans = _decode_plans(query, kv)
         if plans is not None:
             return _attend_decode_numba(query, kv, attention_mask, scaling, sinks, window, plans)
+        if NUMBA_DECODE:  # residual codes (one table per stage): kv/attention/numba_residual.py
+            from fibquant.kv.attention.numba_residual import attend_decode_residual, residual_decode_plans
+            staged = residual_decode_plans(query, kv)
+            if staged is not None:
+                bias = None if attention_mask is None and window is None else _bias_block(
+                    attention_mask, slice(0, 1), kv.length, kv.length - 1, query.device, window)
+                return attend_decode_residual(query, kv, bias, scaling, sinks, staged)
     if softcap is None and (tokens >= SPLIT_MIN_TOKENS or _fused(kv, query.device)):
         return _attend_split(query, kv, attention_mask, scaling, sinks, window)
     groups = q_heads // heads

@@ -1,0 +1,362 @@
+"""The fused numba decode step (kv/attention/numba_decode.py) for residual codes: one lookup table per stage.
+
+A residual code (FibQuant-RVQ, codecs/residual.py) stores per k-block j of the rotated unit vector S
+indices, one per stage: u_hat_j = C_1[i_j1] + ... + C_S[i_jS]. So for a rotated query q,
+
+    q . u_hat = sum_j sum_s q_j . C_s[i_js]
+
+is one lookup per stored index in a table T[i, p, lane] = q_j . C_s[i] over the code positions
+p = j * S + s (the layout of the code bytes: block-major, one byte per index at N = 256), and the
+value side sum_i w_i nu_i u_hat_i is the weighted histogram of each position's indices (the same
+byte-wise `_hist_add` as the 8-bit FibQuant codes), contracted with the codebook of the position's
+stage. Both are the single-codebook kernel's loops over P = (dim / k) * S positions; only the table
+build (per stage, `_build_table`, scattered to its positions) and the contraction (per stage,
+gathered) differ. A plain codec (FibQuant / TurboQuant) with 8-bit indices and N = 256 is the case
+S = 1, so keys and values may mix the two.
+
+`decode_step` is `numba_decode._decode_step_py` with those two changes (same arguments otherwise, the
+scratch allocated per call); `residual_plan(codec)` says whether a codec's codes can be read so,
+`attend_decode_residual` prepares the arguments (as `entry._attend_decode_numba`). Results equal
+`attend_codes` on the decoded floats to float32 rounding (tests/kv/attention/test_numba_residual.py).
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+
+import numpy as np
+import torch
+
+_PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_KERNEL = None
+_LOCK = threading.Lock()
+MAX_GROUPS = 8  # query heads per KV head (the table's lanes: 4 or 8)
+
+_build_table = _contract = _lut_sum = _hist_add = _norms = _query_table = _softmax_row = None
+_unrotate_add = _exact_scores = _exact_values = _safe_fields = None
+
+
+def _staged_table_py(stages, qmat, blocks, lanes, tmp, table1):
+    """table1[i, j * S + s, t] = C_s[i] . q_t,j ([codeword, position, lane], flat; qmat[c, j * L + t] =
+    q_t,j[c]): per stage the [codeword, block, lane] table of `_build_table` (tmp), copied to the
+    stage's positions (L floats at a time; unsigned indices, so the copies vectorise)."""
+    n_st, n_cw, k = stages.shape
+    if n_st == 1:
+        _build_table(stages[0], qmat, table1)
+        return
+    lanes_u, st_u, blocks_u = np.uint64(lanes), np.uint64(n_st), np.uint64(blocks)
+    width = blocks_u * lanes_u
+    row = width * st_u
+    for s in range(st_u):
+        _build_table(stages[s], qmat, tmp)
+        for i in range(np.uint64(n_cw)):
+            for j in range(blocks_u):
+                src = i * width + j * lanes_u
+                dst = i * row + (j * st_u + s) * lanes_u
+                for t in range(lanes_u):
+                    table1[dst + t] = tmp[src + t]
+
+
+def _staged_contract_py(hist1, stages, blocks, lanes, tmp, acc_s, acc):
+    """acc[c, j * L + t] = sum_s sum_i C_s[i, c] * hist1[i, j * S + s, t]: per stage its positions'
+    histogram gathered (tmp) and contracted by `_contract` (acc_s), summed over the stages."""
+    n_st, n_cw, k = stages.shape
+    if n_st == 1:
+        _contract(hist1, stages[0], acc)
+        return
+    lanes_u, st_u, blocks_u = np.uint64(lanes), np.uint64(n_st), np.uint64(blocks)
+    width = blocks_u * lanes_u
+    row = width * st_u
+    for s in range(st_u):
+        for i in range(np.uint64(n_cw)):
+            for j in range(blocks_u):
+                src = i * row + (j * st_u + s) * lanes_u
+                dst = i * width + j * lanes_u
+                for t in range(lanes_u):
+                    tmp[dst + t] = hist1[src + t]
+        _contract(tmp, stages[s], acc if s == 0 else acc_s)
+        if s > 0:
+            for c in range(np.uint64(k)):
+                for x in range(width):
+                    acc[c, x] += acc_s[c, x]
+
+
+def _score_rows_py(table1, rows, res, nq, norms, positions, safe_bytes, lanes):
+    """res[t, i] = nu_i * sum_p table1[rows[i, 2 + p], p, t] (8-bit indices, one per byte)."""
+    n_tokens = rows.shape[0]
+    if lanes == 4:
+        if positions == 16:
+            for i in range(n_tokens):
+                _lut_sum(table1, rows, i, 16, 8, 1, 16, 256, safe_bytes, 4, 4, res, 0, nq, norms[i])
+        elif positions == 32:
+            for i in range(n_tokens):
+                _lut_sum(table1, rows, i, 32, 8, 1, 32, 256, safe_bytes, 4, 4, res, 0, nq, norms[i])
+        else:
+            for i in range(n_tokens):
+                _lut_sum(table1, rows, i, positions, 8, 1, positions, 256, safe_bytes, 4, 4, res, 0, nq, norms[i])
+    else:
+        for i in range(n_tokens):
+            _lut_sum(table1, rows, i, positions, 8, 1, positions, 256, safe_bytes, 4, 8, res, 0, nq, norms[i])
+
+
+def _hist_rows_py(hist1, rows, wts, nq, norms, positions, safe_bytes, lanes):
+    """hist1[rows[i, 2 + p], p, t] += wts[t, i] * nu_i for every token i and position p."""
+    n_tokens = rows.shape[0]
+    if lanes == 4:
+        if positions == 16:
+            for i in range(n_tokens):
+                _hist_add(hist1, rows, i, 16, 8, 1, 16, 256, safe_bytes, 4, 4, wts, 0, nq, norms[i])
+        elif positions == 32:
+            for i in range(n_tokens):
+                _hist_add(hist1, rows, i, 32, 8, 1, 32, 256, safe_bytes, 4, 4, wts, 0, nq, norms[i])
+        else:
+            for i in range(n_tokens):
+                _hist_add(hist1, rows, i, positions, 8, 1, positions, 256, safe_bytes, 4, 4, wts, 0, nq, norms[i])
+    else:
+        for i in range(n_tokens):
+            _hist_add(hist1, rows, i, positions, 8, 1, positions, 256, safe_bytes, 4, 8, wts, 0, nq, norms[i])
+
+
+def _decode_step_py(query, scaling, key_forward, value_inverse, key_stages, value_stages, key_codes,
+                    value_codes, sink_keys, sink_values, recent_keys, recent_values, new_keys, new_values,
+                    key_mean, value_mean, bias, sinks, out, flags, key_blocks, value_blocks, lanes,
+                    unit_start, unit_stop):
+    """out[b, h*G + t] for units [unit_start, unit_stop) of (b, KV head h), as numba_decode's step, with
+    key_stages / value_stages [S, 256, k] float32 (S = 1: a plain 8-bit codebook) and codes of
+    2 + blocks * S bytes (index of block j, stage s at byte 2 + j * S + s). Returns 0 (every byte is a
+    valid index at N = 256)."""
+    n_b, n_qh, dim = query.shape
+    n_h = key_codes.shape[1]
+    groups = n_qh // n_h
+    n_tokens = key_codes.shape[2]
+    n_sink, n_recent, n_new = sink_keys.shape[2], recent_keys.shape[2], new_keys.shape[2]
+    n_exact = n_sink + n_recent + n_new
+    value_dim = value_inverse.shape[0]
+    has_key_mean, has_value_mean = (flags & 1) != 0, (flags & 2) != 0
+    has_bias, has_sinks = (flags & 4) != 0, (flags & 8) != 0
+    ks, kn, kk = key_stages.shape
+    vs, vn, vk = value_stages.shape
+    k_pos, v_pos = key_blocks * ks, value_blocks * vs
+    k_safe = _safe_fields(k_pos, 8, key_codes.shape[3] - 2, 4)
+    v_safe = _safe_fields(v_pos, 8, value_codes.shape[3] - 2, 4)
+    qmat = np.zeros((kk, key_blocks * lanes), dtype=np.float32)
+    table1 = np.empty(kn * k_pos * lanes, dtype=np.float32)
+    ktmp = np.empty(kn * key_blocks * lanes, dtype=np.float32)
+    hist1 = np.empty(vn * v_pos * lanes, dtype=np.float32)
+    vtmp = np.empty(vn * value_blocks * lanes, dtype=np.float32)
+    acc = np.empty((vk, value_blocks * lanes), dtype=np.float32)
+    acc_s = np.empty((vk, value_blocks * lanes), dtype=np.float32)
+    coded = np.empty((lanes, max(n_tokens, 1)), dtype=np.float32)
+    norms = np.empty(max(n_tokens, 1), dtype=np.float32)
+    ibits = np.empty(max(n_tokens, 1), dtype=np.int32)
+
+    scaled = np.empty((groups, dim), dtype=np.float32)
+    rotated = np.empty(dim, dtype=np.float32)
+    exact = np.empty((groups, n_exact), dtype=np.float32)
+    peak = np.empty(groups, dtype=np.float32)
+    total = np.empty(groups, dtype=np.float32)
+    coded_total = np.empty(groups, dtype=np.float32)
+    result = np.empty((groups, value_dim), dtype=np.float32)
+    unrot = np.empty(value_dim, dtype=np.float32)
+    for unit in range(unit_start, unit_stop):
+        b = unit // n_h
+        h = unit % n_h
+        for t in range(groups):
+            for d in range(dim):
+                scaled[t, d] = query[b, h * groups + t, d] * scaling
+        # --- coded scores: one lookup per stored index, in the tables of its stage
+        if n_tokens:
+            key_rows = key_codes[b, h]
+            _norms(key_rows, norms, ibits)
+            _query_table(scaled, groups, key_forward, rotated, qmat, key_blocks, kk, lanes)
+            _staged_table(key_stages, qmat, key_blocks, lanes, ktmp, table1)
+            _score_rows(table1, key_rows, coded, groups, norms, k_pos, k_safe, lanes)
+            if has_key_mean:
+                for t in range(groups):
+                    shift = np.float32(0.0)
+                    for d in range(dim):
+                        shift += scaled[t, d] * key_mean[b, h, d]
+                    for i in range(n_tokens):
+                        coded[t, i] += shift
+        # --- exact scores: columns [sinks, recent, new]
+        _exact_scores(sink_keys, b, h, 0, exact, scaled, groups)
+        _exact_scores(recent_keys, b, h, n_sink, exact, scaled, groups)
+        _exact_scores(new_keys, b, h, n_sink + n_recent, exact, scaled, groups)
+        if has_bias:  # bias columns: [sinks | coded | recent, new]
+            bb = b if bias.shape[0] > 1 else 0
+            for t in range(groups):
+                hb = h * groups + t if bias.shape[1] > 1 else 0
+                for e in range(n_sink):
+                    exact[t, e] += bias[bb, hb, e]
+                for i in range(n_tokens):
+                    coded[t, i] += bias[bb, hb, n_sink + i]
+                for e in range(n_sink, n_exact):
+                    exact[t, e] += bias[bb, hb, n_tokens + e]
+        # --- one softmax over the row (and the sink logit)
+        for t in range(groups):
+            sink_logit = np.float32(sinks[h * groups + t]) if has_sinks else np.float32(-np.inf)
+            peak[t], coded_total[t], total[t] = _softmax_row(coded[t], n_tokens, exact[t], n_exact, sink_logit, ibits)
+        # --- value sums: the histogram of each position's indices, contracted with its stage
+        for t in range(groups):
+            for d in range(value_dim):
+                result[t, d] = 0.0
+        if n_tokens:
+            value_rows = value_codes[b, h]
+            _norms(value_rows, norms, ibits)
+            hist1[:] = 0.0
+            _hist_rows(hist1, value_rows, coded, groups, norms, v_pos, v_safe, lanes)
+            _staged_contract(hist1, value_stages, value_blocks, lanes, vtmp, acc_s, acc)
+            for t in range(groups):  # un-rotate (inverse = forward.T)
+                _unrotate_add(acc, t, value_blocks, vk, lanes, value_inverse, unrot, result)
+                if has_value_mean:
+                    for d in range(value_dim):
+                        result[t, d] += coded_total[t] * value_mean[b, h, d]
+        _exact_values(sink_values, b, h, 0, exact, result, groups)
+        _exact_values(recent_values, b, h, n_sink, exact, result, groups)
+        _exact_values(new_values, b, h, n_sink + n_recent, exact, result, groups)
+        for t in range(groups):
+            scale = np.float32(1.0) / total[t] if total[t] > 0 else np.float32(0.0)
+            for d in range(value_dim):
+                out[b, h * groups + t, d] = result[t, d] * scale
+    return 0
+
+
+def compile_residual_kernel():
+    """The residual decode-step dispatcher (numba, cache=True), after binding numba_decode's helpers."""
+    global _KERNEL, _build_table, _contract, _lut_sum, _hist_add, _norms, _query_table, _softmax_row
+    global _unrotate_add, _exact_scores, _exact_values, _safe_fields, _staged_table, _staged_contract
+    global _score_rows, _hist_rows
+    if _KERNEL is not None:
+        return _KERNEL
+    with _LOCK:
+        if _KERNEL is not None:
+            return _KERNEL
+        import numba
+
+        import fibquant.kv.attention.numba_decode as numba_decode
+
+        numba_decode.compile_decode_kernel()  # binds its helpers (and numba_kernels')
+        for name in ("_build_table", "_contract", "_lut_sum", "_hist_add", "_norms", "_query_table",
+                     "_softmax_row", "_unrotate_add", "_exact_scores", "_exact_values", "_safe_fields"):
+            globals()[name] = getattr(numba_decode, name)
+        helper = numba.njit(nogil=True, cache=True)
+        fast = numba.njit(nogil=True, cache=True, fastmath={"contract", "reassoc", "nsz"})  # float sums: any order
+        _staged_table, _staged_contract = fast(_staged_table_py), fast(_staged_contract_py)
+        _score_rows, _hist_rows = helper(_score_rows_py), helper(_hist_rows_py)
+        f32 = "float32[:, :, :, :]"
+        signature = (f"int64(float32[:, :, ::1], float32, float32[:, ::1], float32[:, ::1], float32[:, :, ::1], "
+                     f"float32[:, :, ::1], uint8[:, :, :, :], uint8[:, :, :, :], {f32}, {f32}, {f32}, {f32}, {f32}, "
+                     f"{f32}, float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[::1], "
+                     "float32[:, :, ::1], int64, int64, int64, int64, int64, int64)")
+        _KERNEL = numba.njit(signature, nogil=True, cache=True)(_decode_step_py)
+    return _KERNEL
+
+
+_staged_table = _staged_contract = _score_rows = _hist_rows = None
+
+
+def residual_plan(codec):
+    """(forward, forward.T, stages [S, 256, k] as float32 numpy, blocks, (torch tensors kept alive)) for a
+    codec whose codes this kernel reads: a residual codec (`rotated_stages`) or a plain rotated codebook
+    with 8-bit indices and N = 256 (S = 1), codes of exactly 2 + blocks * S bytes; else None."""
+    try:
+        plan = _PLANS.get(codec)
+    except TypeError:
+        plan = None
+    if plan is not None:
+        return plan or None
+    plan = ()
+    cpu = torch.device("cpu")
+    staged = codec.rotated_stages(cpu)
+    if staged is not None:
+        forward, stages, bits = staged.forward, staged.stages, staged.index_bits
+    else:
+        rotated = codec.rotated_codebook(cpu)
+        forward, stages, bits = (None, None, 0) if rotated is None else (
+            rotated.forward, rotated.codewords[None] if rotated.codewords.ndim == 2 else None, rotated.index_bits)
+    if stages is not None and bits == 8 and stages.shape[1] == 256 and codec.dim % stages.shape[2] == 0:
+        blocks = codec.dim // stages.shape[2]
+        forward = forward.detach().to(torch.float32).contiguous()
+        stages = stages.detach().to(torch.float32).contiguous()
+        if tuple(forward.shape) == (codec.dim, codec.dim) and codec.code_size == 2 + blocks * stages.shape[0]:
+            plan = (forward.numpy(), forward.T.contiguous().numpy(), stages.numpy(), blocks, (forward, stages))
+    try:
+        _PLANS[codec] = plan
+    except TypeError:
+        pass
+    return plan or None
+
+
+def residual_decode_plans(query: torch.Tensor, kv):
+    """(key plan, value plan) when this one-token step can run the residual kernel (at least one role
+    a residual code, both readable by `residual_plan`, <= MAX_GROUPS query heads per KV head), else None."""
+    if query.device.type != "cpu" or not kv.key_codes.shape[-2] or (query.requires_grad and torch.is_grad_enabled()):
+        return None
+    if query.shape[1] // kv.new_keys.shape[1] > MAX_GROUPS:
+        return None
+    from fibquant._numba import numba_available
+    if not numba_available():
+        return None
+    keys, values = residual_plan(kv.key_codec), residual_plan(kv.value_codec)
+    if keys is None or values is None or keys[2].shape[0] == values[2].shape[0] == 1:
+        return None
+    return keys, values
+
+
+def _f32(tensor: torch.Tensor):
+    """A float32 C-contiguous numpy view of a CPU tensor (a copy only when it is not one already)."""
+    if tensor.dtype != torch.float32 or tensor.requires_grad or not tensor.is_contiguous():
+        tensor = tensor.detach().to(torch.float32).contiguous()
+    return tensor.numpy()
+
+
+def _rows32(tensor: torch.Tensor):
+    """A float32 numpy view whose last dimension is contiguous (a copy only when it is not one already)."""
+    if tensor.dtype != torch.float32 or tensor.requires_grad or (tensor.stride(-1) != 1 and tensor.shape[-1] > 1):
+        tensor = tensor.detach().to(torch.float32).contiguous()
+    return tensor.numpy()
+
+
+def _code_rows(codes: torch.Tensor):
+    if codes.requires_grad or (codes.shape[-1] > 1 and codes.stride(-1) != 1):
+        codes = codes.detach().contiguous()
+    return codes.numpy()
+
+
+def attend_decode_residual(query: torch.Tensor, kv, bias: torch.Tensor | None, scaling: float, sinks,
+                           plans) -> torch.Tensor:
+    """`attend_codes` for one query token on the CPU through the residual kernel (as
+    `entry._attend_decode_numba`; bias: the step's additive float32 [B|1, Hq|1, 1, L] from
+    `entry._bias_block`, or None): out [B, 1, Hq, Dv] in query's dtype."""
+    from fibquant._numba import run_split
+    from fibquant.kv.attention.kernels import _MIN_WORK_PER_THREAD
+
+    kernel = compile_residual_kernel()
+    keys, values = plans
+    batch, q_heads = query.shape[:2]
+    heads = kv.new_keys.shape[1]
+    coded = kv.key_codes.shape[-2]
+    dummy3, dummy1 = np.zeros((1, 1, 1), dtype=np.float32), np.zeros(1, dtype=np.float32)
+    flags = 0
+    key_mean = value_mean = bias_np = dummy3
+    sinks_np = dummy1
+    if kv.key_mean is not None:
+        key_mean, flags = _f32(kv.key_mean), flags | 1
+    if kv.value_mean is not None:
+        value_mean, flags = _f32(kv.value_mean), flags | 2
+    if bias is not None:
+        bias_np, flags = _f32(bias[:, :, 0]), flags | 4
+    if sinks is not None:
+        sinks_np, flags = _f32(sinks.reshape(-1)), flags | 8
+    value_dim = values[1].shape[0]
+    out = torch.empty(batch, q_heads, value_dim, dtype=torch.float32)
+    lanes = 4 if q_heads // heads <= 4 else 8
+    args = (_f32(query.view(batch, q_heads, -1) if query.is_contiguous() else query[:, :, 0]), float(scaling),
+            keys[0], values[1], keys[2], values[2], _code_rows(kv.key_codes), _code_rows(kv.value_codes),
+            _rows32(kv.sink_keys), _rows32(kv.sink_values), _rows32(kv.recent_keys), _rows32(kv.recent_values),
+            _rows32(kv.new_keys), _rows32(kv.new_values), key_mean, value_mean, bias_np, sinks_np, out.numpy(), flags,
+            keys[3], values[3], lanes)
+    work = coded * (keys[3] * keys[2].shape[0] + values[3] * values[2].shape[0])
+    run_split(kernel, args, batch * heads, work, _MIN_WORK_PER_THREAD, "fibquant-decode-rvq")
+    out = out.unsqueeze(1)
+    return out if query.dtype == torch.float32 else out.to(query.dtype)

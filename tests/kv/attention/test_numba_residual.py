@@ -1,0 +1,157 @@
+"""The residual decode step (kv/attention/numba_residual.py: one lookup table per stage) against the
+torch path on decoded floats and the spec (decode every code, one softmax), to float32 tolerance."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import fibquant.kv.attention.entry as attention
+import fibquant.kv.attention.numba_residual as numba_residual
+from fibquant.codecs.fibquant import FibQuantCodec
+from fibquant.codecs.integer import IntCodec
+from fibquant.codecs.residual import ResidualFibQuantCodec
+from fibquant.kv.attention import attend_codes
+from fibquant.kv.cache import CompressedLayer
+
+pytest.importorskip("numba")
+
+DIM = 64
+PAIRS = {
+    "rvq 2/2": lambda: (ResidualFibQuantCodec(DIM, stages=2), ResidualFibQuantCodec(DIM, stages=2)),
+    "rvq 4/1": lambda: (ResidualFibQuantCodec(DIM, stages=4), ResidualFibQuantCodec(DIM, stages=1)),
+    "rvq 3 / fibquant k4": lambda: (ResidualFibQuantCodec(DIM, stages=3), FibQuantCodec(DIM, 4, 256)),
+    "fibquant k2 / rvq 2": lambda: (FibQuantCodec(DIM, 2, 256), ResidualFibQuantCodec(DIM, stages=2)),
+}
+
+
+def spec(query, kv, bias, scaling, sinks=None):
+    """Decode every code, repeat KV heads, one softmax (+ sink column) over the row."""
+    keys, values = (t.to(torch.float32) for t in kv.materialize())
+    groups = query.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
+    scores = query.to(torch.float32) @ keys.transpose(-1, -2) * scaling
+    if bias is not None:
+        scores = scores + bias
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)], dim=-1)
+    weights = torch.softmax(scores, -1).nan_to_num(0.0)
+    if sinks is not None:
+        weights = weights[..., :-1]
+    return (weights @ values).transpose(1, 2)
+
+
+@functools.lru_cache(maxsize=None)
+def codecs_of(pair):
+    """One codec pair per test session (their search tables build once; layers share codecs anyway)."""
+    return PAIRS[pair]()
+
+
+def layer_of(pair, batch, heads, past, centre=False, seed=0):
+    key_codec, value_codec = codecs_of(pair)
+    layer = CompressedLayer(key_codec, value_codec, 4, 8, attention="codes", centre=centre)
+    generator = torch.Generator().manual_seed(seed)
+    offset = 3.0 * torch.randn(1, heads, 1, DIM, generator=generator) if centre else 0.0
+    for chunk in (past - 2, 1, 1):
+        layer.update(torch.randn(batch, heads, chunk, DIM, generator=generator) + offset,
+                     torch.randn(batch, heads, chunk, DIM, generator=generator) + offset)
+    return layer, generator
+
+
+@pytest.fixture
+def residual_calls(monkeypatch):
+    calls = []
+    original = numba_residual.attend_decode_residual
+    monkeypatch.setattr(numba_residual, "attend_decode_residual", lambda *a: calls.append(1) or original(*a))
+    return calls
+
+
+def both_paths(monkeypatch, *args, **kwargs):
+    fast = attend_codes(*args, **kwargs)
+    with monkeypatch.context() as patch:
+        patch.setattr(attention, "NUMBA_DECODE", False)
+        slow = attend_codes(*args, **kwargs)  # the torch path: residual codes decoded to floats
+    return fast, slow
+
+
+@pytest.mark.filterwarnings("ignore:.*rotated codebook")
+@pytest.mark.parametrize("pair", sorted(PAIRS))
+@pytest.mark.parametrize("groups", [1, 3, 6])  # 6 query heads per KV head: 8 lanes
+@pytest.mark.parametrize("masked", [False, True])
+def test_residual_step_equals_torch_path_and_spec(monkeypatch, residual_calls, pair, groups, masked):
+    batch, heads = 2, 2
+    layer, generator = layer_of(pair, batch, heads, past=70)
+    kv, _ = layer.update(torch.randn(batch, heads, 1, DIM, generator=generator),
+                         torch.randn(batch, heads, 1, DIM, generator=generator))
+    query = torch.randn(batch, heads * groups, 1, DIM, generator=generator)
+    mask = bias = None
+    if masked:
+        allowed = torch.ones(batch, heads * groups, 1, kv.length, dtype=torch.bool)
+        allowed[1, :, :, :3] = False
+        allowed[1, :, :, 20:25] = False
+        allowed[0, :, :, kv.length - 4] = False
+        mask = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
+        mask[0] += torch.randn(mask[0].shape, generator=generator)
+        bias = mask
+    fast, slow = both_paths(monkeypatch, query, kv, mask, 0.125)
+    assert residual_calls, "the residual kernel did not run"
+    assert fast.shape == (batch, 1, heads * groups, DIM) and fast.dtype == query.dtype
+    torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(fast, spec(query, kv, bias, 0.125), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore:.*rotated codebook")
+def test_residual_step_with_sinks_centring_and_window(monkeypatch, residual_calls):
+    layer, generator = layer_of("rvq 2/2", 2, 3, past=90, centre=True)
+    assert layer.key_mean is not None
+    kv, _ = layer.update(torch.randn(2, 3, 1, DIM, generator=generator) + 1.0,
+                         torch.randn(2, 3, 1, DIM, generator=generator) + 1.0)
+    query = torch.randn(2, 9, 1, DIM, generator=generator)
+    sinks = torch.randn(9, generator=generator)
+    fast, slow = both_paths(monkeypatch, query, kv, None, 0.1, sinks=sinks)
+    torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(fast, spec(query, kv, None, 0.1, sinks), rtol=1e-4, atol=1e-5)
+    window = kv.length - 10
+    fast, slow = both_paths(monkeypatch, query, kv, None, 0.1, window=window)
+    blocked = torch.arange(kv.length) <= kv.length - 1 - window
+    bias = torch.zeros(kv.length).masked_fill_(blocked, float("-inf"))[None, None, None]
+    torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(fast, spec(query, kv, bias, 0.1), rtol=1e-4, atol=1e-5)
+    assert len(residual_calls) == 2
+
+
+@pytest.mark.filterwarnings("ignore:.*rotated codebook")
+def test_what_the_residual_kernel_does_not_take(monkeypatch, residual_calls):
+    """Plain codecs stay on numba_decode's kernel; an INT role, N != 256, > 8 query heads per KV head
+    and a prefill chunk take the torch path (still equal to the spec)."""
+    assert numba_residual.residual_plan(FibQuantCodec(DIM, 4, 256))[2].shape[0] == 1
+    assert numba_residual.residual_plan(IntCodec(DIM, 4)) is None
+    small = ResidualFibQuantCodec(DIM, 8, 2, 16)
+    small._codebook = torch.randn(2, 16, 8)  # N = 16 stages (not built: the plan only reads their shape)
+    assert numba_residual.residual_plan(small) is None
+    layer, generator = layer_of("rvq 2/2", 1, 1, past=30)
+    kv, _ = layer.update(torch.randn(1, 1, 1, DIM, generator=generator), torch.randn(1, 1, 1, DIM, generator=generator))
+    query = torch.randn(1, 9, 1, DIM, generator=generator)  # 9 query heads per KV head
+    torch.testing.assert_close(attend_codes(query, kv, None, 0.125), spec(query, kv, None, 0.125),
+                               rtol=1e-4, atol=1e-5)
+    assert not residual_calls
+    fibquant_layer = CompressedLayer(FibQuantCodec(DIM, 4, 256), FibQuantCodec(DIM, 4, 256), 4, 8, attention="codes")
+    for chunk in (20, 1):
+        kv, _ = fibquant_layer.update(torch.randn(1, 1, chunk, DIM, generator=generator),
+                                      torch.randn(1, 1, chunk, DIM, generator=generator))
+    attend_codes(torch.randn(1, 2, 1, DIM, generator=generator), kv, None, 0.125)
+    assert not residual_calls
+
+
+def test_stage_layout_matches_the_codec():
+    """rotated_stages: decoding a code by hand from its stages and rotation gives the codec's decode."""
+    codec = ResidualFibQuantCodec(DIM, stages=3)
+    x = torch.randn(5, DIM, generator=torch.Generator().manual_seed(3))
+    codes = codec.encode(x)
+    staged = codec.rotated_stages(torch.device("cpu"))
+    index = codes[:, 2:].to(torch.int64).reshape(5, DIM // 8, 3)
+    u_hat = sum(staged.stages[s][index[..., s]] for s in range(3)).reshape(5, DIM)
+    norms = codes[:, :2].contiguous().view(torch.float16).to(torch.float32)
+    torch.testing.assert_close(norms * (u_hat @ staged.forward.T), codec.decode(codes), rtol=1e-5, atol=1e-5)
+    assert FibQuantCodec(DIM, 4, 256).rotated_stages(torch.device("cpu")) is None
