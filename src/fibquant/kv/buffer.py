@@ -154,6 +154,8 @@ class WindowBuffer(_RowSpan):
         self._array = _array_of(data) if data.dtype == torch.float32 else None
 
     def view(self) -> torch.Tensor:
+        if self._array is not None:  # the same view, built from numpy's slice (cheaper than narrow)
+            return torch.from_numpy(self._array[:, :, self.start: self.stop])
         return self.data.narrow(-2, self.start, self.stop - self.start)
 
     def array(self):
@@ -171,10 +173,11 @@ class WindowBuffer(_RowSpan):
             self._set(moved)
             self.start, self.stop = 0, self.used
         if n:
-            if self._array is not None and rows.dtype == torch.float32 and rows.device.type == "cpu" \
-                    and not rows.requires_grad and rows.shape[:2] == self.data.shape[:2] \
-                    and rows.shape[-1] == self.data.shape[-1]:
-                self._array[:, :, self.stop: self.stop + n] = rows.numpy()
+            source = rows.numpy() if self._array is not None and rows.is_cpu and rows.dtype is torch.float32 \
+                and not rows.requires_grad else None
+            if source is not None and source.shape[:2] == self._array.shape[:2] \
+                    and source.shape[-1] == self._array.shape[-1]:
+                self._array[:, :, self.stop: self.stop + n] = source
             else:
                 self.data.narrow(-2, self.stop, n).copy_(rows)
             self.stop += n

@@ -331,6 +331,8 @@ def _f32(tensor: torch.Tensor):
 def _rows32(tensor: torch.Tensor):
     """A float32 numpy view of a CPU tensor whose last dimension is contiguous (the window buffers'
     views are strided over the tokens); a copy only when it is not one already."""
+    if tensor.dtype is torch.float32 and not tensor.requires_grad and tensor.is_contiguous():
+        return tensor.numpy()  # the common case (a decode step's new key / value), checked cheaply
     if tensor.dtype != torch.float32 or tensor.requires_grad or (tensor.stride(-1) != 1 and tensor.shape[-1] > 1):
         tensor = tensor.detach().to(torch.float32).contiguous()
     return tensor.numpy()
@@ -367,8 +369,8 @@ def _attend_decode_numba(query: torch.Tensor, kv: CodedKV, attention_mask, scali
     if sinks is not None:
         sinks_np, flags = _f32(sinks.reshape(-1)), flags | 8
     value_dim = values[1].shape[0]
-    out = torch.empty(batch, 1, q_heads, value_dim, dtype=torch.float32)  # the [B, T, Hq, Dv] result
-    if query.dtype == torch.float32 and not query.requires_grad and query.stride(-1) == 1:
+    out_np = np.empty((batch, 1, q_heads, value_dim), dtype=np.float32)  # the [B, T, Hq, Dv] result
+    if query.dtype is torch.float32 and not query.requires_grad and (query.is_contiguous() or query.stride(-1) == 1):
         query_np = query.numpy()[:, :, 0]
     else:
         query_np = _f32(query[:, :, 0])
@@ -379,14 +381,15 @@ def _attend_decode_numba(query: torch.Tensor, kv: CodedKV, attention_mask, scali
     sink_k, sink_v, key_codes, value_codes, recent_k, recent_v = arrays
     args = (query_np, float(scaling), keys[0], values[1], keys[2], values[2], key_codes, value_codes,
             sink_k, sink_v, recent_k, recent_v, _rows32(kv.new_keys), _rows32(kv.new_values), key_mean, value_mean,
-            bias_np, sinks_np, out.numpy()[:, 0], flags, keys[3], values[3], keys[4], values[4], keys[5], values[5],
+            bias_np, sinks_np, out_np[:, 0], flags, keys[3], values[3], keys[4], values[4], keys[5], values[5],
             lanes)
     coded = key_codes.shape[2]
     bad = run_split(_KERNEL, args, batch * key_codes.shape[1], coded * (keys[4] + values[4]), _MIN_WORK_PER_THREAD,
                     "fibquant-decode", per_thread=lambda t: _scratch(t, sizes, lanes, coded))
     if bad:
         raise ValueError(f"codes hold {bad} index(es) >= N (index_bits={keys[3]} / {values[3]})")
-    return out if query.dtype == torch.float32 else out.to(query.dtype)
+    out = torch.from_numpy(out_np)
+    return out if query.dtype is torch.float32 else out.to(query.dtype)
 
 
 def _exact_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None,
