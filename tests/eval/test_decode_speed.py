@@ -127,6 +127,8 @@ def test_decode_speed_on_a_tiny_model(tmp_path, capsys):
     table = format_decode_speed(payload)
     assert "fibquant:b=4@decode" in table and "decode ms/tok" in table and "fp16 DynamicCache MiB" in table
     assert "TTFT s" in table and "chunked TTFT s" in table and "timed on 1 torch thread" in table
+    # the sequential decode part says which benchmark to quote for step ratios (the interleaved one)
+    assert "not interleaved" in table and "benchmarks/decode_step_interleaved.py" in table
     paths = write_decode_speed(payload, tmp_path)
     saved = json.loads(open(paths["json"]).read())
     assert [r["cache"] for r in saved["rows"]] == ["fp", "fibquant:b=4", "fibquant:b=4@decode"]

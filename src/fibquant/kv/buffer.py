@@ -2,7 +2,7 @@
 update of a `CompressedCache` layer attends to, with the coded part still as codes)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -18,6 +18,14 @@ def _owned(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size() or not tensor.is_contiguous():
         return tensor.contiguous().clone()
     return tensor
+
+
+def _array_of(tensor: torch.Tensor):
+    """A numpy view of `tensor` (same memory) when it is a CPU tensor of float32 or uint8 outside
+    autograd, else None (the fused CPU decode kernel reads these views; see `CodedKV.arrays`)."""
+    if tensor.device.type != "cpu" or tensor.requires_grad or tensor.dtype not in (torch.float32, torch.uint8):
+        return None
+    return tensor.numpy()
 
 
 class _RowSpan:
@@ -56,6 +64,7 @@ class CodeBuffer(_RowSpan):
         self.stop = 0   # one past the last live row
         self.max_rows = max_rows
         self._view = None  # view() cached until the rows change (a decode step reads it every layer)
+        self._array = None  # array() likewise
 
     @classmethod
     def from_rows(cls, rows: torch.Tensor, max_rows: Optional[int] = None) -> "CodeBuffer":
@@ -67,6 +76,13 @@ class CodeBuffer(_RowSpan):
         if self._view is None:
             self._view = self.data[..., self.start: self.stop, :]
         return self._view
+
+    def array(self):
+        """`view()` as a numpy view of the same memory (CPU buffers), or None; cached like view()."""
+        if self._array is None:
+            full = _array_of(self.data)
+            self._array = False if full is None else full[:, :, self.start: self.stop]
+        return None if self._array is False else self._array
 
     def append(self, rows: torch.Tensor) -> None:
         """rows: uint8 [B, H, n, code_size]."""
@@ -83,22 +99,22 @@ class CodeBuffer(_RowSpan):
             self.data, self.start, self.stop = grown, 0, self.used
         self.data[..., self.stop: self.stop + n, :] = rows
         self.stop += n
-        self._view = None  # reset last: growth above reads the old rows through view()
+        self._view = self._array = None  # reset last: growth above reads the old rows through view()
 
     def drop_front(self, n: int) -> None:
         """Forget the oldest `n` live rows (tokens that left a sliding window)."""
         self.start = min(self.stop, self.start + max(n, 0))
-        self._view = None
+        self._view = self._array = None
 
     def truncate(self, used: int) -> None:
         self.stop = self.start + min(self.used, max(used, 0))
-        self._view = None
+        self._view = self._array = None
 
     def remap(self, fn) -> None:
         """Apply a batch edit (select, repeat, move) to the stored rows; capacity shrinks to fit."""
         self.data = _owned(fn(self.view()))
         self.start, self.stop = 0, self.data.shape[-2]
-        self._view = None
+        self._view = self._array = None
 
     def nbytes(self) -> int:
         return self.data.untyped_storage().nbytes()
@@ -126,13 +142,25 @@ class WindowBuffer(_RowSpan):
     def __init__(self, rows: torch.Tensor, min_capacity: int = 0):
         if rows.stride(-1) != 1 and rows.shape[-1] > 1:
             rows = rows.contiguous()
-        self.data = rows
+        self._set(rows)
         self.start = 0
         self.stop = rows.shape[-2]
         self.min_capacity = min_capacity
 
+    def _set(self, data: torch.Tensor) -> None:
+        self.data = data
+        # a numpy view of a float32 CPU buffer: array() and the in-place append go through it
+        # (a few numpy index operations instead of torch's narrow / copy_ dispatch per step)
+        self._array = _array_of(data) if data.dtype == torch.float32 else None
+
     def view(self) -> torch.Tensor:
+        if self._array is not None:  # the same view, built from numpy's slice (cheaper than narrow)
+            return torch.from_numpy(self._array[:, :, self.start: self.stop])
         return self.data.narrow(-2, self.start, self.stop - self.start)
+
+    def array(self):
+        """`view()` as a numpy view of the same memory (float32 CPU buffers), or None."""
+        return None if self._array is None else self._array[:, :, self.start: self.stop]
 
     def append(self, rows: torch.Tensor) -> None:
         """rows: [B, H, n, D] (cast to the buffer's dtype)."""
@@ -142,9 +170,16 @@ class WindowBuffer(_RowSpan):
             capacity = max(need + need // WINDOW_RESERVE_FRACTION, self.min_capacity)
             moved = self.data.new_empty(*self.data.shape[:2], capacity, self.data.shape[-1])
             moved.narrow(-2, 0, self.used).copy_(self.view())
-            self.data, self.start, self.stop = moved, 0, self.used
+            self._set(moved)
+            self.start, self.stop = 0, self.used
         if n:
-            self.data.narrow(-2, self.stop, n).copy_(rows)
+            source = rows.numpy() if self._array is not None and rows.is_cpu and rows.dtype is torch.float32 \
+                and not rows.requires_grad else None
+            if source is not None and source.shape[:2] == self._array.shape[:2] \
+                    and source.shape[-1] == self._array.shape[-1]:
+                self._array[:, :, self.stop: self.stop + n] = source
+            else:
+                self.data.narrow(-2, self.stop, n).copy_(rows)
             self.stop += n
 
     def drop_front(self, n: int) -> None:
@@ -175,6 +210,10 @@ class CodedKV:
     value_codec: Codec
     key_mean: Optional[torch.Tensor] = None    # [B, H, D] float32 added back to decoded keys (centring)
     value_mean: Optional[torch.Tensor] = None  # [B, H, D] float32 added back to decoded values
+    # numpy views of the same memory as (sink_keys, sink_values, key_codes, value_codes, recent_keys,
+    # recent_values), set by a float32 CPU `CompressedLayer`: the fused CPU decode kernel reads them
+    # instead of converting six tensors per layer and step. None: it converts the tensors.
+    arrays: Optional[tuple] = field(default=None, repr=False, compare=False)
 
     @classmethod
     def of_tensors(cls, keys: torch.Tensor, values: torch.Tensor) -> "CodedKV":

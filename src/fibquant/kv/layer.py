@@ -7,7 +7,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from fibquant.codecs.base import Codec
-from fibquant.kv.buffer import CodeBuffer, CodedKV, WindowBuffer, _decode_centred, _owned
+from fibquant.kv.buffer import CodeBuffer, CodedKV, WindowBuffer, _array_of, _decode_centred, _owned
 
 _FLOAT_FIELDS = ("sink_keys", "sink_values", "recent_keys", "recent_values")
 WINDOW_MIN_RESERVE = 16  # rows a window buffer reserves beyond recent_tokens at least
@@ -49,6 +49,10 @@ class CompressedLayer(CacheLayerMixin):
         # Set by a CompressedCache whose per-layer codecs are not chosen yet: resolver(layer, keys, values)
         # -> True once they are (then set_codecs has run); until then tokens leaving the window stay exact.
         self.resolver = None
+        # The last (key shape, value shape, key dtype, value dtype) `_check_states` accepted: a decode
+        # step with the same ones skips the checks (reset by batch edits, which change [B, H]).
+        self._checked = None
+        self._sink_arrays = None  # (sink_keys, sink_values, their numpy views) for `snapshot`
 
     # The recent window lives in two `WindowBuffer`s (rows written in place, no concatenation per
     # step); recent_keys / recent_values read and set it as tensors [B, H, r, D] (a view of the live rows).
@@ -133,6 +137,7 @@ class CompressedLayer(CacheLayerMixin):
         value_states = key_states if value_states is None else value_states
         self._check_states(key_states, value_states)
         self.dtype, self.device = key_states.dtype, key_states.device
+        self._checked = None
         batch, heads = key_states.shape[:2]
 
         def empty(last: int, dtype: torch.dtype) -> torch.Tensor:
@@ -167,10 +172,26 @@ class CompressedLayer(CacheLayerMixin):
                              f"{tuple(key_states.shape[:2])}; use batch_select_indices/reorder_cache")
 
     def snapshot(self, key_states: torch.Tensor, value_states: torch.Tensor) -> CodedKV:
-        """What tokens `key_states`/`value_states` [B, H, T, D] attend to, before they are stored."""
+        """What tokens `key_states`/`value_states` [B, H, T, D] attend to, before they are stored
+        (with numpy views of the stored parts when they are all float32 / uint8 CPU tensors)."""
         return CodedKV(self.sink_keys, self.sink_values, self.key_codes, self.value_codes, self.recent_keys,
                        self.recent_values, key_states, value_states, self.key_codec, self.value_codec,
-                       self.key_mean, self.value_mean)
+                       self.key_mean, self.value_mean, self._arrays())
+
+    def _arrays(self) -> Optional[tuple]:
+        """numpy views of (sink_keys, sink_values, key_codes, value_codes, recent_keys, recent_values)
+        (`CodedKV.arrays`), or None when one of them is not a float32 / uint8 CPU tensor."""
+        cached = self._sink_arrays
+        if cached is None or cached[0] is not self.sink_keys or cached[1] is not self.sink_values:
+            sink_k, sink_v = _array_of(self.sink_keys), _array_of(self.sink_values)
+            if sink_k is not None and (sink_k.dtype != "float32" or sink_v is None or sink_v.dtype != "float32"):
+                sink_k = None
+            cached = self._sink_arrays = (self.sink_keys, self.sink_values, sink_k, sink_v)
+        recent_k, recent_v = self._recent_k.array(), self._recent_v.array()
+        key_codes, value_codes = self.key_buffer.array(), self.value_buffer.array()
+        if cached[2] is None or recent_k is None or recent_v is None or key_codes is None or value_codes is None:
+            return None
+        return cached[2], cached[3], key_codes, value_codes, recent_k, recent_v
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Return what the new tokens attend to, then archive what left the window.
@@ -181,7 +202,11 @@ class CompressedLayer(CacheLayerMixin):
         """
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        self._check_states(key_states, value_states)
+        seen = (key_states.shape, value_states.shape, key_states.dtype, value_states.dtype) \
+            if isinstance(key_states, torch.Tensor) and isinstance(value_states, torch.Tensor) else None
+        if seen is None or seen != self._checked:
+            self._check_states(key_states, value_states)
+            self._checked = seen
         view = self.snapshot(key_states, value_states)
         self._absorb(key_states, value_states)
         if self.attention == "codes":
@@ -303,6 +328,7 @@ class CompressedLayer(CacheLayerMixin):
 
     # ----------------------------------------------------------------- editing
     def _apply(self, fn) -> None:
+        self._checked = None
         if self.is_initialized:
             for name in _FLOAT_FIELDS:
                 setattr(self, name, _owned(fn(getattr(self, name))))

@@ -88,6 +88,10 @@ def decode_speed_header(payload: dict) -> str:
             "cache MiB: bytes held (CompressedCache: code buffers with their reserved capacity), used MiB: stored "
             "tokens only; bytes / fp16 dyn: held bytes over an fp16 DynamicCache's; tokens = dyn: share of greedy "
             "tokens equal to DynamicCache's, position by position",
+            "the caches' decode steps here run one cache after another (not interleaved), so on a shared "
+            "machine the load drifts between them by more than the gap at short context: quote "
+            "benchmarks/decode_step_interleaved.py (every cache steps in turn, same machine state) for "
+            "decode-step ratios",
             "fp16 DynamicCache MiB: " + ", ".join(f"{t}: {r['dynamic_fp16_bytes'] / MIB:.2f}" for t, r in dyn.items()),
         ]
     if cut:
@@ -129,7 +133,8 @@ def decode_speed_table(payload: dict, markdown: bool = False) -> str:
 def _cpu_detail(row: dict, part: str) -> str:
     """The wall-clock ratio is judged; the CPU-time ratio is shown next to it (load-independent)."""
     cpu = row.get(f"{part}_cpu_vs_dynamic")
-    what = "median step, wall clock" if part == "decode" else "wall clock"
+    what = ("median step, wall clock, caches timed one after another: quote "
+            "benchmarks/decode_step_interleaved.py") if part == "decode" else "wall clock"
     return what + ("" if cpu is None else f"; CPU-time ratio {cpu:.3g}")
 
 

@@ -277,28 +277,39 @@ def _codec_plan(codec: Codec):
 
 
 def _decode_plans(query: torch.Tensor, kv: CodedKV):
-    """(kernel, key plan, value plan) when this one-token step can run the fused numba kernel, else None."""
-    global _KERNEL
+    """(key plan, value plan, lanes, scratch sizes) when this one-token step can run the fused numba
+    kernel, else None. The last answer is kept for its (key codec, value codec, query groups)."""
+    global _KERNEL, _LAST_PLANS
     if not NUMBA_DECODE or query.device.type != "cpu" or not kv.key_codes.shape[-2] or (
             query.requires_grad and torch.is_grad_enabled()):
         return None
+    groups = query.shape[1] // kv.new_keys.shape[1]
+    last = _LAST_PLANS
+    if last is not None and last[0] is kv.key_codec and last[1] is kv.value_codec and last[2] == groups:
+        return last[3]
     if _KERNEL is None:
         from fibquant._numba import numba_available
         if not numba_available():
             return None
         from fibquant.kv.attention.numba_decode import compile_decode_kernel
         _KERNEL = compile_decode_kernel()
-    groups = query.shape[1] // kv.new_keys.shape[1]
     keys, values = _codec_plan(kv.key_codec), _codec_plan(kv.value_codec)
     if keys is None or values is None or groups > 8 or (groups > 4 and 1 in (keys[5], values[5]) and max(
             keys[3], values[3]) > 25):
-        return None
-    return keys, values
+        plans = None
+    else:
+        lanes = 4 if groups <= 4 else 8
+        shape = (keys[2].shape[0], keys[4], keys[3], keys[5], values[2].shape[0], values[4], values[3], values[5],
+                 lanes)
+        from fibquant.kv.attention.numba_decode import scratch_sizes
+        plans = keys, values, lanes, scratch_sizes(*shape)
+    _LAST_PLANS = (kv.key_codec, kv.value_codec, groups, plans)  # holds the codecs: `is` stays meaningful
+    return plans
 
 
+_LAST_PLANS = None
 _KERNEL = None
 _SCRATCH = threading.local()  # per thread: {(slot, sizes, lanes): [table1, lut, hist1, hist, coded, norms, ibits]}
-_SIZES: dict = {}
 
 
 def _scratch(slot: int, sizes: tuple, lanes: int, tokens: int) -> list:
@@ -329,6 +340,8 @@ def _f32(tensor: torch.Tensor):
 def _rows32(tensor: torch.Tensor):
     """A float32 numpy view of a CPU tensor whose last dimension is contiguous (the window buffers'
     views are strided over the tokens); a copy only when it is not one already."""
+    if tensor.dtype is torch.float32 and not tensor.requires_grad and tensor.is_contiguous():
+        return tensor.numpy()  # the common case (a decode step's new key / value), checked cheaply
     if tensor.dtype != torch.float32 or tensor.requires_grad or (tensor.stride(-1) != 1 and tensor.shape[-1] > 1):
         tensor = tensor.detach().to(torch.float32).contiguous()
     return tensor.numpy()
@@ -343,12 +356,11 @@ def _code_rows(codes: torch.Tensor):
 def _attend_decode_numba(query: torch.Tensor, kv: CodedKV, attention_mask, scaling: float, sinks, window,
                          plans) -> torch.Tensor:
     """`attend_codes` for one query token on the CPU: one call of the fused kernel (same result to
-    float32 rounding; see kv/attention/numba_decode.py)."""
+    float32 rounding; see kv/attention/numba_decode.py). Reads `kv.arrays` (numpy views the layer
+    keeps) when set, else converts the tensors."""
     global _DUMMY
-    keys, values = plans
+    keys, values, lanes, sizes = plans
     batch, q_heads = query.shape[:2]
-    heads = kv.new_keys.shape[1]
-    coded = kv.key_codes.shape[-2]
     if _DUMMY is None:
         _DUMMY = (np.zeros((1, 1, 1), dtype=np.float32), np.zeros(1, dtype=np.float32))
     flags = 0
@@ -366,25 +378,27 @@ def _attend_decode_numba(query: torch.Tensor, kv: CodedKV, attention_mask, scali
     if sinks is not None:
         sinks_np, flags = _f32(sinks.reshape(-1)), flags | 8
     value_dim = values[1].shape[0]
-    out = torch.empty(batch, q_heads, value_dim, dtype=torch.float32)
-    lanes = 4 if q_heads // heads <= 4 else 8
-    args = (_f32(query.view(batch, q_heads, -1) if query.is_contiguous() else query[:, :, 0]), float(scaling),
-            keys[0], values[1], keys[2], values[2], _code_rows(kv.key_codes), _code_rows(kv.value_codes),
-            _rows32(kv.sink_keys), _rows32(kv.sink_values), _rows32(kv.recent_keys), _rows32(kv.recent_values),
-            _rows32(kv.new_keys), _rows32(kv.new_values), key_mean, value_mean, bias_np, sinks_np, out.numpy(), flags,
-            keys[3], values[3], keys[4], values[4], keys[5], values[5], lanes)
-    units = batch * heads
-    shape = (keys[2].shape[0], keys[4], keys[3], keys[5], values[2].shape[0], values[4], values[3], values[5], lanes)
-    sizes = _SIZES.get(shape)
-    if sizes is None:
-        from fibquant.kv.attention.numba_decode import scratch_sizes
-        sizes = _SIZES[shape] = scratch_sizes(*shape)
-    bad = run_split(_KERNEL, args, units, coded * (keys[4] + values[4]), _MIN_WORK_PER_THREAD, "fibquant-decode",
-                    per_thread=lambda t: _scratch(t, sizes, lanes, coded))
+    out_np = np.empty((batch, 1, q_heads, value_dim), dtype=np.float32)  # the [B, T, Hq, Dv] result
+    if query.dtype is torch.float32 and not query.requires_grad and (query.is_contiguous() or query.stride(-1) == 1):
+        query_np = query.numpy()[:, :, 0]
+    else:
+        query_np = _f32(query[:, :, 0])
+    arrays = kv.arrays
+    if arrays is None:
+        arrays = (_rows32(kv.sink_keys), _rows32(kv.sink_values), _code_rows(kv.key_codes),
+                  _code_rows(kv.value_codes), _rows32(kv.recent_keys), _rows32(kv.recent_values))
+    sink_k, sink_v, key_codes, value_codes, recent_k, recent_v = arrays
+    args = (query_np, float(scaling), keys[0], values[1], keys[2], values[2], key_codes, value_codes,
+            sink_k, sink_v, recent_k, recent_v, _rows32(kv.new_keys), _rows32(kv.new_values), key_mean, value_mean,
+            bias_np, sinks_np, out_np[:, 0], flags, keys[3], values[3], keys[4], values[4], keys[5], values[5],
+            lanes)
+    coded = key_codes.shape[2]
+    bad = run_split(_KERNEL, args, batch * key_codes.shape[1], coded * (keys[4] + values[4]), _MIN_WORK_PER_THREAD,
+                    "fibquant-decode", per_thread=lambda t: _scratch(t, sizes, lanes, coded))
     if bad:
         raise ValueError(f"codes hold {bad} index(es) >= N (index_bits={keys[3]} / {values[3]})")
-    out = out.unsqueeze(1)
-    return out if query.dtype == torch.float32 else out.to(query.dtype)
+    out = torch.from_numpy(out_np)
+    return out if query.dtype is torch.float32 else out.to(query.dtype)
 
 
 def _exact_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None,

@@ -1,0 +1,126 @@
+"""The decode step's fast paths (issue 17): `CodedKV.arrays` (numpy views a CPU layer keeps for the
+fused kernel), the window's numpy append, the skipped re-validation of an accepted step shape, and
+`Codec.check_input`'s numpy finiteness check. Each is checked against what it replaces."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from fibquant.codecs.fibquant import FibQuantCodec
+from fibquant.codecs.integer import IntCodec
+from fibquant.kv.buffer import WindowBuffer
+from fibquant.kv.cache import CompressedLayer
+
+DIM = 64
+FIELDS = ("sink_keys", "sink_values", "key_codes", "value_codes", "recent_keys", "recent_values")
+
+
+def _check_arrays(view) -> None:
+    """Every array of view.arrays is the same memory and the same values as its tensor field."""
+    assert view.arrays is not None
+    for name, array in zip(FIELDS, view.arrays):
+        tensor = getattr(view, name)
+        assert tuple(array.shape) == tuple(tensor.shape), name
+        assert np.array_equal(array, tensor.numpy()), name
+        if tensor.numel():
+            assert np.shares_memory(array, tensor.numpy()), name
+
+
+def test_arrays_alias_the_tensors_across_encodes_moves_and_edits():
+    batch, heads = 2, 3
+    generator = torch.Generator().manual_seed(0)
+    layer = CompressedLayer(IntCodec(DIM, 4), IntCodec(DIM, 3), 2, 5, attention="codes", encode_batch=4)
+    views = []
+    layer.update(torch.randn(batch, heads, 9, DIM, generator=generator), torch.randn(batch, heads, 9, DIM,
+                                                                                   generator=generator))
+    for step in range(40):  # encodes every 4 steps, the window's rows move to new buffers
+        if step == 20:
+            layer.batch_select_indices(torch.tensor([1]))
+            batch = 1
+        rows = torch.randn(batch, heads, 1, DIM, generator=generator)
+        view, _ = layer.update(rows, rows * 2)
+        _check_arrays(view)
+        views.append((view, [a.copy() for a in view.arrays]))
+    for view, copies in views:  # earlier views (and their arrays) stay what they were
+        _check_arrays(view)
+        assert all(np.array_equal(a, c) for a, c in zip(view.arrays, copies))
+
+
+def test_no_arrays_for_a_non_float32_layer():
+    layer = CompressedLayer(IntCodec(DIM, 4), IntCodec(DIM, 4), 2, 5, attention="codes", encode_batch=4)
+    states = torch.randn(1, 2, 12, DIM).to(torch.bfloat16)
+    view, _ = layer.update(states, states)
+    assert view.arrays is None
+    view, _ = layer.update(states[..., :1, :], states[..., :1, :])
+    assert view.arrays is None and view.recent_keys.dtype == torch.bfloat16
+
+
+def test_fused_step_equal_with_and_without_arrays():
+    pytest.importorskip("numba")
+    from fibquant.kv.attention import attend_codes
+
+    generator = torch.Generator().manual_seed(1)
+    layer = CompressedLayer(FibQuantCodec(DIM, 2, 256), FibQuantCodec(DIM, 4, 256), 4, 8, attention="codes")
+    layer.update(torch.randn(1, 3, 100, DIM, generator=generator), torch.randn(1, 3, 100, DIM, generator=generator))
+    for _ in range(3):
+        rows = torch.randn(1, 3, 1, DIM, generator=generator)
+        view, _ = layer.update(rows, -rows)
+        query = torch.randn(1, 9, 1, DIM, generator=generator)
+        with_arrays = attend_codes(query, view, None, 0.125)
+        converted = attend_codes(query, dataclasses.replace(view, arrays=None), None, 0.125)
+        assert with_arrays.shape == (1, 1, 9, DIM)
+        assert torch.equal(with_arrays, converted)  # the same kernel on the same numbers
+
+
+def test_accepted_step_shape_skips_checks_but_changes_are_still_rejected():
+    layer = CompressedLayer(IntCodec(DIM, 4), IntCodec(DIM, 4), 2, 5, attention="codes", encode_batch=4)
+    layer.update(torch.randn(2, 3, 10, DIM), torch.randn(2, 3, 10, DIM))
+    rows = torch.randn(2, 3, 1, DIM)
+    layer.update(rows, rows)
+    layer.update(rows, rows)  # the accepted shape again
+    with pytest.raises(ValueError, match="head_dim"):
+        layer.update(torch.randn(2, 3, 1, DIM + 1), torch.randn(2, 3, 1, DIM + 1))
+    with pytest.raises(ValueError, match="floating"):
+        layer.update(torch.ones(2, 3, 1, DIM, dtype=torch.int64), rows)
+    with pytest.raises(ValueError, match="shape"):
+        layer.update(np.zeros((2, 3, 1, DIM), dtype=np.float32), rows)
+    layer.batch_select_indices(torch.tensor([0]))  # [B, H] changes: the old step shape is no longer valid
+    with pytest.raises(ValueError, match="changed"):
+        layer.update(rows, rows)
+    layer.update(rows[:1], rows[:1])
+
+
+def test_window_numpy_append_equals_the_torch_append():
+    generator = torch.Generator().manual_seed(2)
+    start = torch.randn(2, 3, 4, 5, generator=generator)
+    fast, slow = WindowBuffer(start.clone(), 8), WindowBuffer(start.clone().double(), 8)
+    assert fast.array() is not None and slow.array() is None  # float64: the torch path
+    for n in (1, 1, 3, 1, 6, 1):
+        rows = torch.randn(2, 3, n, 5, generator=generator)
+        fast.append(rows)
+        slow.append(rows)
+        fast.drop_front(1)
+        slow.drop_front(1)
+        assert torch.equal(fast.view(), slow.view().float())
+        assert np.array_equal(fast.array(), fast.view().numpy())
+    broadcast = torch.randn(1, 3, 1, 5, generator=generator)  # a shape numpy would broadcast: torch's copy_
+    fast.append(broadcast)
+    assert torch.equal(fast.view()[..., -1:, :], broadcast.expand(2, 3, 1, 5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_check_input_finiteness_in_every_dtype(dtype):
+    codec = IntCodec(DIM, 4)
+    x = torch.randn(3, 5, DIM).to(dtype)
+    codec.check_input(x)
+    codec.check_input(x.transpose(0, 1))  # non-contiguous
+    for value in (float("nan"), float("inf"), float("-inf")):
+        bad = x.clone()
+        bad[2, 4, DIM - 1] = value
+        with pytest.raises(ValueError, match="NaN or Inf"):
+            codec.check_input(bad)
+    grad = x.to(torch.float32).requires_grad_()
+    codec.check_input(grad)  # autograd tensors take torch's check
