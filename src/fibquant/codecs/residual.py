@@ -32,7 +32,7 @@ from ..codebook.residual import ResidualSpec, beam_search, exhaustive_search, in
 from .base import FP16_MAX, Codec, PlotStyle, SpecParam
 from .bitpack import float16_to_bytes, pack_bits, packed_size, unpack_bits
 from .layout import CodeLayout
-from .rotation import NORM_BYTES, RotationState
+from .rotation import NORM_BYTES, RotationState, check_rotation_seed, rotation_seed_of
 
 DEFAULT_K = 8
 DEFAULT_N = 256
@@ -49,6 +49,7 @@ class ResidualFibQuantConfig:
     beam: int = DEFAULT_BEAM
     norm_correction: bool = False
     seed: int = 0
+    rotation_seed: int | None = None  # the seed of Pi (None: `seed`); the stages stay `seed`'s
 
     def __post_init__(self) -> None:
         ResidualSpec(self.dim, self.k, self.stages, self.n_codewords, self.seed)  # validates those
@@ -56,6 +57,7 @@ class ResidualFibQuantConfig:
             raise ValueError(f"beam must be a positive integer, got {self.beam!r}")
         if not isinstance(self.norm_correction, bool):
             raise ValueError(f"norm_correction must be a bool, got {self.norm_correction!r}")
+        check_rotation_seed(self.rotation_seed)
 
     @property
     def spec(self) -> ResidualSpec:
@@ -74,20 +76,22 @@ class ResidualFibQuantCodec(Codec):
     """Universal residual vector quantizer: float [..., dim] <-> uint8 [..., code_size].
 
     Spec strings: "fibrvq:b=2" (k = 8, N = 256, b stages), "fibrvq:k=8,s=3,n=256", options
-    w=<beam> (default 16) and nc=1 (norm correction)."""
+    w=<beam> (default 16), nc=1 (norm correction) and r=<seed> (another rotation draw)."""
 
     family = "fibrvq"
     spec_params = (SpecParam("b", "bits"), SpecParam("k", "k"), SpecParam("s", "stages"), SpecParam("n", "n"),
-                   SpecParam("w", "beam"), SpecParam("nc", "nc"))
+                   SpecParam("w", "beam"), SpecParam("nc", "nc"), SpecParam("r", "rotation_seed"))
     style = PlotStyle("FibQuant-RVQ (k=8)", "C1", "D")
 
     def __init__(self, dim: int, k: int = DEFAULT_K, stages: int = 2, n_codewords: int = DEFAULT_N,
-                 beam: int = DEFAULT_BEAM, norm_correction: bool = False, seed: int = 0):
-        super().__init__(ResidualFibQuantConfig(dim, k, stages, n_codewords, beam, norm_correction, seed))
+                 beam: int = DEFAULT_BEAM, norm_correction: bool = False, seed: int = 0,
+                 rotation_seed: int | None = None):
+        super().__init__(ResidualFibQuantConfig(dim, k, stages, n_codewords, beam, norm_correction, seed,
+                                                rotation_seed))
         self.k, self.stages, self.n_codewords, self.beam = k, stages, n_codewords, beam
-        self.norm_correction, self.seed = norm_correction, seed
+        self.norm_correction, self.seed, self.rotation_seed = norm_correction, seed, rotation_seed
         self._codebook: torch.Tensor | None = None
-        self._rotation = RotationState(dim, seed, self.device_state)
+        self._rotation = RotationState(dim, rotation_seed_of(seed, rotation_seed), self.device_state)
 
     # ------------------------------------------------------------------ spec strings
     @staticmethod
@@ -108,22 +112,26 @@ class ResidualFibQuantCodec(Codec):
             raise ValueError("fibrvq needs b=<bits> or all of k=<block>, s=<stages>, n=<codewords per stage>")
         if params.get("nc") not in (None, 0, 1):
             raise ValueError(f"fibrvq nc= must be 0 or 1, got {params.get('nc')}")
+        check_rotation_seed(params.get("rotation_seed"))
 
     @classmethod
-    def spec_label(cls, dim: int, bits=None, k=None, stages=None, n=None, beam=None, nc=None) -> str:
+    def spec_label(cls, dim: int, bits=None, k=None, stages=None, n=None, beam=None, nc=None,
+                   rotation_seed=None) -> str:
         k, stages, n = cls._shape_of(dim, bits, k, stages, n)
         rate = stages * index_bits(n) / k
         extra = (f",w={beam}" if beam is not None else "") + (",nc" if nc else "")
+        extra += f",r={rotation_seed}" if rotation_seed is not None else ""
         return f"FibQuant-RVQ b={rate:.4g} (k={k},{stages}x{n}{extra})"
 
     @classmethod
     def from_spec(cls, dim: int, bits=None, k=None, stages=None, n=None, beam=None,
-                  nc=None) -> "ResidualFibQuantCodec":
+                  nc=None, rotation_seed=None) -> "ResidualFibQuantCodec":
         k, stages, n = cls._shape_of(dim, bits, k, stages, n)
-        return cls(dim, k, stages, n, DEFAULT_BEAM if beam is None else beam, bool(nc))
+        return cls(dim, k, stages, n, DEFAULT_BEAM if beam is None else beam, bool(nc), rotation_seed=rotation_seed)
 
     @classmethod
-    def spec_unavailable(cls, dim: int, bits=None, k=None, stages=None, n=None, beam=None, nc=None) -> str | None:
+    def spec_unavailable(cls, dim: int, bits=None, k=None, stages=None, n=None, beam=None, nc=None,
+                         rotation_seed=None) -> str | None:
         k, stages, n = cls._shape_of(dim, bits, k, stages, n)
         spec = ResidualSpec(dim, k, stages, n)
         try:
@@ -214,5 +222,6 @@ class ResidualFibQuantCodec(Codec):
 
     def __repr__(self) -> str:
         return (f"ResidualFibQuantCodec(dim={self.dim}, k={self.k}, stages={self.stages}, N={self.n_codewords}, "
-                f"beam={self.beam}, norm_correction={self.norm_correction}, code_size={self.code_size}B)")
+                f"beam={self.beam}, norm_correction={self.norm_correction}, rotation_seed={self.rotation_seed}, "
+                f"code_size={self.code_size}B)")
 
