@@ -92,12 +92,18 @@ def test_round_trip_shapes_and_unpacked_layout():
 
 
 def test_bad_specs_and_configs():
-    for text, match in (("fibrvq:b=5", "b= must be"), ("fibrvq:b=2,k=8", "not both"), ("fibrvq:k=8,s=2", "needs"),
+    for text, match in (("fibrvq:b=5", "b= must be"), ("fibrvq:b=2,s=2", "not both"), ("fibrvq:k=8,s=2", "needs"),
+                        ("fibrvq:b=2,k=12", "multiple of 8"), ("fibrvq:b=3,k=24", "<= 8 stages"),
                         ("fibrvq:b=2,nc=2", "nc="), ("fibrvq:b=2.5", "integer")):
         with pytest.raises(ValueError, match=match):
             parse_method(text)
     with pytest.raises(ValueError, match="divide"):
         ResidualFibQuantCodec(64, k=6)
+    # b= with k=: b * k / 8 stages of 256 (the same bytes as b= alone)
+    for text, shape in (("fibrvq:b=2,k=8", (8, 2)), ("fibrvq:b=2,k=16", (16, 4)), ("fibrvq:b=4,k=16", (16, 8))):
+        codec = parse_method(text).build(64)
+        assert (codec.k, codec.stages, codec.n_codewords) == (*shape, 256)
+        assert codec.code_size == parse_method(text.split(",")[0]).build(64).code_size
     with pytest.raises(ValueError, match="beam"):
         ResidualFibQuantCodec(64, beam=0)
     with pytest.raises(ValueError, match="stages"):

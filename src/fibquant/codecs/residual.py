@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..codebook.residual import ResidualSpec, beam_search, exhaustive_search, index_bits, load_residual
+from ..codebook.residual import MAX_STAGES, ResidualSpec, beam_search, exhaustive_search, index_bits, load_residual
 from .base import FP16_MAX, Codec, PlotStyle, SpecParam
 from .bitpack import float16_to_bytes, pack_bits, packed_size, unpack_bits
 from .layout import CodeLayout
@@ -75,7 +75,8 @@ class ResidualFibQuantConfig:
 class ResidualFibQuantCodec(Codec):
     """Universal residual vector quantizer: float [..., dim] <-> uint8 [..., code_size].
 
-    Spec strings: "fibrvq:b=2" (k = 8, N = 256, b stages), "fibrvq:k=8,s=3,n=256", options
+    Spec strings: "fibrvq:b=2" (k = 8, N = 256, b stages), "fibrvq:b=2,k=16" (b * k / 8 stages of 256),
+    "fibrvq:k=8,s=3,n=256", options
     w=<beam> (default 16), nc=1 (norm correction) and r=<seed> (another rotation draw)."""
 
     family = "fibrvq"
@@ -96,18 +97,24 @@ class ResidualFibQuantCodec(Codec):
     # ------------------------------------------------------------------ spec strings
     @staticmethod
     def _shape_of(dim: int, bits=None, k=None, stages=None, n=None) -> tuple[int, int, int]:
-        if bits is not None:
-            return DEFAULT_K, RATE_STAGES[bits], DEFAULT_N
+        if bits is not None:  # b= alone: k = 8; b= with k=: b * k / 8 stages of 256
+            block = DEFAULT_K if k is None else k
+            return block, RATE_STAGES[bits] * block // DEFAULT_K, DEFAULT_N
         return k, stages, n
 
     @classmethod
     def check_spec(cls, params: dict) -> None:
         explicit = [params.get(name) for name in ("k", "stages", "n")]
         if params.get("bits") is not None:
-            if any(v is not None for v in explicit):
-                raise ValueError("fibrvq takes b=<bits> or k=,s=,n=, not both")
+            if params.get("stages") is not None or params.get("n") is not None:
+                raise ValueError("fibrvq takes b=<bits> (optionally with k=<block>) or k=,s=,n=, not both")
             if params["bits"] not in RATE_STAGES:
                 raise ValueError(f"fibrvq b= must be one of {tuple(RATE_STAGES)}, got {params['bits']}")
+            block = params.get("k")
+            if block is not None and (block < 1 or block % DEFAULT_K
+                                      or RATE_STAGES[params["bits"]] * block // DEFAULT_K > MAX_STAGES):
+                raise ValueError(f"fibrvq b= with k= needs k a multiple of {DEFAULT_K} with b * k / {DEFAULT_K} "
+                                 f"<= {MAX_STAGES} stages of {DEFAULT_N}, got b={params['bits']}, k={block}")
         elif any(v is None for v in explicit):
             raise ValueError("fibrvq needs b=<bits> or all of k=<block>, s=<stages>, n=<codewords per stage>")
         if params.get("nc") not in (None, 0, 1):
