@@ -177,16 +177,16 @@ def test_build_recipe_is_deterministic_and_stages_help():
     assert meta["recipe"] == R.RECIPE and float(meta["total_mse"]) > 0
 
 
-@pytest.mark.parametrize("stages", [2, 3, 4])
-def test_shipped_stages_match_their_build_record(stages):
+@pytest.mark.parametrize("k,stages", [(8, 2), (8, 3), (8, 4), (16, 4)])
+def test_shipped_stages_match_their_build_record(k, stages):
     from fibquant.codebook import store
 
-    spec = R.ResidualSpec(64, 8, stages, 256)
+    spec = R.ResidualSpec(64, k, stages, 256)
     path = store.SHIPPED_DIR / spec.file_name
     book, meta = store.read_file(path)
-    assert book.shape == (stages, 256, 8) and meta["recipe"] == R.RECIPE
+    assert book.shape == (stages, 256, k) and meta["recipe"] == R.RECIPE
     u = sample_sphere(160, 64, seed=4343)
-    codec = ResidualFibQuantCodec(64, stages=stages)  # beam 16, the construction's
+    codec = ResidualFibQuantCodec(64, k=k, stages=stages)  # beam 16, the construction's
     fresh = float(((codec.roundtrip(u) - u) ** 2).sum(1).mean())
     assert fresh < 1.06 * float(meta["total_mse"]), (fresh, meta["total_mse"])
 
