@@ -92,12 +92,18 @@ def test_round_trip_shapes_and_unpacked_layout():
 
 
 def test_bad_specs_and_configs():
-    for text, match in (("fibrvq:b=5", "b= must be"), ("fibrvq:b=2,k=8", "not both"), ("fibrvq:k=8,s=2", "needs"),
+    for text, match in (("fibrvq:b=5", "b= must be"), ("fibrvq:b=2,s=2", "not both"), ("fibrvq:k=8,s=2", "needs"),
+                        ("fibrvq:b=2,k=12", "multiple of 8"), ("fibrvq:b=3,k=24", "<= 8 stages"),
                         ("fibrvq:b=2,nc=2", "nc="), ("fibrvq:b=2.5", "integer")):
         with pytest.raises(ValueError, match=match):
             parse_method(text)
     with pytest.raises(ValueError, match="divide"):
         ResidualFibQuantCodec(64, k=6)
+    # b= with k=: b * k / 8 stages of 256 (the same bytes as b= alone)
+    for text, shape in (("fibrvq:b=2,k=8", (8, 2)), ("fibrvq:b=2,k=16", (16, 4)), ("fibrvq:b=4,k=16", (16, 8))):
+        codec = parse_method(text).build(64)
+        assert (codec.k, codec.stages, codec.n_codewords) == (*shape, 256)
+        assert codec.code_size == parse_method(text.split(",")[0]).build(64).code_size
     with pytest.raises(ValueError, match="beam"):
         ResidualFibQuantCodec(64, beam=0)
     with pytest.raises(ValueError, match="stages"):
@@ -171,16 +177,16 @@ def test_build_recipe_is_deterministic_and_stages_help():
     assert meta["recipe"] == R.RECIPE and float(meta["total_mse"]) > 0
 
 
-@pytest.mark.parametrize("stages", [2, 3, 4])
-def test_shipped_stages_match_their_build_record(stages):
+@pytest.mark.parametrize("k,stages", [(8, 2), (8, 3), (8, 4), (16, 4)])
+def test_shipped_stages_match_their_build_record(k, stages):
     from fibquant.codebook import store
 
-    spec = R.ResidualSpec(64, 8, stages, 256)
+    spec = R.ResidualSpec(64, k, stages, 256)
     path = store.SHIPPED_DIR / spec.file_name
     book, meta = store.read_file(path)
-    assert book.shape == (stages, 256, 8) and meta["recipe"] == R.RECIPE
+    assert book.shape == (stages, 256, k) and meta["recipe"] == R.RECIPE
     u = sample_sphere(160, 64, seed=4343)
-    codec = ResidualFibQuantCodec(64, stages=stages)  # beam 16, the construction's
+    codec = ResidualFibQuantCodec(64, k=k, stages=stages)  # beam 16, the construction's
     fresh = float(((codec.roundtrip(u) - u) ** 2).sum(1).mean())
     assert fresh < 1.06 * float(meta["total_mse"]), (fresh, meta["total_mse"])
 

@@ -50,6 +50,10 @@ def register_eval(eval_subparsers) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=None)
     parser.add_argument("--attention", choices=("codes", "decode"), default=defaults.attention)
     parser.add_argument("--seed", type=int, default=defaults.seed)
+    add_list_argument(parser, "--rotation-seeds", default=None, metavar="SEED",
+                      help="run every codec that takes a rotation seed (fibquant, fibrvq, turboquant: spec key r=) "
+                           "once per seed and report the mean and sd over the draws, e.g. 0 1 2 3; peers and fp "
+                           "run once (default: each codec's own rotation, once)")
     parser.add_argument("--build-codebooks", action="store_true",
                         help="build FibQuant codebooks that are neither shipped nor cached (can be slow)")
     parser.add_argument("--no-progress", action="store_true")
@@ -65,7 +69,8 @@ def config_from_args(args: argparse.Namespace):
     sizes = {field: (tuple(value) if isinstance(value, list) else value)
              for dest, field in SIZE_FLAGS.items() if (value := getattr(args, dest)) is not None}
     common = dict(text=args.text, metrics=tuple(args.metrics), sink_tokens=args.sink_tokens,
-                  recent_tokens=args.recent_tokens, attention=args.attention, seed=args.seed)
+                  recent_tokens=args.recent_tokens, attention=args.attention, seed=args.seed,
+                  rotation_seeds=tuple(args.rotation_seeds or ()))
     return PeersConfig.quick(**common, **sizes) if args.quick else PeersConfig(**common, **sizes)
 
 

@@ -46,7 +46,7 @@ from ..codebook.search import nearest_codeword
 from .base import FP16_MAX, Codec, PlotStyle, RotatedCodebook, SpecParam
 from .bitpack import float16_to_bytes, pack_bits, packed_size, unpack_bits
 from .layout import CodeLayout
-from .rotation import NORM_BYTES, RotationState
+from .rotation import NORM_BYTES, RotationState, check_rotation_seed, rotation_seed_of
 
 MAX_SEARCH_CODEWORDS = 4096  # for_rate never picks more (search cost N*k per block)
 MAX_GRID_CODEWORDS = 1024    # the grid-pruned search's tables cost boxes * N to build
@@ -59,11 +59,13 @@ class FibQuantConfig:
     n_codewords: int
     seed: int = 0
     norm_correction: bool = False  # store ||x|| / ||u_hat|| in place of ||x|| (same 2 bytes)
+    rotation_seed: int | None = None  # the seed of Pi (None: `seed`); the codebook stays `seed`'s
 
     def __post_init__(self) -> None:
         CodebookSpec(self.dim, self.k, self.n_codewords, self.seed)  # validates all four
         if not isinstance(self.norm_correction, bool):
             raise ValueError(f"norm_correction must be a bool, got {self.norm_correction!r}")
+        check_rotation_seed(self.rotation_seed)
 
     @property
     def index_bits(self) -> int:
@@ -101,29 +103,33 @@ class FibQuantCodec(Codec):
     """
 
     family = "fibquant"
-    spec_params = (SpecParam("b", "bits", float), SpecParam("k", "k"), SpecParam("n", "n"), SpecParam("nc", "nc"))
+    spec_params = (SpecParam("b", "bits", float), SpecParam("k", "k"), SpecParam("n", "n"), SpecParam("nc", "nc"),
+                   SpecParam("r", "rotation_seed"))
     style = PlotStyle("FibQuant", "C3", "o", frontier="frontier; dots: all k, N")
     # CPU encode through the numba search (codebook/fast_search.py) when numba imports; False: the
     # torch path (`search_method`), which CUDA tensors always take. Both give the reference's codes.
     fast_search = True
 
-    def __init__(self, dim: int, k: int, n_codewords: int, seed: int = 0, norm_correction: bool = False):
-        super().__init__(FibQuantConfig(dim, k, n_codewords, seed, norm_correction))
+    def __init__(self, dim: int, k: int, n_codewords: int, seed: int = 0, norm_correction: bool = False,
+                 rotation_seed: int | None = None):
+        super().__init__(FibQuantConfig(dim, k, n_codewords, seed, norm_correction, rotation_seed))
         self.k, self.n_codewords, self.seed, self.norm_correction = k, n_codewords, seed, norm_correction
+        self.rotation_seed = rotation_seed
         self._codebook = None  # loaded (or built) on first use: constructing a codec is cheap
         self._cpu_encode = None  # (NumbaSearch, Pi^T) once built (both also held in device_state)
-        self._rotation = RotationState(dim, seed, self.device_state)
+        self._rotation = RotationState(dim, rotation_seed_of(seed, rotation_seed), self.device_state)
         cells = default_cells(k)
         # Exact grid-pruned search for small k and N, chunked matmul search otherwise.
         self.search_method = "grid" if cells is not None and n_codewords <= MAX_GRID_CODEWORDS else "matmul"
 
     @classmethod
-    def for_rate(cls, dim: int, bits: float, seed: int = 0, norm_correction: bool = False) -> "FibQuantCodec":
+    def for_rate(cls, dim: int, bits: float, seed: int = 0, norm_correction: bool = False,
+                 rotation_seed: int | None = None) -> "FibQuantCodec":
         """The codec for `bits` per coordinate (see the module table)."""
         if not isinstance(dim, int) or dim < 2:
             raise ValueError(f"dim must be an integer >= 2, got {dim!r}")
         k, n_codewords = choose_block(dim, bits)
-        return cls(dim, k, n_codewords, seed, norm_correction)
+        return cls(dim, k, n_codewords, seed, norm_correction, rotation_seed)
 
     @staticmethod
     def block_of(dim: int, bits: float | None = None, k: int | None = None, n: int | None = None) -> tuple[int, int]:
@@ -139,23 +145,25 @@ class FibQuantCodec(Codec):
             raise ValueError("fibquant takes b=<bits> or k=<block>,n=<codewords>, not both")
         if params.get("nc") not in (None, 0, 1):
             raise ValueError(f"fibquant nc= (norm correction) must be 0 or 1, got {params.get('nc')}")
+        check_rotation_seed(params.get("rotation_seed"))
 
     @classmethod
     def spec_label(cls, dim: int, bits: float | None = None, k: int | None = None, n: int | None = None,
-                   nc: int | None = None) -> str:
+                   nc: int | None = None, rotation_seed: int | None = None) -> str:
         k, n = cls.block_of(dim, bits, k, n)
-        return f"FibQuant b={(n - 1).bit_length() / k:.4g} (k={k},N={n}{',nc' if nc else ''})"
+        extra = (",nc" if nc else "") + (f",r={rotation_seed}" if rotation_seed is not None else "")
+        return f"FibQuant b={(n - 1).bit_length() / k:.4g} (k={k},N={n}{extra})"
 
     @classmethod
     def from_spec(cls, dim: int, bits: float | None = None, k: int | None = None,
-                  n: int | None = None, nc: int | None = None) -> "FibQuantCodec":
+                  n: int | None = None, nc: int | None = None, rotation_seed: int | None = None) -> "FibQuantCodec":
         if k is not None:
-            return cls(dim, k, n, norm_correction=bool(nc))
-        return cls.for_rate(dim, bits, norm_correction=bool(nc))
+            return cls(dim, k, n, norm_correction=bool(nc), rotation_seed=rotation_seed)
+        return cls.for_rate(dim, bits, norm_correction=bool(nc), rotation_seed=rotation_seed)
 
     @classmethod
     def spec_unavailable(cls, dim: int, bits: float | None = None, k: int | None = None,
-                         n: int | None = None, nc: int | None = None) -> str | None:
+                         n: int | None = None, nc: int | None = None, rotation_seed: int | None = None) -> str | None:
         k, n = cls.block_of(dim, bits, k, n)
         try:
             load_codebook(dim, k, n, build=False)
@@ -286,6 +294,7 @@ class FibQuantCodec(Codec):
         return CodeLayout(self.n_codewords, self.config.n_blocks, NORM_BYTES)
 
     def __repr__(self) -> str:
-        return (f"FibQuantCodec(dim={self.dim}, k={self.k}, N={self.n_codewords}, seed={self.seed}, "
+        rotation = f", rotation_seed={self.rotation_seed}" if self.rotation_seed is not None else ""
+        return (f"FibQuantCodec(dim={self.dim}, k={self.k}, N={self.n_codewords}, seed={self.seed}{rotation}, "
                 f"bits/coord={self.bits_per_coordinate:.4g}, code_size={self.code_size}B, "
                 f"ratio={self.compression_ratio:.2f}x)")

@@ -6,7 +6,10 @@ Spec strings (also accepted on the command line):
     fibquant:k=64,n=4096    FibQuant with an explicit block size and codebook size
     fibquant:b=2,nc=1       FibQuant with norm correction (stores ||x|| / ||u_hat||, same bytes)
     fibrvq:b=2              FibQuant-RVQ: universal residual codes in k = 8, b stages of 256 (beam search)
+    fibrvq:b=2,k=16         FibQuant-RVQ in 16-dimensional blocks, b * 2 stages of 256 (same bytes)
     turboquant:b=3          TurboQuant (scalar Lloyd-Max after a rotation), integer bits 1..4
+    fibquant:b=2,r=3        any rotation-based codec (fibquant, fibrvq, turboquant) with the Haar rotation
+                            of seed 3 (the same codebook; for means over draws, `eval peers --rotation-seeds`)
     int:b=4                 per-token asymmetric INT quantization
     lowrank:r=8             calibrated PCA projection (fitted per layer and KV head)
     rvq:s=2,n=256           learned residual VQ, s stages of n codewords (fitted per layer and KV head)

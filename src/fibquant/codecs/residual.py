@@ -29,12 +29,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..codebook.residual import ResidualSpec, beam_search, exhaustive_search, index_bits, load_residual
+from ..codebook.residual import MAX_STAGES, ResidualSpec, beam_search, exhaustive_search, index_bits, load_residual
 from ..codebook.residual_numba import beam_tables, fast_beam_search
 from .base import FP16_MAX, Codec, PlotStyle, RotatedStages, SpecParam
 from .bitpack import float16_to_bytes, pack_bits, packed_size, unpack_bits
 from .layout import CodeLayout
-from .rotation import NORM_BYTES, RotationState
+from .rotation import NORM_BYTES, RotationState, check_rotation_seed, rotation_seed_of
 
 DEFAULT_K = 8
 DEFAULT_N = 256
@@ -51,6 +51,7 @@ class ResidualFibQuantConfig:
     beam: int = DEFAULT_BEAM
     norm_correction: bool = False
     seed: int = 0
+    rotation_seed: int | None = None  # the seed of Pi (None: `seed`); the stages stay `seed`'s
 
     def __post_init__(self) -> None:
         ResidualSpec(self.dim, self.k, self.stages, self.n_codewords, self.seed)  # validates those
@@ -58,6 +59,7 @@ class ResidualFibQuantConfig:
             raise ValueError(f"beam must be a positive integer, got {self.beam!r}")
         if not isinstance(self.norm_correction, bool):
             raise ValueError(f"norm_correction must be a bool, got {self.norm_correction!r}")
+        check_rotation_seed(self.rotation_seed)
 
     @property
     def spec(self) -> ResidualSpec:
@@ -75,58 +77,71 @@ class ResidualFibQuantConfig:
 class ResidualFibQuantCodec(Codec):
     """Universal residual vector quantizer: float [..., dim] <-> uint8 [..., code_size].
 
-    Spec strings: "fibrvq:b=2" (k = 8, N = 256, b stages), "fibrvq:k=8,s=3,n=256", options
-    w=<beam> (default 16) and nc=1 (norm correction)."""
+    Spec strings: "fibrvq:b=2" (k = 8, N = 256, b stages), "fibrvq:b=2,k=16" (b * k / 8 stages of 256),
+    "fibrvq:k=8,s=3,n=256", options
+    w=<beam> (default 16), nc=1 (norm correction) and r=<seed> (another rotation draw)."""
 
     family = "fibrvq"
     spec_params = (SpecParam("b", "bits"), SpecParam("k", "k"), SpecParam("s", "stages"), SpecParam("n", "n"),
-                   SpecParam("w", "beam"), SpecParam("nc", "nc"))
+                   SpecParam("w", "beam"), SpecParam("nc", "nc"), SpecParam("r", "rotation_seed"))
     style = PlotStyle("FibQuant-RVQ (k=8)", "C1", "D")
 
     def __init__(self, dim: int, k: int = DEFAULT_K, stages: int = 2, n_codewords: int = DEFAULT_N,
-                 beam: int = DEFAULT_BEAM, norm_correction: bool = False, seed: int = 0):
-        super().__init__(ResidualFibQuantConfig(dim, k, stages, n_codewords, beam, norm_correction, seed))
+                 beam: int = DEFAULT_BEAM, norm_correction: bool = False, seed: int = 0,
+                 rotation_seed: int | None = None):
+        super().__init__(ResidualFibQuantConfig(dim, k, stages, n_codewords, beam, norm_correction, seed,
+                                                rotation_seed))
         self.k, self.stages, self.n_codewords, self.beam = k, stages, n_codewords, beam
-        self.norm_correction, self.seed = norm_correction, seed
+        self.norm_correction, self.seed, self.rotation_seed = norm_correction, seed, rotation_seed
         self.fast_search = True  # the numba beam search (same codes as the torch one); False: torch's
         self._codebook: torch.Tensor | None = None
-        self._rotation = RotationState(dim, seed, self.device_state)
+        self._rotation = RotationState(dim, rotation_seed_of(seed, rotation_seed), self.device_state)
 
     # ------------------------------------------------------------------ spec strings
     @staticmethod
     def _shape_of(dim: int, bits=None, k=None, stages=None, n=None) -> tuple[int, int, int]:
-        if bits is not None:
-            return DEFAULT_K, RATE_STAGES[bits], DEFAULT_N
+        if bits is not None:  # b= alone: k = 8; b= with k=: b * k / 8 stages of 256
+            block = DEFAULT_K if k is None else k
+            return block, RATE_STAGES[bits] * block // DEFAULT_K, DEFAULT_N
         return k, stages, n
 
     @classmethod
     def check_spec(cls, params: dict) -> None:
         explicit = [params.get(name) for name in ("k", "stages", "n")]
         if params.get("bits") is not None:
-            if any(v is not None for v in explicit):
-                raise ValueError("fibrvq takes b=<bits> or k=,s=,n=, not both")
+            if params.get("stages") is not None or params.get("n") is not None:
+                raise ValueError("fibrvq takes b=<bits> (optionally with k=<block>) or k=,s=,n=, not both")
             if params["bits"] not in RATE_STAGES:
                 raise ValueError(f"fibrvq b= must be one of {tuple(RATE_STAGES)}, got {params['bits']}")
+            block = params.get("k")
+            if block is not None and (block < 1 or block % DEFAULT_K
+                                      or RATE_STAGES[params["bits"]] * block // DEFAULT_K > MAX_STAGES):
+                raise ValueError(f"fibrvq b= with k= needs k a multiple of {DEFAULT_K} with b * k / {DEFAULT_K} "
+                                 f"<= {MAX_STAGES} stages of {DEFAULT_N}, got b={params['bits']}, k={block}")
         elif any(v is None for v in explicit):
             raise ValueError("fibrvq needs b=<bits> or all of k=<block>, s=<stages>, n=<codewords per stage>")
         if params.get("nc") not in (None, 0, 1):
             raise ValueError(f"fibrvq nc= must be 0 or 1, got {params.get('nc')}")
+        check_rotation_seed(params.get("rotation_seed"))
 
     @classmethod
-    def spec_label(cls, dim: int, bits=None, k=None, stages=None, n=None, beam=None, nc=None) -> str:
+    def spec_label(cls, dim: int, bits=None, k=None, stages=None, n=None, beam=None, nc=None,
+                   rotation_seed=None) -> str:
         k, stages, n = cls._shape_of(dim, bits, k, stages, n)
         rate = stages * index_bits(n) / k
         extra = (f",w={beam}" if beam is not None else "") + (",nc" if nc else "")
+        extra += f",r={rotation_seed}" if rotation_seed is not None else ""
         return f"FibQuant-RVQ b={rate:.4g} (k={k},{stages}x{n}{extra})"
 
     @classmethod
     def from_spec(cls, dim: int, bits=None, k=None, stages=None, n=None, beam=None,
-                  nc=None) -> "ResidualFibQuantCodec":
+                  nc=None, rotation_seed=None) -> "ResidualFibQuantCodec":
         k, stages, n = cls._shape_of(dim, bits, k, stages, n)
-        return cls(dim, k, stages, n, DEFAULT_BEAM if beam is None else beam, bool(nc))
+        return cls(dim, k, stages, n, DEFAULT_BEAM if beam is None else beam, bool(nc), rotation_seed=rotation_seed)
 
     @classmethod
-    def spec_unavailable(cls, dim: int, bits=None, k=None, stages=None, n=None, beam=None, nc=None) -> str | None:
+    def spec_unavailable(cls, dim: int, bits=None, k=None, stages=None, n=None, beam=None, nc=None,
+                         rotation_seed=None) -> str | None:
         k, stages, n = cls._shape_of(dim, bits, k, stages, n)
         spec = ResidualSpec(dim, k, stages, n)
         try:
@@ -227,5 +242,6 @@ class ResidualFibQuantCodec(Codec):
 
     def __repr__(self) -> str:
         return (f"ResidualFibQuantCodec(dim={self.dim}, k={self.k}, stages={self.stages}, N={self.n_codewords}, "
-                f"beam={self.beam}, norm_correction={self.norm_correction}, code_size={self.code_size}B)")
+                f"beam={self.beam}, norm_correction={self.norm_correction}, rotation_seed={self.rotation_seed}, "
+                f"code_size={self.code_size}B)")
 

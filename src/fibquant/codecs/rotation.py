@@ -15,6 +15,21 @@ from .base import FP16_MAX, DeviceState
 from .bitpack import bytes_to_float16, float16_to_bytes
 
 NORM_BYTES = 2  # the norm nu is stored as IEEE fp16
+ROTATION_SEED_PARAM = "rotation_seed"  # the spec keyword (key "r") of every codec whose rotation is a seed
+
+
+def check_rotation_seed(rotation_seed) -> None:
+    """A codec config's `rotation_seed`: None (the rotation of the codec's `seed`) or an integer >= 0."""
+    if rotation_seed is not None and (isinstance(rotation_seed, bool) or not isinstance(rotation_seed, int)
+                                      or rotation_seed < 0):
+        raise ValueError(f"rotation_seed must be None or a non-negative integer, got {rotation_seed!r}")
+
+
+def rotation_seed_of(seed: int, rotation_seed) -> int:
+    """The seed of Pi: `rotation_seed` where given, else the codec's `seed` (what every codec used before
+    the field existed, so a saved config without it decodes as it always did). Only Pi changes with it:
+    the universal codebook is fitted on the rotation-invariant canonical source and stays that of `seed`."""
+    return seed if rotation_seed is None else rotation_seed
 
 
 class RotationState:

@@ -19,7 +19,7 @@ from ..codebook.search import nearest_level
 from .base import Codec, PlotStyle, RotatedCodebook, SpecParam
 from .bitpack import pack_bits, packed_size, unpack_bits
 from .layout import CodeLayout
-from .rotation import NORM_BYTES, RotationState
+from .rotation import NORM_BYTES, RotationState, check_rotation_seed, rotation_seed_of
 
 SUPPORTED_BITS = (1, 2, 3, 4)
 
@@ -29,6 +29,7 @@ class TurboQuantConfig:
     dim: int
     bits: int
     seed: int = 0
+    rotation_seed: int | None = None  # the seed of Pi (None: `seed`); the levels do not depend on it
 
     def __post_init__(self) -> None:
         if not isinstance(self.dim, int) or isinstance(self.dim, bool) or self.dim < 2:
@@ -37,37 +38,39 @@ class TurboQuantConfig:
             raise ValueError(f"TurboQuantCodec supports bits in {SUPPORTED_BITS}, got {self.bits!r}")
         if not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+        check_rotation_seed(self.rotation_seed)
 
 
 class TurboQuantCodec(Codec):
     """Scalar Lloyd-Max after a random rotation: float [..., dim] <-> uint8 [..., code_size].
 
-    Spec string: "turboquant:b=3". The level table loads on first use.
+    Spec string: "turboquant:b=3" (",r=<seed>": another rotation draw). The level table loads on first use.
     """
 
     family = "turboquant"
-    spec_params = (SpecParam("b", "bits"),)
+    spec_params = (SpecParam("b", "bits"), SpecParam("r", "rotation_seed"))
     style = PlotStyle("TurboQuant", "C0", "s")
 
-    def __init__(self, dim: int, bits: int, seed: int = 0):
-        super().__init__(TurboQuantConfig(dim, bits, seed))
-        self.bits, self.seed = bits, seed
+    def __init__(self, dim: int, bits: int, seed: int = 0, rotation_seed: int | None = None):
+        super().__init__(TurboQuantConfig(dim, bits, seed, rotation_seed))
+        self.bits, self.seed, self.rotation_seed = bits, seed, rotation_seed
         self._levels: torch.Tensor | None = None
         self._thresholds: torch.Tensor | None = None
-        self._rotation = RotationState(dim, seed, self.device_state)
+        self._rotation = RotationState(dim, rotation_seed_of(seed, rotation_seed), self.device_state)
 
     @classmethod
     def check_spec(cls, params: dict) -> None:
         if params.get("bits") is None:
             raise ValueError("turboquant needs b=<bits>")
+        check_rotation_seed(params.get("rotation_seed"))
 
     @classmethod
-    def spec_label(cls, dim: int, bits: int) -> str:
-        return f"TurboQuant b={bits:g}"
+    def spec_label(cls, dim: int, bits: int, rotation_seed: int | None = None) -> str:
+        return f"TurboQuant b={bits:g}" + (f" (r={rotation_seed})" if rotation_seed is not None else "")
 
     @classmethod
-    def from_spec(cls, dim: int, bits: int) -> "TurboQuantCodec":
-        return cls(dim, bits)
+    def from_spec(cls, dim: int, bits: int, rotation_seed: int | None = None) -> "TurboQuantCodec":
+        return cls(dim, bits, rotation_seed=rotation_seed)
 
     @property
     def levels(self) -> torch.Tensor:

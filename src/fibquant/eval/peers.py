@@ -20,6 +20,15 @@ installed, a codebook neither shipped nor cached) are kept as rows with the reas
 figures. The report is one JSON (`peers.json`), one Markdown table and one plot per metric
 (`peers_<metric>.md` / `.png`, all tables also in `peers.md`, an overview in `peers.png`), under
 `results/peers` by default.
+
+Rotation draws (`PeersConfig.rotation_seeds`, `--rotation-seeds 0 1 2 3`): the Haar rotation Pi of
+FibQuant, FibQuant-RVQ and TurboQuant leaves attention unchanged, yet which draw is used moves a
+codec's figures by more than the gaps between methods. With seeds given, every spec whose sides
+take a rotation seed (`rotation_seed`, spec key `r=`) runs once per seed (`fibquant:b=2,r=1`, ...;
+the codebooks stay the same universal ones) and its row holds the mean over the draws, with
+`<metric>_sd` (sample standard deviation), `<metric>_per_seed` and `rotations` (how many draws); a
+peer, fp, or a spec that fixes `r=` itself runs once (`rotations` 1). The parts keep one row per
+draw, each naming its `rotation_of` spec.
 """
 from __future__ import annotations
 
@@ -73,10 +82,18 @@ class PeersConfig:
     depths: tuple = (0.0, 0.25, 0.5, 0.75, 1.0)
     keys_per_cell: int = 2
     max_new_tokens: int = 8
+    # rotation draws of the codecs that take a rotation seed (empty: each codec's own rotation, once)
+    rotation_seeds: tuple = ()
 
     def __post_init__(self) -> None:
         if not self.metrics or any(m not in METRICS for m in self.metrics):
             raise ValueError(f"metrics must be a non-empty subset of {METRICS}, got {self.metrics!r}")
+        seeds = self.rotation_seeds
+        if not isinstance(seeds, tuple) or any(isinstance(s, bool) or not isinstance(s, int) or s < 0
+                                               for s in seeds):
+            raise ValueError(f"rotation_seeds must be a tuple of non-negative integers, got {seeds!r}")
+        if len(set(seeds)) != len(seeds):
+            raise ValueError(f"rotation_seeds must not repeat a seed, got {seeds!r}")
         for m in self.metrics:  # the experiments' own checks
             getattr(self, f"{m}_config")()
 
@@ -151,6 +168,101 @@ def run_fidelity_specs(model, tokenizer, specs, config, progress: bool = True) -
             "layers": list(range(captured.num_layers)), "rows": rows}
 
 
+# --------------------------------------------------------------------------- rotation draws
+
+ROTATION_KEY = "rotation_seed"  # the spec keyword of codecs whose Haar rotation is a seed (key "r")
+SPREAD_KEYS = ("cosine", "cosine_worst_layer", "perplexity", "perplexity_change_pct", "second_half_change_pct",
+               "kl", "top1_agreement", "needle_accuracy")  # the merged figures that get _sd and _per_seed
+
+
+def takes_rotation_seed(side) -> bool:
+    """Whether one cache side is our codec with a rotation seed it does not fix itself."""
+    if side.is_peer:
+        return False
+    declared = {p.name for p in side.quantizer.codec_class.spec_params}
+    return ROTATION_KEY in declared and side.quantizer.param(ROTATION_KEY) is None
+
+
+def rotation_variant(spec, seed: int):
+    """`spec` with every side that takes a rotation seed at rotation `seed` (a CacheSpec), or None when
+    no side takes one (fp, a peer, a spec fixing r= itself): such a spec runs once."""
+    from fibquant.codecs.registry import Method
+    from fibquant.kv.specs import Side
+
+    if spec.is_fp or not (takes_rotation_seed(spec.key) or takes_rotation_seed(spec.value)):
+        return None
+
+    def seeded(side):
+        if not takes_rotation_seed(side):
+            return side
+        return Side(Method(side.quantizer.family, **side.quantizer.kwargs, **{ROTATION_KEY: seed}))
+
+    return dataclasses.replace(spec, key=seeded(spec.key), value=seeded(spec.value))
+
+
+def expand_rotations(specs, seeds) -> tuple[list, dict]:
+    """(the specs to run, {run spec string: (its row's spec string, seed or None)}): every spec that takes
+    a rotation seed once per seed, every other spec (and every spec when `seeds` is empty) as given."""
+    runs, origin = [], {}
+    for spec in specs:
+        variants = [(rotation_variant(spec, seed), seed) for seed in seeds]
+        if not variants or variants[0][0] is None:
+            runs.append(spec)
+            origin[spec.spec] = (spec.spec, None)
+            continue
+        for variant, seed in variants:
+            runs.append(variant)
+            origin[variant.spec] = (spec.spec, seed)
+    return runs, origin
+
+
+def merge_rotations(part_rows: list[dict], origin: dict, fields) -> dict:
+    """{row spec: merged figures} from an experiment's rows (one per run spec): each of `fields` as the
+    mean over a spec's draws (a bool: all of them), with `<field>_sd` (sample sd, 0 for one draw) and
+    `<field>_per_seed` for SPREAD_KEYS, and `rotations` / `rotation_seeds`. Tags each part row with
+    `rotation_of` and `rotation_seed`."""
+    import statistics
+
+    grouped: dict = {}
+    for row in part_rows:
+        cache, seed = origin[row["cache"]]
+        row["rotation_of"], row["rotation_seed"] = cache, seed
+        grouped.setdefault(cache, []).append(row)
+    merged = {}
+    for cache, rows in grouped.items():
+        out = {"rotations": len(rows), "rotation_seeds": [r["rotation_seed"] for r in rows]
+               if rows[0]["rotation_seed"] is not None else []}
+        for field, key in fields.items():
+            values = [r.get(key) for r in rows]
+            if any(v is None for v in values):
+                out[field] = None
+            elif all(isinstance(v, bool) for v in values):
+                out[field] = all(values)
+            elif len(values) == 1:
+                out[field] = values[0]
+            else:
+                out[field] = float(statistics.fmean(values))
+            if field in SPREAD_KEYS:
+                ok = out[field] is not None and not isinstance(out[field], bool)
+                out[f"{field}_sd"] = (statistics.stdev(values) if len(values) > 1 else 0.0) if ok else None
+                out[f"{field}_per_seed"] = [float(v) for v in values] if ok else None
+        merged[cache] = out
+    return merged
+
+
+def mean_part_rows(part_rows: list[dict], merged: dict, fields) -> list[dict]:
+    """One part row per row spec (the first draw's, named by the row spec, its `fields` replaced by the
+    means over the draws): what an experiment's own checks judge when rotations were drawn."""
+    out, seen = [], set()
+    for row in part_rows:
+        cache = row["rotation_of"]
+        if cache in seen:
+            continue
+        seen.add(cache)
+        out.append(row | {"cache": cache} | {key: merged[cache][field] for field, key in fields.items()})
+    return out
+
+
 # --------------------------------------------------------------------------- the run
 
 def kind_of(spec) -> str:
@@ -198,35 +310,38 @@ def run(config: PeersConfig = PeersConfig(), caches=None, build_codebooks: bool 
         notes += why
         rows.append(spec_row(spec, dim, None if ok else "; ".join(why) or "not available here"))
     by_cache = {row["cache"]: row for row in rows}
+    runs, origin = expand_rotations(ready, config.rotation_seeds)  # one run per rotation draw where seeded
+
+    def merge(part_rows, fields) -> list[dict]:
+        merged = merge_rotations(part_rows, origin, fields)
+        for cache, figures in merged.items():
+            by_cache[cache].update(figures)
+        return mean_part_rows(part_rows, merged, fields)
 
     parts, timing = {}, {}
     if "fidelity" in config.metrics:
         with Stopwatch() as watch:
-            part = run_fidelity_specs(model, tokenizer, ready, config.fidelity_config(), progress)
+            part = run_fidelity_specs(model, tokenizer, runs, config.fidelity_config(), progress)
         timing["fidelity_s"] = watch.seconds
-        for r in part["rows"]:
-            by_cache[r["cache"]].update(cosine=r["cosine"], cosine_worst_layer=r["cosine_worst_layer"])
+        merge(part["rows"], {"cosine": "cosine", "cosine_worst_layer": "cosine_worst_layer"})
         parts["fidelity"] = part
     if "perplexity" in config.metrics:
         with Stopwatch() as watch:
-            part = run_perplexity(model, tokenizer, ready, config.perplexity_config(), progress)
+            part = run_perplexity(model, tokenizer, runs, config.perplexity_config(), progress)
         timing["perplexity_s"] = watch.seconds
-        for r in part["rows"]:
-            by_cache[r["cache"]].update({k: r.get(k) for k in (
-                "perplexity", "perplexity_change_pct", "perplexity_second_half", "second_half_change_pct",
-                "kl", "top1_agreement", "cache_bytes_per_token")})
-        part["checks"] = perplexity_checks(part["rows"])
+        means = merge(part["rows"], {k: k for k in (
+            "perplexity", "perplexity_change_pct", "perplexity_second_half", "second_half_change_pct",
+            "kl", "top1_agreement", "cache_bytes_per_token")})
+        part["checks"] = perplexity_checks(means)
         parts["perplexity"] = part
     if "needle" in config.metrics:
         with Stopwatch() as watch:
-            part = run_needle(model, tokenizer, ready, config.needle_config(), progress)
+            part = run_needle(model, tokenizer, runs, config.needle_config(), progress)
         timing["needle_s"] = watch.seconds
-        for r in part["rows"]:
-            extra = {"needle_accuracy": r["accuracy"], "needle_trials": r["trials"],
-                     "needle_misses_vs_fp": r.get("misses_where_fp_right"), "needle_equals_fp": r.get("equals_fp")}
-            extra |= {f"needle_acc_{n}": r[f"acc_{n}"] for n in config.lengths}
-            by_cache[r["cache"]].update(extra)
-        part["targets"] = needle_targets(part["rows"])
+        fields = {"needle_accuracy": "accuracy", "needle_trials": "trials",
+                  "needle_misses_vs_fp": "misses_where_fp_right", "needle_equals_fp": "equals_fp"}
+        means = merge(part["rows"], fields | {f"needle_acc_{n}": f"acc_{n}" for n in config.lengths})
+        part["targets"] = needle_targets(means)
         part["checks"] = target_checks(part)
         parts["needle"] = part
     payload = {
@@ -298,15 +413,24 @@ def metric_columns(payload: dict, metric: str) -> list[tuple[str, str, str]]:
     base = [("label", "method", ""), ("kind", "kind", ""), ("key_bytes", "K B/vec", ".4g"),
             ("value_bytes", "V B/vec", ".4g"), ("bytes_per_vector", "B/vec (K+V)/2", ".4g"),
             ("codes_ratio", "K+V vs fp16", ".2f")]
+    seeded = bool(payload["config"].get("rotation_seeds"))
     if metric == "fidelity":
-        cols = [("cosine", "attn cosine", ".4f"), ("cosine_worst_layer", "worst layer", ".4f")]
+        cols = [("cosine", "attn cosine", ".4f")] + ([("cosine_sd", "sd", ".4f")] if seeded else []) + \
+            [("cosine_worst_layer", "worst layer", ".4f")]
     elif metric == "perplexity":
         cols = [("cache_bytes_per_token", "cache B/token", ".0f"), ("perplexity", "perplexity", ".3f"),
-                ("perplexity_change_pct", "change %", "+.2f"), ("second_half_change_pct", "2nd half %", "+.2f"),
-                ("kl", "KL vs fp (nats)", ".4f"), ("top1_agreement", "top-1 = fp", ".3f")]
+                ("perplexity_change_pct", "change %", "+.2f")]
+        cols += [("perplexity_change_pct_sd", "sd", ".2f")] if seeded else []
+        cols += [("second_half_change_pct", "2nd half %", "+.2f"), ("kl", "KL vs fp (nats)", ".4f")]
+        cols += [("kl_sd", "KL sd", ".4f")] if seeded else []
+        cols += [("top1_agreement", "top-1 = fp", ".3f")]
     else:
         cols = [(f"needle_acc_{n}", f"acc {n}", ".2f") for n in payload["config"]["lengths"]]
-        cols += [("needle_accuracy", "acc", ".3f"), ("needle_misses_vs_fp", "misses vs fp", "d")]
+        cols += [("needle_accuracy", "acc", ".3f")] + ([("needle_accuracy_sd", "sd", ".3f")] if seeded else [])
+        # a mean over draws need not be a whole number
+        cols += [("needle_misses_vs_fp", "misses vs fp", ".3g" if seeded else "d")]
+    if seeded:
+        cols.append(("rotations", "rotations", "d"))
     return base + cols + [("note", "note", "")]
 
 
@@ -329,7 +453,10 @@ def metric_title(payload: dict, metric: str) -> str:
     else:
         what = (f"needle: {c['text']} haystacks of {list(c['lengths'])} tokens, depths {list(c['depths'])}, "
                 f"{c['keys_per_cell']} key(s) per cell, seed {c['seed']}")
-    return f"{payload['model']}; {what}; {window}"
+    seeds = c.get("rotation_seeds")
+    draws = (f"; mean over rotation seeds {list(seeds)} for the codecs that take one (sd: sample standard "
+             f"deviation over the draws), everything else once") if seeds else ""
+    return f"{payload['model']}; {what}; {window}{draws}"
 
 
 def metric_table(payload: dict, metric: str) -> str:
