@@ -23,6 +23,7 @@ PAIRS = {
     "rvq 4/1": lambda: (ResidualFibQuantCodec(DIM, stages=4), ResidualFibQuantCodec(DIM, stages=1)),
     "rvq 3 / fibquant k4": lambda: (ResidualFibQuantCodec(DIM, stages=3), FibQuantCodec(DIM, 4, 256)),
     "fibquant k2 / rvq 2": lambda: (FibQuantCodec(DIM, 2, 256), ResidualFibQuantCodec(DIM, stages=2)),
+    "rvq k16 4 / rvq 2": lambda: (ResidualFibQuantCodec(DIM, k=16, stages=4), ResidualFibQuantCodec(DIM, stages=2)),
 }
 
 
