@@ -42,6 +42,10 @@ def test_budget_check_counts_fibquant_at_no_more_bytes():
     assert check["peers"] == 3 and check["matched"] == 2
     assert len(check["misses"]) == 1 and check["misses"][0].startswith("HQQ INT4")
     assert budget_check(rows, "fidelity", lo=7.0, hi=7.2)["peers"] == 0  # no peer between 7.0 and 7.2x
+    # FibQuant's residual code counts as FibQuant (it beats HQQ INT4 here); TurboQuant above never did
+    check = budget_check(rows + [_row("fibrvq:b=4,nc=1", cosine=0.999)], "fidelity")
+    assert check["matched"] == 3 and not check["misses"]
+    assert budget_check(rows + [_row("fibrvq:b=2/turboquant:b=4", cosine=0.999)], "fidelity")["matched"] == 2
     # perplexity: lower is better
     ppl = [_row("fibquant:b=2", perplexity=33.0), _row("nexus:b=2", perplexity=34.0) | {"kind": "peer"},
            _row("kakeya-e8:q=2", perplexity=32.0) | {"kind": "peer"}]

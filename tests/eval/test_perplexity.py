@@ -99,6 +99,11 @@ def test_real_model_compressed_generation_and_short_perplexity(request):
     assert rows["int:b=2"]["top1_agreement"] < rows["int:b=8"]["top1_agreement"] <= 1.0
     assert rows["int:b=2"]["cache_bytes_per_token"] < rows["int:b=8"]["cache_bytes_per_token"] < \
         rows["fp"]["cache_bytes_per_token"]
+    # stored bytes: the window and the code rows only (no reserve), as the peers' formats count them
+    stored = 30 * 3 * (36 * 64 * 4 * 2 + (192 - 36) * 2 * IntCodec(64, 2).code_size) / 192
+    assert rows["int:b=2"]["cache_stored_bytes_per_token"] == pytest.approx(stored)
+    assert stored <= rows["int:b=2"]["cache_bytes_per_token"]
+    assert rows["fp"]["cache_stored_bytes_per_token"] == rows["fp"]["cache_bytes_per_token"]
 
 
 @pytest.mark.model

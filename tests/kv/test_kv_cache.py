@@ -125,6 +125,8 @@ def test_cache_nbytes_sums_layers_and_beats_dynamic_cache():
     assert cache.nbytes() == cache.used_nbytes()  # one prefill reserves exactly what it encodes
     assert cache.nbytes() < dynamic_cache_nbytes(dynamic) / 3
     assert cache_nbytes(cache) == cache.nbytes() and cache_nbytes(dynamic) == dynamic_cache_nbytes(dynamic)
+    assert cache_nbytes(cache, stored=True) == cache.used_nbytes() <= cache.nbytes()
+    assert cache_nbytes(dynamic, stored=True) == dynamic_cache_nbytes(dynamic)
 
 
 def test_cache_nbytes_counts_a_roundtrip_cache_in_its_format():

@@ -34,6 +34,8 @@ Registry metadata (class attributes, read by `fibquant.codecs.registry`):
     family          the spec prefix ("fibquant" in "fibquant:b=2") and the family column of results
     calibrated      True when the codec is fitted on calibration vectors (`fit_spec`), not built
     reference       True for the uncompressed reference (experiments run it on the exact states)
+    fibquant_code   True for FibQuant's own codes (a universal codebook matched to the spherical-Beta
+                    density, one stage or residual): the peers budget check counts these as FibQuant
     spec_params     the spec-string parameters, in the order a spec string writes them
     style           legend name, colour and marker in every plot
 """
@@ -168,6 +170,7 @@ class Codec(ABC):
     family: ClassVar[str] = ""
     calibrated: ClassVar[bool] = False
     reference: ClassVar[bool] = False
+    fibquant_code: ClassVar[bool] = False
     spec_params: ClassVar[tuple[SpecParam, ...]] = ()
     style: ClassVar[Optional[PlotStyle]] = None
 

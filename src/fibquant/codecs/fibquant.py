@@ -103,6 +103,7 @@ class FibQuantCodec(Codec):
     """
 
     family = "fibquant"
+    fibquant_code = True
     spec_params = (SpecParam("b", "bits", float), SpecParam("k", "k"), SpecParam("n", "n"), SpecParam("nc", "nc"),
                    SpecParam("r", "rotation_seed"))
     style = PlotStyle("FibQuant", "C3", "o", frontier="frontier; dots: all k, N")

@@ -82,6 +82,7 @@ class ResidualFibQuantCodec(Codec):
     w=<beam> (default 16), nc=1 (norm correction) and r=<seed> (another rotation draw)."""
 
     family = "fibrvq"
+    fibquant_code = True
     spec_params = (SpecParam("b", "bits"), SpecParam("k", "k"), SpecParam("s", "stages"), SpecParam("n", "n"),
                    SpecParam("w", "beam"), SpecParam("nc", "nc"), SpecParam("r", "rotation_seed"))
     style = PlotStyle("FibQuant-RVQ (k=8)", "C1", "D")

@@ -40,6 +40,7 @@ from typing import Optional
 
 import torch
 
+from fibquant.codecs.registry import codec_classes
 from fibquant.eval.report import Experiment, figure, format_table, target
 from fibquant._moved import forward
 from fibquant.paths import results_dir
@@ -331,7 +332,7 @@ def run(config: PeersConfig = PeersConfig(), caches=None, build_codebooks: bool 
         timing["perplexity_s"] = watch.seconds
         means = merge(part["rows"], {k: k for k in (
             "perplexity", "perplexity_change_pct", "perplexity_second_half", "second_half_change_pct",
-            "kl", "top1_agreement", "cache_bytes_per_token")})
+            "kl", "top1_agreement", "cache_bytes_per_token", "cache_stored_bytes_per_token")})
         part["checks"] = perplexity_checks(means)
         parts["perplexity"] = part
     if "needle" in config.metrics:
@@ -364,8 +365,10 @@ METRIC_KEYS = {  # metric -> (row key, higher is better, axis label, table heade
 
 
 def is_fibquant(row: dict) -> bool:
-    """Our FibQuant on both sides (any rates)."""
-    return row["kind"] == "ours" and all(part.startswith("fibquant") for part in row["cache"].split("/"))
+    """Our FibQuant on both sides (any rates; one-stage or residual codes: `Codec.fibquant_code`)."""
+    classes = codec_classes()
+    families = [part.partition(":")[0].partition("@")[0] for part in row["cache"].split("/")]
+    return row["kind"] == "ours" and all(f in classes and classes[f].fibquant_code for f in families)
 
 
 def budget_check(rows: list[dict], metric: str, lo: float = BUDGET_RANGE[0], hi: float = BUDGET_RANGE[1]) -> dict:
@@ -418,7 +421,8 @@ def metric_columns(payload: dict, metric: str) -> list[tuple[str, str, str]]:
         cols = [("cosine", "attn cosine", ".4f")] + ([("cosine_sd", "sd", ".4f")] if seeded else []) + \
             [("cosine_worst_layer", "worst layer", ".4f")]
     elif metric == "perplexity":
-        cols = [("cache_bytes_per_token", "cache B/token", ".0f"), ("perplexity", "perplexity", ".3f"),
+        cols = [("cache_bytes_per_token", "cache B/token", ".0f"),
+                ("cache_stored_bytes_per_token", "stored B/token", ".0f"), ("perplexity", "perplexity", ".3f"),
                 ("perplexity_change_pct", "change %", "+.2f")]
         cols += [("perplexity_change_pct_sd", "sd", ".2f")] if seeded else []
         cols += [("second_half_change_pct", "2nd half %", "+.2f"), ("kl", "KL vs fp (nats)", ".4f")]

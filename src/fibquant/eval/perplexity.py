@@ -144,7 +144,8 @@ def run_perplexity(model, tokenizer, methods: list, config: PerplexityConfig = P
     factories = [cache_factory(spec, model, config) for spec in specs]
     # The uncompressed model's distribution: an fp row's own cache where there is one, else a DynamicCache.
     fp_index = next((i for i, spec in enumerate(specs) if spec.is_fp), None)
-    sums = [dict(nll=0.0, second=0.0, kl=0.0, top1=0.0, count=0, second_count=0, bytes=None) for _ in specs]
+    sums = [dict(nll=0.0, second=0.0, kl=0.0, top1=0.0, count=0, second_count=0, bytes=None, stored=None)
+            for _ in specs]
     bar = tqdm(total=len(batches) * len(specs), desc="perplexity", disable=not progress)
     for batch in batches:
         caches = [fresh() for fresh in factories]
@@ -161,6 +162,7 @@ def run_perplexity(model, tokenizer, methods: list, config: PerplexityConfig = P
             # A RoundTripCache (peers) stores floats: its bytes are counted in the peer's format.
             format_bytes = (spec.key_bytes(head_dim), spec.value_bytes(head_dim))
             total["bytes"] = cache_nbytes(cache, format_bytes) / (batch.shape[0] * config.context)
+            total["stored"] = cache_nbytes(cache, format_bytes, stored=True) / (batch.shape[0] * config.context)
             bar.update(1)
     bar.close()
     rows = []
@@ -174,6 +176,7 @@ def run_perplexity(model, tokenizer, methods: list, config: PerplexityConfig = P
             "code_bytes_per_vector": 0.5 * (key_bytes + value_bytes), "compression_ratio": spec.codes_ratio(head_dim),
             "peer": spec.uses_peer,
             "cache_bytes_per_token": total["bytes"],
+            "cache_stored_bytes_per_token": total["stored"],  # without reserved capacity: the peers' count
             "perplexity": math.exp(total["nll"] / count),
             "perplexity_second_half": math.exp(total["second"] / total["second_count"]),
             "nll": total["nll"] / count, "predicted_tokens": count,
@@ -244,6 +247,7 @@ PERPLEXITY_COLUMNS = [
     ("value_bytes_per_vector", "V B/vec", ".4g"),
     ("compression_ratio", "K+V vs fp16", ".2f"),
     ("cache_bytes_per_token", "cache B/token", ".0f"),
+    ("cache_stored_bytes_per_token", "stored B/token", ".0f"),
     ("cache_ratio_vs_dynamic", "vs DynamicCache", ".2f"),
     ("perplexity", "perplexity", ".3f"),
     ("perplexity_change_pct", "change %", "+.2f"),

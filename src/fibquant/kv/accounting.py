@@ -20,10 +20,11 @@ def codec_state_nbytes(codec) -> int:
     return sum(storages.values())
 
 
-def cache_nbytes(cache: Cache, format_bytes: Optional[tuple[float, float]] = None) -> int:
+def cache_nbytes(cache: Cache, format_bytes: Optional[tuple[float, float]] = None, stored: bool = False) -> int:
     """Bytes a KV cache holds:
 
-    - `CompressedCache`: `nbytes()`, the exact windows + the code buffers with their reserved capacity;
+    - `CompressedCache`: `nbytes()`, the exact windows + the code buffers with their reserved capacity
+      (with `stored`: `used_nbytes()`, the stored tokens only, counted as the peers' formats are);
     - `RoundTripCache`: what its quantizer's format would hold (its storage is float), with
       `format_bytes` = (key bytes, value bytes) per stored vector (ValueError without it);
     - transformers' `QuantizedCache`: quantized storage + float residual (`quantized_cache_nbytes`);
@@ -36,7 +37,7 @@ def cache_nbytes(cache: Cache, format_bytes: Optional[tuple[float, float]] = Non
                              "of its quantizer's format")
         return cache.format_nbytes(*format_bytes)
     if callable(getattr(cache, "nbytes", None)):  # CompressedCache (and its layered variants)
-        return cache.nbytes()
+        return cache.used_nbytes() if stored else cache.nbytes()
     if _is_quantized_cache(cache):
         return quantized_cache_nbytes(cache)["total"]
     return dynamic_cache_nbytes(cache)
