@@ -75,6 +75,23 @@ def test_fused_step_equal_with_and_without_arrays():
         assert torch.equal(with_arrays, converted)  # the same kernel on the same numbers
 
 
+def test_fused_step_takes_a_strided_query():
+    """A query split from a fused qkv projection (GPT-2) at batch > 1: last dimension contiguous, the
+    batch stride not; the fused step gives what it gives on a contiguous copy."""
+    pytest.importorskip("numba")
+    from fibquant.kv.attention import attend_codes
+
+    generator = torch.Generator().manual_seed(2)
+    layer = CompressedLayer(FibQuantCodec(DIM, 2, 256), FibQuantCodec(DIM, 2, 256), 4, 8, attention="codes")
+    layer.update(torch.randn(2, 3, 60, DIM, generator=generator), torch.randn(2, 3, 60, DIM, generator=generator))
+    rows = torch.randn(2, 3, 1, DIM, generator=generator)
+    view, _ = layer.update(rows, rows)
+    qkv = torch.randn(2, 1, 3 * 9 * DIM, generator=generator)
+    query = qkv.split(9 * DIM, dim=-1)[0].view(2, 1, 9, DIM).transpose(1, 2)  # [B, Hq, 1, D], strided batch
+    assert not query.is_contiguous() and query.stride(-1) == 1
+    assert torch.equal(attend_codes(query, view, None, 0.125), attend_codes(query.contiguous(), view, None, 0.125))
+
+
 def test_accepted_step_shape_skips_checks_but_changes_are_still_rejected():
     layer = CompressedLayer(IntCodec(DIM, 4), IntCodec(DIM, 4), 2, 5, attention="codes", encode_batch=4)
     layer.update(torch.randn(2, 3, 10, DIM), torch.randn(2, 3, 10, DIM))

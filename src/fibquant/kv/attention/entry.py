@@ -379,8 +379,10 @@ def _attend_decode_numba(query: torch.Tensor, kv: CodedKV, attention_mask, scali
         sinks_np, flags = _f32(sinks.reshape(-1)), flags | 8
     value_dim = values[1].shape[0]
     out_np = np.empty((batch, 1, q_heads, value_dim), dtype=np.float32)  # the [B, T, Hq, Dv] result
-    if query.dtype is torch.float32 and not query.requires_grad and (query.is_contiguous() or query.stride(-1) == 1):
+    if query.dtype is torch.float32 and not query.requires_grad and query.stride(-1) == 1:
         query_np = query.numpy()[:, :, 0]
+        if not query_np.flags.c_contiguous:  # e.g. GPT-2's query, split from a fused qkv, at batch > 1
+            query_np = np.ascontiguousarray(query_np)
     else:
         query_np = _f32(query[:, :, 0])
     arrays = kv.arrays
