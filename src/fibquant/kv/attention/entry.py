@@ -47,6 +47,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from fibquant._numba import run_split
 from fibquant.codecs.base import Codec
 from fibquant.kv.buffer import CodedKV
+from fibquant.kv.attention.host_arrays import code_rows, f32, rows32
 from fibquant.kv.attention.kernels import (_MIN_WORK_PER_THREAD, attention_with_lse, coded_decode_attention,
                                        coded_scores, coded_weighted_sum, merge_lse, triton_available)
 
@@ -330,29 +331,6 @@ def _scratch(slot: int, sizes: tuple, lanes: int, tokens: int) -> list:
     return arrays
 
 
-def _f32(tensor: torch.Tensor):
-    """A float32 C-contiguous numpy view of a CPU tensor (a copy only when it is not one already)."""
-    if tensor.dtype != torch.float32 or tensor.requires_grad or not tensor.is_contiguous():
-        tensor = tensor.detach().to(torch.float32).contiguous()
-    return tensor.numpy()
-
-
-def _rows32(tensor: torch.Tensor):
-    """A float32 numpy view of a CPU tensor whose last dimension is contiguous (the window buffers'
-    views are strided over the tokens); a copy only when it is not one already."""
-    if tensor.dtype is torch.float32 and not tensor.requires_grad and tensor.is_contiguous():
-        return tensor.numpy()  # the common case (a decode step's new key / value), checked cheaply
-    if tensor.dtype != torch.float32 or tensor.requires_grad or (tensor.stride(-1) != 1 and tensor.shape[-1] > 1):
-        tensor = tensor.detach().to(torch.float32).contiguous()
-    return tensor.numpy()
-
-
-def _code_rows(codes: torch.Tensor):
-    if codes.requires_grad or (codes.shape[-1] > 1 and codes.stride(-1) != 1):
-        codes = codes.detach().contiguous()
-    return codes.numpy()
-
-
 def _attend_decode_numba(query: torch.Tensor, kv: CodedKV, attention_mask, scaling: float, sinks, window,
                          plans) -> torch.Tensor:
     """`attend_codes` for one query token on the CPU: one call of the fused kernel (same result to
@@ -367,16 +345,16 @@ def _attend_decode_numba(query: torch.Tensor, kv: CodedKV, attention_mask, scali
     key_mean = value_mean = bias_np = _DUMMY[0]
     sinks_np = _DUMMY[1]
     if kv.key_mean is not None:
-        key_mean, flags = _f32(kv.key_mean), flags | 1
+        key_mean, flags = f32(kv.key_mean), flags | 1
     if kv.value_mean is not None:
-        value_mean, flags = _f32(kv.value_mean), flags | 2
+        value_mean, flags = f32(kv.value_mean), flags | 2
     if attention_mask is not None or window is not None:
         length = kv.length
         bias = _bias_block(attention_mask, slice(0, 1), length, length - 1, query.device, window)
         if bias is not None:
-            bias_np, flags = _f32(bias[:, :, 0]), flags | 4
+            bias_np, flags = f32(bias[:, :, 0]), flags | 4
     if sinks is not None:
-        sinks_np, flags = _f32(sinks.reshape(-1)), flags | 8
+        sinks_np, flags = f32(sinks.reshape(-1)), flags | 8
     value_dim = values[1].shape[0]
     out_np = np.empty((batch, 1, q_heads, value_dim), dtype=np.float32)  # the [B, T, Hq, Dv] result
     if query.dtype is torch.float32 and not query.requires_grad and query.stride(-1) == 1:
@@ -384,14 +362,14 @@ def _attend_decode_numba(query: torch.Tensor, kv: CodedKV, attention_mask, scali
         if not query_np.flags.c_contiguous:  # e.g. GPT-2's query, split from a fused qkv, at batch > 1
             query_np = np.ascontiguousarray(query_np)
     else:
-        query_np = _f32(query[:, :, 0])
+        query_np = f32(query[:, :, 0])
     arrays = kv.arrays
     if arrays is None:
-        arrays = (_rows32(kv.sink_keys), _rows32(kv.sink_values), _code_rows(kv.key_codes),
-                  _code_rows(kv.value_codes), _rows32(kv.recent_keys), _rows32(kv.recent_values))
+        arrays = (rows32(kv.sink_keys), rows32(kv.sink_values), code_rows(kv.key_codes),
+                  code_rows(kv.value_codes), rows32(kv.recent_keys), rows32(kv.recent_values))
     sink_k, sink_v, key_codes, value_codes, recent_k, recent_v = arrays
     args = (query_np, float(scaling), keys[0], values[1], keys[2], values[2], key_codes, value_codes,
-            sink_k, sink_v, recent_k, recent_v, _rows32(kv.new_keys), _rows32(kv.new_values), key_mean, value_mean,
+            sink_k, sink_v, recent_k, recent_v, rows32(kv.new_keys), rows32(kv.new_values), key_mean, value_mean,
             bias_np, sinks_np, out_np[:, 0], flags, keys[3], values[3], keys[4], values[4], keys[5], values[5],
             lanes)
     coded = key_codes.shape[2]

@@ -27,6 +27,8 @@ import weakref
 import numpy as np
 import torch
 
+from fibquant.kv.attention.host_arrays import code_rows, f32, rows32
+
 _PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _KERNEL = None
 _LOCK = threading.Lock()
@@ -243,10 +245,10 @@ def compile_residual_kernel():
         fast = numba.njit(nogil=True, cache=True, fastmath={"contract", "reassoc", "nsz"})  # float sums: any order
         _staged_table, _staged_contract = fast(_staged_table_py), fast(_staged_contract_py)
         _score_rows, _hist_rows = helper(_score_rows_py), helper(_hist_rows_py)
-        f32 = "float32[:, :, :, :]"
+        rows4d = "float32[:, :, :, :]"
         signature = (f"int64(float32[:, :, ::1], float32, float32[:, ::1], float32[:, ::1], float32[:, :, ::1], "
-                     f"float32[:, :, ::1], uint8[:, :, :, :], uint8[:, :, :, :], {f32}, {f32}, {f32}, {f32}, {f32}, "
-                     f"{f32}, float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[::1], "
+                     f"float32[:, :, ::1], uint8[:, :, :, :], uint8[:, :, :, :], {rows4d}, {rows4d}, {rows4d}, "
+                     f"{rows4d}, {rows4d}, {rows4d}, float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[::1], "
                      "float32[:, :, ::1], int64, int64, int64, int64, int64, int64)")
         _KERNEL = numba.njit(signature, nogil=True, cache=True)(_decode_step_py)
     return _KERNEL
@@ -303,26 +305,6 @@ def residual_decode_plans(query: torch.Tensor, kv):
     return keys, values
 
 
-def _f32(tensor: torch.Tensor):
-    """A float32 C-contiguous numpy view of a CPU tensor (a copy only when it is not one already)."""
-    if tensor.dtype != torch.float32 or tensor.requires_grad or not tensor.is_contiguous():
-        tensor = tensor.detach().to(torch.float32).contiguous()
-    return tensor.numpy()
-
-
-def _rows32(tensor: torch.Tensor):
-    """A float32 numpy view whose last dimension is contiguous (a copy only when it is not one already)."""
-    if tensor.dtype != torch.float32 or tensor.requires_grad or (tensor.stride(-1) != 1 and tensor.shape[-1] > 1):
-        tensor = tensor.detach().to(torch.float32).contiguous()
-    return tensor.numpy()
-
-
-def _code_rows(codes: torch.Tensor):
-    if codes.requires_grad or (codes.shape[-1] > 1 and codes.stride(-1) != 1):
-        codes = codes.detach().contiguous()
-    return codes.numpy()
-
-
 def attend_decode_residual(query: torch.Tensor, kv, bias: torch.Tensor | None, scaling: float, sinks,
                            plans) -> torch.Tensor:
     """`attend_codes` for one query token on the CPU through the residual kernel (as
@@ -341,20 +323,20 @@ def attend_decode_residual(query: torch.Tensor, kv, bias: torch.Tensor | None, s
     key_mean = value_mean = bias_np = dummy3
     sinks_np = dummy1
     if kv.key_mean is not None:
-        key_mean, flags = _f32(kv.key_mean), flags | 1
+        key_mean, flags = f32(kv.key_mean), flags | 1
     if kv.value_mean is not None:
-        value_mean, flags = _f32(kv.value_mean), flags | 2
+        value_mean, flags = f32(kv.value_mean), flags | 2
     if bias is not None:
-        bias_np, flags = _f32(bias[:, :, 0]), flags | 4
+        bias_np, flags = f32(bias[:, :, 0]), flags | 4
     if sinks is not None:
-        sinks_np, flags = _f32(sinks.reshape(-1)), flags | 8
+        sinks_np, flags = f32(sinks.reshape(-1)), flags | 8
     value_dim = values[1].shape[0]
     out = torch.empty(batch, q_heads, value_dim, dtype=torch.float32)
     lanes = 4 if q_heads // heads <= 4 else 8
-    args = (_f32(query.view(batch, q_heads, -1) if query.is_contiguous() else query[:, :, 0]), float(scaling),
-            keys[0], values[1], keys[2], values[2], _code_rows(kv.key_codes), _code_rows(kv.value_codes),
-            _rows32(kv.sink_keys), _rows32(kv.sink_values), _rows32(kv.recent_keys), _rows32(kv.recent_values),
-            _rows32(kv.new_keys), _rows32(kv.new_values), key_mean, value_mean, bias_np, sinks_np, out.numpy(), flags,
+    args = (f32(query.view(batch, q_heads, -1) if query.is_contiguous() else query[:, :, 0]), float(scaling),
+            keys[0], values[1], keys[2], values[2], code_rows(kv.key_codes), code_rows(kv.value_codes),
+            rows32(kv.sink_keys), rows32(kv.sink_values), rows32(kv.recent_keys), rows32(kv.recent_values),
+            rows32(kv.new_keys), rows32(kv.new_values), key_mean, value_mean, bias_np, sinks_np, out.numpy(), flags,
             keys[3], values[3], lanes)
     work = coded * (keys[3] * keys[2].shape[0] + values[3] * values[2].shape[0])
     run_split(kernel, args, batch * heads, work, _MIN_WORK_PER_THREAD, "fibquant-decode-rvq")

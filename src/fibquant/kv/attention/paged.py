@@ -19,6 +19,7 @@ import torch
 
 from fibquant._numba import numba_available, run_split
 from fibquant.codecs.base import Codec
+from fibquant.kv.attention.host_arrays import f32
 from fibquant.kv.attention.kernels import _MIN_WORK_PER_THREAD
 from fibquant.kv.attention.reference import gather_paged_codes
 
@@ -40,12 +41,6 @@ def paged_plans(key_codec: Codec, value_codec: Codec, q_heads: int, kv_heads: in
             keys[3], values[3]) > 25):
         return None
     return keys, values
-
-
-def _f32(tensor: torch.Tensor):
-    if tensor.dtype != torch.float32 or not tensor.is_contiguous():
-        tensor = tensor.detach().to(torch.float32).contiguous()
-    return tensor.numpy()
 
 
 def paged_decode_attention(query: torch.Tensor, pages: torch.Tensor, tables: torch.Tensor, starts: list[int],
@@ -106,15 +101,15 @@ def paged_decode_attention(query: torch.Tensor, pages: torch.Tensor, tables: tor
     if sinks is not None:
         if sinks.numel() != q_heads:
             raise ValueError(f"sinks must hold {q_heads} logits, got {tuple(sinks.shape)}")
-        sinks_np, flags = _f32(sinks.reshape(-1)), 8
+        sinks_np, flags = f32(sinks.reshape(-1)), 8
     if tables.dtype != torch.int32 or (tables.shape[1] > 1 and tables.stride(1) != 1):
         tables = tables.to(torch.int32).contiguous()
     value_dim = values[1].shape[0]
     out = torch.empty(batch, q_heads, value_dim, dtype=torch.float32)
     lanes = 4 if q_heads // kv_heads <= 4 else 8
-    args = (_f32(query), float(scaling), keys[0], values[1], keys[2], values[2], pages.numpy(), tables.numpy(),
+    args = (f32(query), float(scaling), keys[0], values[1], keys[2], values[2], pages.numpy(), tables.numpy(),
             np.asarray(starts, dtype=np.int64), np.asarray(stops, dtype=np.int64), int(key_offset), key_size,
-            int(value_offset), value_size, _f32(exact_keys), _f32(exact_values), _f32(new_keys), _f32(new_values),
+            int(value_offset), value_size, f32(exact_keys), f32(exact_values), f32(new_keys), f32(new_values),
             sinks_np, out.numpy(), flags, keys[3], values[3], keys[4], values[4], keys[5], values[5], lanes)
     shape = (keys[2].shape[0], keys[4], keys[3], keys[5], values[2].shape[0], values[4], values[3], values[5], lanes)
     sizes = _SIZES.get(shape)
