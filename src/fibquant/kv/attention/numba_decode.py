@@ -154,11 +154,23 @@ _EXP_LO = -87.33654  # below: 0 (exp underflows; -inf, a masked column, gives ex
 
 
 def _row_max_py(row, n, top):
-    """max(top, row[0..n)) (vectorised: no NaN among the scores)."""
-    for i in range(n):
-        x = row[i]
-        top = x if x > top else top
-    return top
+    """max(top, row[0..n)) (no NaN among the scores). Four independent running maxima: LLVM does not
+    vectorise this reduction, so one chain would wait on each compare (~4x slower at 8000 columns)."""
+    m0 = top
+    m1 = top
+    m2 = top
+    m3 = top
+    i = 0
+    while i + 4 <= n:
+        m0 = max(m0, row[i])
+        m1 = max(m1, row[i + 1])
+        m2 = max(m2, row[i + 2])
+        m3 = max(m3, row[i + 3])
+        i += 4
+    while i < n:
+        m0 = max(m0, row[i])
+        i += 1
+    return max(max(m0, m1), max(m2, m3))
 
 
 def _exp_sum_py(row, n, top, bits):
