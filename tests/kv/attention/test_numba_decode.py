@@ -210,3 +210,20 @@ def test_vectorised_exp_is_within_a_few_ulp_and_masked_columns_give_zero():
     assert np.max(np.abs(row[keep] - expected[keep]) / expected[keep]) < 4e-7
     assert abs(total - row.astype(np.float64).sum()) <= 1e-5 * total
     assert numba_decode._row_max(row, row.size, np.float32(-np.inf)) == 1.0
+
+
+def test_row_max_equals_numpy_for_every_tail_length_and_masked_rows():
+    import numpy as np
+
+    numba_decode, _ = _helpers()
+    generator = np.random.default_rng(3)
+    for n in range(0, 11):
+        row = generator.standard_normal(n + 3).astype(np.float32)  # columns past n are not read
+        row[n:] = np.float32(1e9)
+        if n:
+            row[generator.integers(0, n)] = -np.inf
+        for top in (np.float32(-np.inf), np.float32(0.25)):
+            expected = max(float(top), float(row[:n].max())) if n else float(top)
+            assert numba_decode._row_max(row, n, top) == expected
+    masked = np.full(9, -np.inf, dtype=np.float32)
+    assert numba_decode._row_max(masked, 9, np.float32(-np.inf)) == -np.inf
