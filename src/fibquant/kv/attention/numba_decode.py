@@ -29,7 +29,7 @@ _build_table = _bytes_table = _spread_bytes = _contract = None
 _lut_sum = _hist_add = None
 _score_tokens = _hist_tokens = _exact_scores = _exact_values = None
 _row_max = _exp_sum = _norms = None
-_query_table = _softmax_row = _unrotate_add = _role_fields = None
+_query_table = _softmax_row = _unrotate_add = _role_fields = _add_key_mean = _add_bias = None
 
 
 def _score_tokens_py(table1, lut, rows, res, nq, norms, mode, lanes, bits, n_blocks, n_pos, n_codewords,
@@ -283,6 +283,29 @@ def _unrotate_add_py(acc, t, value_blocks, vk, lanes, value_inverse, unrot, resu
             result[t, d] += x * value_inverse[e, d]
 
 
+def _add_key_mean_py(coded, groups, n_tokens, scaled, key_mean, b, h, dim):
+    """Centred keys: add q . mean (scaled query [groups, dim], mean [B, H, dim]) to every coded score."""
+    for t in range(groups):
+        shift = np.float32(0.0)
+        for d in range(dim):
+            shift += scaled[t, d] * key_mean[b, h, d]
+        for i in range(n_tokens):
+            coded[t, i] += shift
+
+
+def _add_bias_py(coded, exact, groups, n_sink, n_tokens, n_exact, bias, b, h):
+    """Add the step's bias [B|1, Hq|1, L] to the scores; its columns are [sinks | coded | recent, new]."""
+    bb = b if bias.shape[0] > 1 else 0
+    for t in range(groups):
+        hb = h * groups + t if bias.shape[1] > 1 else 0
+        for e in range(n_sink):
+            exact[t, e] += bias[bb, hb, e]
+        for i in range(n_tokens):
+            coded[t, i] += bias[bb, hb, n_sink + i]
+        for e in range(n_sink, n_exact):
+            exact[t, e] += bias[bb, hb, n_tokens + e]
+
+
 def _decode_step_py(query, scaling, key_forward, value_inverse, key_codewords, value_codewords, key_codes,
                     value_codes, sink_keys, sink_values, recent_keys, recent_values, new_keys, new_values,
                     key_mean, value_mean, bias, sinks, out, flags, key_bits, value_bits, key_blocks, value_blocks,
@@ -340,26 +363,13 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_codewords, v
             _score_tokens(table1, lut, key_rows, coded, groups, norms, key_mode, lanes, key_bits, key_blocks,
                           k_pos, kn, k_safe, k_safe_bytes, k_word)
             if has_key_mean:
-                for t in range(groups):
-                    shift = np.float32(0.0)
-                    for d in range(dim):
-                        shift += scaled[t, d] * key_mean[b, h, d]
-                    for i in range(n_tokens):
-                        coded[t, i] += shift
+                _add_key_mean(coded, groups, n_tokens, scaled, key_mean, b, h, dim)
         # --- exact scores: columns [sinks, recent, new]
         _exact_scores(sink_keys, b, h, 0, exact, scaled, groups)
         _exact_scores(recent_keys, b, h, n_sink, exact, scaled, groups)
         _exact_scores(new_keys, b, h, n_sink + n_recent, exact, scaled, groups)
-        if has_bias:  # bias columns: [sinks | coded | recent, new]
-            bb = b if bias.shape[0] > 1 else 0
-            for t in range(groups):
-                hb = h * groups + t if bias.shape[1] > 1 else 0
-                for e in range(n_sink):
-                    exact[t, e] += bias[bb, hb, e]
-                for i in range(n_tokens):
-                    coded[t, i] += bias[bb, hb, n_sink + i]
-                for e in range(n_sink, n_exact):
-                    exact[t, e] += bias[bb, hb, n_tokens + e]
+        if has_bias:
+            _add_bias(coded, exact, groups, n_sink, n_tokens, n_exact, bias, b, h)
         # --- one softmax over the row (and the sink logit)
         for t in range(groups):
             sink_logit = np.float32(sinks[h * groups + t]) if has_sinks else np.float32(-np.inf)
@@ -413,6 +423,7 @@ def compile_decode_kernel():
     global _KERNEL, np, _count_invalid, _safe_fields, _build_table, _bytes_table, _spread_bytes
     global _contract, _lut_sum, _hist_add, _score_tokens, _hist_tokens, _exact_scores, _exact_values
     global _row_max, _exp_sum, _norms, _query_table, _softmax_row, _unrotate_add, _role_fields
+    global _add_key_mean, _add_bias
     if _KERNEL is not None:
         return _KERNEL
     import numba
@@ -436,6 +447,7 @@ def compile_decode_kernel():
     _norms = helper(_norms_py)
     _query_table, _unrotate_add = helper(_query_table_py), helper(_unrotate_add_py)
     _role_fields = helper(_role_fields_py)
+    _add_key_mean, _add_bias = helper(_add_key_mean_py), helper(_add_bias_py)
     _softmax_row = helper(_softmax_row_py)  # binds _row_max / _exp_sum above: compiled after them
     f32 = "float32[:, :, :, :]"  # the exact parts: views of the window buffers (last dimension contiguous)
     signature = (f"int64(float32[:, :, ::1], float32, float32[:, ::1], float32[:, ::1], float32[:, ::1], "

@@ -35,6 +35,7 @@ _LOCK = threading.Lock()
 MAX_GROUPS = 8  # query heads per KV head (the table's lanes: 4 or 8)
 
 _build_table = _contract = _lut_sum = _hist_add = _norms = _query_table = _softmax_row = None
+_add_key_mean = _add_bias = None
 _unrotate_add = _exact_scores = _exact_values = _safe_fields = None
 
 
@@ -174,26 +175,13 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_stages, valu
             _staged_table(key_stages, qmat, key_blocks, lanes, ktmp, table1)
             _score_rows(table1, key_rows, coded, groups, norms, k_pos, k_safe, lanes)
             if has_key_mean:
-                for t in range(groups):
-                    shift = np.float32(0.0)
-                    for d in range(dim):
-                        shift += scaled[t, d] * key_mean[b, h, d]
-                    for i in range(n_tokens):
-                        coded[t, i] += shift
+                _add_key_mean(coded, groups, n_tokens, scaled, key_mean, b, h, dim)
         # --- exact scores: columns [sinks, recent, new]
         _exact_scores(sink_keys, b, h, 0, exact, scaled, groups)
         _exact_scores(recent_keys, b, h, n_sink, exact, scaled, groups)
         _exact_scores(new_keys, b, h, n_sink + n_recent, exact, scaled, groups)
-        if has_bias:  # bias columns: [sinks | coded | recent, new]
-            bb = b if bias.shape[0] > 1 else 0
-            for t in range(groups):
-                hb = h * groups + t if bias.shape[1] > 1 else 0
-                for e in range(n_sink):
-                    exact[t, e] += bias[bb, hb, e]
-                for i in range(n_tokens):
-                    coded[t, i] += bias[bb, hb, n_sink + i]
-                for e in range(n_sink, n_exact):
-                    exact[t, e] += bias[bb, hb, n_tokens + e]
+        if has_bias:
+            _add_bias(coded, exact, groups, n_sink, n_tokens, n_exact, bias, b, h)
         # --- one softmax over the row (and the sink logit)
         for t in range(groups):
             sink_logit = np.float32(sinks[h * groups + t]) if has_sinks else np.float32(-np.inf)
@@ -227,7 +215,7 @@ def compile_residual_kernel():
     """The residual decode-step dispatcher (numba, cache=True), after binding numba_decode's helpers."""
     global _KERNEL, _build_table, _contract, _lut_sum, _hist_add, _norms, _query_table, _softmax_row
     global _unrotate_add, _exact_scores, _exact_values, _safe_fields, _staged_table, _staged_contract
-    global _score_rows, _hist_rows
+    global _score_rows, _hist_rows, _add_key_mean, _add_bias
     if _KERNEL is not None:
         return _KERNEL
     with _LOCK:
@@ -239,7 +227,8 @@ def compile_residual_kernel():
 
         numba_decode.compile_decode_kernel()  # binds its helpers (and numba_kernels')
         for name in ("_build_table", "_contract", "_lut_sum", "_hist_add", "_norms", "_query_table",
-                     "_softmax_row", "_unrotate_add", "_exact_scores", "_exact_values", "_safe_fields"):
+                     "_softmax_row", "_unrotate_add", "_exact_scores", "_exact_values", "_safe_fields",
+                     "_add_key_mean", "_add_bias"):
             globals()[name] = getattr(numba_decode, name)
         helper = numba.njit(nogil=True, cache=True)
         fast = numba.njit(nogil=True, cache=True, fastmath={"contract", "reassoc", "nsz"})  # float sums: any order
