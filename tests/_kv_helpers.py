@@ -38,3 +38,47 @@ def real_model(request):
         return request.getfixturevalue("model_and_tokenizer")
     except pytest.FixtureLookupError:
         return _load_real_model()
+
+
+def decode_all_attention(query, kv, bias, scaling, sinks=None):
+    """The spec of a decode step on codes: decode every code, repeat KV heads, one softmax (+ sink
+    column) over the row; bias additive [B|1, 1|Hq, 1, L] or None. Returns [B, T, Hq, Dv]."""
+    keys, values = (t.to(torch.float32) for t in kv.materialize())
+    groups = query.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
+    scores = query.to(torch.float32) @ keys.transpose(-1, -2) * scaling
+    if bias is not None:
+        scores = scores + bias
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)], dim=-1)
+    weights = torch.softmax(scores, -1).nan_to_num(0.0)
+    if sinks is not None:
+        weights = weights[..., :-1]
+    return (weights @ values).transpose(1, 2)
+
+
+def filled_coded_layer(key_codec, value_codec, batch, heads, past, sinks=4, recent=8, centre=False, seed=0):
+    """A CompressedLayer ("codes") fed `past` random tokens (a chunk, then two single steps); with
+    `centre`, states offset by a per-head mean. Returns (layer, its generator for further draws)."""
+    from fibquant.kv.cache import CompressedLayer
+
+    dim = key_codec.dim
+    layer = CompressedLayer(key_codec, value_codec, sinks, recent, attention="codes", centre=centre)
+    generator = torch.Generator().manual_seed(seed)
+    offset = 3.0 * torch.randn(1, heads, 1, dim, generator=generator) if centre else 0.0
+    for chunk in (past - 2, 1, 1):
+        layer.update(torch.randn(batch, heads, chunk, dim, generator=generator) + offset,
+                     torch.randn(batch, heads, chunk, dim, generator=generator) + offset)
+    return layer, generator
+
+
+def fast_and_torch_paths(monkeypatch, *args, **kwargs):
+    """attend_codes(*args, **kwargs) with the numba decode kernels, then with them off (the torch path)."""
+    import fibquant.kv.attention.entry as attention
+    from fibquant.kv.attention import attend_codes
+
+    fast = attend_codes(*args, **kwargs)
+    with monkeypatch.context() as patch:
+        patch.setattr(attention, "NUMBA_DECODE", False)
+        slow = attend_codes(*args, **kwargs)
+    return fast, slow

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _kv_helpers import decode_all_attention, fast_and_torch_paths, filled_coded_layer
 
 from fibquant.codecs.fibquant import FibQuantCodec
 from fibquant.codecs.integer import IntCodec
@@ -22,32 +23,8 @@ PAIRS = {
 }
 
 
-def spec(query, kv, bias, scaling, sinks=None):
-    """Decode every code, repeat KV heads, one softmax (+ sink column) over the row; bias additive
-    [B|1, 1|Hq, 1, L] or None."""
-    keys, values = (t.to(torch.float32) for t in kv.materialize())
-    groups = query.shape[1] // keys.shape[1]
-    keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
-    scores = query.to(torch.float32) @ keys.transpose(-1, -2) * scaling
-    if bias is not None:
-        scores = scores + bias
-    if sinks is not None:
-        scores = torch.cat([scores, sinks.reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)], dim=-1)
-    weights = torch.softmax(scores, -1).nan_to_num(0.0)
-    if sinks is not None:
-        weights = weights[..., :-1]
-    return (weights @ values).transpose(1, 2)
-
-
 def layer_of(pair, batch, heads, past, sinks=4, recent=8, centre=False, seed=0):
-    key_codec, value_codec = PAIRS[pair]()
-    layer = CompressedLayer(key_codec, value_codec, sinks, recent, attention="codes", centre=centre)
-    generator = torch.Generator().manual_seed(seed)
-    offset = 3.0 * torch.randn(1, heads, 1, DIM, generator=generator) if centre else 0.0
-    for chunk in (past - 2, 1, 1):
-        layer.update(torch.randn(batch, heads, chunk, DIM, generator=generator) + offset,
-                     torch.randn(batch, heads, chunk, DIM, generator=generator) + offset)
-    return layer, generator
+    return filled_coded_layer(*PAIRS[pair](), batch, heads, past, sinks, recent, centre, seed)
 
 
 @pytest.fixture
@@ -57,14 +34,6 @@ def fused_calls(monkeypatch):
     original = attention._attend_decode_numba
     monkeypatch.setattr(attention, "_attend_decode_numba", lambda *a: calls.append(1) or original(*a))
     return calls
-
-
-def both_paths(monkeypatch, *args, **kwargs):
-    fast = attend_codes(*args, **kwargs)
-    with monkeypatch.context() as patch:
-        patch.setattr(attention, "NUMBA_DECODE", False)
-        slow = attend_codes(*args, **kwargs)
-    return fast, slow
 
 
 @pytest.mark.parametrize("pair", sorted(PAIRS))
@@ -89,11 +58,11 @@ def test_fused_step_equals_torch_path_and_spec(monkeypatch, fused_calls, pair, g
             mask = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
             mask[0] += torch.randn(mask[0].shape, generator=generator)  # a finite bias too
         bias = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf")) if mask_kind == "bool" else mask
-    fast, slow = both_paths(monkeypatch, query, kv, mask, 0.125)
+    fast, slow = fast_and_torch_paths(monkeypatch, query, kv, mask, 0.125)
     assert fused_calls, "the fused path did not run"
     assert fast.shape == (batch, 1, heads * groups, DIM) and fast.dtype == query.dtype
     torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(fast, spec(query, kv, bias, 0.125), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(fast, decode_all_attention(query, kv, bias, 0.125), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("pair", ["fibquant k2/k4 (8-bit indices)", "turboquant 4/2 (byte tables)"])
@@ -104,16 +73,16 @@ def test_fused_step_with_sinks_centring_and_window(monkeypatch, fused_calls, pai
                          torch.randn(2, 3, 1, DIM, generator=generator) + 1.0)
     query = torch.randn(2, 9, 1, DIM, generator=generator)
     sinks = torch.randn(9, generator=generator)
-    fast, slow = both_paths(monkeypatch, query, kv, None, 0.1, sinks=sinks)
+    fast, slow = fast_and_torch_paths(monkeypatch, query, kv, None, 0.1, sinks=sinks)
     torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(fast, spec(query, kv, None, 0.1, sinks), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(fast, decode_all_attention(query, kv, None, 0.1, sinks), rtol=1e-4, atol=1e-5)
     # a sliding window (mask None): the oldest columns blocked
     window = kv.length - 10
-    fast, slow = both_paths(monkeypatch, query, kv, None, 0.1, window=window)
+    fast, slow = fast_and_torch_paths(monkeypatch, query, kv, None, 0.1, window=window)
     blocked = torch.arange(kv.length) <= kv.length - 1 - window
     bias = torch.zeros(kv.length).masked_fill_(blocked, float("-inf"))[None, None, None]
     torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(fast, spec(query, kv, bias, 0.1), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(fast, decode_all_attention(query, kv, bias, 0.1), rtol=1e-4, atol=1e-5)
     assert len(fused_calls) == 2
 
 
@@ -125,7 +94,7 @@ def test_fused_step_fully_masked_row_and_dtype(monkeypatch, fused_calls):
     out = attend_codes(torch.randn(2, 4, 1, DIM, generator=generator), kv, mask, 0.125)
     assert fused_calls and torch.isfinite(out).all() and torch.equal(out[0], torch.zeros_like(out[0]))
     query = torch.randn(2, 4, 1, DIM, generator=generator).to(torch.bfloat16)
-    fast, slow = both_paths(monkeypatch, query, kv, None, 0.125)
+    fast, slow = fast_and_torch_paths(monkeypatch, query, kv, None, 0.125)
     assert fast.dtype == torch.bfloat16
     torch.testing.assert_close(fast, slow, rtol=1e-2, atol=1e-2)
 
@@ -139,7 +108,7 @@ def test_fused_step_falls_back_cleanly(monkeypatch, fused_calls):
     query = torch.randn(1, 4, 1, DIM, generator=generator)
     attend_codes(query, kv, None, 0.125, softcap=30.0)
     wide = torch.randn(1, 18, 1, DIM, generator=generator)  # 9 query heads per KV head
-    torch.testing.assert_close(attend_codes(wide, kv, None, 0.125), spec(wide, kv, None, 0.125), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(attend_codes(wide, kv, None, 0.125), decode_all_attention(wide, kv, None, 0.125), rtol=1e-4, atol=1e-5)
     attend_codes(query.clone().requires_grad_(True), kv, None, 0.125)
     assert not fused_calls
     int_layer = CompressedLayer(IntCodec(DIM, 4), FibQuantCodec(DIM, 2, 256), 2, 4, attention="codes")
@@ -148,7 +117,7 @@ def test_fused_step_falls_back_cleanly(monkeypatch, fused_calls):
     with pytest.warns(RuntimeWarning, match="no rotated codebook"):
         out = attend_codes(query, kv, None, 0.125)
     assert not fused_calls
-    torch.testing.assert_close(out, spec(query, kv, None, 0.125), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out, decode_all_attention(query, kv, None, 0.125), rtol=1e-4, atol=1e-5)
 
 
 def test_fused_step_split_over_threads(monkeypatch, fused_calls):
@@ -167,7 +136,7 @@ def test_fused_step_split_over_threads(monkeypatch, fused_calls):
         torch.set_num_threads(previous)
     assert len(fused_calls) == 2
     torch.testing.assert_close(split, single, rtol=1e-6, atol=1e-7)
-    torch.testing.assert_close(split, spec(query, kv, None, 0.125), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(split, decode_all_attention(query, kv, None, 0.125), rtol=1e-4, atol=1e-5)
 
 
 def _helpers():

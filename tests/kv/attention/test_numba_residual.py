@@ -6,8 +6,8 @@ import functools
 
 import pytest
 import torch
+from _kv_helpers import decode_all_attention, fast_and_torch_paths, filled_coded_layer
 
-import fibquant.kv.attention.entry as attention
 import fibquant.kv.attention.numba_residual as numba_residual
 from fibquant.codecs.fibquant import FibQuantCodec
 from fibquant.codecs.integer import IntCodec
@@ -27,22 +27,6 @@ PAIRS = {
 }
 
 
-def spec(query, kv, bias, scaling, sinks=None):
-    """Decode every code, repeat KV heads, one softmax (+ sink column) over the row."""
-    keys, values = (t.to(torch.float32) for t in kv.materialize())
-    groups = query.shape[1] // keys.shape[1]
-    keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
-    scores = query.to(torch.float32) @ keys.transpose(-1, -2) * scaling
-    if bias is not None:
-        scores = scores + bias
-    if sinks is not None:
-        scores = torch.cat([scores, sinks.reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)], dim=-1)
-    weights = torch.softmax(scores, -1).nan_to_num(0.0)
-    if sinks is not None:
-        weights = weights[..., :-1]
-    return (weights @ values).transpose(1, 2)
-
-
 @functools.lru_cache(maxsize=None)
 def codecs_of(pair):
     """One codec pair per test session (their search tables build once; layers share codecs anyway)."""
@@ -50,14 +34,7 @@ def codecs_of(pair):
 
 
 def layer_of(pair, batch, heads, past, centre=False, seed=0):
-    key_codec, value_codec = codecs_of(pair)
-    layer = CompressedLayer(key_codec, value_codec, 4, 8, attention="codes", centre=centre)
-    generator = torch.Generator().manual_seed(seed)
-    offset = 3.0 * torch.randn(1, heads, 1, DIM, generator=generator) if centre else 0.0
-    for chunk in (past - 2, 1, 1):
-        layer.update(torch.randn(batch, heads, chunk, DIM, generator=generator) + offset,
-                     torch.randn(batch, heads, chunk, DIM, generator=generator) + offset)
-    return layer, generator
+    return filled_coded_layer(*codecs_of(pair), batch, heads, past, centre=centre, seed=seed)
 
 
 @pytest.fixture
@@ -66,14 +43,6 @@ def residual_calls(monkeypatch):
     original = numba_residual.attend_decode_residual
     monkeypatch.setattr(numba_residual, "attend_decode_residual", lambda *a: calls.append(1) or original(*a))
     return calls
-
-
-def both_paths(monkeypatch, *args, **kwargs):
-    fast = attend_codes(*args, **kwargs)
-    with monkeypatch.context() as patch:
-        patch.setattr(attention, "NUMBA_DECODE", False)
-        slow = attend_codes(*args, **kwargs)  # the torch path: residual codes decoded to floats
-    return fast, slow
 
 
 @pytest.mark.filterwarnings("ignore:.*rotated codebook")
@@ -95,11 +64,11 @@ def test_residual_step_equals_torch_path_and_spec(monkeypatch, residual_calls, p
         mask = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
         mask[0] += torch.randn(mask[0].shape, generator=generator)
         bias = mask
-    fast, slow = both_paths(monkeypatch, query, kv, mask, 0.125)
+    fast, slow = fast_and_torch_paths(monkeypatch, query, kv, mask, 0.125)
     assert residual_calls, "the residual kernel did not run"
     assert fast.shape == (batch, 1, heads * groups, DIM) and fast.dtype == query.dtype
     torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(fast, spec(query, kv, bias, 0.125), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(fast, decode_all_attention(query, kv, bias, 0.125), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.filterwarnings("ignore:.*rotated codebook")
@@ -110,15 +79,15 @@ def test_residual_step_with_sinks_centring_and_window(monkeypatch, residual_call
                          torch.randn(2, 3, 1, DIM, generator=generator) + 1.0)
     query = torch.randn(2, 9, 1, DIM, generator=generator)
     sinks = torch.randn(9, generator=generator)
-    fast, slow = both_paths(monkeypatch, query, kv, None, 0.1, sinks=sinks)
+    fast, slow = fast_and_torch_paths(monkeypatch, query, kv, None, 0.1, sinks=sinks)
     torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(fast, spec(query, kv, None, 0.1, sinks), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(fast, decode_all_attention(query, kv, None, 0.1, sinks), rtol=1e-4, atol=1e-5)
     window = kv.length - 10
-    fast, slow = both_paths(monkeypatch, query, kv, None, 0.1, window=window)
+    fast, slow = fast_and_torch_paths(monkeypatch, query, kv, None, 0.1, window=window)
     blocked = torch.arange(kv.length) <= kv.length - 1 - window
     bias = torch.zeros(kv.length).masked_fill_(blocked, float("-inf"))[None, None, None]
     torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(fast, spec(query, kv, bias, 0.1), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(fast, decode_all_attention(query, kv, bias, 0.1), rtol=1e-4, atol=1e-5)
     assert len(residual_calls) == 2
 
 
@@ -134,7 +103,7 @@ def test_what_the_residual_kernel_does_not_take(monkeypatch, residual_calls):
     layer, generator = layer_of("rvq 2/2", 1, 1, past=30)
     kv, _ = layer.update(torch.randn(1, 1, 1, DIM, generator=generator), torch.randn(1, 1, 1, DIM, generator=generator))
     query = torch.randn(1, 9, 1, DIM, generator=generator)  # 9 query heads per KV head
-    torch.testing.assert_close(attend_codes(query, kv, None, 0.125), spec(query, kv, None, 0.125),
+    torch.testing.assert_close(attend_codes(query, kv, None, 0.125), decode_all_attention(query, kv, None, 0.125),
                                rtol=1e-4, atol=1e-5)
     assert not residual_calls
     fibquant_layer = CompressedLayer(FibQuantCodec(DIM, 4, 256), FibQuantCodec(DIM, 4, 256), 4, 8, attention="codes")
