@@ -177,7 +177,7 @@ def test_build_recipe_is_deterministic_and_stages_help():
     assert meta["recipe"] == R.RECIPE and float(meta["total_mse"]) > 0
 
 
-@pytest.mark.parametrize("k,stages", [(8, 2), (8, 3), (8, 4), (16, 4)])
+@pytest.mark.parametrize("k,stages", [(8, 2), (8, 3), (8, 4), (16, 4), (16, 6), (16, 8)])
 def test_shipped_stages_match_their_build_record(k, stages):
     from fibquant.codebook import store
 
