@@ -24,7 +24,6 @@ warns once).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch

@@ -41,6 +41,7 @@ from typing import Optional
 import torch
 
 from fibquant.codecs.registry import codec_classes
+from fibquant.codecs.rotation import ROTATION_SEED_PARAM
 from fibquant.eval.report import Experiment, figure, format_table, target
 from fibquant._moved import forward
 from fibquant.paths import results_dir
@@ -171,7 +172,6 @@ def run_fidelity_specs(model, tokenizer, specs, config, progress: bool = True) -
 
 # --------------------------------------------------------------------------- rotation draws
 
-ROTATION_KEY = "rotation_seed"  # the spec keyword of codecs whose Haar rotation is a seed (key "r")
 SPREAD_KEYS = ("cosine", "cosine_worst_layer", "perplexity", "perplexity_change_pct", "second_half_change_pct",
                "kl", "top1_agreement", "needle_accuracy")  # the merged figures that get _sd and _per_seed
 
@@ -181,7 +181,7 @@ def takes_rotation_seed(side) -> bool:
     if side.is_peer:
         return False
     declared = {p.name for p in side.quantizer.codec_class.spec_params}
-    return ROTATION_KEY in declared and side.quantizer.param(ROTATION_KEY) is None
+    return ROTATION_SEED_PARAM in declared and side.quantizer.param(ROTATION_SEED_PARAM) is None
 
 
 def rotation_variant(spec, seed: int):
@@ -196,7 +196,7 @@ def rotation_variant(spec, seed: int):
     def seeded(side):
         if not takes_rotation_seed(side):
             return side
-        return Side(Method(side.quantizer.family, **side.quantizer.kwargs, **{ROTATION_KEY: seed}))
+        return Side(Method(side.quantizer.family, **side.quantizer.kwargs, **{ROTATION_SEED_PARAM: seed}))
 
     return dataclasses.replace(spec, key=seeded(spec.key), value=seeded(spec.value))
 
