@@ -23,6 +23,10 @@ order of summation differs). Compiled on first use (cache=True: numba caches it 
 """
 from __future__ import annotations
 
+# The vector intrinsics (kv/attention/intrinsics.py) are inlined into the cached kernels of this file;
+# numba's disk cache keys on this file only, so an intrinsics change must also touch this file
+# (issue 17: 8-bit fields read as single bytes, all on the unrolled path).
+
 np = None
 _count_invalid = _safe_fields = None
 _build_table = _bytes_table = _spread_bytes = _contract = None

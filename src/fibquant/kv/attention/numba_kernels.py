@@ -3,6 +3,10 @@ work units (see `fibquant.kv.attention.kernels`, which validates, dispatches and
 """
 from __future__ import annotations
 
+# The vector intrinsics (kv/attention/intrinsics.py) are inlined into the cached kernels of this file;
+# numba's disk cache keys on this file only, so an intrinsics change must also touch this file
+# (issue 17: 8-bit fields read as single bytes, all on the unrolled path).
+
 # The kernels are plain Python functions compiled by `compile_kernels()` on first use. It also
 # binds the module globals they call (`np`, the jitted helpers `_decode_norms` ... `_contract`
 # of `coded_numba_tables` and the vector intrinsics `_lut_sum`, `_hist_add` of `coded_intrinsics`),

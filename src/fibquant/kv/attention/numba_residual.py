@@ -21,6 +21,10 @@ scratch allocated per call); `residual_plan(codec)` says whether a codec's codes
 """
 from __future__ import annotations
 
+# The vector intrinsics (kv/attention/intrinsics.py) are inlined into the cached kernels of this file;
+# numba's disk cache keys on this file only, so an intrinsics change must also touch this file
+# (issue 17: 8-bit fields read as single bytes, all on the unrolled path).
+
 import threading
 import weakref
 
