@@ -223,3 +223,31 @@ def test_numpy_fp16_norm_bytes_match_torch():
     values = torch.cat([bits.view(torch.float32), edges])
     numpy_bytes = values.numpy().astype("float16").view("uint8").reshape(-1, 2)
     assert torch.equal(torch.from_numpy(numpy_bytes), float16_to_bytes(values))
+
+
+@pytest.mark.parametrize("k,n", [(2, 256), (2, 64), (4, 256), (4, 40)])
+def test_specialised_grid_kernels_equal_the_generic_one(k, n):
+    """grid2 / grid4 (block in registers, one-candidate boxes without a distance, 8-bit indices
+    stored straight into the codes) give the generic grid kernel's indices, flags and codes, and
+    after the flagged blocks go to the reference, the reference's indices (ties included)."""
+    import numpy as np
+
+    from fibquant.codebook.fast_search import _kernels
+    codewords = (FibQuantCodec(64, k, n).codebook.codewords if n == 256
+                 else random_codebook(k, n, seed=k + n, duplicates=True))
+    search = NumbaSearch(codewords, 64, "grid")
+    blocks = hard_blocks(codewords, 600, seed=k * n, edges=search.edges)
+    u = torch.cat([blocks.reshape(-1, k), sample_sphere(64, 64, seed=n).reshape(-1, k)])
+    u = u[: len(u) // (64 // k) * (64 // k)].reshape(-1, 64).contiguous()
+    rows, n_blocks = u.shape[0], 64 // k
+    bits = max(1, (n - 1).bit_length())
+    outs = {}
+    for name in ("grid", f"grid{k}"):
+        index = np.empty((rows, n_blocks), dtype=np.int64)
+        flags = np.zeros((rows, n_blocks), dtype=np.int8)
+        codes = np.zeros((rows, 2 + (n_blocks * bits + 7) // 8), dtype=np.uint8)
+        flagged = _kernels()[name](u.numpy(), *search._args, index, flags, codes, 2, bits, 0, rows)
+        outs[name] = (flagged, index, flags, codes)
+    (f0, i0, g0, c0), (f1, i1, g1, c1) = outs.values()
+    assert f0 == f1 and (g0 == g1).all() and (i0 == i1).all() and (c0 == c1).all()
+    assert torch.equal(search.indices(u).reshape(-1), reference_index(u.reshape(-1, k), codewords))

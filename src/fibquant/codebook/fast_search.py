@@ -436,7 +436,8 @@ class NumbaSearch:
         elif self.method == "brute" and n * n_blocks >= MATMUL_MIN_BLOCKS:
             flagged = self._matmul_screen(u, kernels["verify"], out)
         else:
-            flagged = _run_rows(kernels[self.method], (u.numpy(), *self._args, *out), n, n_blocks)
+            name = f"grid{self.k}" if self.method == "grid" and self.k in (2, 4) else self.method
+            flagged = _run_rows(kernels[name], (u.numpy(), *self._args, *out), n, n_blocks)
         if flagged:  # near ties (and non-finite blocks): the reference decides
             where = np.flatnonzero(flags)
             blocks = u.reshape(-1, self.k)[torch.from_numpy(where)]

@@ -35,7 +35,7 @@ CLUSTER_ABS = 1e-9
 WALK_SLACK = 1e-9    # Delaunay walk: slacks within +-WALK_SLACK (1 + ||x||^2 + max ||c||^2) use distances
 
 np = None            # numpy, bound by compile_kernels()
-_consider = _finish = _brute_block = _range_scores = _screen = _pack_row = _min = _count_below = _slack = _settle = None
+_consider = _finish = _brute_block = _cell = _range_scores = _screen = _pack_row = _min = _count_below = _slack = _settle = None
 
 
 def _consider_py(d1, i1, d2, d, idx):
@@ -116,6 +116,139 @@ def _grid_py(u, k, edges, cells, offsets, candidates, heavy, cw, cw_t, index, fl
                     d1, i1, d2 = _consider(d1, i1, d2, d, c)
             flagged += _finish(d1, i1, d2, x, index, flags, row, b)
         if bits > 0:
+            _pack_row(index, row, bits, codes, head)
+    return flagged
+
+
+def _cell_py(v, edges, origin, scale, last):
+    """Grid cell of coordinate v (float32): #edges < v (torch.bucketize, right=False), from an
+    estimate on the equally spaced edges, then made exact against the float32 edges."""
+    f = (np.float64(v) - origin) * scale
+    cell = 0 if not f > -1.0 else (last if f >= last else int(f) + 1)
+    while cell > 0 and edges[cell - 1] >= v:
+        cell -= 1
+    while cell < last and edges[cell] < v:
+        cell += 1
+    return cell
+
+
+def _grid2_py(u, k, edges, cells, offsets, candidates, heavy, cw, cw_t, index, flags, codes, head, bits, start, stop):
+    """`_grid_py` for k = 2 with the block in registers: the same boxes, candidate order, distances
+    (float64, (x0 - c0)^2 + (x1 - c1)^2, the same sum order), fold and tie flag, so the same
+    indices and flags. A box whose pruned list holds one codeword takes it without a distance
+    (`prune_dominated` leaves a codeword alone only when every other is farther by more than the
+    tie window on the whole box, so `_grid_py` would find it, unflagged). With bits = 8 the
+    indices are stored straight into the code bytes (= `_pack_row`)."""
+    n_blocks = u.shape[1] // 2
+    last = edges.shape[0]
+    origin = np.float64(edges[0])
+    scale = (last - 1) / (np.float64(edges[last - 1]) - origin)
+    x = np.empty(2, dtype=np.float64)
+    dist = np.empty(cw_t.shape[1], dtype=np.float64)
+    flagged = 0
+    for row in range(start, stop):
+        for b in range(n_blocks):
+            v0 = u[row, 2 * b]
+            v1 = u[row, 2 * b + 1]
+            x0 = np.float64(v0)
+            x1 = np.float64(v1)
+            box = -1
+            if -GRID_OUTER <= v0 <= GRID_OUTER and -GRID_OUTER <= v1 <= GRID_OUTER:
+                box = _cell(v0, edges, origin, scale, last) + _cell(v1, edges, origin, scale, last) * cells
+                if heavy[box]:
+                    box = -1
+            if box < 0:  # far out, non-finite or a heavy box: the full search
+                x[0] = x0
+                x[1] = x1
+                d1, i1, d2 = _brute_block(x, cw_t, dist)
+                flagged += _finish(d1, i1, d2, x, index, flags, row, b)
+                continue
+            t0 = offsets[box]
+            t1 = offsets[box + 1]
+            if t1 - t0 == 1:
+                index[row, b] = candidates[t0]
+                continue
+            d1, i1, d2 = np.inf, -1, np.inf
+            for t in range(t0, t1):  # the box's candidates, ascending
+                c = np.int64(candidates[t])
+                g0 = x0 - cw[c, 0]
+                g1 = x1 - cw[c, 1]
+                d = g0 * g0
+                d += g1 * g1
+                d1, i1, d2 = _consider(d1, i1, d2, d, c)
+            index[row, b] = i1
+            if i1 < 0 or (d2 - d1 <= TIE_REL * d2 and d2 < np.inf):
+                flags[row, b] = 1
+                flagged += 1
+        if bits == 8:
+            for b in range(n_blocks):
+                codes[row, head + b] = np.uint8(index[row, b])
+        elif bits > 0:
+            _pack_row(index, row, bits, codes, head)
+    return flagged
+
+
+def _grid4_py(u, k, edges, cells, offsets, candidates, heavy, cw, cw_t, index, flags, codes, head, bits, start, stop):
+    """`_grid2_py` for k = 4 (the same arithmetic as `_grid_py`: distances summed over j = 0..3 in order)."""
+    n_blocks = u.shape[1] // 4
+    last = edges.shape[0]
+    origin = np.float64(edges[0])
+    scale = (last - 1) / (np.float64(edges[last - 1]) - origin)
+    x = np.empty(4, dtype=np.float64)
+    dist = np.empty(cw_t.shape[1], dtype=np.float64)
+    flagged = 0
+    for row in range(start, stop):
+        for b in range(n_blocks):
+            v0 = u[row, 4 * b]
+            v1 = u[row, 4 * b + 1]
+            v2 = u[row, 4 * b + 2]
+            v3 = u[row, 4 * b + 3]
+            x0 = np.float64(v0)
+            x1 = np.float64(v1)
+            x2 = np.float64(v2)
+            x3 = np.float64(v3)
+            box = -1
+            if (-GRID_OUTER <= v0 <= GRID_OUTER and -GRID_OUTER <= v1 <= GRID_OUTER
+                    and -GRID_OUTER <= v2 <= GRID_OUTER and -GRID_OUTER <= v3 <= GRID_OUTER):
+                box = (_cell(v0, edges, origin, scale, last)
+                       + cells * (_cell(v1, edges, origin, scale, last)
+                                  + cells * (_cell(v2, edges, origin, scale, last)
+                                             + cells * _cell(v3, edges, origin, scale, last))))
+                if heavy[box]:
+                    box = -1
+            if box < 0:  # far out, non-finite or a heavy box: the full search
+                x[0] = x0
+                x[1] = x1
+                x[2] = x2
+                x[3] = x3
+                d1, i1, d2 = _brute_block(x, cw_t, dist)
+                flagged += _finish(d1, i1, d2, x, index, flags, row, b)
+                continue
+            t0 = offsets[box]
+            t1 = offsets[box + 1]
+            if t1 - t0 == 1:
+                index[row, b] = candidates[t0]
+                continue
+            d1, i1, d2 = np.inf, -1, np.inf
+            for t in range(t0, t1):  # the box's candidates, ascending
+                c = np.int64(candidates[t])
+                g0 = x0 - cw[c, 0]
+                g1 = x1 - cw[c, 1]
+                g2 = x2 - cw[c, 2]
+                g3 = x3 - cw[c, 3]
+                d = g0 * g0
+                d += g1 * g1
+                d += g2 * g2
+                d += g3 * g3
+                d1, i1, d2 = _consider(d1, i1, d2, d, c)
+            index[row, b] = i1
+            if i1 < 0 or (d2 - d1 <= TIE_REL * d2 and d2 < np.inf):
+                flags[row, b] = 1
+                flagged += 1
+        if bits == 8:
+            for b in range(n_blocks):
+                codes[row, head + b] = np.uint8(index[row, b])
+        elif bits > 0:
             _pack_row(index, row, bits, codes, head)
     return flagged
 
@@ -635,7 +768,7 @@ def compile_kernels():
     """{"grid", "tree", "walk", "brute", "verify", "pack"} numba dispatchers, compiled (or loaded from numba's
     cache) on first call; `fast_search._kernels` calls it once, under a lock."""
     global np, _consider, _finish, _brute_block, _screen, _pack_row, _min, _count_below, _scores, _bits_min
-    global _settle, _range_scores
+    global _settle, _range_scores, _cell
     import numba
     import numpy
 
@@ -645,6 +778,7 @@ def compile_kernels():
                            inline="always", **jit)(_consider_py)
     _finish = numba.njit("int64(float64, int64, float64, float64[::1], int64[:, ::1], int8[:, ::1], "
                          "int64, int64)", inline="always", **jit)(_finish_py)
+    _cell = numba.njit("int64(float32, float32[::1], float64, float64, int64)", inline="always", **jit)(_cell_py)
     _brute_block = numba.njit("Tuple((float64, int64, float64))(float64[::1], float64[:, ::1], float64[::1])",
                               **jit)(_brute_block_py)
     _min = numba.njit("float32(float32[::1])", fastmath=True, **jit)(_min_py)
@@ -664,6 +798,9 @@ def compile_kernels():
     return {
         "grid": numba.njit(f"int64({u}, int64, float32[::1], int64, int64[::1], int32[::1], boolean[::1], "
                            f"float64[:, ::1], float64[:, ::1], {out})", **jit)(_grid_py),
+        **{name: numba.njit(f"int64({u}, int64, float32[::1], int64, int64[::1], int32[::1], boolean[::1], "
+                            f"float64[:, ::1], float64[:, ::1], {out})", **jit)(fn)
+           for name, fn in (("grid2", _grid2_py), ("grid4", _grid4_py))},
         "tree": numba.njit(f"int64({u}, int64, float64[:, ::1], float64[:, ::1], int64[:, ::1], "
                            f"int64[:, ::1], float64[:, ::1], int64[::1], float64[:, ::1], {out})",
                            **jit)(_tree_py),
