@@ -436,7 +436,7 @@ def test_deferred_code_writes_equal_immediate_ones(monkeypatch):
             live[4] = 13
         if step == 18:
             for impl in (deferred, immediate):
-                impl.window._drop(int(tables[2, 0]))  # request 2 loses its window: codes from now on
+                impl.window._drop(int(tables[2, (lengths[2] - 1) // block]))  # request 2 loses its window: codes
     assert len(deferred.deferred) > 0  # some writes held: all requests end, a lone prefill takes 0's blocks
     live.clear()
     live[5] = 56  # over the blocks where 0 held its last writes
