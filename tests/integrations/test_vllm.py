@@ -193,7 +193,7 @@ def test_unsupported_model_features_are_refused(monkeypatch):
 
 
 @needs_vllm
-@pytest.mark.parametrize("cache, parallel, match", [({"enable_prefix_caching": True}, {}, "prefix caching"),
+@pytest.mark.parametrize("cache, parallel, match", [({"enable_prefix_caching": True}, {}, None),
                                                     ({"enable_prefix_caching": False},
                                                      {"tensor_parallel_size": 2}, "tensor_parallel_size=2")])
 def test_engine_features_not_supported_are_refused_at_engine_start(monkeypatch, cache, parallel, match):
@@ -205,6 +205,9 @@ def test_engine_features_not_supported_are_refused_at_engine_start(monkeypatch, 
 
     with set_current_vllm_config(VllmConfig(cache_config=CacheConfig(**cache),
                                             parallel_config=ParallelConfig(**parallel))):
+        if match is None:  # prefix caching is served: the window keeps boundary snapshots for hits
+            assert FibQuantAttentionImpl(9, 64, 0.125, 3).window.snapshots > 0
+            return
         with pytest.raises(NotImplementedError, match=match):
             FibQuantAttentionImpl(9, 64, 0.125, 3)
 
@@ -348,35 +351,52 @@ def test_exact_window_keeps_sinks_and_the_recent_positions_of_whole_entries():
     store = ExactWindow(sink_tokens=2, recent_tokens=3, max_entries=2)
     tokens = torch.arange(12 * 2 * 3, dtype=torch.float32).reshape(12, 2, 3)  # position p: tokens[p] [Hk=2, D=3]
 
-    def held(past):  # the positions an entry's exact columns hold, as a set (the columns are order-free)
-        keys, values = store.lookup(7, past)
+    def held(key, past, where=None):  # the positions an entry's exact columns hold, as a set (order-free)
+        keys, values = (where or store).lookup(key, past)
         assert torch.equal(values, -keys)
         found = {int(t) for t in keys[0, :, 0] // 3 // 2}  # tokens[p][0, 0] = 6p
         assert len(found) == keys.shape[1]
         return found
 
-    store.record(7, 0, tokens[:1], -tokens[:1])            # position 0
-    assert store.lookup(7, 3) is None                       # positions 1, 2 are missing: codes, not a guess
-    assert held(1) == {0} and store.counts(1) == (1, 0)
-    store.record(7, 1, tokens[1:4], -tokens[1:4])         # positions 1..3: 2 sinks, 2 recent
-    assert held(4) == {0, 1, 2, 3} and store.counts(4) == (2, 2)
-    store.record(7, 4, tokens[4:5], -tokens[4:5])         # one decode step
-    assert held(5) == {0, 1, 2, 3, 4}
-    store.record(7, 5, tokens[5:6], -tokens[5:6])         # the ring wraps: position 2 leaves
-    assert held(6) == {0, 1, 3, 4, 5} and store.counts(6) == (2, 3)
-    store.record(7, 6, tokens[6:11], -tokens[6:11])       # a chunk longer than the ring
-    assert held(11) == {0, 1, 8, 9, 10}
-    assert store.lookup(7, 12) is None                      # not recorded up to 12: no window
-    store.record(7, 12, tokens[:1], -tokens[:1])           # a gap: the entry is dropped
-    assert store.lookup(7, 11) is None
-    store.record(7, 0, tokens[:2], -tokens[:2])            # a new sequence on block 7
-    assert held(2) == {0, 1}
-    for block in (1, 2):                                    # at most two entries: the oldest goes first
-        store.record(block, 0, tokens[:4], tokens[:4])
+    # entries are keyed by the block of the newest recorded token (here: blocks of 4 tokens, 7 then 8)
+    store.record(None, 0, tokens[:1], -tokens[:1], 7)           # position 0
+    assert store.lookup(7, 3) is None                           # positions 1, 2 are missing: codes, not a guess
+    assert held(7, 1) == {0} and store.counts(1) == (1, 0)
+    store.record(7, 1, tokens[1:4], -tokens[1:4], 7)           # positions 1..3: 2 sinks, 2 recent
+    assert held(7, 4) == {0, 1, 2, 3} and store.counts(4) == (2, 2)
+    store.record(7, 4, tokens[4:5], -tokens[4:5], 8)           # one decode step, into block 8: the entry moves
+    assert held(8, 5) == {0, 1, 2, 3, 4} and store.lookup(7, 4) is None  # no snapshots kept (prefix caching off)
+    store.record_tokens([8], [5], [8], tokens[5:6], -tokens[5:6])  # the ring wraps: position 2 leaves
+    assert held(8, 6) == {0, 1, 3, 4, 5} and store.counts(6) == (2, 3)
+    store.record(8, 6, tokens[6:11], -tokens[6:11], 9)         # a chunk longer than the ring
+    assert held(9, 11) == {0, 1, 8, 9, 10}
+    assert store.lookup(9, 12) is None                          # not recorded up to 12: no window
+    store.record(9, 12, tokens[:1], -tokens[:1], 10)            # a gap: nothing recorded, nothing dropped
+    assert store.lookup(10, 13) is None and held(9, 11) == {0, 1, 8, 9, 10}
+    store.invalidate([9])                                       # block 9 handed out anew: its entry is stale
+    assert store.lookup(9, 11) is None
+    store.record(None, 0, tokens[:2], -tokens[:2], 7)          # a new sequence on block 7
+    assert held(7, 2) == {0, 1}
+    for block in (1, 2):                                        # at most two live entries: the oldest goes first
+        store.record(None, 0, tokens[:4], tokens[:4], block)
     assert store.lookup(7, 2) is None and store.lookup(2, 4) is not None
     assert ExactWindow(0, 0, 1).lookup(1, 5) is None
     with pytest.raises(ValueError):
         ExactWindow(sink_tokens=-1, recent_tokens=0, max_entries=1)
+
+    # prefix caching: the window at each block end stays as a snapshot, and a sharer forks it
+    shared = ExactWindow(sink_tokens=2, recent_tokens=3, max_entries=2, snapshots=2)
+    shared.record(None, 0, tokens[:10], -tokens[:10], 5, boundaries=[(4, 3), (8, 4)])  # blocks 3, 4, 5
+    assert held(3, 4, shared) == {0, 1, 2, 3} and held(4, 8, shared) == {0, 1, 5, 6, 7}
+    assert held(5, 10, shared) == {0, 1, 7, 8, 9}               # the live entry
+    shared.record(4, 8, tokens[8:9], -tokens[8:9], 6)           # a sharer of blocks 3, 4: its own row
+    assert held(6, 9, shared) == {0, 1, 6, 7, 8} and held(4, 8, shared) == {0, 1, 5, 6, 7}
+    assert held(5, 10, shared) == {0, 1, 7, 8, 9}               # the first sequence's entry is untouched
+    shared.record_tokens([5], [10], [7], tokens[10:11], -tokens[10:11])  # crossing into block 7: 5 stays a snapshot
+    assert held(7, 11, shared) == {0, 1, 8, 9, 10} and held(5, 10, shared) == {0, 1, 7, 8, 9}
+    assert shared.lookup(3, 4) is None                          # two snapshots at most: the oldest went
+    with pytest.raises(ValueError):
+        ExactWindow(2, 3, 1, snapshots=-1)
 
 
 @needs_vllm
@@ -436,7 +456,7 @@ def test_deferred_code_writes_equal_immediate_ones(monkeypatch):
             live[4] = 13
         if step == 18:
             for impl in (deferred, immediate):
-                impl.window._drop(int(tables[2, 0]))  # request 2 loses its window: codes from now on
+                impl.window._drop(int(tables[2, (lengths[2] - 1) // block]))  # request 2 loses its window: codes
     assert len(deferred.deferred) > 0  # some writes held: all requests end, a lone prefill takes 0's blocks
     live.clear()
     live[5] = 56  # over the blocks where 0 held its last writes
@@ -463,3 +483,80 @@ def test_deferred_codes_keep_the_newest_write_of_a_slot():
     assert torch.equal(keys[:, 0, 0], torch.tensor([0.0, 2.0, 0.0, -2.0]))  # slot 9: the second write
     with pytest.raises(ValueError):
         DeferredCodes(steps=-1)
+
+
+@needs_vllm
+@pytest.mark.parametrize("one_batch", [True, False])
+def test_prefix_cache_hits_read_shared_blocks_as_a_chunk_boundary(monkeypatch, one_batch):
+    """Prefix caching at the backend: B's block table starts with 2 of A's blocks (8 shared tokens), as
+    after a prefix-cache hit. Against a backend without prefix caching where B has blocks of its own:
+    submitted one after the other (B prefilled in chunks [0, 8) and [8, 13) there), B's outputs are
+    the same, since its window at the hit comes from A's boundary snapshot and the rest from A's codes;
+    in one batch (A's whole prompt and B's hit computed in the same forward), B reads the positions A
+    writes now exactly, as a single chunk [0, 13) does. Then 10 decode steps of both, deferred writes
+    on: equal outputs, and no held code ever lies in a full (shareable) block."""
+    import torch
+
+    from fibquant.integrations.vllm import backend
+
+    monkeypatch.setenv(ENV_VAR, "fibquant:b=4/fibquant:b=2")
+    monkeypatch.setenv("FIBQUANT_VLLM_SINK_TOKENS", "2")
+    monkeypatch.setenv("FIBQUANT_VLLM_RECENT_TOKENS", "4")
+    heads, kv_heads, dim, block = 4, 2, 64, 4
+    monkeypatch.setattr(backend, "_prefix_caching", lambda: True)
+    shared = backend.FibQuantAttentionImpl(heads, dim, dim ** -0.5, kv_heads)
+    monkeypatch.setattr(backend, "_prefix_caching", lambda: False)
+    private = backend.FibQuantAttentionImpl(heads, dim, dim ** -0.5, kv_heads)
+    assert shared.prefix_caching and shared.window.snapshots > 0 and private.window.snapshots == 0
+    slot = VllmCacheConfig.parse("fibquant:b=4/fibquant:b=2").slot_bytes(dim)
+    caches = [torch.zeros(32, block, kv_heads, slot // 2, dtype=torch.bfloat16).transpose(1, 2) for _ in range(2)]
+    generator = torch.Generator().manual_seed(0)
+    length = 30
+    a_keys, a_values, b_keys, b_values = (torch.randn(length, kv_heads, dim, generator=generator) for _ in range(4))
+    b_keys[:8], b_values[:8] = a_keys[:8], a_values[:8]  # the shared prefix: the same tokens, the same K/V
+    queries = torch.randn(2, length, heads * dim, generator=generator)
+    sequences = {"A": (a_keys, a_values, queries[0]), "B": (b_keys, b_values, queries[1])}
+    tables = {"A": [0, 1, 2, 3, 4, 5, 6, 7, 8], "B": [0, 1, 10, 11, 12, 13, 14, 15, 16]}  # B hit A's blocks 0, 1
+    own_b = [20, 21, 10, 11, 12, 13, 14, 15, 16]  # B without prefix caching: blocks of its own
+    written = set()
+
+    def forward(impl, cache, parts, table_of):
+        """parts: [(sequence, first position, stop)] -> output rows per sequence."""
+        mapping, starts, totals, rows = [], [0], [], []
+        for name, first, stop in parts:
+            mapping += [table_of[name][p // block] * block + p % block for p in range(first, stop)]
+            starts.append(starts[-1] + stop - first)
+            totals.append(stop)
+            rows.append(table_of[name])
+        k = torch.cat([sequences[n][0][f:s] for n, f, s in parts]).reshape(len(mapping), -1)
+        v = torch.cat([sequences[n][1][f:s] for n, f, s in parts]).reshape(len(mapping), -1)
+        q = torch.cat([sequences[n][2][f:s] for n, f, s in parts])
+        meta = backend.FibQuantMetadata(len(mapping), starts, totals, torch.tensor(rows, dtype=torch.int32),
+                                        torch.tensor(mapping))
+        out = impl.forward(None, q, k, v, cache, meta, torch.empty(len(mapping), heads * dim))
+        if impl is shared:
+            written.update(mapping)
+            for _, _, held_slots in impl.deferred._held:  # a held code never lies in a full block
+                assert not any(s // block * block + block - 1 in written for s in held_slots.tolist())
+        return {name: out[starts[i]:starts[i + 1]] for i, (name, _, _) in enumerate(parts)}
+
+    with_hit, own = {"A": tables["A"], "B": tables["B"]}, {"A": tables["A"], "B": own_b}
+    if one_batch:
+        got = forward(shared, caches[0], [("A", 0, 14), ("B", 8, 13)], with_hit)["B"]
+        want = forward(private, caches[1], [("A", 0, 14), ("B", 0, 13)], own)["B"][8:]
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    else:
+        for impl, cache, table_of in ((shared, caches[0], with_hit), (private, caches[1], own)):
+            forward(impl, cache, [("A", 0, 8)], table_of)
+            forward(impl, cache, [("A", 8, 14)], table_of)
+        got = forward(shared, caches[0], [("B", 8, 13)], with_hit)["B"]
+        forward(private, caches[1], [("B", 0, 8)], own)
+        want = forward(private, caches[1], [("B", 8, 13)], own)["B"]
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert shared.window.row(with_hit["B"][12 // block], 13) >= 0  # B's window is whole: the hit did not cost it
+    for step in range(10):  # decodes of both (A from 14, B from 13), crossing block ends
+        parts = [("A", 14 + step, 15 + step), ("B", 13 + step, 14 + step)]
+        got, want = forward(shared, caches[0], parts, with_hit), forward(private, caches[1], parts, own)
+        for name in ("A", "B"):
+            torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-4)
+    assert len(shared.deferred) > 0 or len(private.deferred) > 0  # deferral was on through the steps

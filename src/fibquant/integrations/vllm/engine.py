@@ -52,6 +52,8 @@ class EngineSettings:
     device: str = "cpu"           # "cuda": the budget goes through kv_cache_memory_bytes
     sink_tokens: int = DEFAULT_SINK_TOKENS  # exact first tokens of each sequence (FibQuant cache only)
     recent_tokens: int = DEFAULT_RECENT_TOKENS  # exact last tokens before each forward (FibQuant cache only)
+    enable_prefix_caching: bool = False  # vLLM's prefix caching (full blocks shared between sequences)
+    block_size: int | None = None        # vLLM's KV block size in tokens (None: vLLM's default)
 
     def __post_init__(self) -> None:
         if self.chunk_tokens < 1 or self.max_model_len < 2 or self.kv_cache_gib <= 0:
@@ -99,7 +101,7 @@ def window_bytes(settings: EngineSettings) -> int:
     element = 4 if settings.dtype in ("float32", "float") else 2
     config = VllmCacheConfig.parse(settings.cache_spec, settings.sink_tokens, settings.recent_tokens)
     return config.window_bytes(head_dim, model.get("num_key_value_heads") or heads, model["num_hidden_layers"],
-                               settings.max_num_seqs, element)
+                               settings.max_num_seqs, element, settings.enable_prefix_caching)
 
 
 def _engine(settings: EngineSettings):
@@ -112,10 +114,12 @@ def _engine(settings: EngineSettings):
                          f"do not fit the KV budget of {settings.kv_cache_gib:g} GiB")
     if settings.device == "cuda" and settings.cache_spec:
         extra["attention_backend"] = "CUSTOM"
+    if settings.block_size is not None:
+        extra["block_size"] = settings.block_size
     return LLM(model=settings.model_dir, dtype=settings.dtype, enforce_eager=True,
                max_model_len=settings.max_model_len, enable_chunked_prefill=True,
                max_num_batched_tokens=settings.chunk_tokens, max_num_seqs=settings.max_num_seqs,
-               enable_prefix_caching=False, kv_cache_dtype=settings.kv_cache_dtype, seed=0, **extra)
+               enable_prefix_caching=settings.enable_prefix_caching, kv_cache_dtype=settings.kv_cache_dtype, seed=0, **extra)
 
 
 def _capacity(llm) -> int:
@@ -126,11 +130,20 @@ def _capacity(llm) -> int:
 def _greedy(llm, task: dict) -> dict:
     from vllm import SamplingParams
 
-    outputs = llm.generate(task["prompts"], SamplingParams(max_tokens=task["max_tokens"], temperature=0.0,
-                                                           logprobs=2), use_tqdm=False)
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=task["max_tokens"], temperature=0.0, logprobs=2)
+    prompts = [TokensPrompt(prompt_token_ids=p) if isinstance(p, list) else p for p in task["prompts"]]
+    if task.get("one_by_one"):  # each prompt after the previous one finished (prefix caching: later hits)
+        outputs = [llm.generate([prompt], params, use_tqdm=False)[0] for prompt in prompts]
+    else:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
     return {"token_ids": [list(o.outputs[0].token_ids) for o in outputs],
             "texts": [o.outputs[0].text for o in outputs],
-            "margins": [[_margin(step) for step in o.outputs[0].logprobs] for o in outputs]}
+            "margins": [[_margin(step) for step in o.outputs[0].logprobs] for o in outputs],
+            "logprobs": [[step[token].logprob for step, token in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+                         for o in outputs],
+            "cached_tokens": [int(o.num_cached_tokens or 0) for o in outputs]}
 
 
 def _margin(step: dict) -> float:
