@@ -95,6 +95,10 @@ def test_real_model_compressed_generation_and_short_perplexity(request):
     assert abs(rows["int:b=8"]["perplexity"] / fp - 1.0) < 0.01
     assert rows["int:b=2"]["perplexity"] > rows["int:b=8"]["perplexity"] * 1.01
     assert rows["fp"]["kl"] == 0.0 and rows["fp"]["top1_agreement"] == 1.0
+    for row in rows.values():  # one window here: the per-window figures are the totals
+        assert row["kl_per_window"] == [pytest.approx(row["kl"])]
+        assert row["top1_per_window"] == [pytest.approx(row["top1_agreement"])]
+        assert row["perplexity_per_window"] == [pytest.approx(row["perplexity"])]
     assert 0.0 < rows["int:b=8"]["kl"] < rows["int:b=2"]["kl"]
     assert rows["int:b=2"]["top1_agreement"] < rows["int:b=8"]["top1_agreement"] <= 1.0
     assert rows["int:b=2"]["cache_bytes_per_token"] < rows["int:b=8"]["cache_bytes_per_token"] < \

@@ -144,8 +144,8 @@ def run_perplexity(model, tokenizer, methods: list, config: PerplexityConfig = P
     factories = [cache_factory(spec, model, config) for spec in specs]
     # The uncompressed model's distribution: an fp row's own cache where there is one, else a DynamicCache.
     fp_index = next((i for i, spec in enumerate(specs) if spec.is_fp), None)
-    sums = [dict(nll=0.0, second=0.0, kl=0.0, top1=0.0, count=0, second_count=0, bytes=None, stored=None)
-            for _ in specs]
+    sums = [dict(nll=0.0, second=0.0, kl=0.0, top1=0.0, count=0, second_count=0, bytes=None, stored=None,
+                 windows=dict(nll=[], kl=[], top1=[])) for _ in specs]
     bar = tqdm(total=len(batches) * len(specs), desc="perplexity", disable=not progress)
     for batch in batches:
         caches = [fresh() for fresh in factories]
@@ -159,6 +159,10 @@ def run_perplexity(model, tokenizer, methods: list, config: PerplexityConfig = P
             total["second_count"] += nll[:, half - 1:].numel()
             total["kl"] += float(stats["kl"].double().sum())
             total["top1"] += float(stats["top1"].sum())
+            # per window (a row of the batch): mean token NLL, KL and top-1, for spreads over windows
+            total["windows"]["nll"] += nll.double().mean(1).tolist()
+            total["windows"]["kl"] += stats["kl"].double().mean(1).tolist()
+            total["windows"]["top1"] += stats["top1"].double().mean(1).tolist()
             # A RoundTripCache (peers) stores floats: its bytes are counted in the peer's format.
             format_bytes = (spec.key_bytes(head_dim), spec.value_bytes(head_dim))
             total["bytes"] = cache_nbytes(cache, format_bytes) / (batch.shape[0] * config.context)
@@ -181,6 +185,9 @@ def run_perplexity(model, tokenizer, methods: list, config: PerplexityConfig = P
             "perplexity_second_half": math.exp(total["second"] / total["second_count"]),
             "nll": total["nll"] / count, "predicted_tokens": count,
             "kl": total["kl"] / count, "top1_agreement": total["top1"] / count,
+            # one entry per window, in text order (each window predicts the same number of tokens)
+            "kl_per_window": total["windows"]["kl"], "top1_per_window": total["windows"]["top1"],
+            "perplexity_per_window": [math.exp(v) for v in total["windows"]["nll"]],
         })
         if progress:
             tqdm.write(f"{rows[-1]['label']}: perplexity {rows[-1]['perplexity']:.3f} "
