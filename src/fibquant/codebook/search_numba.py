@@ -94,14 +94,7 @@ def _grid_py(u, k, edges, cells, offsets, candidates, heavy, cw, cw_t, index, fl
                 x[j] = v
                 if not -GRID_OUTER <= v <= GRID_OUTER:  # beyond the outer cells (or NaN)
                     outside = True
-                # cell = #edges < v (torch.bucketize, right=False): an estimate, then exact.
-                f = (np.float64(v) - origin) * scale
-                cell = 0 if not f > -1.0 else (last if f >= last else int(f) + 1)
-                while cell > 0 and edges[cell - 1] >= v:
-                    cell -= 1
-                while cell < last and edges[cell] < v:
-                    cell += 1
-                box += cell * stride
+                box += _cell(v, edges, origin, scale, last) * stride
                 stride *= cells
             d1, i1, d2 = np.inf, -1, np.inf
             if outside or heavy[box]:  # far out: the full search
@@ -137,8 +130,7 @@ def _grid2_py(u, k, edges, cells, offsets, candidates, heavy, cw, cw_t, index, f
     (float64, (x0 - c0)^2 + (x1 - c1)^2, the same sum order), fold and tie flag, so the same
     indices and flags. A box whose pruned list holds one codeword takes it without a distance
     (`prune_dominated` leaves a codeword alone only when every other is farther by more than the
-    tie window on the whole box, so `_grid_py` would find it, unflagged). With bits = 8 the
-    indices are stored straight into the code bytes (= `_pack_row`)."""
+    tie window on the whole box, so `_grid_py` would find it, unflagged)."""
     n_blocks = u.shape[1] // 2
     last = edges.shape[0]
     origin = np.float64(edges[0])
@@ -180,10 +172,7 @@ def _grid2_py(u, k, edges, cells, offsets, candidates, heavy, cw, cw_t, index, f
             if i1 < 0 or (d2 - d1 <= TIE_REL * d2 and d2 < np.inf):
                 flags[row, b] = 1
                 flagged += 1
-        if bits == 8:
-            for b in range(n_blocks):
-                codes[row, head + b] = np.uint8(index[row, b])
-        elif bits > 0:
+        if bits > 0:
             _pack_row(index, row, bits, codes, head)
     return flagged
 
@@ -245,10 +234,7 @@ def _grid4_py(u, k, edges, cells, offsets, candidates, heavy, cw, cw_t, index, f
             if i1 < 0 or (d2 - d1 <= TIE_REL * d2 and d2 < np.inf):
                 flags[row, b] = 1
                 flagged += 1
-        if bits == 8:
-            for b in range(n_blocks):
-                codes[row, head + b] = np.uint8(index[row, b])
-        elif bits > 0:
+        if bits > 0:
             _pack_row(index, row, bits, codes, head)
     return flagged
 
@@ -742,6 +728,10 @@ def _scan_py(u, k, cw32_t, sq32, cw_t, cmax, index, flags, codes, head, bits, st
 
 def _pack_row_py(index, row, bits, codes, head):
     """Bit-pack index[row] (`bits` each, little-endian stream, = `pack_bits`) into codes[row, head:]."""
+    if bits == 8:  # one byte per index: the stream is the indices themselves
+        for b in range(index.shape[1]):
+            codes[row, head + b] = np.uint8(index[row, b])
+        return
     acc = np.uint64(0)
     filled = 0
     pos = head

@@ -29,27 +29,6 @@ _count_invalid = _role_fields = None
 _build_table = _bytes_table = _spread_bytes = _contract = None
 _score_tokens = _hist_tokens = _exact_scores = _exact_values = None
 _norms = _query_table = _softmax_row = _unrotate_add = None
-_window_scores = None
-
-
-def _window_scores_py(keys, b, h, start, scores, query, groups, kt):
-    """scores[t, start + e] = query[t] . keys[b, h, e] as numba_decode's `_exact_scores` (the same
-    sums in the same order: d ascending from 0.0, so bitwise the same), but through kt, a transposed
-    copy [D, >= n] of the keys, so the loop over e reads contiguous floats and vectorises (reading
-    keys[b, h, e, d] over e strides by D: scalar loads, ~5x slower for the 36-column window)."""
-    dim = query.shape[1]
-    n = keys.shape[2]
-    for e in range(n):
-        for d in range(dim):
-            kt[d, e] = keys[b, h, e, d]
-    for t in range(groups):
-        row = scores[t, start:start + n]
-        for e in range(n):
-            row[e] = 0.0
-        for d in range(dim):
-            x = query[t, d]
-            for e in range(n):
-                row[e] += x * kt[d, e]
 
 
 def _paged_step_py(query, scaling, key_forward, value_inverse, key_codewords, value_codewords, pages, tables,
@@ -88,7 +67,6 @@ def _paged_step_py(query, scaling, key_forward, value_inverse, key_codewords, va
     total = np.empty(groups, dtype=np.float32)
     result = np.empty((groups, value_dim), dtype=np.float32)
     unrot = np.empty(value_dim, dtype=np.float32)
-    kt = np.empty((dim, max(n_exact_in, 1)), dtype=np.float32)
     bad = 0
     for unit in range(unit_start, unit_stop):
         b = unit // n_h
@@ -126,7 +104,7 @@ def _paged_step_py(query, scaling, key_forward, value_inverse, key_codewords, va
                 _score_tokens(table1, lut, rows, coded[:, base:base + hi - lo], groups, block_norms, key_mode, lanes,
                               key_bits, key_blocks, k_pos, kn, k_safe, k_safe_bytes, k_word)
         # --- exact scores: columns [the caller's exact window, the new token]
-        _window_scores(exact_keys, b, h, 0, exact, scaled, groups, kt)
+        _exact_scores(exact_keys, b, h, 0, exact, scaled, groups)
         _exact_scores(new_keys, b, h, n_exact_in, exact, scaled, groups)
         # --- one softmax over the row (and the sink logit)
         for t in range(groups):
@@ -176,7 +154,7 @@ def compile_paged_kernel():
     """The paged decode-step dispatcher (numba, cache=True); binds numba_decode's helpers first."""
     global _KERNEL, np, _count_invalid, _role_fields, _build_table, _bytes_table, _spread_bytes
     global _contract, _score_tokens, _hist_tokens, _exact_scores, _exact_values, _norms
-    global _query_table, _softmax_row, _unrotate_add, _window_scores
+    global _query_table, _softmax_row, _unrotate_add
     if _KERNEL is not None:
         return _KERNEL
     import numba
@@ -192,7 +170,6 @@ def compile_paged_kernel():
     _exact_scores, _exact_values = numba_decode._exact_scores, numba_decode._exact_values
     _norms, _query_table = numba_decode._norms, numba_decode._query_table
     _softmax_row, _unrotate_add = numba_decode._softmax_row, numba_decode._unrotate_add
-    _window_scores = numba.njit(nogil=True, cache=True)(_window_scores_py)
     f32 = "float32[:, :, :, ::1]"
     signature = ("int64(float32[:, :, ::1], float32, float32[:, ::1], float32[:, ::1], float32[:, ::1], "
                  "float32[:, ::1], uint8[:, :, :, :], int32[:, :], int64[::1], int64[::1], int64, int64, int64, "
