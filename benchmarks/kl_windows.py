@@ -3,7 +3,10 @@
 Usage: python benchmarks/kl_windows.py results/.../peers.json [...]; PAIRS="a|b;c|d" adds paired
 per-(draw, window) KL differences of spec a against spec b (a spec without draws counts for every draw).
 """
-import json, statistics as st, sys
+import json
+import os
+import statistics as st
+import sys
 from collections import defaultdict
 rows = []
 for path in sys.argv[1:]:
@@ -14,10 +17,6 @@ for path in sys.argv[1:]:
 by = defaultdict(list)
 for r in rows:
     by[r.get("rotation_of") or r["cache"]].append(r)
-fp = {}
-for c, rs in by.items():
-    if c == "fp":
-        fp = rs[0]
 print("| cache | B/vec (K,V) | stored B/token | draws x windows | KL mean | KL sd (all windows x draws) | KL sd over draws (of window-means) | KL per window (mean over draws) | top-1 mean | top-1 sd | ppl change % (mean over draws) |")
 print("|---|---|---|---|---|---|---|---|---|---|---|")
 for c, rs in by.items():
@@ -28,8 +27,7 @@ for c, rs in by.items():
     perw = [st.fmean(r["kl_per_window"][i] for r in rs) for i in range(nw)]
     ppl = st.fmean(r.get("perplexity_change_pct", 0.0) for r in rs)
     print(f"| {c} | {rs[0]['key_bytes_per_vector']:g},{rs[0]['value_bytes_per_vector']:g} | {rs[0]['cache_stored_bytes_per_token']:.0f} | {len(rs)}x{nw} | {st.fmean(kl):.4f} | {st.stdev(kl) if len(kl)>1 else 0:.4f} | {st.stdev(draws) if len(draws)>1 else 0:.4f} | {' '.join(f'{v:.4f}' for v in perw)} | {st.fmean(t1):.3f} | {st.stdev(t1) if len(t1)>1 else 0:.3f} | {ppl:+.2f} |")
-# paired per-window differences against a reference cache
-ref = [a for a in sys.argv if a.startswith("--ref=")]
+# paired per-window differences of spec a against spec b (PAIRS)
 
 def cells(c):
     """{(seed, window): (kl, top1)}; a spec without draws counts for every seed."""
@@ -39,7 +37,6 @@ def cells(c):
             out[(r.get("rotation_seed"), i)] = (k, t)
     return out
 
-import os
 pairs = os.environ.get("PAIRS", "")
 for pair in filter(None, pairs.split(";")):
     a, b = pair.split("|")

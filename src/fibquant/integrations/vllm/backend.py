@@ -161,7 +161,6 @@ class _WindowPlan:
     keys: list[int]          # [num_reqs]
     new_keys: list[int]      # [num_reqs]
     fresh_blocks: list[int]
-    slots: "np.ndarray"      # [num_actual_tokens] int64, host
     in_forward: dict         # request -> (first position of the run, token rows [past - first] int64)
 
 
@@ -572,7 +571,7 @@ class FibQuantAttentionImpl(AttentionImpl):
                 break
             if first < past:
                 in_forward[r] = (first, np.concatenate(rows[::-1]).astype(np.int64))
-        meta.plan = _WindowPlan(block, keys, new_keys, fresh, slots, in_forward)
+        meta.plan = _WindowPlan(block, keys, new_keys, fresh, in_forward)
         return meta.plan
 
     def _store(self, pages, keys, values, slot_mapping: torch.Tensor, starts: list[int], held: list[int]) -> None:

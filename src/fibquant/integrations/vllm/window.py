@@ -103,7 +103,8 @@ class ExactWindow:
             return position
         return self.sink_tokens + (position - self.sink_tokens) % self.recent_tokens if self.recent_tokens else -1
 
-    def _entry(self, key: int, past: int):
+    def _entry(self, key: int, past: int) -> list | None:
+        """The entry keyed `key` (live, else a snapshot) recorded up to exactly `past`, or None."""
         entry = self._entries.get(key)
         if entry is None or entry[1] != past:
             entry = self._frozen.get(key)
@@ -214,11 +215,8 @@ class ExactWindow:
         tokens, else -1 (no entry, a gap, or nothing to hold: n = 0)."""
         if past == 0 or self.size == 0:
             return -1
-        entry = self._entries.get(key)
-        if entry is not None and entry[1] == past:
-            return entry[0]
-        entry = self._frozen.get(key) if self._frozen else None
-        return entry[0] if entry is not None and entry[1] == past else -1
+        entry = self._entry(key, past)
+        return -1 if entry is None else entry[0]
 
     def gather(self, rows: list[int], n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Exact keys/values [len(rows), Hk, n, D] of slab rows `rows` (from `row`, all with the same n):
