@@ -80,3 +80,42 @@ def test_paged_decode_refuses_bad_input():
     bad_tables[0, 1] = 500  # a block id outside the pages: counted and refused, never read
     with pytest.raises(ValueError, match="block id"):
         paged_decode_attention(**{**case, "tables": bad_tables})
+
+
+def _as(case: dict, dtype: torch.dtype, names=("query", "exact_keys", "exact_values", "new_keys", "new_values")):
+    return {**case, **{name: case[name].to(dtype) for name in names}}
+
+
+@pytest.mark.parametrize("pair", ["fibquant 4/4 bit (8-bit indices)", "fibquant 4/2 bit", "turboquant 3 (3-bit fields)"])
+def test_paged_decode_reads_bf16_inputs_in_place(pair):
+    """bf16 query / window / new token read as their bits by the kernel (no float32 copies): the same
+    result as the reference on the same bf16 values; a mix of dtypes takes the float32 path."""
+    case = _as(_scenario(pair, seed=2), torch.bfloat16)
+    want = paged_decode_attention_reference(**case)
+    torch.testing.assert_close(paged_decode_attention(**case), want, rtol=1e-4, atol=1e-5)
+    mixed = _as(case, torch.float32, names=("exact_values",))
+    torch.testing.assert_close(paged_decode_attention(**mixed), want, rtol=1e-4, atol=1e-5)
+
+
+def test_paged_decode_takes_strided_views_and_writes_bf16_out():
+    """Query and new tokens as strided views of one fused qkv row (as vLLM hands them over), and the
+    output written in place into a strided bf16 view: equal to the float32 result rounded by torch."""
+    case = _as(_scenario("fibquant 4/2 bit", seed=3), torch.bfloat16)
+    batch, heads, dim = case["query"].shape
+    kv_heads = case["new_keys"].shape[1]
+    fused = torch.cat([case["query"].reshape(batch, -1), case["new_keys"].reshape(batch, -1),
+                       case["new_values"].reshape(batch, -1)], dim=1)  # [B, (Hq + 2 Hkv) * D]
+    query, keys, values = fused.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=1)
+    views = dict(query=query.view(batch, heads, dim), new_keys=keys.view(batch, kv_heads, 1, dim),
+                 new_values=values.view(batch, kv_heads, 1, dim))
+    assert not views["query"].is_contiguous() and not views["new_keys"].is_contiguous()
+    want = paged_decode_attention(**case)  # float32 out
+    torch.testing.assert_close(paged_decode_attention(**{**case, **views}), want, rtol=0, atol=0)
+    flat = torch.full((batch + 2, heads * dim + 8), 7.0, dtype=torch.bfloat16)
+    target = flat[1:batch + 1, :heads * dim].view(batch, heads, dim)
+    got = paged_decode_attention(**{**case, **views}, out=target)
+    assert got is target
+    assert torch.equal(target.view(torch.int16), want.to(torch.bfloat16).view(torch.int16))
+    assert (flat[0] == 7).all() and (flat[-1] == 7).all() and (flat[:, heads * dim:] == 7).all()
+    with pytest.raises(ValueError, match="out must be"):
+        paged_decode_attention(**case, out=torch.empty(batch, heads, dim, dtype=torch.float16))

@@ -244,3 +244,60 @@ def _build_intrinsics():
         return sig, codegen
 
     return lut_sum, hist_add, _mover(False), _mover(True), sum4
+
+
+_BF16 = None
+
+
+def _build_bf16():
+    """(as_f32, from_f32): bfloat16 read and written as its uint16 bits, so the kernels take the
+    model's bf16 tensors as numpy uint16 views (numpy has no bf16) instead of float32 copies.
+
+    as_f32(x):        x float32 -> x; x uint16 (bf16 bits) -> the float32 of those bits (exact).
+    from_f32(x, out): the element of array `out` for float32 x: x itself for a float32 array; for a
+                      uint16 array the bf16 bits of x rounded to nearest even, NaN -> 0x7FC0 (as
+                      torch's float32 -> bfloat16 conversion, bit for bit).
+    """
+    global _BF16
+    if _BF16 is not None:
+        return _BF16
+    from llvmlite import ir
+    from numba.core import types
+    from numba.extending import intrinsic
+
+    i16, i32 = ir.IntType(16), ir.IntType(32)
+
+    @intrinsic
+    def as_f32(typingctx, x):
+        if x == types.float32:
+            return types.float32(x), lambda context, builder, signature, args: args[0]
+        if x != types.uint16:
+            return None
+
+        def codegen(context, builder, signature, args):
+            wide = builder.shl(builder.zext(args[0], i32), ir.Constant(i32, 16))
+            return builder.bitcast(wide, ir.FloatType())
+
+        return types.float32(x), codegen
+
+    @intrinsic
+    def from_f32(typingctx, x, out):
+        if x != types.float32 or not isinstance(out, types.Array):
+            return None
+        if out.dtype == types.float32:
+            return types.float32(x, out), lambda context, builder, signature, args: args[0]
+        if out.dtype != types.uint16:
+            return None
+
+        def codegen(context, builder, signature, args):
+            bits = builder.bitcast(args[0], i32)
+            lsb = builder.and_(builder.lshr(bits, ir.Constant(i32, 16)), ir.Constant(i32, 1))
+            rounded = builder.add(bits, builder.add(lsb, ir.Constant(i32, 0x7FFF)))
+            value = builder.trunc(builder.lshr(rounded, ir.Constant(i32, 16)), i16)
+            nan = builder.fcmp_unordered("uno", args[0], args[0])
+            return builder.select(nan, ir.Constant(i16, 0x7FC0), value)
+
+        return types.uint16(x, out), codegen
+
+    _BF16 = as_f32, from_f32
+    return _BF16

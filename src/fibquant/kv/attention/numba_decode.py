@@ -25,7 +25,7 @@ from __future__ import annotations
 
 # The vector intrinsics (kv/attention/intrinsics.py) are inlined into the cached kernels of this file;
 # numba's disk cache keys on this file only, so an intrinsics change must also touch this file
-# (issue 17: 8-bit fields read as single bytes, all on the unrolled path).
+# (issue 17: 8-bit fields read as single bytes, all on the unrolled path; issue 18: bf16 reads).
 
 np = None
 _count_invalid = _safe_fields = None
@@ -34,6 +34,7 @@ _lut_sum = _hist_add = None
 _score_tokens = _hist_tokens = _exact_scores = _exact_values = None
 _row_max = _exp_sum = _norms = None
 _query_table = _softmax_row = _unrotate_add = _role_fields = _add_key_mean = _add_bias = None
+_as_f32 = None  # intrinsics._build_bf16: float32 as is, uint16 read as bf16 bits
 
 
 def _score_tokens_py(table1, lut, rows, res, nq, norms, mode, lanes, bits, n_blocks, n_pos, n_codewords,
@@ -124,7 +125,7 @@ def _hist_tokens_py(hist1, hist, rows, wts, nq, norms, mode, lanes, bits, n_bloc
 
 def _exact_scores_py(keys, b, h, start, scores, query, groups):
     """scores[t, start + e] = query[t] . keys[b, h, e] for the exact keys of one part (the loop over e
-    innermost: independent sums, no float reduction chain)."""
+    innermost: independent sums, no float reduction chain); keys float32 or bf16 bits (uint16)."""
     dim = query.shape[1]
     n = keys.shape[2]
     for t in range(groups):
@@ -133,18 +134,19 @@ def _exact_scores_py(keys, b, h, start, scores, query, groups):
         for d in range(dim):
             x = query[t, d]
             for e in range(n):
-                scores[t, start + e] += x * keys[b, h, e, d]
+                scores[t, start + e] += x * _as_f32(keys[b, h, e, d])
 
 
 def _exact_values_py(values, b, h, start, weights, result, groups):
-    """result[t] += sum_e weights[t, start + e] * values[b, h, e] for the exact values of one part."""
+    """result[t] += sum_e weights[t, start + e] * values[b, h, e] for the exact values of one part
+    (values float32 or bf16 bits)."""
     dim = values.shape[3]
     for e in range(values.shape[2]):
         for t in range(groups):
             w = weights[t, start + e]
             if w != 0.0:
                 for d in range(dim):
-                    result[t, d] += w * values[b, h, e, d]
+                    result[t, d] += w * _as_f32(values[b, h, e, d])
 
 
 # Cephes' expf: exp(x) = 2^n * exp(r), n = round(x / ln 2), r = x - n ln 2 (ln 2 split in two for
@@ -427,16 +429,19 @@ def compile_decode_kernel():
     global _KERNEL, np, _count_invalid, _safe_fields, _build_table, _bytes_table, _spread_bytes
     global _contract, _lut_sum, _hist_add, _score_tokens, _hist_tokens, _exact_scores, _exact_values
     global _row_max, _exp_sum, _norms, _query_table, _softmax_row, _unrotate_add, _role_fields
-    global _add_key_mean, _add_bias
+    global _add_key_mean, _add_bias, _as_f32
     if _KERNEL is not None:
         return _KERNEL
     import numba
+
+    from fibquant.kv.attention.intrinsics import _build_bf16
 
     import fibquant.kv.attention.numba_kernels as numba_kernels
     from fibquant.kv.attention.kernels import _kernels
 
     _kernels()  # binds numba_kernels's globals (numpy, helpers, intrinsics)
     np = numba_kernels.np
+    _as_f32 = _build_bf16()[0]
     _count_invalid, _safe_fields = numba_kernels._count_invalid, numba_kernels._safe_fields
     _build_table, _bytes_table = numba_kernels._build_table, numba_kernels._bytes_table
     _spread_bytes, _contract = numba_kernels._spread_bytes, numba_kernels._contract

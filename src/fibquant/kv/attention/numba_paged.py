@@ -17,18 +17,23 @@ Exact columns (the sinks and the recent window the caller keeps beside the pages
 token) are float dot products as in numba_decode; every column of the row (and a learned sink
 logit) goes through one softmax. No additive bias: each sequence sees all of its own columns.
 Block ids outside [0, num_blocks) are counted (the caller raises) and skipped, never read.
+
+The query, the exact parts and `out` are float32 or bf16 bits (uint16 views of the model's bf16
+tensors: `intrinsics._build_bf16`), any strides: the caller passes vLLM's tensors as they are,
+with no float32 copies in and no bf16 conversion out (one compiled variant per combination).
 """
 from __future__ import annotations
 
 # The vector intrinsics (kv/attention/intrinsics.py) are inlined into the cached kernels of this file;
 # numba's disk cache keys on this file only, so an intrinsics change must also touch this file
-# (issue 17: 8-bit fields read as single bytes, all on the unrolled path).
+# (issue 17: 8-bit fields read as single bytes, all on the unrolled path; issue 18: bf16 reads / writes).
 
 np = None
 _count_invalid = _role_fields = None
 _build_table = _bytes_table = _spread_bytes = _contract = None
 _score_tokens = _hist_tokens = _exact_scores = _exact_values = None
 _norms = _query_table = _softmax_row = _unrotate_add = None
+_as_f32 = _from_f32 = None
 
 
 def _paged_step_py(query, scaling, key_forward, value_inverse, key_codewords, value_codewords, pages, tables,
@@ -40,7 +45,8 @@ def _paged_step_py(query, scaling, key_forward, value_inverse, key_codewords, va
     invalid indices (>= N) and out-of-range block ids seen. query [B, Hq, D] (unscaled, unrotated),
     pages uint8 [num_blocks, H, block_size, slot] (any strides, slot bytes contiguous), tables
     int32 [B, max_blocks], starts / stops int64 [B] (coded positions [start, stop)), exact parts
-    [B, H, n, D] (n may be 0), sinks [Hq] (read when flags bit 3), out [B, Hq, Dv] float32.
+    [B, H, n, D] (n may be 0), sinks [Hq] (read when flags bit 3), out [B, Hq, Dv]; query, exact
+    parts and out float32 or bf16 bits (uint16), any strides.
     Scratch as `numba_decode.scratch_sizes`, coded [lanes, >= max coded tokens], norms and ibits
     (int32) [>= that]."""
     n_b, n_qh, dim = query.shape
@@ -76,7 +82,7 @@ def _paged_step_py(query, scaling, key_forward, value_inverse, key_codewords, va
         n_tokens = stop - start if stop > start else 0
         for t in range(groups):
             for d in range(dim):
-                scaled[t, d] = query[b, h * groups + t, d] * scaling
+                scaled[t, d] = _as_f32(query[b, h * groups + t, d]) * scaling
         first_block = start // block_size
         last_block = (stop + block_size - 1) // block_size
         # --- coded scores, block by block
@@ -143,26 +149,34 @@ def _paged_step_py(query, scaling, key_forward, value_inverse, key_codewords, va
         for t in range(groups):
             scale = np.float32(1.0) / total[t] if total[t] > 0 else np.float32(0.0)
             for d in range(value_dim):
-                out[b, h * groups + t, d] = result[t, d] * scale
+                out[b, h * groups + t, d] = _from_f32(result[t, d] * scale, out)
     return bad
 
 
-_KERNEL = None
+_KERNELS: dict = {}
 
 
-def compile_paged_kernel():
-    """The paged decode-step dispatcher (numba, cache=True); binds numba_decode's helpers first."""
-    global _KERNEL, np, _count_invalid, _role_fields, _build_table, _bytes_table, _spread_bytes
+def compile_paged_kernel(inputs: str = "float32", output: str = "float32"):
+    """The paged decode-step dispatcher (numba, cache=True) for query / exact parts of dtype `inputs`
+    and out of dtype `output` ("float32" or "uint16": bf16 bits); binds numba_decode's helpers first.
+    One dispatcher per combination, each compiled for its one signature (arguments of another
+    layout are converted, never compiled anew)."""
+    global np, _count_invalid, _role_fields, _build_table, _bytes_table, _spread_bytes
     global _contract, _score_tokens, _hist_tokens, _exact_scores, _exact_values, _norms
-    global _query_table, _softmax_row, _unrotate_add
-    if _KERNEL is not None:
-        return _KERNEL
+    global _query_table, _softmax_row, _unrotate_add, _as_f32, _from_f32
+    kernel = _KERNELS.get((inputs, output))
+    if kernel is not None:
+        return kernel
+    if inputs not in ("float32", "uint16") or output not in ("float32", "uint16"):
+        raise ValueError(f"paged kernel dtypes are float32 or uint16 (bf16 bits), got {inputs} / {output}")
     import numba
 
     import fibquant.kv.attention.numba_decode as numba_decode
+    from fibquant.kv.attention.intrinsics import _build_bf16
 
     numba_decode.compile_decode_kernel()  # binds numba_decode's (and numba_kernels') helpers
     np = numba_decode.np
+    _as_f32, _from_f32 = _build_bf16()
     _count_invalid, _role_fields = numba_decode._count_invalid, numba_decode._role_fields
     _build_table, _bytes_table = numba_decode._build_table, numba_decode._bytes_table
     _spread_bytes, _contract = numba_decode._spread_bytes, numba_decode._contract
@@ -170,11 +184,11 @@ def compile_paged_kernel():
     _exact_scores, _exact_values = numba_decode._exact_scores, numba_decode._exact_values
     _norms, _query_table = numba_decode._norms, numba_decode._query_table
     _softmax_row, _unrotate_add = numba_decode._softmax_row, numba_decode._unrotate_add
-    f32 = "float32[:, :, :, ::1]"
-    signature = ("int64(float32[:, :, ::1], float32, float32[:, ::1], float32[:, ::1], float32[:, ::1], "
+    part = f"{inputs}[:, :, :, :]"
+    signature = (f"int64({inputs}[:, :, :], float32, float32[:, ::1], float32[:, ::1], float32[:, ::1], "
                  "float32[:, ::1], uint8[:, :, :, :], int32[:, :], int64[::1], int64[::1], int64, int64, int64, "
-                 f"int64, {f32}, {f32}, {f32}, {f32}, float32[::1], float32[:, :, ::1], "
+                 f"int64, {part}, {part}, {part}, {part}, float32[::1], {output}[:, :, :], "
                  "int64, int64, int64, int64, int64, int64, int64, int64, float32[::1], float32[::1], float32[::1], "
                  "float32[::1], float32[:, ::1], float32[::1], int32[::1], int64, int64)")
-    _KERNEL = numba.njit(signature, nogil=True, cache=True)(_paged_step_py)
-    return _KERNEL
+    kernel = _KERNELS[inputs, output] = numba.njit(signature, nogil=True, cache=True)(_paged_step_py)
+    return kernel

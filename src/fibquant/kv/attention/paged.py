@@ -23,8 +23,9 @@ from fibquant.kv.attention.host_arrays import f32
 from fibquant.kv.attention.kernels import _MIN_WORK_PER_THREAD
 from fibquant.kv.attention.reference import gather_paged_codes
 
-_KERNEL = None
+_KERNELS: dict = {}  # (bf16 inputs, bf16 out) -> the compiled kernel
 _SIZES: dict = {}
+_scratch = None  # entry._scratch, imported on first use (entry pulls in transformers)
 _DUMMY_SINKS = np.zeros(1, dtype=np.float32)
 
 
@@ -43,14 +44,23 @@ def paged_plans(key_codec: Codec, value_codec: Codec, q_heads: int, kv_heads: in
     return keys, values
 
 
+def _host(tensor: torch.Tensor, bits: bool):
+    """The numpy view a kernel reads, keeping the tensor's strides: its bf16 bits as uint16 (`bits`),
+    else float32 (a copy only when the tensor is of another dtype)."""
+    if bits:
+        return tensor.detach().view(torch.uint16).numpy()
+    return tensor.detach().to(torch.float32).numpy()
+
+
 def paged_decode_attention(query: torch.Tensor, pages: torch.Tensor, tables: torch.Tensor, starts: list[int],
                            stops: list[int], key_codec: Codec, value_codec: Codec, exact_keys: torch.Tensor,
                            exact_values: torch.Tensor, new_keys: torch.Tensor, new_values: torch.Tensor,
                            scaling: float, *, key_offset: int = 0, value_offset: int | None = None,
-                           sinks: torch.Tensor | None = None, plans=None) -> torch.Tensor:
-    """One decode step of B sequences -> out float32 [B, Hq, Dv].
+                           sinks: torch.Tensor | None = None, plans=None, out: torch.Tensor | None = None
+                           ) -> torch.Tensor:
+    """One decode step of B sequences -> out [B, Hq, Dv] (float32, or `out` filled in place).
 
-    query        [B, Hq, D] (unscaled, unrotated; any float dtype)
+    query        [B, Hq, D] (unscaled, unrotated; any float dtype, any strides)
     pages        uint8 [num_blocks, Hkv, block_size, slot_bytes], any strides with each slot's bytes
                  contiguous; a slot holds the key code at `key_offset` and the value code at
                  `value_offset` (default key_offset + key code size)
@@ -59,8 +69,12 @@ def paged_decode_attention(query: torch.Tensor, pages: torch.Tensor, tables: tor
     exact_keys/values [B, Hkv, n, D|Dv] (n >= 0: e.g. sinks + recent window), new_keys/values [B, Hkv, 1, D|Dv]
     sinks        optional [Hq] learned sink logits (a softmax column with no value)
     plans        `paged_plans(...)` (computed when None; raises when the kernel cannot serve the codecs)
+    out          optional float32 or bfloat16 [B, Hq, Dv], any strides (e.g. a view of the layer's output)
+
+    When the query and the four exact parts are all bfloat16 the kernel reads their bits in place (no
+    float32 copies); a bf16 `out` gets the float32 result rounded to nearest even, as `.to(bfloat16)`.
     """
-    global _KERNEL
+    global _scratch
     if query.ndim != 3 or pages.ndim != 4 or pages.dtype != torch.uint8 or query.device.type != "cpu":
         raise ValueError(f"expected CPU query [B, Hq, D] and uint8 pages [blocks, Hkv, bs, slot], got "
                          f"{tuple(query.shape)} on {query.device}, {pages.dtype} {tuple(pages.shape)}")
@@ -83,20 +97,31 @@ def paged_decode_attention(query: torch.Tensor, pages: torch.Tensor, tables: tor
     if len(starts) != batch or len(stops) != batch:
         raise ValueError(f"starts and stops need {batch} entries, got {len(starts)} and {len(stops)}")
     capacity = tables.shape[1] * block_size
-    longest = 0
-    for start, stop in zip(starts, stops):
-        if start < 0 or stop > capacity:
-            raise ValueError(f"coded range [{start}, {stop}) outside the {capacity} positions of a table row")
-        longest = max(longest, stop - start)
-    for name, tensor, width in (("exact_keys", exact_keys, dim), ("exact_values", exact_values, value_codec.dim),
-                                ("new_keys", new_keys, dim), ("new_values", new_values, value_codec.dim)):
+    starts_np, stops_np = np.asarray(starts, dtype=np.int64), np.asarray(stops, dtype=np.int64)
+    if batch and (starts_np.min() < 0 or stops_np.max() > capacity):
+        raise ValueError(f"a coded range [start, stop) lies outside the {capacity} positions of a table row")
+    longest = max(0, int((stops_np - starts_np).max())) if batch else 0
+    value_dim = value_codec.dim
+    parts = (exact_keys, exact_values, new_keys, new_values)
+    for name, tensor, width in zip(("exact_keys", "exact_values", "new_keys", "new_values"), parts,
+                                   (dim, value_dim, dim, value_dim)):
         if tensor.ndim != 4 or tensor.shape[0] != batch or tensor.shape[1] != kv_heads or tensor.shape[3] != width:
             raise ValueError(f"{name} must be [B={batch}, Hkv={kv_heads}, n, {width}], got {tuple(tensor.shape)}")
     if exact_keys.shape[2] != exact_values.shape[2] or new_keys.shape[2] != new_values.shape[2]:
         raise ValueError("exact / new keys and values must hold the same number of tokens")
-    if _KERNEL is None:
+    if out is None:
+        out = torch.empty(batch, q_heads, value_dim, dtype=torch.float32)
+    elif out.shape != (batch, q_heads, value_dim) or out.dtype not in (torch.float32, torch.bfloat16) \
+            or out.device.type != "cpu":
+        raise ValueError(f"out must be a CPU float32 or bfloat16 [B={batch}, Hq={q_heads}, {value_dim}] tensor, "
+                         f"got {out.dtype} {tuple(out.shape)} on {out.device}")
+    bits_in = query.dtype == torch.bfloat16 and all(t.dtype == torch.bfloat16 for t in parts)
+    bits_out = out.dtype == torch.bfloat16
+    kernel = _KERNELS.get((bits_in, bits_out))
+    if kernel is None:
         from fibquant.kv.attention.numba_paged import compile_paged_kernel
-        _KERNEL = compile_paged_kernel()
+        kernel = _KERNELS[bits_in, bits_out] = compile_paged_kernel(*("uint16" if bits else "float32"
+                                                                    for bits in (bits_in, bits_out)))
     flags, sinks_np = 0, _DUMMY_SINKS
     if sinks is not None:
         if sinks.numel() != q_heads:
@@ -104,23 +129,19 @@ def paged_decode_attention(query: torch.Tensor, pages: torch.Tensor, tables: tor
         sinks_np, flags = f32(sinks.reshape(-1)), 8
     if tables.dtype != torch.int32 or (tables.shape[1] > 1 and tables.stride(1) != 1):
         tables = tables.to(torch.int32).contiguous()
-    value_dim = values[1].shape[0]
-    out = torch.empty(batch, q_heads, value_dim, dtype=torch.float32)
     lanes = 4 if q_heads // kv_heads <= 4 else 8
-    args = (f32(query), float(scaling), keys[0], values[1], keys[2], values[2], pages.numpy(), tables.numpy(),
-            np.asarray(starts, dtype=np.int64), np.asarray(stops, dtype=np.int64), int(key_offset), key_size,
-            int(value_offset), value_size, f32(exact_keys), f32(exact_values), f32(new_keys), f32(new_values),
-            sinks_np, out.numpy(), flags, keys[3], values[3], keys[4], values[4], keys[5], values[5], lanes)
+    args = (_host(query, bits_in), np.float32(scaling), keys[0], values[1], keys[2], values[2], pages.numpy(),
+            tables.numpy(), starts_np, stops_np, int(key_offset), key_size, int(value_offset), value_size,
+            *(_host(t, bits_in) for t in parts), sinks_np, _host(out, bits_out), flags, keys[3], values[3], keys[4],
+            values[4], keys[5], values[5], lanes)
     shape = (keys[2].shape[0], keys[4], keys[3], keys[5], values[2].shape[0], values[4], values[3], values[5], lanes)
     sizes = _SIZES.get(shape)
     if sizes is None:
+        from fibquant.kv.attention.entry import _scratch
         from fibquant.kv.attention.numba_decode import scratch_sizes
         sizes = _SIZES[shape] = scratch_sizes(*shape)
-    from fibquant.kv.attention.entry import _scratch
-
-    units = batch * kv_heads
-    bad = run_split(_KERNEL, args, units, longest * (keys[4] + values[4]), _MIN_WORK_PER_THREAD, "fibquant-paged",
-                    per_thread=lambda t: _scratch(t, sizes, lanes, longest))
+    bad = run_split(kernel, args, batch * kv_heads, longest * (keys[4] + values[4]), _MIN_WORK_PER_THREAD,
+                    "fibquant-paged", per_thread=lambda t: _scratch(t, sizes, lanes, longest))
     if bad:
         raise ValueError(f"paged codes hold {bad} invalid index(es) or block id(s) outside the pages")
     return out
