@@ -614,12 +614,16 @@ class FibQuantAttentionImpl(AttentionImpl):
         if max(stops) > skip and self._numba_paged(pages):
             empty = keys.new_empty((len(requests), self.num_kv_heads, 0, self.head_size))
             exact_keys, exact_values = window if window is not None else (empty, empty)
+            # the kernel writes the output rows in place (in the model dtype) when they are one run
+            target = flat_out[lines].view(len(requests), self.num_heads, -1) if isinstance(lines, slice) \
+                and flat_out.dtype in (torch.float32, torch.bfloat16) else None
             out = paged_decode_attention(queries[lines], pages, table_rows, [skip] * len(requests), stops,
                                          self.key_codec, self.value_codec, exact_keys, exact_values,
                                          keys[lines].unsqueeze(2), values[lines].unsqueeze(2), self.scale,
                                          key_offset=0, value_offset=self.key_bytes, sinks=self.logit_sinks,
-                                         plans=self._paged_plans)
-            flat_out[lines] = out.reshape(len(requests), -1).to(flat_out.dtype)
+                                         plans=self._paged_plans, out=target)
+            if target is None:
+                flat_out[lines] = out.reshape(len(requests), -1).to(flat_out.dtype)
             return
         longest = max(stops)
         mask = None

@@ -14,6 +14,8 @@ with one softmax over all of them (and a learned sink logit per query head, if g
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
@@ -24,32 +26,48 @@ from fibquant.kv.attention.kernels import _MIN_WORK_PER_THREAD
 from fibquant.kv.attention.reference import gather_paged_codes
 
 _KERNELS: dict = {}  # (bf16 inputs, bf16 out) -> the compiled kernel
-_SIZES: dict = {}
 _scratch = None  # entry._scratch, imported on first use (entry pulls in transformers)
 _DUMMY_SINKS = np.zeros(1, dtype=np.float32)
 
 
-def paged_plans(key_codec: Codec, value_codec: Codec, q_heads: int, kv_heads: int):
-    """(key plan, value plan) of `fibquant.kv.attention.entry._codec_plan` when the paged kernel can
-    serve these codecs and head counts (numba present, rotated codebooks, G = Hq/Hkv <= 8), else None."""
+class PagedPlan(NamedTuple):
+    """What `paged_decode_attention` needs of the codecs and head counts, computed once per layer."""
+    keys: tuple          # `entry._codec_plan` of the key codec (forward, forward.T, codewords, bits, blocks, mode, ...)
+    values: tuple        # the same for the value codec
+    key_size: int        # bytes of a key / value code
+    value_size: int
+    groups: int          # query heads per KV head
+    lanes: int           # the kernel's query lanes (4 or 8)
+    scalars: tuple       # the kernel's trailing scalar arguments (bits, blocks, modes, lanes)
+    sizes: tuple         # `numba_decode.scratch_sizes` of these codecs
+
+
+def paged_plans(key_codec: Codec, value_codec: Codec, q_heads: int, kv_heads: int) -> PagedPlan | None:
+    """The `PagedPlan` when the paged kernel can serve these codecs and head counts (numba present,
+    rotated codebooks, G = Hq/Hkv <= 8), else None."""
     if not numba_available() or q_heads % kv_heads:
         return None
     from fibquant.kv.attention.entry import _codec_plan
+    from fibquant.kv.attention.numba_decode import scratch_sizes
 
     keys, values = _codec_plan(key_codec), _codec_plan(value_codec)
     groups = q_heads // kv_heads
     if keys is None or values is None or groups > 8 or (groups > 4 and 1 in (keys[5], values[5]) and max(
             keys[3], values[3]) > 25):
         return None
-    return keys, values
+    lanes = 4 if groups <= 4 else 8
+    sizes = scratch_sizes(keys[2].shape[0], keys[4], keys[3], keys[5], values[2].shape[0], values[4], values[3],
+                          values[5], lanes)
+    return PagedPlan(keys, values, key_codec.code_size, value_codec.code_size, groups, lanes,
+                     (keys[3], values[3], keys[4], values[4], keys[5], values[5], lanes), sizes)
 
 
 def _host(tensor: torch.Tensor, bits: bool):
     """The numpy view a kernel reads, keeping the tensor's strides: its bf16 bits as uint16 (`bits`),
     else float32 (a copy only when the tensor is of another dtype)."""
-    if bits:
-        return tensor.detach().view(torch.uint16).numpy()
-    return tensor.detach().to(torch.float32).numpy()
+    if tensor.requires_grad:
+        tensor = tensor.detach()
+    return tensor.view(torch.uint16).numpy() if bits else tensor.to(torch.float32).numpy()
 
 
 def paged_decode_attention(query: torch.Tensor, pages: torch.Tensor, tables: torch.Tensor, starts: list[int],
@@ -68,7 +86,8 @@ def paged_decode_attention(query: torch.Tensor, pages: torch.Tensor, tables: tor
     starts/stops B ints: sequence b attends to its coded positions [starts[b], stops[b])
     exact_keys/values [B, Hkv, n, D|Dv] (n >= 0: e.g. sinks + recent window), new_keys/values [B, Hkv, 1, D|Dv]
     sinks        optional [Hq] learned sink logits (a softmax column with no value)
-    plans        `paged_plans(...)` (computed when None; raises when the kernel cannot serve the codecs)
+    plans        `paged_plans(...)` for these codecs and heads (computed when None; raises when the
+                 kernel cannot serve them)
     out          optional float32 or bfloat16 [B, Hq, Dv], any strides (e.g. a view of the layer's output)
 
     When the query and the four exact parts are all bfloat16 the kernel reads their bits in place (no
@@ -84,8 +103,9 @@ def paged_decode_attention(query: torch.Tensor, pages: torch.Tensor, tables: tor
         plans = paged_plans(key_codec, value_codec, q_heads, kv_heads)
         if plans is None:
             raise ValueError("the paged numba kernel cannot serve these codecs / head counts (or numba is missing)")
-    keys, values = plans
-    key_size, value_size = key_codec.code_size, value_codec.code_size
+    elif plans.groups * kv_heads != q_heads:
+        raise ValueError(f"plans are for {plans.groups} query heads per KV head, not {q_heads} / {kv_heads}")
+    keys, values, key_size, value_size = plans.keys, plans.values, plans.key_size, plans.value_size
     value_offset = key_offset + key_size if value_offset is None else value_offset
     if key_offset < 0 or value_offset < 0 or max(key_offset + key_size, value_offset + value_size) > pages.shape[3]:
         raise ValueError(f"codes at bytes {key_offset}+{key_size} / {value_offset}+{value_size} do not fit a slot "
@@ -97,10 +117,9 @@ def paged_decode_attention(query: torch.Tensor, pages: torch.Tensor, tables: tor
     if len(starts) != batch or len(stops) != batch:
         raise ValueError(f"starts and stops need {batch} entries, got {len(starts)} and {len(stops)}")
     capacity = tables.shape[1] * block_size
-    starts_np, stops_np = np.asarray(starts, dtype=np.int64), np.asarray(stops, dtype=np.int64)
-    if batch and (starts_np.min() < 0 or stops_np.max() > capacity):
+    if batch and (min(starts) < 0 or max(stops) > capacity):
         raise ValueError(f"a coded range [start, stop) lies outside the {capacity} positions of a table row")
-    longest = max(0, int((stops_np - starts_np).max())) if batch else 0
+    longest = max([0, *(stop - start for start, stop in zip(starts, stops))])
     value_dim = value_codec.dim
     parts = (exact_keys, exact_values, new_keys, new_values)
     for name, tensor, width in zip(("exact_keys", "exact_values", "new_keys", "new_values"), parts,
@@ -129,17 +148,13 @@ def paged_decode_attention(query: torch.Tensor, pages: torch.Tensor, tables: tor
         sinks_np, flags = f32(sinks.reshape(-1)), 8
     if tables.dtype != torch.int32 or (tables.shape[1] > 1 and tables.stride(1) != 1):
         tables = tables.to(torch.int32).contiguous()
-    lanes = 4 if q_heads // kv_heads <= 4 else 8
-    args = (_host(query, bits_in), np.float32(scaling), keys[0], values[1], keys[2], values[2], pages.numpy(),
-            tables.numpy(), starts_np, stops_np, int(key_offset), key_size, int(value_offset), value_size,
-            *(_host(t, bits_in) for t in parts), sinks_np, _host(out, bits_out), flags, keys[3], values[3], keys[4],
-            values[4], keys[5], values[5], lanes)
-    shape = (keys[2].shape[0], keys[4], keys[3], keys[5], values[2].shape[0], values[4], values[3], values[5], lanes)
-    sizes = _SIZES.get(shape)
-    if sizes is None:
+    if _scratch is None:
         from fibquant.kv.attention.entry import _scratch
-        from fibquant.kv.attention.numba_decode import scratch_sizes
-        sizes = _SIZES[shape] = scratch_sizes(*shape)
+    lanes, sizes = plans.lanes, plans.sizes
+    args = (_host(query, bits_in), np.float32(scaling), keys[0], values[1], keys[2], values[2], pages.numpy(),
+            tables.numpy(), np.array(starts, dtype=np.int64), np.array(stops, dtype=np.int64), int(key_offset),
+            key_size, int(value_offset), value_size, *(_host(t, bits_in) for t in parts), sinks_np,
+            _host(out, bits_out), flags, *plans.scalars)
     bad = run_split(kernel, args, batch * kv_heads, longest * (keys[4] + values[4]), _MIN_WORK_PER_THREAD,
                     "fibquant-paged", per_thread=lambda t: _scratch(t, sizes, lanes, longest))
     if bad:
