@@ -24,9 +24,11 @@ TurboQuant has integer rates only: a rate b is compared with TurboQuant at floor
 (the same b when b is an integer) and the ratio is taken against the faster of the two (the
 stricter figure): `ratio` from the medians, `paired` the median of the per-repeat ratios (more
 robust on a loaded machine). Each row also checks the FibQuant codes of the first 512 vectors against the
-reference search. Writes encode_speed_rates.json (same directory rule).
+reference search. Writes encode_speed_rates.json (same directory rule). With --norm-correction the
+norm-corrected codec of each rate (`norm_correction=True`, spec `nc=1`) is timed in the same repeats too:
+its vectors/s, its ratio to TurboQuant and `nc_time_paired` = the median over repeats of nc time / plain time.
 
-    .venv/bin/python benchmarks/encode_speed.py --vs-turboquant [--dims 64,128] [--rates 1,1.5,...]
+    .venv/bin/python benchmarks/encode_speed.py --vs-turboquant [--dims 64,128] [--rates 1,1.5,...] [--norm-correction]
 """
 from __future__ import annotations
 
@@ -91,19 +93,23 @@ def vs_turboquant(args) -> int:
     print(f"Encode vectors/s, ONE torch thread (torch.set_num_threads(1)), batches of {args.batch}, "
           f"median of {args.rate_repeats} interleaved repeats (thread CPU time)")
     print(f"{'d':>4} {'bits':>5} {'k':>3} {'N':>5} {'method':>9} {'FibQuant/s':>11} {'TQ bits':>8} {'TQ/s':>11} "
-          f"{'ratio':>6} {'paired':>6} {'ref':>4}")
+          f"{'ratio':>6} {'paired':>6} {'ref':>4}"
+          + (f" {'nc/s':>11} {'nc/TQ':>6} {'nc time':>7}" if args.norm_correction else ""))
     for dim in (int(d) for d in args.dims.split(",")):
         x = torch.randn(args.batch, dim, generator=torch.Generator().manual_seed(dim))
         for bits in (float(b) for b in args.rates.split(",")):
-            fib = FibQuantCodec.for_rate(dim, bits)
+            fib = FibQuantCodec.for_rate(dim, bits, norm_correction=False)
+            fib_nc = FibQuantCodec.for_rate(dim, bits, norm_correction=True) if args.norm_correction else None
             tq_bits = sorted({int(bits // 1), int(-(-bits // 1))} & {1, 2, 3, 4})
             turbo = {b: TurboQuantCodec(dim, b) for b in tq_bits}
             codes = fib.encode(x)  # builds / loads tables and kernels
-            for codec in turbo.values():
+            for codec in [*turbo.values(), *([fib_nc] if fib_nc else [])]:
                 codec.encode(x)
-            fib_s, tq_s = [], {b: [] for b in tq_bits}
+            fib_s, nc_s, tq_s = [], [], {b: [] for b in tq_bits}
             for _ in range(args.rate_repeats):
                 fib_s.append(encode_seconds(fib, x, args.calls))
+                if fib_nc is not None:
+                    nc_s.append(encode_seconds(fib_nc, x, args.calls))
                 for b, codec in turbo.items():
                     tq_s[b].append(encode_seconds(codec, x, args.calls))
             fib_rate = args.batch / statistics.median(fib_s)
@@ -118,10 +124,16 @@ def vs_turboquant(args) -> int:
                    "turboquant_vectors_per_s": {str(b): r for b, r in tq_rate.items()},
                    "turboquant_bits_compared": strict, "ratio": fib_rate / tq_rate[strict], "paired_ratio": paired,
                    "vectors_off_reference": reference_mismatches(fib, x, {"fibquant": codes})["fibquant"]}
+            nc_text = ""
+            if fib_nc is not None:
+                nc_rate = args.batch / statistics.median(nc_s)
+                row.update(nc_vectors_per_s=nc_rate, nc_ratio=nc_rate / tq_rate[strict],
+                           nc_time_paired=statistics.median(n / f for f, n in zip(fib_s, nc_s)))
+                nc_text = f" {nc_rate:>11.0f} {row['nc_ratio']:>6.2f} {row['nc_time_paired']:>7.3f}"
             rows.append(row)
             print(f"{dim:>4} {bits:>5g} {fib.k:>3} {fib.n_codewords:>5} {row['method']:>9} {fib_rate:>11.0f} "
                   f"{strict:>8} {tq_rate[strict]:>11.0f} {row['ratio']:>6.2f} {paired:>6.2f} "
-                  f"{row['vectors_off_reference']:>4}",
+                  f"{row['vectors_off_reference']:>4}{nc_text}",
                   flush=True)
     out_dir = Path(args.out or os.environ.get("FIBQUANT_RESULTS_DIR", "results"))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -129,6 +141,7 @@ def vs_turboquant(args) -> int:
             "statistic": "median of thread CPU time per call; vectors/s = batch / that",
             "ratio": "FibQuant / the faster TurboQuant among floor(bits), ceil(bits) (medians of the repeats)",
             "paired_ratio": "median over repeats of that TurboQuant's time / FibQuant's time in the same repeat",
+            "nc_time_paired": "median over repeats of the norm-corrected codec's time / the plain codec's (--norm-correction)",
             "torch": torch.__version__, "machine": platform.machine(), "cpu_count": os.cpu_count(),
             "load_average": os.getloadavg()}
     path = out_dir / "encode_speed_rates.json"
@@ -143,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="for_rate's codec at every rate in --rates against TurboQuant (vectors/s, one thread)")
     parser.add_argument("--dims", default="64,128")
     parser.add_argument("--rates", default=RATES)
+    parser.add_argument("--norm-correction", action="store_true",
+                        help="rates mode: also time each rate's norm-corrected codec (nc=1) in the same repeats")
     parser.add_argument("--batch", type=int, default=4096)
     parser.add_argument("--calls", type=int, default=2, help="encode calls per timed repeat (rates mode)")
     parser.add_argument("--rate-repeats", type=int, default=11, help="repeats in rates mode")

@@ -154,6 +154,38 @@ def test_norm_correction_spec_strings():
     assert parse_method("fibrvq:b=3,nc=1,w=4").build(64).beam == 4
 
 
+@pytest.mark.parametrize("dim", [64, 128])
+def test_norm_correction_default_is_per_rate_and_only_where_nc_is_not_given(dim):
+    # A spec without nc= takes the per-rate default (on at 4 bits only); nc=0 / nc=1 mean what they said.
+    built = {text: parse_method(text).build(dim) for text in
+             ("fibquant:b=4", "fibquant:k=2,n=256", "fibquant:b=4,nc=0", "fibquant:b=4,nc=1")}
+    assert built["fibquant:b=4"].norm_correction and built["fibquant:k=2,n=256"].norm_correction
+    assert not built["fibquant:b=4,nc=0"].norm_correction and built["fibquant:b=4,nc=1"].norm_correction
+    for bits in (1, 1.5, 2, 2.5, 3, 3.5):
+        assert not parse_method(f"fibquant:b={bits}").build(dim).norm_correction, bits
+    assert parse_method("fibquant:b=2,nc=1").build(dim).norm_correction
+    # Labels say what runs.
+    assert "nc" in parse_method("fibquant:b=4").label(dim) and "nc" not in parse_method("fibquant:b=4,nc=0").label(dim)
+    assert "nc" not in parse_method("fibquant:b=2").label(dim)
+    # The Python constructors and the config keep their off default (saved configs keep their meaning).
+    assert not FibQuantCodec.for_rate(dim, 4).norm_correction and not FibQuantCodec(dim, 2, 256).norm_correction
+    x = torch.randn(64, dim, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(built["fibquant:b=4"].encode(x), built["fibquant:b=4,nc=1"].encode(x))
+    assert torch.equal(built["fibquant:b=4,nc=0"].encode(x), FibQuantCodec.for_rate(dim, 4).encode(x))
+    assert not torch.equal(built["fibquant:b=4"].encode(x), built["fibquant:b=4,nc=0"].encode(x))
+
+
+def test_a_4bit_fibquant_file_saved_without_norm_correction_keeps_it_off(tmp_path):
+    from fibquant.codecs.registry import load_codec
+
+    plain = FibQuantCodec.for_rate(64, 4)  # what "fibquant:b=4" built before its default changed
+    plain.save(tmp_path / "b4.safetensors")
+    loaded = load_codec(tmp_path / "b4.safetensors")
+    assert not loaded.norm_correction
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(6))
+    assert torch.equal(loaded.encode(x), plain.encode(x))
+
+
 def test_save_load_round_trip(tmp_path):
     from fibquant.codecs.registry import load_codec
 

@@ -9,9 +9,13 @@ Code layout of one vector (code_size bytes, vector i of a flat batch at byte i *
 code_size = 2 + ceil((dim/k) * ceil(log2 N) / 8). `bits_per_coordinate` (the index stream, see
 codecs/base.py) is ceil(log2 N) / k; for N not a power of two the information rate log2(N)/k is
 smaller and is `nominal_bits_per_coordinate`. `stored_bits_per_coordinate` adds the norm.
-A zero vector stores nu = 0 and decodes to zero. With `norm_correction=True` (spec "fibquant:b=2,nc=1",
-default off) bytes [0, 2) hold ||x|| / ||u_hat|| instead (u_hat the code's concatenated codewords), so
-the decoded vector keeps the input's norm at zero extra bytes (measured in docs/codecs.md, "FibQuant-RVQ").
+A zero vector stores nu = 0 and decodes to zero. With `norm_correction=True` (spec "fibquant:b=2,nc=1")
+bytes [0, 2) hold ||x|| / ||u_hat|| instead (u_hat the code's concatenated codewords), so the decoded
+vector keeps the input's norm at zero extra bytes (measured in docs/codecs.md, "FibQuant-RVQ").
+The constructor, `for_rate` and `FibQuantConfig` default to off (a saved config without the field, or
+with False, means off). A spec string without `nc=` takes the per-rate default `default_norm_correction`:
+on at 4 bits per coordinate (`NC_DEFAULT_BITS`: lower KL in the cache, needle unchanged), off below
+(at 2 bits it raised KL); `nc=0` / `nc=1` always mean off / on.
 
 `for_rate(dim, bits)` picks (k, N) with log2(N)/k = bits: among the block sizes k dividing dim
 with N = 2^(bits*k) an integer power of two in [2, MAX_SEARCH_CODEWORDS], the largest k (more
@@ -50,6 +54,10 @@ from .rotation import NORM_BYTES, RotationState, check_rotation_seed, rotation_s
 
 MAX_SEARCH_CODEWORDS = 4096  # for_rate never picks more (search cost N*k per block)
 MAX_GRID_CODEWORDS = 1024    # the grid-pruned search's tables cost boxes * N to build
+# Index bits per coordinate at which a spec without nc= turns norm correction on. Measured (docs/codecs.md,
+# docs/peers-and-long-context.md): at 4 bits KL 0.918x of plain (7/8 paired cells), needle unchanged;
+# at 2 bits KL 1.100x (8/8 cells worse), so the lower rates stay off.
+NC_DEFAULT_BITS = frozenset({4.0})
 
 
 @dataclass(frozen=True)
@@ -74,6 +82,12 @@ class FibQuantConfig:
     @property
     def n_blocks(self) -> int:
         return self.dim // self.k
+
+
+def default_norm_correction(k: int, n_codewords: int) -> bool:
+    """The norm correction a spec without `nc=` gets: on when the code's stored index rate
+    ceil(log2 N) / k is in NC_DEFAULT_BITS (the same rule for `b=` and explicit `k=,n=` specs)."""
+    return max(1, math.ceil(math.log2(n_codewords))) / k in NC_DEFAULT_BITS
 
 
 def choose_block(dim: int, bits: float, max_codewords: int = MAX_SEARCH_CODEWORDS) -> tuple[int, int]:
@@ -152,15 +166,16 @@ class FibQuantCodec(Codec):
     def spec_label(cls, dim: int, bits: float | None = None, k: int | None = None, n: int | None = None,
                    nc: int | None = None, rotation_seed: int | None = None) -> str:
         k, n = cls.block_of(dim, bits, k, n)
-        extra = (",nc" if nc else "") + (f",r={rotation_seed}" if rotation_seed is not None else "")
+        corrected = default_norm_correction(k, n) if nc is None else bool(nc)
+        extra = (",nc" if corrected else "") + (f",r={rotation_seed}" if rotation_seed is not None else "")
         return f"FibQuant b={(n - 1).bit_length() / k:.4g} (k={k},N={n}{extra})"
 
     @classmethod
     def from_spec(cls, dim: int, bits: float | None = None, k: int | None = None,
                   n: int | None = None, nc: int | None = None, rotation_seed: int | None = None) -> "FibQuantCodec":
-        if k is not None:
-            return cls(dim, k, n, norm_correction=bool(nc), rotation_seed=rotation_seed)
-        return cls.for_rate(dim, bits, norm_correction=bool(nc), rotation_seed=rotation_seed)
+        k, n = cls.block_of(dim, bits, k, n)
+        corrected = default_norm_correction(k, n) if nc is None else bool(nc)  # nc= given: as given
+        return cls(dim, k, n, norm_correction=corrected, rotation_seed=rotation_seed)
 
     @classmethod
     def spec_unavailable(cls, dim: int, bits: float | None = None, k: int | None = None,
@@ -256,8 +271,9 @@ class FibQuantCodec(Codec):
         vector of the code's indices, ||u_hat||^2 = the sum of its codewords' squared norms), so decode
         returns a vector of the input's norm. Same 2 bytes; zero vectors keep 0."""
         index = unpack_bits(codes[:, NORM_BYTES:], self.config.index_bits, self.config.n_blocks)
-        _, sq_norms = self._table(codes.device)
-        u_norm = sq_norms.to(torch.float64)[index].sum(1).sqrt()
+        sq_norms = self.device_state.get("sq_norms64", codes.device, lambda d: self._table(d)[1].to(torch.float64))
+        # index_select on the flat indices: the same float64 values as sq_norms[index], ~2.5x faster
+        u_norm = sq_norms.index_select(0, index.reshape(-1)).view(index.shape).sum(1).sqrt()
         norms = x.to(torch.float64).norm(dim=1)
         stored = torch.where(norms > 0, norms / u_norm.clamp_min(1e-30), torch.zeros_like(norms))
         if float(stored.max()) > FP16_MAX:

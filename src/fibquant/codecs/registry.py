@@ -4,7 +4,8 @@ Spec strings (also accepted on the command line):
     fp                      no compression (the reference)
     fibquant:b=2            FibQuant at 2 bits/coordinate, (k, N) chosen by FibQuantCodec.for_rate
     fibquant:k=64,n=4096    FibQuant with an explicit block size and codebook size
-    fibquant:b=2,nc=1       FibQuant with norm correction (stores ||x|| / ||u_hat||, same bytes)
+    fibquant:b=2,nc=1       FibQuant with norm correction (stores ||x|| / ||u_hat||, same bytes); without
+                            nc= the per-rate default: on at 4 bits (fibquant:b=4 = fibquant:b=4,nc=1), off below
     fibrvq:b=2              FibQuant-RVQ: universal residual codes in k = 8, b stages of 256 (beam search)
     fibrvq:b=2,k=16         FibQuant-RVQ in 16-dimensional blocks, b * 2 stages of 256 (same bytes)
     turboquant:b=3          TurboQuant (scalar Lloyd-Max after a rotation), integer bits 1..4

@@ -86,7 +86,8 @@ register_score("kverr", _kv_error)    # keys and values the base codes serve wor
 
 # ---------------------------------------------------------------------- the spec
 def _rate_codec(text: str, dim: int) -> Codec:
-    """'fp' -> fp16 bytes (IdentityCodec); a number -> FibQuant at that many bits per coordinate."""
+    """'fp' -> fp16 bytes (IdentityCodec); a number -> FibQuant at that many bits per coordinate (the
+    spec `fibquant:b=RATE` with its defaults: norm correction on at 4 bits since that became the default)."""
     if text == "fp":
         from fibquant.codecs.identity import IdentityCodec
 
