@@ -117,6 +117,7 @@ def test_demo_header_names_the_text_author_and_window():
     assert "exact window 2 sinks + 16 recent" in header and "Austen" not in header
     emma = demo_header(DemoConfig(), {**perplexity, "exact_window": {"sink_tokens": 4, "recent_tokens": 32}})
     assert "emma (Jane Austen, Debian r-cran-janeaustenr)" in emma and "4 sinks + 32 recent" in emma
+    assert "'stored' the window and code rows alone" in emma  # the two bytes columns are told apart
 
 
 def test_needle_report_from_a_payload(tmp_path, capsys):

@@ -24,6 +24,7 @@ DEMO_COLUMNS = [
     ("bits_per_coordinate", "bits/coord", ".3g"),
     ("compression_ratio", "codes vs fp16", ".2f"),
     ("cache_bytes_per_token", "cache B/token", ".0f"),
+    ("cache_stored_bytes_per_token", "stored B/token", ".0f"),
     ("dynamic_bytes_per_token", "DynamicCache B/token", ".0f"),
     ("cache_ratio_vs_dynamic", "cache ratio", ".2f"),
     ("cosine", "attn cosine", ".4f"),
@@ -62,7 +63,8 @@ def demo_header(config: DemoConfig, perplexity: dict) -> str:
             f"{config.fidelity_query_stride}th query position, every K/V compressed (no window)\n"
             f"perplexity: {perplexity['tokens']} tokens in {perplexity['windows']} windows of {config.context}, "
             f"chunks of {config.chunk}, exact window {window['sink_tokens']} sinks + {window['recent_tokens']} "
-            f"recent; cache bytes measured at the end of a window (model dtype {perplexity['model_dtype']})")
+            f"recent; cache bytes measured at the end of a window (model dtype {perplexity['model_dtype']}): 'cache' in "
+            f"memory incl. the code buffers' growth reserve, 'stored' the window and code rows alone")
 
 
 def merge_rows(fidelity: dict, perplexity: dict) -> list[dict]:
