@@ -169,6 +169,9 @@ def test_ttft_parts_alone_on_a_tiny_model(tmp_path):
             assert math.isclose(row[f"{part}_vs_dynamic"], row[f"{part}_s"] / dyn[f"{part}_s"])
             assert 0 < row[f"{part}_cpu_s"] and len(row[f"{part}_cpu_s_all"]) == 2
             assert math.isclose(row[f"{part}_cpu_vs_dynamic"], row[f"{part}_cpu_s"] / dyn[f"{part}_cpu_s"])
+            # the repeats run in rounds (one prefill per cache each): paired ratio per round, median
+            assert math.isclose(row[f"{part}_cpu_paired_vs_dynamic"], statistics.median(
+                a / b for a, b in zip(row[f"{part}_cpu_s_all"], dyn[f"{part}_cpu_s_all"])))
     assert rows["fibquant:b=4"]["ttft_attention_used"] == "codes"
     assert rows["fibquant:b=4"]["ttft_cache_bytes"] < dyn["ttft_cache_bytes"]
     # A one-shot prefill is exact for the prompt itself, so the first token is DynamicCache's.

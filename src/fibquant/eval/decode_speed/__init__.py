@@ -9,7 +9,8 @@ each optional (`DecodeSpeedConfig.parts`), run in this order for every cache bef
   recent_tokens, attention=...)`, `QuantizedCache(...)`), the whole prompt goes through the model
   in one forward with that cache in the loop (last-position logits only), then the argmax of the
   first token; all of it is timed (`fibquant.eval.decode_speed.ttft`), with the peak memory the
-  prefill adds;
+  prefill adds; `prefill_repeats` rounds, each one fresh prefill per cache (interleaved, like the
+  decode steps below);
 - "chunked", the same with the prompt fed in chunks of `chunk_tokens` tokens, one forward each
   (later chunks of ours attend to the earlier ones through their codes);
 - "decode", from one shared float prefill:
@@ -54,7 +55,8 @@ from fibquant.eval.decode_speed.config import (BYTES_COUNTING, DEFAULT_CACHES, S
 from fibquant.eval.decode_speed.steps import Decoding, interleave, paired_ratio
 from fibquant.eval.decode_speed.report import (decode_speed_header, decode_speed_table, decode_speed_targets,
                                                plot_decode_speed)
-from fibquant.eval.decode_speed.ttft import cpu_clock_name, fresh_cache, time_fresh_prefill
+from fibquant.eval.decode_speed.ttft import (cpu_clock_name, fresh_cache, fresh_prefill, prefill_fields,
+                                             time_fresh_prefill)
 from fibquant.eval.memory import PeakCUDA, PeakRSS, _synchronize, release_free_memory
 from fibquant.eval.report import Experiment
 from fibquant.eval.timing import Stopwatch, timed
@@ -187,6 +189,26 @@ def _run_decode(specs, prefill: _Prefill, model, codecs: dict, config: DecodeSpe
         _restore_attention(model, attention_before)
 
 
+def _run_prefills(specs, model, ids, chunk, codecs: dict, config: DecodeSpeedConfig, part: str,
+                  skips: "_Skips") -> dict[str, dict]:
+    """`config.prefill_repeats` rounds, each one fresh prefill per cache (the order rotated by one
+    cache per round, as the decode steps), so the repeats of every cache see the same machine
+    state. Returns {cache name: `prefill_fields`}; a peer that fails is skipped (`skips`)."""
+    runs: dict[str, list] = {spec.name: [] for spec in specs}
+    order = list(specs)
+    for index in range(config.prefill_repeats):
+        shift = index % len(order) if order else 0
+        for spec in order[shift:] + order[:shift]:
+            run = skips.attempt(spec, f"{part} at context {ids.shape[0]}", lambda: fresh_prefill(
+                spec, model, ids, chunk, codecs[spec.name], config))
+            if run is None:
+                order.remove(spec)
+                runs.pop(spec.name)
+            else:
+                runs[spec.name].append(run)
+    return {name: prefill_fields(done, ids, chunk, part) for name, done in runs.items()}
+
+
 def _raise(exc: Exception):
     raise exc
 
@@ -207,6 +229,9 @@ def _add_ratios(rows: list[dict]) -> None:
             continue
         for part in ("ttft", "chunked"):
             row[f"{part}_vs_dynamic"] = _ratio(row, ref, f"{part}_s")
+            if f"{part}_s_all" in row and f"{part}_s_all" in ref:  # the prefills of one round, paired
+                row[f"{part}_paired_vs_dynamic"] = paired_ratio(row[f"{part}_s_all"], ref[f"{part}_s_all"])
+                row[f"{part}_cpu_paired_vs_dynamic"] = paired_ratio(row[f"{part}_cpu_s_all"], ref[f"{part}_cpu_s_all"])
             row[f"{part}_cpu_vs_dynamic"] = _ratio(row, ref, f"{part}_cpu_s")
             row[f"{part}_peak_vs_dynamic"] = _ratio(row, ref, f"{part}_peak_added_bytes")
             mine, theirs = row.get(f"{part}_token"), ref.get(f"{part}_token")
@@ -348,13 +373,10 @@ def _run_decode_speed(config, model_and_tokenizer, token_ids, progress) -> dict:
         for part, chunk in (("ttft", None), ("chunked", config.chunk_tokens)):
             if part not in parts:
                 continue
-            for spec in specs:
-                bar.set_postfix_str(f"{tokens} {part} {spec.name}")
-                fields = skips.attempt(spec, f"{part} at context {tokens}", lambda: time_fresh_prefill(
-                    spec, model, ids, chunk, codecs[spec.name], config, part))
-                if fields is not None:
-                    rows[(tokens, spec.name)].update(fields)
-                bar.update(1)
+            bar.set_postfix_str(f"{tokens} {part}, {len(specs)} caches in turn")
+            for name, fields in _run_prefills(specs, model, ids, chunk, codecs, config, part, skips).items():
+                rows[(tokens, name)].update(fields)
+            bar.update(len(specs))
         if "decode" in parts:
             release_free_memory()
             bar.set_postfix_str(f"{tokens} shared prefill")
@@ -399,7 +421,9 @@ def _run_decode_speed(config, model_and_tokenizer, token_ids, progress) -> dict:
                     "CompressedCache.for_model(model, codec, codec, sink_tokens, recent_tokens, attention), "
                     "QuantizedCache(...)), the whole prompt in one forward with it (last-position logits only) "
                     "and the argmax, all timed; the codec is built before the clock starts (per model); "
-                    f"median of {config.prefill_repeats} fresh run(s); ttft_token: the greedy first token",
+                    f"median of {config.prefill_repeats} fresh run(s), in rounds of one run per cache (the order rotated by "
+                    "one cache per round); ttft_paired_vs_dynamic / ttft_cpu_paired_vs_dynamic: median over the "
+                    "rounds of the run / DynamicCache's run of the same round; ttft_token: the greedy first token",
             "chunked": f"the same with the prompt in chunks of {config.chunk_tokens} tokens, one forward each "
                        "(ours: later chunks attend to earlier ones through their codes); chunked_chunk_s: "
                        "seconds per forward",

@@ -33,6 +33,7 @@ TTFT_COLUMNS = [
     ("ttft_vs_dynamic", "x dyn", ".2f"),
     ("ttft_cpu_s", "CPU s", ".2f"),
     ("ttft_cpu_vs_dynamic", "CPU x dyn", ".2f"),
+    ("ttft_cpu_paired_vs_dynamic", "CPU paired", ".3f"),
     ("ttft_peak_mib", "peak MiB", ".1f"),
     ("ttft_token_matches_dynamic", "tok = dyn", ""),
 ]
@@ -79,8 +80,9 @@ def decode_speed_header(payload: dict) -> str:
             "TTFT s: a fresh empty cache, " + ("the whole prompt in one forward with it" if "ttft" in parts else "")
             + ("; chunked: " if "ttft" in parts and "chunked" in parts else "")
             + (f"the prompt in chunks of {config.get('chunk_tokens')} tokens" if "chunked" in parts else "")
-            + f", then the argmax of the first token (median of {config.get('prefill_repeats', 1)} run(s)); "
-            "CPU s: CPU time of the same calls (not counting waits for a core on a loaded machine); "
+            + f", then the argmax of the first token (median of {config.get('prefill_repeats', 1)} run(s), in "
+            "rounds of one run per cache); CPU s: CPU time of the same calls (not counting waits for a core on a "
+            "loaded machine); CPU paired: median over the rounds of the CPU time / DynamicCache's of the round; "
             "peak MiB: resident memory the prefill adds; tok = dyn: first token equal to DynamicCache's")
     if "decode" in parts:
         lines += [
@@ -137,10 +139,9 @@ def _cpu_detail(row: dict, part: str) -> str:
     cpu = row.get(f"{part}_cpu_vs_dynamic")
     what = "median step, wall clock, steps interleaved" if part == "decode" else "wall clock"
     text = what + ("" if cpu is None else f"; CPU-time ratio {cpu:.3g}")
-    if part == "decode":
-        for key, name in (("decode_paired_vs_dynamic", "paired"), ("decode_cpu_paired_vs_dynamic", "CPU paired")):
-            if row.get(key) is not None:
-                text += f"; {name} {row[key]:.3g}"
+    for key, name in ((f"{part}_paired_vs_dynamic", "paired"), (f"{part}_cpu_paired_vs_dynamic", "CPU paired")):
+        if row.get(key) is not None:
+            text += f"; {name} {row[key]:.3g}"
     return text
 
 
