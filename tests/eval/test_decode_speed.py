@@ -41,6 +41,11 @@ def _check_payload(payload: dict, caches: list[str], tokens: int, decode_tokens:
         assert math.isclose(row["bytes_vs_fp16_dynamic"], 2 * row["bytes_vs_dynamic"])
         assert math.isclose(row["compression_vs_fp16_dynamic"] * row["bytes_vs_fp16_dynamic"], 1.0)
         assert 0.0 <= row["tokens_match_dynamic"] <= 1.0
+        # paired: the median over the rounds of this cache's step / DynamicCache's step of the same round
+        assert math.isclose(row["decode_paired_vs_dynamic"],
+                            statistics.median(a / b for a, b in zip(row["step_ms"], dyn["step_ms"])))
+        assert math.isclose(row["decode_cpu_paired_vs_dynamic"],
+                            statistics.median(a / b for a, b in zip(row["step_cpu_ms"], dyn["step_cpu_ms"])))
     assert dyn["decode_vs_dynamic"] == 1.0 and dyn["tokens_match_dynamic"] == 1.0
     assert dyn["first_step_logits_max_abs_diff"] == 0.0
     assert json.loads(json.dumps(payload, default=float))["rows"][0]["cache"] == "fp"
@@ -127,8 +132,7 @@ def test_decode_speed_on_a_tiny_model(tmp_path, capsys):
     table = format_decode_speed(payload)
     assert "fibquant:b=4@decode" in table and "decode ms/tok" in table and "fp16 DynamicCache MiB" in table
     assert "TTFT s" in table and "chunked TTFT s" in table and "timed on 1 torch thread" in table
-    # the sequential decode part says which benchmark to quote for step ratios (the interleaved one)
-    assert "not interleaved" in table and "benchmarks/decode_step_interleaved.py" in table
+    assert "interleaved" in table and "paired x dyn" in table
     paths = write_decode_speed(payload, tmp_path)
     saved = json.loads(open(paths["json"]).read())
     assert [r["cache"] for r in saved["rows"]] == ["fp", "fibquant:b=4", "fibquant:b=4@decode"]
@@ -165,6 +169,9 @@ def test_ttft_parts_alone_on_a_tiny_model(tmp_path):
             assert math.isclose(row[f"{part}_vs_dynamic"], row[f"{part}_s"] / dyn[f"{part}_s"])
             assert 0 < row[f"{part}_cpu_s"] and len(row[f"{part}_cpu_s_all"]) == 2
             assert math.isclose(row[f"{part}_cpu_vs_dynamic"], row[f"{part}_cpu_s"] / dyn[f"{part}_cpu_s"])
+            # the repeats run in rounds (one prefill per cache each): paired ratio per round, median
+            assert math.isclose(row[f"{part}_cpu_paired_vs_dynamic"], statistics.median(
+                a / b for a, b in zip(row[f"{part}_cpu_s_all"], dyn[f"{part}_cpu_s_all"])))
     assert rows["fibquant:b=4"]["ttft_attention_used"] == "codes"
     assert rows["fibquant:b=4"]["ttft_cache_bytes"] < dyn["ttft_cache_bytes"]
     # A one-shot prefill is exact for the prompt itself, so the first token is DynamicCache's.

@@ -50,9 +50,11 @@ class WindowModel:
 
 @settings(max_examples=30, deadline=None)
 @given(chunks=st.lists(st.integers(1, 9), min_size=1, max_size=8), sinks=st.integers(0, 5),
-       recent=st.integers(0, 6), batch=st.integers(1, 2), encode_batch=st.integers(1, 4))
-def test_update_matches_window_reference(chunks, sinks, recent, batch, encode_batch):
-    key_codec, value_codec = IntCodec(DIM, 3), IntCodec(DIM, 2)
+       recent=st.integers(0, 6), batch=st.integers(1, 2), encode_batch=st.integers(1, 4), one_codec=st.booleans())
+def test_update_matches_window_reference(chunks, sinks, recent, batch, encode_batch, one_codec):
+    # one_codec: the same codec object for keys and values, which the layer encodes in one call
+    key_codec = IntCodec(DIM, 3)
+    value_codec = key_codec if one_codec else IntCodec(DIM, 2)
     layer = CompressedLayer(key_codec, value_codec, sinks, recent, encode_batch=encode_batch)
     spec = WindowModel(sinks, recent, encode_batch)
     generator = torch.Generator().manual_seed(len(chunks) * 100 + sinks * 10 + recent)

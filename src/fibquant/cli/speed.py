@@ -30,7 +30,11 @@ def add_speed_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk-tokens", type=int, default=512, help="prompt chunk of the chunked TTFT")
     parser.add_argument("--prefill-repeats", type=int, default=1,
                         help="fresh timed prefills per cache, context and TTFT part (the median is reported)")
-    parser.add_argument("--decode-tokens", type=int, default=32, help="greedy decode steps per run")
+    parser.add_argument("--decode-tokens", type=int, default=32,
+                        help="interleaved rounds of greedy decode steps (one timed step per cache each)")
+    parser.add_argument("--memory-steps", type=int, default=16,
+                        help="untimed decode steps per cache after the rounds, one cache at a time, for its peak "
+                             "memory")
     add_specs_argument(parser, default=list(DEFAULT_CACHES),
                        help="caches to compare, in the cache-spec grammar (fp = DynamicCache, always runs): "
                             "ours built from a bit count (fibquant:b=4, turboquant:b=2, int:b=4), with @decode for "
@@ -60,6 +64,7 @@ def run_speed_command(args: argparse.Namespace) -> int:
         args.threads = TIMING_THREADS
     apply_threads(args)  # validates (--threads >= 1) before anything loads
     config = DecodeSpeedConfig(contexts=tuple(args.contexts), decode_tokens=args.decode_tokens,
+                               memory_steps=args.memory_steps,
                                caches=tuple(args.caches), text=args.text, sink_tokens=args.sink_tokens,
                                recent_tokens=args.recent_tokens, warmup=not args.no_warmup, device=args.device,
                                random_weights=args.random_weights, parts=tuple(args.parts),

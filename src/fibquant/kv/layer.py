@@ -227,17 +227,19 @@ class CompressedLayer(CacheLayerMixin):
             self._recent_k.append(new_keys)
             self._recent_v.append(new_values)
             return
+        if self.resolver is None and overflow <= held:
+            # a decode step that encodes: the leaving rows are the window's oldest, read in place
+            # (no concatenation of the window with the new rows)
+            self._encode_leaving(self.recent_keys[..., :overflow, :], self.recent_values[..., :overflow, :])
+            self._recent_k.drop_front(overflow)
+            self._recent_v.drop_front(overflow)
+            self._recent_k.append(new_keys)
+            self._recent_v.append(new_values)
+            return
         recent_keys = torch.cat([self.recent_keys, new_keys], dim=-2)
         recent_values = torch.cat([self.recent_values, new_values], dim=-2)
         if self.resolver is None or self.resolver(self, recent_keys, recent_values):
-            leaving_keys, leaving_values = recent_keys[..., :overflow, :], recent_values[..., :overflow, :]
-            if self.centre:
-                if self.key_mean is None:  # fixed once, from the first tokens encoded (e.g. the prefill)
-                    self.key_mean = leaving_keys.to(torch.float32).mean(dim=-2)
-                    self.value_mean = leaving_values.to(torch.float32).mean(dim=-2)
-                leaving_keys = leaving_keys.to(torch.float32) - self.key_mean.unsqueeze(-2)
-                leaving_values = leaving_values.to(torch.float32) - self.value_mean.unsqueeze(-2)
-            self._store_codes(leaving_keys, leaving_values)
+            self._encode_leaving(recent_keys[..., :overflow, :], recent_values[..., :overflow, :])
             if overflow <= held:
                 # what stays: the held rows after the leaving ones, then the new rows, in place
                 self._recent_k.drop_front(overflow)
@@ -249,9 +251,26 @@ class CompressedLayer(CacheLayerMixin):
         # The recent slice is copied so the dropped (now encoded) floats are really freed.
         self.recent_keys, self.recent_values = _owned(recent_keys), _owned(recent_values)
 
+    def _encode_leaving(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Centre (when the layer centres) and store the tokens leaving the window, [B, H, n, D]."""
+        if self.centre:
+            if self.key_mean is None:  # fixed once, from the first tokens encoded (e.g. the prefill)
+                self.key_mean = keys.to(torch.float32).mean(dim=-2)
+                self.value_mean = values.to(torch.float32).mean(dim=-2)
+            keys = keys.to(torch.float32) - self.key_mean.unsqueeze(-2)
+            values = values.to(torch.float32) - self.value_mean.unsqueeze(-2)
+        self._store_codes(keys, values)
+
     def _store_codes(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Encode tokens leaving the window ([B, H, n, D], centred when the layer centres) and append
         their code rows (a tiered layer, `fibquant.kv.tier`, also keeps a few of them at a higher rate)."""
+        if self.key_codec is self.value_codec and keys.shape == values.shape and keys.dtype == values.dtype:
+            # one codec for both roles: one encode call (each row is encoded on its own, so the codes
+            # are the same; a decode step's encode of 16 tokens is mostly per-call cost)
+            codes = self.key_codec.encode(torch.stack([keys, values]))
+            self.key_buffer.append(codes[0])
+            self.value_buffer.append(codes[1])
+            return
         self.key_buffer.append(self.key_codec.encode(keys))
         self.value_buffer.append(self.value_codec.encode(values))
 

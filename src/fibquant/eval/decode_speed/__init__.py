@@ -9,7 +9,8 @@ each optional (`DecodeSpeedConfig.parts`), run in this order for every cache bef
   recent_tokens, attention=...)`, `QuantizedCache(...)`), the whole prompt goes through the model
   in one forward with that cache in the loop (last-position logits only), then the argmax of the
   first token; all of it is timed (`fibquant.eval.decode_speed.ttft`), with the peak memory the
-  prefill adds;
+  prefill adds; `prefill_repeats` rounds, each one fresh prefill per cache (interleaved, like the
+  decode steps below);
 - "chunked", the same with the prompt fed in chunks of `chunk_tokens` tokens, one forward each
   (later chunks of ours attend to the earlier ones through their codes);
 - "decode", from one shared float prefill:
@@ -24,10 +25,14 @@ each optional (`DecodeSpeedConfig.parts`), run in this order for every cache bef
      - transformers' `QuantizedCache` (quanto / hqq backends): the prefill keys/values are fed
        layer by layer through its `update`, which is exactly what its own prefill would store
        (the first update of a `QuantizedLayer` quantizes all states and keeps no float residual);
-  3. `decode_tokens` greedy steps, one token per forward pass with the cache (not `generate`):
-     each step is timed (forward + argmax); the median is the decode ms/token;
-  4. the cache's bytes after decoding, and the peak resident memory the process added during
-     the decode loop over its RSS just before it (see `PeakRSS`).
+  3. `decode_tokens` rounds of greedy steps, one token per forward pass with the cache (not
+     `generate`), interleaved (`fibquant.eval.decode_speed.steps`): each round steps every cache
+     once, so all caches see the same machine state; each step is timed (forward + argmax); the
+     median is the decode ms/token, and "paired" ratios are the median over the rounds of a
+     cache's step over DynamicCache's step of the same round;
+  4. the cache's bytes after those steps; then, one cache at a time, the peak resident memory
+     the process adds over `memory_steps` further untimed steps (over its RSS just before them,
+     see `PeakRSS`).
 
 Every ratio is against the DynamicCache measured in the same run at the same context. The
 model runs in float32, so its DynamicCache is float32; `dynamic_fp16_bytes` (half of it) is
@@ -47,9 +52,11 @@ from typing import TYPE_CHECKING, Optional
 from fibquant.eval.decode_speed.config import (BYTES_COUNTING, DEFAULT_CACHES, SpeedCache, DecodeSpeedConfig,
                                                _package_version, cache_bytes, load_benchmark_model,
                                                peer_unavailable_reason)
+from fibquant.eval.decode_speed.steps import Decoding, interleave, paired_ratio
 from fibquant.eval.decode_speed.report import (decode_speed_header, decode_speed_table, decode_speed_targets,
                                                plot_decode_speed)
-from fibquant.eval.decode_speed.ttft import Clocks, cpu_clock_name, fresh_cache, time_fresh_prefill
+from fibquant.eval.decode_speed.ttft import (cpu_clock_name, fresh_cache, fresh_prefill, prefill_fields,
+                                             time_fresh_prefill)
 from fibquant.eval.memory import PeakCUDA, PeakRSS, _synchronize, release_free_memory
 from fibquant.eval.report import Experiment
 from fibquant.eval.timing import Stopwatch, timed
@@ -101,42 +108,38 @@ def _restore_attention(model, implementation) -> None:
         model.set_attn_implementation(implementation)
 
 
-def _run_one(spec: SpeedCache, prefill: _Prefill, model, codec, config: DecodeSpeedConfig,
-             decode_tokens: int) -> dict:
-    """Build `spec`'s cache from the prefill, decode greedily, return the measurements."""
-    attention_before = getattr(model.config, "_attn_implementation", None)
-    try:
-        release_free_memory()
-        conversion, cache = timed(lambda: _build_cache(spec, prefill.cache, model, codec, config))
-        token, tokens, step_ms, step_cpu_ms, first_logits = prefill.first_token, [], [], [], None
-        release_free_memory()
-        monitor = PeakCUDA(model.device) if model.device.type == "cuda" else PeakRSS(config.memory_interval_s)
-        with monitor:
-            for _ in range(decode_tokens):
-                _synchronize(model.device)
-                with Clocks() as step:
-                    logits = last_logits(model, token, cache)
-                    token = logits.argmax().view(1, 1)
-                    _synchronize(model.device)
-                step_ms.append(1000.0 * step.seconds)
-                step_cpu_ms.append(1000.0 * step.cpu_seconds)
-                if first_logits is None:
-                    first_logits = logits.detach().float().clone()
-                tokens.append(int(token))
-        nbytes = cache_bytes(spec, cache)
-        attention_used = getattr(cache, "attention", None)
-        seq_length = cache.get_seq_length()
-        del cache
-    finally:
-        _restore_attention(model, attention_before)
+def _start_decoding(spec: SpeedCache, prefill: _Prefill, model, codec, config: DecodeSpeedConfig
+                    ) -> tuple[float, Decoding]:
+    """(conversion seconds, the cache built from the prefill, ready to step from its first token)."""
+    release_free_memory()
+    conversion, cache = timed(lambda: _build_cache(spec, prefill.cache, model, codec, config))
+    return conversion, Decoding(cache, prefill.first_token)
+
+
+def _decode_memory(decoding: Decoding, model, config: DecodeSpeedConfig):
+    """Peak memory `config.memory_steps` further (untimed) steps of one cache add, alone (see PeakRSS)."""
+    release_free_memory()
+    monitor = PeakCUDA(model.device) if model.device.type == "cuda" else PeakRSS(config.memory_interval_s)
+    with monitor:
+        for _ in range(config.memory_steps):
+            decoding.token = last_logits(model, decoding.token, decoding.cache).argmax().view(1, 1)
+        _synchronize(model.device)
+    return monitor
+
+
+def _decode_row(spec: SpeedCache, prefill: _Prefill, model, conversion: float, decoding: Decoding,
+                nbytes: dict, seq_length: int, monitor) -> dict:
+    """The decode fields of one cache's row (times of its interleaved steps, bytes after them, memory)."""
+    step_ms = [1000.0 * s for s in decoding.wall_s]
+    step_cpu_ms = [1000.0 * s for s in decoding.cpu_s]
     if spec.kind == "compressed":
         cache_dtype = str(next(model.parameters()).dtype)
     else:
         cache_dtype = str(prefill.cache.layers[0].keys.dtype)
-    row = {
+    return {
         "cache": spec.name, "label": spec.label, "kind": spec.kind, "family": spec.family, "bits": spec.bits,
-        "attention": spec.attention, "attention_used": attention_used,
-        "context": None, "tokens": prefill.tokens, "cache_tokens_after": seq_length,
+        "attention": spec.attention, "attention_used": getattr(decoding.cache, "attention", None),
+        "tokens": prefill.tokens, "cache_tokens_after": seq_length,
         "dynamic_prefill_s": prefill.seconds,
         "conversion_s": 0.0 if spec.kind == "dynamic" else conversion,
         "prefill_s": prefill.seconds + (0.0 if spec.kind == "dynamic" else conversion),
@@ -148,9 +151,66 @@ def _run_one(spec: SpeedCache, prefill: _Prefill, model, codec, config: DecodeSp
         "cache_float_dtype": cache_dtype,
         "peak_rss_added_bytes": monitor.added, "rss_before_decode_bytes": monitor.start,
         "memory_method": monitor.description,
-        "generated_tokens": tokens, "_first_logits": first_logits,
+        "generated_tokens": decoding.tokens, "_first_logits": decoding.first_logits,
     }
-    return row
+
+
+def _run_decode(specs, prefill: _Prefill, model, codecs: dict, config: DecodeSpeedConfig, decode_tokens: int,
+                skips: "_Skips") -> dict[str, dict]:
+    """The decode part at one context: every cache built from the shared prefill, then
+    `decode_tokens` interleaved rounds (`steps.interleave`), then each cache's memory alone.
+    Returns {cache name: row fields}; a peer that fails is skipped (`skips`)."""
+    attention_before = getattr(model.config, "_attn_implementation", None)
+    started: dict[str, tuple[SpeedCache, float, Decoding]] = {}
+    try:
+        for spec in specs:
+            built = skips.attempt(spec, f"building the decode cache at context {prefill.tokens}",
+                                  lambda: _start_decoding(spec, prefill, model, codecs[spec.name], config))
+            if built is not None:
+                started[spec.name] = (spec, *built)
+        by_name = {name: spec for name, (spec, _, _) in started.items()}
+
+        def on_error(name: str, exc: Exception) -> bool:
+            failed = skips.attempt(by_name[name], f"decode at context {prefill.tokens}", lambda: _raise(exc))
+            del started[name]
+            return failed is None  # a peer: dropped and reported; ours and DynamicCache: raise
+
+        # Every cache stays in the model's attention implementation of the last one built ("fibquant"
+        # once one of ours is): it serves plain-tensor caches through transformers' SDPA unchanged.
+        interleave({name: entry[2] for name, entry in started.items()}, model, decode_tokens, on_error)
+        out = {}
+        for name, (spec, conversion, decoding) in started.items():
+            nbytes, seq_length = cache_bytes(spec, decoding.cache), decoding.cache.get_seq_length()
+            monitor = _decode_memory(decoding, model, config)
+            out[name] = _decode_row(spec, prefill, model, conversion, decoding, nbytes, seq_length, monitor)
+        return out
+    finally:
+        started.clear()
+        _restore_attention(model, attention_before)
+
+
+def _run_prefills(specs, model, ids, chunk, codecs: dict, config: DecodeSpeedConfig, part: str,
+                  skips: "_Skips") -> dict[str, dict]:
+    """`config.prefill_repeats` rounds, each one fresh prefill per cache (the order rotated by one
+    cache per round, as the decode steps), so the repeats of every cache see the same machine
+    state. Returns {cache name: `prefill_fields`}; a peer that fails is skipped (`skips`)."""
+    runs: dict[str, list] = {spec.name: [] for spec in specs}
+    order = list(specs)
+    for index in range(config.prefill_repeats):
+        shift = index % len(order) if order else 0
+        for spec in order[shift:] + order[:shift]:
+            run = skips.attempt(spec, f"{part} at context {ids.shape[0]}", lambda: fresh_prefill(
+                spec, model, ids, chunk, codecs[spec.name], config))
+            if run is None:
+                order.remove(spec)
+                runs.pop(spec.name)
+            else:
+                runs[spec.name].append(run)
+    return {name: prefill_fields(done, ids, chunk, part) for name, done in runs.items()}
+
+
+def _raise(exc: Exception):
+    raise exc
 
 
 def _ratio(row: dict, ref: dict, key: str) -> Optional[float]:
@@ -169,6 +229,9 @@ def _add_ratios(rows: list[dict]) -> None:
             continue
         for part in ("ttft", "chunked"):
             row[f"{part}_vs_dynamic"] = _ratio(row, ref, f"{part}_s")
+            if f"{part}_s_all" in row and f"{part}_s_all" in ref:  # the prefills of one round, paired
+                row[f"{part}_paired_vs_dynamic"] = paired_ratio(row[f"{part}_s_all"], ref[f"{part}_s_all"])
+                row[f"{part}_cpu_paired_vs_dynamic"] = paired_ratio(row[f"{part}_cpu_s_all"], ref[f"{part}_cpu_s_all"])
             row[f"{part}_cpu_vs_dynamic"] = _ratio(row, ref, f"{part}_cpu_s")
             row[f"{part}_peak_vs_dynamic"] = _ratio(row, ref, f"{part}_peak_added_bytes")
             mine, theirs = row.get(f"{part}_token"), ref.get(f"{part}_token")
@@ -178,6 +241,9 @@ def _add_ratios(rows: list[dict]) -> None:
         fp16 = ref["dynamic_fp16_bytes"]
         row["decode_vs_dynamic"] = row["decode_ms_median"] / ref["decode_ms_median"]
         row["decode_cpu_vs_dynamic"] = _ratio(row, ref, "decode_cpu_ms_median")
+        # Each step against DynamicCache's step of the same round (steps.interleave), median over rounds.
+        row["decode_paired_vs_dynamic"] = paired_ratio(row["step_ms"], ref["step_ms"])
+        row["decode_cpu_paired_vs_dynamic"] = paired_ratio(row["step_cpu_ms"], ref["step_cpu_ms"])
         # The mean counts the steps that encode a batch of tokens (every encode_batch-th step).
         row["decode_mean_vs_dynamic"] = row["decode_ms_mean"] / ref["decode_ms_mean"]
         row["prefill_vs_dynamic"] = row["prefill_s"] / ref["prefill_s"]
@@ -264,7 +330,7 @@ def _run_decode_speed(config, model_and_tokenizer, token_ids, progress) -> dict:
         model_and_tokenizer = load_benchmark_model(config)
     model, tokenizer = model_and_tokenizer
     head_dim = check_model_supported(model)["head_dim"]
-    plan = context_tokens(model, config.contexts, config.decode_tokens)
+    plan = context_tokens(model, config.contexts, config.decode_tokens + config.memory_steps)
     longest = max(tokens for _, tokens in plan)
     if token_ids is None and tokenizer is None:  # random weights: random ids (speed does not depend on them)
         generator = torch.Generator().manual_seed(0)
@@ -307,28 +373,23 @@ def _run_decode_speed(config, model_and_tokenizer, token_ids, progress) -> dict:
         for part, chunk in (("ttft", None), ("chunked", config.chunk_tokens)):
             if part not in parts:
                 continue
-            for spec in specs:
-                bar.set_postfix_str(f"{tokens} {part} {spec.name}")
-                fields = skips.attempt(spec, f"{part} at context {tokens}", lambda: time_fresh_prefill(
-                    spec, model, ids, chunk, codecs[spec.name], config, part))
-                if fields is not None:
-                    rows[(tokens, spec.name)].update(fields)
-                bar.update(1)
+            bar.set_postfix_str(f"{tokens} {part}, {len(specs)} caches in turn")
+            for name, fields in _run_prefills(specs, model, ids, chunk, codecs, config, part, skips).items():
+                rows[(tokens, name)].update(fields)
+            bar.update(len(specs))
         if "decode" in parts:
             release_free_memory()
             bar.set_postfix_str(f"{tokens} shared prefill")
             prefill = _prefill(model, ids)
-            for spec in specs:
-                bar.set_postfix_str(f"{tokens} decode {spec.name}")
-                fields = skips.attempt(spec, f"decode at context {tokens}", lambda: _run_one(
-                    spec, prefill, model, codecs[spec.name], config, config.decode_tokens))
-                if fields is not None:
-                    fields.update(context=context)
-                    if spec.kind == "dynamic":
-                        element = prefill.cache.layers[0].keys.element_size()
-                        fields["dynamic_fp16_bytes"] = fields["cache_bytes"] * 2 // element
-                    rows[(tokens, spec.name)].update(fields)
-                bar.update(1)
+            bar.set_postfix_str(f"{tokens} decode, {len(specs)} caches interleaved")
+            for name, fields in _run_decode(specs, prefill, model, codecs, config, config.decode_tokens,
+                                            skips).items():
+                fields.update(context=context)
+                if fields["kind"] == "dynamic":
+                    element = prefill.cache.layers[0].keys.element_size()
+                    fields["dynamic_fp16_bytes"] = fields["cache_bytes"] * 2 // element
+                rows[(tokens, name)].update(fields)
+            bar.update(len(specs))
             del prefill
     bar.close()
     # A row for which no part succeeded (a failing peer) is left out; the skip says why.
@@ -360,7 +421,9 @@ def _run_decode_speed(config, model_and_tokenizer, token_ids, progress) -> dict:
                     "CompressedCache.for_model(model, codec, codec, sink_tokens, recent_tokens, attention), "
                     "QuantizedCache(...)), the whole prompt in one forward with it (last-position logits only) "
                     "and the argmax, all timed; the codec is built before the clock starts (per model); "
-                    f"median of {config.prefill_repeats} fresh run(s); ttft_token: the greedy first token",
+                    f"median of {config.prefill_repeats} fresh run(s), in rounds of one run per cache (the order rotated by "
+                    "one cache per round); ttft_paired_vs_dynamic / ttft_cpu_paired_vs_dynamic: median over the "
+                    "rounds of the run / DynamicCache's run of the same round; ttft_token: the greedy first token",
             "chunked": f"the same with the prompt in chunks of {config.chunk_tokens} tokens, one forward each "
                        "(ours: later chunks attend to earlier ones through their codes); chunked_chunk_s: "
                        "seconds per forward",
@@ -373,17 +436,20 @@ def _run_decode_speed(config, model_and_tokenizer, token_ids, progress) -> dict:
                        "built from it: DynamicCache copy, CompressedCache.from_cache (timed: conversion_s; "
                        "prefill_s = dynamic_prefill_s + conversion_s), QuantizedCache fed the prefill keys/values "
                        "through update() layer by layer (what its own prefill stores; timed the same way)",
-            "decode": "greedy, one token per forward with the cache; each step timed (forward + argmax); "
-                      "decode_ms_median is the median over the steps; untimed warm-up run of every cache first"
-                      if config.warmup else "greedy, one token per forward with the cache; median step time",
+            "decode": f"greedy, one token per forward with the cache, {config.decode_tokens} rounds in which every "
+                      "cache takes one step (interleaved, the order rotated by one cache per round); each step "
+                      "timed (forward + argmax); decode_ms_median is the median over the steps; "
+                      "decode_paired_vs_dynamic: median over the rounds of the step / DynamicCache's step of the "
+                      "same round" + ("; untimed warm-up run of every cache first" if config.warmup else ""),
             "quantized_cache": f"QuantizedCache(backend, config, nbits, q_group_size={config.q_group_size}, "
                                f"residual_length={config.residual_length}); it re-quantizes everything each time "
                                f"the residual reaches residual_length tokens, which {config.decode_tokens} decode "
                                f"steps after a fresh prefill "
                                f"{'do not reach' if config.decode_tokens < config.residual_length else 'reach'}",
-            "memory": "peak_rss_added_bytes: peak resident set size during the decode loop minus the RSS just "
-                      "before it (after gc + malloc_trim); cache and prefill already exist at that point, so "
-                      "this is the working memory decoding adds (growth of the cache + transient buffers)",
+            "memory": f"peak_rss_added_bytes: after the timed rounds, one cache at a time, the peak resident set "
+                      f"size during {config.memory_steps} further untimed steps minus the RSS just before them "
+                      "(after gc + malloc_trim); cache and prefill already exist at that point, so this is the "
+                      "working memory decoding adds (growth of the cache + transient buffers)",
             "ratios": "x_vs_dynamic = value / the DynamicCache value at the same context (same run); "
                       "bytes_vs_fp16_dynamic = cache bytes / (DynamicCache bytes in fp16)",
             "threads": "torch.set_num_threads(config.threads) for the whole run (numba kernels follow it)",
@@ -419,7 +485,13 @@ def _warmup(specs, model, head_dim, config, token_ids, skipped, progress, codecs
                 chunk = max(1, min(config.chunk_tokens, tokens // 2))
                 time_fresh_prefill(spec, model, ids, chunk, codecs[spec.name], quiet, "chunked")
             if prefill is not None:
-                _run_one(spec, prefill, model, codecs[spec.name], config, decode_tokens=2)
+                attention_before = getattr(model.config, "_attn_implementation", None)
+                try:
+                    decoding = _start_decoding(spec, prefill, model, codecs[spec.name], config)[1]
+                    for _ in range(2):
+                        decoding.step(model)
+                finally:
+                    _restore_attention(model, attention_before)
         except Exception as exc:
             if spec.kind != "quantized":
                 raise

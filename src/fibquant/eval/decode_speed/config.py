@@ -127,7 +127,10 @@ def parse_cache_name(name: str) -> SpeedCache:
 @dataclass(frozen=True)
 class DecodeSpeedConfig:
     contexts: tuple[int, ...] = (1024, 2048, 4096, 8192)
-    decode_tokens: int = 32
+    decode_tokens: int = 32             # interleaved rounds of the decode part: one timed step per cache each
+    # Untimed steps per cache after the rounds, one cache at a time, under the memory monitor: 16 = one
+    # encode batch of ours (CompressedCache's encode_batch), so a step that encodes is among them.
+    memory_steps: int = 16
     caches: tuple[str, ...] = DEFAULT_CACHES
     text: str = "emma"
     sink_tokens: int = 4
@@ -159,6 +162,8 @@ class DecodeSpeedConfig:
             raise ValueError(f"contexts must be integers >= 2, got {self.contexts}")
         if self.decode_tokens < 1:
             raise ValueError(f"decode_tokens must be >= 1, got {self.decode_tokens}")
+        if self.memory_steps < 1:
+            raise ValueError(f"memory_steps must be >= 1, got {self.memory_steps}")
         if self.sink_tokens < 0 or self.recent_tokens < 0:
             raise ValueError("sink_tokens and recent_tokens must be >= 0")
         if not self.caches:

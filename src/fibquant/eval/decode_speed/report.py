@@ -16,6 +16,8 @@ DECODE_SPEED_COLUMNS = [
     ("decode_vs_dynamic", "x dynamic", ".2f"),
     ("decode_cpu_ms_median", "CPU ms/tok", ".1f"),
     ("decode_cpu_vs_dynamic", "CPU x dyn", ".2f"),
+    ("decode_paired_vs_dynamic", "paired x dyn", ".3f"),
+    ("decode_cpu_paired_vs_dynamic", "CPU paired", ".3f"),
     ("decode_ms_mean", "mean ms/tok", ".1f"),
     ("decode_mean_vs_dynamic", "mean x dyn", ".2f"),
     ("cache_mib", "cache MiB", ".2f"),
@@ -31,6 +33,7 @@ TTFT_COLUMNS = [
     ("ttft_vs_dynamic", "x dyn", ".2f"),
     ("ttft_cpu_s", "CPU s", ".2f"),
     ("ttft_cpu_vs_dynamic", "CPU x dyn", ".2f"),
+    ("ttft_cpu_paired_vs_dynamic", "CPU paired", ".3f"),
     ("ttft_peak_mib", "peak MiB", ".1f"),
     ("ttft_token_matches_dynamic", "tok = dyn", ""),
 ]
@@ -77,21 +80,21 @@ def decode_speed_header(payload: dict) -> str:
             "TTFT s: a fresh empty cache, " + ("the whole prompt in one forward with it" if "ttft" in parts else "")
             + ("; chunked: " if "ttft" in parts and "chunked" in parts else "")
             + (f"the prompt in chunks of {config.get('chunk_tokens')} tokens" if "chunked" in parts else "")
-            + f", then the argmax of the first token (median of {config.get('prefill_repeats', 1)} run(s)); "
-            "CPU s: CPU time of the same calls (not counting waits for a core on a loaded machine); "
+            + f", then the argmax of the first token (median of {config.get('prefill_repeats', 1)} run(s), in "
+            "rounds of one run per cache); CPU s: CPU time of the same calls (not counting waits for a core on a "
+            "loaded machine); CPU paired: median over the rounds of the CPU time / DynamicCache's of the round; "
             "peak MiB: resident memory the prefill adds; tok = dyn: first token equal to DynamicCache's")
     if "decode" in parts:
         lines += [
-            f"decode: {config['decode_tokens']} greedy steps from one shared DynamicCache prefill; prefill s: that "
-            "prefill + conversion into the cache; decode ms/tok: median step (wall); CPU ms/tok: median step CPU time; "
-            "x dynamic: vs DynamicCache decode; "
+            f"decode: {config['decode_tokens']} rounds of greedy steps from one shared DynamicCache prefill, every "
+            "cache stepping once per round (interleaved: all see the same machine state); prefill s: that "
+            "prefill + conversion into the cache; decode ms/tok: median step (wall); CPU ms/tok: median step CPU "
+            "time; x dynamic: vs DynamicCache decode; paired x dyn / CPU paired: median over the rounds of the "
+            "step / DynamicCache's step of the same round (wall / CPU time); "
             "cache MiB: bytes held (CompressedCache: code buffers with their reserved capacity), used MiB: stored "
-            "tokens only; bytes / fp16 dyn: held bytes over an fp16 DynamicCache's; tokens = dyn: share of greedy "
+            "tokens only; bytes / fp16 dyn: held bytes over an fp16 DynamicCache's; peak MiB added: over "
+            f"{config.get('memory_steps', '?')} further steps, one cache at a time; tokens = dyn: share of greedy "
             "tokens equal to DynamicCache's, position by position",
-            "the caches' decode steps here run one cache after another (not interleaved), so on a shared "
-            "machine the load drifts between them by more than the gap at short context: quote "
-            "benchmarks/decode_step_interleaved.py (every cache steps in turn, same machine state) for "
-            "decode-step ratios",
             "fp16 DynamicCache MiB: " + ", ".join(f"{t}: {r['dynamic_fp16_bytes'] / MIB:.2f}" for t, r in dyn.items()),
         ]
     if cut:
@@ -131,11 +134,15 @@ def decode_speed_table(payload: dict, markdown: bool = False) -> str:
 
 
 def _cpu_detail(row: dict, part: str) -> str:
-    """The wall-clock ratio is judged; the CPU-time ratio is shown next to it (load-independent)."""
+    """The wall-clock ratio is judged; the CPU-time ratio (load-independent) and, for decode steps,
+    the paired ratios are shown next to it."""
     cpu = row.get(f"{part}_cpu_vs_dynamic")
-    what = ("median step, wall clock, caches timed one after another: quote "
-            "benchmarks/decode_step_interleaved.py") if part == "decode" else "wall clock"
-    return what + ("" if cpu is None else f"; CPU-time ratio {cpu:.3g}")
+    what = "median step, wall clock, steps interleaved" if part == "decode" else "wall clock"
+    text = what + ("" if cpu is None else f"; CPU-time ratio {cpu:.3g}")
+    for key, name in ((f"{part}_paired_vs_dynamic", "paired"), (f"{part}_cpu_paired_vs_dynamic", "CPU paired")):
+        if row.get(key) is not None:
+            text += f"; {name} {row[key]:.3g}"
+    return text
 
 
 def decode_speed_targets(payload: dict) -> list:

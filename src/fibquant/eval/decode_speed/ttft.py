@@ -95,20 +95,23 @@ def _one_prefill(spec, model, ids, chunk: Optional[int], codec, config) -> dict:
     return out
 
 
-def time_fresh_prefill(spec: SpeedCache, model, ids, chunk: Optional[int], codec, config: DecodeSpeedConfig,
-                       prefix: str) -> dict:
-    """`config.prefill_repeats` fresh prefills of `ids` [T] with `spec`'s cache; the row fields
-    `<prefix>_s` (median wall seconds), `<prefix>_s_all`, `<prefix>_cpu_s` (median CPU seconds), `<prefix>_chunk_s` (per forward, last repeat),
-    `<prefix>_token` (the greedy first token), `<prefix>_peak_added_bytes` (largest over repeats),
-    `<prefix>_cache_bytes`, `<prefix>_chunk_tokens`."""
+def fresh_prefill(spec: SpeedCache, model, ids, chunk: Optional[int], codec, config: DecodeSpeedConfig) -> dict:
+    """One timed fresh prefill of `ids` [T] with `spec`'s cache (chunk None: one forward); the
+    model's attention implementation is restored afterwards (ours switch it to "fibquant")."""
     attention_before = getattr(model.config, "_attn_implementation", None)
-    runs = []
     try:
-        for _ in range(config.prefill_repeats):
-            runs.append(_one_prefill(spec, model, ids, chunk, codec, config))
+        return _one_prefill(spec, model, ids, chunk, codec, config)
     finally:
         if attention_before is not None and getattr(model.config, "_attn_implementation", None) != attention_before:
             model.set_attn_implementation(attention_before)
+
+
+def prefill_fields(runs: list[dict], ids, chunk: Optional[int], prefix: str) -> dict:
+    """The row fields of one cache's fresh prefills `runs` (from `fresh_prefill`):
+    `<prefix>_s` (median wall seconds), `<prefix>_s_all`, `<prefix>_cpu_s` (median CPU seconds),
+    `<prefix>_cpu_s_all`, `<prefix>_chunk_s` (per forward, last run), `<prefix>_token` (the greedy
+    first token), `<prefix>_peak_added_bytes` (largest over runs), `<prefix>_cache_bytes`,
+    `<prefix>_chunk_tokens`, ..."""
     last = runs[-1]
     return {
         f"{prefix}_s": statistics.median(r["seconds"] for r in runs),
@@ -124,3 +127,12 @@ def time_fresh_prefill(spec: SpeedCache, model, ids, chunk: Optional[int], codec
         f"{prefix}_attention_used": last["attention_used"],
         "prefill_memory_method": last["memory_method"],
     }
+
+
+def time_fresh_prefill(spec: SpeedCache, model, ids, chunk: Optional[int], codec, config: DecodeSpeedConfig,
+                       prefix: str) -> dict:
+    """`config.prefill_repeats` fresh prefills of `ids` [T] with `spec`'s cache, one after another;
+    their row fields (`prefill_fields`). The experiment itself interleaves the repeats of all
+    caches (`fibquant.eval.decode_speed`); this is one cache alone (e.g. the warm-up)."""
+    runs = [fresh_prefill(spec, model, ids, chunk, codec, config) for _ in range(config.prefill_repeats)]
+    return prefill_fields(runs, ids, chunk, prefix)

@@ -416,11 +416,18 @@ def _attend_split(query: torch.Tensor, kv: CodedKV, attention_mask, scaling: flo
         exact_keys = torch.cat([kv.sink_keys.to(exact_keys.dtype), exact_keys], dim=-2)
         exact_values = torch.cat([kv.sink_values.to(exact_values.dtype), exact_values], dim=-2)
     exact_keys, exact_values = exact_keys.to(torch.float32), exact_values.to(torch.float32)
+    queries = query.to(torch.float32)
+    if sinks is None and attention_mask is None and coded == 0 and exact_keys.shape[-2] == tokens and (
+            window is None or window >= length):
+        # a first chunk (nothing coded, nothing before it): no merge, so no log-sum-exp is needed, and
+        # this is the call transformers' SDPA attention makes for a DynamicCache (GQA without repeated keys)
+        out = torch.nn.functional.scaled_dot_product_attention(queries, exact_keys, exact_values, is_causal=True,
+                                                               scale=scaling, enable_gqa=groups > 1)
+        return out.transpose(1, 2).contiguous().to(query.dtype)
     if groups > 1 and query.device.type == "cpu":  # SDPA's CPU kernel takes one KV head per query head
         exact_keys = exact_keys.repeat_interleave(groups, dim=1)
         exact_values = exact_values.repeat_interleave(groups, dim=1)
     value_dim = exact_values.shape[-1]
-    queries = query.to(torch.float32)
     plain_causal = attention_mask is None and coded == 0 and exact_keys.shape[-2] == tokens and (
         window is None or window >= length)
     sink_logits = None if sinks is None else sinks.to(torch.float32).reshape(1, q_heads, 1)
