@@ -54,7 +54,7 @@ def test_build_parser_rejects_a_module_without_register(monkeypatch):
 
 
 def test_eval_rd_writes_to_the_results_env_dir(tmp_path, monkeypatch, capsys):
-    from test_rate_distortion import _report
+    from _rd_helpers import rd_report as _report
 
     import fibquant.eval.rate_distortion as rd
 

@@ -5,8 +5,9 @@ import pytest
 
 from fibquant.codecs import TurboQuantCodec
 from fibquant.codecs.fibquant import choose_block
-from fibquant.eval.rate_distortion import (FOR_RATE_GRID, Point, RDConfig, RDReport, check_targets,
-                                           fibquant_grid, format_report, unit_mse, write_outputs)
+from fibquant.eval.rate_distortion import (FOR_RATE_GRID, RDConfig, fibquant_grid, format_report, unit_mse,
+                                           write_outputs)
+from _rd_helpers import rd_report as _report
 from fibquant.source import sample_sphere
 
 
@@ -24,19 +25,6 @@ def test_unit_mse_matches_direct_computation():
     u = sample_sphere(3000, 32, seed=1)
     direct = float(((codec.roundtrip(u) - u).double() ** 2).sum(1).mean())
     assert unit_mse(codec, u, batch=700) == pytest.approx(direct, rel=1e-9)
-
-
-def _report(fib_mse: float, encode_ratio: float) -> RDReport:
-    report = RDReport(RDConfig(dims=(64,)))
-    report.points = [Point("FibQuant", 64, 2.0, 2.25, fib_mse, 4, 256, best=True),
-                     Point("FibQuant", 64, 2.0, 2.25, 0.2, 2, 16),
-                     Point("TurboQuant", 64, 2, 2.25, 0.1, 1, 4),
-                     Point("FibQuant", 64, 0.5, 0.75, 0.58, 16, 256, best=True)]
-    report.throughput = [{"dim": 64, "bits": 2, "fibquant": "k=4 N=256", "encode_ratio": encode_ratio,
-                          "decode_ratio": 1.0, "fib_encode_vps": 1.0, "fib_decode_vps": 1.0,
-                          "turbo_encode_vps": 1.0, "turbo_decode_vps": 1.0, "threads": 1}]
-    report.targets = check_targets(report)
-    return report
 
 
 def test_targets_are_judged_on_the_measured_numbers(tmp_path):
