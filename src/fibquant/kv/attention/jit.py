@@ -6,8 +6,7 @@ vector intrinsics of `intrinsics` and call jitted helpers bound from each other 
 change to any of those files a kernel elsewhere could load a stale compiled version. `kernel_jit`
 keys every one of them on the contents of all of `KERNEL_SOURCES` (`fibquant._numba.njit_tracking`):
 a change to any kernel source recompiles every kernel once (the scores kernel alone: 40 s on the
-loaded 2-core machine, 2026-12-03), never a
-stale one. A new kernel file joins `KERNEL_SOURCES`.
+loaded 2-core machine, 2026-12-03), never a stale one. A new kernel file joins `KERNEL_SOURCES`.
 """
 from __future__ import annotations
 
