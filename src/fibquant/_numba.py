@@ -1,8 +1,9 @@
-"""What the numba CPU paths share: whether numba imports, and splitting a kernel's work over threads.
+"""What the numba CPU paths share: whether numba imports, splitting a kernel's work over threads, and
+a disk cache that tracks the files a kernel inlines.
 
 Used by `fibquant.codebook.fast_search` (nearest-codeword search) and `fibquant.kv.attention.kernels`
-(attention on codes); it sits below both so that neither imports the other. numba itself is never
-imported here except by `numba_available()`, on its first call.
+(attention on codes); it sits below both so that neither imports the other. numba itself is imported
+here only by `numba_available()` (on its first call) and by `njit_tracking` (when a kernel is compiled).
 
 `run_split(kernel, args, units, work_per_unit, min_work_per_thread, name)` runs
 `kernel(*args, start, stop)` over `units` work units: on the calling thread when there is less than
