@@ -88,7 +88,7 @@ def test_calibrated_per_layer_per_head_roundtrip(model, tmp_path):
     files = sorted(p.name for p in (tmp_path / "c/codecs").iterdir())
     assert len(files) == 5 and sum(f.startswith("rvq-") for f in files) == 3  # 3 RVQ + 2 low-rank, once each
     manifest = json.loads((tmp_path / "c/manifest.json").read_text())
-    assert manifest["version"] == 2 and manifest["streams"]["keys"]["layout"] is None
+    assert manifest["version"] == 3 and manifest["streams"]["keys"]["layout"] is None
     loaded = CompressedCache.load(tmp_path / "c", model, attention="decode")
     assert isinstance(loaded, LayerwiseCompressedCache)
     assert isinstance(loaded.layers[0].key_codec, HeadwiseCodec) and type(loaded.layers[0].value_codec) is IdentityCodec
@@ -307,3 +307,98 @@ def test_learned_codecs_are_deduplicated_by_content(model, tmp_path, monkeypatch
     with PersistentCache.open(tmp_path / "c", "a") as store:
         with pytest.raises(ValueError, match="key codec of layer 0 is not the saved one .another codebook/rotation"):
             store.append_from(live)
+
+
+# --------------------------------------------------------------- codec state across machines (format 3)
+def _fibquant_saved(model, path, key_codec=None):
+    cache = CompressedCache(key_codec or FibQuantCodec(64, 4, 256), IntCodec(64, 4), 4, 8, encode_batch=4)
+    cache.save(path, model, _fill(model, cache, tokens=40))
+    return cache
+
+
+def _rotation_one_ulp_up(monkeypatch):
+    """Another CPU's rotation: every entry of the float32 Pi^T one ulp up (another BLAS/LAPACK path)."""
+    from fibquant.codecs.rotation import RotationState
+
+    real = RotationState.forward_matrix
+    monkeypatch.setattr(RotationState, "forward_matrix",
+                        lambda self, device: torch.nextafter(real(self, device), torch.tensor(float("inf"))))
+
+
+def test_last_bit_rotation_difference_still_opens(model, tmp_path, monkeypatch):
+    from fibquant.kv.persist.entries import codec_state_sha256
+
+    cache = _fibquant_saved(model, tmp_path / "c")
+    manifest = json.loads((tmp_path / "c/manifest.json").read_text())
+    assert manifest["version"] == 3 and "state_sha256" not in manifest["key_codec"]
+    saved_hash = codec_state_sha256(FibQuantCodec(64, 4, 256))
+    _rotation_one_ulp_up(monkeypatch)
+    assert codec_state_sha256(FibQuantCodec(64, 4, 256)) != saved_hash  # a float hash would refuse it
+    loaded = CompressedCache.load(tmp_path / "c", model)
+    for la, lb in zip(cache.layers, loaded.layers, strict=True):
+        assert torch.equal(la.key_codes, lb.key_codes) and torch.equal(la.value_codes, lb.value_codes)
+        torch.testing.assert_close(la.keys, lb.keys)
+    with PersistentCache.open(tmp_path / "c", "a") as store:  # appending from such a cache is accepted too
+        _run(model, loaded, _ids(8, seed=3))
+        store.append_from(loaded)
+
+
+def test_other_codec_state_is_refused(model, tmp_path, monkeypatch):
+    import fibquant.codecs.fibquant as fibquant_module
+    import fibquant.codecs.rotation as rotation_module
+
+    _fibquant_saved(model, tmp_path / "c")
+    manifest_path = tmp_path / "c/manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    # The rotation of another seed where this one computes the same config's: refused.
+    real_haar = rotation_module.haar_rotation
+    with monkeypatch.context() as patch:
+        patch.setattr(rotation_module, "haar_rotation", lambda dim, seed, **kw: real_haar(dim, seed + 1, **kw))
+        with pytest.raises(ValueError, match="fibquant codebook/rotation/state here differs.*rotation differs by"):
+            CompressedCache.load(tmp_path / "c", model)
+    # Another codebook for the same (d, k, N, seed) (another build or recipe): one codeword moved.
+    real_load = fibquant_module.load_codebook
+
+    def moved(*args, **kwargs):
+        book = real_load(*args, **kwargs)
+        codewords = book.codewords.clone()
+        codewords[0] = -codewords[0]
+        return type(book)(book.spec, codewords, book.total_mse, book.build_seconds, book.version)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(fibquant_module, "load_codebook", moved)
+        with pytest.raises(ValueError, match="codewords differs by"):
+            CompressedCache.load(tmp_path / "c", model)
+    # A manifest naming another rotation seed than the state it was saved with: refused.
+    edited = json.loads(json.dumps(manifest))
+    edited["key_codec"]["config"]["rotation_seed"] = 1
+    manifest_path.write_text(json.dumps(edited))
+    with pytest.raises(ValueError, match="rotation differs by"):
+        CompressedCache.load(tmp_path / "c", model)
+    manifest_path.write_text(json.dumps(manifest))
+    # Appending from a cache of another seed's rotation: its config differs, refused before any state.
+    other = CompressedCache(FibQuantCodec(64, 4, 256, rotation_seed=1), IntCodec(64, 4), 4, 8, encode_batch=4)
+    _fill(model, other, tokens=40)
+    with PersistentCache.open(tmp_path / "c", "a") as store:
+        with pytest.raises(ValueError, match="is not the saved one .config"):
+            store.append_from(other)
+    assert CompressedCache.load(tmp_path / "c", model).get_seq_length() == 40
+
+
+def test_version_2_state_hash_still_checked(model, tmp_path, monkeypatch):
+    """A version-2 manifest (sha256 of the float state, no fingerprint) opens where the bits agree and
+    is refused with a clear message where they do not (it holds nothing to compare with a tolerance)."""
+    from fibquant.kv.persist.entries import codec_state_sha256
+
+    _fibquant_saved(model, tmp_path / "c")
+    path = tmp_path / "c/manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["version"] = 2
+    for role, codec in (("key_codec", FibQuantCodec(64, 4, 256)), ("value_codec", IntCodec(64, 4))):
+        del manifest[role]["state_fingerprint"]
+        manifest[role]["state_sha256"] = codec_state_sha256(codec)
+    path.write_text(json.dumps(manifest))
+    assert CompressedCache.load(tmp_path / "c", model).get_seq_length() == 40
+    _rotation_one_ulp_up(monkeypatch)
+    with pytest.raises(ValueError, match="version-1/2 file: exact bits"):
+        CompressedCache.load(tmp_path / "c", model)

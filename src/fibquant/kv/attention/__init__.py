@@ -4,6 +4,7 @@
     reference      plain torch kernels: the spec every faster path is tested against
     kernels        backend choice and dispatch (reference / numba / triton), split over threads
     numba_kernels, numba_tables, intrinsics   the compiled CPU kernels
+    jit            how they are compiled: numba's disk cache keyed on every kernel source
     triton_kernels the CUDA kernels (flash-decoding on codes, paged for vLLM)
     mla            attention on an MLA latent's codes (DeepSeek V3, Kimi)
 """

@@ -44,7 +44,7 @@ Threads: the numba kernels are compiled without numba's own threading (`parallel
 when torch.get_num_threads() > 1 and there is more than one (b, h, query-tile) unit of enough
 work, the units are split over a small thread pool of at most torch.get_num_threads() threads.
 So `torch.set_num_threads(1)` gives a single-threaded kernel. numba is imported on first use only;
-compiled kernels are cached on disk by numba (cache=True), ~5 s to compile the first time.
+compiled kernels are cached on disk by numba, keyed on every kernel source (`jit`), ~5 s to compile the first time.
 
 Backends (`backend=`): "auto" picks numba for CPU tensors (torch when numba is missing), the
 Triton kernels of `coded_triton` for CUDA tensors when triton imports (`pip install

@@ -19,13 +19,9 @@ does with ~20 torch ops and two kernel calls:
 
 So the per-layer cost of a step is this one call plus the argument conversion, not the torch
 dispatch of ~20 small ops. Results equal `attend_codes`' joint softmax to float32 rounding (the
-order of summation differs). Compiled on first use (cache=True: numba caches it on disk).
+order of summation differs). Compiled on first use (cached on disk by numba, keyed on every kernel source: `jit`).
 """
 from __future__ import annotations
-
-# The vector intrinsics (kv/attention/intrinsics.py) are inlined into the cached kernels of this file;
-# numba's disk cache keys on this file only, so an intrinsics change must also touch this file
-# (issue 17: 8-bit fields read as single bytes, all on the unrolled path; issue 18: bf16 reads).
 
 np = None
 _count_invalid = _safe_fields = None
@@ -425,16 +421,15 @@ def scratch_sizes(key_codewords: int, key_blocks: int, key_bits: int, key_mode: 
 
 
 def compile_decode_kernel():
-    """The fused decode-step dispatcher (numba, cache=True); binds the helpers of numba_kernels first."""
+    """The fused decode-step dispatcher (numba, disk-cached: `jit.kernel_jit`); binds the helpers of numba_kernels first."""
     global _KERNEL, np, _count_invalid, _safe_fields, _build_table, _bytes_table, _spread_bytes
     global _contract, _lut_sum, _hist_add, _score_tokens, _hist_tokens, _exact_scores, _exact_values
     global _row_max, _exp_sum, _norms, _query_table, _softmax_row, _unrotate_add, _role_fields
     global _add_key_mean, _add_bias, _as_f32
     if _KERNEL is not None:
         return _KERNEL
-    import numba
-
     from fibquant.kv.attention.intrinsics import _build_bf16
+    from fibquant.kv.attention.jit import kernel_jit
 
     import fibquant.kv.attention.numba_kernels as numba_kernels
     from fibquant.kv.attention.kernels import _kernels
@@ -446,13 +441,13 @@ def compile_decode_kernel():
     _build_table, _bytes_table = numba_kernels._build_table, numba_kernels._bytes_table
     _spread_bytes, _contract = numba_kernels._spread_bytes, numba_kernels._contract
     _lut_sum, _hist_add = numba_kernels._lut_sum, numba_kernels._hist_add
-    helper = numba.njit(nogil=True, cache=True)
+    helper = kernel_jit(nogil=True)
     _score_tokens, _hist_tokens = helper(_score_tokens_py), helper(_hist_tokens_py)
     _exact_scores, _exact_values = helper(_exact_scores_py), helper(_exact_values_py)
     # Reassociation (and no NaN among the scores, for the max) lets LLVM vectorise these reductions;
     # no 'ninf': masked scores are -inf.
-    _row_max = numba.njit(nogil=True, cache=True, fastmath={"nnan", "nsz", "reassoc"})(_row_max_py)
-    _exp_sum = numba.njit(nogil=True, cache=True, fastmath={"nsz", "reassoc", "contract"})(_exp_sum_py)
+    _row_max = kernel_jit(nogil=True, fastmath={"nnan", "nsz", "reassoc"})(_row_max_py)
+    _exp_sum = kernel_jit(nogil=True, fastmath={"nsz", "reassoc", "contract"})(_exp_sum_py)
     _norms = helper(_norms_py)
     _query_table, _unrotate_add = helper(_query_table_py), helper(_unrotate_add_py)
     _role_fields = helper(_role_fields_py)
@@ -464,5 +459,5 @@ def compile_decode_kernel():
                  "float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[::1], float32[:, :, ::1], "
                  "int64, int64, int64, int64, int64, int64, int64, int64, float32[::1], float32[::1], float32[::1], "
                  "float32[::1], float32[:, ::1], float32[::1], int32[::1], int64, int64)")
-    _KERNEL = numba.njit(signature, nogil=True, cache=True)(_decode_step_py)
+    _KERNEL = kernel_jit(signature, nogil=True)(_decode_step_py)
     return _KERNEL

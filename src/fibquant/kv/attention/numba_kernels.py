@@ -3,10 +3,6 @@ work units (see `fibquant.kv.attention.kernels`, which validates, dispatches and
 """
 from __future__ import annotations
 
-# The vector intrinsics (kv/attention/intrinsics.py) are inlined into the cached kernels of this file;
-# numba's disk cache keys on this file only, so an intrinsics change must also touch this file
-# (issue 17: 8-bit fields read as single bytes, all on the unrolled path).
-
 # The kernels are plain Python functions compiled by `compile_kernels()` on first use. It also
 # binds the module globals they call (`np`, the jitted helpers `_decode_norms` ... `_contract`
 # of `coded_numba_tables` and the vector intrinsics `_lut_sum`, `_hist_add` of `coded_intrinsics`),
@@ -28,6 +24,9 @@ from __future__ import annotations
 
 _MODE_BYTES = 0
 _MODE_FIELDS = 1
+# Both kernels: (queries, codes, codewords, out, index_bits, n_blocks, mode, lanes, unit_start, unit_stop).
+SIGNATURE = ("int64(float32[:, :, :, ::1], uint8[:, :, :, :], float32[:, ::1], "
+             "float32[:, :, :, ::1], int64, int64, int64, int64, int64, int64)")
 
 np = None              # numpy, bound by compile_kernels() (kept off this module's import path)
 _decode_norms = _count_invalid = _safe_fields = None
@@ -217,6 +216,7 @@ def compile_kernels():
     import numpy
 
     from fibquant.kv.attention.intrinsics import _build_intrinsics
+    from fibquant.kv.attention.jit import kernel_jit
     from fibquant.kv.attention.numba_tables import compile_helpers
 
     # Globals of the kernel functions, bound before numba compiles (or loads) them.
@@ -227,8 +227,6 @@ def compile_kernels():
         helpers["safe_fields"]
     _build_table, _bytes_table = helpers["build_table"], helpers["bytes_table"]
     _spread_bytes, _contract = helpers["spread_bytes"], helpers["contract"]
-    signature = ("int64(float32[:, :, :, ::1], uint8[:, :, :, :], float32[:, ::1], "
-                 "float32[:, :, :, ::1], int64, int64, int64, int64, int64, int64)")
-    scores = numba.njit(signature, cache=True, nogil=True)(_scores_py)
-    weighted = numba.njit(signature, cache=True, nogil=True)(_weighted_sum_py)
+    scores = kernel_jit(SIGNATURE, nogil=True)(_scores_py)
+    weighted = kernel_jit(SIGNATURE, nogil=True)(_weighted_sum_py)
     return scores, weighted

@@ -24,10 +24,6 @@ with no float32 copies in and no bf16 conversion out (one compiled variant per c
 """
 from __future__ import annotations
 
-# The vector intrinsics (kv/attention/intrinsics.py) are inlined into the cached kernels of this file;
-# numba's disk cache keys on this file only, so an intrinsics change must also touch this file
-# (issue 17: 8-bit fields read as single bytes, all on the unrolled path; issue 18: bf16 reads / writes).
-
 np = None
 _count_invalid = _role_fields = None
 _build_table = _bytes_table = _spread_bytes = _contract = None
@@ -157,7 +153,7 @@ _KERNELS: dict = {}
 
 
 def compile_paged_kernel(inputs: str = "float32", output: str = "float32"):
-    """The paged decode-step dispatcher (numba, cache=True) for query / exact parts of dtype `inputs`
+    """The paged decode-step dispatcher (numba, disk-cached: `jit.kernel_jit`) for query / exact parts of dtype `inputs`
     and out of dtype `output` ("float32" or "uint16": bf16 bits); binds numba_decode's helpers first.
     One dispatcher per combination, each compiled for its one signature (arguments of another
     layout are converted, never compiled anew)."""
@@ -169,10 +165,9 @@ def compile_paged_kernel(inputs: str = "float32", output: str = "float32"):
         return kernel
     if inputs not in ("float32", "uint16") or output not in ("float32", "uint16"):
         raise ValueError(f"paged kernel dtypes are float32 or uint16 (bf16 bits), got {inputs} / {output}")
-    import numba
-
     import fibquant.kv.attention.numba_decode as numba_decode
     from fibquant.kv.attention.intrinsics import _build_bf16
+    from fibquant.kv.attention.jit import kernel_jit
 
     numba_decode.compile_decode_kernel()  # binds numba_decode's (and numba_kernels') helpers
     np = numba_decode.np
@@ -190,5 +185,5 @@ def compile_paged_kernel(inputs: str = "float32", output: str = "float32"):
                  f"int64, {part}, {part}, {part}, {part}, float32[::1], {output}[:, :, :], "
                  "int64, int64, int64, int64, int64, int64, int64, int64, float32[::1], float32[::1], float32[::1], "
                  "float32[::1], float32[:, ::1], float32[::1], int32[::1], int64, int64)")
-    kernel = _KERNELS[inputs, output] = numba.njit(signature, nogil=True, cache=True)(_paged_step_py)
+    kernel = _KERNELS[inputs, output] = kernel_jit(signature, nogil=True)(_paged_step_py)
     return kernel

@@ -21,10 +21,6 @@ scratch allocated per call); `residual_plan(codec)` says whether a codec's codes
 """
 from __future__ import annotations
 
-# The vector intrinsics (kv/attention/intrinsics.py) are inlined into the cached kernels of this file;
-# numba's disk cache keys on this file only, so an intrinsics change must also touch this file
-# (issue 17: 8-bit fields read as single bytes, all on the unrolled path).
-
 import threading
 import weakref
 
@@ -216,7 +212,7 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_stages, valu
 
 
 def compile_residual_kernel():
-    """The residual decode-step dispatcher (numba, cache=True), after binding numba_decode's helpers."""
+    """The residual decode-step dispatcher (numba, disk-cached: `jit.kernel_jit`), after binding numba_decode's helpers."""
     global _KERNEL, _build_table, _contract, _lut_sum, _hist_add, _norms, _query_table, _softmax_row
     global _unrotate_add, _exact_scores, _exact_values, _safe_fields, _staged_table, _staged_contract
     global _score_rows, _hist_rows, _add_key_mean, _add_bias
@@ -225,17 +221,16 @@ def compile_residual_kernel():
     with _LOCK:
         if _KERNEL is not None:
             return _KERNEL
-        import numba
-
         import fibquant.kv.attention.numba_decode as numba_decode
+        from fibquant.kv.attention.jit import kernel_jit
 
         numba_decode.compile_decode_kernel()  # binds its helpers (and numba_kernels')
         for name in ("_build_table", "_contract", "_lut_sum", "_hist_add", "_norms", "_query_table",
                      "_softmax_row", "_unrotate_add", "_exact_scores", "_exact_values", "_safe_fields",
                      "_add_key_mean", "_add_bias"):
             globals()[name] = getattr(numba_decode, name)
-        helper = numba.njit(nogil=True, cache=True)
-        fast = numba.njit(nogil=True, cache=True, fastmath={"contract", "reassoc", "nsz"})  # float sums: any order
+        helper = kernel_jit(nogil=True)
+        fast = kernel_jit(nogil=True, fastmath={"contract", "reassoc", "nsz"})  # float sums: any order
         _staged_table, _staged_contract = fast(_staged_table_py), fast(_staged_contract_py)
         _score_rows, _hist_rows = helper(_score_rows_py), helper(_hist_rows_py)
         rows4d = "float32[:, :, :, :]"
@@ -243,7 +238,7 @@ def compile_residual_kernel():
                      f"float32[:, :, ::1], uint8[:, :, :, :], uint8[:, :, :, :], {rows4d}, {rows4d}, {rows4d}, "
                      f"{rows4d}, {rows4d}, {rows4d}, float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[::1], "
                      "float32[:, :, ::1], int64, int64, int64, int64, int64, int64)")
-        _KERNEL = numba.njit(signature, nogil=True, cache=True)(_decode_step_py)
+        _KERNEL = kernel_jit(signature, nogil=True)(_decode_step_py)
     return _KERNEL
 
 

@@ -1,15 +1,21 @@
 """Codec identity in a saved cache's manifest (docs/persistent-cache.md).
 
-`CodecSpec` names one registered codec (`fibquant.codecs.registry` registry): its family, its
-config fields and a sha256 of the state that defines its decoding (codebook, rotation, learned
-tensors). A calibrated codec (RVQ, low-rank) is also written with its own `Codec.save` as
-`codecs/<family>-<sha256[:16]>.safetensors` next to the manifest, whose sha256 the spec keeps.
+`CodecSpec` names one registered codec (`fibquant.codecs.registry` registry): its family and its
+config fields (seeds included), compared exactly, and a fingerprint of the float state that
+defines its decoding (codebook, rotation, learned tensors), compared with a tolerance
+(`fibquant.kv.persist.fingerprint`: another CPU may compute the rotation's last bits otherwise).
+A calibrated codec (RVQ, low-rank) is also written with its own `Codec.save` as
+`codecs/<family>-<sha256[:16]>.safetensors` next to the manifest, whose sha256 the spec keeps
+(a file's bytes are lossless: compared exactly).
 
 A role (keys, values) is described by a *codec entry*: a `CodecSpec`, or a list of them, one
 per KV head (a `HeadwiseCodec`). A `LayerwiseCompressedCache` adds one entry per layer.
 
 Version-1 manifests wrote the parameters of the three families they supported as flat fields
-(k, n_codewords, bits, group_size, seed); they are still read (`_V1_FIELDS`).
+(k, n_codewords, bits, group_size, seed); they are still read (`_V1_FIELDS`). Version-1 and -2
+manifests identify the state by a sha256 of its float bytes (`state_sha256`, `codec_state_sha256`),
+still checked for them: such a file opens where the state's bits are the same (re-saving it
+writes the version-3 fingerprint).
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ import torch
 
 from fibquant.codecs.base import Codec, config_matches
 from fibquant.codecs.layout import CodeLayout
+from fibquant.kv.persist.fingerprint import fingerprint_mismatch, state_fingerprint as fingerprint_of
 
 CODEC_DIR = "codecs"
 # Version-1 manifests: the config fields each family's spec named (besides dim).
@@ -39,8 +46,9 @@ def _registry() -> dict:
 
 @dataclass(frozen=True)
 class CodecSpec:
-    """What rebuilds a codec bit for bit: family, config, a hash of its decoding state, and for a
-    calibrated codec its safetensors file (relative to the cache directory) and that file's sha256."""
+    """What rebuilds a codec: family, config, a fingerprint of its decoding state (version 3; a
+    sha256 of it in versions 1-2), and for a calibrated codec its safetensors file (relative to the
+    cache directory) and that file's sha256."""
 
     family: str
     dim: int
@@ -49,10 +57,11 @@ class CodecSpec:
     bits: Optional[int] = None
     group_size: Optional[int] = None
     seed: int = 0
-    state_sha256: str = ""
+    state_sha256: str = ""  # versions 1-2: codec_state_sha256 (float bytes); not written since version 3
     config: Optional[dict] = None  # version 2: asdict(codec.config)
     file: str = ""
     file_sha256: str = ""
+    state_fingerprint: Optional[dict] = None  # version 3: fingerprint.state_fingerprint
 
     def __post_init__(self) -> None:
         if self.family not in _registry():
@@ -73,7 +82,7 @@ class CodecSpec:
         if registered is None or not isinstance(codec, registered) or not is_dataclass(codec.config):
             raise ValueError(f"cannot persist a cache whose codec is {type(codec).__name__}: not a codec of a "
                              f"registered family ({', '.join(_registry())}) with a config")
-        state = codec_state_sha256(codec)
+        state = codec_state_sha256(codec)  # exact equality within this process, not written
         tensors = codec.state_tensors()
         # Equal content (family, config, decoding state, any other state tensors) is one spec and
         # one file, whichever objects hold it (e.g. two equal fits for two layers).
@@ -86,8 +95,8 @@ class CodecSpec:
                 if root is None:
                     raise ValueError(f"{type(codec).__name__} is calibrated: its state needs a cache directory")
                 file, digest = _write_codec_file(codec, root)
-            spec = cls(codec.family, codec.dim, state_sha256=state, config=asdict(codec.config), file=file,
-                       file_sha256=digest)
+            spec = cls(codec.family, codec.dim, config=asdict(codec.config), file=file, file_sha256=digest,
+                       state_fingerprint=fingerprint_of(codec))
         if written is not None:
             written[content] = spec
             written[id(codec)] = (codec, spec)  # the object is kept: its id cannot be reused meanwhile
@@ -123,10 +132,20 @@ class CodecSpec:
                 codec = cls.from_state(config, {})
             except TypeError as exc:
                 raise ValueError(f"bad {self.family} codec config {config} in a saved cache ({exc})") from None
-        if self.state_sha256 and codec_state_sha256(codec) != self.state_sha256:
+        problem = self.state_mismatch(codec)
+        if problem is not None:
             raise ValueError(f"the {self.family} codebook/rotation/state here differs from the one the cache was "
-                             f"saved with ({config}): its codes would decode to other vectors")
+                             f"saved with ({config}): {problem}; its codes would decode to other vectors")
         return codec
+
+    def state_mismatch(self, codec: Codec) -> Optional[str]:
+        """How `codec`'s decoding state differs from the saved one, or None: the fingerprint within
+        its tolerance (version 3), else the exact sha256 of versions 1-2."""
+        if self.state_fingerprint is not None:
+            return fingerprint_mismatch(self.state_fingerprint, fingerprint_of(codec))
+        if self.state_sha256 and codec_state_sha256(codec) != self.state_sha256:
+            return "its sha256 differs (a version-1/2 file: exact bits are compared)"
+        return None
 
 
 Entry = Union[CodecSpec, list]  # a CodecSpec, or one CodecSpec per KV head
@@ -134,7 +153,8 @@ Entry = Union[CodecSpec, list]  # a CodecSpec, or one CodecSpec per KV head
 
 def codec_state_sha256(codec: Codec) -> str:
     """sha256 of what defines a codec's decoding: its registered class, dim, code size, rotated
-    codebook (if any) and, for a calibrated codec, its state tensors (sorted by name)."""
+    codebook (if any) and, for a calibrated codec, its state tensors (sorted by name). Float bytes:
+    exact equality on this machine (within a save; the state identity of version-1/2 files)."""
     registered = _registry().get(codec.family)
     name = registered.__name__ if registered is not None and isinstance(codec, registered) else type(codec).__name__
     digest = hashlib.sha256(repr((name, codec.dim, codec.code_size)).encode())
@@ -159,7 +179,7 @@ def _tensors_sha256(tensors: dict) -> str:
 
 def codec_mismatch(entry: "Entry", codec: Codec) -> Optional[str]:
     """Why `codec` (a role codec of a cache) is not the codec of a manifest entry, or None when
-    it is: same family, config and decoding-state hash (per KV head for a per-head entry)."""
+    it is: same family and config, and the same decoding state (per KV head for a per-head entry)."""
     from fibquant.kv.layered import HeadwiseCodec
 
     specs = entry_specs(entry)
@@ -172,8 +192,9 @@ def codec_mismatch(entry: "Entry", codec: Codec) -> Optional[str]:
             return f"family {getattr(plain, 'family', type(plain).__name__)!r}, saved {spec.family!r}{where}"
         if spec.config is not None and is_dataclass(plain.config) and not config_matches(plain.config, spec.config):
             return f"config {asdict(plain.config)}, saved {spec.config}{where}"
-        if spec.state_sha256 and codec_state_sha256(plain) != spec.state_sha256:
-            return f"another codebook/rotation/learned state{where}"
+        problem = spec.state_mismatch(plain)
+        if problem is not None:
+            return f"another codebook/rotation/learned state: {problem}{where}"
     return None
 
 

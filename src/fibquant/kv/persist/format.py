@@ -38,8 +38,10 @@ from fibquant.archive.codes import fsync_directory
 from fibquant.archive.format import ArchiveError
 
 FORMAT_NAME = "fibquant-kv-cache"
-FORMAT_VERSION = 2  # 2: registry codec specs, codec files, centring means (1 still read)
-READABLE_VERSIONS = (1, 2)
+# 2: registry codec specs, codec files, centring means; 3: codec state as a fingerprint compared
+# with a tolerance, not a sha256 of its floats (1 and 2 still read)
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 SNAPSHOT_FILE = "exact.safetensors"
 MANIFEST_FILE = "manifest.json"
 TOKENS_FILE = "tokens.fqa"

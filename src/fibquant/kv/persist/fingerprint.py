@@ -1,0 +1,93 @@
+"""A codec's decoding state in a saved cache's manifest, compared with a tolerance (format version 3).
+
+The state that decodes a code (FibQuant's Haar rotation from a float64 QR, a codebook built on
+first use, a calibrated codec's learned tensors) is float data computed on the machine that
+runs the codec: another CPU's BLAS/LAPACK or libm vector paths can change its last bits. A hash
+of those floats would refuse, on another machine, a cache whose codes decode the same there.
+So each float tensor is summarised by a few numbers and compared with a tolerance:
+
+    numel, rms = sqrt(mean(t^2)), proj_j = sum_i s_ji t_i / sqrt(numel)   (j < PROJECTIONS)
+
+in float64, with fixed pseudo-random signs s_ji in {-1, +1} (splitmix64 of (j, i): the same on
+every machine and numpy version). Two states match when numel is equal and rms and every
+projection differ by at most TOLERANCE x rms. One float32 ulp on every entry moves a projection
+by ~1e-7 x rms (random signs: the errors add like a random walk; at most sqrt(numel) x 6e-8 x
+max|t|, ~1e-5 x rms for a 4096 x 8 codebook, which is 10x under the tolerance); another rotation
+or codebook (other seed, rate, recipe) moves them by O(rms), and one changed codeword of
+4096 x 8 by ~5e-3 x rms. Integer tensors are lossless data and are compared exactly (sha256).
+
+The exact part of a codec's identity (family, config with its seeds, code size) is compared
+exactly by `fibquant.kv.persist.entries`; version-1/2 manifests hold a sha256 of the float state
+instead (`entries.codec_state_sha256`), still checked for them.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Optional
+
+import numpy as np
+import torch
+
+PROJECTIONS = 8
+TOLERANCE = 1e-4  # relative to the tensor's rms
+
+
+def _signs(n: int, j: int) -> np.ndarray:
+    """Signs s_j [n] in {-1.0, +1.0}: the top bit of splitmix64(j * 2^32 + i)."""
+    with np.errstate(over="ignore"):
+        z = np.arange(n, dtype=np.uint64) + np.uint64(j << 32) + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+    return np.where(z >> np.uint64(63) == 1, -1.0, 1.0)
+
+
+def tensor_fingerprint(tensor: torch.Tensor) -> dict:
+    """{"numel", "rms", "proj"} of a float tensor (any shape, read flat), {"numel", "sha256"} of another."""
+    t = tensor.detach().cpu().contiguous()
+    if not t.is_floating_point():
+        return {"numel": t.numel(), "sha256": hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest()}
+    flat = t.reshape(-1).to(torch.float64).numpy()
+    n = flat.size
+    scale = 1.0 / math.sqrt(max(n, 1))
+    return {"numel": n, "rms": float(np.sqrt(np.mean(flat * flat))) if n else 0.0,
+            "proj": [float(np.dot(_signs(n, j), flat) * scale) for j in range(PROJECTIONS)]}
+
+
+def state_fingerprint(codec) -> dict:
+    """{"code_size", "tensors": {name: tensor_fingerprint}} of what decodes `codec`'s codes: its
+    rotated codebook ("rotation" = the forward matrix, "codewords"), if any, and its state tensors."""
+    tensors = {}
+    book = codec.rotated_codebook(torch.device("cpu"))
+    if book is not None:
+        tensors["rotation"], tensors["codewords"] = book.forward, book.codewords
+    for name, tensor in codec.state_tensors().items():
+        tensors[f"state:{name}"] = tensor
+    return {"code_size": int(codec.code_size),
+            "tensors": {name: tensor_fingerprint(t) for name, t in sorted(tensors.items())}}
+
+
+def fingerprint_mismatch(saved: dict, here: dict) -> Optional[str]:
+    """Why two state fingerprints differ beyond TOLERANCE (which tensor, by how much), or None."""
+    if saved.get("code_size") != here.get("code_size"):
+        return f"code size {here.get('code_size')}, saved {saved.get('code_size')}"
+    names, saved_names = sorted(here.get("tensors", {})), sorted(saved.get("tensors", {}))
+    if names != saved_names:
+        return f"state tensors {names}, saved {saved_names}"
+    for name in names:
+        a, b = saved["tensors"][name], here["tensors"][name]
+        if a.get("numel") != b.get("numel") or ("sha256" in a) != ("sha256" in b):
+            return f"{name}: {b.get('numel')} values, saved {a.get('numel')}"
+        if "sha256" in a:
+            if a["sha256"] != b["sha256"]:
+                return f"{name}: other integer values"
+            continue
+        scale = max(float(a["rms"]), float(b["rms"]))
+        if len(a.get("proj", ())) != len(b["proj"]):
+            return f"{name}: {len(b['proj'])} projections, saved {len(a.get('proj', ()))}"
+        gap = max([abs(float(a["rms"]) - float(b["rms"]))]
+                  + [abs(float(x) - float(y)) for x, y in zip(a["proj"], b["proj"])])
+        if not gap <= TOLERANCE * scale:  # also refuses NaN
+            return f"{name} differs by {gap / scale if scale else math.inf:.2e} of its rms (tolerance {TOLERANCE:g})"
+    return None
