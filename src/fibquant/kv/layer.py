@@ -290,7 +290,8 @@ class CompressedLayer(CacheLayerMixin):
         per_token = keys.shape[0] * keys.shape[1] * (2 if joint else 1)
         step = max(1, ENCODE_CHUNK_ROWS // max(per_token, 1))
         for start in range(0, n, step):
-            part_k, part_v = keys[..., start:start + step, :], values[..., start:start + step, :]
+            part_k, part_v = (keys, values) if n <= step else (keys[..., start:start + step, :],
+                                                                 values[..., start:start + step, :])
             if self.centre:
                 part_k = part_k.to(torch.float32) - self.key_mean.unsqueeze(-2)
                 part_v = part_v.to(torch.float32) - self.value_mean.unsqueeze(-2)
