@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from _kv_helpers import real_model, tiny_llama
-from fibquant.eval.decode_speed import EXPERIMENT, context_tokens, run_decode_speed, write_decode_speed
+import fibquant.eval.decode_speed as decode_speed
+from fibquant.eval.decode_speed import EXPERIMENT, context_tokens, reserved_positions, run_decode_speed, write_decode_speed
 from fibquant.eval.decode_speed.config import DEFAULT_CACHES, DecodeSpeedConfig, our_families, parse_cache_name
 from fibquant.eval.decode_speed.report import TTFT_TARGET, decode_speed_targets, format_decode_speed
 from fibquant.eval.memory import PeakRSS
@@ -93,6 +94,51 @@ def test_our_caches_come_from_the_codec_registry():
 def test_contexts_leave_room_for_decoded_tokens():
     model = _tiny()  # max_position_embeddings 512
     assert context_tokens(model, (64, 512), 8) == [(64, 64), (512, 504)]
+
+
+def test_prefill_parts_alone_keep_the_requested_context():
+    # Only the decode part steps past the prompt: a TTFT-only run measures the context asked for.
+    model = _tiny()  # max_position_embeddings 512
+    ttft = DecodeSpeedConfig(contexts=(512,), parts=("ttft", "chunked"), decode_tokens=4, memory_steps=3)
+    both = DecodeSpeedConfig(contexts=(512,), parts=("ttft", "decode"), decode_tokens=4, memory_steps=3)
+    assert reserved_positions(ttft) == 0 and reserved_positions(both) == 7
+    assert context_tokens(model, ttft.contexts, reserved_positions(ttft)) == [(512, 512)]
+    assert context_tokens(model, both.contexts, reserved_positions(both)) == [(512, 505)]
+    ids = torch.randint(0, model.config.vocab_size, (512,), generator=torch.Generator().manual_seed(3))
+    config = DecodeSpeedConfig(contexts=(512,), caches=("fp",), parts=("ttft",), warmup=False)
+    payload = run_decode_speed(config, (model, None), token_ids=ids, progress=False)
+    assert payload["contexts"] == [{"context": 512, "tokens": 512}]
+    assert payload["rows"][0]["tokens"] == payload["rows"][0]["ttft_cache_tokens"] == 512
+
+
+def test_a_peer_failing_in_the_memory_steps_is_reported_and_the_run_goes_on(monkeypatch):
+    pytest.importorskip("optimum.quanto", reason="transformers' QuantizedCache peer needs optimum-quanto")
+    torch.set_num_threads(1)
+    model = _tiny()
+    ids = torch.randint(0, model.config.vocab_size, (64,), generator=torch.Generator().manual_seed(4))
+    measure = decode_speed._decode_memory
+    measured = []
+
+    def break_the_peer(decoding, model, config):
+        # the peer's cache raises inside the model's forward from now on (after its timed steps)
+        if type(decoding.cache).__name__ == "QuantizedCache":
+            def update(*args, **kwargs):
+                raise RuntimeError("quantizer exploded")
+            decoding.cache.update = update
+        measured.append(type(decoding.cache).__name__)
+        return measure(decoding, model, config)
+
+    monkeypatch.setattr(decode_speed, "_decode_memory", break_the_peer)
+    config = DecodeSpeedConfig(contexts=(64,), decode_tokens=2, memory_steps=2, parts=("decode",), warmup=False,
+                               caches=("fp", "quanto:b=4", "fibquant:b=4"))
+    payload = run_decode_speed(config, (model, None), token_ids=ids, progress=False)
+    assert measured == ["DynamicCache", "QuantizedCache", "CompressedCache"]  # the caches after it still ran
+    assert [r["cache"] for r in payload["rows"]] == ["fp", "fibquant:b=4"]
+    assert all(r["peak_rss_added_bytes"] >= 0 and r["decode_ms_median"] > 0 for r in payload["rows"])
+    (skip,) = payload["skipped"]
+    assert skip["cache"] == "quanto:b=4"
+    assert "memory steps" in skip["reason"] and "RuntimeError: quantizer exploded" in skip["reason"]
+    assert "skipped quanto:b=4" in EXPERIMENT.table_text(payload)
 
 
 def test_peak_rss_sees_an_allocation():

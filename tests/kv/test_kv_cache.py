@@ -382,3 +382,59 @@ def test_steps_across_window_moves_and_edits_equal_a_fresh_layer(edit):
     for view, recent, codes in views:
         assert torch.equal(view.recent_keys, recent) and torch.equal(view.key_codes, codes)
     assert layer.nbytes() == sum(t.untyped_storage().nbytes() for t in layer.tensors())
+
+
+@pytest.mark.parametrize("one_codec", [True, False])
+def test_one_shot_prefill_encodes_in_bounded_pieces_and_keeps_no_prompt_floats(monkeypatch, one_codec):
+    # A one-shot prefill encodes every token that leaves the window; its working memory (float copies,
+    # search buffers) must not scale with the prompt: at most ENCODE_CHUNK_ROWS vectors per encode call,
+    # the same codes as one call over all of them, and no float of the prompt kept past the window.
+    import fibquant.kv.layer as layer_module
+
+    monkeypatch.setattr(layer_module, "ENCODE_CHUNK_ROWS", 64)
+    key_codec = IntCodec(DIM, 4)
+    value_codec = key_codec if one_codec else IntCodec(DIM, 3)
+    calls = []
+    for codec in {id(c): c for c in (key_codec, value_codec)}.values():
+        encode = codec.encode
+
+        def recording(x, encode=encode):
+            calls.append(x.numel() // DIM)
+            return encode(x)
+        monkeypatch.setattr(codec, "encode", recording)
+    layer = CompressedLayer(key_codec, value_codec, sink_tokens=4, recent_tokens=8, attention="codes")
+    batch, heads, tokens = 2, 3, 300
+    generator = torch.Generator().manual_seed(5)
+    # the model's layout: [B, T, H, D] transposed to [B, H, T, D] (not contiguous)
+    keys = torch.randn(batch, tokens, heads, DIM, generator=generator).transpose(1, 2)
+    values = torch.randn(batch, tokens, heads, DIM, generator=generator).transpose(1, 2)
+    layer.update(keys, values)
+    leaving = tokens - 4 - 8
+    assert layer.num_coded == leaving and max(calls) <= 64
+    assert sum(calls) == 2 * batch * heads * leaving
+    # rows are encoded one by one: the pieces give the codes of one call over everything
+    calls.clear()
+    assert torch.equal(layer.key_codes, key_codec.encode(keys[..., 4:4 + leaving, :]))
+    assert torch.equal(layer.value_codes, value_codec.encode(values[..., 4:4 + leaving, :]))
+    prompt = {keys.untyped_storage().data_ptr(), values.untyped_storage().data_ptr()}
+    for tensor in layer.tensors():
+        assert tensor.untyped_storage().data_ptr() not in prompt  # nothing keeps the prompt's floats alive
+        if tensor.is_floating_point():
+            assert tensor.shape[-2] <= 8 + 16  # sinks, or the window with its reserve
+    torch.testing.assert_close(layer.recent_keys, keys[..., -8:, :], rtol=0, atol=0)
+    torch.testing.assert_close(layer.sink_values, values[..., :4, :], rtol=0, atol=0)
+
+
+def test_a_first_chunk_attends_to_its_own_keys_without_a_copy():
+    from fibquant.kv.buffer import CodedKV
+
+    layer = CompressedLayer(IntCodec(DIM, 4), IntCodec(DIM, 4), sink_tokens=4, recent_tokens=8, attention="codes")
+    keys, values = torch.randn(1, 2, 30, DIM), torch.randn(1, 2, 30, DIM)
+    view, _ = layer.update(keys, values)
+    assert isinstance(view, CodedKV)
+    exact_keys, exact_values = view.exact(with_sinks=True)
+    assert exact_keys is keys and exact_values is values  # the whole prompt once, not a concatenated copy
+    view, _ = layer.update(keys[..., :1, :], values[..., :1, :])  # later: sinks + window + the new token
+    exact_keys, _ = view.exact(with_sinks=True)
+    assert exact_keys.shape[-2] == 4 + 8 + 1
+    torch.testing.assert_close(exact_keys[..., -1:, :], keys[..., :1, :], rtol=0, atol=0)

@@ -84,9 +84,11 @@ class CodeBuffer(_RowSpan):
             self._array = False if full is None else full[:, :, self.start: self.stop]
         return None if self._array is False else self._array
 
-    def append(self, rows: torch.Tensor) -> None:
-        """rows: uint8 [B, H, n, code_size]."""
-        n = rows.shape[-2]
+    def reserve(self, n: int) -> None:
+        """Make room for `n` more rows now (growing as `append` would), so that a later append of
+        up to n rows allocates nothing: a layer reserves before it encodes, so its long-lived
+        buffer is allocated before the encode's transient buffers, not on top of them (glibc's heap
+        cannot shrink below a live block: one allocated above large transients pins their pages)."""
         if self.max_rows is not None and self.used + n > self.max_rows:
             raise ValueError(f"CodeBuffer: {self.used} + {n} rows exceed max_rows={self.max_rows}")
         if self.stop + n > self.capacity:
@@ -97,6 +99,12 @@ class CodeBuffer(_RowSpan):
                                 device=self.data.device)
             grown[..., : self.used, :] = self.view()
             self.data, self.start, self.stop = grown, 0, self.used
+            self._view = self._array = None  # reset last: the copy above reads the old rows through view()
+
+    def append(self, rows: torch.Tensor) -> None:
+        """rows: uint8 [B, H, n, code_size]."""
+        n = rows.shape[-2]
+        self.reserve(n)
         self.data[..., self.stop: self.stop + n, :] = rows
         self.stop += n
         self._view = self._array = None  # reset last: growth above reads the old rows through view()
@@ -237,13 +245,17 @@ class CodedKV:
 
     def exact(self, with_sinks: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """The exact part after the codes (recent window + new tokens), [B, H, r+T, D] each; with
-        `with_sinks`, the sinks first: [B, H, s+r+T, D]."""
+        `with_sinks`, the sinks first: [B, H, s+r+T, D]. With nothing before the new tokens these are
+        `new_keys` / `new_values` themselves (read them, do not write to them)."""
         dtype_k, dtype_v = self.new_keys.dtype, self.new_values.dtype
-        keys, values = [self.recent_keys.to(dtype_k), self.new_keys], [self.recent_values.to(dtype_v), self.new_values]
+        keys, values = [self.recent_keys, self.new_keys], [self.recent_values, self.new_values]
         if with_sinks:
-            keys.insert(0, self.sink_keys.to(dtype_k))
-            values.insert(0, self.sink_values.to(dtype_v))
-        return torch.cat(keys, dim=-2), torch.cat(values, dim=-2)
+            keys.insert(0, self.sink_keys)
+            values.insert(0, self.sink_values)
+        if all(t.shape[-2] == 0 for t in keys[:-1]):  # a first chunk: the new tokens themselves, not a copy
+            return self.new_keys, self.new_values
+        return (torch.cat([t.to(dtype_k) for t in keys], dim=-2),
+                torch.cat([t.to(dtype_v) for t in values], dim=-2))
 
     def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Float keys and values [B, H, length, D]: the coded part decoded (the reference path)."""

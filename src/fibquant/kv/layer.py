@@ -11,6 +11,10 @@ from fibquant.kv.buffer import CodeBuffer, CodedKV, WindowBuffer, _array_of, _de
 
 _FLOAT_FIELDS = ("sink_keys", "sink_values", "recent_keys", "recent_values")
 WINDOW_MIN_RESERVE = 16  # rows a window buffer reserves beyond recent_tokens at least
+# Vectors per encode call (keys and values together): a one-shot prefill's leaving tokens are encoded
+# in pieces, so the encode's float copies and search buffers stay ~2 MB (8192 x 64 floats) whatever
+# the prompt length, instead of several copies of the whole prompt's keys and values per layer.
+ENCODE_CHUNK_ROWS = 8192
 ATTENTION_MODES = ("codes", "decode")
 
 
@@ -236,6 +240,19 @@ class CompressedLayer(CacheLayerMixin):
             self._recent_k.append(new_keys)
             self._recent_v.append(new_values)
             return
+        if self.resolver is None and not (self.centre and self.key_mean is None):
+            # a prefill chunk: the whole window and the chunk's first rows leave; encoded where they
+            # are (no concatenation of the window with the chunk: a float copy of the whole prompt)
+            from_new = overflow - held
+            self.key_buffer.reserve(overflow)
+            self.value_buffer.reserve(overflow)
+            if held:
+                self._encode_leaving(self.recent_keys, self.recent_values)
+            self._encode_leaving(new_keys[..., :from_new, :], new_values[..., :from_new, :])
+            # copied (`_owned`) so that the chunk's floats are not kept alive by the window
+            self.recent_keys = _owned(new_keys[..., from_new:, :].to(self._recent_k.data.dtype))
+            self.recent_values = _owned(new_values[..., from_new:, :].to(self._recent_v.data.dtype))
+            return
         recent_keys = torch.cat([self.recent_keys, new_keys], dim=-2)
         recent_values = torch.cat([self.recent_values, new_values], dim=-2)
         if self.resolver is None or self.resolver(self, recent_keys, recent_values):
@@ -252,27 +269,39 @@ class CompressedLayer(CacheLayerMixin):
         self.recent_keys, self.recent_values = _owned(recent_keys), _owned(recent_values)
 
     def _encode_leaving(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Centre (when the layer centres) and store the tokens leaving the window, [B, H, n, D]."""
-        if self.centre:
-            if self.key_mean is None:  # fixed once, from the first tokens encoded (e.g. the prefill)
-                self.key_mean = keys.to(torch.float32).mean(dim=-2)
-                self.value_mean = values.to(torch.float32).mean(dim=-2)
-            keys = keys.to(torch.float32) - self.key_mean.unsqueeze(-2)
-            values = values.to(torch.float32) - self.value_mean.unsqueeze(-2)
+        """Store the tokens leaving the window, [B, H, n, D] (the layer's mean fixed from them when it
+        centres and has none yet)."""
+        if self.centre and self.key_mean is None:  # fixed once, from the first tokens encoded (e.g. the prefill)
+            self.key_mean = keys.to(torch.float32).mean(dim=-2)
+            self.value_mean = values.to(torch.float32).mean(dim=-2)
         self._store_codes(keys, values)
 
     def _store_codes(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Encode tokens leaving the window ([B, H, n, D], centred when the layer centres) and append
-        their code rows (a tiered layer, `fibquant.kv.tier`, also keeps a few of them at a higher rate)."""
-        if self.key_codec is self.value_codec and keys.shape == values.shape and keys.dtype == values.dtype:
-            # one codec for both roles: one encode call (each row is encoded on its own, so the codes
-            # are the same; a decode step's encode of 16 tokens is mostly per-call cost)
-            codes = self.key_codec.encode(torch.stack([keys, values]))
-            self.key_buffer.append(codes[0])
-            self.value_buffer.append(codes[1])
-            return
-        self.key_buffer.append(self.key_codec.encode(keys))
-        self.value_buffer.append(self.value_codec.encode(values))
+        """Encode tokens leaving the window ([B, H, n, D]; centred here when the layer centres) and
+        append their code rows, `ENCODE_CHUNK_ROWS` vectors per encode call (each row is encoded on its
+        own: the codes do not depend on the split). A tiered layer (`fibquant.kv.tier`) overrides this."""
+        n = keys.shape[-2]
+        # the code rows' long-lived storage first, below the encode's transient buffers (CodeBuffer.reserve)
+        self.key_buffer.reserve(n)
+        self.value_buffer.reserve(n)
+        # one codec for both roles: one encode call for keys and values (a decode step's encode of 16
+        # tokens is mostly per-call cost)
+        joint = self.key_codec is self.value_codec and keys.shape == values.shape and keys.dtype == values.dtype
+        per_token = keys.shape[0] * keys.shape[1] * (2 if joint else 1)
+        step = max(1, ENCODE_CHUNK_ROWS // max(per_token, 1))
+        for start in range(0, n, step):
+            part_k, part_v = (keys, values) if n <= step else (keys[..., start:start + step, :],
+                                                                 values[..., start:start + step, :])
+            if self.centre:
+                part_k = part_k.to(torch.float32) - self.key_mean.unsqueeze(-2)
+                part_v = part_v.to(torch.float32) - self.value_mean.unsqueeze(-2)
+            if joint:
+                codes = self.key_codec.encode(torch.stack([part_k, part_v]))
+                self.key_buffer.append(codes[0])
+                self.value_buffer.append(codes[1])
+            else:
+                self.key_buffer.append(self.key_codec.encode(part_k))
+                self.value_buffer.append(self.value_codec.encode(part_v))
 
     def set_codecs(self, key_codec: Codec, value_codec: Codec) -> None:
         """Change the codecs of a layer that has coded nothing yet (per-layer allocation)."""

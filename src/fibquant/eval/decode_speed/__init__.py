@@ -67,7 +67,7 @@ if TYPE_CHECKING:
 
 # The cache names, the config and the report live in decode_speed/config.py / decode_speed/report.py.
 __all__ = ["BYTES_COUNTING", "DEFAULT_CACHES", "EXPERIMENT", "DecodeSpeedConfig", "cache_bytes", "context_tokens",
-           "run_decode_speed", "write_decode_speed"]
+           "reserved_positions", "run_decode_speed", "write_decode_speed"]
 
 # ----------------------------------------------------------------------------- model calls
 
@@ -179,10 +179,15 @@ def _run_decode(specs, prefill: _Prefill, model, codecs: dict, config: DecodeSpe
         # once one of ours is): it serves plain-tensor caches through transformers' SDPA unchanged.
         interleave({name: entry[2] for name, entry in started.items()}, model, decode_tokens, on_error)
         out = {}
-        for name, (spec, conversion, decoding) in started.items():
-            nbytes, seq_length = cache_bytes(spec, decoding.cache), decoding.cache.get_seq_length()
-            monitor = _decode_memory(decoding, model, config)
-            out[name] = _decode_row(spec, prefill, model, conversion, decoding, nbytes, seq_length, monitor)
+        for name, (spec, conversion, decoding) in list(started.items()):
+            # a peer that fails here (its bytes, or a memory step) is dropped and reported like a failed step
+            measured = skips.attempt(spec, f"the memory steps at context {prefill.tokens}", lambda: (
+                cache_bytes(spec, decoding.cache), decoding.cache.get_seq_length(),
+                _decode_memory(decoding, model, config)))
+            if measured is None:
+                del started[name]
+                continue
+            out[name] = _decode_row(spec, prefill, model, conversion, decoding, *measured)
         return out
     finally:
         started.clear()
@@ -259,9 +264,15 @@ def _add_ratios(rows: list[dict]) -> None:
                                                  else float((mine - theirs).abs().max()))
 
 
+def reserved_positions(config: DecodeSpeedConfig) -> int:
+    """Positions a run needs after the prompt: the decode part's timed and memory steps; none when
+    only the prefill parts run (their first token is an argmax, not a forward at a new position)."""
+    return config.decode_tokens + config.memory_steps if "decode" in config.parts else 0
+
+
 def context_tokens(model, contexts, decode_tokens: int) -> list[tuple[int, int]]:
     """(requested context, prefill tokens): contexts are cut so that context + decoded tokens fit
-    the model's `max_position_embeddings`."""
+    the model's `max_position_embeddings` (`decode_tokens`: `reserved_positions` in a run)."""
     text_config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") \
         else model.config
     limit = getattr(text_config, "max_position_embeddings", None)
@@ -330,7 +341,7 @@ def _run_decode_speed(config, model_and_tokenizer, token_ids, progress) -> dict:
         model_and_tokenizer = load_benchmark_model(config)
     model, tokenizer = model_and_tokenizer
     head_dim = check_model_supported(model)["head_dim"]
-    plan = context_tokens(model, config.contexts, config.decode_tokens + config.memory_steps)
+    plan = context_tokens(model, config.contexts, reserved_positions(config))
     longest = max(tokens for _, tokens in plan)
     if token_ids is None and tokenizer is None:  # random weights: random ids (speed does not depend on them)
         generator = torch.Generator().manual_seed(0)
