@@ -33,6 +33,7 @@ import torch
 
 PROJECTIONS = 8
 TOLERANCE = 1e-4  # relative to the tensor's rms
+FLOOR = float(np.finfo(np.float32).tiny)  # an absolute gap always accepted (an all-zero tensor's)
 
 
 def _signs(n: int, j: int) -> np.ndarray:
@@ -94,7 +95,7 @@ def fingerprint_mismatch(saved: dict, here: dict) -> Optional[str]:
 
 def tensor_mismatch(saved: dict, here: dict, tolerance: float = TOLERANCE) -> Optional[str]:
     """How two `tensor_fingerprint`s differ (": ..." or " differs by ..."), or None when the integer
-    hashes are equal / the rms and every projection agree within `tolerance` x rms."""
+    hashes are equal / the rms and every projection agree within `tolerance` x rms (or FLOOR)."""
     if saved.get("numel") != here.get("numel") or ("sha256" in saved) != ("sha256" in here):
         return f": {here.get('numel')} values, saved {saved.get('numel')}"
     if "sha256" in saved:
@@ -104,7 +105,8 @@ def tensor_mismatch(saved: dict, here: dict, tolerance: float = TOLERANCE) -> Op
     scale = max(float(saved["rms"]), float(here["rms"]))
     gap = max([abs(float(saved["rms"]) - float(here["rms"]))]
               + [abs(float(x) - float(y)) for x, y in zip(saved["proj"], here["proj"])])
-    if not gap <= tolerance * scale:  # also refuses NaN
+    # Gaps below float32's smallest normal are subnormal noise (flushed to zero or not by the CPU).
+    if not gap <= max(tolerance * scale, FLOOR):  # also refuses NaN
         return f" differs by {gap / scale if scale else math.inf:.2e} of its rms (tolerance {tolerance:g})"
     return None
 
