@@ -396,7 +396,8 @@ class CompressedCache(Cache):
              durable: bool = False, checkpoint_every: int = 64):
         """Write this cache (and its token ids) to the directory `path` (fibquant.kv.persist.store).
 
-        `model` is the model that filled the cache (its config fingerprint is stored). With
+        `model` is the model that filled the cache (its identity is stored: config, parameter
+        names/shapes/dtypes and weight fingerprints). With
         append=False the store is sealed and closed (returned closed). With append=True a
         `CacheWriter` is returned that stays open: pass it to `model.generate(...,
         stopping_criteria=[writer])` and every newly coded token is appended to the archive
@@ -414,8 +415,8 @@ class CompressedCache(Cache):
 
     @classmethod
     def load(cls, path, model=None, attention: Optional[str] = None) -> "CompressedCache":
-        """The cache saved at `path`, bit for bit. With `model`, its fingerprint must match the
-        saved one (ValueError otherwise) and the attention is set up as `for_model` does; the
+        """The cache saved at `path`, bit for bit. With `model`, it must be the saved model
+        (config and parameter shapes exactly, weights within a tolerance; ValueError otherwise) and the attention is set up as `for_model` does; the
         saved token ids are attached as `cache.token_ids` (int64 [n])."""
         _, store_cls, _ = _persistence()
         with store_cls.open(path, model=model) as store:

@@ -30,7 +30,8 @@ import torch
 
 from fibquant.codecs.base import Codec, config_matches
 from fibquant.codecs.layout import CodeLayout
-from fibquant.kv.persist.fingerprint import fingerprint_mismatch, state_fingerprint as fingerprint_of
+from fibquant.kv.persist.fingerprint import (TOLERANCE, fingerprint_label, fingerprint_mismatch,
+                                             state_fingerprint as fingerprint_of)
 
 CODEC_DIR = "codecs"
 # Version-1 manifests: the config fields each family's spec named (besides dim).
@@ -235,6 +236,17 @@ def entry_from_codec(codec: Codec, root: Path, written: dict) -> Entry:
 
 def entry_to_json(entry: Entry):
     return [spec.to_json() for spec in entry] if isinstance(entry, list) else entry.to_json()
+
+
+def entry_summary(entry: Entry):
+    """`entry_to_json` with each state fingerprint shortened to its label and tolerance (cache info)."""
+    def short(spec: CodecSpec) -> dict:
+        data = spec.to_json()
+        if "state_fingerprint" in data:
+            data["state_fingerprint"] = f"{fingerprint_label(data['state_fingerprint'])} (within {TOLERANCE:g} of the rms)"
+        return data
+
+    return [short(spec) for spec in entry] if isinstance(entry, list) else short(entry)
 
 
 def entry_from_json(data) -> Entry:

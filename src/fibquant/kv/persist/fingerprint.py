@@ -22,7 +22,9 @@ instead (`entries.codec_state_sha256`), still checked for them.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
+import json
 import math
 from typing import Optional
 
@@ -31,6 +33,7 @@ import torch
 
 PROJECTIONS = 8
 TOLERANCE = 1e-4  # relative to the tensor's rms
+FLOOR = float(np.finfo(np.float32).tiny)  # an absolute gap always accepted (an all-zero tensor's)
 
 
 def _signs(n: int, j: int) -> np.ndarray:
@@ -43,6 +46,14 @@ def _signs(n: int, j: int) -> np.ndarray:
     return np.where(z >> np.uint64(63) == 1, -1.0, 1.0)
 
 
+@functools.lru_cache(maxsize=32)
+def _sign_matrix(n: int) -> np.ndarray:
+    """[PROJECTIONS, n] float64: row j = _signs(n, j) (read-only; a model's samples share a few sizes)."""
+    signs = np.stack([_signs(n, j) for j in range(PROJECTIONS)])
+    signs.setflags(write=False)
+    return signs
+
+
 def tensor_fingerprint(tensor: torch.Tensor) -> dict:
     """{"numel", "rms", "proj"} of a float tensor (any shape, read flat), {"numel", "sha256"} of another."""
     t = tensor.detach().cpu().contiguous()
@@ -52,7 +63,7 @@ def tensor_fingerprint(tensor: torch.Tensor) -> dict:
     n = flat.size
     scale = 1.0 / math.sqrt(max(n, 1))
     return {"numel": n, "rms": float(np.sqrt(np.mean(flat * flat))) if n else 0.0,
-            "proj": [float(np.dot(_signs(n, j), flat) * scale) for j in range(PROJECTIONS)]}
+            "proj": [float(p) * scale for p in _sign_matrix(n) @ flat]}
 
 
 def state_fingerprint(codec) -> dict:
@@ -76,18 +87,31 @@ def fingerprint_mismatch(saved: dict, here: dict) -> Optional[str]:
     if names != saved_names:
         return f"state tensors {names}, saved {saved_names}"
     for name in names:
-        a, b = saved["tensors"][name], here["tensors"][name]
-        if a.get("numel") != b.get("numel") or ("sha256" in a) != ("sha256" in b):
-            return f"{name}: {b.get('numel')} values, saved {a.get('numel')}"
-        if "sha256" in a:
-            if a["sha256"] != b["sha256"]:
-                return f"{name}: other integer values"
-            continue
-        scale = max(float(a["rms"]), float(b["rms"]))
-        if len(a.get("proj", ())) != len(b["proj"]):
-            return f"{name}: {len(b['proj'])} projections, saved {len(a.get('proj', ()))}"
-        gap = max([abs(float(a["rms"]) - float(b["rms"]))]
-                  + [abs(float(x) - float(y)) for x, y in zip(a["proj"], b["proj"])])
-        if not gap <= TOLERANCE * scale:  # also refuses NaN
-            return f"{name} differs by {gap / scale if scale else math.inf:.2e} of its rms (tolerance {TOLERANCE:g})"
+        problem = tensor_mismatch(saved["tensors"][name], here["tensors"][name])
+        if problem is not None:
+            return f"{name}{problem}"
     return None
+
+
+def tensor_mismatch(saved: dict, here: dict, tolerance: float = TOLERANCE) -> Optional[str]:
+    """How two `tensor_fingerprint`s differ (": ..." or " differs by ..."), or None when the integer
+    hashes are equal / the rms and every projection agree within `tolerance` x rms (or FLOOR)."""
+    if saved.get("numel") != here.get("numel") or ("sha256" in saved) != ("sha256" in here):
+        return f": {here.get('numel')} values, saved {saved.get('numel')}"
+    if "sha256" in saved:
+        return None if saved["sha256"] == here["sha256"] else ": other integer values"
+    if len(saved.get("proj", ())) != len(here["proj"]):
+        return f": {len(here['proj'])} projections, saved {len(saved.get('proj', ()))}"
+    scale = max(float(saved["rms"]), float(here["rms"]))
+    gap = max([abs(float(saved["rms"]) - float(here["rms"]))]
+              + [abs(float(x) - float(y)) for x, y in zip(saved["proj"], here["proj"])])
+    # Gaps below float32's smallest normal are subnormal noise (flushed to zero or not by the CPU).
+    if not gap <= max(tolerance * scale, FLOOR):  # also refuses NaN
+        return f" differs by {gap / scale if scale else math.inf:.2e} of its rms (tolerance {tolerance:g})"
+    return None
+
+
+def fingerprint_label(fingerprint) -> str:
+    """12 hex digits naming a saved fingerprint in `fibquant cache info` (a display label, never
+    compared: the same state fingerprinted on another machine gets another label)."""
+    return hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:12]

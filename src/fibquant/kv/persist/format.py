@@ -1,9 +1,10 @@
-"""On-disk pieces of a persisted `CompressedCache`: the model fingerprint, the code streams and
-the exact-window snapshot (docs/persistent-cache.md; codec specs: `fibquant.kv.persist.entries`).
+"""On-disk pieces of a persisted `CompressedCache`: the code streams and the exact-window snapshot
+(docs/persistent-cache.md; codec specs: `fibquant.kv.persist.entries`, the model's identity:
+`fibquant.kv.persist.model_identity`).
 
 A saved cache is a directory:
 
-    manifest.json       format/version, model fingerprint, codec specs (per role, or per layer
+    manifest.json       format/version, model identity, codec specs (per role, or per layer
                         and KV head), stream formats, window sizes, centring, [layers, batch,
                         kv_heads], float dtype (written once)
     tokens.fqa          token ids, one symbol per position (alphabet = vocab size)
@@ -38,8 +39,8 @@ from fibquant.archive.codes import fsync_directory
 from fibquant.archive.format import ArchiveError
 
 FORMAT_NAME = "fibquant-kv-cache"
-# 2: registry codec specs, codec files, centring means; 3: codec state as a fingerprint compared
-# with a tolerance, not a sha256 of its floats (1 and 2 still read)
+# 2: registry codec specs, codec files, centring means; 3: codec state and model weights as
+# fingerprints compared with a tolerance, not sha256s of their floats (1 and 2 still read)
 FORMAT_VERSION = 3
 READABLE_VERSIONS = (1, 2, 3)
 SNAPSHOT_FILE = "exact.safetensors"
@@ -47,27 +48,6 @@ MANIFEST_FILE = "manifest.json"
 TOKENS_FILE = "tokens.fqa"
 _FIELDS = ("sink_keys", "sink_values", "recent_keys", "recent_values")
 MEAN_FIELDS = ("key_mean", "value_mean")  # centred caches: [B, H, D] float32 per layer
-
-
-# ---------------------------------------------------------------------------- model
-def model_fingerprint(model) -> str:
-    """sha256 of the model's architecture and a strided sample (<= 4096 values) of every parameter.
-
-    Two models with the same architecture but other weights (another fine-tune, another
-    quantisation) get different fingerprints; hashing a sample keeps it ~0.1 s for 135M params.
-    """
-    config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
-    keys = ("model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size",
-            "head_dim", "vocab_size", "rope_theta", "max_position_embeddings")
-    digest = hashlib.sha256(json.dumps({k: getattr(config, k, None) for k in keys}, sort_keys=True,
-                                       default=str).encode())
-    with torch.no_grad():
-        for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
-            flat = param.detach().reshape(-1)
-            sample = flat[:: max(1, flat.numel() // 4096)].float().cpu().contiguous()
-            digest.update(f"{name}:{tuple(param.shape)}:{param.dtype}".encode())
-            digest.update(sample.numpy().tobytes())
-    return digest.hexdigest()
 
 
 # ---------------------------------------------------------------------------- code streams

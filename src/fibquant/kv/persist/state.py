@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -24,9 +24,10 @@ class CacheManifest:
     one per KV head). key_codecs / value_codecs: one entry per layer for a
     `LayerwiseCompressedCache`, else None. streams: {"keys"|"values": {"code_size", "layout"}}
     (None in version-1 manifests: the stream directories say). centre: the cache subtracts
-    per-(layer, head) means, stored in the snapshot."""
+    per-(layer, head) means, stored in the snapshot. model_fingerprint: the model's identity
+    (`fibquant.kv.persist.model_identity`): a dict since version 3, a sha256 string before."""
 
-    model_fingerprint: str
+    model_fingerprint: Union[str, dict]
     key_codec: Entry
     value_codec: Entry
     sink_tokens: int
@@ -44,6 +45,9 @@ class CacheManifest:
     streams: Optional[dict] = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.model_fingerprint, (str, dict)):
+            raise ValueError(f"manifest model_fingerprint must be a sha256 or a model identity, got "
+                             f"{type(self.model_fingerprint).__name__}")
         for name in ("sink_tokens", "recent_tokens", "encode_batch", "layers", "batch", "kv_heads", "vocab_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < (0 if "tokens" in name else 1):

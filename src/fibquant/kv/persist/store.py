@@ -28,10 +28,11 @@ from fibquant.archive import Archive, RecoveryWarning
 from fibquant.archive.format import ArchiveError
 from fibquant.kv.cache import CompressedCache
 from fibquant.kv.model import check_model_supported
-from fibquant.kv.persist.entries import (CodecBuilder, codec_mismatch, entry_from_codec, entry_to_json,
+from fibquant.kv.persist.entries import (CodecBuilder, codec_mismatch, entry_from_codec, entry_summary,
                                         stream_format)
-from fibquant.kv.persist.format import (MANIFEST_FILE, SNAPSHOT_FILE, TOKENS_FILE, CodeStream, model_fingerprint,
-                                        open_tokens, read_snapshot, write_json_atomic, write_snapshot)
+from fibquant.kv.persist.format import (MANIFEST_FILE, SNAPSHOT_FILE, TOKENS_FILE, CodeStream, open_tokens,
+                                        read_snapshot, write_json_atomic, write_snapshot)
+from fibquant.kv.persist.model_identity import identity_summary, model_identity, model_mismatch
 from fibquant.kv.persist.read import PersistentCacheReader
 from fibquant.kv.persist.state import (CacheManifest, ExactState, parse_stream_format, recover_state,
                                        snapshot_coded)
@@ -87,7 +88,7 @@ class PersistentCache(PersistentCacheReader):
                 [[entry_from_codec(c, path, written) for c in codecs] for codecs in (key_codecs, value_codecs)]
             streams = {role: stream_format([codec] + list(codecs or ())) for role, codec, codecs in
                        (("keys", key_codec, key_codecs), ("values", value_codec, value_codecs))}
-            manifest = CacheManifest(model_fingerprint(model), entry_from_codec(key_codec, path, written),
+            manifest = CacheManifest(model_identity(model), entry_from_codec(key_codec, path, written),
                                      entry_from_codec(value_codec, path, written), sink_tokens, recent_tokens,
                                      encode_batch, info["layers"], batch, info["kv_heads"], str(dtype),
                                      int(config.vocab_size), describe_model(model),
@@ -107,7 +108,8 @@ class PersistentCache(PersistentCacheReader):
     @classmethod
     def open(cls, path, mode: str = "r", *, model=None, durable: bool = False) -> "PersistentCache":
         """Open lazily: the manifest, the archives' record headers and the small snapshot are
-        read; no code is decoded. With `model`, its fingerprint must match (ValueError otherwise).
+        read; no code is decoded. With `model`, it must be the saved model (`model_mismatch`: config,
+        parameter names/shapes/dtypes exactly, weights within a tolerance; ValueError otherwise).
         A torn tail is recovered with a RecoveryWarning (and cut off the files in mode "a")."""
         if mode not in ("r", "a"):
             raise ValueError(f"mode must be 'r' or 'a', got {mode!r}")
@@ -118,9 +120,10 @@ class PersistentCache(PersistentCacheReader):
             raise ValueError(f"{path}: no saved KV cache here (missing {MANIFEST_FILE})") from None
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
             raise ValueError(f"{path}: corrupt {MANIFEST_FILE} ({type(exc).__name__}: {exc})") from None
-        if model is not None and model_fingerprint(model) != manifest.model_fingerprint:
-            raise ValueError(f"{path} was saved with another model (fingerprint {manifest.model_fingerprint[:12]}…, "
-                             f"{manifest.model_name!r}); its keys/values are meaningless for this one")
+        problem = model_mismatch(manifest.model_fingerprint, model) if model is not None else None
+        if problem is not None:
+            raise ValueError(f"{path} was saved with another model ({manifest.model_name!r}; {problem}): its "
+                             "keys/values are meaningless for this one")
         builder = CodecBuilder(path)
         entries = {"keys": manifest.key_codec, "values": manifest.value_codec}
         formats = {role: manifest.stream(role, path, lambda r: builder.entry(entries[r]).code_size)[::-1]
@@ -267,8 +270,8 @@ class PersistentCache(PersistentCacheReader):
 
     def info(self) -> dict:
         m = self.manifest
-        return {"path": str(self.path), "model": m.model_name, "fingerprint": m.model_fingerprint[:16],
-                "key_codec": entry_to_json(m.key_codec), "value_codec": entry_to_json(m.value_codec),
+        return {"path": str(self.path), "model": m.model_name, "fingerprint": identity_summary(m.model_fingerprint),
+                "key_codec": entry_summary(m.key_codec), "value_codec": entry_summary(m.value_codec),
                 "per_layer_codecs": m.key_codecs is not None, "centre": m.centre,
                 "sink_tokens": m.sink_tokens, "recent_tokens": m.recent_tokens, "encode_batch": m.encode_batch,
                 "layers": m.layers, "batch": m.batch, "kv_heads": m.kv_heads, "tokens": self.num_tokens,
@@ -325,7 +328,7 @@ def save_cache(cache: CompressedCache, path, model, token_ids=None, *, overwrite
 
 
 def load_cache(path, model, attention: Optional[str] = None) -> tuple[CompressedCache, torch.Tensor]:
-    """(cache, token ids [n]) of a saved cache; the model's fingerprint must match."""
+    """(cache, token ids [n]) of a saved cache; `model` must be the saved model (`model_mismatch`)."""
     with PersistentCache.open(path, model=model) as store:
         return store.to_cache(model, attention), store.token_ids()
 
