@@ -31,11 +31,28 @@ from __future__ import annotations
 
 np = None
 _count_invalid = _role_fields = None
-_build_table = _bytes_table = _spread_bytes = _contract = None
+_build_table = _bytes_table = _spread_bytes = None
 _score_tokens = _hist_tokens = None
 _norms = _query_table = _softmax_row = _unrotate_add = None
 _as_f32 = _from_f32 = None
-_window_scores = _window_values = None
+_window_scores = _window_values = _contract_clear = None
+
+
+def _contract_clear_py(hist1, codewords, acc):
+    """numba_tables._contract (acc[c, x] = sum_n codewords[n, c] * hist1[n, x], the same sums in the same
+    order) that also zeroes each histogram row once read, while it is in L1: the next unit finds the
+    histogram clear, with no separate pass over its 64-128 KB."""
+    n_codewords, k = codewords.shape
+    width = acc.shape[1]
+    acc[:, :] = 0.0
+    for n in range(n_codewords):
+        base = n * width
+        for c in range(k):
+            cv = codewords[n, c]
+            for x in range(width):
+                acc[c, x] += cv * hist1[base + x]
+        for x in range(width):
+            hist1[base + x] = 0.0
 
 
 def _window_scores_py(keys, r, h, start, scores, query, groups, row):
@@ -110,6 +127,8 @@ def _paged_step_py(query, scaling, key_forward, value_inverse, key_codewords, va
     total = np.empty(groups, dtype=np.float32)
     result = np.empty((groups, value_dim), dtype=np.float32)
     unrot = np.empty(value_dim, dtype=np.float32)
+    if value_mode != 0:  # the [codeword, block, lane] histogram starts clear; each unit's contraction clears it
+        hist1[:vn * value_blocks * lanes] = 0.0
     key_row = np.empty(dim, dtype=np.float32)
     value_rows = np.empty(max(n_exact_in, n_new) * value_dim, dtype=np.float32)
     bad = 0
@@ -163,8 +182,6 @@ def _paged_step_py(query, scaling, key_forward, value_inverse, key_codewords, va
         if n_tokens:
             if value_mode == 0:
                 hist[:v_pos * 256 * lanes] = 0.0
-            else:
-                hist1[:vn * value_blocks * lanes] = 0.0
             for j in range(first_block, last_block):
                 lo = max(start, j * block_size)
                 hi = min(stop, (j + 1) * block_size)
@@ -181,7 +198,7 @@ def _paged_step_py(query, scaling, key_forward, value_inverse, key_codewords, va
                              value_bits, value_blocks, v_pos, vn, v_safe, v_safe_bytes, v_word)
             if value_mode == 0:
                 _spread_bytes(hist, value_blocks, value_bits, lanes, hist1)
-            _contract(hist1, value_codewords, acc)
+            _contract_clear(hist1, value_codewords, acc)
             for t in range(groups):  # un-rotate
                 _unrotate_add(acc, t, value_blocks, vk, lanes, value_inverse, unrot, result)
         _window_values(exact_values, r, h, 0, exact, result, groups, value_rows)
@@ -202,8 +219,9 @@ def compile_paged_kernel(inputs: str = "float32", output: str = "float32"):
     One dispatcher per combination, each compiled for its one signature (arguments of another
     layout are converted, never compiled anew)."""
     global np, _count_invalid, _role_fields, _build_table, _bytes_table, _spread_bytes
-    global _contract, _score_tokens, _hist_tokens, _norms
+    global _score_tokens, _hist_tokens, _norms
     global _query_table, _softmax_row, _unrotate_add, _as_f32, _from_f32, _window_scores, _window_values
+    global _contract_clear
     kernel = _KERNELS.get((inputs, output))
     if kernel is not None:
         return kernel
@@ -219,13 +237,14 @@ def compile_paged_kernel(inputs: str = "float32", output: str = "float32"):
     _as_f32, _from_f32 = _build_bf16()
     _count_invalid, _role_fields = numba_decode._count_invalid, numba_decode._role_fields
     _build_table, _bytes_table = numba_decode._build_table, numba_decode._bytes_table
-    _spread_bytes, _contract = numba_decode._spread_bytes, numba_decode._contract
+    _spread_bytes = numba_decode._spread_bytes
     _score_tokens, _hist_tokens = numba_decode._score_tokens, numba_decode._hist_tokens
     _norms, _query_table = numba_decode._norms, numba_decode._query_table
     _softmax_row, _unrotate_add = numba_decode._softmax_row, numba_decode._unrotate_add
     # reassociation for the dot products (no 'nnan' / 'ninf': exact keys may hold any float)
     _window_scores = numba.njit(nogil=True, cache=True, fastmath={"reassoc", "nsz", "contract"})(_window_scores_py)
     _window_values = numba.njit(nogil=True, cache=True)(_window_values_py)
+    _contract_clear = numba.njit(nogil=True, cache=True)(_contract_clear_py)
     part = f"{inputs}[:, :, :, :]"
     signature = (f"int64({inputs}[:, :, :], float32, float32[:, ::1], float32[:, ::1], float32[:, ::1], "
                  "float32[:, ::1], uint8[:, :, :, :], int32[:, :], int64[::1], int64[::1], int64, int64, int64, "
