@@ -611,8 +611,13 @@ class FibQuantAttentionImpl(AttentionImpl):
         table_rows = tables[requests[0]:requests[-1] + 1] if requests[-1] - requests[0] == len(requests) - 1 \
             else tables[torch.tensor(requests, device=tables.device)]
         if max(stops) > skip and self._numba_paged(pages):
-            if size:  # the kernel reads each sequence's slab row in place (no gathered copy)
+            if size and queries.dtype in (torch.bfloat16, torch.float32) and self.window.dtype == queries.dtype:
+                # the kernel reads each sequence's slab row in place (no gathered copy); other dtypes are
+                # converted to float32 by the wrapper, so they take the gathered rows, not the whole slabs
                 exact_keys, exact_values = self.window.slabs(size)
+            elif size:
+                exact_keys, exact_values = self.window.gather(rows, size)
+                rows = None
             else:
                 exact_keys = exact_values = keys.new_empty((len(requests), self.num_kv_heads, 0, self.head_size))
                 rows = None

@@ -229,6 +229,11 @@ class ExactWindow:
         index = torch.tensor(rows, dtype=torch.long)
         return self._keys.index_select(0, index)[:, :, :n], self._values.index_select(0, index)[:, :, :n]
 
+    @property
+    def dtype(self) -> torch.dtype | None:
+        """The slabs' dtype (the model's), None before the first record."""
+        return None if self._keys is None else self._keys.dtype
+
     def slabs(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The exact keys/values of every slab row, [rows, Hk, n, D] (views: a kernel reads rows `row`
         hands out in place, through their row indices)."""
