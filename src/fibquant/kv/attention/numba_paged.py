@@ -15,8 +15,8 @@ copied, and no sequence is padded to the longest: the work of sequence b is its 
 
 Exact columns (the sinks and the recent window the caller keeps beside the pages, read in place
 from the caller's window slabs through `exact_rows`, and the new token) are float dot products
-over rows converted once to float32 (vectorised: `_window_scores`, `_window_values`); every column of the row (and a learned sink
-logit) goes through one softmax. No additive bias: each sequence sees all of its own columns.
+over rows converted once to float32 (vectorised: `_window_scores`, `_window_values`); every
+column of the row (and a learned sink logit) goes through one softmax. No additive bias: each sequence sees all of its own columns.
 Block ids outside [0, num_blocks) are counted (the caller raises) and skipped, never read.
 
 The query, the exact parts and `out` are float32 or bf16 bits (uint16 views of the model's bf16
