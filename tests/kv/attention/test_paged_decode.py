@@ -119,3 +119,28 @@ def test_paged_decode_takes_strided_views_and_writes_bf16_out():
     assert (flat[0] == 7).all() and (flat[-1] == 7).all() and (flat[:, heads * dim:] == 7).all()
     with pytest.raises(ValueError, match="out must be"):
         paged_decode_attention(**case, out=torch.empty(batch, heads, dim, dtype=torch.float16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_reads_exact_window_rows_in_place(dtype):
+    """exact_rows: the exact window read from rows of a larger slab (the backend's window store, a
+    strided view of its first n columns) instead of a gathered copy: the same result as the gathered
+    call, bit for bit, and as the reference given the same rows."""
+    case = _as(_scenario("fibquant 4/2 bit", seed=4), dtype)
+    batch, kv_heads, exact, dim = case["exact_keys"].shape
+    generator = torch.Generator().manual_seed(5)
+    rows = [4, 0, 2]
+    slabs = {}
+    for name in ("exact_keys", "exact_values"):
+        slab = torch.randn(6, kv_heads, exact + 3, dim, generator=generator).to(dtype)
+        slab[rows, :, :exact] = case[name]
+        slabs[name] = slab[:, :, :exact]  # a view: rows of the store, the first n columns
+    in_place = {**case, **slabs, "exact_rows": rows}
+    gathered = paged_decode_attention(**case)
+    assert torch.equal(paged_decode_attention(**in_place), gathered)
+    torch.testing.assert_close(paged_decode_attention(**in_place), paged_decode_attention_reference(**in_place),
+                               rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="exact_rows"):
+        paged_decode_attention(**{**in_place, "exact_rows": [4, 0, 6]})
+    with pytest.raises(ValueError, match="exact_rows"):
+        paged_decode_attention(**{**in_place, "exact_rows": [4, 0]})

@@ -610,10 +610,17 @@ class FibQuantAttentionImpl(AttentionImpl):
         lines = _rows(requests, starts, device)
         table_rows = tables[requests[0]:requests[-1] + 1] if requests[-1] - requests[0] == len(requests) - 1 \
             else tables[torch.tensor(requests, device=tables.device)]
-        window = self.window.gather(rows, size) if size else None
         if max(stops) > skip and self._numba_paged(pages):
-            empty = keys.new_empty((len(requests), self.num_kv_heads, 0, self.head_size))
-            exact_keys, exact_values = window if window is not None else (empty, empty)
+            if size and queries.dtype in (torch.bfloat16, torch.float32) and self.window.dtype == queries.dtype:
+                # the kernel reads each sequence's slab row in place (no gathered copy); other dtypes are
+                # converted to float32 by the wrapper, so they take the gathered rows, not the whole slabs
+                exact_keys, exact_values = self.window.slabs(size)
+            elif size:
+                exact_keys, exact_values = self.window.gather(rows, size)
+                rows = None
+            else:
+                exact_keys = exact_values = keys.new_empty((len(requests), self.num_kv_heads, 0, self.head_size))
+                rows = None
             # the kernel writes the output rows in place (in the model dtype) when they are one run
             target = flat_out[lines].view(len(requests), self.num_heads, -1) if isinstance(lines, slice) \
                 and flat_out.dtype in (torch.float32, torch.bfloat16) else None
@@ -621,10 +628,11 @@ class FibQuantAttentionImpl(AttentionImpl):
                                          self.key_codec, self.value_codec, exact_keys, exact_values,
                                          keys[lines].unsqueeze(2), values[lines].unsqueeze(2), self.scale,
                                          key_offset=0, value_offset=self.key_bytes, sinks=self.logit_sinks,
-                                         plans=self._paged_plans, out=target)
+                                         plans=self._paged_plans, out=target, exact_rows=rows)
             if target is None:
                 flat_out[lines] = out.reshape(len(requests), -1).to(flat_out.dtype)
             return
+        window = self.window.gather(rows, size) if size else None
         longest = max(stops)
         mask = None
         # padding columns of shorter coded ranges: -inf (the paged kernels need no mask)

@@ -46,6 +46,11 @@ from collections import OrderedDict
 import torch
 
 
+def _host(tensor: torch.Tensor):
+    """A numpy view of a CPU tensor (bf16 as its uint16 bits: numpy has no bf16), any strides."""
+    return tensor.view(torch.uint16).numpy() if tensor.dtype == torch.bfloat16 else tensor.numpy()
+
+
 class ExactWindow:
     def __init__(self, sink_tokens: int, recent_tokens: int, max_entries: int, snapshots: int = 0) -> None:
         if sink_tokens < 0 or recent_tokens < 0 or max_entries < 1 or snapshots < 0:
@@ -224,6 +229,16 @@ class ExactWindow:
         index = torch.tensor(rows, dtype=torch.long)
         return self._keys.index_select(0, index)[:, :, :n], self._values.index_select(0, index)[:, :, :n]
 
+    @property
+    def dtype(self) -> torch.dtype | None:
+        """The slabs' dtype (the model's), None before the first record."""
+        return None if self._keys is None else self._keys.dtype
+
+    def slabs(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The exact keys/values of every slab row, [rows, Hk, n, D] (views: a kernel reads rows `row`
+        hands out in place, through their row indices)."""
+        return self._keys[:, :, :n], self._values[:, :, :n]
+
     def record_tokens(self, keys_of: list[int], pasts: list[int], new_keys: list[int], keys: torch.Tensor,
                       values: torch.Tensor) -> None:
         """`record` of one new token per sequence (a batch of decode steps; pasts > 0): sequence i's entry
@@ -248,9 +263,14 @@ class ExactWindow:
                 slots.append(slot)
         if not picks:
             return
-        row_index, slot_index = torch.tensor(rows, dtype=torch.long), torch.tensor(slots, dtype=torch.long)
         if len(picks) < keys.shape[0]:
             chosen = torch.tensor(picks, dtype=torch.long)
             keys, values = keys.index_select(0, chosen), values.index_select(0, chosen)
+        if self._keys.device.type == "cpu" and keys.dtype == self._keys.dtype and values.dtype == self._values.dtype:
+            # numpy's indexed store (bf16 as its uint16 bits) costs a fraction of torch's index_put
+            _host(self._keys)[rows, :, slots] = _host(keys)  # advanced indices around a slice: [B, Hk, D]
+            _host(self._values)[rows, :, slots] = _host(values)
+            return
+        row_index, slot_index = torch.tensor(rows, dtype=torch.long), torch.tensor(slots, dtype=torch.long)
         self._keys[row_index, :, slot_index] = keys  # (advanced indices around a slice: [B, Hk, D] in order)
         self._values[row_index, :, slot_index] = values

@@ -13,9 +13,10 @@ histogram intrinsics) run block by block over 2-d strided views of the pages, wr
 of block j into columns [j * block_size - start_b, ...) of the row's score scratch. No codes are
 copied, and no sequence is padded to the longest: the work of sequence b is its own length.
 
-Exact columns (the sinks and the recent window the caller keeps beside the pages, and the new
-token) are float dot products as in numba_decode; every column of the row (and a learned sink
-logit) goes through one softmax. No additive bias: each sequence sees all of its own columns.
+Exact columns (the sinks and the recent window the caller keeps beside the pages, read in place
+from the caller's window slabs through `exact_rows`, and the new token) are float dot products
+over rows converted once to float32 (vectorised: `_window_scores`, `_window_values`); every
+column of the row (and a learned sink logit) goes through one softmax. No additive bias: each sequence sees all of its own columns.
 Block ids outside [0, num_blocks) are counted (the caller raises) and skipped, never read.
 
 The query, the exact parts and `out` are float32 or bf16 bits (uint16 views of the model's bf16
@@ -26,22 +27,75 @@ from __future__ import annotations
 
 np = None
 _count_invalid = _role_fields = None
-_build_table = _bytes_table = _spread_bytes = _contract = None
-_score_tokens = _hist_tokens = _exact_scores = _exact_values = None
+_build_table = _bytes_table = _spread_bytes = None
+_score_tokens = _hist_tokens = None
 _norms = _query_table = _softmax_row = _unrotate_add = None
 _as_f32 = _from_f32 = None
+_window_scores = _window_values = _contract_clear = None
+
+
+def _contract_clear_py(hist1, codewords, acc):
+    """numba_tables._contract (acc[c, x] = sum_n codewords[n, c] * hist1[n, x], the same sums in the same
+    order) that also zeroes each histogram row once read, while it is in L1: the next unit finds the
+    histogram clear, with no separate pass over its 64-128 KB."""
+    n_codewords, k = codewords.shape
+    width = acc.shape[1]
+    acc[:, :] = 0.0
+    for n in range(n_codewords):
+        base = n * width
+        for c in range(k):
+            cv = codewords[n, c]
+            for x in range(width):
+                acc[c, x] += cv * hist1[base + x]
+        for x in range(width):
+            hist1[base + x] = 0.0
+
+
+def _window_scores_py(keys, r, h, start, scores, query, groups, row):
+    """scores[t, start + e] = query[t] . keys[r, h, e] for every key e of one exact part (float32 or
+    bf16 bits, any strides): each key row converted once into the float32 scratch `row` [>= D], then
+    G dot products over contiguous arrays (compiled with reassociation, so LLVM vectorises the sums;
+    numba_decode._exact_scores' loop over e reads the keys with stride D and stays scalar)."""
+    dim = query.shape[1]
+    for e in range(keys.shape[2]):
+        for d in range(dim):
+            row[d] = _as_f32(keys[r, h, e, d])
+        for t in range(groups):
+            s = np.float32(0.0)
+            for d in range(dim):
+                s += query[t, d] * row[d]
+            scores[t, start + e] = s
+
+
+def _window_values_py(values, r, h, start, weights, result, groups, rows):
+    """result[t] += sum_e weights[t, start + e] * values[r, h, e] (values float32 or bf16 bits, any
+    strides), the same sums in the same order as numba_decode._exact_values, but over the part first
+    converted into the contiguous float32 scratch `rows` [>= n * Dv], so the axpys vectorise."""
+    n, dim = values.shape[2], values.shape[3]
+    for e in range(n):
+        for d in range(dim):
+            rows[e * dim + d] = _as_f32(values[r, h, e, d])
+    for e in range(n):
+        for t in range(groups):
+            w = weights[t, start + e]
+            if w != 0.0:
+                o = e * dim
+                for d in range(dim):
+                    result[t, d] += w * rows[o + d]
 
 
 def _paged_step_py(query, scaling, key_forward, value_inverse, key_codewords, value_codewords, pages, tables,
                    starts, stops, key_offset, key_size, value_offset, value_size, exact_keys, exact_values,
-                   new_keys, new_values, sinks, out, flags, key_bits, value_bits, key_blocks, value_blocks,
+                   exact_rows, new_keys, new_values, sinks, out, flags, key_bits, value_bits, key_blocks, value_blocks,
                    key_mode, value_mode, lanes, table1, lut, hist1, hist, coded, norms, ibits, unit_start,
                    unit_stop):
     """out[b, h*G + t] for units [unit_start, unit_stop) of (b, KV head h); returns the count of
     invalid indices (>= N) and out-of-range block ids seen. query [B, Hq, D] (unscaled, unrotated),
     pages uint8 [num_blocks, H, block_size, slot] (any strides, slot bytes contiguous), tables
-    int32 [B, max_blocks], starts / stops int64 [B] (coded positions [start, stop)), exact parts
-    [B, H, n, D] (n may be 0), sinks [Hq] (read when flags bit 3), out [B, Hq, Dv]; query, exact
+    int32 [B, max_blocks], starts / stops int64 [B] (coded positions [start, stop)), exact window
+    exact_keys / exact_values [R, H, n, D] (n may be 0) of which sequence b reads row exact_rows[b]
+    (int64 [B], in [0, R): e.g. the rows of the caller's window slabs, read in place), new_keys /
+    new_values [B, H, n_new, D], sinks [Hq] (read when flags bit 3), out [B, Hq, Dv]; query, exact
     parts and out float32 or bf16 bits (uint16), any strides.
     Scratch as `numba_decode.scratch_sizes`, coded [lanes, >= max coded tokens], norms and ibits
     (int32) [>= that]."""
@@ -69,10 +123,15 @@ def _paged_step_py(query, scaling, key_forward, value_inverse, key_codewords, va
     total = np.empty(groups, dtype=np.float32)
     result = np.empty((groups, value_dim), dtype=np.float32)
     unrot = np.empty(value_dim, dtype=np.float32)
+    if value_mode != 0:  # the [codeword, block, lane] histogram starts clear; each unit's contraction clears it
+        hist1[:vn * value_blocks * lanes] = 0.0
+    key_row = np.empty(dim, dtype=np.float32)
+    value_rows = np.empty(max(n_exact_in, n_new) * value_dim, dtype=np.float32)
     bad = 0
     for unit in range(unit_start, unit_stop):
         b = unit // n_h
         h = unit % n_h
+        r = exact_rows[b]
         start = starts[b]
         stop = stops[b]
         n_tokens = stop - start if stop > start else 0
@@ -106,8 +165,8 @@ def _paged_step_py(query, scaling, key_forward, value_inverse, key_codewords, va
                 _score_tokens(table1, lut, rows, coded[:, base:base + hi - lo], groups, block_norms, key_mode, lanes,
                               key_bits, key_blocks, k_pos, kn, k_safe, k_safe_bytes, k_word)
         # --- exact scores: columns [the caller's exact window, the new token]
-        _exact_scores(exact_keys, b, h, 0, exact, scaled, groups)
-        _exact_scores(new_keys, b, h, n_exact_in, exact, scaled, groups)
+        _window_scores(exact_keys, r, h, 0, exact, scaled, groups, key_row)
+        _window_scores(new_keys, b, h, n_exact_in, exact, scaled, groups, key_row)
         # --- one softmax over the row (and the sink logit)
         for t in range(groups):
             sink_logit = np.float32(sinks[h * groups + t]) if has_sinks else np.float32(-np.inf)
@@ -119,8 +178,6 @@ def _paged_step_py(query, scaling, key_forward, value_inverse, key_codewords, va
         if n_tokens:
             if value_mode == 0:
                 hist[:v_pos * 256 * lanes] = 0.0
-            else:
-                hist1[:vn * value_blocks * lanes] = 0.0
             for j in range(first_block, last_block):
                 lo = max(start, j * block_size)
                 hi = min(stop, (j + 1) * block_size)
@@ -137,11 +194,11 @@ def _paged_step_py(query, scaling, key_forward, value_inverse, key_codewords, va
                              value_bits, value_blocks, v_pos, vn, v_safe, v_safe_bytes, v_word)
             if value_mode == 0:
                 _spread_bytes(hist, value_blocks, value_bits, lanes, hist1)
-            _contract(hist1, value_codewords, acc)
+            _contract_clear(hist1, value_codewords, acc)
             for t in range(groups):  # un-rotate
                 _unrotate_add(acc, t, value_blocks, vk, lanes, value_inverse, unrot, result)
-        _exact_values(exact_values, b, h, 0, exact, result, groups)
-        _exact_values(new_values, b, h, n_exact_in, exact, result, groups)
+        _window_values(exact_values, r, h, 0, exact, result, groups, value_rows)
+        _window_values(new_values, b, h, n_exact_in, exact, result, groups, value_rows)
         for t in range(groups):
             scale = np.float32(1.0) / total[t] if total[t] > 0 else np.float32(0.0)
             for d in range(value_dim):
@@ -158,8 +215,9 @@ def compile_paged_kernel(inputs: str = "float32", output: str = "float32"):
     One dispatcher per combination, each compiled for its one signature (arguments of another
     layout are converted, never compiled anew)."""
     global np, _count_invalid, _role_fields, _build_table, _bytes_table, _spread_bytes
-    global _contract, _score_tokens, _hist_tokens, _exact_scores, _exact_values, _norms
-    global _query_table, _softmax_row, _unrotate_add, _as_f32, _from_f32
+    global _score_tokens, _hist_tokens, _norms
+    global _query_table, _softmax_row, _unrotate_add, _as_f32, _from_f32, _window_scores, _window_values
+    global _contract_clear
     kernel = _KERNELS.get((inputs, output))
     if kernel is not None:
         return kernel
@@ -174,15 +232,18 @@ def compile_paged_kernel(inputs: str = "float32", output: str = "float32"):
     _as_f32, _from_f32 = _build_bf16()
     _count_invalid, _role_fields = numba_decode._count_invalid, numba_decode._role_fields
     _build_table, _bytes_table = numba_decode._build_table, numba_decode._bytes_table
-    _spread_bytes, _contract = numba_decode._spread_bytes, numba_decode._contract
+    _spread_bytes = numba_decode._spread_bytes
     _score_tokens, _hist_tokens = numba_decode._score_tokens, numba_decode._hist_tokens
-    _exact_scores, _exact_values = numba_decode._exact_scores, numba_decode._exact_values
     _norms, _query_table = numba_decode._norms, numba_decode._query_table
     _softmax_row, _unrotate_add = numba_decode._softmax_row, numba_decode._unrotate_add
+    # reassociation for the dot products (no 'nnan' / 'ninf': exact keys may hold any float)
+    _window_scores = numba.njit(nogil=True, cache=True, fastmath={"reassoc", "nsz", "contract"})(_window_scores_py)
+    _window_values = numba.njit(nogil=True, cache=True)(_window_values_py)
+    _contract_clear = numba.njit(nogil=True, cache=True)(_contract_clear_py)
     part = f"{inputs}[:, :, :, :]"
     signature = (f"int64({inputs}[:, :, :], float32, float32[:, ::1], float32[:, ::1], float32[:, ::1], "
                  "float32[:, ::1], uint8[:, :, :, :], int32[:, :], int64[::1], int64[::1], int64, int64, int64, "
-                 f"int64, {part}, {part}, {part}, {part}, float32[::1], {output}[:, :, :], "
+                 f"int64, {part}, {part}, int64[::1], {part}, {part}, float32[::1], {output}[:, :, :], "
                  "int64, int64, int64, int64, int64, int64, int64, int64, float32[::1], float32[::1], float32[::1], "
                  "float32[::1], float32[:, ::1], float32[::1], int32[::1], int64, int64)")
     kernel = _KERNELS[inputs, output] = kernel_jit(signature, nogil=True)(_paged_step_py)

@@ -28,6 +28,15 @@ from fibquant.kv.attention.reference import gather_paged_codes
 _KERNELS: dict = {}  # (bf16 inputs, bf16 out) -> the compiled kernel
 _scratch = None  # entry._scratch, imported on first use (entry pulls in transformers)
 _DUMMY_SINKS = np.zeros(1, dtype=np.float32)
+_ARANGE = np.arange(0, dtype=np.int64)
+
+
+def _arange(n: int) -> np.ndarray:
+    """0..n-1 as int64 (the exact rows of sequences that hold their own exact parts), kept between calls."""
+    global _ARANGE
+    if _ARANGE.shape[0] < n:
+        _ARANGE = np.arange(max(n, 2 * _ARANGE.shape[0]), dtype=np.int64)
+    return _ARANGE[:n]
 
 
 class PagedPlan(NamedTuple):
@@ -74,8 +83,8 @@ def paged_decode_attention(query: torch.Tensor, pages: torch.Tensor, tables: tor
                            stops: list[int], key_codec: Codec, value_codec: Codec, exact_keys: torch.Tensor,
                            exact_values: torch.Tensor, new_keys: torch.Tensor, new_values: torch.Tensor,
                            scaling: float, *, key_offset: int = 0, value_offset: int | None = None,
-                           sinks: torch.Tensor | None = None, plans=None, out: torch.Tensor | None = None
-                           ) -> torch.Tensor:
+                           sinks: torch.Tensor | None = None, plans=None, out: torch.Tensor | None = None,
+                           exact_rows=None) -> torch.Tensor:
     """One decode step of B sequences -> out [B, Hq, Dv] (float32, or `out` filled in place).
 
     query        [B, Hq, D] (unscaled, unrotated; any float dtype, any strides)
@@ -85,6 +94,8 @@ def paged_decode_attention(query: torch.Tensor, pages: torch.Tensor, tables: tor
     tables       int32 [B, max_blocks]: position p of sequence b is slot p % block_size of page tables[b, p // bs]
     starts/stops B ints: sequence b attends to its coded positions [starts[b], stops[b])
     exact_keys/values [B, Hkv, n, D|Dv] (n >= 0: e.g. sinks + recent window), new_keys/values [B, Hkv, 1, D|Dv]
+    exact_rows   optional B ints: exact_keys/values are then [R, Hkv, n, D|Dv] (e.g. the caller's window
+                 slabs, read in place: no gathered copy) and sequence b reads row exact_rows[b] of them
     sinks        optional [Hq] learned sink logits (a softmax column with no value)
     plans        `paged_plans(...)` for these codecs and heads (computed when None; raises when the
                  kernel cannot serve them)
@@ -122,10 +133,17 @@ def paged_decode_attention(query: torch.Tensor, pages: torch.Tensor, tables: tor
     longest = max([0, *(stop - start for start, stop in zip(starts, stops))])
     value_dim = value_codec.dim
     parts = (exact_keys, exact_values, new_keys, new_values)
-    for name, tensor, width in zip(("exact_keys", "exact_values", "new_keys", "new_values"), parts,
-                                   (dim, value_dim, dim, value_dim)):
-        if tensor.ndim != 4 or tensor.shape[0] != batch or tensor.shape[1] != kv_heads or tensor.shape[3] != width:
-            raise ValueError(f"{name} must be [B={batch}, Hkv={kv_heads}, n, {width}], got {tuple(tensor.shape)}")
+    slab = batch if exact_rows is None else exact_keys.shape[0]  # rows of the exact parts
+    if exact_rows is None:
+        rows_np = _arange(batch)
+    else:
+        rows_np = np.ascontiguousarray(exact_rows, dtype=np.int64)
+        if rows_np.shape != (batch,) or (batch and (rows_np.min() < 0 or rows_np.max() >= slab)):
+            raise ValueError(f"exact_rows must hold {batch} rows in [0, {slab}), got {exact_rows}")
+    for name, tensor, width, first in zip(("exact_keys", "exact_values", "new_keys", "new_values"), parts,
+                                          (dim, value_dim, dim, value_dim), (slab, slab, batch, batch)):
+        if tensor.ndim != 4 or tensor.shape[0] != first or tensor.shape[1] != kv_heads or tensor.shape[3] != width:
+            raise ValueError(f"{name} must be [{first}, Hkv={kv_heads}, n, {width}], got {tuple(tensor.shape)}")
     if exact_keys.shape[2] != exact_values.shape[2] or new_keys.shape[2] != new_values.shape[2]:
         raise ValueError("exact / new keys and values must hold the same number of tokens")
     if out is None:
@@ -153,7 +171,8 @@ def paged_decode_attention(query: torch.Tensor, pages: torch.Tensor, tables: tor
     lanes, sizes = plans.lanes, plans.sizes
     args = (_host(query, bits_in), np.float32(scaling), keys[0], values[1], keys[2], values[2], pages.numpy(),
             tables.numpy(), np.array(starts, dtype=np.int64), np.array(stops, dtype=np.int64), int(key_offset),
-            key_size, int(value_offset), value_size, *(_host(t, bits_in) for t in parts), sinks_np,
+            key_size, int(value_offset), value_size, _host(exact_keys, bits_in), _host(exact_values, bits_in), rows_np,
+            _host(new_keys, bits_in), _host(new_values, bits_in), sinks_np,
             _host(out, bits_out), flags, *plans.scalars)
     bad = run_split(kernel, args, batch * kv_heads, longest * (keys[4] + values[4]), _MIN_WORK_PER_THREAD,
                     "fibquant-paged", per_thread=lambda t: _scratch(t, sizes, lanes, longest))
@@ -166,7 +185,8 @@ def paged_decode_attention_reference(query: torch.Tensor, pages: torch.Tensor, t
                                      starts: list[int], stops: list[int], key_codec: Codec, value_codec: Codec,
                                      exact_keys: torch.Tensor, exact_values: torch.Tensor, new_keys: torch.Tensor,
                                      new_values: torch.Tensor, scaling: float, *, key_offset: int = 0,
-                                     value_offset: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                                     value_offset: int | None = None, sinks: torch.Tensor | None = None,
+                                     exact_rows=None) -> torch.Tensor:
     """The spec of `paged_decode_attention`: gather each sequence's codes, decode them, one float softmax."""
     batch, q_heads, dim = query.shape
     kv_heads = pages.shape[1]
@@ -179,8 +199,9 @@ def paged_decode_attention_reference(query: torch.Tensor, pages: torch.Tensor, t
                                                     value_offset - key_offset, key_size, value_size)
         coded_keys = key_codec.decode(key_codes[0].contiguous()).to(torch.float32)      # [Hkv, m, D]
         coded_values = value_codec.decode(value_codes[0].contiguous()).to(torch.float32)
-        k = torch.cat([exact_keys[b].float(), coded_keys, new_keys[b].float()], dim=1).repeat_interleave(groups, 0)
-        v = torch.cat([exact_values[b].float(), coded_values, new_values[b].float()], dim=1).repeat_interleave(groups, 0)
+        r = b if exact_rows is None else int(exact_rows[b])
+        k = torch.cat([exact_keys[r].float(), coded_keys, new_keys[b].float()], dim=1).repeat_interleave(groups, 0)
+        v = torch.cat([exact_values[r].float(), coded_values, new_values[b].float()], dim=1).repeat_interleave(groups, 0)
         scores = torch.einsum("hd,hkd->hk", query[b].float(), k) * scaling
         if sinks is not None:
             scores = torch.cat([scores, sinks.reshape(-1, 1).float()], dim=-1)
