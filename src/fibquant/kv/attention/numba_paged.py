@@ -237,9 +237,9 @@ def compile_paged_kernel(inputs: str = "float32", output: str = "float32"):
     _norms, _query_table = numba_decode._norms, numba_decode._query_table
     _softmax_row, _unrotate_add = numba_decode._softmax_row, numba_decode._unrotate_add
     # reassociation for the dot products (no 'nnan' / 'ninf': exact keys may hold any float)
-    _window_scores = numba.njit(nogil=True, cache=True, fastmath={"reassoc", "nsz", "contract"})(_window_scores_py)
-    _window_values = numba.njit(nogil=True, cache=True)(_window_values_py)
-    _contract_clear = numba.njit(nogil=True, cache=True)(_contract_clear_py)
+    _window_scores = kernel_jit(nogil=True, fastmath={"reassoc", "nsz", "contract"})(_window_scores_py)
+    _window_values = kernel_jit(nogil=True)(_window_values_py)
+    _contract_clear = kernel_jit(nogil=True)(_contract_clear_py)
     part = f"{inputs}[:, :, :, :]"
     signature = (f"int64({inputs}[:, :, :], float32, float32[:, ::1], float32[:, ::1], float32[:, ::1], "
                  "float32[:, ::1], uint8[:, :, :, :], int32[:, :], int64[::1], int64[::1], int64, int64, int64, "
