@@ -224,7 +224,9 @@ def test_engine_features_not_supported_are_refused_at_engine_start(monkeypatch, 
                           ("fibquant:b=4", 0, 0, True, "sinks"),
                           ("fibquant:b=4", 3, 8, True, "sinks"),
                           ("fibquant:b=4", 3, 8, True, "softcap+sinks"),
-                          ("fibquant:b=4", 3, 8, True, "gathered")])
+                          ("fibquant:b=4", 3, 8, True, "gathered"),
+                          ("fibquant:b=4/fibquant:b=2", 3, 8, True, "bf16"),
+                          ("fibquant:b=4/fibquant:b=2", 3, 8, True, "fp16")])
 def test_paged_codes_attention_equals_decoded_reference(monkeypatch, spec, sink_tokens, recent, token_major, extras):
     """Three requests, pages scattered over blocks. Forward 1 prefills each request's earlier tokens
     (37, 5, 20); forward 2 batches a 6-token chunk and two decodes. Forward 2's output = softmax
@@ -233,12 +235,15 @@ def test_paged_codes_attention_equals_decoded_reference(monkeypatch, spec, sink_
     logit soft-capping (Gemma 2) and learned sink logits (gpt-oss) applied as transformers' eager
     attention does. On CPU the decodes go through the paged numba kernel (codes read in place through
     the block tables), or, with a soft-cap or PAGED_NUMBA_DECODE off ("gathered"), the gathered
-    path padded to the longer context; the chunk through the gathered path."""
-    from fibquant.integrations.vllm import backend
+    path padded to the longer context; the chunk through the gathered path. A bf16 or float32 model's
+    exact window is read in place from the window slabs; an fp16 one's is gathered first ("fp16")."""
+    from fibquant.integrations.vllm import backend, window
 
-    calls = []
+    calls, in_place = [], []
     real = backend.paged_decode_attention
     monkeypatch.setattr(backend, "paged_decode_attention", lambda *a, **k: calls.append(len(a[3])) or real(*a, **k))
+    real_slabs = window.ExactWindow.slabs
+    monkeypatch.setattr(window.ExactWindow, "slabs", lambda self, *a: in_place.append(1) or real_slabs(self, *a))
     if extras == "gathered":
         monkeypatch.setattr(backend, "PAGED_NUMBA_DECODE", False)
     _check_paged_scenario(monkeypatch, spec, sink_tokens, token_major, extras, recent)
@@ -246,6 +251,10 @@ def test_paged_codes_attention_equals_decoded_reference(monkeypatch, spec, sink_
         assert calls == []
     else:  # the decodes with something coded, one call per exact-window size
         assert calls and sum(calls) <= 2
+    if extras in ("", "bf16") and recent:
+        assert in_place  # the paged decodes read the window slabs
+    if extras == "fp16":
+        assert calls and not in_place  # the kernel runs, on gathered window rows
 
 
 needs_interpreter = pytest.mark.skipif(
@@ -305,8 +314,9 @@ def _check_paged_scenario(monkeypatch, spec, sink_tokens, token_major, extras, r
     lengths, news = [37 + 6, 5 + 1, 20 + 1], [6, 1, 1]
     pasts = [n - t for n, t in zip(lengths, news)]
     requests = range(len(lengths))
-    keys = [torch.randn(n, kv_heads, dim) for n in lengths]
-    values = [torch.randn(n, kv_heads, dim) for n in lengths]
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(extras, torch.float32)  # the model's dtype
+    keys = [torch.randn(n, kv_heads, dim).to(dtype) for n in lengths]
+    values = [torch.randn(n, kv_heads, dim).to(dtype) for n in lengths]
 
     def forward(parts, totals):  # parts: per request the positions of this forward's tokens
         mapping = torch.tensor([int(tables[r, p // block]) * block + p % block for r in requests for p in parts[r]])
@@ -315,9 +325,10 @@ def _check_paged_scenario(monkeypatch, spec, sink_tokens, token_major, extras, r
         starts = [0]
         for r in requests:
             starts.append(starts[-1] + len(parts[r]))
-        query = torch.randn(len(mapping), heads * dim)
+        query = torch.randn(len(mapping), heads * dim).to(dtype)
         meta = FibQuantMetadata(len(mapping), starts, totals, tables, mapping)
-        return query, impl.forward(None, query, k, v, kv_cache, meta, torch.empty(len(mapping), heads * dim))
+        return query, impl.forward(None, query, k, v, kv_cache, meta,
+                                   torch.empty(len(mapping), heads * dim, dtype=dtype))
 
     forward([list(range(p)) for p in pasts], pasts)
     query, out = forward([list(range(p, n)) for p, n in zip(pasts, lengths)], lengths)
@@ -326,9 +337,10 @@ def _check_paged_scenario(monkeypatch, spec, sink_tokens, token_major, extras, r
     for r in requests:
         past, n, sinks = pasts[r], news[r], min(sink_tokens, pasts[r])
         coded = past - min(recent, past - sinks)  # the exact window: [0, sinks) and [coded, past)
-        k = torch.cat([keys[r][:sinks], impl.key_codec.roundtrip(keys[r][sinks:coded]), keys[r][coded:]])
-        v = torch.cat([values[r][:sinks], impl.value_codec.roundtrip(values[r][sinks:coded]), values[r][coded:]])
-        q = query[start:start + n].reshape(n, heads, dim)
+        key, value = keys[r].float(), values[r].float()
+        k = torch.cat([key[:sinks], impl.key_codec.roundtrip(key[sinks:coded]), key[coded:]])
+        v = torch.cat([value[:sinks], impl.value_codec.roundtrip(value[sinks:coded]), value[coded:]])
+        q = query[start:start + n].float().reshape(n, heads, dim)
         k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
         scores = torch.einsum("qhd,khd->hqk", q, k) * dim ** -0.5
         if softcap is not None:
@@ -339,7 +351,9 @@ def _check_paged_scenario(monkeypatch, spec, sink_tokens, token_major, extras, r
             scores = torch.cat([scores, logit_sinks[:, None, None].expand(heads, n, 1)], dim=-1)
         weights = scores.softmax(-1)[..., :lengths[r]]
         expected = torch.einsum("hqk,khd->qhd", weights, v).reshape(n, -1)
-        torch.testing.assert_close(out[start:start + n], expected, rtol=1e-4, atol=1e-4)
+        # float32 to 1e-4; a half-precision output to its own rounding (2 ** -8 / 2 ** -11 relative)
+        tolerance = {torch.bfloat16: 8e-3, torch.float16: 1e-3}.get(dtype, 1e-4)
+        torch.testing.assert_close(out[start:start + n].float(), expected, rtol=tolerance, atol=tolerance)
         start += n
 
 
