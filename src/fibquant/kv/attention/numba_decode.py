@@ -317,9 +317,9 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_codewords, v
     invalid indices (>= N) seen. query [B, Hq, D] (unscaled, unrotated), the exact parts [B, H, n, D],
     codes [B, H, M, C], means [B, H, D] (read when flags bit 0 / 1), bias [B|1, Hq|1, L] (bit 2),
     sinks [Hq] (bit 3), out [B, Hq, Dv] float32; key_norms / value_norms [B, H, M] float32 (bit 4): the
-    code rows' fp16 norms already decoded (`CodeBuffer.norms_array`), else they are decoded here. Scratch (reused across calls, sized by `scratch_sizes`):
-    table1, lut (key tables), hist1, hist (value histograms), coded [lanes, >= M], norms [>= M],
-    ibits (int32 [>= M])."""
+    code rows' fp16 norms already decoded (`CodeBuffer.norms_array`), else they are decoded here.
+    Scratch (reused across calls, sized by `scratch_sizes`): table1, lut (key tables), hist1, hist (value
+    histograms), coded [lanes, >= M], norms [>= M], ibits (int32 [>= M])."""
     n_b, n_qh, dim = query.shape
     n_h = key_codes.shape[1]
     groups = n_qh // n_h
