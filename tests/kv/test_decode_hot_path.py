@@ -11,7 +11,7 @@ import torch
 
 from fibquant.codecs.fibquant import FibQuantCodec
 from fibquant.codecs.integer import IntCodec
-from fibquant.kv.buffer import WindowBuffer
+from fibquant.kv.buffer import CodeBuffer, WindowBuffer
 from fibquant.kv.cache import CompressedLayer
 
 DIM = 64
@@ -141,3 +141,60 @@ def test_check_input_finiteness_in_every_dtype(dtype):
             codec.check_input(bad)
     grad = x.to(torch.float32).requires_grad_()
     codec.check_input(grad)  # autograd tensors take torch's check
+
+
+def _reference_norms(buffer) -> np.ndarray:
+    """The live rows' first two bytes read as fp16 and widened by torch (the spec), [B, H, used]."""
+    return buffer.view()[..., :2].contiguous().view(torch.float16)[..., 0].float().numpy()
+
+
+def _assert_same_floats(got: np.ndarray, want: np.ndarray) -> None:
+    """Equal bit for bit (-0.0 and subnormals included); NaN halves give NaN (payload not compared)."""
+    assert got.shape == want.shape and got.dtype == np.float32
+    nan = np.isnan(want)
+    assert np.array_equal(np.isnan(got), nan)
+    assert np.array_equal(got.view(np.int32)[~nan], want.view(np.int32)[~nan])
+
+
+def test_code_buffer_norms_every_half():
+    """norms_array decodes every one of the 65 536 fp16 bit patterns as torch widens it."""
+    halves = np.arange(1 << 16, dtype=np.uint16).reshape(2, 4, 1 << 13).view(np.uint8).reshape(2, 4, 1 << 13, 2)
+    rows = np.concatenate([halves, np.full((2, 4, 1 << 13, 3), 7, np.uint8)], axis=-1)
+    buffer = CodeBuffer.from_rows(torch.from_numpy(rows))
+    _assert_same_floats(buffer.norms_array(), _reference_norms(buffer))
+
+
+def test_code_buffer_norms_follow_appends_growth_drops_and_edits():
+    """The cached norms stay equal to the rows' through appends (in place and with growth), dropped
+    front rows, truncation followed by new rows, and batch edits; earlier arrays keep their values
+    (until a truncation lets new rows overwrite theirs, as for the code rows themselves)."""
+    generator = torch.Generator().manual_seed(3)
+
+    def rows(batch, n):
+        return torch.randint(0, 256, (batch, 2, n, 5), dtype=torch.uint8, generator=generator)
+
+    buffer = CodeBuffer(3, 2, 5, torch.device("cpu"))
+    earlier = []
+    for step in range(60):
+        batch = buffer.data.shape[0]
+        buffer.append(rows(batch, 1 + step % 7))
+        if step % 9 == 4:
+            buffer.drop_front(5)
+        if step % 13 == 6:
+            buffer.truncate(buffer.used - 3)
+            buffer.append(rows(batch, 2))  # rows written where truncated ones were (in earlier views too)
+            earlier.clear()
+        if step == 30:
+            buffer.remap(lambda t: t[[2, 0]])
+        norms = buffer.norms_array()
+        _assert_same_floats(norms, _reference_norms(buffer))
+        earlier.append((norms, norms.copy()))
+    for norms, copy in earlier:
+        assert np.array_equal(norms, copy, equal_nan=True)
+
+
+def test_no_norms_for_a_non_cpu_or_empty_buffer():
+    buffer = CodeBuffer(1, 2, 5, torch.device("cpu"))
+    assert buffer.norms_array().shape == (1, 2, 0)
+    if torch.cuda.is_available():
+        assert CodeBuffer(1, 2, 5, torch.device("cuda")).norms_array() is None

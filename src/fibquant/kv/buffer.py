@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
 import torch
 
 from fibquant.codecs.base import Codec
@@ -65,6 +66,8 @@ class CodeBuffer(_RowSpan):
         self.max_rows = max_rows
         self._view = None  # view() cached until the rows change (a decode step reads it every layer)
         self._array = None  # array() likewise
+        self._norms = None  # [B, H, capacity] float32: rows [start, _norms_stop) of `data` hold their norm
+        self._norms_stop = 0
 
     @classmethod
     def from_rows(cls, rows: torch.Tensor, max_rows: Optional[int] = None) -> "CodeBuffer":
@@ -84,6 +87,26 @@ class CodeBuffer(_RowSpan):
             self._array = False if full is None else full[:, :, self.start: self.stop]
         return None if self._array is False else self._array
 
+    def norms_array(self):
+        """The live rows' norms as float32 [B, H, used] (numpy, CPU uint8 buffers; else None): each
+        row's first two bytes read as a little-endian fp16 and widened (exact). Decoded once per row
+        as rows are first asked for (a stored row never changes), so a decode step does not re-decode
+        every row's norm per layer and step. Only meaningful for codes that start with an fp16 norm
+        (FibQuant's layout); the fused decode kernel is the only reader. A view taken before an append
+        stays valid, as `array()`'s."""
+        rows = self.array()
+        if rows is None:
+            return None
+        if self._norms is None or self._norms.shape[-1] != self.capacity:
+            self._norms = np.empty((*self.data.shape[:2], self.capacity), dtype=np.float32)
+            self._norms_stop = self.start
+        lo = max(self._norms_stop, self.start)
+        if lo < self.stop:
+            halves = np.ascontiguousarray(_array_of(self.data)[:, :, lo: self.stop, :2]).view("<f2")[..., 0]
+            self._norms[:, :, lo: self.stop] = halves
+            self._norms_stop = self.stop
+        return self._norms[:, :, self.start: self.stop]
+
     def reserve(self, n: int) -> None:
         """Make room for `n` more rows now (growing as `append` would), so that a later append of
         up to n rows allocates nothing: a layer reserves before it encodes, so its long-lived
@@ -99,7 +122,7 @@ class CodeBuffer(_RowSpan):
                                 device=self.data.device)
             grown[..., : self.used, :] = self.view()
             self.data, self.start, self.stop = grown, 0, self.used
-            self._view = self._array = None  # reset last: the copy above reads the old rows through view()
+            self._view = self._array = self._norms = None  # reset last: the copy above reads the old rows
 
     def append(self, rows: torch.Tensor) -> None:
         """rows: uint8 [B, H, n, code_size]."""
@@ -116,13 +139,14 @@ class CodeBuffer(_RowSpan):
 
     def truncate(self, used: int) -> None:
         self.stop = self.start + min(self.used, max(used, 0))
+        self._norms_stop = min(self._norms_stop, self.stop)  # rows appended there later are new rows
         self._view = self._array = None
 
     def remap(self, fn) -> None:
         """Apply a batch edit (select, repeat, move) to the stored rows; capacity shrinks to fit."""
         self.data = _owned(fn(self.view()))
         self.start, self.stop = 0, self.data.shape[-2]
-        self._view = self._array = None
+        self._view = self._array = self._norms = None
 
     def nbytes(self) -> int:
         return self.data.untyped_storage().nbytes()
@@ -219,8 +243,9 @@ class CodedKV:
     key_mean: Optional[torch.Tensor] = None    # [B, H, D] float32 added back to decoded keys (centring)
     value_mean: Optional[torch.Tensor] = None  # [B, H, D] float32 added back to decoded values
     # numpy views of the same memory as (sink_keys, sink_values, key_codes, value_codes, recent_keys,
-    # recent_values), set by a float32 CPU `CompressedLayer`: the fused CPU decode kernel reads them
-    # instead of converting six tensors per layer and step. None: it converts the tensors.
+    # recent_values), set by a float32 CPU `CompressedLayer`, then the code rows' fp16 norms as float32
+    # [B, H, m] (key, value; decoded once per row): the fused CPU decode kernel reads them instead of
+    # converting six tensors and decoding every norm per layer and step. None: it converts the tensors.
     arrays: Optional[tuple] = field(default=None, repr=False, compare=False)
 
     @classmethod

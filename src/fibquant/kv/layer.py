@@ -183,8 +183,9 @@ class CompressedLayer(CacheLayerMixin):
                        self.key_mean, self.value_mean, self._arrays())
 
     def _arrays(self) -> Optional[tuple]:
-        """numpy views of (sink_keys, sink_values, key_codes, value_codes, recent_keys, recent_values)
-        (`CodedKV.arrays`), or None when one of them is not a float32 / uint8 CPU tensor."""
+        """numpy views of (sink_keys, sink_values, key_codes, value_codes, recent_keys, recent_values) and
+        the code rows' decoded norms (`CodeBuffer.norms_array`) (`CodedKV.arrays`), or None when one of
+        them is not a float32 / uint8 CPU tensor."""
         cached = self._sink_arrays
         if cached is None or cached[0] is not self.sink_keys or cached[1] is not self.sink_values:
             sink_k, sink_v = _array_of(self.sink_keys), _array_of(self.sink_values)
@@ -195,7 +196,8 @@ class CompressedLayer(CacheLayerMixin):
         key_codes, value_codes = self.key_buffer.array(), self.value_buffer.array()
         if cached[2] is None or recent_k is None or recent_v is None or key_codes is None or value_codes is None:
             return None
-        return cached[2], cached[3], key_codes, value_codes, recent_k, recent_v
+        return (cached[2], cached[3], key_codes, value_codes, recent_k, recent_v, self.key_buffer.norms_array(),
+                self.value_buffer.norms_array())
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Return what the new tokens attend to, then archive what left the window.

@@ -364,14 +364,17 @@ def _attend_decode_numba(query: torch.Tensor, kv: CodedKV, attention_mask, scali
     else:
         query_np = f32(query[:, :, 0])
     arrays = kv.arrays
+    key_norms = value_norms = _DUMMY[0]
     if arrays is None:
         arrays = (rows32(kv.sink_keys), rows32(kv.sink_values), code_rows(kv.key_codes),
                   code_rows(kv.value_codes), rows32(kv.recent_keys), rows32(kv.recent_values))
+    elif len(arrays) == 8:  # the code rows' norms, decoded once when they were stored
+        arrays, (key_norms, value_norms), flags = arrays[:6], arrays[6:], flags | 16
     sink_k, sink_v, key_codes, value_codes, recent_k, recent_v = arrays
     args = (query_np, float(scaling), keys[0], values[1], keys[2], values[2], key_codes, value_codes,
             sink_k, sink_v, recent_k, recent_v, rows32(kv.new_keys), rows32(kv.new_values), key_mean, value_mean,
             bias_np, sinks_np, out_np[:, 0], flags, keys[3], values[3], keys[4], values[4], keys[5], values[5],
-            lanes)
+            lanes, key_norms, value_norms)
     coded = key_codes.shape[2]
     bad = run_split(_KERNEL, args, batch * key_codes.shape[1], coded * (keys[4] + values[4]), _MIN_WORK_PER_THREAD,
                     "fibquant-decode", per_thread=lambda t: _scratch(t, sizes, lanes, coded))

@@ -311,14 +311,15 @@ def _add_bias_py(coded, exact, groups, n_sink, n_tokens, n_exact, bias, b, h):
 def _decode_step_py(query, scaling, key_forward, value_inverse, key_codewords, value_codewords, key_codes,
                     value_codes, sink_keys, sink_values, recent_keys, recent_values, new_keys, new_values,
                     key_mean, value_mean, bias, sinks, out, flags, key_bits, value_bits, key_blocks, value_blocks,
-                    key_mode, value_mode, lanes, table1, lut, hist1, hist, coded, norms, ibits, unit_start,
-                    unit_stop):
+                    key_mode, value_mode, lanes, key_norms, value_norms, table1, lut, hist1, hist, coded, norms, ibits,
+                    unit_start, unit_stop):
     """out[b, h*G + t] for units [unit_start, unit_stop) of (b, KV head h); returns the count of
     invalid indices (>= N) seen. query [B, Hq, D] (unscaled, unrotated), the exact parts [B, H, n, D],
     codes [B, H, M, C], means [B, H, D] (read when flags bit 0 / 1), bias [B|1, Hq|1, L] (bit 2),
-    sinks [Hq] (bit 3), out [B, Hq, Dv] float32. Scratch (reused across calls, sized by `scratch_sizes`):
-    table1, lut (key tables), hist1, hist (value histograms), coded [lanes, >= M], norms [>= M],
-    ibits (int32 [>= M])."""
+    sinks [Hq] (bit 3), out [B, Hq, Dv] float32; key_norms / value_norms [B, H, M] float32 (bit 4): the
+    code rows' fp16 norms already decoded (`CodeBuffer.norms_array`), else they are decoded here.
+    Scratch (reused across calls, sized by `scratch_sizes`): table1, lut (key tables), hist1, hist (value
+    histograms), coded [lanes, >= M], norms [>= M], ibits (int32 [>= M])."""
     n_b, n_qh, dim = query.shape
     n_h = key_codes.shape[1]
     groups = n_qh // n_h
@@ -328,6 +329,7 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_codewords, v
     value_dim = value_inverse.shape[0]
     has_key_mean, has_value_mean = (flags & 1) != 0, (flags & 2) != 0
     has_bias, has_sinks = (flags & 4) != 0, (flags & 8) != 0
+    has_norms = (flags & 16) != 0
     kn, kk = key_codewords.shape
     key_mode, k_pos, k_word, k_safe_bytes, k_safe, k_check = _role_fields(kn, key_bits, key_blocks, key_mode,
                                                                           key_codes.shape[3])
@@ -355,14 +357,18 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_codewords, v
         # --- coded scores
         if n_tokens:
             key_rows = key_codes[b, h]
-            _norms(key_rows, norms, ibits)
+            if has_norms:
+                row_norms = key_norms[b, h]
+            else:
+                _norms(key_rows, norms, ibits)
+                row_norms = norms
             if k_check:
                 bad += _count_invalid(key_rows, key_bits, key_blocks, kn)
             _query_table(scaled, groups, key_forward, rotated, qmat, key_blocks, kk, lanes)
             _build_table(key_codewords, qmat, table1)
             if key_mode == 0:
                 _bytes_table(table1, key_blocks, key_bits, lanes, lut)
-            _score_tokens(table1, lut, key_rows, coded, groups, norms, key_mode, lanes, key_bits, key_blocks,
+            _score_tokens(table1, lut, key_rows, coded, groups, row_norms, key_mode, lanes, key_bits, key_blocks,
                           k_pos, kn, k_safe, k_safe_bytes, k_word)
             if has_key_mean:
                 _add_key_mean(coded, groups, n_tokens, scaled, key_mean, b, h, dim)
@@ -382,14 +388,18 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_codewords, v
                 result[t, d] = 0.0
         if n_tokens:
             value_rows = value_codes[b, h]
-            _norms(value_rows, norms, ibits)
+            if has_norms:
+                row_norms = value_norms[b, h]
+            else:
+                _norms(value_rows, norms, ibits)
+                row_norms = norms
             if v_check:
                 bad += _count_invalid(value_rows, value_bits, value_blocks, vn)
             if value_mode == 0:
                 hist[:v_pos * 256 * lanes] = 0.0
             else:
                 hist1[:vn * value_blocks * lanes] = 0.0
-            _hist_tokens(hist1, hist, value_rows, coded, groups, norms, value_mode, lanes, value_bits, value_blocks,
+            _hist_tokens(hist1, hist, value_rows, coded, groups, row_norms, value_mode, lanes, value_bits, value_blocks,
                          v_pos, vn, v_safe, v_safe_bytes, v_word)
             if value_mode == 0:
                 _spread_bytes(hist, value_blocks, value_bits, lanes, hist1)
@@ -457,7 +467,8 @@ def compile_decode_kernel():
     signature = (f"int64(float32[:, :, ::1], float32, float32[:, ::1], float32[:, ::1], float32[:, ::1], "
                  f"float32[:, ::1], uint8[:, :, :, :], uint8[:, :, :, :], {f32}, {f32}, {f32}, {f32}, {f32}, {f32}, "
                  "float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[::1], float32[:, :, ::1], "
-                 "int64, int64, int64, int64, int64, int64, int64, int64, float32[::1], float32[::1], float32[::1], "
+                 "int64, int64, int64, int64, int64, int64, int64, int64, float32[:, :, :], float32[:, :, :], "
+                 "float32[::1], float32[::1], float32[::1], "
                  "float32[::1], float32[:, ::1], float32[::1], int32[::1], int64, int64)")
     _KERNEL = kernel_jit(signature, nogil=True)(_decode_step_py)
     return _KERNEL
