@@ -13,7 +13,7 @@ import time
 import torch
 
 from fibquant.kv.model import random_model
-from fibquant.kv.persist.fingerprint import tensor_fingerprint
+from fibquant.kv.persist.fingerprint import fingerprint_gap, tensor_fingerprint
 from fibquant.kv.persist.model_identity import _sample, model_identity, model_mismatch, model_sha256, weight_tolerance
 
 torch.set_num_threads(1)
@@ -35,9 +35,8 @@ def _max_gap(saved, model, names=None):
     gaps = []
     for name, param in model.named_parameters():
         if names is None or name in names:
-            a, b = saved["parameters"][name]["sample"], tensor_fingerprint(_sample(param))
-            scale = max(a["rms"], b["rms"])
-            gaps.append(max([abs(a["rms"] - b["rms"])] + [abs(x - y) for x, y in zip(a["proj"], b["proj"])]) / scale)
+            gap, scale = fingerprint_gap(saved["parameters"][name]["sample"], tensor_fingerprint(_sample(param)))
+            gaps.append(gap / scale)
     return max(gaps), min(gaps)
 
 

@@ -89,13 +89,14 @@ class CodeBuffer(_RowSpan):
 
     def norms_array(self):
         """The live rows' norms as float32 [B, H, used] (numpy, CPU uint8 buffers; else None): each
-        row's first two bytes read as a little-endian fp16 and widened (exact). Decoded once per row
+        row's first two bytes read as a little-endian fp16 and widened (exact); None for rows of
+        fewer than two bytes (e.g. 1-byte calibrated codes: no fp16 norm there). Decoded once per row
         as rows are first asked for (a stored row never changes), so a decode step does not re-decode
         every row's norm per layer and step. Only meaningful for codes that start with an fp16 norm
         (FibQuant's layout); the fused decode kernel is the only reader. A view taken before an append
         stays valid, as `array()`'s."""
         rows = self.array()
-        if rows is None:
+        if rows is None or rows.shape[-1] < 2:
             return None
         if self._norms is None or self._norms.shape[-1] != self.capacity:
             self._norms = np.empty((*self.data.shape[:2], self.capacity), dtype=np.float32)

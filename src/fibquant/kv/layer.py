@@ -197,9 +197,8 @@ class CompressedLayer(CacheLayerMixin):
         if cached[2] is None or recent_k is None or recent_v is None or key_codes is None or value_codes is None:
             return None
         arrays = (cached[2], cached[3], key_codes, value_codes, recent_k, recent_v)
-        if key_codes.shape[-1] < 2 or value_codes.shape[-1] < 2:
-            return arrays  # rows too short to begin with an fp16 norm (not FibQuant's layout: e.g. 1-byte codes)
-        return arrays + (self.key_buffer.norms_array(), self.value_buffer.norms_array())
+        norms = (self.key_buffer.norms_array(), self.value_buffer.norms_array())
+        return arrays if any(n is None for n in norms) else arrays + norms
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Return what the new tokens attend to, then archive what left the window.

@@ -102,13 +102,20 @@ def tensor_mismatch(saved: dict, here: dict, tolerance: float = TOLERANCE) -> Op
         return None if saved["sha256"] == here["sha256"] else ": other integer values"
     if len(saved.get("proj", ())) != len(here["proj"]):
         return f": {len(here['proj'])} projections, saved {len(saved.get('proj', ()))}"
-    scale = max(float(saved["rms"]), float(here["rms"]))
-    gap = max([abs(float(saved["rms"]) - float(here["rms"]))]
-              + [abs(float(x) - float(y)) for x, y in zip(saved["proj"], here["proj"])])
+    gap, scale = fingerprint_gap(saved, here)
     # Gaps below float32's smallest normal are subnormal noise (flushed to zero or not by the CPU).
     if not gap <= max(tolerance * scale, FLOOR):  # also refuses NaN
         return f" differs by {gap / scale if scale else math.inf:.2e} of its rms (tolerance {tolerance:g})"
     return None
+
+
+def fingerprint_gap(saved: dict, here: dict) -> tuple[float, float]:
+    """(gap, scale) of two float `tensor_fingerprint`s: the largest move of the rms or a projection,
+    and the larger rms (the tolerance's unit)."""
+    scale = max(float(saved["rms"]), float(here["rms"]))
+    gap = max([abs(float(saved["rms"]) - float(here["rms"]))]
+              + [abs(float(x) - float(y)) for x, y in zip(saved["proj"], here["proj"])])
+    return gap, scale
 
 
 def fingerprint_label(fingerprint) -> str:
