@@ -149,3 +149,39 @@ def test_cache_info_prints_short_labels(saved, capsys):
     assert info["fingerprint"].endswith("llama, 2 layers, 21 parameters, weights within 0.0001 of their rms")
     assert info["key_codec"]["state_fingerprint"].endswith("(within 0.0001 of the rms)")
     assert info["key_codec"]["config"]["k"] == 4 and "proj" not in json.dumps(info)
+
+
+def _with_config(model, **changes):
+    """A copy of `model` (same weights) whose config differs in `changes`."""
+    other = copy.deepcopy(model)
+    for key, value in changes.items():
+        setattr(other.config, key, value)
+    return other
+
+
+def test_another_rope_base_or_window_with_the_same_weights_is_refused(model, saved):
+    """transformers 5 keeps the rope theta in `rope_parameters` (`rope_theta` is None): a model with the
+    same weights and another rope base, rope scaling or sliding window computed other keys."""
+    path, _ = saved
+    rope = dict(model.config.rope_parameters, rope_theta=500000.0)
+    with pytest.raises(ValueError, match="config rope_parameters .*500000"):
+        CompressedCache.load(path, _with_config(model, rope_parameters=rope))
+    with pytest.raises(ValueError, match="config sliding_window 16, saved None"):
+        PersistentCache.open(path, model=_with_config(model, sliding_window=16))
+
+
+def test_identity_saved_before_the_later_config_keys_still_opens(model, saved, tmp_path):
+    """A format-3 identity written before LATER_CONFIG_KEYS were recorded lacks them: not compared."""
+    import shutil
+
+    from fibquant.kv.persist.model_identity import LATER_CONFIG_KEYS
+
+    shutil.copytree(saved[0], tmp_path / "c")
+    manifest = json.loads((tmp_path / "c/manifest.json").read_text())
+    for key in LATER_CONFIG_KEYS:
+        manifest["model_fingerprint"]["config"].pop(key)
+    (tmp_path / "c/manifest.json").write_text(json.dumps(manifest))
+    rope = dict(model.config.rope_parameters, rope_theta=500000.0)
+    assert CompressedCache.load(tmp_path / "c", _with_config(model, rope_parameters=rope)).get_seq_length() == 40
+    with pytest.raises(ValueError, match="config num_hidden_layers 3, saved 2"):  # the original keys still count
+        PersistentCache.open(tmp_path / "c", model=tiny_llama(num_hidden_layers=3, **ARCH))

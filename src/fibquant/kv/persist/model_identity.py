@@ -6,7 +6,9 @@ one with a model compares that model with the saved identity (docs/persistent-ca
 Format version 3 (`model_identity`, a dict) holds
 
     config       the architecture fields of CONFIG_KEYS (model type, layers, heads, sizes,
-                 rope theta, ...), compared exactly
+                 rope theta, ...) and of LATER_CONFIG_KEYS (rope parameters/scaling, sliding
+                 window, layer types, soft-capping, ...), compared exactly; a LATER key that a
+                 saved identity lacks was not recorded when it was saved and is not compared
     parameters   {name: {"shape", "dtype", "sample"}} for every named parameter: names,
                  shapes and dtypes compared exactly; "sample" is the `tensor_fingerprint`
                  (numel, rms, 8 fixed +-1 projections; `fibquant.kv.persist.fingerprint`) of
@@ -35,6 +37,11 @@ from fibquant.kv.persist.fingerprint import TOLERANCE, fingerprint_label, tensor
 
 CONFIG_KEYS = ("model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size",
                "head_dim", "vocab_size", "rope_theta", "max_position_embeddings")
+# Recorded since 2026-12-03. transformers 5 keeps the rope theta in `rope_parameters` (config.rope_theta
+# is None there), so without these a model with another rope base, rope scaling (context extension)
+# or sliding window, and otherwise the same weights, opened a cache computed with different positions.
+LATER_CONFIG_KEYS = ("rope_parameters", "rope_scaling", "partial_rotary_factor", "sliding_window", "layer_types",
+                     "attn_logit_softcapping", "query_pre_attn_scalar", "kv_lora_rank", "qk_rope_head_dim")
 SAMPLE = 4096  # values sampled per parameter (at least; a tensor of fewer is read whole)
 
 
@@ -43,9 +50,10 @@ def _text_config(model):
 
 
 def _config(model) -> dict:
-    """The CONFIG_KEYS fields of the model's (text) config, as JSON reads them back."""
+    """The CONFIG_KEYS and LATER_CONFIG_KEYS fields of the model's (text) config, as JSON reads them back."""
     config = _text_config(model)
-    return json.loads(json.dumps({k: getattr(config, k, None) for k in CONFIG_KEYS}, sort_keys=True, default=str))
+    return json.loads(json.dumps({k: getattr(config, k, None) for k in CONFIG_KEYS + LATER_CONFIG_KEYS},
+                                 sort_keys=True, default=str))
 
 
 def _parameters(model) -> list:
@@ -112,7 +120,8 @@ def model_mismatch(saved: Union[str, dict], model) -> Optional[str]:
             or not isinstance(saved.get("parameters"), dict):
         return "the saved model identity is corrupt (no config/parameters)"
     config = _config(model)
-    fields = [k for k in sorted(set(config) | set(saved["config"])) if config.get(k) != saved["config"].get(k)]
+    compared = (set(config) - set(LATER_CONFIG_KEYS)) | set(saved["config"])
+    fields = [k for k in sorted(compared) if config.get(k) != saved["config"].get(k)]
     if fields:
         return "config " + ", ".join(f"{k} {config.get(k)!r}, saved {saved['config'].get(k)!r}" for k in fields)
     here = dict(_parameters(model))
