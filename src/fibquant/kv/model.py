@@ -39,28 +39,68 @@ def load_model(name_or_path: str | os.PathLike | None = None, dtype=None, dense:
     transformers causal LM. Nothing is fetched from a hub (HF_HUB_OFFLINE=1).
     dense: dequantise a GGUF file's weights at load and drop its quantisation entry from the config
     (transformers otherwise keeps the packed blocks, which it cannot save: `save_pretrained` needs this).
+    A GGUF file is parsed once and kept as a dense copy under the cache root (`kv.model_copy`); every
+    load after the first reads that copy (dense, the same weights bitwise).
     """
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     dtype = dtype or torch.float32
     path = default_model_file() if name_or_path is None else Path(name_or_path)
     if not path.exists():
         raise ValueError(f"model path does not exist: {path} (models are never downloaded)")
+    if path.is_file() and path.suffix != ".gguf":
+        raise ValueError(f"unsupported model file {path}: expected a .gguf file or a model directory")
     if path.is_file():
-        if path.suffix != ".gguf":
-            raise ValueError(f"unsupported model file {path}: expected a .gguf file or a model directory")
-        kwargs = {"gguf_file": path.name}
-        path = path.parent
-    else:
-        kwargs = {}
-    tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-    if dense and "gguf_file" in kwargs:
+        return _load_gguf(path, dtype, dense)
+    return _load_pretrained(path, dtype)
+
+
+def _load_pretrained(directory: Path, dtype):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).eval(), tokenizer
+
+
+def _load_gguf(path: Path, dtype, dense: bool):
+    """A GGUF model through its dense copy (`kv.model_copy`: parsed once, then ~1 s per load), or read
+    from the GGUF itself when copies are off or cannot be written. The copy is the same model (bitwise),
+    named by the GGUF's folder as a direct load is (`describe_model`)."""
+    import torch
+
+    import fibquant.kv.model_copy as model_copy
+
+    copy = model_copy.copy_dir(path)
+    if copy is not None and model_copy.is_complete(copy, path):
+        try:
+            return _named(*_load_pretrained(copy, dtype), path)
+        except Exception as exc:  # a truncated or edited copy: rebuilt below, the GGUF is the source
+            model_copy.discard(copy, f"{type(exc).__name__}: {exc}")
+    if copy is None:
+        return _read_gguf(path, dtype, dense)
+    model, tokenizer = _read_gguf(path, torch.float32, dense=True)
+    if model_copy.write_copy(copy, path, model, tokenizer):
+        return _named(*_load_pretrained(copy, dtype), path)
+    return model.to(dtype), tokenizer
+
+
+def _named(model, tokenizer, gguf: Path):
+    model.config._name_or_path = str(gguf.parent)
+    return model, tokenizer
+
+
+def _read_gguf(path: Path, dtype, dense: bool):
+    """The model and tokenizer read from the GGUF file itself (transformers' GGUF loader)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = {"gguf_file": path.name}
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, **kwargs)
+    if dense:
         from transformers import GgufConfig
 
         kwargs["quantization_config"] = GgufConfig(dequantize=True)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, dtype=dtype, **kwargs)
     if dense:  # plain dense weights: nothing may read them as GGUF blocks later
         if getattr(model, "hf_quantizer", None) is not None:
             model.hf_quantizer = None
