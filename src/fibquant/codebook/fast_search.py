@@ -58,6 +58,7 @@ WALK_CHUNK = 4           # the walk scans its lists this many entries at a time 
 WALK_STARTS = 1          # start candidates per box of the walk's grid (the nearest to the block is taken)
 WALK_BINS = 2048         # the walk's start grid: bins per axis of the cell lookup table
 WALK_MARGIN = 1e-10      # certified: unlisted codewords farther by > this * (1 + max ||c||^2) (squared)
+SENTINEL = 1e300        # coordinates of the padding codeword of the grid2 / grid4 tables (distance inf)
 DOMINANCE_MARGIN = 1e-9  # a listed codeword beaten by this much on its whole box is dropped
 CHALLENGERS = 6          # per box, the listed codewords tried as the one that beats another
 
@@ -310,6 +311,18 @@ def compact_lists(padded: torch.Tensor, heavy: torch.Tensor) -> tuple[torch.Tens
     return offsets, padded[keep].to(torch.int32).contiguous()
 
 
+def padded_lists(offsets: torch.Tensor, candidates: torch.Tensor, sentinel: int) -> torch.Tensor:
+    """The compact lists (`compact_lists`) as int16 [boxes, W] (W the longest list), each list padded with
+    `sentinel` (the index of the far-out row the `grid2` kernel appends to the codewords)."""
+    counts = offsets[1:] - offsets[:-1]
+    width = max(1, int(counts.max()) if len(counts) else 1)
+    slot = torch.arange(width)
+    valid = slot[None, :] < counts[:, None]
+    where = (offsets[:-1, None] + slot[None, :]).clamp(max=max(0, len(candidates) - 1))
+    picked = candidates[where].to(torch.int64) if len(candidates) else torch.zeros_like(where)
+    return torch.where(valid, picked, torch.full_like(picked, sentinel)).to(torch.int16).contiguous()
+
+
 def prune_dominated(offsets: torch.Tensor, candidates: torch.Tensor, edges: torch.Tensor, cells: int,
                     codewords: torch.Tensor, outer: float, chunk: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
     """Drop from each box's list every codeword c that a listed c' (one of the CHALLENGERS nearest
@@ -377,6 +390,15 @@ class NumbaSearch:
             self.codewords64 = cw.to(torch.float64)
             tables = (self.edges, cells, self.offsets, self.candidates, self.heavy, self.codewords64,
                       self.codewords_t64)
+            if self.k in (2, 4):  # the branch-free kernels `grid2` / `grid4` (search_numba)
+                self.codewords_pad = torch.cat([self.codewords64, torch.full((1, self.k), SENTINEL, dtype=torch.float64)])
+                self.codewords_t32 = cw.T.contiguous()
+                lists = (padded_lists(self.offsets, self.candidates, self.n_codewords),) if self.k == 2 else (
+                    self.offsets, self.candidates)
+                self.padded = lists[0] if self.k == 2 else None
+                fast_tables = (self.edges, cells, *lists, self.heavy, self.codewords_pad, self.codewords_t64,
+                               self.codewords_t32)
+                self._grid_args = (self.k, *(t.numpy() if isinstance(t, torch.Tensor) else t for t in fast_tables))
         elif self.method == "walk":
             cells = WALK.get(self.k, (GRID_CELLS.get(self.k, 8), 0))[0]
             origin, scale, lut, guess = walk_guess(cw, dim, cells)
@@ -436,8 +458,10 @@ class NumbaSearch:
         elif self.method == "brute" and n * n_blocks >= MATMUL_MIN_BLOCKS:
             flagged = self._matmul_screen(u, kernels["verify"], out)
         else:
-            name = f"grid{self.k}" if self.method == "grid" and self.k in (2, 4) else self.method
-            flagged = _run_rows(kernels[name], (u.numpy(), *self._args, *out), n, n_blocks)
+            if self.method == "grid" and self.k in (2, 4):
+                flagged = _run_rows(kernels[f"grid{self.k}"], (u.numpy(), *self._grid_args, *out), n, n_blocks)
+            else:
+                flagged = _run_rows(kernels[self.method], (u.numpy(), *self._args, *out), n, n_blocks)
         if flagged:  # near ties (and non-finite blocks): the reference decides
             where = np.flatnonzero(flags)
             blocks = u.reshape(-1, self.k)[torch.from_numpy(where)]
@@ -476,9 +500,15 @@ class NumbaSearch:
 
     def encode(self, u: torch.Tensor, norm_bytes: torch.Tensor | np.ndarray, index_bits: int) -> torch.Tensor:
         """Codes [n, h + packed] = norm bytes [n, h] (uint8), then the packed indices of u (`pack_bits`)."""
+        return self.encode_index(u, norm_bytes, index_bits)[0]
+
+    def encode_index(self, u: torch.Tensor, norm_bytes: torch.Tensor | np.ndarray,
+                     index_bits: int) -> tuple[torch.Tensor, np.ndarray]:
+        """(`encode`'s codes, the indices they pack: int64 [n, dim/k])."""
         n, head = norm_bytes.shape
         n_blocks = u.shape[1] // self.k
-        codes = np.zeros((n, head + (n_blocks * index_bits + 7) // 8), dtype=np.uint8)
+        # every byte of a row is written: the norm bytes here, then each packed byte (a partial last byte too)
+        codes = np.empty((n, head + (n_blocks * index_bits + 7) // 8), dtype=np.uint8)
         codes[:, :head] = norm_bytes.numpy() if isinstance(norm_bytes, torch.Tensor) else norm_bytes
-        self._run(u, codes, head, index_bits)
-        return torch.from_numpy(codes)
+        index = self._run(u, codes, head, index_bits)
+        return torch.from_numpy(codes), index
