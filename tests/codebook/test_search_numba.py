@@ -252,3 +252,41 @@ def test_specialised_grid_kernels_equal_the_generic_one(k, n):
     (f0, i0, g0, c0), (f1, i1, g1, c1) = outs.values()
     assert f0 == f1 and (g0 == g1).all() and (i0 == i1).all() and (c0 == c1).all()
     assert torch.equal(search.indices(u).reshape(-1), reference_index(u.reshape(-1, k), codewords))
+
+
+@pytest.mark.parametrize("n", [256, 128, 64])
+def test_sure_boxes_hold_the_reference_index(n):
+    """grid2's sure boxes (`fast_search.sure_table`): at float32 blocks inside sure boxes, on their
+    corners and one float32 step beside them, mapped to a box as the kernel maps them, the table's
+    codeword is the reference's index; the kernel's indices equal the reference's there. Shipped
+    codebooks: most boxes are sure; with duplicate codewords the boxes around a duplicate are not."""
+    from fibquant.codebook.fast_search import SURE_SPLIT
+
+    codewords = (FibQuantCodec(64, 2, n).codebook.codewords if n != 64
+                 else random_codebook(2, n, seed=7, duplicates=True))
+    search = NumbaSearch(codewords, 64, "grid")
+    sure = search.sure.to(torch.int64)
+    lo, hi = float(search.edges[0]), float(search.edges[-1])
+    fine = (len(search.edges) - 1) * SURE_SPLIT
+    assert sure.shape == (fine * fine,) and int(sure.max()) < n
+    gen = torch.Generator().manual_seed(n)
+    boxes = torch.nonzero(sure >= 0).reshape(-1)
+    corner = torch.stack([boxes % fine, boxes // fine], 1).to(torch.float64)          # [m, 2] cells (i, j)
+    inside = lo + (corner + torch.rand(len(boxes), 2, generator=gen, dtype=torch.float64)) * (hi - lo) / fine
+    on_lattice = (lo + (corner + torch.randint(0, 2, (len(boxes), 2), generator=gen)) * (hi - lo) / fine).float()
+    step = torch.randint(-1, 2, on_lattice.shape, generator=gen).float()
+    beside = torch.where(step == 0, on_lattice, torch.nextafter(on_lattice, step * float("inf")))
+    blocks = torch.cat([inside.float(), on_lattice, beside])
+    f = (blocks.to(torch.float64) - lo) * (fine / (hi - lo))                           # the kernel's box
+    mapped = ((f >= 0) & (f < fine)).all(1)
+    cell = f[mapped].floor().to(torch.int64)
+    table = sure[cell[:, 0] + fine * cell[:, 1]]
+    reference = reference_index(blocks, codewords)
+    hit = table >= 0
+    assert hit.sum() > len(boxes) and torch.equal(table[hit], reference[mapped][hit])
+    whole = len(blocks) // 32 * 32  # rows of 64
+    assert torch.equal(search.indices(blocks[:whole].reshape(-1, 64)).reshape(-1), reference[:whole])
+    if n != 64:
+        assert float((sure >= 0).float().mean()) > 0.5
+    else:  # codewords 1 and n // 2 coincide: no box holds either as a sure nearest
+        assert not ((sure == 1) | (sure == n // 2)).any()

@@ -58,6 +58,8 @@ WALK_CHUNK = 4           # the walk scans its lists this many entries at a time 
 WALK_STARTS = 1          # start candidates per box of the walk's grid (the nearest to the block is taken)
 WALK_BINS = 2048         # the walk's start grid: bins per axis of the cell lookup table
 WALK_MARGIN = 1e-10      # certified: unlisted codewords farther by > this * (1 + max ||c||^2) (squared)
+SURE_SPLIT = 4          # grid2: sure boxes per grid cell and axis (`sure_table`: ~80 % of real blocks, ~0.3 s)
+SURE_MARGIN = 1e-7      # a sure box's codeword is nearer than every other by more than this (squared distance)
 SENTINEL = 1e300        # coordinates of the padding codeword of the grid2 / grid4 tables (distance inf)
 DOMINANCE_MARGIN = 1e-9  # a listed codeword beaten by this much on its whole box is dropped
 CHALLENGERS = 6          # per box, the listed codewords tried as the one that beats another
@@ -323,6 +325,38 @@ def padded_lists(offsets: torch.Tensor, candidates: torch.Tensor, sentinel: int)
     return torch.where(valid, picked, torch.full_like(picked, sentinel)).to(torch.int16).contiguous()
 
 
+def sure_table(codewords: torch.Tensor, lo: float, hi: float, fine: int) -> torch.Tensor:
+    """The `grid2` kernel's table of sure boxes for codewords [N, 2] (float64): [lo, hi]^2 cut into
+    fine x fine equal boxes (box (i, j) at i + fine * j, i the cell of axis 0); a box holds the
+    codeword c* that is the nearest of every point of the box by more than SURE_MARGIN in squared
+    distance (so the unique nearest, no near tie at any rounding: the reference's index, unflagged),
+    else -1. The gap ||x - c||^2 - ||x - c*||^2 is affine in x, so it exceeds the margin on the whole
+    box when it does at the box's four corners: a box is sure when its corners share their nearest
+    codeword and each corner's second nearest is farther by more than the margin (float64 distances
+    ||c||^2 - 2 x.c + ||x||^2, their rounding ~1e-15 far below the margin, which also covers the
+    kernel's rounding of a block's box; a near tie at a corner only makes the box unsure). Returns
+    int16 [fine * fine]."""
+    axis = torch.linspace(lo, hi, fine + 1, dtype=torch.float64)
+    points = torch.stack([axis.repeat(fine + 1), axis.repeat_interleave(fine + 1)], 1)   # point (i, j) at i + (fine + 1) j
+    best = torch.empty(len(points), dtype=torch.int64)
+    gap = torch.empty(len(points), dtype=torch.float64)
+    columns, sq = codewords.T.contiguous(), (codewords ** 2).sum(1)
+    rows = max(1, (1 << 20) // max(1, len(codewords)))
+    for start in range(0, len(points), rows):
+        part = points[start:start + rows]
+        dist = torch.addmm(sq, part, columns, alpha=-2.0) + (part ** 2).sum(1, keepdim=True)  # [rows, N]
+        first, where = dist.min(1)
+        dist.scatter_(1, where[:, None], math.inf)
+        best[start:start + rows] = where
+        gap[start:start + rows] = dist.min(1).values - first
+    best, clear = best.view(fine + 1, fine + 1), (gap > SURE_MARGIN).view(fine + 1, fine + 1)  # [j, i]
+    corner = best[:-1, :-1]
+    sure = clear[:-1, :-1].clone()
+    for dj, di in ((0, 1), (1, 0), (1, 1)):
+        sure &= clear[dj:dj + fine, di:di + fine] & (best[dj:dj + fine, di:di + fine] == corner)
+    return torch.where(sure, corner, torch.full_like(corner, -1)).reshape(-1).to(torch.int16).contiguous()
+
+
 def prune_dominated(offsets: torch.Tensor, candidates: torch.Tensor, edges: torch.Tensor, cells: int,
                     codewords: torch.Tensor, outer: float, chunk: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
     """Drop from each box's list every codeword c that a listed c' (one of the CHALLENGERS nearest
@@ -393,9 +427,14 @@ class NumbaSearch:
             if self.k in (2, 4):  # the branch-free kernels `grid2` / `grid4` (search_numba)
                 self.codewords_pad = torch.cat([self.codewords64, torch.full((1, self.k), SENTINEL, dtype=torch.float64)])
                 self.codewords_t32 = cw.T.contiguous()
-                lists = (padded_lists(self.offsets, self.candidates, self.n_codewords),) if self.k == 2 else (
-                    self.offsets, self.candidates)
-                self.padded = lists[0] if self.k == 2 else None
+                if self.k == 2:
+                    self.padded = padded_lists(self.offsets, self.candidates, self.n_codewords)
+                    lo, hi = float(self.edges[0]), float(self.edges[-1])
+                    fine = (len(self.edges) - 1) * SURE_SPLIT
+                    self.sure = sure_table(self.codewords64, lo, hi, fine)
+                    lists = (self.padded, self.sure, lo, fine / (hi - lo), fine)
+                else:
+                    lists = (self.offsets, self.candidates)
                 fast_tables = (self.edges, cells, *lists, self.heavy, self.codewords_pad, self.codewords_t64,
                                self.codewords_t32)
                 self._grid_args = (self.k, *(t.numpy() if isinstance(t, torch.Tensor) else t for t in fast_tables))

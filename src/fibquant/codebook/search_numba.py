@@ -148,13 +148,16 @@ def _far_block_py(x0, x1, x2, x3, k, cw_t, cw32_t, x, xs, dist, dist32, index, f
     return _settle(x, cw_t, dist32, np.float64(limit), index, flags, row, block)
 
 
-def _grid2_py(u, k, edges, cells, padded, heavy, cwp, cw_t, cw32_t, index, flags, codes, head, bits, start, stop):
+def _grid2_py(u, k, edges, cells, padded, sure, lo, fscale, fine, heavy, cwp, cw_t, cw32_t, index, flags, codes, head,
+              bits, start, stop):
     """`_grid_py` for k = 2, branch-free: the block in registers, every box's candidate list padded to one
     width with a sentinel codeword N (cwp[N] is far out: distance inf, never the best nor the second),
     and the fold of `_consider` as selects (candidates ascend, so a later equal distance never wins: the
     lowest index among equals, as the reference). The same boxes, float64 distances (the same sum
     order) and tie flags as `_grid_py`, so the same indices and flags; heavy boxes and blocks beyond the
-    boxes take `_far_block`."""
+    boxes take `_far_block`. First, a block in a sure box (`fast_search.sure_table`: the fine boxes of
+    [lo, hi]^2, box floor((x - lo) * fscale) per axis, whose one codeword is the nearest of all their
+    points by a margin) takes that codeword, unflagged: what the search would find."""
     n_blocks = u.shape[1] // 2
     width = padded.shape[1]
     last = edges.shape[0]
@@ -171,6 +174,13 @@ def _grid2_py(u, k, edges, cells, padded, heavy, cwp, cw_t, cw32_t, index, flags
             v1 = u[row, 2 * b + 1]
             x0 = np.float64(v0)
             x1 = np.float64(v1)
+            f0 = (x0 - lo) * fscale
+            f1 = (x1 - lo) * fscale
+            if 0.0 <= f0 < fine and 0.0 <= f1 < fine:
+                s = sure[np.int64(f0) + fine * np.int64(f1)]
+                if s >= 0:
+                    index[row, b] = s
+                    continue
             box = -1
             if -GRID_OUTER <= v0 <= GRID_OUTER and -GRID_OUTER <= v1 <= GRID_OUTER:
                 box = _cell(v0, edges, origin, scale, last) + _cell(v1, edges, origin, scale, last) * cells
@@ -814,7 +824,8 @@ def compile_kernels():
     return {
         "grid": numba.njit(f"int64({u}, int64, float32[::1], int64, int64[::1], int32[::1], boolean[::1], "
                            f"float64[:, ::1], float64[:, ::1], {out})", **jit)(_grid_py),
-        "grid2": numba.njit(f"int64({u}, int64, float32[::1], int64, int16[:, ::1], boolean[::1], "
+        "grid2": numba.njit(f"int64({u}, int64, float32[::1], int64, int16[:, ::1], int16[::1], float64, float64, "
+                            f"int64, boolean[::1], "
                             f"float64[:, ::1], float64[:, ::1], float32[:, ::1], {out})", **jit)(_grid2_py),
         "grid4": numba.njit(f"int64({u}, int64, float32[::1], int64, int64[::1], int32[::1], boolean[::1], "
                             f"float64[:, ::1], float64[:, ::1], float32[:, ::1], {out})", **jit)(_grid4_py),
