@@ -227,9 +227,9 @@ def test_numpy_fp16_norm_bytes_match_torch():
 
 @pytest.mark.parametrize("k,n", [(2, 256), (2, 64), (4, 256), (4, 40)])
 def test_specialised_grid_kernels_equal_the_generic_one(k, n):
-    """grid2 / grid4 (block in registers, one-candidate boxes without a distance, 8-bit indices
-    stored straight into the codes) give the generic grid kernel's indices, flags and codes, and
-    after the flagged blocks go to the reference, the reference's indices (ties included)."""
+    """grid2 / grid4 (block in registers, branch-free fold over padded lists, far and heavy blocks
+    through the float32 screen, at k = 2 the sure boxes) give the generic grid kernel's indices, flags
+    and codes, and after the flagged blocks go to the reference, the reference's indices (ties included)."""
     import numpy as np
 
     from fibquant.codebook.fast_search import _kernels
@@ -290,3 +290,14 @@ def test_sure_boxes_hold_the_reference_index(n):
         assert float((sure >= 0).float().mean()) > 0.5
     else:  # codewords 1 and n // 2 coincide: no box holds either as a sure nearest
         assert not ((sure == 1) | (sure == n // 2)).any()
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_norm_corrected_codes_equal_the_spec(bits):
+    """Norm correction from the numba encode's indices (no unpacking, the codes corrected in place) gives
+    the spec's bytes: the reference codes with `_correct_norms` over their unpacked indices."""
+    codec = FibQuantCodec.for_rate(64, bits, norm_correction=True)
+    x = torch.cat([torch.randn(700, 64, generator=torch.Generator().manual_seed(bits)) * 3 + 1, adversarial_rows()])
+    spec = codec._correct_norms(x, reference_codes(codec, x))
+    assert torch.equal(codec.encode(x), spec)
+    assert torch.equal(codec.encode(x[:1]), spec[:1])

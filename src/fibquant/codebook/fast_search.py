@@ -11,7 +11,10 @@
   far to matter (`walk_lists`). ~17 codewords looked at per block at N = 4096, against the k-d
   tree's ~100s; build ~1-3 s (Qhull dominates);
 - `grid` (k = 2, 3 with N <= 1024, k = 4 with N <= 256): the candidate lists of `grid_search.GridSearch`, further pruned
-  by `prune_dominated`;
+  by `prune_dominated`; at k = 2 and 4 branch-free kernels (`grid2`, `grid4`: k = 2 lists padded to one
+  width with a far sentinel codeword, the fold as selects; heavy boxes and far blocks through the float32
+  screen), and at k = 2 first a table of *sure* sub-boxes (`sure_table`: 4 x 4 per grid cell, those whose
+  one codeword is the nearest of the whole sub-box by SURE_MARGIN) that answers ~80 % of blocks by a lookup;
 - `tree` (other k <= TREE_MAX_K): a k-d tree;
 - `brute` (k > 4): a full scan (for k <= SCAN_MAX_K the fused float32 `scan` kernel; above, a numba
   loop for few blocks and a float32 BLAS matmul from MATMUL_MIN_BLOCKS blocks; the near-best of
