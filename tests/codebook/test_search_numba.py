@@ -297,7 +297,14 @@ def test_norm_corrected_codes_equal_the_spec(bits):
     """Norm correction from the numba encode's indices (no unpacking, the codes corrected in place) gives
     the spec's bytes: the reference codes with `_correct_norms` over their unpacked indices."""
     codec = FibQuantCodec.for_rate(64, bits, norm_correction=True)
-    x = torch.cat([torch.randn(700, 64, generator=torch.Generator().manual_seed(bits)) * 3 + 1, adversarial_rows()])
+    adversarial = adversarial_rows()
+    huge = adversarial.norm(dim=1) > 1e4  # ||x|| / ||u_hat|| may leave the fp16 range: an error on both paths
+    x = torch.cat([torch.randn(700, 64, generator=torch.Generator().manual_seed(bits)) * 3 + 1, adversarial[~huge]])
     spec = codec._correct_norms(x, reference_codes(codec, x))
     assert torch.equal(codec.encode(x), spec)
     assert torch.equal(codec.encode(x[:1]), spec[:1])
+    over = adversarial[huge] * 1.09  # norms ~65400: in range, corrected out of it (||u_hat|| < 1)
+    with pytest.raises(ValueError, match="fp16 range"):
+        codec._correct_norms(over, reference_codes(codec, over))
+    with pytest.raises(ValueError, match="fp16 range"):
+        codec.encode(over)
