@@ -227,9 +227,9 @@ def test_numpy_fp16_norm_bytes_match_torch():
 
 @pytest.mark.parametrize("k,n", [(2, 256), (2, 64), (4, 256), (4, 40)])
 def test_specialised_grid_kernels_equal_the_generic_one(k, n):
-    """grid2 / grid4 (block in registers, one-candidate boxes without a distance, 8-bit indices
-    stored straight into the codes) give the generic grid kernel's indices, flags and codes, and
-    after the flagged blocks go to the reference, the reference's indices (ties included)."""
+    """grid2 / grid4 (block in registers, branch-free fold over padded lists, far and heavy blocks
+    through the float32 screen, at k = 2 the sure boxes) give the generic grid kernel's indices, flags
+    and codes, and after the flagged blocks go to the reference, the reference's indices (ties included)."""
     import numpy as np
 
     from fibquant.codebook.fast_search import _kernels
@@ -246,8 +246,65 @@ def test_specialised_grid_kernels_equal_the_generic_one(k, n):
         index = np.empty((rows, n_blocks), dtype=np.int64)
         flags = np.zeros((rows, n_blocks), dtype=np.int8)
         codes = np.zeros((rows, 2 + (n_blocks * bits + 7) // 8), dtype=np.uint8)
-        flagged = _kernels()[name](u.numpy(), *search._args, index, flags, codes, 2, bits, 0, rows)
+        args = search._args if name == "grid" else search._grid_args
+        flagged = _kernels()[name](u.numpy(), *args, index, flags, codes, 2, bits, 0, rows)
         outs[name] = (flagged, index, flags, codes)
     (f0, i0, g0, c0), (f1, i1, g1, c1) = outs.values()
     assert f0 == f1 and (g0 == g1).all() and (i0 == i1).all() and (c0 == c1).all()
     assert torch.equal(search.indices(u).reshape(-1), reference_index(u.reshape(-1, k), codewords))
+
+
+@pytest.mark.parametrize("n", [256, 128, 64])
+def test_sure_boxes_hold_the_reference_index(n):
+    """grid2's sure boxes (`fast_search.sure_table`): at float32 blocks inside sure boxes, on their
+    corners and one float32 step beside them, mapped to a box as the kernel maps them, the table's
+    codeword is the reference's index; the kernel's indices equal the reference's there. Shipped
+    codebooks: most boxes are sure; with duplicate codewords the boxes around a duplicate are not."""
+    from fibquant.codebook.fast_search import SURE_SPLIT
+
+    codewords = (FibQuantCodec(64, 2, n).codebook.codewords if n != 64
+                 else random_codebook(2, n, seed=7, duplicates=True))
+    search = NumbaSearch(codewords, 64, "grid")
+    sure = search.sure.to(torch.int64)
+    lo, hi = float(search.edges[0]), float(search.edges[-1])
+    fine = (len(search.edges) - 1) * SURE_SPLIT
+    assert sure.shape == (fine * fine,) and int(sure.max()) < n
+    gen = torch.Generator().manual_seed(n)
+    boxes = torch.nonzero(sure >= 0).reshape(-1)
+    corner = torch.stack([boxes % fine, boxes // fine], 1).to(torch.float64)          # [m, 2] cells (i, j)
+    inside = lo + (corner + torch.rand(len(boxes), 2, generator=gen, dtype=torch.float64)) * (hi - lo) / fine
+    on_lattice = (lo + (corner + torch.randint(0, 2, (len(boxes), 2), generator=gen)) * (hi - lo) / fine).float()
+    step = torch.randint(-1, 2, on_lattice.shape, generator=gen).float()
+    beside = torch.where(step == 0, on_lattice, torch.nextafter(on_lattice, step * float("inf")))
+    blocks = torch.cat([inside.float(), on_lattice, beside])
+    f = (blocks.to(torch.float64) - lo) * (fine / (hi - lo))                           # the kernel's box
+    mapped = ((f >= 0) & (f < fine)).all(1)
+    cell = f[mapped].floor().to(torch.int64)
+    table = sure[cell[:, 0] + fine * cell[:, 1]]
+    reference = reference_index(blocks, codewords)
+    hit = table >= 0
+    assert hit.sum() > len(boxes) and torch.equal(table[hit], reference[mapped][hit])
+    whole = len(blocks) // 32 * 32  # rows of 64
+    assert torch.equal(search.indices(blocks[:whole].reshape(-1, 64)).reshape(-1), reference[:whole])
+    if n != 64:
+        assert float((sure >= 0).float().mean()) > 0.5
+    else:  # codewords 1 and n // 2 coincide: no box holds either as a sure nearest
+        assert not ((sure == 1) | (sure == n // 2)).any()
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_norm_corrected_codes_equal_the_spec(bits):
+    """Norm correction from the numba encode's indices (no unpacking, the codes corrected in place) gives
+    the spec's bytes: the reference codes with `_correct_norms` over their unpacked indices."""
+    codec = FibQuantCodec.for_rate(64, bits, norm_correction=True)
+    adversarial = adversarial_rows()
+    huge = adversarial.norm(dim=1) > 1e4  # ||x|| / ||u_hat|| may leave the fp16 range: an error on both paths
+    x = torch.cat([torch.randn(700, 64, generator=torch.Generator().manual_seed(bits)) * 3 + 1, adversarial[~huge]])
+    spec = codec._correct_norms(x, reference_codes(codec, x))
+    assert torch.equal(codec.encode(x), spec)
+    assert torch.equal(codec.encode(x[:1]), spec[:1])
+    over = adversarial[huge] * 1.09  # norms ~65400: in range, corrected out of it (||u_hat|| < 1)
+    with pytest.raises(ValueError, match="fp16 range"):
+        codec._correct_norms(over, reference_codes(codec, over))
+    with pytest.raises(ValueError, match="fp16 range"):
+        codec.encode(over)

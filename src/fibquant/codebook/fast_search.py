@@ -11,7 +11,10 @@
   far to matter (`walk_lists`). ~17 codewords looked at per block at N = 4096, against the k-d
   tree's ~100s; build ~1-3 s (Qhull dominates);
 - `grid` (k = 2, 3 with N <= 1024, k = 4 with N <= 256): the candidate lists of `grid_search.GridSearch`, further pruned
-  by `prune_dominated`;
+  by `prune_dominated`; at k = 2 and 4 branch-free kernels (`grid2`, `grid4`: k = 2 lists padded to one
+  width with a far sentinel codeword, the fold as selects; heavy boxes and far blocks through the float32
+  screen), and at k = 2 first a table of *sure* sub-boxes (`sure_table`: 4 x 4 per grid cell, those whose
+  one codeword is the nearest of the whole sub-box by SURE_MARGIN) that answers ~80 % of blocks by a lookup;
 - `tree` (other k <= TREE_MAX_K): a k-d tree;
 - `brute` (k > 4): a full scan (for k <= SCAN_MAX_K the fused float32 `scan` kernel; above, a numba
   loop for few blocks and a float32 BLAS matmul from MATMUL_MIN_BLOCKS blocks; the near-best of
@@ -58,6 +61,9 @@ WALK_CHUNK = 4           # the walk scans its lists this many entries at a time 
 WALK_STARTS = 1          # start candidates per box of the walk's grid (the nearest to the block is taken)
 WALK_BINS = 2048         # the walk's start grid: bins per axis of the cell lookup table
 WALK_MARGIN = 1e-10      # certified: unlisted codewords farther by > this * (1 + max ||c||^2) (squared)
+SURE_SPLIT = 4          # grid2: sure boxes per grid cell and axis (`sure_table`: ~80 % of real blocks, ~0.3 s)
+SURE_MARGIN = 1e-7      # a sure box's codeword is nearer than every other by more than this (squared distance)
+SENTINEL = 1e300        # coordinates of the padding codeword of the grid2 / grid4 tables (distance inf)
 DOMINANCE_MARGIN = 1e-9  # a listed codeword beaten by this much on its whole box is dropped
 CHALLENGERS = 6          # per box, the listed codewords tried as the one that beats another
 
@@ -310,6 +316,50 @@ def compact_lists(padded: torch.Tensor, heavy: torch.Tensor) -> tuple[torch.Tens
     return offsets, padded[keep].to(torch.int32).contiguous()
 
 
+def padded_lists(offsets: torch.Tensor, candidates: torch.Tensor, sentinel: int) -> torch.Tensor:
+    """The compact lists (`compact_lists`) as int16 [boxes, W] (W the longest list), each list padded with
+    `sentinel` (the index of the far-out row the `grid2` kernel appends to the codewords)."""
+    counts = offsets[1:] - offsets[:-1]
+    width = max(1, int(counts.max()) if len(counts) else 1)
+    slot = torch.arange(width)
+    valid = slot[None, :] < counts[:, None]
+    where = (offsets[:-1, None] + slot[None, :]).clamp(max=max(0, len(candidates) - 1))
+    picked = candidates[where].to(torch.int64) if len(candidates) else torch.zeros_like(where)
+    return torch.where(valid, picked, torch.full_like(picked, sentinel)).to(torch.int16).contiguous()
+
+
+def sure_table(codewords: torch.Tensor, lo: float, hi: float, fine: int) -> torch.Tensor:
+    """The `grid2` kernel's table of sure boxes for codewords [N, 2] (float64): [lo, hi]^2 cut into
+    fine x fine equal boxes (box (i, j) at i + fine * j, i the cell of axis 0); a box holds the
+    codeword c* that is the nearest of every point of the box by more than SURE_MARGIN in squared
+    distance (so the unique nearest, no near tie at any rounding: the reference's index, unflagged),
+    else -1. The gap ||x - c||^2 - ||x - c*||^2 is affine in x, so it exceeds the margin on the whole
+    box when it does at the box's four corners: a box is sure when its corners share their nearest
+    codeword and each corner's second nearest is farther by more than the margin (float64 distances
+    ||c||^2 - 2 x.c + ||x||^2, their rounding ~1e-15 far below the margin, which also covers the
+    kernel's rounding of a block's box; a near tie at a corner only makes the box unsure). Returns
+    int16 [fine * fine]."""
+    axis = torch.linspace(lo, hi, fine + 1, dtype=torch.float64)
+    points = torch.stack([axis.repeat(fine + 1), axis.repeat_interleave(fine + 1)], 1)   # point (i, j) at i + (fine + 1) j
+    best = torch.empty(len(points), dtype=torch.int64)
+    gap = torch.empty(len(points), dtype=torch.float64)
+    columns, sq = codewords.T.contiguous(), (codewords ** 2).sum(1)
+    rows = max(1, (1 << 20) // max(1, len(codewords)))
+    for start in range(0, len(points), rows):
+        part = points[start:start + rows]
+        dist = torch.addmm(sq, part, columns, alpha=-2.0) + (part ** 2).sum(1, keepdim=True)  # [rows, N]
+        first, where = dist.min(1)
+        dist.scatter_(1, where[:, None], math.inf)
+        best[start:start + rows] = where
+        gap[start:start + rows] = dist.min(1).values - first
+    best, clear = best.view(fine + 1, fine + 1), (gap > SURE_MARGIN).view(fine + 1, fine + 1)  # [j, i]
+    corner = best[:-1, :-1]
+    sure = clear[:-1, :-1].clone()
+    for dj, di in ((0, 1), (1, 0), (1, 1)):
+        sure &= clear[dj:dj + fine, di:di + fine] & (best[dj:dj + fine, di:di + fine] == corner)
+    return torch.where(sure, corner, torch.full_like(corner, -1)).reshape(-1).to(torch.int16).contiguous()
+
+
 def prune_dominated(offsets: torch.Tensor, candidates: torch.Tensor, edges: torch.Tensor, cells: int,
                     codewords: torch.Tensor, outer: float, chunk: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
     """Drop from each box's list every codeword c that a listed c' (one of the CHALLENGERS nearest
@@ -377,6 +427,20 @@ class NumbaSearch:
             self.codewords64 = cw.to(torch.float64)
             tables = (self.edges, cells, self.offsets, self.candidates, self.heavy, self.codewords64,
                       self.codewords_t64)
+            if self.k in (2, 4):  # the branch-free kernels `grid2` / `grid4` (search_numba)
+                self.codewords_pad = torch.cat([self.codewords64, torch.full((1, self.k), SENTINEL, dtype=torch.float64)])
+                self.codewords_t32 = cw.T.contiguous()
+                if self.k == 2:
+                    self.padded = padded_lists(self.offsets, self.candidates, self.n_codewords)
+                    lo, hi = float(self.edges[0]), float(self.edges[-1])
+                    fine = (len(self.edges) - 1) * SURE_SPLIT
+                    self.sure = sure_table(self.codewords64, lo, hi, fine)
+                    lists = (self.padded, self.sure, lo, fine / (hi - lo), fine)
+                else:
+                    lists = (self.offsets, self.candidates)
+                fast_tables = (self.edges, cells, *lists, self.heavy, self.codewords_pad, self.codewords_t64,
+                               self.codewords_t32)
+                self._grid_args = (self.k, *(t.numpy() if isinstance(t, torch.Tensor) else t for t in fast_tables))
         elif self.method == "walk":
             cells = WALK.get(self.k, (GRID_CELLS.get(self.k, 8), 0))[0]
             origin, scale, lut, guess = walk_guess(cw, dim, cells)
@@ -436,8 +500,10 @@ class NumbaSearch:
         elif self.method == "brute" and n * n_blocks >= MATMUL_MIN_BLOCKS:
             flagged = self._matmul_screen(u, kernels["verify"], out)
         else:
-            name = f"grid{self.k}" if self.method == "grid" and self.k in (2, 4) else self.method
-            flagged = _run_rows(kernels[name], (u.numpy(), *self._args, *out), n, n_blocks)
+            if self.method == "grid" and self.k in (2, 4):
+                flagged = _run_rows(kernels[f"grid{self.k}"], (u.numpy(), *self._grid_args, *out), n, n_blocks)
+            else:
+                flagged = _run_rows(kernels[self.method], (u.numpy(), *self._args, *out), n, n_blocks)
         if flagged:  # near ties (and non-finite blocks): the reference decides
             where = np.flatnonzero(flags)
             blocks = u.reshape(-1, self.k)[torch.from_numpy(where)]
@@ -476,9 +542,15 @@ class NumbaSearch:
 
     def encode(self, u: torch.Tensor, norm_bytes: torch.Tensor | np.ndarray, index_bits: int) -> torch.Tensor:
         """Codes [n, h + packed] = norm bytes [n, h] (uint8), then the packed indices of u (`pack_bits`)."""
+        return self.encode_index(u, norm_bytes, index_bits)[0]
+
+    def encode_index(self, u: torch.Tensor, norm_bytes: torch.Tensor | np.ndarray,
+                     index_bits: int) -> tuple[torch.Tensor, np.ndarray]:
+        """(`encode`'s codes, the indices they pack: int64 [n, dim/k])."""
         n, head = norm_bytes.shape
         n_blocks = u.shape[1] // self.k
-        codes = np.zeros((n, head + (n_blocks * index_bits + 7) // 8), dtype=np.uint8)
+        # every byte of a row is written: the norm bytes here, then each packed byte (a partial last byte too)
+        codes = np.empty((n, head + (n_blocks * index_bits + 7) // 8), dtype=np.uint8)
         codes[:, :head] = norm_bytes.numpy() if isinstance(norm_bytes, torch.Tensor) else norm_bytes
-        self._run(u, codes, head, index_bits)
-        return torch.from_numpy(codes)
+        index = self._run(u, codes, head, index_bits)
+        return torch.from_numpy(codes), index

@@ -36,6 +36,7 @@ WALK_SLACK = 1e-9    # Delaunay walk: slacks within +-WALK_SLACK (1 + ||x||^2 + 
 
 np = None            # numpy, bound by compile_kernels()
 _consider = _finish = _brute_block = _cell = _range_scores = _screen = _pack_row = _min = _count_below = _slack = _settle = None
+_far_block = None
 
 
 def _consider_py(d1, i1, d2, d, idx):
@@ -125,18 +126,47 @@ def _cell_py(v, edges, origin, scale, last):
     return cell
 
 
-def _grid2_py(u, k, edges, cells, offsets, candidates, heavy, cw, cw_t, index, flags, codes, head, bits, start, stop):
-    """`_grid_py` for k = 2 with the block in registers: the same boxes, candidate order, distances
-    (float64, (x0 - c0)^2 + (x1 - c1)^2, the same sum order), fold and tie flag, so the same
-    indices and flags. A box whose pruned list holds one codeword takes it without a distance
-    (`prune_dominated` leaves a codeword alone only when every other is farther by more than the
-    tie window on the whole box, so `_grid_py` would find it, unflagged)."""
+def _far_block_py(x0, x1, x2, x3, k, cw_t, cw32_t, x, xs, dist, dist32, index, flags, row, block):
+    """A block outside the grid's boxes or in a heavy box: the full search. A finite block takes `_brute_py`'s
+    float32 screen (vectorised) and the float64 decision of its survivors (`_settle`), a non-finite one the
+    float64 scan (`_brute_block`); both flag as `_finish` does. Returns the flags added."""
+    x[0] = x0
+    x[1] = x1
+    if k == 4:
+        x[2] = x2
+        x[3] = x3
+    finite = True
+    for j in range(k):
+        xs[j] = np.float32(x[j])
+        if not np.isfinite(x[j]):
+            finite = False
+    if not finite:
+        d1, i1, d2 = _brute_block(x, cw_t, dist)
+        return _finish(d1, i1, d2, x, index, flags, row, block)
+    slack = np.float32(1.0 + (2 * k + SCREEN_ULPS) * 2.0 ** -23)
+    limit = _screen(xs, cw32_t, dist32) * slack + np.float32(1e-30)
+    return _settle(x, cw_t, dist32, np.float64(limit), index, flags, row, block)
+
+
+def _grid2_py(u, k, edges, cells, padded, sure, lo, fscale, fine, heavy, cwp, cw_t, cw32_t, index, flags, codes, head,
+              bits, start, stop):
+    """`_grid_py` for k = 2, branch-free: the block in registers, every box's candidate list padded to one
+    width with a sentinel codeword N (cwp[N] is far out: distance inf, never the best nor the second),
+    and the fold of `_consider` as selects (candidates ascend, so a later equal distance never wins: the
+    lowest index among equals, as the reference). The same boxes, float64 distances (the same sum
+    order) and tie flags as `_grid_py`, so the same indices and flags; heavy boxes and blocks beyond the
+    boxes take `_far_block`. First, a block in a sure box (`fast_search.sure_table`: the fine boxes of
+    [lo, hi]^2, box floor((x - lo) * fscale) per axis, whose one codeword is the nearest of all their
+    points by a margin) takes that codeword, unflagged: what the search would find."""
     n_blocks = u.shape[1] // 2
+    width = padded.shape[1]
     last = edges.shape[0]
     origin = np.float64(edges[0])
     scale = (last - 1) / (np.float64(edges[last - 1]) - origin)
     x = np.empty(2, dtype=np.float64)
+    xs = np.empty(2, dtype=np.float32)
     dist = np.empty(cw_t.shape[1], dtype=np.float64)
+    dist32 = np.empty(cw_t.shape[1], dtype=np.float32)
     flagged = 0
     for row in range(start, stop):
         for b in range(n_blocks):
@@ -144,32 +174,36 @@ def _grid2_py(u, k, edges, cells, offsets, candidates, heavy, cw, cw_t, index, f
             v1 = u[row, 2 * b + 1]
             x0 = np.float64(v0)
             x1 = np.float64(v1)
+            f0 = (x0 - lo) * fscale
+            f1 = (x1 - lo) * fscale
+            if 0.0 <= f0 < fine and 0.0 <= f1 < fine:
+                s = sure[np.int64(f0) + fine * np.int64(f1)]
+                if s >= 0:
+                    index[row, b] = s
+                    continue
             box = -1
             if -GRID_OUTER <= v0 <= GRID_OUTER and -GRID_OUTER <= v1 <= GRID_OUTER:
                 box = _cell(v0, edges, origin, scale, last) + _cell(v1, edges, origin, scale, last) * cells
                 if heavy[box]:
                     box = -1
-            if box < 0:  # far out, non-finite or a heavy box: the full search
-                x[0] = x0
-                x[1] = x1
-                d1, i1, d2 = _brute_block(x, cw_t, dist)
-                flagged += _finish(d1, i1, d2, x, index, flags, row, b)
+            if box < 0:
+                flagged += _far_block(x0, x1, 0.0, 0.0, 2, cw_t, cw32_t, x, xs, dist, dist32, index, flags, row, b)
                 continue
-            t0 = offsets[box]
-            t1 = offsets[box + 1]
-            if t1 - t0 == 1:
-                index[row, b] = candidates[t0]
-                continue
-            d1, i1, d2 = np.inf, -1, np.inf
-            for t in range(t0, t1):  # the box's candidates, ascending
-                c = np.int64(candidates[t])
-                g0 = x0 - cw[c, 0]
-                g1 = x1 - cw[c, 1]
+            d1 = np.inf
+            i1 = np.int64(-1)
+            d2 = np.inf
+            for t in range(width):
+                c = np.int64(padded[box, t])
+                g0 = x0 - cwp[c, 0]
+                g1 = x1 - cwp[c, 1]
                 d = g0 * g0
                 d += g1 * g1
-                d1, i1, d2 = _consider(d1, i1, d2, d, c)
+                better = d < d1
+                d2 = d1 if better else min(d2, d)
+                i1 = c if better else i1
+                d1 = d if better else d1
             index[row, b] = i1
-            if i1 < 0 or (d2 - d1 <= TIE_REL * d2 and d2 < np.inf):
+            if d2 - d1 <= TIE_REL * d2 and d2 < np.inf:
                 flags[row, b] = 1
                 flagged += 1
         if bits > 0:
@@ -177,14 +211,18 @@ def _grid2_py(u, k, edges, cells, offsets, candidates, heavy, cw, cw_t, index, f
     return flagged
 
 
-def _grid4_py(u, k, edges, cells, offsets, candidates, heavy, cw, cw_t, index, flags, codes, head, bits, start, stop):
-    """`_grid2_py` for k = 4 (the same arithmetic as `_grid_py`: distances summed over j = 0..3 in order)."""
+def _grid4_py(u, k, edges, cells, offsets, candidates, heavy, cwp, cw_t, cw32_t, index, flags, codes, head, bits,
+              start, stop):
+    """`_grid2_py` for k = 4 over the compact lists (box b: candidates[offsets[b]:offsets[b + 1]], ascending;
+    distances summed over j = 0..3 in order, as `_grid_py`), the fold as selects."""
     n_blocks = u.shape[1] // 4
     last = edges.shape[0]
     origin = np.float64(edges[0])
     scale = (last - 1) / (np.float64(edges[last - 1]) - origin)
     x = np.empty(4, dtype=np.float64)
+    xs = np.empty(4, dtype=np.float32)
     dist = np.empty(cw_t.shape[1], dtype=np.float64)
+    dist32 = np.empty(cw_t.shape[1], dtype=np.float32)
     flagged = 0
     for row in range(start, stop):
         for b in range(n_blocks):
@@ -205,31 +243,26 @@ def _grid4_py(u, k, edges, cells, offsets, candidates, heavy, cw, cw_t, index, f
                                              + cells * _cell(v3, edges, origin, scale, last))))
                 if heavy[box]:
                     box = -1
-            if box < 0:  # far out, non-finite or a heavy box: the full search
-                x[0] = x0
-                x[1] = x1
-                x[2] = x2
-                x[3] = x3
-                d1, i1, d2 = _brute_block(x, cw_t, dist)
-                flagged += _finish(d1, i1, d2, x, index, flags, row, b)
+            if box < 0:
+                flagged += _far_block(x0, x1, x2, x3, 4, cw_t, cw32_t, x, xs, dist, dist32, index, flags, row, b)
                 continue
-            t0 = offsets[box]
-            t1 = offsets[box + 1]
-            if t1 - t0 == 1:
-                index[row, b] = candidates[t0]
-                continue
-            d1, i1, d2 = np.inf, -1, np.inf
-            for t in range(t0, t1):  # the box's candidates, ascending
+            d1 = np.inf
+            i1 = np.int64(-1)
+            d2 = np.inf
+            for t in range(offsets[box], offsets[box + 1]):
                 c = np.int64(candidates[t])
-                g0 = x0 - cw[c, 0]
-                g1 = x1 - cw[c, 1]
-                g2 = x2 - cw[c, 2]
-                g3 = x3 - cw[c, 3]
+                g0 = x0 - cwp[c, 0]
+                g1 = x1 - cwp[c, 1]
+                g2 = x2 - cwp[c, 2]
+                g3 = x3 - cwp[c, 3]
                 d = g0 * g0
                 d += g1 * g1
                 d += g2 * g2
                 d += g3 * g3
-                d1, i1, d2 = _consider(d1, i1, d2, d, c)
+                better = d < d1
+                d2 = d1 if better else min(d2, d)
+                i1 = c if better else i1
+                d1 = d if better else d1
             index[row, b] = i1
             if i1 < 0 or (d2 - d1 <= TIE_REL * d2 and d2 < np.inf):
                 flags[row, b] = 1
@@ -758,7 +791,7 @@ def compile_kernels():
     """{"grid", "tree", "walk", "brute", "verify", "pack"} numba dispatchers, compiled (or loaded from numba's
     cache) on first call; `fast_search._kernels` calls it once, under a lock."""
     global np, _consider, _finish, _brute_block, _screen, _pack_row, _min, _count_below, _scores, _bits_min
-    global _settle, _range_scores, _cell
+    global _settle, _range_scores, _cell, _far_block
     import numba
     import numpy
 
@@ -783,14 +816,19 @@ def compile_kernels():
                                fastmath=True, **jit)(_range_scores_py)
     _bits_min = numba.njit("int32(int32[::1])", fastmath=True, **jit)(_bits_min_py)
     _pack_row = numba.njit("void(int64[:, ::1], int64, int64, uint8[:, ::1], int64)", **jit)(_pack_row_py)
+    _far_block = numba.njit("int64(float64, float64, float64, float64, int64, float64[:, ::1], float32[:, ::1], "
+                            "float64[::1], float32[::1], float64[::1], float32[::1], int64[:, ::1], int8[:, ::1], "
+                            "int64, int64)", **jit)(_far_block_py)
     u = "float32[:, ::1]"
     out = "int64[:, ::1], int8[:, ::1], uint8[:, ::1], int64, int64, int64, int64"
     return {
         "grid": numba.njit(f"int64({u}, int64, float32[::1], int64, int64[::1], int32[::1], boolean[::1], "
                            f"float64[:, ::1], float64[:, ::1], {out})", **jit)(_grid_py),
-        **{name: numba.njit(f"int64({u}, int64, float32[::1], int64, int64[::1], int32[::1], boolean[::1], "
-                            f"float64[:, ::1], float64[:, ::1], {out})", **jit)(fn)
-           for name, fn in (("grid2", _grid2_py), ("grid4", _grid4_py))},
+        "grid2": numba.njit(f"int64({u}, int64, float32[::1], int64, int16[:, ::1], int16[::1], float64, float64, "
+                            f"int64, boolean[::1], "
+                            f"float64[:, ::1], float64[:, ::1], float32[:, ::1], {out})", **jit)(_grid2_py),
+        "grid4": numba.njit(f"int64({u}, int64, float32[::1], int64, int64[::1], int32[::1], boolean[::1], "
+                            f"float64[:, ::1], float64[:, ::1], float32[:, ::1], {out})", **jit)(_grid4_py),
         "tree": numba.njit(f"int64({u}, int64, float64[:, ::1], float64[:, ::1], int64[:, ::1], "
                            f"int64[:, ::1], float64[:, ::1], int64[::1], float64[:, ::1], {out})",
                            **jit)(_tree_py),

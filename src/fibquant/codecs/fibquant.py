@@ -247,10 +247,11 @@ class FibQuantCodec(Codec):
             flat = nearest_codeword(blocks, codewords, sq_norms)
         return flat.reshape(u.shape[0], self.config.n_blocks)
 
-    def _encode_numba(self, x: torch.Tensor, fast: NumbaSearch, forward: torch.Tensor) -> torch.Tensor:
+    def _encode_numba(self, x: torch.Tensor, fast: NumbaSearch,
+                      forward: torch.Tensor) -> tuple[torch.Tensor, np.ndarray, torch.Tensor]:
         """CPU encode: `RotationState.normalise_rotate`'s float32 ops (the same torch norm and
         matmul, an IEEE float32 division, IEEE fp16 rounding) with fewer torch calls, then search
-        + packing in numba."""
+        + packing in numba. Returns (codes, the block indices int64 [n, dim/k], the float32 norms)."""
         x = x.detach()
         norms = torch.linalg.vector_norm(x, 2, [1])                       # = x.norm(dim=1)
         norms_np = norms.numpy()
@@ -260,17 +261,22 @@ class FibQuantCodec(Codec):
         u = torch.from_numpy(x.numpy() / safe[:, None]) @ forward
         # numpy's float32 -> float16 rounding equals torch's (checked for every float32 in [0, FP16_MAX]).
         norm_bytes = norms_np.astype(np.float16).view(np.uint8).reshape(len(norms_np), 2)
-        return fast.encode(u, norm_bytes, self.config.index_bits)
+        codes, index = fast.encode_index(u, norm_bytes, self.config.index_bits)
+        return codes, index, norms
 
     def _encode_flat(self, x: torch.Tensor) -> torch.Tensor:
-        codes = self._encode_plain(x)
-        return self._correct_norms(x, codes) if self.norm_correction else codes
+        codes, index = self._encode_plain(x)
+        return self._correct_norms(x, codes, index) if self.norm_correction else codes
 
-    def _correct_norms(self, x: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    def _correct_norms(self, x: torch.Tensor, codes: torch.Tensor, index: np.ndarray | None = None) -> torch.Tensor:
         """Norm correction: overwrite the stored ||x|| with ||x|| / ||u_hat|| (u_hat the decoded unit-domain
         vector of the code's indices, ||u_hat||^2 = the sum of its codewords' squared norms), so decode
-        returns a vector of the input's norm. Same 2 bytes; zero vectors keep 0."""
-        index = unpack_bits(codes[:, NORM_BYTES:], self.config.index_bits, self.config.n_blocks)
+        returns a vector of the input's norm. Same 2 bytes; zero vectors keep 0. `index` [n, dim/k]
+        (int64, the numba encode's, whose codes the caller owns): the indices the codes hold, unpacked
+        otherwise; the same float64 arithmetic either way, so the same bytes."""
+        owned = index is not None
+        index = torch.from_numpy(index) if owned else unpack_bits(codes[:, NORM_BYTES:], self.config.index_bits,
+                                                                  self.config.n_blocks)
         sq_norms = self.device_state.get("sq_norms64", codes.device, lambda d: self._table(d)[1].to(torch.float64))
         # index_select on the flat indices: the same float64 values as sq_norms[index], ~2.5x faster
         u_norm = sq_norms.index_select(0, index.reshape(-1)).view(index.shape).sum(1).sqrt()
@@ -278,22 +284,23 @@ class FibQuantCodec(Codec):
         stored = torch.where(norms > 0, norms / u_norm.clamp_min(1e-30), torch.zeros_like(norms))
         if float(stored.max()) > FP16_MAX:
             raise ValueError(f"{type(self).__name__}: corrected norm exceeds the fp16 range of the stored norm")
-        codes = codes.clone()
+        codes = codes if owned else codes.clone()
         codes[:, :NORM_BYTES] = float16_to_bytes(stored.to(torch.float32))
         return codes
 
-    def _encode_plain(self, x: torch.Tensor) -> torch.Tensor:
+    def _encode_plain(self, x: torch.Tensor) -> tuple[torch.Tensor, np.ndarray | None]:
+        """(codes without norm correction, the block indices int64 [n, dim/k] where the numba path ran, else None)."""
         if x.device.type == "cpu" and self._cpu_encode is not None and self.fast_search and x.is_contiguous():
-            return self._encode_numba(x, *self._cpu_encode)
+            return self._encode_numba(x, *self._cpu_encode)[:2]
         fast = self._numba_search(x.device)
         if fast is not None and x.is_contiguous():
             self._cpu_encode = (fast, self._rotation.forward_matrix(x.device))
-            return self._encode_numba(x, *self._cpu_encode)
+            return self._encode_numba(x, *self._cpu_encode)[:2]
         norm_bytes, u = self._rotation.normalise_rotate(x, type(self).__name__)
         if fast is not None:
-            return fast.encode(u, norm_bytes, self.config.index_bits)
+            return fast.encode_index(u, norm_bytes, self.config.index_bits)
         packed = pack_bits(self.block_indices(u), self.config.index_bits)
-        return torch.cat([norm_bytes, packed], dim=1)
+        return torch.cat([norm_bytes, packed], dim=1), None
 
     def _decode_flat(self, codes: torch.Tensor) -> torch.Tensor:
         n = codes.shape[0]
