@@ -13,7 +13,8 @@ does with ~20 torch ops and two kernel calls:
 3. one softmax over every column of the row (and a learned sink logit, which takes weight but has
    no value): max, exp, sum;
 4. the value sums: the coded part as the weighted histogram of `coded_weighted_sum`
-   (`_hist_add`, spread and contracted with the codewords), un-rotated once (@ forward.T), plus
+   (`_hist_add`, spread and contracted with the codewords by `_contract_clear`, which leaves the
+   histogram zero for the next unit: it is cleared once per call), un-rotated once (@ forward.T), plus
    (sum of coded weights) * mu for centred values; the exact part as float sums;
 5. out = (coded + exact) / total, a fully masked row gives zeros (as `attend_codes`).
 
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 np = None
 _count_invalid = _safe_fields = None
-_build_table = _bytes_table = _spread_bytes = _contract = None
+_build_table = _bytes_table = _spread_bytes = _contract_clear = None
 _lut_sum = _hist_add = None
 _score_tokens = _hist_tokens = _exact_scores = _exact_values = None
 _row_max = _exp_sum = _norms = None
@@ -119,30 +120,37 @@ def _hist_tokens_py(hist1, hist, rows, wts, nq, norms, mode, lanes, bits, n_bloc
             _hist_add(hist1, rows, i, n_blocks, bits, 1, n_blocks, n_codewords, safe, 4, 8, wts, 0, nq, norms[i])
 
 
-def _exact_scores_py(keys, b, h, start, scores, query, groups):
-    """scores[t, start + e] = query[t] . keys[b, h, e] for the exact keys of one part (the loop over e
-    innermost: independent sums, no float reduction chain); keys float32 or bf16 bits (uint16)."""
+def _exact_scores_py(keys, b, h, start, scores, query, groups, row):
+    """scores[t, start + e] = query[t] . keys[b, h, e] for every key e of one exact part (float32 or
+    bf16 bits, any strides): each key row converted once into the float32 scratch `row` [>= D], then
+    G dot products over contiguous arrays (compiled with reassociation, so LLVM vectorises the sums;
+    a loop over e innermost would read the keys with stride D and stay scalar: ~2x slower)."""
     dim = query.shape[1]
-    n = keys.shape[2]
-    for t in range(groups):
-        for e in range(n):
-            scores[t, start + e] = 0.0
+    for e in range(keys.shape[2]):
         for d in range(dim):
-            x = query[t, d]
-            for e in range(n):
-                scores[t, start + e] += x * _as_f32(keys[b, h, e, d])
+            row[d] = _as_f32(keys[b, h, e, d])
+        for t in range(groups):
+            s = np.float32(0.0)
+            for d in range(dim):
+                s += query[t, d] * row[d]
+            scores[t, start + e] = s
 
 
-def _exact_values_py(values, b, h, start, weights, result, groups):
-    """result[t] += sum_e weights[t, start + e] * values[b, h, e] for the exact values of one part
-    (values float32 or bf16 bits)."""
-    dim = values.shape[3]
-    for e in range(values.shape[2]):
+def _exact_values_py(values, b, h, start, weights, result, groups, rows):
+    """result[t] += sum_e weights[t, start + e] * values[b, h, e] for every value e of one exact part
+    (float32 or bf16 bits, any strides), e ascending, over the part first converted into the
+    contiguous float32 scratch `rows` [>= n * Dv], so the axpys vectorise."""
+    n, dim = values.shape[2], values.shape[3]
+    for e in range(n):
+        for d in range(dim):
+            rows[e * dim + d] = _as_f32(values[b, h, e, d])
+    for e in range(n):
         for t in range(groups):
             w = weights[t, start + e]
             if w != 0.0:
+                o = e * dim
                 for d in range(dim):
-                    result[t, d] += w * _as_f32(values[b, h, e, d])
+                    result[t, d] += w * rows[o + d]
 
 
 # Cephes' expf: exp(x) = 2^n * exp(r), n = round(x / ln 2), r = x - n ln 2 (ln 2 split in two for
@@ -347,6 +355,10 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_codewords, v
     coded_total = np.empty(groups, dtype=np.float32)
     result = np.empty((groups, value_dim), dtype=np.float32)
     unrot = np.empty(value_dim, dtype=np.float32)
+    key_row = np.empty(dim, dtype=np.float32)  # scratch of _exact_scores / _exact_values (exact_rows)
+    exact_rows = np.empty(max(n_sink, n_recent, n_new) * value_dim, dtype=np.float32)
+    if n_tokens and value_mode != 0:  # the [codeword, block, lane] histogram starts clear; each unit's
+        hist1[:vn * value_blocks * lanes] = 0.0  # contraction (`_contract_clear`) leaves it clear again
     bad = 0
     for unit in range(unit_start, unit_stop):
         b = unit // n_h
@@ -373,9 +385,9 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_codewords, v
             if has_key_mean:
                 _add_key_mean(coded, groups, n_tokens, scaled, key_mean, b, h, dim)
         # --- exact scores: columns [sinks, recent, new]
-        _exact_scores(sink_keys, b, h, 0, exact, scaled, groups)
-        _exact_scores(recent_keys, b, h, n_sink, exact, scaled, groups)
-        _exact_scores(new_keys, b, h, n_sink + n_recent, exact, scaled, groups)
+        _exact_scores(sink_keys, b, h, 0, exact, scaled, groups, key_row)
+        _exact_scores(recent_keys, b, h, n_sink, exact, scaled, groups, key_row)
+        _exact_scores(new_keys, b, h, n_sink + n_recent, exact, scaled, groups, key_row)
         if has_bias:
             _add_bias(coded, exact, groups, n_sink, n_tokens, n_exact, bias, b, h)
         # --- one softmax over the row (and the sink logit)
@@ -397,21 +409,19 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_codewords, v
                 bad += _count_invalid(value_rows, value_bits, value_blocks, vn)
             if value_mode == 0:
                 hist[:v_pos * 256 * lanes] = 0.0
-            else:
-                hist1[:vn * value_blocks * lanes] = 0.0
             _hist_tokens(hist1, hist, value_rows, coded, groups, row_norms, value_mode, lanes, value_bits, value_blocks,
                          v_pos, vn, v_safe, v_safe_bytes, v_word)
             if value_mode == 0:
                 _spread_bytes(hist, value_blocks, value_bits, lanes, hist1)
-            _contract(hist1, value_codewords, acc)
+            _contract_clear(hist1, value_codewords, acc)
             for t in range(groups):  # un-rotate (inverse = forward.T)
                 _unrotate_add(acc, t, value_blocks, vk, lanes, value_inverse, unrot, result)
                 if has_value_mean:
                     for d in range(value_dim):
                         result[t, d] += coded_total[t] * value_mean[b, h, d]
-        _exact_values(sink_values, b, h, 0, exact, result, groups)
-        _exact_values(recent_values, b, h, n_sink, exact, result, groups)
-        _exact_values(new_values, b, h, n_sink + n_recent, exact, result, groups)
+        _exact_values(sink_values, b, h, 0, exact, result, groups, exact_rows)
+        _exact_values(recent_values, b, h, n_sink, exact, result, groups, exact_rows)
+        _exact_values(new_values, b, h, n_sink + n_recent, exact, result, groups, exact_rows)
         for t in range(groups):
             scale = np.float32(1.0) / total[t] if total[t] > 0 else np.float32(0.0)
             for d in range(value_dim):
@@ -433,7 +443,7 @@ def scratch_sizes(key_codewords: int, key_blocks: int, key_bits: int, key_mode: 
 def compile_decode_kernel():
     """The fused decode-step dispatcher (numba, disk-cached: `jit.kernel_jit`); binds the helpers of numba_kernels first."""
     global _KERNEL, np, _count_invalid, _safe_fields, _build_table, _bytes_table, _spread_bytes
-    global _contract, _lut_sum, _hist_add, _score_tokens, _hist_tokens, _exact_scores, _exact_values
+    global _contract_clear, _lut_sum, _hist_add, _score_tokens, _hist_tokens, _exact_scores, _exact_values
     global _row_max, _exp_sum, _norms, _query_table, _softmax_row, _unrotate_add, _role_fields
     global _add_key_mean, _add_bias, _as_f32
     if _KERNEL is not None:
@@ -449,11 +459,13 @@ def compile_decode_kernel():
     _as_f32 = _build_bf16()[0]
     _count_invalid, _safe_fields = numba_kernels._count_invalid, numba_kernels._safe_fields
     _build_table, _bytes_table = numba_kernels._build_table, numba_kernels._bytes_table
-    _spread_bytes, _contract = numba_kernels._spread_bytes, numba_kernels._contract
+    _spread_bytes, _contract_clear = numba_kernels._spread_bytes, numba_kernels._contract_clear
     _lut_sum, _hist_add = numba_kernels._lut_sum, numba_kernels._hist_add
     helper = kernel_jit(nogil=True)
     _score_tokens, _hist_tokens = helper(_score_tokens_py), helper(_hist_tokens_py)
-    _exact_scores, _exact_values = helper(_exact_scores_py), helper(_exact_values_py)
+    # reassociation for the exact dot products (no 'nnan' / 'ninf': exact keys may hold any float)
+    _exact_scores = kernel_jit(nogil=True, fastmath={"reassoc", "nsz", "contract"})(_exact_scores_py)
+    _exact_values = helper(_exact_values_py)
     # Reassociation (and no NaN among the scores, for the max) lets LLVM vectorise these reductions;
     # no 'ninf': masked scores are -inf.
     _row_max = kernel_jit(nogil=True, fastmath={"nnan", "nsz", "reassoc"})(_row_max_py)

@@ -30,7 +30,7 @@ SIGNATURE = ("int64(float32[:, :, :, ::1], uint8[:, :, :, :], float32[:, ::1], "
 
 np = None              # numpy, bound by compile_kernels() (kept off this module's import path)
 _decode_norms = _count_invalid = _safe_fields = None
-_build_table = _bytes_table = _spread_bytes = _contract = None
+_build_table = _bytes_table = _spread_bytes = _contract = _contract_clear = None
 _lut_sum = _hist_add = None
 
 
@@ -211,8 +211,7 @@ def compile_kernels():
     """(scores, weighted_sum) numba dispatchers, compiled (or loaded from numba's cache); call once
     (`fibquant.kv.attention.kernels._kernels` does, under a lock)."""
     global np, _decode_norms, _count_invalid, _safe_fields
-    global _build_table, _bytes_table, _spread_bytes, _contract, _lut_sum, _hist_add
-    import numba
+    global _build_table, _bytes_table, _spread_bytes, _contract, _contract_clear, _lut_sum, _hist_add
     import numpy
 
     from fibquant.kv.attention.intrinsics import _build_intrinsics
@@ -222,11 +221,12 @@ def compile_kernels():
     # Globals of the kernel functions, bound before numba compiles (or loads) them.
     np = numpy
     _lut_sum, _hist_add, copy4, add4, sum4 = _build_intrinsics()
-    helpers = compile_helpers(numba, numpy, copy4, add4, sum4)
+    helpers = compile_helpers(numpy, copy4, add4, sum4)
     _decode_norms, _count_invalid, _safe_fields = helpers["decode_norms"], helpers["count_invalid"], \
         helpers["safe_fields"]
     _build_table, _bytes_table = helpers["build_table"], helpers["bytes_table"]
     _spread_bytes, _contract = helpers["spread_bytes"], helpers["contract"]
+    _contract_clear = helpers["contract_clear"]  # not called here: bound for numba_decode / numba_paged
     scores = kernel_jit(SIGNATURE, nogil=True)(_scores_py)
     weighted = kernel_jit(SIGNATURE, nogil=True)(_weighted_sum_py)
     return scores, weighted

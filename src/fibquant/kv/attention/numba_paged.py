@@ -34,23 +34,6 @@ _as_f32 = _from_f32 = None
 _window_scores = _window_values = _contract_clear = None
 
 
-def _contract_clear_py(hist1, codewords, acc):
-    """numba_tables._contract (acc[c, x] = sum_n codewords[n, c] * hist1[n, x], the same sums in the same
-    order) that also zeroes each histogram row once read, while it is in L1: the next unit finds the
-    histogram clear, with no separate pass over its 64-128 KB."""
-    n_codewords, k = codewords.shape
-    width = acc.shape[1]
-    acc[:, :] = 0.0
-    for n in range(n_codewords):
-        base = n * width
-        for c in range(k):
-            cv = codewords[n, c]
-            for x in range(width):
-                acc[c, x] += cv * hist1[base + x]
-        for x in range(width):
-            hist1[base + x] = 0.0
-
-
 def _window_scores_py(keys, r, h, start, scores, query, groups, row):
     """scores[t, start + e] = query[t] . keys[r, h, e] for every key e of one exact part (float32 or
     bf16 bits, any strides): each key row converted once into the float32 scratch `row` [>= D], then
@@ -239,7 +222,7 @@ def compile_paged_kernel(inputs: str = "float32", output: str = "float32"):
     # reassociation for the dot products (no 'nnan' / 'ninf': exact keys may hold any float)
     _window_scores = kernel_jit(nogil=True, fastmath={"reassoc", "nsz", "contract"})(_window_scores_py)
     _window_values = kernel_jit(nogil=True)(_window_values_py)
-    _contract_clear = kernel_jit(nogil=True)(_contract_clear_py)
+    _contract_clear = numba_decode._contract_clear  # numba_tables' clear-as-you-read contraction
     part = f"{inputs}[:, :, :, :]"
     signature = (f"int64({inputs}[:, :, :], float32, float32[:, ::1], float32[:, ::1], float32[:, ::1], "
                  "float32[:, ::1], uint8[:, :, :, :], int32[:, :], int64[::1], int64[::1], int64, int64, int64, "

@@ -161,6 +161,8 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_stages, valu
     coded_total = np.empty(groups, dtype=np.float32)
     result = np.empty((groups, value_dim), dtype=np.float32)
     unrot = np.empty(value_dim, dtype=np.float32)
+    key_row = np.empty(dim, dtype=np.float32)  # scratch of numba_decode's _exact_scores / _exact_values
+    exact_rows = np.empty(max(n_sink, n_recent, n_new) * value_dim, dtype=np.float32)
     for unit in range(unit_start, unit_stop):
         b = unit // n_h
         h = unit % n_h
@@ -177,9 +179,9 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_stages, valu
             if has_key_mean:
                 _add_key_mean(coded, groups, n_tokens, scaled, key_mean, b, h, dim)
         # --- exact scores: columns [sinks, recent, new]
-        _exact_scores(sink_keys, b, h, 0, exact, scaled, groups)
-        _exact_scores(recent_keys, b, h, n_sink, exact, scaled, groups)
-        _exact_scores(new_keys, b, h, n_sink + n_recent, exact, scaled, groups)
+        _exact_scores(sink_keys, b, h, 0, exact, scaled, groups, key_row)
+        _exact_scores(recent_keys, b, h, n_sink, exact, scaled, groups, key_row)
+        _exact_scores(new_keys, b, h, n_sink + n_recent, exact, scaled, groups, key_row)
         if has_bias:
             _add_bias(coded, exact, groups, n_sink, n_tokens, n_exact, bias, b, h)
         # --- one softmax over the row (and the sink logit)
@@ -201,9 +203,9 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_stages, valu
                 if has_value_mean:
                     for d in range(value_dim):
                         result[t, d] += coded_total[t] * value_mean[b, h, d]
-        _exact_values(sink_values, b, h, 0, exact, result, groups)
-        _exact_values(recent_values, b, h, n_sink, exact, result, groups)
-        _exact_values(new_values, b, h, n_sink + n_recent, exact, result, groups)
+        _exact_values(sink_values, b, h, 0, exact, result, groups, exact_rows)
+        _exact_values(recent_values, b, h, n_sink, exact, result, groups, exact_rows)
+        _exact_values(new_values, b, h, n_sink + n_recent, exact, result, groups, exact_rows)
         for t in range(groups):
             scale = np.float32(1.0) / total[t] if total[t] > 0 else np.float32(0.0)
             for d in range(value_dim):
@@ -225,7 +227,10 @@ def compile_residual_kernel():
         from fibquant.kv.attention.jit import kernel_jit
 
         numba_decode.compile_decode_kernel()  # binds its helpers (and numba_kernels')
-        for name in ("_build_table", "_contract", "_lut_sum", "_hist_add", "_norms", "_query_table",
+        import fibquant.kv.attention.numba_kernels as numba_kernels
+
+        _contract = numba_kernels._contract  # the plain contraction (numba_decode binds the clearing one)
+        for name in ("_build_table", "_lut_sum", "_hist_add", "_norms", "_query_table",
                      "_softmax_row", "_unrotate_add", "_exact_scores", "_exact_values", "_safe_fields",
                      "_add_key_mean", "_add_bias"):
             globals()[name] = getattr(numba_decode, name)

@@ -1,12 +1,12 @@
 """Jitted helpers of the numba kernels (`fibquant.kv.attention.numba_kernels`): norm decoding, index checks
 and the lookup-table / histogram transforms. Plain Python functions compiled by `compile_helpers`
-on first use; it also binds the module globals they call (`np`, `_nibble_table` and the vector
-intrinsics `_copy4`, `_add4`, `_sum4`), so numba loads only when a kernel first runs.
+on first use; it also binds the module globals they call (`np`, `_nibble_table`, `_contract_rows` and
+the vector intrinsics `_copy4`, `_add4`, `_sum4`), so numba loads only when a kernel first runs.
 """
 from __future__ import annotations
 
 np = None  # numpy, bound by compile_helpers() (kept off this module's import path)
-_nibble_table = None
+_nibble_table = _contract_rows = None
 _copy4 = _add4 = _sum4 = None
 
 
@@ -176,8 +176,9 @@ def _spread_bytes_py(hist, n_blocks, bits, lanes, hist1):
                             _add4(hist1, dst + m, source, u * quads + m)
 
 
-def _contract_py(hist1, codewords, acc):
-    """acc[c, x] = sum_n codewords[n, c] * hist1[n, x] (x = j*L + lane)."""
+def _contract_rows_py(hist1, codewords, acc, clear):
+    """acc[c, x] = sum_n codewords[n, c] * hist1[n, x] (x = j*L + lane); with `clear`, each histogram
+    row hist1[n, :] is zeroed once read, while it is in L1 (hist1[:N * width] is then all zero)."""
     n_codewords, k = codewords.shape
     width = acc.shape[1]
     acc[:, :] = 0.0
@@ -187,17 +188,34 @@ def _contract_py(hist1, codewords, acc):
             cv = codewords[n, c]
             for x in range(width):
                 acc[c, x] += cv * hist1[base + x]
+        if clear:
+            for x in range(width):
+                hist1[base + x] = 0.0
 
 
+def _contract_py(hist1, codewords, acc):
+    """acc[c, x] = sum_n codewords[n, c] * hist1[n, x]; hist1 left as it is."""
+    _contract_rows(hist1, codewords, acc, False)
 
-def compile_helpers(numba, numpy, copy4, add4, sum4) -> dict:
-    """The helpers above as numba dispatchers (keyed by name without `_py`), after binding the
-    globals they call. Called once, by `fibquant.kv.attention.numba_kernels.compile_kernels`."""
-    global np, _nibble_table, _copy4, _add4, _sum4
+
+def _contract_clear_py(hist1, codewords, acc):
+    """`_contract` (the same sums in the same order) that leaves hist1[:N * width] zero, clearing each
+    row as it reads it: a fused decode kernel (numba_decode, numba_paged) clears its 64-128 KB value
+    histogram once per call, and each unit's contraction leaves it clear for the next unit, instead
+    of a separate zeroing pass over it per unit."""
+    _contract_rows(hist1, codewords, acc, True)
+
+
+def compile_helpers(numpy, copy4, add4, sum4) -> dict:
+    """The helpers above as numba dispatchers (`jit.kernel_jit`; keyed by name without `_py`), after
+    binding the globals they call. Called once, by `fibquant.kv.attention.numba_kernels.compile_kernels`."""
+    global np, _nibble_table, _contract_rows, _copy4, _add4, _sum4
+    from fibquant.kv.attention.jit import kernel_jit
+
     np, _copy4, _add4, _sum4 = numpy, copy4, add4, sum4
-    helper = numba.njit(nogil=True)
-    _nibble_table = helper(_nibble_table_py)
+    helper = kernel_jit(nogil=True)
+    _nibble_table, _contract_rows = helper(_nibble_table_py), helper(_contract_rows_py)
     return {"decode_norms": helper(_decode_norms_py), "count_invalid": helper(_count_invalid_py),
             "safe_fields": helper(_safe_fields_py), "build_table": helper(_build_table_py),
             "bytes_table": helper(_bytes_table_py), "spread_bytes": helper(_spread_bytes_py),
-            "contract": helper(_contract_py)}
+            "contract": helper(_contract_py), "contract_clear": helper(_contract_clear_py)}
