@@ -15,8 +15,9 @@ Tasks (JSON in, JSON out; every result also has `kv_capacity_tokens`, `load_s` a
             "decode_attention_s", "decode_attention_calls"}  (the attention backend's forward + cache
            write of the measured batch's decode-only steps: seconds in all, and layer calls)
     {"task": "serve", "prompt_token_ids": [[int]], "max_tokens": int}
-        -> {"seconds", "latencies_s": [float], "generated", "prompt_tokens", "preemptions"}: every
-           request submitted at once (a burst) and served to the end; latency = its finish time
+        -> {"seconds", "latencies_s": [float], "generated", "prompt_tokens", "preemptions", "steps"}:
+           every request submitted at once (a burst) and served to the end; latency = its finish
+           time; steps = the engine's steps of the burst (`step_summary`)
 """
 from __future__ import annotations
 
@@ -165,6 +166,26 @@ def _prompt_logprobs(llm, task: dict) -> dict:
 
 _ATTENTION = {"seconds": 0.0, "calls": 0, "decode_tokens": 0}
 _PREEMPTIONS = [0]
+_STEPS: list[list] = []  # per engine step: [requests scheduled, tokens scheduled, seconds schedule -> update]
+_OPEN_STEPS: dict[int, float] = {}
+
+
+def step_summary(steps: list[list]) -> dict:
+    """What the engine's steps say about batching. `steps`: [requests scheduled, tokens scheduled,
+    seconds] per step. A decode-only step schedules one token per request (no prompt chunk in it).
+
+    Returns {"steps", "max_batch" (most requests in one step), "decode_steps", "decode_tokens",
+    "decode_s", "decode_by_batch": {requests: [steps, seconds]}} (keys of decode_by_batch are
+    strings, as JSON has them)."""
+    decode = [(n, s) for n, tokens, s in steps if 0 < n == tokens]
+    by_batch: dict[str, list] = {}
+    for n, seconds in decode:
+        entry = by_batch.setdefault(str(n), [0, 0.0])
+        entry[0] += 1
+        entry[1] += seconds
+    return {"steps": len(steps), "max_batch": max((n for n, _, _ in steps), default=0),
+            "decode_steps": len(decode), "decode_tokens": sum(n for n, _ in decode),
+            "decode_s": sum(s for _, s in decode), "decode_by_batch": by_batch}
 
 
 def _attention_class(settings: EngineSettings):
@@ -179,7 +200,8 @@ def _attention_class(settings: EngineSettings):
 
 def _instrument(settings: EngineSettings) -> None:
     """Time the attention backend's forward and cache write on decode-only steps (at most
-    `_ATTENTION["decode_tokens"]` tokens), and count the scheduler's preemptions."""
+    `_ATTENTION["decode_tokens"]` tokens), count the scheduler's preemptions, and record each engine
+    step's requests, tokens and seconds (from the scheduler's schedule to its update) in `_STEPS`."""
     impl = _attention_class(settings)
     for name, counts in (("forward", True), ("do_kv_cache_update", False)):
         original = getattr(impl, name)
@@ -202,6 +224,23 @@ def _instrument(settings: EngineSettings) -> None:
         return preempt(self, *args, **kwargs)
 
     Scheduler._preempt_request = counted
+    schedule, update = Scheduler.schedule, Scheduler.update_from_output
+
+    def opened(self, *args, **kwargs):
+        start = time.perf_counter()
+        out = schedule(self, *args, **kwargs)
+        _OPEN_STEPS[id(out)] = start
+        return out
+
+    def closed(self, scheduler_output, *args, **kwargs):
+        result = update(self, scheduler_output, *args, **kwargs)
+        start = _OPEN_STEPS.pop(id(scheduler_output), None)
+        if start is not None and scheduler_output.total_num_scheduled_tokens > 0:
+            _STEPS.append([len(scheduler_output.num_scheduled_tokens), scheduler_output.total_num_scheduled_tokens,
+                           time.perf_counter() - start])
+        return result
+
+    Scheduler.schedule, Scheduler.update_from_output = opened, closed
 
 
 def _serve(llm, task: dict) -> dict:
@@ -215,6 +254,7 @@ def _serve(llm, task: dict) -> dict:
     engine = llm.llm_engine
     params = SamplingParams(max_tokens=task["max_tokens"], temperature=0.0, ignore_eos=True)
     _PREEMPTIONS[0] = 0
+    _STEPS.clear()
     start = time.perf_counter()
     for index, prompt in enumerate(prompts):
         engine.add_request(f"serve-{index}", prompt, params)
@@ -226,7 +266,8 @@ def _serve(llm, task: dict) -> dict:
                 generated += len(output.outputs[0].token_ids)
     seconds = time.perf_counter() - start
     return {"seconds": seconds, "latencies_s": sorted(finished.values()), "generated": generated,
-            "prompt_tokens": sum(len(ids) for ids in task["prompt_token_ids"]), "preemptions": _PREEMPTIONS[0]}
+            "prompt_tokens": sum(len(ids) for ids in task["prompt_token_ids"]), "preemptions": _PREEMPTIONS[0],
+            "steps": step_summary(_STEPS)}
 
 
 def _throughput(llm, task: dict) -> dict:
