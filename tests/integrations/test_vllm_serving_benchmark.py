@@ -86,12 +86,12 @@ def test_ceiling_and_sweep_refuse_bad_arguments(bench, capsys, argv, message):
 
 
 def test_step_summary_counts_decode_only_steps_by_batch():
-    steps = [[4, 2048, 1.0],  # prefill chunks
-             [4, 4, 0.1], [4, 4, 0.2], [2, 2, 0.05],
-             [3, 515, 0.5]]   # two decodes beside a prompt chunk: not decode-only
+    steps = [[4, 2048, 1.0, 0.9],  # prefill chunks
+             [4, 4, 0.1, 0.08], [4, 4, 0.2, 0.09], [2, 2, 0.05, 0.04],
+             [3, 515, 0.5, 0.4]]   # two decodes beside a prompt chunk: not decode-only
     summary = step_summary(steps)
     assert summary["steps"] == 5 and summary["max_batch"] == 4
     assert summary["decode_steps"] == 3 and summary["decode_tokens"] == 10
-    assert summary["decode_s"] == pytest.approx(0.35)
-    assert summary["decode_by_batch"] == {"4": [2, pytest.approx(0.3)], "2": [1, 0.05]}
+    assert summary["decode_s"] == pytest.approx(0.35) and summary["decode_cpu_s"] == pytest.approx(0.21)
+    assert summary["decode_by_batch"] == {"4": [2, pytest.approx(0.3), pytest.approx(0.17)], "2": [1, 0.05, 0.04]}
     assert step_summary([])["max_batch"] == 0
