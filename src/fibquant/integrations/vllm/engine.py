@@ -15,8 +15,10 @@ Tasks (JSON in, JSON out; every result also has `kv_capacity_tokens`, `load_s` a
             "decode_attention_s", "decode_attention_calls"}  (the attention backend's forward + cache
            write of the measured batch's decode-only steps: seconds in all, and layer calls)
     {"task": "serve", "prompt_token_ids": [[int]], "max_tokens": int}
-        -> {"seconds", "latencies_s": [float], "generated", "prompt_tokens", "preemptions"}: every
-           request submitted at once (a burst) and served to the end; latency = its finish time
+        -> {"seconds", "cpu_s", "latencies_s": [float], "generated", "prompt_tokens", "preemptions",
+           "steps"}: every request submitted at once (a burst) and served to the end; latency = its
+           finish time; cpu_s = the process's CPU seconds over the burst (what a shared machine's
+           time-slicing does not inflate); steps = the engine's steps of the burst (`step_summary`)
 """
 from __future__ import annotations
 
@@ -165,6 +167,30 @@ def _prompt_logprobs(llm, task: dict) -> dict:
 
 _ATTENTION = {"seconds": 0.0, "calls": 0, "decode_tokens": 0}
 _PREEMPTIONS = [0]
+# per engine step: [requests scheduled, tokens scheduled, wall seconds, CPU seconds] from schedule to update
+_STEPS: list[list] = []
+_OPEN_STEPS: dict[int, tuple[float, float]] = {}
+
+
+def step_summary(steps: list[list]) -> dict:
+    """What the engine's steps say about batching. `steps`: [requests scheduled, tokens scheduled,
+    wall seconds, CPU seconds] per step. A decode-only step schedules one token per request (no
+    prompt chunk in it).
+
+    Returns {"steps", "max_batch" (most requests in one step), "decode_steps", "decode_tokens",
+    "decode_s", "decode_cpu_s", "decode_by_batch": {requests: [steps, wall s, CPU s]}} (keys of
+    decode_by_batch are strings, as JSON has them)."""
+    decode = [(n, wall, cpu) for n, tokens, wall, cpu in steps if 0 < n == tokens]
+    by_batch: dict[str, list] = {}
+    for n, wall, cpu in decode:
+        entry = by_batch.setdefault(str(n), [0, 0.0, 0.0])
+        entry[0] += 1
+        entry[1] += wall
+        entry[2] += cpu
+    return {"steps": len(steps), "max_batch": max((step[0] for step in steps), default=0),
+            "decode_steps": len(decode), "decode_tokens": sum(n for n, _, _ in decode),
+            "decode_s": sum(wall for _, wall, _ in decode), "decode_cpu_s": sum(cpu for _, _, cpu in decode),
+            "decode_by_batch": by_batch}
 
 
 def _attention_class(settings: EngineSettings):
@@ -179,7 +205,8 @@ def _attention_class(settings: EngineSettings):
 
 def _instrument(settings: EngineSettings) -> None:
     """Time the attention backend's forward and cache write on decode-only steps (at most
-    `_ATTENTION["decode_tokens"]` tokens), and count the scheduler's preemptions."""
+    `_ATTENTION["decode_tokens"]` tokens), count the scheduler's preemptions, and record each engine
+    step's requests, tokens and seconds (from the scheduler's schedule to its update) in `_STEPS`."""
     impl = _attention_class(settings)
     for name, counts in (("forward", True), ("do_kv_cache_update", False)):
         original = getattr(impl, name)
@@ -202,6 +229,23 @@ def _instrument(settings: EngineSettings) -> None:
         return preempt(self, *args, **kwargs)
 
     Scheduler._preempt_request = counted
+    schedule, update = Scheduler.schedule, Scheduler.update_from_output
+
+    def opened(self, *args, **kwargs):
+        start = time.perf_counter(), time.process_time()
+        out = schedule(self, *args, **kwargs)
+        _OPEN_STEPS[id(out)] = start
+        return out
+
+    def closed(self, scheduler_output, *args, **kwargs):
+        result = update(self, scheduler_output, *args, **kwargs)
+        start = _OPEN_STEPS.pop(id(scheduler_output), None)
+        if start is not None and scheduler_output.total_num_scheduled_tokens > 0:
+            _STEPS.append([len(scheduler_output.num_scheduled_tokens), scheduler_output.total_num_scheduled_tokens,
+                           time.perf_counter() - start[0], time.process_time() - start[1]])
+        return result
+
+    Scheduler.schedule, Scheduler.update_from_output = opened, closed
 
 
 def _serve(llm, task: dict) -> dict:
@@ -215,7 +259,8 @@ def _serve(llm, task: dict) -> dict:
     engine = llm.llm_engine
     params = SamplingParams(max_tokens=task["max_tokens"], temperature=0.0, ignore_eos=True)
     _PREEMPTIONS[0] = 0
-    start = time.perf_counter()
+    _STEPS.clear()
+    start, cpu = time.perf_counter(), time.process_time()
     for index, prompt in enumerate(prompts):
         engine.add_request(f"serve-{index}", prompt, params)
     finished, generated = {}, 0
@@ -224,9 +269,10 @@ def _serve(llm, task: dict) -> dict:
             if output.finished and output.request_id not in finished:
                 finished[output.request_id] = time.perf_counter() - start
                 generated += len(output.outputs[0].token_ids)
-    seconds = time.perf_counter() - start
-    return {"seconds": seconds, "latencies_s": sorted(finished.values()), "generated": generated,
-            "prompt_tokens": sum(len(ids) for ids in task["prompt_token_ids"]), "preemptions": _PREEMPTIONS[0]}
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+    return {"seconds": seconds, "cpu_s": cpu, "latencies_s": sorted(finished.values()), "generated": generated,
+            "prompt_tokens": sum(len(ids) for ids in task["prompt_token_ids"]), "preemptions": _PREEMPTIONS[0],
+            "steps": step_summary(_STEPS)}
 
 
 def _throughput(llm, task: dict) -> dict:
