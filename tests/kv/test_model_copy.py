@@ -61,10 +61,14 @@ def test_first_load_writes_the_copy_and_later_loads_equal_the_gguf(gguf, tmp_pat
 
 
 def test_a_truncated_copy_is_rebuilt_and_an_unwritable_root_only_warns(gguf, tmp_path, monkeypatch):
-    """The GGUF reader is replaced by the dense model of a first real copy (the same model, as the test
-    above checks), so that the rebuild and the unwritable root cost no further GGUF parse."""
-    monkeypatch.setenv("FIBQUANT_CACHE_DIR", str(tmp_path / "first"))
-    reference, tokenizer = load_model()
+    """The GGUF reader is replaced by a tiny model and tokenizer read from a real copy's folder, so that
+    the rebuild and the unwritable root cost no GGUF parse (the copy's equality is the test above)."""
+    from _kv_helpers import tiny_llama
+    from transformers import AutoTokenizer
+
+    tokenizer_source = tmp_path / "tokenizer"
+    load_model()[1].save_pretrained(tokenizer_source)  # through the user's copy (written once by any real-model test)
+    reference, tokenizer = tiny_llama(), AutoTokenizer.from_pretrained(tokenizer_source)
     reads = []
 
     def read_gguf(path, dtype, dense):
