@@ -248,10 +248,10 @@ class FibQuantCodec(Codec):
         return flat.reshape(u.shape[0], self.config.n_blocks)
 
     def _encode_numba(self, x: torch.Tensor, fast: NumbaSearch,
-                      forward: torch.Tensor) -> tuple[torch.Tensor, np.ndarray, torch.Tensor]:
+                      forward: torch.Tensor) -> tuple[torch.Tensor, np.ndarray]:
         """CPU encode: `RotationState.normalise_rotate`'s float32 ops (the same torch norm and
         matmul, an IEEE float32 division, IEEE fp16 rounding) with fewer torch calls, then search
-        + packing in numba. Returns (codes, the block indices int64 [n, dim/k], the float32 norms)."""
+        + packing in numba. Returns (codes, the block indices int64 [n, dim/k])."""
         x = x.detach()
         norms = torch.linalg.vector_norm(x, 2, [1])                       # = x.norm(dim=1)
         norms_np = norms.numpy()
@@ -261,8 +261,7 @@ class FibQuantCodec(Codec):
         u = torch.from_numpy(x.numpy() / safe[:, None]) @ forward
         # numpy's float32 -> float16 rounding equals torch's (checked for every float32 in [0, FP16_MAX]).
         norm_bytes = norms_np.astype(np.float16).view(np.uint8).reshape(len(norms_np), 2)
-        codes, index = fast.encode_index(u, norm_bytes, self.config.index_bits)
-        return codes, index, norms
+        return fast.encode_index(u, norm_bytes, self.config.index_bits)
 
     def _encode_flat(self, x: torch.Tensor) -> torch.Tensor:
         codes, index = self._encode_plain(x)
@@ -291,11 +290,11 @@ class FibQuantCodec(Codec):
     def _encode_plain(self, x: torch.Tensor) -> tuple[torch.Tensor, np.ndarray | None]:
         """(codes without norm correction, the block indices int64 [n, dim/k] where the numba path ran, else None)."""
         if x.device.type == "cpu" and self._cpu_encode is not None and self.fast_search and x.is_contiguous():
-            return self._encode_numba(x, *self._cpu_encode)[:2]
+            return self._encode_numba(x, *self._cpu_encode)
         fast = self._numba_search(x.device)
         if fast is not None and x.is_contiguous():
             self._cpu_encode = (fast, self._rotation.forward_matrix(x.device))
-            return self._encode_numba(x, *self._cpu_encode)[:2]
+            return self._encode_numba(x, *self._cpu_encode)
         norm_bytes, u = self._rotation.normalise_rotate(x, type(self).__name__)
         if fast is not None:
             return fast.encode_index(u, norm_bytes, self.config.index_bits)

@@ -30,6 +30,12 @@ COPY_ENV = "FIBQUANT_MODEL_COPY"
 MARKER = "complete.json"
 
 
+def _sha256(gguf: Path) -> str:
+    """The file's sha256, computed once per process for a given (path, size, mtime)."""
+    stat = gguf.stat()
+    return _file_sha256(str(gguf.resolve()), stat.st_size, stat.st_mtime_ns)
+
+
 @functools.lru_cache(maxsize=None)
 def _file_sha256(path: str, size: int, mtime_ns: int) -> str:
     digest = hashlib.sha256()
@@ -45,17 +51,13 @@ def copy_dir(gguf: Path) -> Optional[Path]:
         return None
     import transformers
 
-    stat = gguf.stat()
-    sha = _file_sha256(str(gguf.resolve()), stat.st_size, stat.st_mtime_ns)
-    return cache_root() / "models" / f"{gguf.stem}-{sha[:16]}-transformers-{transformers.__version__}"
+    return cache_root() / "models" / f"{gguf.stem}-{_sha256(gguf)[:16]}-transformers-{transformers.__version__}"
 
 
 def _marker(gguf: Path) -> dict:
     import transformers
 
-    stat = gguf.stat()
-    return {"gguf": gguf.name, "sha256": _file_sha256(str(gguf.resolve()), stat.st_size, stat.st_mtime_ns),
-            "transformers": transformers.__version__}
+    return {"gguf": gguf.name, "sha256": _sha256(gguf), "transformers": transformers.__version__}
 
 
 def is_complete(directory: Path, gguf: Path) -> bool:

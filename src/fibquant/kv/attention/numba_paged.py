@@ -15,7 +15,7 @@ copied, and no sequence is padded to the longest: the work of sequence b is its 
 
 Exact columns (the sinks and the recent window the caller keeps beside the pages, read in place
 from the caller's window slabs through `exact_rows`, and the new token) are float dot products
-over rows converted once to float32 (vectorised: `_window_scores`, `_window_values`); every
+over rows converted once to float32 (vectorised: numba_decode's `_exact_scores`, `_exact_values`); every
 column of the row (and a learned sink logit) goes through one softmax. No additive bias: each sequence sees all of its own columns.
 Block ids outside [0, num_blocks) are counted (the caller raises) and skipped, never read.
 
@@ -31,7 +31,7 @@ _build_table = _bytes_table = _spread_bytes = None
 _score_tokens = _hist_tokens = None
 _norms = _softmax_row = None
 _as_f32 = _from_f32 = None
-_window_scores = _window_values = _contract_clear = _rotate_rows = None
+_exact_scores = _exact_values = _contract_clear = _rotate_rows = None
 
 
 def _rotate_rows_py(rows, matrix, out, n):
@@ -142,8 +142,8 @@ def _paged_step_py(query, scaling, key_forward, value_inverse, key_codewords, va
                 _score_tokens(table1, lut, rows, coded[:, base:base + hi - lo], groups, block_norms, key_mode, lanes,
                               key_bits, key_blocks, k_pos, kn, k_safe, k_safe_bytes, k_word)
         # --- exact scores: columns [the caller's exact window, the new token]
-        _window_scores(exact_keys, r, h, 0, exact, unit_scaled, groups, key_row)
-        _window_scores(new_keys, b, h, n_exact_in, exact, unit_scaled, groups, key_row)
+        _exact_scores(exact_keys, r, h, 0, exact, unit_scaled, groups, key_row)
+        _exact_scores(new_keys, b, h, n_exact_in, exact, unit_scaled, groups, key_row)
         # --- one softmax over the row (and the sink logit)
         for t in range(groups):
             sink_logit = np.float32(sinks[h * groups + t]) if has_sinks else np.float32(-np.inf)
@@ -181,8 +181,8 @@ def _paged_step_py(query, scaling, key_forward, value_inverse, key_codewords, va
         o = (unit - unit_start) * groups
         unit_result = result[o:o + groups]
         exact = weights[o:o + groups]
-        _window_values(exact_values, exact_rows[b], h, 0, exact, unit_result, groups, value_rows)
-        _window_values(new_values, b, h, n_exact_in, exact, unit_result, groups, value_rows)
+        _exact_values(exact_values, exact_rows[b], h, 0, exact, unit_result, groups, value_rows)
+        _exact_values(new_values, b, h, n_exact_in, exact, unit_result, groups, value_rows)
         for t in range(groups):
             scale = np.float32(1.0) / total[o + t] if total[o + t] > 0 else np.float32(0.0)
             for d in range(value_dim):
@@ -200,7 +200,7 @@ def compile_paged_kernel(inputs: str = "float32", output: str = "float32"):
     layout are converted, never compiled anew)."""
     global np, _count_invalid, _role_fields, _build_table, _bytes_table, _spread_bytes
     global _score_tokens, _hist_tokens, _norms
-    global _softmax_row, _as_f32, _from_f32, _window_scores, _window_values
+    global _softmax_row, _as_f32, _from_f32, _exact_scores, _exact_values
     global _contract_clear, _rotate_rows
     kernel = _KERNELS.get((inputs, output))
     if kernel is not None:
@@ -219,8 +219,8 @@ def compile_paged_kernel(inputs: str = "float32", output: str = "float32"):
     _spread_bytes = numba_decode._spread_bytes
     _score_tokens, _hist_tokens = numba_decode._score_tokens, numba_decode._hist_tokens
     _norms, _softmax_row = numba_decode._norms, numba_decode._softmax_row
-    # the exact window's columns, read in place (float32 or bf16 bits, any strides): numba_decode's
-    _window_scores, _window_values = numba_decode._exact_scores, numba_decode._exact_values
+    # the exact window's columns, read in place (float32 or bf16 bits, any strides)
+    _exact_scores, _exact_values = numba_decode._exact_scores, numba_decode._exact_values
     _contract_clear = numba_decode._contract_clear  # numba_tables' clear-as-you-read contraction
     _rotate_rows = kernel_jit(nogil=True)(_rotate_rows_py)
     part = f"{inputs}[:, :, :, :]"
