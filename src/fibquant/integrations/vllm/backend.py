@@ -466,6 +466,11 @@ class FibQuantAttentionImpl(AttentionImpl):
                                  device=query.device)
         if attn_metadata is None:  # profiling / warm-up run
             return output
+        plan = attn_metadata.plan
+        if plan is None:
+            plan = self._window_plan(attn_metadata, self._pages(kv_cache))
+        if plan.decode is not None and self._lean_decode(plan, kv_cache, query, key, value, output):
+            return output
         flat_out = output.view(output.shape[0], -1)
         pages = self._pages(kv_cache)
         count = attn_metadata.num_actual_tokens
@@ -475,8 +480,6 @@ class FibQuantAttentionImpl(AttentionImpl):
         starts, tables = attn_metadata.query_start_loc, attn_metadata.block_table
         plan = self._window_plan(attn_metadata, pages)
         self.window.invalidate(plan.fresh_blocks)  # before any lookup: those blocks' old tokens are gone
-        if plan.decode is not None and self._lean_decode(plan, pages, kv_cache, queries, keys, values, flat_out):
-            return output
         block = plan.block_size
         decodes: dict[int, tuple[list, list, list]] = {}  # exact columns n -> (requests, pasts, slab rows)
         decoded_keys, decoded_pasts, decoded_new_keys, decoded_requests = [], [], [], []
@@ -619,40 +622,53 @@ class FibQuantAttentionImpl(AttentionImpl):
         return _DecodeStep(pasts, sizes.pop(), np.full(num_reqs, skip, dtype=np.int64), stops, longest, host,
                            np.array(slots[:count], dtype=np.int64))
 
-    def _lean_decode(self, plan: _WindowPlan, pages, kv_cache, queries, keys, values, flat_out) -> bool:
-        """A steady decode step (`_DecodeStep`) in one paged kernel call on arrays kept between calls:
-        what the general path does for it (hold the codes, attend, record the window, flush every
-        `deferred.steps`), without its per-request bookkeeping. False (nothing done) when this layer
-        cannot take it: a window entry missing, sink logits, a soft-cap, dtypes the kernel does not
-        read in place, or a layer sharing another's cache."""
+    def _lean_decode(self, plan: _WindowPlan, kv_cache, query, key, value, output) -> bool:
+        """A steady decode step (`_DecodeStep`) in one paged kernel call on arrays kept between calls
+        (numpy views of vLLM's tensors, no torch view per role): what the general path does for it
+        (hold the codes, attend, record the window, flush every `deferred.steps`), without its
+        per-request bookkeeping. False (nothing done but the window's `invalidate`, which the general
+        path repeats harmlessly) when this layer cannot take it: a window entry missing, sink logits,
+        a soft-cap, dtypes the kernel does not read in place, a non-contiguous output, or a layer
+        sharing another's cache."""
         step = plan.decode
-        dtype = queries.dtype
-        if (self.kv_sharing_target_layer_name is not None or self.logit_sinks is not None
-                or not self._numba_paged(pages) or dtype not in (torch.bfloat16, torch.float32)
-                or not (keys.dtype == values.dtype == flat_out.dtype == self.window.dtype == dtype)):
+        dtype = query.dtype
+        cached = self._host_pages
+        if cached is None or cached[0] is not kv_cache:
+            pages = self._pages(kv_cache)
+            if not self._numba_paged(pages):
+                return False
+            cached = self._host_pages = (kv_cache, pages.numpy())
+        if (self.kv_sharing_target_layer_name is not None or self.logit_sinks is not None or not PAGED_NUMBA_DECODE
+                or self.softcap is not None or dtype not in (torch.bfloat16, torch.float32)
+                or not (key.dtype == value.dtype == output.dtype == dtype) or not output.is_contiguous()):
+            return False
+        self.window.invalidate(plan.fresh_blocks)  # before any lookup: those blocks' old tokens are gone
+        if self.window.dtype != dtype:
             return False
         rows = self.window.rows(plan.keys, step.pasts)
         if rows is None:
             return False
         count = len(rows)
-        self.deferred.add(keys, values, step.slots)
-        cached = self._host_pages
-        if cached is None or cached[0] is not kv_cache:
-            cached = self._host_pages = (kv_cache, pages.numpy())
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_size
         bits = dtype == torch.bfloat16
-        kernel = paged_kernel(bits, bits)
         host = (lambda t: t.view(torch.uint16).numpy()) if bits else (lambda t: t.numpy())
-        new_keys, new_values = host(keys), host(values)
+        queries = host(query)[:count].reshape(count, heads, dim)  # a copy only for an odd layout (input)
+        keys, values = (host(t)[:count].reshape(count, kv_heads, dim) for t in (key, value))
+        out = np.reshape(host(output)[:count], (count, heads, dim), copy=False)  # written in place
         exact_keys, exact_values = self.window.host_slabs(step.size)
-        bad = run_paged_kernel(kernel, self._paged_plans, host(queries), self.scale, cached[1], step.tables,
-                               step.starts, step.stops, 0, self.key_bytes, exact_keys, exact_values,
-                               np.array(rows, dtype=np.int64), new_keys[:, :, None], new_values[:, :, None],
-                               host(flat_out[:count].view(count, self.num_heads, -1)), step.longest)
+        bad = run_paged_kernel(paged_kernel(bits, bits), self._paged_plans, queries, self.scale, cached[1],
+                               step.tables, step.starts, step.stops, 0, self.key_bytes, exact_keys, exact_values,
+                               np.array(rows, dtype=np.int64), keys[:, :, None], values[:, :, None], out,
+                               step.longest)
         if bad:
             raise ValueError(f"paged codes hold {bad} invalid index(es) or block id(s) outside the pages")
-        self.window.record_tokens(plan.keys, step.pasts, plan.new_keys, keys, values)
+        held = (torch.from_numpy(keys.copy()), torch.from_numpy(values.copy()))  # owned: vLLM reuses its buffers
+        if bits:
+            held = (held[0].view(torch.bfloat16), held[1].view(torch.bfloat16))
+        self.deferred.add(*held, step.slots, copy=False)
+        self.window.record_tokens(plan.keys, step.pasts, plan.new_keys, held[0], held[1], host=(keys, values))
         if len(self.deferred) >= self.deferred.steps:
-            self._flush(pages)
+            self._flush(self._pages(kv_cache))
         return True
 
     def _store(self, pages, keys, values, slot_mapping: torch.Tensor, starts: list[int], held: list[int]) -> None:

@@ -269,10 +269,11 @@ class ExactWindow:
         return found
 
     def record_tokens(self, keys_of: list[int], pasts: list[int], new_keys: list[int], keys: torch.Tensor,
-                      values: torch.Tensor) -> None:
+                      values: torch.Tensor, host: tuple | None = None) -> None:
         """`record` of one new token per sequence (a batch of decode steps; pasts > 0): sequence i's entry
         keyed keys_of[i], then new_keys[i]; its token at position pasts[i], keys / values [B, Hk, D]. One
-        indexed write per role for the whole batch."""
+        indexed write per role for the whole batch. `host`: keys / values already as numpy views in the
+        slabs' host form (bf16 as uint16 bits; a caller that has them saves the conversion)."""
         if self.size == 0 or not keys_of:
             return
         picks, rows, slots = [], [], []
@@ -292,16 +293,20 @@ class ExactWindow:
                 slots.append(slot)
         if not picks:
             return
+        if host is not None or (self._keys.device.type == "cpu" and keys.dtype == self._keys.dtype
+                                and values.dtype == self._values.dtype):
+            # numpy's indexed store (bf16 as its uint16 bits) costs a fraction of torch's index_put
+            host_keys, host_values = self._host_slabs()
+            keys, values = host if host is not None else (_host(keys), _host(values))
+            if len(picks) < keys.shape[0]:
+                keys, values = keys[picks], values[picks]
+            rows, slots = np.array(rows, dtype=np.int64), np.array(slots, dtype=np.int64)
+            host_keys[rows, :, slots] = keys  # advanced indices around a slice: [B, Hk, D]
+            host_values[rows, :, slots] = values
+            return
         if len(picks) < keys.shape[0]:
             chosen = torch.tensor(picks, dtype=torch.long)
             keys, values = keys.index_select(0, chosen), values.index_select(0, chosen)
-        if self._keys.device.type == "cpu" and keys.dtype == self._keys.dtype and values.dtype == self._values.dtype:
-            # numpy's indexed store (bf16 as its uint16 bits) costs a fraction of torch's index_put
-            host_keys, host_values = self._host_slabs()
-            rows, slots = np.array(rows, dtype=np.int64), np.array(slots, dtype=np.int64)
-            host_keys[rows, :, slots] = _host(keys)  # advanced indices around a slice: [B, Hk, D]
-            host_values[rows, :, slots] = _host(values)
-            return
         row_index, slot_index = torch.tensor(rows, dtype=torch.long), torch.tensor(slots, dtype=torch.long)
         self._keys[row_index, :, slot_index] = keys  # (advanced indices around a slice: [B, Hk, D] in order)
         self._values[row_index, :, slot_index] = values
