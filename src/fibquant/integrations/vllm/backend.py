@@ -606,8 +606,8 @@ class FibQuantAttentionImpl(AttentionImpl):
         past shorter than the window, a prefix-cache run, a block-filling write under prefix caching,
         nothing coded, tables off the host)."""
         num_reqs = len(pasts)
-        if not LEAN_DECODE or not self.deferred.steps or not self.window.size or not num_reqs or count != num_reqs or starts[num_reqs] != num_reqs or in_forward \
-                or tables.device.type != "cpu" or slots.min() < 0:
+        if not LEAN_DECODE or not self.deferred.steps or not self.window.size or not num_reqs or count != num_reqs \
+                or starts[num_reqs] != num_reqs or in_forward or tables.device.type != "cpu" or slots.min() < 0:
             return None
         window = self.window
         sizes = {sum(window.counts(past)) for past in pasts}
@@ -654,7 +654,7 @@ class FibQuantAttentionImpl(AttentionImpl):
         host = (lambda t: t.view(torch.uint16).numpy()) if bits else (lambda t: t.numpy())
         queries = host(query)[:count].reshape(count, heads, dim)  # a copy only for an odd layout (input)
         keys, values = (host(t)[:count].reshape(count, kv_heads, dim) for t in (key, value))
-        out = np.reshape(host(output)[:count], (count, heads, dim), copy=False)  # written in place
+        out = host(output)[:count].reshape(count, heads, dim)  # a view (output is contiguous): written in place
         exact_keys, exact_values = self.window.host_slabs(step.size)
         bad = run_paged_kernel(paged_kernel(bits, bits), self._paged_plans, queries, self.scale, cached[1],
                                step.tables, step.starts, step.stops, 0, self.key_bytes, exact_keys, exact_values,
