@@ -414,17 +414,26 @@ def test_exact_window_keeps_sinks_and_the_recent_positions_of_whole_entries():
 
 
 @needs_vllm
-def test_deferred_code_writes_equal_immediate_ones(monkeypatch):
+@pytest.mark.parametrize("lean", [True, False])
+def test_deferred_code_writes_equal_immediate_ones(monkeypatch, lean):
     """Decode tokens of sequences with a whole exact window have their codes written in one batched
     encode every `deferred_steps` forwards (`deferred`). Against a backend writing every forward's
     codes at once, over 30 steps with a sequence arriving mid-way (a mixed forward: the held writes go
     first), one finishing and its blocks handed to a new sequence at once (whose codes must not be
     overwritten by the finished one's held writes), and one losing its window entry (its decodes read
     their own codes at once): every forward's output is bitwise the same, and so are the pages once
-    the held writes are flushed."""
+    the held writes are flushed. With `lean`, the steady decode steps of the deferring backend take
+    `_lean_decode` (checked: it serves most forwards), so it is held bitwise to the general path of
+    the immediate one; without, both take the general path."""
     import torch
 
     from fibquant.integrations.vllm import backend
+
+    monkeypatch.setattr(backend, "LEAN_DECODE", lean)
+    leans = []
+    real_lean = backend.FibQuantAttentionImpl._lean_decode
+    monkeypatch.setattr(backend.FibQuantAttentionImpl, "_lean_decode",
+                        lambda self, *a: leans.append(real_lean(self, *a)) or leans[-1])
 
     monkeypatch.setenv(ENV_VAR, "fibquant:b=4/fibquant:b=2")
     monkeypatch.setenv("FIBQUANT_VLLM_SINK_TOKENS", "3")
@@ -478,6 +487,7 @@ def test_deferred_code_writes_equal_immediate_ones(monkeypatch):
     forward()
     deferred._flush(deferred._pages(caches[0]))
     assert torch.equal(caches[0].view(torch.uint8), caches[1].view(torch.uint8))
+    assert (sum(leans) >= 15) if lean else not leans  # the steady steps (others: mixed forwards, a lost window)
 
 
 def test_deferred_codes_keep_the_newest_write_of_a_slot():

@@ -64,7 +64,7 @@ from fibquant.integrations.vllm.deferred import DeferredCodes
 from fibquant.integrations.vllm.window import ExactWindow
 from fibquant.kv.attention.entry import attend_codes
 from fibquant.kv.attention.kernels import attention_with_lse, coded_decode_attention_paged, merge_lse, triton_available
-from fibquant.kv.attention.paged import paged_decode_attention, paged_plans
+from fibquant.kv.attention.paged import paged_decode_attention, paged_kernel, paged_plans, run_paged_kernel
 from fibquant.kv.buffer import CodedKV
 
 # The coded tokens through the paged Triton kernel (codes read in place through the block tables):
@@ -78,6 +78,10 @@ PAGED_NUMBA_DECODE = True
 # Decode tokens of sequences with a whole exact window: codes written in one batched encode every
 # `VllmCacheConfig.deferred_steps` forwards (`deferred`; CPU pages); False: every forward encodes its own.
 DEFER_CODES = True
+# A steady decode step (every request one new token with a whole exact window, all writes deferred) on
+# CPU pages takes `_lean_decode`: the per-step facts come from the forward's `_WindowPlan`, the arrays
+# the kernel reads are kept between calls; False: the general per-request path (the same kernel call).
+LEAN_DECODE = True
 
 
 def _config():
@@ -162,6 +166,22 @@ class _WindowPlan:
     new_keys: list[int]      # [num_reqs]
     fresh_blocks: list[int]
     in_forward: dict         # request -> (first position of the run, token rows [past - first] int64)
+    decode: "_DecodeStep | None" = None  # a steady decode step's facts (`_lean_decode`), else None
+
+
+@dataclass
+class _DecodeStep:
+    """A forward of B one-token decodes (tokens = requests, in order), each with a whole-window-sized
+    past of the same exact-window size and every code write deferrable: what `_lean_decode` needs,
+    the same for every layer (the kernel's arrays built once per step)."""
+
+    pasts: list[int]
+    size: int                # exact columns per sequence (sinks + recent)
+    starts: np.ndarray       # int64 [B]: the first coded position (the sinks' count)
+    stops: np.ndarray        # int64 [B]: past - recent
+    longest: int             # max(stops - starts) > 0
+    tables: np.ndarray       # int32 [B, max_blocks], C order
+    slots: np.ndarray        # int64 [B]: the new tokens' page slots
 
 
 class FibQuantMetadataBuilder(AttentionMetadataBuilder[FibQuantMetadata]):
@@ -255,6 +275,7 @@ class FibQuantAttentionImpl(AttentionImpl):
                                   snapshots=sequences if self.prefix_caching else 0)
         self.deferred = DeferredCodes(config.deferred_steps if DEFER_CODES else 0)
         self._paged_plans = paged_plans(self.key_codec, self.value_codec, self.num_heads, self.num_kv_heads)
+        self._host_pages = None  # (kv_cache, its pages as a numpy view), kept while vLLM passes the same cache
 
     def _pages(self, kv_cache: torch.Tensor) -> torch.Tensor:
         """The layer's cache as bytes, logical [num_blocks, num_kv_heads, block_size, slot_bytes] (any strides)."""
@@ -445,6 +466,11 @@ class FibQuantAttentionImpl(AttentionImpl):
                                  device=query.device)
         if attn_metadata is None:  # profiling / warm-up run
             return output
+        plan = attn_metadata.plan
+        if plan is None:
+            plan = self._window_plan(attn_metadata, self._pages(kv_cache))
+        if plan.decode is not None and self._lean_decode(plan, kv_cache, query, key, value, output):
+            return output
         flat_out = output.view(output.shape[0], -1)
         pages = self._pages(kv_cache)
         count = attn_metadata.num_actual_tokens
@@ -571,8 +597,79 @@ class FibQuantAttentionImpl(AttentionImpl):
                 break
             if first < past:
                 in_forward[r] = (first, np.concatenate(rows[::-1]).astype(np.int64))
-        meta.plan = _WindowPlan(block, keys, new_keys, fresh, in_forward)
+        meta.plan = _WindowPlan(block, keys, new_keys, fresh, in_forward,
+                                self._decode_step(starts, pasts, count, tables, slots, in_forward, block))
         return meta.plan
+
+    def _decode_step(self, starts, pasts, count, tables, slots, in_forward, block) -> _DecodeStep | None:
+        """The forward's `_DecodeStep`, or None when it is not a steady decode step (any prefill chunk, a
+        past shorter than the window, a prefix-cache run, a block-filling write under prefix caching,
+        nothing coded, tables off the host)."""
+        num_reqs = len(pasts)
+        if not LEAN_DECODE or not self.deferred.steps or not self.window.size or not num_reqs or count != num_reqs \
+                or starts[num_reqs] != num_reqs or in_forward or tables.device.type != "cpu" or slots.min() < 0:
+            return None
+        window = self.window
+        sizes = {sum(window.counts(past)) for past in pasts}
+        if len(sizes) != 1 or min(pasts) <= 0 or (self.prefix_caching and any((p + 1) % block == 0 for p in pasts)):
+            return None
+        skip, _ = window.counts(pasts[0])
+        stops = np.array([past - window.counts(past)[1] for past in pasts], dtype=np.int64)
+        longest = int(stops.max()) - skip
+        if longest <= 0 or starts != list(range(num_reqs + 1)):
+            return None
+        host = np.ascontiguousarray(tables.numpy(), dtype=np.int32)
+        return _DecodeStep(pasts, sizes.pop(), np.full(num_reqs, skip, dtype=np.int64), stops, longest, host,
+                           np.array(slots[:count], dtype=np.int64))
+
+    def _lean_decode(self, plan: _WindowPlan, kv_cache, query, key, value, output) -> bool:
+        """A steady decode step (`_DecodeStep`) in one paged kernel call on arrays kept between calls
+        (numpy views of vLLM's tensors, no torch view per role): what the general path does for it
+        (hold the codes, attend, record the window, flush every `deferred.steps`), without its
+        per-request bookkeeping. False (nothing done but the window's `invalidate`, which the general
+        path repeats harmlessly) when this layer cannot take it: a window entry missing, sink logits,
+        a soft-cap, dtypes the kernel does not read in place, a non-contiguous output, or a layer
+        sharing another's cache."""
+        step = plan.decode
+        dtype = query.dtype
+        cached = self._host_pages
+        if cached is None or cached[0] is not kv_cache:
+            pages = self._pages(kv_cache)
+            if not self._numba_paged(pages):
+                return False
+            cached = self._host_pages = (kv_cache, pages.numpy())
+        if (self.kv_sharing_target_layer_name is not None or self.logit_sinks is not None or not PAGED_NUMBA_DECODE
+                or self.softcap is not None or dtype not in (torch.bfloat16, torch.float32)
+                or not (key.dtype == value.dtype == output.dtype == dtype) or not output.is_contiguous()):
+            return False
+        self.window.invalidate(plan.fresh_blocks)  # before any lookup: those blocks' old tokens are gone
+        if self.window.dtype != dtype:
+            return False
+        rows = self.window.rows(plan.keys, step.pasts)
+        if rows is None:
+            return False
+        count = len(rows)
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_size
+        bits = dtype == torch.bfloat16
+        host = (lambda t: t.view(torch.uint16).numpy()) if bits else (lambda t: t.numpy())
+        queries = host(query)[:count].reshape(count, heads, dim)  # a copy only for an odd layout (input)
+        keys, values = (host(t)[:count].reshape(count, kv_heads, dim) for t in (key, value))
+        out = host(output)[:count].reshape(count, heads, dim)  # a view (output is contiguous): written in place
+        exact_keys, exact_values = self.window.host_slabs(step.size)
+        bad = run_paged_kernel(paged_kernel(bits, bits), self._paged_plans, queries, self.scale, cached[1],
+                               step.tables, step.starts, step.stops, 0, self.key_bytes, exact_keys, exact_values,
+                               np.array(rows, dtype=np.int64), keys[:, :, None], values[:, :, None], out,
+                               step.longest)
+        if bad:
+            raise ValueError(f"paged codes hold {bad} invalid index(es) or block id(s) outside the pages")
+        held = (torch.from_numpy(keys.copy()), torch.from_numpy(values.copy()))  # owned: vLLM reuses its buffers
+        if bits:
+            held = (held[0].view(torch.bfloat16), held[1].view(torch.bfloat16))
+        self.deferred.add(*held, step.slots, copy=False)
+        self.window.record_tokens(plan.keys, step.pasts, plan.new_keys, held[0], held[1], host=(keys, values))
+        if len(self.deferred) >= self.deferred.steps:
+            self._flush(self._pages(kv_cache))
+        return True
 
     def _store(self, pages, keys, values, slot_mapping: torch.Tensor, starts: list[int], held: list[int]) -> None:
         """The forward's code writes: the tokens of `held` decode requests join the deferred writes;

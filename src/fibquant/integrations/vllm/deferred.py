@@ -37,10 +37,13 @@ class DeferredCodes:
         """Forwards held (each one add)."""
         return len(self._held)
 
-    def add(self, keys: torch.Tensor, values: torch.Tensor, slots: np.ndarray) -> bool:
-        """Hold one forward's decode tokens: keys / values [N, Hk, D] (copied: vLLM reuses its buffers),
-        page slots int64 [N]. Returns True when `steps` forwards are held (the caller takes them)."""
-        self._held.append((keys.clone(), values.clone(), np.array(slots, dtype=np.int64)))
+    def add(self, keys: torch.Tensor, values: torch.Tensor, slots: np.ndarray, copy: bool = True) -> bool:
+        """Hold one forward's decode tokens: keys / values [N, Hk, D] (copied: vLLM reuses its buffers;
+        `copy=False` for tensors the caller already owns and never writes again), page slots int64 [N].
+        Returns True when `steps` forwards are held (the caller takes them)."""
+        if copy:
+            keys, values = keys.clone(), values.clone()
+        self._held.append((keys, values, np.array(slots, dtype=np.int64)))
         return len(self._held) >= self.steps
 
     def take(self) -> tuple[torch.Tensor, torch.Tensor, np.ndarray] | None:

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+import numpy as np
 import torch
 
 
@@ -66,6 +67,7 @@ class ExactWindow:
         self._keys: torch.Tensor | None = None    # [rows, Hk, S + R, D]
         self._values: torch.Tensor | None = None  # [rows, Hk, S + R, Dv]
         self._free: list[int] = []
+        self._hosts: tuple | None = None  # (slab keys, numpy views of both slabs), kept while the slabs are
 
     @property
     def size(self) -> int:
@@ -239,11 +241,39 @@ class ExactWindow:
         hands out in place, through their row indices)."""
         return self._keys[:, :, :n], self._values[:, :, :n]
 
+    def _host_slabs(self):
+        """numpy views of both slabs (bf16 as uint16 bits), kept until the slabs are grown (replaced)."""
+        hosts = self._hosts
+        if hosts is None or hosts[0] is not self._keys:
+            hosts = self._hosts = (self._keys, _host(self._keys), _host(self._values))
+        return hosts[1], hosts[2]
+
+    def host_slabs(self, n: int):
+        """`slabs(n)` as numpy views (bf16 as uint16 bits) for a kernel reading rows in place, without
+        a torch view per call."""
+        keys, values = self._host_slabs()
+        return keys[:, :, :n], values[:, :, :n]
+
+    def rows(self, keys_of: list[int], pasts: list[int]) -> list[int] | None:
+        """`row` of each (key, past), or None when any of them has no whole entry."""
+        if self.size == 0:
+            return None
+        found = []
+        for key, past in zip(keys_of, pasts):
+            entry = self._entries.get(key)
+            if entry is None or entry[1] != past:
+                entry = self._entry(key, past)
+            if entry is None or past == 0:
+                return None
+            found.append(entry[0])
+        return found
+
     def record_tokens(self, keys_of: list[int], pasts: list[int], new_keys: list[int], keys: torch.Tensor,
-                      values: torch.Tensor) -> None:
+                      values: torch.Tensor, host: tuple | None = None) -> None:
         """`record` of one new token per sequence (a batch of decode steps; pasts > 0): sequence i's entry
         keyed keys_of[i], then new_keys[i]; its token at position pasts[i], keys / values [B, Hk, D]. One
-        indexed write per role for the whole batch."""
+        indexed write per role for the whole batch. `host`: keys / values already as numpy views in the
+        slabs' host form (bf16 as uint16 bits; a caller that has them saves the conversion)."""
         if self.size == 0 or not keys_of:
             return
         picks, rows, slots = [], [], []
@@ -263,14 +293,20 @@ class ExactWindow:
                 slots.append(slot)
         if not picks:
             return
+        if host is not None or (self._keys.device.type == "cpu" and keys.dtype == self._keys.dtype
+                                and values.dtype == self._values.dtype):
+            # numpy's indexed store (bf16 as its uint16 bits) costs a fraction of torch's index_put
+            host_keys, host_values = self._host_slabs()
+            keys, values = host if host is not None else (_host(keys), _host(values))
+            if len(picks) < keys.shape[0]:
+                keys, values = keys[picks], values[picks]
+            rows, slots = np.array(rows, dtype=np.int64), np.array(slots, dtype=np.int64)
+            host_keys[rows, :, slots] = keys  # advanced indices around a slice: [B, Hk, D]
+            host_values[rows, :, slots] = values
+            return
         if len(picks) < keys.shape[0]:
             chosen = torch.tensor(picks, dtype=torch.long)
             keys, values = keys.index_select(0, chosen), values.index_select(0, chosen)
-        if self._keys.device.type == "cpu" and keys.dtype == self._keys.dtype and values.dtype == self._values.dtype:
-            # numpy's indexed store (bf16 as its uint16 bits) costs a fraction of torch's index_put
-            _host(self._keys)[rows, :, slots] = _host(keys)  # advanced indices around a slice: [B, Hk, D]
-            _host(self._values)[rows, :, slots] = _host(values)
-            return
         row_index, slot_index = torch.tensor(rows, dtype=torch.long), torch.tensor(slots, dtype=torch.long)
         self._keys[row_index, :, slot_index] = keys  # (advanced indices around a slice: [B, Hk, D] in order)
         self._values[row_index, :, slot_index] = values

@@ -104,7 +104,6 @@ def paged_decode_attention(query: torch.Tensor, pages: torch.Tensor, tables: tor
     When the query and the four exact parts are all bfloat16 the kernel reads their bits in place (no
     float32 copies); a bf16 `out` gets the float32 result rounded to nearest even, as `.to(bfloat16)`.
     """
-    global _scratch
     if query.ndim != 3 or pages.ndim != 4 or pages.dtype != torch.uint8 or query.device.type != "cpu":
         raise ValueError(f"expected CPU query [B, Hq, D] and uint8 pages [blocks, Hkv, bs, slot], got "
                          f"{tuple(query.shape)} on {query.device}, {pages.dtype} {tuple(pages.shape)}")
@@ -154,11 +153,6 @@ def paged_decode_attention(query: torch.Tensor, pages: torch.Tensor, tables: tor
                          f"got {out.dtype} {tuple(out.shape)} on {out.device}")
     bits_in = query.dtype == torch.bfloat16 and all(t.dtype == torch.bfloat16 for t in parts)
     bits_out = out.dtype == torch.bfloat16
-    kernel = _KERNELS.get((bits_in, bits_out))
-    if kernel is None:
-        from fibquant.kv.attention.numba_paged import compile_paged_kernel
-        kernel = _KERNELS[bits_in, bits_out] = compile_paged_kernel(*("uint16" if bits else "float32"
-                                                                    for bits in (bits_in, bits_out)))
     flags, sinks_np = 0, _DUMMY_SINKS
     if sinks is not None:
         if sinks.numel() != q_heads:
@@ -166,19 +160,46 @@ def paged_decode_attention(query: torch.Tensor, pages: torch.Tensor, tables: tor
         sinks_np, flags = f32(sinks.reshape(-1)), 8
     if tables.dtype != torch.int32 or (tables.shape[1] > 1 and tables.stride(1) != 1):
         tables = tables.to(torch.int32).contiguous()
-    if _scratch is None:
-        from fibquant.kv.attention.entry import _scratch
-    lanes, sizes = plans.lanes, plans.sizes
-    args = (_host(query, bits_in), np.float32(scaling), keys[0], values[1], keys[2], values[2], pages.numpy(),
-            tables.numpy(), np.array(starts, dtype=np.int64), np.array(stops, dtype=np.int64), int(key_offset),
-            key_size, int(value_offset), value_size, _host(exact_keys, bits_in), _host(exact_values, bits_in), rows_np,
-            _host(new_keys, bits_in), _host(new_values, bits_in), sinks_np,
-            _host(out, bits_out), flags, *plans.scalars)
-    bad = run_split(kernel, args, batch * kv_heads, longest * (keys[4] + values[4]), _MIN_WORK_PER_THREAD,
-                    "fibquant-paged", per_thread=lambda t: _scratch(t, sizes, lanes, longest))
+    bad = run_paged_kernel(paged_kernel(bits_in, bits_out), plans, _host(query, bits_in), scaling, pages.numpy(),
+                           tables.numpy(), np.array(starts, dtype=np.int64), np.array(stops, dtype=np.int64),
+                           key_offset, value_offset, _host(exact_keys, bits_in), _host(exact_values, bits_in),
+                           rows_np, _host(new_keys, bits_in), _host(new_values, bits_in), _host(out, bits_out),
+                           longest, sinks_np, flags)
     if bad:
         raise ValueError(f"paged codes hold {bad} invalid index(es) or block id(s) outside the pages")
     return out
+
+
+def paged_kernel(bits_in: bool, bits_out: bool):
+    """The compiled paged kernel for bf16-bits (True) or float32 (False) inputs / output, kept per combination."""
+    kernel = _KERNELS.get((bits_in, bits_out))
+    if kernel is None:
+        from fibquant.kv.attention.numba_paged import compile_paged_kernel
+        kernel = _KERNELS[bits_in, bits_out] = compile_paged_kernel(*("uint16" if bits else "float32"
+                                                                    for bits in (bits_in, bits_out)))
+    return kernel
+
+
+def run_paged_kernel(kernel, plans: PagedPlan, query, scaling: float, pages, tables, starts, stops, key_offset: int,
+                     value_offset: int, exact_keys, exact_values, exact_rows, new_keys, new_values, out,
+                     longest: int, sinks=_DUMMY_SINKS, flags: int = 0) -> int:
+    """The paged kernel on numpy arrays exactly as it takes them (`paged_decode_attention` checks and
+    converts; a caller that keeps these arrays between calls, e.g. a serving backend per step and
+    layer, saves that work): query [B, Hq, D], pages uint8 [blocks, Hkv, bs, slot], tables int32
+    [B, max_blocks], starts / stops / exact_rows int64 [B] (C arrays), exact / new parts [R|B, Hkv, n, D], out
+    [B, Hq, Dv] (query, parts and out all float32 or all uint16 bf16 bits, matching `kernel`);
+    `longest` = max(stops - starts). Returns the count of invalid indices / block ids seen (the
+    caller raises)."""
+    global _scratch
+    if _scratch is None:
+        from fibquant.kv.attention.entry import _scratch
+    keys, values, lanes, sizes = plans.keys, plans.values, plans.lanes, plans.sizes
+    batch, kv_heads = query.shape[0], pages.shape[1]
+    args = (query, np.float32(scaling), keys[0], values[1], keys[2], values[2], pages, tables,
+            starts, stops, int(key_offset), plans.key_size, int(value_offset), plans.value_size, exact_keys,
+            exact_values, exact_rows, new_keys, new_values, sinks, out, flags, *plans.scalars)
+    return run_split(kernel, args, batch * kv_heads, longest * (keys[4] + values[4]), _MIN_WORK_PER_THREAD,
+                     "fibquant-paged", per_thread=lambda t: _scratch(t, sizes, lanes, longest))
 
 
 def paged_decode_attention_reference(query: torch.Tensor, pages: torch.Tensor, tables: torch.Tensor,
