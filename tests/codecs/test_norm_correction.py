@@ -121,3 +121,22 @@ def test_encode_parts_rejects_what_encode_rejects():
         codec.encode_parts([good, good * 1e5])
     with pytest.raises(ValueError, match="last dimension"):
         codec.encode_parts([good, torch.randn(2, 32)])
+
+
+@pytest.mark.parametrize("spec", ["fibquant:b=4", "fibquant:b=2"])
+def test_encode_parts_reuses_its_working_arrays_and_keeps_the_codes(spec):
+    """Calls of many sizes (below, at and above ENCODE_SCRATCH_ROWS) through the reused arrays give
+    `encode`'s codes, and the codes of one call are not overwritten by the next."""
+    import fibquant.codecs.fibquant as fibquant_module
+
+    codec = parse_method(spec).build(64)
+    gen = torch.Generator().manual_seed(5)
+    kept = []
+    for rows in (1, 17, 300, 4097, fibquant_module.ENCODE_SCRATCH_ROWS + 5, 33):
+        keys, values = torch.randn(2, rows, 64, generator=gen) * 2
+        parts = codec.encode_parts([keys, values[: max(1, rows // 2)]])
+        expected = codec.encode(torch.cat([keys, values[: max(1, rows // 2)]]))
+        assert torch.equal(torch.cat(parts), expected)
+        kept.append((parts, expected))
+    assert all(torch.equal(torch.cat(parts), expected) for parts, expected in kept)
+    assert (64, codec.config.n_blocks) in fibquant_module._SCRATCH.sets

@@ -38,6 +38,7 @@ and 256, builds on first use with the v3 recipe (codebook/recipe_v3.py: a fixed 
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -59,6 +60,31 @@ MAX_GRID_CODEWORDS = 1024    # the grid-pruned search's tables cost boxes * N to
 # docs/peers-and-long-context.md): at 4 bits KL 0.918x of plain (7/8 paired cells), needle unchanged;
 # at 2 bits KL 1.100x (8/8 cells worse), so the lower rates stay off.
 NC_DEFAULT_BITS = frozenset({4.0})
+
+
+# encode_parts reuses its working arrays (inputs, quotients, rotated rows, indices: ~1.1 KB per row at dim 64)
+# for calls of up to this many rows, one set per thread and (dim, blocks): a prefill's encode calls
+# (`kv.layer.ENCODE_CHUNK_ROWS` vectors) then fault in no new pages per layer.
+ENCODE_SCRATCH_ROWS = 8192
+_SCRATCH = threading.local()
+
+
+def _encode_scratch(rows: int, dim: int, blocks: int) -> tuple | None:
+    """This thread's working arrays of `encode_parts` for `rows` rows of `dim` floats in `blocks` blocks:
+    (inputs float32 [c, dim], quotients float32 [c, dim], rotated rows torch float32 [c, dim], indices
+    int64 [c, blocks], flags int8 [c, blocks]) with capacity c >= rows, or None above ENCODE_SCRATCH_ROWS."""
+    if rows > ENCODE_SCRATCH_ROWS:
+        return None
+    held = _SCRATCH.__dict__.setdefault("sets", {})
+    arrays = held.get((dim, blocks))
+    if arrays is None or arrays[0].shape[0] < rows:
+        capacity = min(ENCODE_SCRATCH_ROWS, max(256, 1 << (rows - 1).bit_length()))
+        arrays = held[(dim, blocks)] = (np.empty((capacity, dim), dtype=np.float32),
+                                        np.empty((capacity, dim), dtype=np.float32),
+                                        torch.empty(capacity, dim, dtype=torch.float32),
+                                        np.empty((capacity, blocks), dtype=np.int64),
+                                        np.empty((capacity, blocks), dtype=np.int8))
+    return arrays
 
 
 @dataclass(frozen=True)
@@ -252,11 +278,13 @@ class FibQuantCodec(Codec):
         return flat.reshape(u.shape[0], self.config.n_blocks)
 
     def _encode_numba(self, x: torch.Tensor, fast: NumbaSearch, forward: torch.Tensor,
-                      norms: torch.Tensor | None = None) -> tuple[torch.Tensor, np.ndarray]:
+                      norms: torch.Tensor | None = None, scratch: tuple | None = None) -> tuple[torch.Tensor, np.ndarray]:
         """CPU encode: `RotationState.normalise_rotate`'s float32 ops (the same torch norm and
         matmul, an IEEE float32 division, IEEE fp16 rounding) with fewer torch calls, then search
         + packing in numba. Returns (codes, the block indices int64 [n, dim/k]). `norms`: x's
-        norms [n] as computed here, when the caller has them (and checked their range)."""
+        norms [n] as computed here, when the caller has them (and checked their range). `scratch`
+        (`_encode_scratch`): reused arrays for the quotient, the rotated rows and the indices (the same
+        division and matmul written into them); the indices returned are then a view of it."""
         x = x.detach()
         if norms is None:
             norms = torch.linalg.vector_norm(x, 2, [1])                   # = x.norm(dim=1)
@@ -264,10 +292,15 @@ class FibQuantCodec(Codec):
                 raise ValueError(f"{type(self).__name__}: vector norm exceeds the fp16 range of the stored norm")
         norms_np = norms.numpy()
         safe = np.where(norms_np > 0, norms_np, np.float32(1.0))
-        u = torch.from_numpy(x.numpy() / safe[:, None]) @ forward
         # numpy's float32 -> float16 rounding equals torch's (checked for every float32 in [0, FP16_MAX]).
         norm_bytes = norms_np.astype(np.float16).view(np.uint8).reshape(len(norms_np), 2)
-        return fast.encode_index(u, norm_bytes, self.config.index_bits)
+        if scratch is None:
+            u = torch.from_numpy(x.numpy() / safe[:, None]) @ forward
+            return fast.encode_index(u, norm_bytes, self.config.index_bits)
+        n = len(norms_np)
+        quotient = np.divide(x.numpy(), safe[:, None], out=scratch[1][:n])
+        u = torch.mm(torch.from_numpy(quotient), forward, out=scratch[2][:n])  # mm's out variant: the same kernel as @
+        return fast.encode_index(u, norm_bytes, self.config.index_bits, scratch[3:])
 
     def _cpu_tables(self) -> tuple[NumbaSearch, torch.Tensor] | None:
         """(NumbaSearch, Pi^T) of the CPU numba encode, or None where it does not run."""
@@ -283,8 +316,9 @@ class FibQuantCodec(Codec):
 
     def encode_parts(self, parts) -> list[torch.Tensor]:
         """`Codec.encode_parts` (the same codes) with less per-call cost for float32 CPU tensors outside
-        autograd: one copy of the parts into a contiguous [n, dim] block (no stack, no reshape copies),
-        finiteness read from the norms (a NaN / inf coordinate makes its row's norm NaN / inf; such a
+        autograd: one copy of the parts into a contiguous [n, dim] block (no stack, no reshape copies), the
+        working arrays reused across calls (`_encode_scratch`: no fresh pages per call), finiteness read
+        from the norms (a NaN / inf coordinate makes its row's norm NaN / inf; such a
         call, and one over the fp16 range, goes through `Codec.encode_parts`, which raises as `encode`)."""
         parts = list(parts)
         tables = self._cpu_tables() if parts else None
@@ -293,7 +327,8 @@ class FibQuantCodec(Codec):
                                      for p in parts):
             return super().encode_parts(parts)
         counts = [p.numel() // self.dim for p in parts]
-        x = np.empty((sum(counts), self.dim), dtype=np.float32)
+        scratch = _encode_scratch(sum(counts), self.dim, self.config.n_blocks)
+        x = scratch[0][:sum(counts)] if scratch is not None else np.empty((sum(counts), self.dim), dtype=np.float32)
         at = 0
         for part, count in zip(parts, counts):
             np.copyto(x[at:at + count].reshape(part.shape), part.numpy())
@@ -305,7 +340,7 @@ class FibQuantCodec(Codec):
             norms = torch.linalg.vector_norm(flat, 2, [1])
             if not float(norms.numpy().max()) <= FP16_MAX:  # NaN / inf / too long: the checks and errors of encode
                 return super().encode_parts(parts)
-            codes, index = self._encode_numba(flat, *tables, norms)
+            codes, index = self._encode_numba(flat, *tables, norms, scratch)
             if self.norm_correction:
                 codes = self._correct_norms(flat, codes, index)
         return _split_codes(codes, parts, self.code_size)
