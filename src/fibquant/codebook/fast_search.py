@@ -479,8 +479,11 @@ class NumbaSearch:
             tables = (self.codewords_t32, self.codewords_t64)
         self._args = (self.k, *(t.numpy() if isinstance(t, torch.Tensor) else t for t in tables))
 
-    def _run(self, u: torch.Tensor, codes: np.ndarray, head: int, bits: int) -> np.ndarray:
-        """Search (and with bits > 0 pack into codes[:, head:]) rows u [n, dim]; returns index [n, dim/k]."""
+    def _run(self, u: torch.Tensor, codes: np.ndarray, head: int, bits: int,
+             scratch: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+        """Search (and with bits > 0 pack into codes[:, head:]) rows u [n, dim]; returns index [n, dim/k].
+        `scratch`: (int64, int8) arrays of at least [n, dim/k] to hold the index and flags (reused
+        working memory, `encode_index`); fresh arrays otherwise."""
         u = u.detach()
         if u.device.type != "cpu" or u.dtype != torch.float32 or not u.is_contiguous():
             u = u.to("cpu", torch.float32).contiguous()
@@ -488,8 +491,12 @@ class NumbaSearch:
         if dim % self.k:
             raise ValueError(f"row length {dim} is not a multiple of k={self.k}")
         n_blocks = dim // self.k
-        index = np.empty((n, n_blocks), dtype=np.int64)
-        flags = np.zeros((n, n_blocks), dtype=np.int8)
+        if scratch is not None and scratch[0].shape[0] >= n and scratch[0].shape[1:] == (n_blocks,):
+            index, flags = scratch[0][:n], scratch[1][:n]
+            flags.fill(0)  # the kernels only set flags
+        else:
+            index = np.empty((n, n_blocks), dtype=np.int64)
+            flags = np.zeros((n, n_blocks), dtype=np.int8)
         if n == 0:
             return index
         kernels = _KERNELS or _kernels()
@@ -544,13 +551,14 @@ class NumbaSearch:
         """Codes [n, h + packed] = norm bytes [n, h] (uint8), then the packed indices of u (`pack_bits`)."""
         return self.encode_index(u, norm_bytes, index_bits)[0]
 
-    def encode_index(self, u: torch.Tensor, norm_bytes: torch.Tensor | np.ndarray,
-                     index_bits: int) -> tuple[torch.Tensor, np.ndarray]:
-        """(`encode`'s codes, the indices they pack: int64 [n, dim/k])."""
+    def encode_index(self, u: torch.Tensor, norm_bytes: torch.Tensor | np.ndarray, index_bits: int,
+                     scratch: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[torch.Tensor, np.ndarray]:
+        """(`encode`'s codes, the indices they pack: int64 [n, dim/k]); with `scratch` (`_run`) the indices
+        are a view of scratch[0], valid until its next use."""
         n, head = norm_bytes.shape
         n_blocks = u.shape[1] // self.k
         # every byte of a row is written: the norm bytes here, then each packed byte (a partial last byte too)
         codes = np.empty((n, head + (n_blocks * index_bits + 7) // 8), dtype=np.uint8)
         codes[:, :head] = norm_bytes.numpy() if isinstance(norm_bytes, torch.Tensor) else norm_bytes
-        index = self._run(u, codes, head, index_bits)
+        index = self._run(u, codes, head, index_bits, scratch)
         return torch.from_numpy(codes), index

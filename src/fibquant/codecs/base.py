@@ -46,7 +46,7 @@ import math
 from abc import ABC, abstractmethod
 from dataclasses import MISSING, asdict, dataclass, fields, is_dataclass
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Optional, TypeVar
+from typing import Any, Callable, ClassVar, Optional, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -307,6 +307,18 @@ class Codec(ABC):
             return torch.empty(*lead, self.code_size, dtype=torch.uint8, device=x.device)
         return self._encode_flat(flat).reshape(*lead, self.code_size)
 
+    def encode_parts(self, parts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Several float tensors [..., dim] in one encode call: uint8 [..., code_size] per part, the codes
+        `encode` gives for the parts' rows concatenated in order (flattened) and split back. One call's
+        fixed cost instead of one per part (a cache layer encodes its keys and values together)."""
+        parts = list(parts)
+        for part in parts:
+            self.check_input(part)
+        if len(parts) <= 1:
+            return [self.encode(part) for part in parts]
+        flat = torch.cat([part.reshape(-1, self.dim).to(torch.float32) for part in parts])
+        return _split_codes(self.encode(flat), parts, self.code_size)
+
     def decode(self, codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """uint8 [..., code_size] -> `dtype` [..., dim] on the codes' device."""
         self.check_codes(codes)
@@ -345,6 +357,16 @@ class Codec(ABC):
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(dim={self.dim}, bits/coord={self.bits_per_coordinate:.4g}, "
                 f"code_size={self.code_size}B, ratio={self.compression_ratio:.2f}x)")
+
+
+def _split_codes(codes: torch.Tensor, parts: Sequence[torch.Tensor], code_size: int) -> list[torch.Tensor]:
+    """codes [sum of the parts' rows, code_size] -> one view [..., code_size] per part (its leading shape)."""
+    out, at = [], 0
+    for part in parts:
+        rows = part.numel() // part.shape[-1]
+        out.append(codes[at:at + rows].reshape(*part.shape[:-1], code_size))
+        at += rows
+    return out
 
 
 def config_matches(config: Any, saved: dict) -> bool:

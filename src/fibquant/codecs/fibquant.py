@@ -38,6 +38,7 @@ and 256, builds on first use with the v3 recipe (codebook/recipe_v3.py: a fixed 
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,9 +48,10 @@ from ..codebook import CodebookSpec, load_codebook
 from ..codebook.fast_search import NumbaSearch, numba_available
 from ..codebook.grid_search import GridSearch, default_cells
 from ..codebook.search import nearest_codeword
-from .base import FP16_MAX, Codec, PlotStyle, RotatedCodebook, SpecParam
-from .bitpack import float16_to_bytes, pack_bits, packed_size, unpack_bits
+from .base import FP16_MAX, Codec, PlotStyle, RotatedCodebook, SpecParam, _split_codes
+from .bitpack import pack_bits, packed_size, unpack_bits
 from .layout import CodeLayout
+from .norm_correction import corrected_norm_bytes, reference_norm_bytes
 from .rotation import NORM_BYTES, RotationState, check_rotation_seed, rotation_seed_of
 
 MAX_SEARCH_CODEWORDS = 4096  # for_rate never picks more (search cost N*k per block)
@@ -58,6 +60,31 @@ MAX_GRID_CODEWORDS = 1024    # the grid-pruned search's tables cost boxes * N to
 # docs/peers-and-long-context.md): at 4 bits KL 0.918x of plain (7/8 paired cells), needle unchanged;
 # at 2 bits KL 1.100x (8/8 cells worse), so the lower rates stay off.
 NC_DEFAULT_BITS = frozenset({4.0})
+
+
+# encode_parts reuses its working arrays (inputs, quotients, rotated rows, indices: ~1.1 KB per row at dim 64)
+# for calls of up to this many rows, one set per thread and (dim, blocks): a prefill's encode calls
+# (`kv.layer.ENCODE_CHUNK_ROWS` vectors) then fault in no new pages per layer.
+ENCODE_SCRATCH_ROWS = 8192
+_SCRATCH = threading.local()
+
+
+def _encode_scratch(rows: int, dim: int, blocks: int) -> tuple | None:
+    """This thread's working arrays of `encode_parts` for `rows` rows of `dim` floats in `blocks` blocks:
+    (inputs float32 [c, dim], quotients float32 [c, dim], rotated rows torch float32 [c, dim], indices
+    int64 [c, blocks], flags int8 [c, blocks]) with capacity c >= rows, or None above ENCODE_SCRATCH_ROWS."""
+    if rows > ENCODE_SCRATCH_ROWS:
+        return None
+    held = _SCRATCH.__dict__.setdefault("sets", {})
+    arrays = held.get((dim, blocks))
+    if arrays is None or arrays[0].shape[0] < rows:
+        capacity = min(ENCODE_SCRATCH_ROWS, max(256, 1 << (rows - 1).bit_length()))
+        arrays = held[(dim, blocks)] = (np.empty((capacity, dim), dtype=np.float32),
+                                        np.empty((capacity, dim), dtype=np.float32),
+                                        torch.empty(capacity, dim, dtype=torch.float32),
+                                        np.empty((capacity, blocks), dtype=np.int64),
+                                        np.empty((capacity, blocks), dtype=np.int8))
+    return arrays
 
 
 @dataclass(frozen=True)
@@ -124,6 +151,9 @@ class FibQuantCodec(Codec):
     # CPU encode through the numba search (codebook/fast_search.py) when numba imports; False: the
     # torch path (`search_method`), which CUDA tensors always take. Both give the reference's codes.
     fast_search = True
+    # Norm correction from the numba encode's indices through codecs/norm_correction.py's numba path
+    # (the spec's bytes); False: the torch float64 spec itself.
+    fast_norm_correction = True
 
     def __init__(self, dim: int, k: int, n_codewords: int, seed: int = 0, norm_correction: bool = False,
                  rotation_seed: int | None = None):
@@ -247,21 +277,73 @@ class FibQuantCodec(Codec):
             flat = nearest_codeword(blocks, codewords, sq_norms)
         return flat.reshape(u.shape[0], self.config.n_blocks)
 
-    def _encode_numba(self, x: torch.Tensor, fast: NumbaSearch,
-                      forward: torch.Tensor) -> tuple[torch.Tensor, np.ndarray]:
+    def _encode_numba(self, x: torch.Tensor, fast: NumbaSearch, forward: torch.Tensor,
+                      norms: torch.Tensor | None = None, scratch: tuple | None = None) -> tuple[torch.Tensor, np.ndarray]:
         """CPU encode: `RotationState.normalise_rotate`'s float32 ops (the same torch norm and
         matmul, an IEEE float32 division, IEEE fp16 rounding) with fewer torch calls, then search
-        + packing in numba. Returns (codes, the block indices int64 [n, dim/k])."""
+        + packing in numba. Returns (codes, the block indices int64 [n, dim/k]). `norms`: x's
+        norms [n] as computed here, when the caller has them (and checked their range). `scratch`
+        (`_encode_scratch`): reused arrays for the quotient, the rotated rows and the indices (the same
+        division and matmul written into them); the indices returned are then a view of it."""
         x = x.detach()
-        norms = torch.linalg.vector_norm(x, 2, [1])                       # = x.norm(dim=1)
+        if norms is None:
+            norms = torch.linalg.vector_norm(x, 2, [1])                   # = x.norm(dim=1)
+            if float(norms.numpy().max()) > FP16_MAX:
+                raise ValueError(f"{type(self).__name__}: vector norm exceeds the fp16 range of the stored norm")
         norms_np = norms.numpy()
-        if float(norms_np.max()) > FP16_MAX:
-            raise ValueError(f"{type(self).__name__}: vector norm exceeds the fp16 range of the stored norm")
         safe = np.where(norms_np > 0, norms_np, np.float32(1.0))
-        u = torch.from_numpy(x.numpy() / safe[:, None]) @ forward
         # numpy's float32 -> float16 rounding equals torch's (checked for every float32 in [0, FP16_MAX]).
         norm_bytes = norms_np.astype(np.float16).view(np.uint8).reshape(len(norms_np), 2)
-        return fast.encode_index(u, norm_bytes, self.config.index_bits)
+        if scratch is None:
+            u = torch.from_numpy(x.numpy() / safe[:, None]) @ forward
+            return fast.encode_index(u, norm_bytes, self.config.index_bits)
+        n = len(norms_np)
+        quotient = np.divide(x.numpy(), safe[:, None], out=scratch[1][:n])
+        u = torch.mm(torch.from_numpy(quotient), forward, out=scratch[2][:n])  # mm's out variant: the same kernel as @
+        return fast.encode_index(u, norm_bytes, self.config.index_bits, scratch[3:])
+
+    def _cpu_tables(self) -> tuple[NumbaSearch, torch.Tensor] | None:
+        """(NumbaSearch, Pi^T) of the CPU numba encode, or None where it does not run."""
+        if not self.fast_search:
+            return None
+        if self._cpu_encode is None:
+            cpu = torch.device("cpu")
+            fast = self._numba_search(cpu)
+            if fast is None:
+                return None
+            self._cpu_encode = (fast, self._rotation.forward_matrix(cpu))
+        return self._cpu_encode
+
+    def encode_parts(self, parts) -> list[torch.Tensor]:
+        """`Codec.encode_parts` (the same codes) with less per-call cost for float32 CPU tensors outside
+        autograd: one copy of the parts into a contiguous [n, dim] block (no stack, no reshape copies), the
+        working arrays reused across calls (`_encode_scratch`: no fresh pages per call), finiteness read
+        from the norms (a NaN / inf coordinate makes its row's norm NaN / inf; such a
+        call, and one over the fp16 range, goes through `Codec.encode_parts`, which raises as `encode`)."""
+        parts = list(parts)
+        tables = self._cpu_tables() if parts else None
+        if tables is None or not all(isinstance(p, torch.Tensor) and p.dtype == torch.float32 and p.is_cpu
+                                     and not p.requires_grad and p.ndim >= 1 and p.shape[-1] == self.dim
+                                     for p in parts):
+            return super().encode_parts(parts)
+        counts = [p.numel() // self.dim for p in parts]
+        scratch = _encode_scratch(sum(counts), self.dim, self.config.n_blocks)
+        x = scratch[0][:sum(counts)] if scratch is not None else np.empty((sum(counts), self.dim), dtype=np.float32)
+        at = 0
+        for part, count in zip(parts, counts):
+            np.copyto(x[at:at + count].reshape(part.shape), part.numpy())
+            at += count
+        flat = torch.from_numpy(x)
+        if len(x) == 0:
+            codes = torch.empty(0, self.code_size, dtype=torch.uint8)
+        else:
+            norms = torch.linalg.vector_norm(flat, 2, [1])
+            if not float(norms.numpy().max()) <= FP16_MAX:  # NaN / inf / too long: the checks and errors of encode
+                return super().encode_parts(parts)
+            codes, index = self._encode_numba(flat, *tables, norms, scratch)
+            if self.norm_correction:
+                codes = self._correct_norms(flat, codes, index)
+        return _split_codes(codes, parts, self.code_size)
 
     def _encode_flat(self, x: torch.Tensor) -> torch.Tensor:
         codes, index = self._encode_plain(x)
@@ -272,29 +354,33 @@ class FibQuantCodec(Codec):
         vector of the code's indices, ||u_hat||^2 = the sum of its codewords' squared norms), so decode
         returns a vector of the input's norm. Same 2 bytes; zero vectors keep 0. `index` [n, dim/k]
         (int64, the numba encode's, whose codes the caller owns): the indices the codes hold, unpacked
-        otherwise; the same float64 arithmetic either way, so the same bytes."""
+        otherwise. The bytes are the spec's (`norm_correction.corrected_norms_reference`); with `index`
+        and numba they come from its fast path, which falls back to the spec wherever it cannot
+        prove its bytes equal (codecs/norm_correction.py)."""
         owned = index is not None
+        sq_norms = self.device_state.get("sq_norms64", codes.device, lambda d: self._table(d)[1].to(torch.float64))
+        if owned and self.fast_norm_correction and x.dtype == torch.float32 and x.is_contiguous() \
+                and codes.device.type == "cpu" and numba_available():
+            fast = corrected_norm_bytes(x.detach().numpy(), index, sq_norms.numpy())
+            if fast is not None:
+                codes.numpy()[:, :NORM_BYTES] = fast
+                return codes
         index = torch.from_numpy(index) if owned else unpack_bits(codes[:, NORM_BYTES:], self.config.index_bits,
                                                                   self.config.n_blocks)
-        sq_norms = self.device_state.get("sq_norms64", codes.device, lambda d: self._table(d)[1].to(torch.float64))
-        # index_select on the flat indices: the same float64 values as sq_norms[index], ~2.5x faster
-        u_norm = sq_norms.index_select(0, index.reshape(-1)).view(index.shape).sum(1).sqrt()
-        norms = x.to(torch.float64).norm(dim=1)
-        stored = torch.where(norms > 0, norms / u_norm.clamp_min(1e-30), torch.zeros_like(norms))
-        if float(stored.max()) > FP16_MAX:
-            raise ValueError(f"{type(self).__name__}: corrected norm exceeds the fp16 range of the stored norm")
+        try:
+            norm_bytes = reference_norm_bytes(x, index, sq_norms)
+        except ValueError:
+            raise ValueError(f"{type(self).__name__}: corrected norm exceeds the fp16 range of the stored norm") from None
         codes = codes if owned else codes.clone()
-        codes[:, :NORM_BYTES] = float16_to_bytes(stored.to(torch.float32))
+        codes[:, :NORM_BYTES] = norm_bytes
         return codes
 
     def _encode_plain(self, x: torch.Tensor) -> tuple[torch.Tensor, np.ndarray | None]:
         """(codes without norm correction, the block indices int64 [n, dim/k] where the numba path ran, else None)."""
-        if x.device.type == "cpu" and self._cpu_encode is not None and self.fast_search and x.is_contiguous():
-            return self._encode_numba(x, *self._cpu_encode)
+        tables = self._cpu_tables() if x.device.type == "cpu" and x.is_contiguous() else None
+        if tables is not None:
+            return self._encode_numba(x, *tables)
         fast = self._numba_search(x.device)
-        if fast is not None and x.is_contiguous():
-            self._cpu_encode = (fast, self._rotation.forward_matrix(x.device))
-            return self._encode_numba(x, *self._cpu_encode)
         norm_bytes, u = self._rotation.normalise_rotate(x, type(self).__name__)
         if fast is not None:
             return fast.encode_index(u, norm_bytes, self.config.index_bits)

@@ -287,8 +287,8 @@ class CompressedLayer(CacheLayerMixin):
         # the code rows' long-lived storage first, below the encode's transient buffers (CodeBuffer.reserve)
         self.key_buffer.reserve(n)
         self.value_buffer.reserve(n)
-        # one codec for both roles: one encode call for keys and values (a decode step's encode of 16
-        # tokens is mostly per-call cost)
+        # one codec for both roles: one encode call for keys and values (`encode_parts`; a decode step's
+        # encode of 16 tokens is mostly per-call cost)
         joint = self.key_codec is self.value_codec and keys.shape == values.shape and keys.dtype == values.dtype
         per_token = keys.shape[0] * keys.shape[1] * (2 if joint else 1)
         step = max(1, ENCODE_CHUNK_ROWS // max(per_token, 1))
@@ -299,9 +299,9 @@ class CompressedLayer(CacheLayerMixin):
                 part_k = part_k.to(torch.float32) - self.key_mean.unsqueeze(-2)
                 part_v = part_v.to(torch.float32) - self.value_mean.unsqueeze(-2)
             if joint:
-                codes = self.key_codec.encode(torch.stack([part_k, part_v]))
-                self.key_buffer.append(codes[0])
-                self.value_buffer.append(codes[1])
+                codes_k, codes_v = self.key_codec.encode_parts([part_k, part_v])
+                self.key_buffer.append(codes_k)
+                self.value_buffer.append(codes_v)
             else:
                 self.key_buffer.append(self.key_codec.encode(part_k))
                 self.value_buffer.append(self.value_codec.encode(part_v))
