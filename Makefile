@@ -21,8 +21,10 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/fibquant demo
 
+# One worker process per core, at most 4 (each holds the real model, ~1.5 GB); tests/conftest.py gives each
+# worker its share of torch threads and hands out the real-model tests first. Plain `pytest` runs serially.
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --maxprocesses 4
 
 # vLLM (CPU build, ~3.5 GB) gets its own venv: `make test` never needs it.
 VLLM_VENV := .venv-vllm
