@@ -1,12 +1,75 @@
-"""Session-wide fixtures shared by the test modules."""
+"""Session-wide fixtures shared by the test modules, and the settings of a parallel run.
+
+`make test` runs the suite with pytest-xdist over up to four worker processes (`-n auto`); a plain
+`pytest` still runs it in one process. Under xdist (a worker has PYTEST_XDIST_WORKER set):
+- each worker gets an equal share of the cores as torch threads (two workers with two threads each
+  on two cores oversubscribe every small kernel); the tests that exercise the threaded paths set
+  their own thread counts (torch.set_num_threads(2) and back);
+- the tests that load the real model (`model` marker, the longest ones) run first, so that no worker
+  is still in a 40 s test when the other has emptied the queue (the order within each group is kept).
+
+Triton's interpreter: triton picks interpreter vs compiler when `triton.language` is first imported,
+and in a whole-suite process something imports it long before tests/kv/attention/test_coded_triton.py
+is collected (transformers.cache_utils imports hqq, which imports torch._dynamo, which imports
+triton), so that module used to skip itself in every full run. Without CUDA the kernels module is
+therefore imported here, before any test module, with TRITON_INTERPRET=1 set for that import alone
+(as the test module itself does when it runs alone); nothing else in the suite launches Triton kernels.
+"""
 from __future__ import annotations
+
+import importlib.util
+import os
 
 import pytest
 
 
+def _xdist_workers() -> int:
+    """The number of xdist workers when this process is one of them, else 0."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return 0
+    return int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+
+
+def _import_interpreted_triton_kernels() -> None:
+    import sys
+
+    import torch
+
+    if torch.cuda.is_available() or "triton" in sys.modules or importlib.util.find_spec("triton") is None:
+        return
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import fibquant.kv.attention.triton_kernels  # noqa: F401
+    except Exception:  # a broken triton install: test_coded_triton.py says so when it is collected
+        pass
+    finally:
+        if saved is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+
+
+def pytest_configure(config):
+    workers = _xdist_workers()
+    if workers:
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+    if workers or not getattr(config.option, "numprocesses", None):  # not the xdist controller: it runs no test
+        _import_interpreted_triton_kernels()
+
+
+def pytest_collection_modifyitems(config, items):
+    if _xdist_workers():
+        items.sort(key=lambda item: item.get_closest_marker("model") is None)  # stable: model tests first
+
+
 @pytest.fixture(scope="session")
 def model_and_tokenizer():
-    """The real default model (SmolLM2-135M-Instruct GGUF) and tokenizer, loaded once per session.
+    """The real default model (SmolLM2-135M-Instruct GGUF) and tokenizer, loaded once per session
+    (once per worker under xdist: the first load of a fresh cache root writes the dense copy, and
+    two workers doing so at once is safe, tests/kv/test_model_copy.py).
 
     Tests using it must be marked `@pytest.mark.model`. Skipped, with the install command, when
     the model package is absent.

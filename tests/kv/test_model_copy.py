@@ -113,3 +113,29 @@ def test_marker_of_another_file_or_version_is_not_complete(gguf, tmp_path, monke
     assert not model_copy.is_complete(folder, gguf)
     monkeypatch.setenv(model_copy.COPY_ENV, "off")
     assert model_copy.copy_dir(gguf) is None
+
+
+def test_two_writers_racing_for_one_copy_both_succeed_and_leave_the_winners(gguf, tmp_path, model_and_tokenizer):
+    """Two processes loading the model for the first time at once (pytest-xdist workers, two CLI calls) both
+    write the copy: here the second writer runs to completion while the first is still staging, so the
+    first one's rename finds a complete copy in place. Neither fails, the copy is the winner's, whole, and
+    no staging folder is left behind."""
+    from _kv_helpers import tiny_llama
+
+    tokenizer = model_and_tokenizer[1]
+    directory = tmp_path / "models" / "copy"
+    first, second = tiny_llama(seed=1), tiny_llama(seed=2)
+    results = []
+    save = first.save_pretrained
+
+    def save_then_lose_the_race(staging, **kwargs):
+        save(staging, **kwargs)
+        results.append(("second", model_copy.write_copy(directory, gguf, second, tokenizer)))
+
+    first.save_pretrained = save_then_lose_the_race
+    results.append(("first", model_copy.write_copy(directory, gguf, first, tokenizer)))
+    assert results == [("second", True), ("first", True)]
+    assert model_copy.is_complete(directory, gguf)
+    assert [p.name for p in directory.parent.iterdir()] == ["copy"]  # both staging folders removed
+    loaded, _ = kv_model._load_pretrained(directory, torch.float32)
+    _same_model(second, loaded)

@@ -596,6 +596,9 @@ def test_attend_codes_wired_to_the_fused_kernel(monkeypatch, tokens):
     real = attention.coded_decode_attention
     monkeypatch.setattr(attention, "coded_decode_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
     monkeypatch.setattr(attention, "FUSED_CODED_BACKEND", "triton")
+    # CUDA tensors never take the one-token numba step (CPU only): so that CPU tensors in the interpreter
+    # take the CUDA path too, it is off for this call (`expected` above came through it for tokens=1).
+    monkeypatch.setattr(attention, "NUMBA_DECODE", False)
     got = attention.attend_codes(query, kv, allowed, 0.125, sinks=sinks)
     assert calls and torch.isfinite(got).all()
     assert_out_close(got, expected)
