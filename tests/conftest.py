@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from unittest import mock
 
 import pytest
 
@@ -37,17 +38,11 @@ def _import_interpreted_triton_kernels() -> None:
 
     if torch.cuda.is_available() or "triton" in sys.modules or importlib.util.find_spec("triton") is None:
         return
-    saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        import fibquant.kv.attention.triton_kernels  # noqa: F401
-    except Exception:  # a broken triton install: test_coded_triton.py says so when it is collected
-        pass
-    finally:
-        if saved is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = saved
+    with mock.patch.dict(os.environ, {"TRITON_INTERPRET": "1"}):  # for this import alone
+        try:
+            import fibquant.kv.attention.triton_kernels  # noqa: F401
+        except Exception:  # a broken triton install: test_coded_triton.py says so when it is collected
+            pass
 
 
 def pytest_configure(config):
