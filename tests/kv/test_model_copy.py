@@ -139,3 +139,32 @@ def test_two_writers_racing_for_one_copy_both_succeed_and_leave_the_winners(gguf
     assert [p.name for p in directory.parent.iterdir()] == ["copy"]  # both staging folders removed
     loaded, _ = kv_model._load_pretrained(directory, torch.float32)
     _same_model(second, loaded)
+
+
+def test_a_killed_writers_stale_staging_folder_is_removed_and_a_young_one_kept(tmp_path):
+    """A writer killed mid-copy leaves `.<name>-*` behind; the next write removes it once it is older than
+    STALE_STAGING_S, and leaves a younger one (another process may be writing it) and other folders alone."""
+    import os
+    import time
+
+    from _kv_helpers import tiny_llama
+
+    class Tokenizer:
+        def save_pretrained(self, folder):
+            (folder / "tokenizer.json").write_text("{}")
+
+    source = tmp_path / "tiny.gguf"
+    source.write_bytes(b"GGUF stand-in")
+    directory = tmp_path / "models" / "tiny-copy"
+    directory.parent.mkdir()
+    stale, young, other = (directory.parent / name for name in (".tiny-copy-dead", ".tiny-copy-busy", ".other-dead"))
+    for folder in (stale, young, other):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"partial")
+    old = time.time() - model_copy.STALE_STAGING_S - 60
+    for folder in (stale, other):
+        os.utime(folder, (old, old))
+    assert model_copy.write_copy(directory, source, tiny_llama(), Tokenizer())
+    assert model_copy.is_complete(directory, source)
+    assert not stale.exists() and young.exists() and other.exists()
+    assert sorted(p.name for p in directory.parent.iterdir()) == [".other-dead", ".tiny-copy-busy", "tiny-copy"]

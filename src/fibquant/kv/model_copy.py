@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 import warnings
 from pathlib import Path
 from typing import Optional
@@ -68,12 +69,29 @@ def is_complete(directory: Path, gguf: Path) -> bool:
         return False
 
 
+# A staging folder untouched this long belongs to a writer that was killed (a copy takes seconds to a
+# few minutes to write); younger ones may be another process's copy in progress.
+STALE_STAGING_S = 6 * 3600
+
+
+def _remove_stale_staging(directory: Path) -> None:
+    """Remove the `.<name>-*` staging folders of `directory` that killed writers left (~0.5 GB each)."""
+    now = time.time()
+    for leftover in directory.parent.glob(f".{directory.name}-*"):
+        try:
+            if leftover.is_dir() and now - leftover.stat().st_mtime > STALE_STAGING_S:
+                shutil.rmtree(leftover, ignore_errors=True)
+        except OSError:  # removed by another process meanwhile
+            pass
+
+
 def write_copy(directory: Path, gguf: Path, model, tokenizer) -> bool:
     """Save the dense `model` and `tokenizer` of `gguf` as `directory`, atomically (a temporary folder
     renamed into place; a process that loses the race keeps the winner's copy). Returns whether a
     complete copy is there afterwards; an unwritable cache root or a full disk only warns."""
     try:
         directory.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_staging(directory)
         staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}-", dir=directory.parent))
         try:
             model.save_pretrained(staging, safe_serialization=True)
