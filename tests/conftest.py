@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from unittest import mock
 
 import pytest
@@ -32,8 +33,6 @@ def _xdist_workers() -> int:
 
 
 def _import_interpreted_triton_kernels() -> None:
-    import sys
-
     import torch
 
     if torch.cuda.is_available() or "triton" in sys.modules or importlib.util.find_spec("triton") is None:

@@ -607,16 +607,16 @@ class FibQuantAttentionImpl(AttentionImpl):
         nothing coded, tables off the host)."""
         num_reqs = len(pasts)
         if not LEAN_DECODE or not self.deferred.steps or not self.window.size or not num_reqs or count != num_reqs \
-                or starts[num_reqs] != num_reqs or in_forward or tables.device.type != "cpu" or slots.min() < 0:
+                or starts != list(range(num_reqs + 1)) or in_forward or tables.device.type != "cpu" or slots.min() < 0:
             return None
-        window = self.window
-        sizes = {sum(window.counts(past)) for past in pasts}
+        counts = [self.window.counts(past) for past in pasts]  # (sinks, recent) held exact per sequence
+        sizes = {sinks + recent for sinks, recent in counts}
         if len(sizes) != 1 or min(pasts) <= 0 or (self.prefix_caching and any((p + 1) % block == 0 for p in pasts)):
             return None
-        skip, _ = window.counts(pasts[0])
-        stops = np.array([past - window.counts(past)[1] for past in pasts], dtype=np.int64)
+        skip = counts[0][0]
+        stops = np.array([past - recent for past, (_, recent) in zip(pasts, counts)], dtype=np.int64)
         longest = int(stops.max()) - skip
-        if longest <= 0 or starts != list(range(num_reqs + 1)):
+        if longest <= 0:
             return None
         host = np.ascontiguousarray(tables.numpy(), dtype=np.int32)
         return _DecodeStep(pasts, sizes.pop(), np.full(num_reqs, skip, dtype=np.int64), stops, longest, host,
