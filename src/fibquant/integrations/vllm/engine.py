@@ -10,6 +10,8 @@ Tasks (JSON in, JSON out; every result also has `kv_capacity_tokens`, `load_s` a
            log-probability per step)
     {"task": "prompt_logprobs", "token_ids": [int]}
         -> {"logprobs": [float]}  (log p of tokens 1..n-1 given their prefix)
+    {"task": "prompt_logprobs", "spans": [[int]]}
+        -> {"logprobs": [[float]]}  (the same per span, each a request of its own, one after another)
     {"task": "throughput", "prompt_token_ids": [[int]], "max_tokens": int}
         -> {"seconds", "ttft_s", "prefill_s", "decode_tokens_per_s", "generated", "prompt_tokens",
             "decode_attention_s", "decode_attention_calls"}  (the attention backend's forward + cache
@@ -158,11 +160,15 @@ def _prompt_logprobs(llm, task: dict) -> dict:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    ids = task["token_ids"]
-    output = llm.generate([TokensPrompt(prompt_token_ids=ids)],
-                          SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0), use_tqdm=False)[0]
-    values = [entry[token].logprob for entry, token in zip(output.prompt_logprobs[1:], ids[1:])]
-    return {"logprobs": values}
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+
+    def one(ids: list[int]) -> list[float]:
+        output = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0]
+        return [entry[token].logprob for entry, token in zip(output.prompt_logprobs[1:], ids[1:])]
+
+    if "spans" in task:  # one engine for several spans (an engine start costs more than a 512-token span)
+        return {"logprobs": [one(ids) for ids in task["spans"]]}
+    return {"logprobs": one(task["token_ids"])}
 
 
 _ATTENTION = {"seconds": 0.0, "calls": 0, "decode_tokens": 0}

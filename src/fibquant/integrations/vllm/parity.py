@@ -5,8 +5,13 @@ encode_batch=1)`.
 Both feed the text in chunks of `chunk` tokens; a chunk attends to itself, the first `sink_tokens`
 and the last `recent_tokens` before it exactly and to every other earlier token through its codes
 (vLLM: chunked prefill with `max_num_batched_tokens=chunk`, the exact window of `window`). The
-comparison is of each engine's increase over its own uncompressed run, because the engines differ
-in weight precision (vLLM bf16 from the exported directory, transformers float32 from the GGUF).
+comparison is of each engine's increase over its own uncompressed run, since the engines may differ
+in weight precision (vLLM serves bf16 by default; transformers runs float32 from the GGUF).
+
+Several spans of the text (`PARITY_OFFSETS`), each a request of its own: one 512-token span is
+noisy (its perplexity increase moves by about a point under a bf16 rounding change, see
+docs/serving-vllm.md), so a row holds each span's increase and the pooled one (the perplexity of
+all spans' tokens together).
 """
 from __future__ import annotations
 
@@ -19,24 +24,47 @@ from fibquant.integrations.vllm.engine import EngineSettings, run_task
 
 PARITY_TEXT = "emma"
 PARITY_OFFSET = 45_000  # tokens into the novel, away from the title page (`kv_report.text_tokens`)
+# Spans of the parity measure: PARITY_OFFSET, then every 25,000 tokens (Emma has ~230,000).
+PARITY_OFFSETS = (45_000, 70_000, 95_000, 120_000)
 
 
 @dataclass(frozen=True)
 class ParityRow:
+    """One cache spec: per span the mean token NLL of each engine with the cache and uncompressed."""
+
     spec: str
-    transformers_ppl: float
-    vllm_ppl: float
-    transformers_increase: float  # ppl / uncompressed ppl - 1, same engine
-    vllm_increase: float
+    transformers_nll: tuple[float, ...]
+    transformers_base_nll: tuple[float, ...]
+    vllm_nll: tuple[float, ...]
+    vllm_base_nll: tuple[float, ...]
+
+    @staticmethod
+    def _increase(nll, base) -> float:
+        """ppl / uncompressed ppl - 1 of equally long spans pooled (the mean NLL over all their tokens)."""
+        return math.exp((sum(nll) - sum(base)) / len(nll)) - 1.0
+
+    @property
+    def transformers_increase(self) -> float:
+        return self._increase(self.transformers_nll, self.transformers_base_nll)
+
+    @property
+    def vllm_increase(self) -> float:
+        return self._increase(self.vllm_nll, self.vllm_base_nll)
+
+    @property
+    def span_increases(self) -> list[tuple[float, float]]:
+        """(transformers, vLLM) increase of each span."""
+        return [(math.exp(t - tb) - 1.0, math.exp(v - vb) - 1.0) for t, tb, v, vb in
+                zip(self.transformers_nll, self.transformers_base_nll, self.vllm_nll, self.vllm_base_nll)]
 
 
-def _ppl(logprobs) -> float:
-    return math.exp(-sum(logprobs) / len(logprobs))
+def _mean(logprobs) -> float:
+    return -sum(logprobs) / len(logprobs)
 
 
-def transformers_ppl(model, ids: list[int], spec: str | None, chunk: int, sink_tokens: int = 4,
-                     recent_tokens: int = DEFAULT_RECENT_TOKENS) -> float:
-    """Perplexity of ids[1:] with the transformers model fed in chunks (None: DynamicCache)."""
+def transformers_nll(model, spans: list[list[int]], spec: str | None, chunk: int, sink_tokens: int = 4,
+                     recent_tokens: int = DEFAULT_RECENT_TOKENS) -> list[float]:
+    """Mean NLL of ids[1:] of each span, the transformers model fed in chunks (spec None: DynamicCache)."""
     import torch
     from transformers import DynamicCache
 
@@ -44,30 +72,36 @@ def transformers_ppl(model, ids: list[int], spec: str | None, chunk: int, sink_t
     from fibquant.integrations.vllm.config import VllmCacheConfig
     from fibquant.kv.cache import CompressedCache
 
-    if spec is None:
-        cache = DynamicCache(config=model.config)
-    else:
-        key, value = VllmCacheConfig.parse(spec).codecs(model.config.head_dim)
-        cache = CompressedCache.for_model(model, key, value, sink_tokens=sink_tokens, recent_tokens=recent_tokens,
-                                          encode_batch=1)
-    with torch.no_grad():
-        nll = window_nll(model, torch.tensor([ids]), cache, chunk)
-    return math.exp(float(nll.mean()))
+    out = []
+    for ids in spans:
+        if spec is None:
+            cache = DynamicCache(config=model.config)
+        else:
+            key, value = VllmCacheConfig.parse(spec).codecs(model.config.head_dim)
+            cache = CompressedCache.for_model(model, key, value, sink_tokens=sink_tokens, recent_tokens=recent_tokens,
+                                              encode_batch=1)
+        with torch.no_grad():
+            out.append(float(window_nll(model, torch.tensor([ids]), cache, chunk).double().mean()))
+    return out
 
 
-def vllm_ppl(model_dir: str, ids: list[int], spec: str | None, chunk: int, sink_tokens: int = 4,
-             recent_tokens: int = DEFAULT_RECENT_TOKENS) -> float:
-    settings = EngineSettings(model_dir, cache_spec=spec, max_model_len=max(len(ids) + 8, 64), chunk_tokens=chunk,
-                              max_num_seqs=1, sink_tokens=sink_tokens, recent_tokens=recent_tokens)
-    return _ppl(run_task(settings, {"task": "prompt_logprobs", "token_ids": ids})["logprobs"])
+def vllm_nll(model_dir: str, spans: list[list[int]], spec: str | None, chunk: int, sink_tokens: int = 4,
+             recent_tokens: int = DEFAULT_RECENT_TOKENS, dtype: str = "bfloat16") -> list[float]:
+    """Mean NLL of ids[1:] of each span through one vLLM engine in `dtype` (spec None: vLLM untouched)."""
+    settings = EngineSettings(model_dir, cache_spec=spec, max_model_len=max(max(map(len, spans)) + 8, 64),
+                              chunk_tokens=chunk, max_num_seqs=1, sink_tokens=sink_tokens, recent_tokens=recent_tokens,
+                              dtype=dtype)
+    return [_mean(values) for values in run_task(settings, {"task": "prompt_logprobs", "spans": spans})["logprobs"]]
 
 
-def parity(model, model_dir: str, ids: list[int], specs: list[str], chunk: int,
-           sink_tokens: int = 4, recent_tokens: int = DEFAULT_RECENT_TOKENS) -> list[ParityRow]:
-    base_tf, base_vllm = transformers_ppl(model, ids, None, chunk), vllm_ppl(model_dir, ids, None, chunk)
+def parity(model, model_dir: str, spans: list[list[int]], specs: list[str], chunk: int, sink_tokens: int = 4,
+           recent_tokens: int = DEFAULT_RECENT_TOKENS, dtype: str = "bfloat16") -> list[ParityRow]:
+    """A ParityRow per spec: `model` (transformers) against the exported `model_dir` served by vLLM in `dtype`."""
+    base_tf, base_vllm = transformers_nll(model, spans, None, chunk), vllm_nll(model_dir, spans, None, chunk,
+                                                                                dtype=dtype)
     rows = []
     for spec in specs:
-        tf = transformers_ppl(model, ids, spec, chunk, sink_tokens, recent_tokens)
-        vl = vllm_ppl(model_dir, ids, spec, chunk, sink_tokens, recent_tokens)
-        rows.append(ParityRow(spec, tf, vl, tf / base_tf - 1.0, vl / base_vllm - 1.0))
+        tf = transformers_nll(model, spans, spec, chunk, sink_tokens, recent_tokens)
+        vl = vllm_nll(model_dir, spans, spec, chunk, sink_tokens, recent_tokens, dtype)
+        rows.append(ParityRow(spec, tuple(tf), tuple(base_tf), tuple(vl), tuple(base_vllm)))
     return rows
