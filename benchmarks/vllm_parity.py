@@ -6,12 +6,12 @@ the mean token NLL per span and cache to a JSON file; --compare reads two such f
 per-span and pooled increases and their differences in points.
 
 Usage:
-    PYTHONPATH=src python benchmarks/vllm_parity.py --engine transformers --out tf.json
+    PYTHONPATH=src python benchmarks/vllm_parity.py --engine transformers --dtype float32 --out tf.json
     OMP_NUM_THREADS=1 PYTHONPATH=src .venv-vllm/bin/python benchmarks/vllm_parity.py --engine vllm \
         --dtype float32 --out vllm32.json
     python benchmarks/vllm_parity.py --compare tf.json vllm32.json
-Options: --offsets 45000 70000 ... (default PARITY_OFFSETS), --tokens 512, --chunk 32,
---specs fibquant:b=4 fibquant:b=2, --threads 1.
+Options: --offsets 45000 70000 ... (default PARITY_OFFSETS), --tokens 512, --chunk 32, --sinks 4,
+--recent 32, --specs fibquant:b=4 fibquant:b=2, --threads 1.
 """
 from __future__ import annotations
 
@@ -32,14 +32,15 @@ def _measure(args) -> dict:
     from fibquant.kv.model import load_model
 
     torch.set_num_threads(args.threads)
-    model, tokenizer = load_model()
+    model, tokenizer = load_model(dtype=torch.float32 if args.engine == "vllm" else getattr(torch, args.dtype))
     spans = [text_tokens(tokenizer, parity.PARITY_TEXT, args.tokens, offset).tolist() for offset in args.offsets]
-    out = {"engine": args.engine, "dtype": args.dtype if args.engine == "vllm" else "float32",
-           "offsets": args.offsets, "tokens": args.tokens, "chunk": args.chunk, "nll": {}}
+    out = {"engine": args.engine, "dtype": args.dtype,
+           "offsets": args.offsets, "tokens": args.tokens, "chunk": args.chunk, "sinks": args.sinks,
+           "recent": args.recent, "nll": {}}
     start = time.time()
     if args.engine == "transformers":
         for spec in [None, *args.specs]:
-            out["nll"][spec or BASE] = parity.transformers_nll(model, spans, spec, args.chunk)
+            out["nll"][spec or BASE] = parity.transformers_nll(model, spans, spec, args.chunk, args.sinks, args.recent)
     else:
         from fibquant.integrations.hf_export import export_hf
 
@@ -47,7 +48,8 @@ def _measure(args) -> dict:
         with tempfile.TemporaryDirectory() as tmp:
             model_dir = str(export_hf(tmp + "/model", dtype=args.dtype))
             for spec in [None, *args.specs]:
-                out["nll"][spec or BASE] = parity.vllm_nll(model_dir, spans, spec, args.chunk, dtype=args.dtype)
+                out["nll"][spec or BASE] = parity.vllm_nll(model_dir, spans, spec, args.chunk, args.sinks, args.recent,
+                                                           args.dtype)
     out["seconds"] = time.time() - start
     return out
 
@@ -59,7 +61,8 @@ def _increase(nll: list[float], base: list[float]) -> float:
 def _compare(first: dict, second: dict) -> str:
     if first["offsets"] != second["offsets"] or first["tokens"] != second["tokens"]:
         raise ValueError("the two runs measured different spans")
-    label = [f"{run['engine']} {run['dtype']}" for run in (first, second)]
+    label = [f"{run['engine']} {run['dtype']}" + (f" {run['sinks']}+{run['recent']}" if (run['sinks'], run['recent'])
+                                                  != (4, 32) else "") for run in (first, second)]
     lines = [f"| cache | span (offset) | {label[0]} | {label[1]} | difference (points) |",
              "| --- | --- | ---: | ---: | ---: |"]
     for spec in first["nll"]:
@@ -84,10 +87,13 @@ def main(argv=None) -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engine", choices=["transformers", "vllm"])
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="vLLM's model dtype")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"],
+                        help="the model's dtype (default: bfloat16 in vLLM, float32 in transformers)")
     parser.add_argument("--offsets", type=int, nargs="+", default=list(PARITY_OFFSETS))
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--chunk", type=int, default=32)
+    parser.add_argument("--sinks", type=int, default=4, help="exact first tokens")
+    parser.add_argument("--recent", type=int, default=32, help="exact recent tokens")
     parser.add_argument("--specs", nargs="+", default=["fibquant:b=4", "fibquant:b=2"])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out")
@@ -102,6 +108,7 @@ def main(argv=None) -> None:
         return
     if not args.engine or not args.out:
         parser.error("--engine and --out are needed (or --compare A B)")
+    args.dtype = args.dtype or ("bfloat16" if args.engine == "vllm" else "float32")
     result = _measure(args)
     with open(args.out, "w") as handle:
         json.dump(result, handle, indent=1)
