@@ -58,15 +58,19 @@ def _increase(nll: list[float], base: list[float]) -> float:
     return math.exp((sum(nll) - sum(base)) / len(nll)) - 1.0
 
 
+def _label(run: dict) -> str:
+    window = (run.get("sinks", 4), run.get("recent", 32))  # older files: the default window
+    return f"{run['engine']} {run['dtype']}" + ("" if window == (4, 32) else f" ({window[0]}+{window[1]} exact)")
+
+
 def _compare(first: dict, second: dict) -> str:
     if first["offsets"] != second["offsets"] or first["tokens"] != second["tokens"]:
         raise ValueError("the two runs measured different spans")
-    label = [f"{run['engine']} {run['dtype']}" + (f" {run['sinks']}+{run['recent']}" if (run['sinks'], run['recent'])
-                                                  != (4, 32) else "") for run in (first, second)]
+    label = [_label(run) for run in (first, second)]
     lines = [f"| cache | span (offset) | {label[0]} | {label[1]} | difference (points) |",
              "| --- | --- | ---: | ---: | ---: |"]
     for spec in first["nll"]:
-        if spec == BASE:
+        if spec == BASE or spec not in second["nll"]:
             continue
         diffs = []
         for i, offset in enumerate(first["offsets"]):

@@ -104,6 +104,20 @@ def test_window_defaults_and_bytes(monkeypatch):
         VllmCacheConfig.parse("fibquant:b=4", 4, -1)
 
 
+def test_parity_row_pools_spans_by_their_tokens():
+    """A row's increase is of the perplexity of all spans' tokens together, not the mean of the spans' increases."""
+    import math
+
+    from fibquant.integrations.vllm.parity import ParityRow
+
+    row = ParityRow("fibquant:b=2", transformers_nll=(2.1, 3.4), transformers_base_nll=(2.0, 3.0),
+                    vllm_nll=(2.2, 3.0), vllm_base_nll=(2.0, 3.1))
+    assert row.transformers_increase == pytest.approx(math.exp(0.25) - 1)
+    assert row.vllm_increase == pytest.approx(math.exp(0.05) - 1)
+    spans = [value for pair in row.span_increases for value in pair]
+    assert spans == pytest.approx([math.exp(0.1) - 1, math.exp(0.2) - 1, math.exp(0.4) - 1, math.exp(-0.1) - 1])
+
+
 def test_slot_bytes_are_both_codes_padded_even():
     config = VllmCacheConfig.parse("fibquant:b=4/fibquant:b=2")
     key, value = config.codecs(64)
@@ -158,30 +172,41 @@ def test_greedy_tokens_equal_bf16_at_8_bits_and_pages_hold_more(model_dir):
 
 
 @pytest.fixture(scope="module")
-def parity_rows(model_dir):
+def parity_rows(tmp_path_factory):
+    """Both engines in float32 (vLLM from a float32 export of the same GGUF): in bf16 the comparison is
+    dominated by rounding (docs/serving-vllm.md: a 512-token span's 2-bit increase moves by up to 1.7
+    points between transformers float32 and bf16 alone), in float32 it is of the cache semantics."""
     from fibquant.eval.kv_report import text_tokens
-    from fibquant.integrations.vllm.parity import PARITY_OFFSET, PARITY_TEXT, parity
+    from fibquant.integrations.hf_export import export_hf
+    from fibquant.integrations.vllm.parity import PARITY_OFFSETS, PARITY_TEXT, parity
     from fibquant.kv.model import load_model
 
     model, tokenizer = load_model()
-    ids = text_tokens(tokenizer, PARITY_TEXT, TOKENS, PARITY_OFFSET).tolist()
-    return {row.spec: row for row in parity(model, model_dir, ids, ["fibquant:b=4", "fibquant:b=2"], CHUNK)}
+    model_dir = str(export_hf(tmp_path_factory.mktemp("smollm2-hf-float32"), dtype="float32"))
+    spans = [text_tokens(tokenizer, PARITY_TEXT, TOKENS, offset).tolist() for offset in PARITY_OFFSETS]
+    rows = parity(model, model_dir, spans, ["fibquant:b=4", "fibquant:b=2"], CHUNK, dtype="float32")
+    return {row.spec: row for row in rows}
+
+
+# Per-span difference of the two engines' float32 increases, in points: measured 2026-12-03 at most 0.092
+# (8 spans x 2 rates, mean 0.013 / 0.014); a window one recent token short in vLLM moves 2-bit spans by
+# more (docs/serving-vllm.md). The issue's target (1 point) is asserted on the pooled spans.
+SPAN_TOLERANCE = 0.25
 
 
 @needs_vllm
 @pytest.mark.model
 @pytest.mark.parametrize("spec", ["fibquant:b=4", "fibquant:b=2"])
 def test_perplexity_increase_through_vllm_matches_transformers_cache(parity_rows, spec):
+    """The same cache semantics in both engines (4 sinks and a 32-token recent window exact, chunks of
+    32, float32 in both): the perplexity increases over each engine's uncompressed run agree."""
     row = parity_rows[spec]
-    print(f"{spec}: transformers {row.transformers_increase:+.5f}, vLLM {row.vllm_increase:+.5f}")
+    spans = [(100 * tf, 100 * vl) for tf, vl in row.span_increases]
+    print(f"{spec}: pooled transformers {100 * row.transformers_increase:+.3f} %, vLLM {100 * row.vllm_increase:+.3f} %;"
+          f" spans {[(round(tf, 3), round(vl, 3)) for tf, vl in spans]}")
     assert row.transformers_increase > 0  # the codes are lossy: the comparison is not vacuous
-    # The same cache semantics in both engines (4 sinks and a 32-token recent window exact, chunks of 32):
-    # the increases agree to 1 point (the issue's target) + 5 % of the increase. The engines differ in
-    # weight precision (bf16 in vLLM, float32 in transformers), and bf16 makes one 512-token span noisy
-    # (without the window, moving vLLM's prefill chunks to the SDPA + log-sum-exp path moved its 4-bit
-    # increase from +0.45 % to +1.12 % while transformers' stayed at +0.12 %). Measured 2026-12-02 with
-    # the window: 4-bit +0.70 % / +1.28 %, 2-bit +5.73 % / +6.73 % (transformers / vLLM).
-    assert abs(row.vllm_increase - row.transformers_increase) <= 0.01 + 0.05 * row.transformers_increase
+    assert abs(row.vllm_increase - row.transformers_increase) <= 0.01  # the issue's target: 1 point
+    assert all(abs(vl - tf) <= SPAN_TOLERANCE for tf, vl in spans), spans
 
 
 @needs_vllm
