@@ -44,7 +44,9 @@ $(VLLM_STAMP): pyproject.toml Makefile
 # One OpenMP thread: vLLM's CPU worker cannot lower torch's threads itself, and on a busy small
 # machine spinning OpenMP threads make every small kernel launch slow.
 test-vllm: $(VLLM_STAMP)
-	OMP_NUM_THREADS=1 $(VLLM_VENV)/bin/python -m pytest -q tests/integrations/test_vllm.py tests/integrations/test_hf_export.py
+	OMP_NUM_THREADS=1 $(VLLM_VENV)/bin/python -m pytest -q tests/integrations/test_vllm.py tests/integrations/test_hf_export.py \
+		tests/integrations/test_vllm_serving_benchmark.py tests/integrations/test_vllm_parity_benchmark.py \
+		tests/kv/attention/test_paged_decode.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache
