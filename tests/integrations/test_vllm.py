@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+from unittest import mock
 
 import pytest
 
@@ -29,17 +30,11 @@ def _interpreted_triton_kernels():
     if "triton" in sys.modules:  # tests/conftest.py may have imported the kernels for the interpreter already
         kernels = sys.modules.get("fibquant.kv.attention.triton_kernels")
         return kernels if kernels is not None and kernels.INTERPRETED else None
-    saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
     try:
-        import fibquant.kv.attention.triton_kernels as coded_triton
+        with mock.patch.dict(os.environ, {"TRITON_INTERPRET": "1"}):
+            import fibquant.kv.attention.triton_kernels as coded_triton
     except Exception:
         return None
-    finally:
-        if saved is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = saved
     return coded_triton if coded_triton.INTERPRETED else None
 
 
