@@ -57,7 +57,7 @@ class ShellRoundTrip:
         unit = torch.from_numpy(points.reshape(-1, 64)) @ self.rotation  # u = x Pi^T, so x = u Pi
         if self.norm_correction:  # store ||x|| / ||u_hat|| in the fp16 field (no extra byte)
             scale = flat.double().norm(dim=1) / unit.norm(dim=1).clamp_min(1e-300)
-            norms = scale.to(torch.float16).to(torch.float64)
+            norms = scale.to(torch.float16).to(torch.float64)[:, None]
         else:
             norms = torch.from_numpy(codes[:, :2].copy().view(np.float16).astype(np.float64))
         return (unit * norms).to(torch.float32).reshape(states.shape)
