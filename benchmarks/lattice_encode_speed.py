@@ -93,6 +93,8 @@ def encode_kernel(u, radii, lv_lo, lv_hi, lv_off, lv_scale, lead2, half, parity,
     y = np.empty(8)
     lead = lead2.astype(np.float64)
     w = np.empty(8, np.int64)
+    cnt = np.zeros(8, np.int64)  # the rank's scratch, allocated once
+    vals = np.empty(8, np.int64)
     for b in range(n):
         rho2 = 0.0
         neg = 0
@@ -159,8 +161,8 @@ def encode_kernel(u, radii, lv_lo, lv_hi, lv_off, lv_scale, lead2, half, parity,
         # multiset-permutation rank of w (distinct values in the leader's descending order)
         rank = 0
         total = mult[j]
-        cnt = np.zeros(8, np.int64)
-        vals = np.empty(8, np.int64)
+        for k in range(8):
+            cnt[k] = 0
         nd = 0
         for k in range(8):
             if nd == 0 or vals[nd - 1] != lead2[j, k]:
