@@ -23,7 +23,10 @@ Candidates (all counts <= 2^(8 b), every stored bit counted):
       lattice; alpha by golden-section search), and (b') the same shells with Lloyd radii;
   (c) free shell code: which shell at which radius chosen by a dynamic programme over the block-norm
       law (Lagrangian in the point count, then the best count under the budget), radii by Lloyd,
-      then a local search (shell +- 1, add / drop a level) on the training MSE.
+      then a local search (shell +- 1, drop a level, split a level in two) on the training MSE;
+  (d) (b') followed by that local search (where the ball has at most MAX_SEARCH_LEVELS levels).
+A candidate passes the gate when its test MSE is within GATE of the FibQuant-RVQ k = 16 configuration
+that meets issue 21's attention target at that rate (GATE_REFERENCE).
 The leader search is checked against the exhaustive search over the materialised shells (m <= 4) and
 the 2-bit codes against an exhaustive search over their materialised codebooks, before anything is
 reported. Baselines: the registry's FibQuant b and FibQuant-RVQ k = 16 on the same test vectors.
