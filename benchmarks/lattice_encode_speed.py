@@ -288,6 +288,7 @@ def main(argv=None) -> int:
     parser.add_argument("--vectors", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--probe", default=None, help="lattice_probe.json (default: results/)")
+    parser.add_argument("--kind", default="(", help="only the probe's candidates whose kind starts so, e.g. \"(c')\"")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -296,8 +297,9 @@ def main(argv=None) -> int:
     test = sample_sphere(args.vectors, 64, seed=987_654)
     rows = []
     for bits in args.bits:
-        row = min((r for r in probe["rows"] if r["bits"] == bits and r["kind"] != "baseline"),
-                  key=lambda r: r["mse_train"])  # the probe's best shell code on its training vectors
+        row = min((r for r in probe["rows"] if r["bits"] == bits and r["kind"] != "baseline"
+                   and r["kind"].startswith(args.kind)),
+                  key=lambda r: r["mse_train"])  # the probe's best shell code (of that kind) on its training vectors
         t = tables(row["shells"], row["radii"])
         enc = ShellEncoder(t, bits)
         # checks: decode(index) is at the found distance; the mean distance is the probe's (numpy) MSE
