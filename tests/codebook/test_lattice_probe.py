@@ -1,0 +1,115 @@
+"""benchmarks/lattice_probe.py's E8 shell machinery and lattice_encode_speed.py's numba prototype (search,
+index, unrank) against exhaustive searches over materialised shells and codebooks."""
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("numba", reason="the shell-code prototype kernels are numba")
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _load(name: str):
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))  # lattice_encode_speed imports lattice_probe by name
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(name, module)
+    spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+@pytest.fixture(scope="module")
+def probe():
+    return _load("lattice_probe")
+
+
+@pytest.fixture(scope="module")
+def speed():
+    return _load("lattice_encode_speed")
+
+
+def _codebook(probe, shells, radii) -> np.ndarray:
+    return np.concatenate([np.zeros((1, 8)) if m == 0 else probe.shell_points(m) * (r / math.sqrt(2 * m))
+                           for m, r in zip(shells, radii)])
+
+
+def _nearest(y: np.ndarray, book: np.ndarray) -> np.ndarray:
+    """Exhaustive squared distance of each row of y [n, 8] to the nearest row of book [N, 8] (float64)."""
+    return np.maximum(((y ** 2).sum(1)[:, None] - 2 * y @ book.T + (book ** 2).sum(1)[None, :]).min(1), 0.0)
+
+
+def _blocks(rng, n=600) -> np.ndarray:
+    """Random blocks of unit-vector scale plus blocks with tied and zero coordinates."""
+    return np.concatenate([rng.standard_normal((n, 8)) * 0.15,
+                           np.round(rng.standard_normal((n // 3, 8)) * 4) / 16])
+
+
+def test_leader_orbits_count_every_shell(probe):
+    for m in range(1, 25):
+        li, lh, _ = probe.shell_leaders(m)
+        total = sum(probe.orbit_size(l, False) for l in li) + sum(probe.orbit_size(l, True) for l in lh)
+        assert total == probe.shell_size(m) == 240 * probe.sigma3(m)
+    for m in (1, 2, 3):
+        points = probe.shell_points(m)
+        assert len(points) == probe.shell_size(m)
+        assert np.allclose((points ** 2).sum(1), 2 * m)
+        doubled = np.rint(2 * points).astype(int)  # E8: all integer or all half-integer, even sum
+        assert np.all((doubled % 2 == 0).all(1) | (doubled % 2 == 1).all(1))
+        assert np.all((doubled.sum(1) // 2) % 2 == 0)
+
+
+def test_leader_search_equals_exhaustive(probe):
+    table = probe.ShellTable([1, 2, 3])
+    blocks = _blocks(np.random.default_rng(0))
+    cos = table.max_cos(blocks)
+    for j, m in enumerate(table.shells):
+        exhaustive = (blocks @ probe.shell_points(m).T).max(1) / math.sqrt(2 * m)
+        np.testing.assert_allclose(cos[:, j], exhaustive, rtol=0, atol=1e-12)
+
+
+def test_shell_code_mse_equals_exhaustive_and_lloyd_does_not_raise_it(probe):
+    rng = np.random.default_rng(1)
+    blocks = _blocks(rng)
+    table = probe.ShellTable([1, 2, 3])
+    column = {m: j for j, m in enumerate(table.shells)}
+    norm2, cos = (blocks ** 2).sum(1), table.max_cos(blocks)
+    code = probe.ShellCode([0, 1, 2, 2, 3], [0.0, 0.1, 0.2, 0.3, 0.45])
+    expected = 8 * _nearest(blocks, _codebook(probe, code.shells, code.radii)).mean()
+    assert code.mse(norm2, cos, column) == pytest.approx(expected, rel=1e-12)
+    assert code.lloyd(norm2, cos, column).mse(norm2, cos, column) <= code.mse(norm2, cos, column) * (1 + 1e-12)
+
+
+def test_numba_index_decodes_to_the_nearest_point_and_numbers_the_whole_codebook(probe, speed):
+    shells, radii = [0, 1, 2, 2, 3], [0.0, 0.1, 0.2, 0.3, 0.45]
+    t = speed.tables(shells, radii)
+    args = (t["radii"], t["lv_lo"], t["lv_hi"], t["lv_off"], t["lv_scale"], t["lead2"], t["half"], t["parity"],
+            t["orbit_off"], t["mult"], t["nsign"])
+    count = t["count"]
+    assert count == sum(probe.shell_size(m) for m in shells)
+    # unrank every index: the points are the materialised codebook, each once
+    every = np.empty((count, 8))
+    speed.decode_kernel(np.arange(count, dtype=np.int64), *args, every)
+    book = _codebook(probe, shells, radii)
+    assert len(np.unique(np.round(every, 12), axis=0)) == count
+    assert np.array_equal(np.unique(np.round(every, 12), axis=0), np.unique(np.round(book, 12), axis=0))
+    # every codebook point encodes to its own index (rank is the inverse of unrank)
+    index, dist = np.empty(count, np.int64), np.empty(count)
+    speed.encode_kernel(every.astype(np.float32), *args, index, dist)
+    assert np.array_equal(index, np.arange(count))
+    # random blocks: the decoded index is at the distance found, the exhaustive minimum
+    blocks = (np.random.default_rng(2).standard_normal((2000, 8)) * 0.15).astype(np.float32)
+    index, dist = np.empty(len(blocks), np.int64), np.empty(len(blocks))
+    speed.encode_kernel(blocks, *args, index, dist)
+    points = np.empty((len(blocks), 8))
+    speed.decode_kernel(index, *args, points)
+    y = blocks.astype(np.float64)
+    np.testing.assert_allclose(((points - y) ** 2).sum(1), dist, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(dist, _nearest(y, book), rtol=0, atol=1e-12)
+    assert index.min() >= 0 and index.max() < count
