@@ -2,6 +2,8 @@
 reference search (the spec) and to the torch path, on random and adversarial data."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -254,6 +256,13 @@ def test_specialised_grid_kernels_equal_the_generic_one(k, n):
     assert torch.equal(search.indices(u).reshape(-1), reference_index(u.reshape(-1, k), codewords))
 
 
+@functools.cache
+def shipped_grid4() -> tuple[torch.Tensor, NumbaSearch]:
+    """The shipped k = 4, N = 256 codebook and its grid search (built once: a few seconds)."""
+    codewords = FibQuantCodec(64, 4, 256).codebook.codewords
+    return codewords, NumbaSearch(codewords, 64, "grid")
+
+
 @settings(max_examples=20, deadline=None)
 @given(st.integers(0, 2 ** 16), st.floats(0.3, 1.5))
 def test_grid4_heavy_boxes_and_row_cells_match_the_reference(seed, spread):
@@ -261,8 +270,7 @@ def test_grid4_heavy_boxes_and_row_cells_match_the_reference(seed, spread):
     heavy-box screen: blocks spread over [-spread, spread]^4 (most in heavy outer boxes at larger spreads),
     on edges, on codewords and on midpoints of codeword pairs (exact ties), on the shipped k = 4, N = 256
     codebook: the reference's indices."""
-    codewords = FibQuantCodec(64, 4, 256).codebook.codewords
-    search = NumbaSearch(codewords, 64, "grid")
+    codewords, search = shipped_grid4()
     gen = torch.Generator().manual_seed(seed)
     pairs = torch.randint(0, 256, (64, 2), generator=gen)
     blocks = torch.cat([(torch.rand(512, 4, generator=gen) * 2 - 1) * spread,
