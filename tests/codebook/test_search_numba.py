@@ -2,6 +2,8 @@
 reference search (the spec) and to the torch path, on random and adversarial data."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -252,6 +254,30 @@ def test_specialised_grid_kernels_equal_the_generic_one(k, n):
     (f0, i0, g0, c0), (f1, i1, g1, c1) = outs.values()
     assert f0 == f1 and (g0 == g1).all() and (i0 == i1).all() and (c0 == c1).all()
     assert torch.equal(search.indices(u).reshape(-1), reference_index(u.reshape(-1, k), codewords))
+
+
+@functools.cache
+def shipped_grid4() -> tuple[torch.Tensor, NumbaSearch]:
+    """The shipped k = 4, N = 256 codebook and its grid search (built once: a few seconds)."""
+    codewords = FibQuantCodec(64, 4, 256).codebook.codewords
+    return codewords, NumbaSearch(codewords, 64, "grid")
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(0, 2 ** 16), st.floats(0.3, 1.5))
+def test_grid4_heavy_boxes_and_row_cells_match_the_reference(seed, spread):
+    """grid4's two passes (a row's cells counted against the edges, then the searches) and its vectorised
+    heavy-box screen: blocks spread over [-spread, spread]^4 (most in heavy outer boxes at larger spreads),
+    on edges, on codewords and on midpoints of codeword pairs (exact ties), on the shipped k = 4, N = 256
+    codebook: the reference's indices."""
+    codewords, search = shipped_grid4()
+    gen = torch.Generator().manual_seed(seed)
+    pairs = torch.randint(0, 256, (64, 2), generator=gen)
+    blocks = torch.cat([(torch.rand(512, 4, generator=gen) * 2 - 1) * spread,
+                        search.edges[torch.randint(0, len(search.edges), (64, 4), generator=gen)],
+                        codewords[pairs[:, 0]], 0.5 * (codewords[pairs[:, 0]] + codewords[pairs[:, 1]])])
+    u = blocks.reshape(-1, 64).contiguous()
+    assert torch.equal(search.indices(u).reshape(-1), reference_index(blocks, codewords))
 
 
 @pytest.mark.parametrize("n", [256, 128, 64])

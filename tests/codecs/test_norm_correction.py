@@ -103,6 +103,29 @@ def test_encode_parts_equals_encode_of_the_rows_concatenated(spec):
     assert torch.equal(halves[0], both[0]) and torch.equal(halves[1], both[1])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("spec", ["fibquant:b=4", "fibquant:b=2", "fibquant:b=3"])
+def test_half_precision_parts_give_the_codes_of_encode(spec, dtype):
+    """bf16 / fp16 parts (vLLM's K and V: [N, Hk, D] views with row strides) widen straight into the float32
+    working block: the codes of `encode` of the parts concatenated, as the vLLM backend used to call it,
+    and of the float32 parts; a non-finite half-precision value is rejected as `encode` rejects it."""
+    codec = parse_method(spec).build(64)
+    gen = torch.Generator().manual_seed(7)
+    qkv = torch.randn(37, 3 * 3 * 64, generator=gen).to(dtype)  # one fused row per token, as a projection gives
+    keys, values = qkv[:, 192:384].view(37, 3, 64), qkv[:, 384:].view(37, 3, 64)
+    parts = codec.encode_parts([keys, values])
+    both = codec.encode(torch.cat([keys, values]))
+    assert torch.equal(parts[0], both[:37]) and torch.equal(parts[1], both[37:])
+    widened = codec.encode_parts([keys.float(), values.float()])
+    assert torch.equal(parts[0], widened[0]) and torch.equal(parts[1], widened[1])
+    mixed = codec.encode_parts([keys, values.float()])
+    assert torch.equal(mixed[0], both[:37]) and torch.equal(mixed[1], both[37:])
+    bad = values.clone()
+    bad[3, 1, 5] = float("inf")
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        codec.encode_parts([keys, bad])
+
+
 def test_encode_parts_rejects_what_encode_rejects():
     codec = parse_method("fibquant:b=4").build(64)
     good = torch.randn(2, 64)

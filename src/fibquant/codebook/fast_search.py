@@ -13,7 +13,8 @@
 - `grid` (k = 2, 3 with N <= 1024, k = 4 with N <= 256): the candidate lists of `grid_search.GridSearch`, further pruned
   by `prune_dominated`; at k = 2 and 4 branch-free kernels (`grid2`, `grid4`: k = 2 lists padded to one
   width with a far sentinel codeword, the fold as selects; heavy boxes and far blocks through the float32
-  screen), and at k = 2 first a table of *sure* sub-boxes (`sure_table`: 4 x 4 per grid cell, those whose
+  screen, at k = 4 a row's boxes first and the heavy-box screen vectorised over `scan4_table`), and at k = 2
+  first a table of *sure* sub-boxes (`sure_table`: 4 x 4 per grid cell, those whose
   one codeword is the nearest of the whole sub-box by SURE_MARGIN) that answers ~80 % of blocks by a lookup;
 - `tree` (other k <= TREE_MAX_K): a k-d tree;
 - `brute` (k > 4): a full scan (for k <= SCAN_MAX_K the fused float32 `scan` kernel; above, a numba
@@ -64,6 +65,7 @@ WALK_MARGIN = 1e-10      # certified: unlisted codewords farther by > this * (1 
 SURE_SPLIT = 4          # grid2: sure boxes per grid cell and axis (`sure_table`: ~80 % of real blocks, ~0.3 s)
 SURE_MARGIN = 1e-7      # a sure box's codeword is nearer than every other by more than this (squared distance)
 SENTINEL = 1e300        # coordinates of the padding codeword of the grid2 / grid4 tables (distance inf)
+SCAN4_PAD = 1e15        # coordinates of grid4's float32 padding codewords (`scan4_table`: far, squares finite)
 DOMINANCE_MARGIN = 1e-9  # a listed codeword beaten by this much on its whole box is dropped
 CHALLENGERS = 6          # per box, the listed codewords tried as the one that beats another
 
@@ -360,6 +362,16 @@ def sure_table(codewords: torch.Tensor, lo: float, hi: float, fine: int) -> torc
     return torch.where(sure, corner, torch.full_like(corner, -1)).reshape(-1).to(torch.int16).contiguous()
 
 
+def scan4_table(codewords: torch.Tensor) -> torch.Tensor:
+    """The `grid4` kernel's heavy-box screen table: codewords [N, 4] as float32 [4 * P], axis-major (axis j of
+    codeword c at j * P + c), P = N rounded up to a multiple of 16 with padding codewords at SCAN4_PAD (their
+    float32 distances ~1e30: finite, never the minimum, never under the screen's limit)."""
+    width = -(-codewords.shape[0] // 16) * 16
+    flat = torch.full((4, width), SCAN4_PAD, dtype=torch.float32)
+    flat[:, :codewords.shape[0]] = codewords.to(torch.float32).T
+    return flat.reshape(-1).contiguous()
+
+
 def prune_dominated(offsets: torch.Tensor, candidates: torch.Tensor, edges: torch.Tensor, cells: int,
                     codewords: torch.Tensor, outer: float, chunk: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
     """Drop from each box's list every codeword c that a listed c' (one of the CHALLENGERS nearest
@@ -437,9 +449,10 @@ class NumbaSearch:
                     self.sure = sure_table(self.codewords64, lo, hi, fine)
                     lists = (self.padded, self.sure, lo, fine / (hi - lo), fine)
                 else:
+                    self.scan4 = scan4_table(cw)
                     lists = (self.offsets, self.candidates)
                 fast_tables = (self.edges, cells, *lists, self.heavy, self.codewords_pad, self.codewords_t64,
-                               self.codewords_t32)
+                               self.codewords_t32, *((self.scan4,) if self.k == 4 else ()))
                 self._grid_args = (self.k, *(t.numpy() if isinstance(t, torch.Tensor) else t for t in fast_tables))
         elif self.method == "walk":
             cells = WALK.get(self.k, (GRID_CELLS.get(self.k, 8), 0))[0]

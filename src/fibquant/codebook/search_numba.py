@@ -36,7 +36,7 @@ WALK_SLACK = 1e-9    # Delaunay walk: slacks within +-WALK_SLACK (1 + ||x||^2 + 
 
 np = None            # numpy, bound by compile_kernels()
 _consider = _finish = _brute_block = _cell = _range_scores = _screen = _pack_row = _min = _count_below = _slack = _settle = None
-_far_block = None
+_far_block = _row_cells = _scan4 = _count_bits_below = _heavy4 = None
 
 
 def _consider_py(d1, i1, d2, d, idx):
@@ -211,41 +211,138 @@ def _grid2_py(u, k, edges, cells, padded, sure, lo, fscale, fine, heavy, cwp, cw
     return flagged
 
 
-def _grid4_py(u, k, edges, cells, offsets, candidates, heavy, cwp, cw_t, cw32_t, index, flags, codes, head, bits,
+def _row_cells_py(u, row, edges, cells_out):
+    """cells_out[i] = the number of edges < u[row, i] for every coordinate of the row: `_cell`'s answer
+    (torch.bucketize, right=False) counted directly, vectorised over the row (fastmath: integer
+    counts of exact float32 comparisons; a NaN coordinate counts 0, the caller sends it to the full
+    search)."""
+    d = u.shape[1]
+    for i in range(d):
+        cells_out[i] = 0
+    for j in range(edges.shape[0]):
+        e = edges[j]
+        for i in range(d):
+            cells_out[i] += np.int32(1) if u[row, i] > e else np.int32(0)
+
+
+def _scan4_py(x0, x1, x2, x3, flat, out):
+    """float32 squared distances of the block (x0..x3) to every codeword of flat (axis-major [4 * P],
+    P a multiple of 16, padding codewords far out) into out [P] (fastmath: vectorised; the caller's
+    slack covers any summation order and fused multiply-adds; its inputs are finite and bounded)."""
+    n = out.shape[0]
+    for i in range(n):
+        g0 = x0 - flat[i]
+        g1 = x1 - flat[n + i]
+        g2 = x2 - flat[2 * n + i]
+        g3 = x3 - flat[3 * n + i]
+        out[i] = g0 * g0 + g1 * g1 + g2 * g2 + g3 * g3
+
+
+def _count_bits_below_py(bits, limit):
+    """(how many of bits [P] are <= limit, the sum of their positions) over int32 bit patterns of
+    non-negative floats (ordered like the values; fastmath: vectorised)."""
+    count = 0
+    total = 0
+    for c in range(bits.shape[0]):
+        ok = bits[c] <= limit
+        count += 1 if ok else 0
+        total += c if ok else 0
+    return count, total
+
+
+def _heavy4_py(v0, v1, v2, v3, flat, cwp, n, out, limit_box, index, flags, row, block):
+    """A finite block inside the grid's span in a heavy box (k = 4): `_far_block`'s proof (every
+    codeword whose float32 distance could round from within the tie window of the best passes the
+    screen; one passes: the nearest, no near tie; else the float64 decision of those that pass, in
+    ascending index) with the screen vectorised: float32 distances to all codewords (`_scan4`), their
+    minimum and the count below the limit on the int32 bit patterns (`limit_box`: a float32 [1] with its
+    int32 view, scratch). Returns the flags added."""
+    _scan4(v0, v1, v2, v3, flat, out)
+    bits = out.view(np.int32)
+    slack = np.float32(1.0 + (2 * 4 + SCREEN_ULPS) * 2.0 ** -23)
+    limit_bits = limit_box.view(np.int32)
+    limit_bits[0] = _bits_min(bits)
+    limit_box[0] = limit_box[0] * slack + np.float32(1e-30)
+    count, position = _count_bits_below(bits, limit_bits[0])
+    if count == 1:
+        index[row, block] = position
+        return 0
+    x0 = np.float64(v0)
+    x1 = np.float64(v1)
+    x2 = np.float64(v2)
+    x3 = np.float64(v3)
+    d1 = np.inf
+    i1 = np.int64(-1)
+    d2 = np.inf
+    for c in range(n):
+        if bits[c] <= limit_bits[0]:
+            g0 = x0 - cwp[c, 0]
+            g1 = x1 - cwp[c, 1]
+            g2 = x2 - cwp[c, 2]
+            g3 = x3 - cwp[c, 3]
+            d = g0 * g0
+            d += g1 * g1
+            d += g2 * g2
+            d += g3 * g3
+            i1 = c if d < d1 else i1
+            d2 = min(d2, max(d1, d))
+            d1 = min(d1, d)
+    index[row, block] = i1
+    if i1 < 0 or (d2 - d1 <= TIE_REL * d2 and d2 < np.inf):
+        flags[row, block] = 1
+        return 1
+    return 0
+
+
+def _grid4_py(u, k, edges, cells, offsets, candidates, heavy, cwp, cw_t, cw32_t, flat, index, flags, codes, head, bits,
               start, stop):
-    """`_grid2_py` for k = 4 over the compact lists (box b: candidates[offsets[b]:offsets[b + 1]], ascending;
-    distances summed over j = 0..3 in order, as `_grid_py`), the fold as selects."""
+    """`_grid_py` for k = 4 over the compact lists (box b: candidates[offsets[b]:offsets[b + 1]], ascending;
+    distances summed over j = 0..3 in order, as `_grid_py`), in two passes per row: first every block's box
+    (`_row_cells`: the row's grid cells vectorised; -1 for a block beyond the boxes or in a heavy box), then
+    the searches, which no longer wait on the cell arithmetic. The fold is min / max selects (the best, its
+    index by a strict `<`: the lowest among equals, candidates ascending; the second best as
+    min(second, max(best, d))), the same values as `_consider`. A heavy box takes `_heavy4` (the float32
+    screen vectorised over flat, the axis-major padded codewords), a block beyond the boxes or non-finite
+    `_far_block`. The same indices and flags as `_grid_py`."""
     n_blocks = u.shape[1] // 4
-    last = edges.shape[0]
-    origin = np.float64(edges[0])
-    scale = (last - 1) / (np.float64(edges[last - 1]) - origin)
+    n = cw_t.shape[1]
     x = np.empty(4, dtype=np.float64)
     xs = np.empty(4, dtype=np.float32)
-    dist = np.empty(cw_t.shape[1], dtype=np.float64)
-    dist32 = np.empty(cw_t.shape[1], dtype=np.float32)
+    dist = np.empty(n, dtype=np.float64)
+    dist32 = np.empty(n, dtype=np.float32)
+    out = np.empty(flat.shape[0] // 4, dtype=np.float32)
+    limit_box = np.empty(1, dtype=np.float32)
+    row_cells = np.empty(u.shape[1], dtype=np.int32)
+    boxes = np.empty(n_blocks, dtype=np.int64)
     flagged = 0
     for row in range(start, stop):
+        _row_cells(u, row, edges, row_cells)
+        for b in range(n_blocks):
+            box = np.int64(row_cells[4 * b]) + cells * (np.int64(row_cells[4 * b + 1]) + cells * (
+                np.int64(row_cells[4 * b + 2]) + cells * np.int64(row_cells[4 * b + 3])))
+            inside = True
+            for j in range(4):
+                v = u[row, 4 * b + j]
+                if not -GRID_OUTER <= v <= GRID_OUTER:  # beyond the outer cells (or NaN)
+                    inside = False
+            boxes[b] = box if inside else -1
         for b in range(n_blocks):
             v0 = u[row, 4 * b]
             v1 = u[row, 4 * b + 1]
             v2 = u[row, 4 * b + 2]
             v3 = u[row, 4 * b + 3]
+            box = boxes[b]
+            if box < 0:
+                flagged += _far_block(np.float64(v0), np.float64(v1), np.float64(v2), np.float64(v3), 4, cw_t, cw32_t,
+                                      x, xs, dist, dist32, index, flags, row, b)
+                continue
+            if heavy[box]:
+                flagged += _heavy4(v0, v1, v2, v3, flat, cwp, n, out, limit_box, index, flags, row, b)
+                continue
             x0 = np.float64(v0)
             x1 = np.float64(v1)
             x2 = np.float64(v2)
             x3 = np.float64(v3)
-            box = -1
-            if (-GRID_OUTER <= v0 <= GRID_OUTER and -GRID_OUTER <= v1 <= GRID_OUTER
-                    and -GRID_OUTER <= v2 <= GRID_OUTER and -GRID_OUTER <= v3 <= GRID_OUTER):
-                box = (_cell(v0, edges, origin, scale, last)
-                       + cells * (_cell(v1, edges, origin, scale, last)
-                                  + cells * (_cell(v2, edges, origin, scale, last)
-                                             + cells * _cell(v3, edges, origin, scale, last))))
-                if heavy[box]:
-                    box = -1
-            if box < 0:
-                flagged += _far_block(x0, x1, x2, x3, 4, cw_t, cw32_t, x, xs, dist, dist32, index, flags, row, b)
-                continue
             d1 = np.inf
             i1 = np.int64(-1)
             d2 = np.inf
@@ -259,10 +356,9 @@ def _grid4_py(u, k, edges, cells, offsets, candidates, heavy, cwp, cw_t, cw32_t,
                 d += g1 * g1
                 d += g2 * g2
                 d += g3 * g3
-                better = d < d1
-                d2 = d1 if better else min(d2, d)
-                i1 = c if better else i1
-                d1 = d if better else d1
+                i1 = c if d < d1 else i1
+                d2 = min(d2, max(d1, d))
+                d1 = min(d1, d)
             index[row, b] = i1
             if i1 < 0 or (d2 - d1 <= TIE_REL * d2 and d2 < np.inf):
                 flags[row, b] = 1
@@ -791,7 +887,7 @@ def compile_kernels():
     """{"grid", "tree", "walk", "brute", "verify", "pack"} numba dispatchers, compiled (or loaded from numba's
     cache) on first call; `fast_search._kernels` calls it once, under a lock."""
     global np, _consider, _finish, _brute_block, _screen, _pack_row, _min, _count_below, _scores, _bits_min
-    global _settle, _range_scores, _cell, _far_block
+    global _settle, _range_scores, _cell, _far_block, _row_cells, _scan4, _count_bits_below, _heavy4
     import numba
     import numpy
 
@@ -819,6 +915,14 @@ def compile_kernels():
     _far_block = numba.njit("int64(float64, float64, float64, float64, int64, float64[:, ::1], float32[:, ::1], "
                             "float64[::1], float32[::1], float64[::1], float32[::1], int64[:, ::1], int8[:, ::1], "
                             "int64, int64)", **jit)(_far_block_py)
+    _row_cells = numba.njit("void(float32[:, ::1], int64, float32[::1], int32[::1])", fastmath=True,
+                            **jit)(_row_cells_py)
+    _scan4 = numba.njit("void(float32, float32, float32, float32, float32[::1], float32[::1])", fastmath=True,
+                        **jit)(_scan4_py)
+    _count_bits_below = numba.njit("Tuple((int64, int64))(int32[::1], int32)", fastmath=True,
+                                   **jit)(_count_bits_below_py)
+    _heavy4 = numba.njit("int64(float32, float32, float32, float32, float32[::1], float64[:, ::1], int64, float32[::1], "
+                         "float32[::1], int64[:, ::1], int8[:, ::1], int64, int64)", **jit)(_heavy4_py)
     u = "float32[:, ::1]"
     out = "int64[:, ::1], int8[:, ::1], uint8[:, ::1], int64, int64, int64, int64"
     return {
@@ -828,7 +932,7 @@ def compile_kernels():
                             f"int64, boolean[::1], "
                             f"float64[:, ::1], float64[:, ::1], float32[:, ::1], {out})", **jit)(_grid2_py),
         "grid4": numba.njit(f"int64({u}, int64, float32[::1], int64, int64[::1], int32[::1], boolean[::1], "
-                            f"float64[:, ::1], float64[:, ::1], float32[:, ::1], {out})", **jit)(_grid4_py),
+                            f"float64[:, ::1], float64[:, ::1], float32[:, ::1], float32[::1], {out})", **jit)(_grid4_py),
         "tree": numba.njit(f"int64({u}, int64, float64[:, ::1], float64[:, ::1], int64[:, ::1], "
                            f"int64[:, ::1], float64[:, ::1], int64[::1], float64[:, ::1], {out})",
                            **jit)(_tree_py),

@@ -60,6 +60,8 @@ MAX_GRID_CODEWORDS = 1024    # the grid-pruned search's tables cost boxes * N to
 # docs/peers-and-long-context.md): at 4 bits KL 0.918x of plain (7/8 paired cells), needle unchanged;
 # at 2 bits KL 1.100x (8/8 cells worse), so the lower rates stay off.
 NC_DEFAULT_BITS = frozenset({4.0})
+# Part dtypes `encode_parts` copies straight into its float32 working block (each widens to float32 exactly).
+FAST_PART_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 # encode_parts reuses its working arrays (inputs, quotients, rotated rows, indices: ~1.1 KB per row at dim 64)
@@ -315,14 +317,15 @@ class FibQuantCodec(Codec):
         return self._cpu_encode
 
     def encode_parts(self, parts) -> list[torch.Tensor]:
-        """`Codec.encode_parts` (the same codes) with less per-call cost for float32 CPU tensors outside
-        autograd: one copy of the parts into a contiguous [n, dim] block (no stack, no reshape copies), the
+        """`Codec.encode_parts` (the same codes) with less per-call cost for float32, bfloat16 and float16 CPU
+        tensors outside autograd: one copy of the parts into a contiguous float32 [n, dim] block (no stack, no
+        reshape copies; a half-precision part widened in that copy, exactly as `encode`'s conversion), the
         working arrays reused across calls (`_encode_scratch`: no fresh pages per call), finiteness read
         from the norms (a NaN / inf coordinate makes its row's norm NaN / inf; such a
         call, and one over the fp16 range, goes through `Codec.encode_parts`, which raises as `encode`)."""
         parts = list(parts)
         tables = self._cpu_tables() if parts else None
-        if tables is None or not all(isinstance(p, torch.Tensor) and p.dtype == torch.float32 and p.is_cpu
+        if tables is None or not all(isinstance(p, torch.Tensor) and p.dtype in FAST_PART_DTYPES and p.is_cpu
                                      and not p.requires_grad and p.ndim >= 1 and p.shape[-1] == self.dim
                                      for p in parts):
             return super().encode_parts(parts)
@@ -331,7 +334,10 @@ class FibQuantCodec(Codec):
         x = scratch[0][:sum(counts)] if scratch is not None else np.empty((sum(counts), self.dim), dtype=np.float32)
         at = 0
         for part, count in zip(parts, counts):
-            np.copyto(x[at:at + count].reshape(part.shape), part.numpy())
+            if part.dtype == torch.float32:
+                np.copyto(x[at:at + count].reshape(part.shape), part.numpy())
+            else:  # bf16 / fp16 (vLLM's K and V): widened exactly, as encode's .to(float32), straight into x
+                torch.from_numpy(x[at:at + count]).view(part.shape).copy_(part)
             at += count
         flat = torch.from_numpy(x)
         if len(x) == 0:

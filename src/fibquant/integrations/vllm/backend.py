@@ -334,10 +334,12 @@ class FibQuantAttentionImpl(AttentionImpl):
 
     def _encode_both(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Key and value codes [N, Hk, code size] of keys / values [N, Hk, D]: one encode call for both
-        when one codec codes both roles (per-call overhead dominates a decode step)."""
+        when one codec codes both roles (per-call overhead dominates a decode step), through `encode_parts`
+        (the codes of `encode(torch.cat([keys, values]))`; FibQuant widens bf16 parts straight into its
+        float32 working block: no concatenated copy, no separate conversion or finiteness pass)."""
         if self.key_codec is self.value_codec:
-            both = self.key_codec.encode(torch.cat([keys, values]))
-            return both[: keys.shape[0]], both[keys.shape[0]:]
+            key_codes, value_codes = self.key_codec.encode_parts([keys, values])
+            return key_codes, value_codes
         return self.key_codec.encode(keys), self.value_codec.encode(values)
 
     def _context_codes(self, pages: torch.Tensor, tables: torch.Tensor, stops: list[int]):
