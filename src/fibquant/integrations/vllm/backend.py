@@ -182,6 +182,9 @@ class _DecodeStep:
     longest: int             # max(stops - starts) > 0
     tables: np.ndarray       # int32 [B, max_blocks], C order
     slots: np.ndarray        # int64 [B]: the new tokens' page slots
+    # int64 [B]: the window's ring slots of the new tokens (`ExactWindow.record_decode`), when every token
+    # stays in its previous token's block, the keys are distinct and every position is kept; else None
+    window_slots: np.ndarray | None = None
 
 
 class FibQuantMetadataBuilder(AttentionMetadataBuilder[FibQuantMetadata]):
@@ -600,10 +603,12 @@ class FibQuantAttentionImpl(AttentionImpl):
             if first < past:
                 in_forward[r] = (first, np.concatenate(rows[::-1]).astype(np.int64))
         meta.plan = _WindowPlan(block, keys, new_keys, fresh, in_forward,
-                                self._decode_step(starts, pasts, count, tables, slots, in_forward, block))
+                                self._decode_step(starts, pasts, count, tables, slots, in_forward, block, keys,
+                                                  new_keys))
         return meta.plan
 
-    def _decode_step(self, starts, pasts, count, tables, slots, in_forward, block) -> _DecodeStep | None:
+    def _decode_step(self, starts, pasts, count, tables, slots, in_forward, block, keys, new_keys
+                     ) -> _DecodeStep | None:
         """The forward's `_DecodeStep`, or None when it is not a steady decode step (any prefill chunk, a
         past shorter than the window, a prefix-cache run, a block-filling write under prefix caching,
         nothing coded, tables off the host)."""
@@ -621,8 +626,12 @@ class FibQuantAttentionImpl(AttentionImpl):
         if longest <= 0:
             return None
         host = np.ascontiguousarray(tables.numpy(), dtype=np.int32)
+        window_slots = None
+        if keys == new_keys and len(set(keys)) == num_reqs:
+            ring = [self.window.slot(past) for past in pasts]
+            window_slots = np.array(ring, dtype=np.int64) if min(ring) >= 0 else None
         return _DecodeStep(pasts, sizes.pop(), np.full(num_reqs, skip, dtype=np.int64), stops, longest, host,
-                           np.array(slots[:count], dtype=np.int64))
+                           np.array(slots[:count], dtype=np.int64), window_slots)
 
     def _lean_decode(self, plan: _WindowPlan, kv_cache, query, key, value, output) -> bool:
         """A steady decode step (`_DecodeStep`) in one paged kernel call on arrays kept between calls
@@ -647,10 +656,11 @@ class FibQuantAttentionImpl(AttentionImpl):
         self.window.invalidate(plan.fresh_blocks)  # before any lookup: those blocks' old tokens are gone
         if self.window.dtype != dtype:
             return False
-        rows = self.window.rows(plan.keys, step.pasts)
-        if rows is None:
+        entries = self.window.entries(plan.keys, step.pasts)
+        if entries is None:
             return False
-        count = len(rows)
+        count = len(entries)
+        rows = np.array([entry[0] for entry in entries], dtype=np.int64)
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_size
         bits = dtype == torch.bfloat16
         host = (lambda t: t.view(torch.uint16).numpy()) if bits else (lambda t: t.numpy())
@@ -660,15 +670,19 @@ class FibQuantAttentionImpl(AttentionImpl):
         exact_keys, exact_values = self.window.host_slabs(step.size)
         bad = run_paged_kernel(paged_kernel(bits, bits), self._paged_plans, queries, self.scale, cached[1],
                                step.tables, step.starts, step.stops, 0, self.key_bytes, exact_keys, exact_values,
-                               np.array(rows, dtype=np.int64), keys[:, :, None], values[:, :, None], out,
+                               rows, keys[:, :, None], values[:, :, None], out,
                                step.longest)
         if bad:
             raise ValueError(f"paged codes hold {bad} invalid index(es) or block id(s) outside the pages")
         held = (torch.from_numpy(keys.copy()), torch.from_numpy(values.copy()))  # owned: vLLM reuses its buffers
         if bits:
             held = (held[0].view(torch.bfloat16), held[1].view(torch.bfloat16))
-        self.deferred.add(*held, step.slots, copy=False)
-        self.window.record_tokens(plan.keys, step.pasts, plan.new_keys, held[0], held[1], host=(keys, values))
+        self.deferred.add(*held, step.slots, copy=False)  # step.slots: the step's own, never written
+        if step.window_slots is not None:  # the steady case: the entries found above, slots from the step
+            self.window.record_decode(entries, plan.keys, step.pasts, rows, step.window_slots, held[0], held[1],
+                                      (keys, values))
+        else:
+            self.window.record_tokens(plan.keys, step.pasts, plan.new_keys, held[0], held[1], host=(keys, values))
         if len(self.deferred) >= self.deferred.steps:
             self._flush(self._pages(kv_cache))
         return True

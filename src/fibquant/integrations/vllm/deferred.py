@@ -39,11 +39,13 @@ class DeferredCodes:
 
     def add(self, keys: torch.Tensor, values: torch.Tensor, slots: np.ndarray, copy: bool = True) -> bool:
         """Hold one forward's decode tokens: keys / values [N, Hk, D] (copied: vLLM reuses its buffers;
-        `copy=False` for tensors the caller already owns and never writes again), page slots int64 [N].
-        Returns True when `steps` forwards are held (the caller takes them)."""
+        `copy=False` for tensors, and an int64 slots array, the caller already owns and never writes
+        again), page slots int64 [N]. Returns True when `steps` forwards are held (the caller takes them)."""
         if copy:
             keys, values = keys.clone(), values.clone()
-        self._held.append((keys, values, np.array(slots, dtype=np.int64)))
+        if copy or not isinstance(slots, np.ndarray) or slots.dtype != np.int64:
+            slots = np.array(slots, dtype=np.int64)
+        self._held.append((keys, values, slots))
         return len(self._held) >= self.steps
 
     def take(self) -> tuple[torch.Tensor, torch.Tensor, np.ndarray] | None:

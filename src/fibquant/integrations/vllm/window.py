@@ -104,7 +104,7 @@ class ExactWindow:
             for block in blocks:
                 self._drop(block)
 
-    def _slot(self, position: int) -> int:
+    def slot(self, position: int) -> int:
         """The slab column of a window position (a sink, or a ring slot), -1 when it is not kept."""
         if position < self.sink_tokens:
             return position
@@ -256,6 +256,13 @@ class ExactWindow:
 
     def rows(self, keys_of: list[int], pasts: list[int]) -> list[int] | None:
         """`row` of each (key, past), or None when any of them has no whole entry."""
+        entries = self.entries(keys_of, pasts)
+        return None if entries is None else [entry[0] for entry in entries]
+
+    def entries(self, keys_of: list[int], pasts: list[int]) -> list[list] | None:
+        """The entry (live, else a snapshot; [slab row, recorded up to]) holding every window position of
+        each (key, past), or None when any of them has none: what `rows` reads, kept by a decode step
+        for `record_decode`."""
         if self.size == 0:
             return None
         found = []
@@ -265,8 +272,29 @@ class ExactWindow:
                 entry = self._entry(key, past)
             if entry is None or past == 0:
                 return None
-            found.append(entry[0])
+            found.append(entry)
         return found
+
+    def record_decode(self, entries: list[list], keys_of: list[int], pasts: list[int], rows: np.ndarray,
+                      slots: np.ndarray, keys: torch.Tensor, values: torch.Tensor, host: tuple) -> None:
+        """`record_tokens(keys_of, pasts, keys_of, keys, values, host)` for a decode step whose tokens all
+        stay in the block of their sequence's previous token (new key = key, distinct keys), given what
+        the caller found before the layer's attention (nothing recorded since): `entries(keys_of, pasts)`,
+        their slab rows `rows` int64 [B] and the ring slots of positions `pasts`, `slots` int64 [B]
+        (all >= 0). When each entry is its sequence's live one (the steady state) that is one
+        bookkeeping loop and one indexed store per role, without `record_tokens`' lookups; otherwise
+        `record_tokens` itself."""
+        live = self._entries
+        for entry, key in zip(entries, keys_of):
+            if live.get(key) is not entry:  # a snapshot (prefix caching): record_tokens forks it
+                self.record_tokens(keys_of, pasts, keys_of, keys, values, host)
+                return
+        for entry, key, past in zip(entries, keys_of, pasts):
+            live.move_to_end(key)
+            entry[1] = past + 1
+        host_keys, host_values = self._host_slabs()
+        host_keys[rows, :, slots] = host[0]  # advanced indices around a slice: [B, Hk, D]
+        host_values[rows, :, slots] = host[1]
 
     def record_tokens(self, keys_of: list[int], pasts: list[int], new_keys: list[int], keys: torch.Tensor,
                       values: torch.Tensor, host: tuple | None = None) -> None:
@@ -286,7 +314,7 @@ class ExactWindow:
                 if entry is None:
                     continue
             entry[1] = past + 1
-            slot = self._slot(past)
+            slot = self.slot(past)
             if slot >= 0:
                 picks.append(i)
                 rows.append(entry[0])
