@@ -457,6 +457,12 @@ def test_deferred_code_writes_equal_immediate_ones(monkeypatch, lean):
     real_lean = backend.FibQuantAttentionImpl._lean_decode
     monkeypatch.setattr(backend.FibQuantAttentionImpl, "_lean_decode",
                         lambda self, *a: leans.append(real_lean(self, *a)) or leans[-1])
+    from fibquant.integrations.vllm.window import ExactWindow
+
+    fast_records = []  # steady steps recording through `record_decode` (the others: `record_tokens`)
+    real_record = ExactWindow.record_decode
+    monkeypatch.setattr(ExactWindow, "record_decode",
+                        lambda self, *a: fast_records.append(1) or real_record(self, *a))
 
     monkeypatch.setenv(ENV_VAR, "fibquant:b=4/fibquant:b=2")
     monkeypatch.setenv("FIBQUANT_VLLM_SINK_TOKENS", "3")
@@ -511,6 +517,8 @@ def test_deferred_code_writes_equal_immediate_ones(monkeypatch, lean):
     deferred._flush(deferred._pages(caches[0]))
     assert torch.equal(caches[0].view(torch.uint8), caches[1].view(torch.uint8))
     assert (sum(leans) >= 15) if lean else not leans  # the steady steps (others: mixed forwards, a lost window)
+    # most steady steps stay in their blocks (8 tokens): recorded through record_decode, the rest not
+    assert (len(fast_records) >= 10 and len(fast_records) < sum(leans)) if lean else not fast_records
 
 
 def test_deferred_codes_keep_the_newest_write_of_a_slot():
