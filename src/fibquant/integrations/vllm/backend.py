@@ -674,15 +674,13 @@ class FibQuantAttentionImpl(AttentionImpl):
                                step.longest)
         if bad:
             raise ValueError(f"paged codes hold {bad} invalid index(es) or block id(s) outside the pages")
-        held = (torch.from_numpy(keys.copy()), torch.from_numpy(values.copy()))  # owned: vLLM reuses its buffers
-        if bits:
-            held = (held[0].view(torch.bfloat16), held[1].view(torch.bfloat16))
-        self.deferred.add(*held, step.slots, copy=False)  # step.slots: the step's own, never written
-        if step.window_slots is not None:  # the steady case: the entries found above, slots from the step
-            self.window.record_decode(entries, plan.keys, step.pasts, rows, step.window_slots, held[0], held[1],
-                                      (keys, values))
-        else:
-            self.window.record_tokens(plan.keys, step.pasts, plan.new_keys, held[0], held[1], host=(keys, values))
+        # held as numpy copies (vLLM reuses its buffers), tensors only when flushed; step.slots: never written
+        self.deferred.add_host(keys, values, step.slots, dtype)
+        # the steady case: the entries found above, ring slots from the step; else the general record
+        if step.window_slots is None or not self.window.record_decode(entries, plan.keys, step.pasts, rows,
+                                                                      step.window_slots, (keys, values)):
+            self.window.record_tokens(plan.keys, step.pasts, plan.new_keys, *(
+                torch.from_numpy(t).view(dtype) for t in (keys, values)), host=(keys, values))
         if len(self.deferred) >= self.deferred.steps:
             self._flush(self._pages(kv_cache))
         return True

@@ -45,7 +45,14 @@ class DeferredCodes:
             keys, values = keys.clone(), values.clone()
         if copy or not isinstance(slots, np.ndarray) or slots.dtype != np.int64:
             slots = np.array(slots, dtype=np.int64)
-        self._held.append((keys, values, slots))
+        self._held.append((keys, values, slots, None))
+        return len(self._held) >= self.steps
+
+    def add_host(self, keys: np.ndarray, values: np.ndarray, slots: np.ndarray, dtype: torch.dtype) -> bool:
+        """`add` for keys / values as numpy views [N, Hk, D] of tensors of `dtype` (bf16 as its uint16
+        bits), copied here as numpy arrays (a fraction of a torch clone's cost per step) and turned into
+        tensors of `dtype` once, when taken; slots int64 [N], owned by the caller and never written."""
+        self._held.append((keys.copy(), values.copy(), slots, dtype))
         return len(self._held) >= self.steps
 
     def take(self) -> tuple[torch.Tensor, torch.Tensor, np.ndarray] | None:
@@ -53,13 +60,24 @@ class DeferredCodes:
         if not self._held:
             return None
         held, self._held = self._held, []
+        dtype = held[0][3]
+        if dtype is not None and all(h[3] is dtype for h in held):  # all numpy (`add_host`): one conversion
+            keys, values = (_tensor(np.concatenate([h[i] for h in held]), dtype) for i in (0, 1))
+        else:
+            keys = torch.cat([h[0] if h[3] is None else _tensor(h[0], h[3]) for h in held])
+            values = torch.cat([h[1] if h[3] is None else _tensor(h[1], h[3]) for h in held])
+        slots = held[0][2] if len(held) == 1 else np.concatenate([h[2] for h in held])
         if len(held) == 1:
-            return held[0]
-        keys, values = torch.cat([h[0] for h in held]), torch.cat([h[1] for h in held])
-        slots = np.concatenate([h[2] for h in held])
+            return keys, values, slots
         # A slot held twice (a finished sequence's last block handed to a growing decode): the newer write wins.
         _, last = np.unique(slots[::-1], return_index=True)
         if len(last) < len(slots):
             keep = torch.from_numpy(np.sort(len(slots) - 1 - last))
             keys, values, slots = keys.index_select(0, keep), values.index_select(0, keep), slots[keep.numpy()]
         return keys, values, slots
+
+
+def _tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """The tensor of `dtype` whose host form `array` is (bf16 from its uint16 bits; no copy)."""
+    tensor = torch.from_numpy(array)
+    return tensor.view(dtype) if tensor.dtype != dtype else tensor

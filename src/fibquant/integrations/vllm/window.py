@@ -276,25 +276,26 @@ class ExactWindow:
         return found
 
     def record_decode(self, entries: list[list], keys_of: list[int], pasts: list[int], rows: np.ndarray,
-                      slots: np.ndarray, keys: torch.Tensor, values: torch.Tensor, host: tuple) -> None:
-        """`record_tokens(keys_of, pasts, keys_of, keys, values, host)` for a decode step whose tokens all
-        stay in the block of their sequence's previous token (new key = key, distinct keys), given what
-        the caller found before the layer's attention (nothing recorded since): `entries(keys_of, pasts)`,
-        their slab rows `rows` int64 [B] and the ring slots of positions `pasts`, `slots` int64 [B]
-        (all >= 0). When each entry is its sequence's live one (the steady state) that is one
-        bookkeeping loop and one indexed store per role, without `record_tokens`' lookups; otherwise
-        `record_tokens` itself."""
+                      slots: np.ndarray, host: tuple) -> bool:
+        """`record_tokens(keys_of, pasts, keys_of, ..., host=host)` for a decode step whose tokens all stay
+        in the block of their sequence's previous token (new key = key, keys distinct), from what the
+        caller found before the layer's attention (nothing recorded since): `entries(keys_of, pasts)`,
+        their slab rows `rows` int64 [B], the ring slots of positions `pasts` `slots` int64 [B] (all
+        >= 0), and the tokens as numpy views [B, Hk, D] in the slabs' host form (bf16 as uint16 bits).
+        When each entry is its sequence's live one (the steady state) that is one bookkeeping loop and
+        one indexed store per role, without `record_tokens`' lookups; otherwise nothing is done and
+        False is returned (the caller takes `record_tokens`)."""
         live = self._entries
         for entry, key in zip(entries, keys_of):
             if live.get(key) is not entry:  # a snapshot (prefix caching): record_tokens forks it
-                self.record_tokens(keys_of, pasts, keys_of, keys, values, host)
-                return
+                return False
         for entry, key, past in zip(entries, keys_of, pasts):
             live.move_to_end(key)
             entry[1] = past + 1
         host_keys, host_values = self._host_slabs()
         host_keys[rows, :, slots] = host[0]  # advanced indices around a slice: [B, Hk, D]
         host_values[rows, :, slots] = host[1]
+        return True
 
     def record_tokens(self, keys_of: list[int], pasts: list[int], new_keys: list[int], keys: torch.Tensor,
                       values: torch.Tensor, host: tuple | None = None) -> None:
