@@ -536,6 +536,19 @@ def test_deferred_codes_keep_the_newest_write_of_a_slot():
     keys, values, slots = store.take()
     assert slots.tolist() == [5, 7, 9, 11] and len(store) == 0
     assert torch.equal(keys[:, 0, 0], torch.tensor([0.0, 2.0, 0.0, -2.0]))  # slot 9: the second write
+
+    # numpy copies of bf16 bits (`add_host`, the lean decode step) beside tensors: the same tokens come back
+    keys_in, values_in = torch.randn(5, 2, 3).bfloat16(), torch.randn(5, 2, 3).bfloat16()
+    for mixed in (False, True):
+        key_bits, value_bits = (t[:2].view(torch.uint16).numpy().copy() for t in (keys_in, values_in))
+        store.add_host(key_bits, value_bits, np.array([1, 2]), torch.bfloat16)
+        key_bits[:], value_bits[:] = 0, 0  # the store copied the caller's views
+        if mixed:
+            store.add(keys_in[2:], values_in[2:], np.array([3, 4, 2]))
+        keys, values, slots = store.take()
+        order = [0, 2, 3, 4] if mixed else [0, 1]  # slot 2 twice: the newer write (token 4) kept
+        assert slots.tolist() == ([1, 3, 4, 2] if mixed else [1, 2]) and keys.dtype == torch.bfloat16
+        assert torch.equal(keys, keys_in[order]) and torch.equal(values, values_in[order])
     with pytest.raises(ValueError):
         DeferredCodes(steps=-1)
 
