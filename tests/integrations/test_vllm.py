@@ -608,8 +608,8 @@ def test_prefix_cache_hits_read_shared_blocks_as_a_chunk_boundary(monkeypatch, o
         out = impl.forward(None, q, k, v, cache, meta, torch.empty(len(mapping), heads * dim))
         if impl is shared:
             written.update(mapping)
-            for _, _, held_slots in impl.deferred._held:  # a held code never lies in a full block
-                assert not any(s // block * block + block - 1 in written for s in held_slots.tolist())
+            for held in impl.deferred._held:  # a held code (slots: held[2]) never lies in a full block
+                assert not any(s // block * block + block - 1 in written for s in held[2].tolist())
         return {name: out[starts[i]:starts[i + 1]] for i, (name, _, _) in enumerate(parts)}
 
     with_hit, own = {"A": tables["A"], "B": tables["B"]}, {"A": tables["A"], "B": own_b}
