@@ -1,0 +1,93 @@
+"""FibQuant-E8 (`fibquant.codecs.e8shell.E8ShellCodec`): the fast search's codes equal the exhaustive
+reference's, norm correction, the code layout, spec strings and bad input (the shared contract is in
+test_codecs.py)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from fibquant.codebook.e8shell import shell_tables, unrank
+from fibquant.codecs.bitpack import bytes_to_float16, unpack_bits
+from fibquant.codecs.e8shell import E8ShellCodec, shipped_levels
+from fibquant.codecs.layout import CodeLayout
+from fibquant.codecs.registry import parse_method
+
+
+def _rows(n=200, seed=0):
+    x = torch.randn(n, 64, generator=torch.Generator().manual_seed(seed)) * torch.linspace(0.1, 5, 64)
+    x[min(3, n - 1)] = 0
+    return x
+
+
+@pytest.mark.parametrize("nc", [False, True])
+def test_encode_equals_the_exhaustive_reference(nc):
+    codec = E8ShellCodec(64, 2, norm_correction=nc)
+    x = _rows()
+    assert torch.equal(codec.encode(x), codec.encode_with(x, exhaustive=True))
+
+
+def test_rates_layout_and_shipped_levels():
+    for bits, size in ((2, 18), (3, 26), (4, 34)):
+        codec = E8ShellCodec(64, bits)
+        assert codec.code_size == size and codec.bits_per_coordinate == bits
+        assert codec.tables.count <= 2 ** (8 * bits) and codec.tables.count > 2 ** (8 * bits - 1)
+        layout = CodeLayout.from_codec(codec)
+        codes = codec.encode(_rows(20)).numpy()
+        index, norms = layout.split(codes)
+        assert np.array_equal(layout.join(index, norms), codes)
+        levels = shipped_levels(64, bits)
+        assert list(levels.radii) == sorted(levels.radii)
+
+
+def test_norm_correction_keeps_the_input_norm_and_the_indices():
+    plain, corrected = E8ShellCodec(64, 3), E8ShellCodec(64, 3, norm_correction=True)
+    x = _rows()
+    a, b = plain.encode(x), corrected.encode(x)
+    assert torch.equal(a[:, 2:], b[:, 2:])
+    # the stored value is ||x|| / ||u_hat||, ||u_hat||^2 = the sum of the blocks' squared level radii
+    index = unpack_bits(b[:, 2:], 24, 8)
+    points = unrank(index.reshape(-1).numpy(), shell_tables(corrected.levels)).reshape(len(x), 64)
+    u_norm = np.sqrt((points ** 2).sum(1))
+    stored = bytes_to_float16(b[:, :2]).double().numpy()
+    norms = x.double().norm(dim=1).numpy()
+    expected = np.where(norms > 0, norms / np.maximum(u_norm, 1e-30), 0.0)  # a zero row stores 0
+    np.testing.assert_allclose(stored, expected, rtol=1e-3)
+    out = corrected.decode(b)
+    np.testing.assert_allclose(out.norm(dim=1).numpy(), x.norm(dim=1).numpy(), rtol=2e-3)
+    assert torch.equal(out[3], torch.zeros(64))
+
+
+def test_rotation_draws_and_spec_strings():
+    method = parse_method("e8shell:b=3,nc=1,r=2")
+    codec = method.build(64)
+    assert (codec.bits, codec.norm_correction, codec.rotation_seed) == (3, True, 2)
+    assert method.label(64) == "FibQuant-E8 b=3 (shell code,nc,r=2)"
+    x = _rows(20)
+    assert not torch.equal(codec.encode(x), E8ShellCodec(64, 3, True).encode(x))
+    for spec, match in (("e8shell", "needs b="), ("e8shell:b=1", "one of"), ("e8shell:b=2,nc=2", "nc= must")):
+        with pytest.raises(ValueError, match=match):
+            parse_method(spec)
+    assert parse_method("e8shell:b=2").unavailable_reason(128) is not None
+    assert parse_method("e8shell:b=2").unavailable_reason(64) is None
+
+
+def test_bad_configurations_and_codes():
+    with pytest.raises(ValueError, match="dim=128"):
+        E8ShellCodec(128, 2)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        E8ShellCodec(60, 2)
+    with pytest.raises(ValueError, match="supports bits"):
+        E8ShellCodec(64, 5)
+    with pytest.raises(ValueError, match="norm_correction"):
+        E8ShellCodec(64, 2, norm_correction=1)
+    codec = E8ShellCodec(64, 2)  # 65 520 points in a 16-bit field: 0xFFFF is no point
+    codes = codec.encode(_rows(5))
+    codes[0, 2:4] = 0xFF
+    with pytest.raises(ValueError, match="index"):
+        codec.decode(codes)
+    with pytest.raises(ValueError, match="fp16"):
+        codec.encode(torch.full((1, 64), 1e5))
+    assert math.isclose(codec.compression_ratio, 128 / 18)
