@@ -91,3 +91,39 @@ def test_bad_configurations_and_codes():
     with pytest.raises(ValueError, match="fp16"):
         codec.encode(torch.full((1, 64), 1e5))
     assert math.isclose(codec.compression_ratio, 128 / 18)
+
+
+@pytest.mark.parametrize("attention", ["decode", "codes"])
+def test_compressed_cache_stores_e8shell_codes(attention):
+    """Through `CompressedCache` (head_dim 64): layer 0's stored codes are the codec's codes of the exact keys
+    and values (layer 0 does not depend on the compression), and "codes" attention (the generic decode path:
+    no rotated codebook) gives the logits of "decode" attention."""
+    import warnings
+
+    from _kv_helpers import tiny_llama
+    from transformers import DynamicCache
+
+    from fibquant.kv.cache import CompressedCache
+    from fibquant.kv.model import cache_kwarg
+
+    model = tiny_llama(hidden_size=256, num_attention_heads=4, num_key_value_heads=2)
+    ids = torch.randint(3, 97, (1, 30), generator=torch.Generator().manual_seed(4))
+    exact = DynamicCache()
+    with torch.no_grad():
+        model(ids, **cache_kwarg(model, exact), use_cache=True)
+    codec = E8ShellCodec(64, 2, norm_correction=True)
+    logits = {}
+    for mode in ("decode", attention):
+        cache = CompressedCache.for_model(model, codec, codec, sink_tokens=2, recent_tokens=4, encode_batch=1,
+                                          attention=mode)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # "no rotated codebook: decoding" (codes mode)
+            model(ids[:, :20], **cache_kwarg(model, cache), use_cache=True)
+            logits[mode] = model(ids[:, 20:], **cache_kwarg(model, cache), use_cache=True).logits
+        layer = cache.layers[0]
+        coded = range(layer.num_sink, layer.num_sink + layer.num_coded)
+        assert layer.num_coded == 30 - 2 - 4
+        keys, values = exact.layers[0].keys, exact.layers[0].values
+        assert torch.equal(layer.key_codes, codec.encode(keys[..., coded, :]))
+        assert torch.equal(layer.value_codes, codec.encode(values[..., coded, :]))
+    torch.testing.assert_close(logits[attention], logits["decode"], rtol=1e-4, atol=1e-4)
