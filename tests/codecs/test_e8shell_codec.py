@@ -127,3 +127,24 @@ def test_compressed_cache_stores_e8shell_codes(attention):
         assert torch.equal(layer.key_codes, codec.encode(keys[..., coded, :]))
         assert torch.equal(layer.value_codes, codec.encode(values[..., coded, :]))
     torch.testing.assert_close(logits[attention], logits["decode"], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.model
+def test_real_model_generates_through_e8shell_codes(request):
+    """SmolLM2 with a 4-bit FibQuant-E8 (nc) cache behind a 4 + 32 exact window: the first greedy tokens are
+    the uncompressed model's."""
+    from _kv_helpers import REAL_PROMPT, real_model
+
+    from fibquant.kv.cache import CompressedCache
+    from fibquant.kv.model import cache_kwarg
+
+    model, tokenizer = real_model(request)
+    inputs = tokenizer(REAL_PROMPT, return_tensors="pt")
+    kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    reference = model.generate(**inputs, **kwargs)
+    codec = E8ShellCodec(64, 4, norm_correction=True)
+    cache = CompressedCache.for_model(model, codec, codec, sink_tokens=4, recent_tokens=32, encode_batch=1)
+    compressed = model.generate(**inputs, **cache_kwarg(model, cache), **kwargs)
+    start = inputs.input_ids.shape[1]
+    assert cache.layers[0].num_coded > 0
+    assert torch.equal(compressed[0, start:start + 4], reference[0, start:start + 4]), tokenizer.decode(compressed[0])
