@@ -59,8 +59,9 @@ def shell_leaders(m: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Leaders of E8's shell 2m (m >= 1): (integer leaders [Li, 8], half-integer leaders [Lh, 8], their
     parities [Lh]), each leader non-negative and non-increasing, in descending lexicographic order. A
     half-integer point is in E8 iff its number of minus signs has the leader's parity (sum even)."""
-    if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+    if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 1:
         raise ValueError(f"shell index m must be a positive integer, got {m!r}")
+    m = int(m)
     ints: list[tuple] = []
 
     def rec_int(prefix, rem, top, left):
@@ -348,9 +349,7 @@ def _unrank_py(index, radii, scale, lv_lo, lv_hi, offsets, lead2, half, parity, 
                 out[b, i] = 0.0
             continue
         rest = idx - offsets[g]
-        j = lv_lo[g]
-        while j + 1 < lv_hi[g] and orbit_off[j + 1] <= rest:
-            j += 1
+        j = lv_lo[g] + np.searchsorted(orbit_off[lv_lo[g]:lv_hi[g]], rest, side="right") - 1  # its leader
         rest -= orbit_off[j]
         rank = rest // nsign[j]
         sign = rest % nsign[j]
