@@ -202,6 +202,23 @@ def shell_tables(levels: ShellLevels) -> ShellTables:
 
 
 # --------------------------------------------------------------------------- kernels (numba)
+def _distinct_py(leader2, vals, cnt):
+    """The distinct values of a (non-increasing) leader [8] into vals, their multiplicities into cnt
+    (both int64 [8]); returns how many."""
+    for k in range(8):
+        cnt[k] = 0
+    nd = 0
+    for k in range(8):
+        if nd == 0 or vals[nd - 1] != leader2[k]:
+            vals[nd] = leader2[k]
+            nd += 1
+        cnt[nd - 1] += 1
+    return nd
+
+
+_distinct = None  # the compiled _distinct_py, bound by _kernels() before the kernels that call it compile
+
+
 def _search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, half, parity, orbit_off, mult, nsign,
                index, level, start, stop):
     """Blocks [start, stop) of y_all [n, 8] (float32 or float64) -> index [n], level [n] (int64)."""
@@ -278,14 +295,7 @@ def _search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, half, parity, 
         # multiset-permutation rank of w (distinct values in the leader's descending order)
         rank = 0
         total = mult[j]
-        for k in range(8):
-            cnt[k] = 0
-        nd = 0
-        for k in range(8):
-            if nd == 0 or vals[nd - 1] != lead2[j, k]:
-                vals[nd] = lead2[j, k]
-                nd += 1
-            cnt[nd - 1] += 1
+        _distinct(lead2[j], vals, cnt)
         for i in range(8):
             rem = 8 - i
             t = 0
@@ -353,14 +363,7 @@ def _unrank_py(index, radii, scale, lv_lo, lv_hi, offsets, lead2, half, parity, 
         rest -= orbit_off[j]
         rank = rest // nsign[j]
         sign = rest % nsign[j]
-        for k in range(8):
-            cnt[k] = 0
-        nd = 0
-        for k in range(8):
-            if nd == 0 or vals[nd - 1] != lead2[j, k]:
-                vals[nd] = lead2[j, k]
-                nd += 1
-            cnt[nd - 1] += 1
+        nd = _distinct(lead2[j], vals, cnt)
         total = mult[j]
         for i in range(8):
             rem = 8 - i
@@ -404,6 +407,8 @@ def _kernels():
                     raise RuntimeError("E8 shell codes need numba (a fibquant dependency), which does not import")
                 import numba
 
+                global _distinct
+                _distinct = numba.njit(nogil=True, cache=True)(_distinct_py)
                 _KERNELS = (numba.njit(nogil=True, cache=True)(_search_py),
                             numba.njit(nogil=True, cache=True)(_unrank_py))
     return _KERNELS
