@@ -141,7 +141,8 @@ class ShellTables:
 
     radii, scale float64 [G] (scale = 1 / (2 sqrt(2m)): doubled leaders to the unit shell; 0 at the origin);
     lv_lo, lv_hi int64 [G] (each level's leader range); offsets int64 [G] (first index of each level);
-    lead2 int64 [L, 8] (leaders x 2, integers); half bool [L]; parity, orbit_off, mult, nsign int64 [L]."""
+    lead2 int64 [L, 8] (leaders x 2, integers; leadf: the same as float64, what the search multiplies);
+    half bool [L]; parity, orbit_off, mult, nsign int64 [L]."""
 
     radii: np.ndarray
     scale: np.ndarray
@@ -149,6 +150,7 @@ class ShellTables:
     lv_hi: np.ndarray
     offsets: np.ndarray
     lead2: np.ndarray
+    leadf: np.ndarray
     half: np.ndarray
     parity: np.ndarray
     orbit_off: np.ndarray
@@ -157,8 +159,8 @@ class ShellTables:
     count: int
 
     def args(self) -> tuple:
-        return (self.radii, self.scale, self.lv_lo, self.lv_hi, self.offsets, self.lead2, self.half, self.parity,
-                self.orbit_off, self.mult, self.nsign)
+        return (self.radii, self.scale, self.lv_lo, self.lv_hi, self.offsets, self.lead2, self.leadf, self.half,
+                self.parity, self.orbit_off, self.mult, self.nsign)
 
 
 @lru_cache(maxsize=16)
@@ -195,8 +197,9 @@ def shell_tables(levels: ShellLevels) -> ShellTables:
     def arr(values, dtype):
         return np.ascontiguousarray(np.array(values, dtype=dtype))
 
+    lead2 = arr(lead2, np.int64).reshape(-1, BLOCK)
     return ShellTables(arr(levels.radii, np.float64), arr(scale, np.float64), arr(lv_lo, np.int64),
-                       arr(lv_hi, np.int64), arr(offsets, np.int64), arr(lead2, np.int64).reshape(-1, BLOCK),
+                       arr(lv_hi, np.int64), arr(offsets, np.int64), lead2, arr(lead2, np.float64),
                        arr(half, np.bool_), arr(parity, np.int64), arr(orbit_off, np.int64), arr(mult, np.int64),
                        arr(nsign, np.int64), offset)
 
@@ -219,7 +222,7 @@ def _distinct_py(leader2, vals, cnt):
 _distinct = None  # the compiled _distinct_py, bound by _kernels() before the kernels that call it compile
 
 
-def _search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, half, parity, orbit_off, mult, nsign,
+def _search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf, half, parity, orbit_off, mult, nsign,
                index, level, start, stop):
     """Blocks [start, stop) of y_all [n, 8] (float32 or float64) -> index [n], level [n] (int64)."""
     n_lv = radii.shape[0]
@@ -273,9 +276,9 @@ def _search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, half, parity, 
                 for j in range(lv_lo[g], lv_hi[g]):
                     ip = 0.0
                     for k in range(8):
-                        ip += a[k] * lead2[j, k]
+                        ip += a[k] * leadf[j, k]
                     if half[j] and parity[j] != negpar:
-                        ip -= 2.0 * a[7] * lead2[j, 7]
+                        ip -= 2.0 * a[7] * leadf[j, 7]
                     if ip > top + 1e-11:  # _TIE_IP: the lower leader keeps a tie
                         top = ip
                         jb = j
@@ -345,8 +348,8 @@ def _search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, half, parity, 
     return 0
 
 
-def _unrank_py(index, radii, scale, lv_lo, lv_hi, offsets, lead2, half, parity, orbit_off, mult, nsign, out,
-               start, stop):
+def _unrank_py(index, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf, half, parity, orbit_off, mult, nsign,
+               out, start, stop):
     """index [n] (each in [0, count)) -> the points out [n, 8] float64 (the inverse of the numbering)."""
     w = np.empty(8, np.int64)
     cnt = np.zeros(8, np.int64)
