@@ -3,8 +3,8 @@
 The same canonical source as FibQuant (nu = ||x||, u = Pi x / nu, 8-blocks of u), each block coded by the
 nearest point of a calibration-free shell code (`codebook/e8shell.py`: E8 shells, each at its own radius,
 at most 2^(8 b) points), found by the exact leader search. The levels (which shells, which radii) are
-shipped for d = 64 (`codebook/e8shell_shipped.py`: fitted on the canonical source only, never on model
-data); other head dimensions raise.
+shipped for d = 64 and 128 (`codebook/e8shell_shipped.py`: fitted on the canonical source only, never on
+model data; d = 128 keeps d = 64's shells with refitted radii); other head dimensions raise.
 
 Code layout of one vector (code_size bytes, vector i of a flat batch at byte i * code_size):
 
@@ -80,7 +80,7 @@ class E8ShellConfig:
 class E8ShellCodec(Codec):
     """E8 shell code per 8-block after a random rotation: float [..., dim] <-> uint8 [..., code_size].
 
-    Spec strings: "e8shell:b=2" (b in 2..4, d = 64), options nc=1 (norm correction) and r=<seed> (another
+    Spec strings: "e8shell:b=2" (b in 2..4, d = 64 or 128), options nc=1 (norm correction) and r=<seed> (another
     rotation draw). The levels' tables are built on first use."""
 
     family = "e8shell"
