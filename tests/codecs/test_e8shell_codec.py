@@ -163,3 +163,18 @@ def test_real_model_generates_through_e8shell_codes(request):
     start = inputs.input_ids.shape[1]
     assert cache.layers[0].num_coded > 0
     assert torch.equal(compressed[0, start:start + 4], reference[0, start:start + 4]), tokenizer.decode(compressed[0])
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_code_archive_stores_e8shell_codes(bits, tmp_path):
+    """`code_layout` is the [norm][packed indices] layout: `CodeArchive` gives the codes back byte for byte."""
+    from fibquant.archive import CodeArchive
+
+    codec = E8ShellCodec(64, bits)
+    codes = codec.encode(_rows(50, seed=2))
+    with CodeArchive.for_codec(tmp_path / "a", codec) as archive:
+        archive.append(codes[:20])
+        archive.append(codes[20:])
+    with CodeArchive.open(tmp_path / "a") as archive:
+        assert torch.equal(torch.from_numpy(archive.codes()), codes)
+        assert torch.equal(archive.decode(7, codec), codec.decode(codes)[7])
