@@ -178,3 +178,18 @@ def test_code_archive_stores_e8shell_codes(bits, tmp_path):
     with CodeArchive.open(tmp_path / "a") as archive:
         assert torch.equal(torch.from_numpy(archive.codes()), codes)
         assert torch.equal(archive.decode(7, codec), codec.decode(codes)[7])
+
+
+def test_threads_split_gives_the_same_codes():
+    """The numba search and unrank split rows over torch.get_num_threads() threads: same bytes, same floats."""
+    codec = E8ShellCodec(64, 2, norm_correction=True)
+    x = _rows(2000, seed=5)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = codec.encode(x)
+        torch.set_num_threads(2)
+        two = codec.encode(x)
+        assert torch.equal(one, two) and torch.equal(codec.decode(one), codec.decode(two))
+    finally:
+        torch.set_num_threads(threads)
