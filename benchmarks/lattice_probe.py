@@ -38,11 +38,11 @@ import itertools
 import math
 import sys
 import time
-from collections import Counter
 
 import numpy as np
 import torch
 
+from fibquant.codebook.e8shell import orbit_size, shell_leaders, shell_size, sigma3  # noqa: F401 (re-exported)
 from fibquant.codecs.registry import parse_method
 from fibquant.eval.report import format_table, write_json
 from fibquant.paths import results_dir
@@ -60,62 +60,6 @@ GATE_REFERENCE = {2: "fibrvq:b=2,k=16", 3: "fibrvq:b=3,k=16,w=64", 4: "fibrvq:b=
 
 
 # --------------------------------------------------------------------------- E8 shells
-
-def sigma3(m: int) -> int:
-    return sum(d ** 3 for d in range(1, m + 1) if m % d == 0)
-
-
-def shell_size(m: int) -> int:
-    """Points of E8 with squared norm 2m (240 sigma_3(m)); the origin for m = 0."""
-    return 1 if m == 0 else 240 * sigma3(m)
-
-
-def shell_leaders(m: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Leaders of E8's shell of squared norm 2m: (integer leaders [Li, 8], half-integer leaders [Lh, 8],
-    their parities [Lh]), each leader non-increasing and non-negative. A half-integer point is valid iff
-    its number of minus signs has the leader's parity (coordinate sum even)."""
-    n2 = 2 * m
-    ints: list[tuple] = []
-
-    def rec_int(prefix, rem, top, left):
-        if left == 0:
-            if rem == 0:
-                ints.append(tuple(prefix))
-            return
-        for v in range(min(top, math.isqrt(rem)), -1, -1):
-            if v * v * left < rem:
-                break
-            rec_int(prefix + [v], rem - v * v, v, left - 1)
-
-    odds: list[tuple] = []  # odd o_i with sum o_i^2 = 4 n2, leader o / 2
-
-    def rec_half(prefix, rem, top, left):
-        if left == 0:
-            if rem == 0:
-                odds.append(tuple(prefix))
-            return
-        v = min(top, math.isqrt(max(rem - (left - 1), 0)))
-        v -= 1 - v % 2
-        while v >= 1:
-            if v * v * left < rem:
-                break
-            rec_half(prefix + [v], rem - v * v, v, left - 1)
-            v -= 2
-
-    rec_int([], n2, math.isqrt(n2), 8)
-    rec_half([], 4 * n2, math.isqrt(4 * n2), 8)
-    li = np.array(ints, dtype=np.float64).reshape(-1, 8)
-    lh = np.array(odds, dtype=np.float64).reshape(-1, 8) / 2
-    parity = np.array([(sum(o) // 2) % 2 for o in odds], dtype=np.int64)  # sum o = 0 mod 4: even
-    return li, lh, parity
-
-
-def orbit_size(leader: np.ndarray, half: bool) -> int:
-    count = math.factorial(8)
-    for v in Counter(leader.tolist()).values():
-        count //= math.factorial(v)
-    return count * (2 ** 7 if half else 2 ** int((leader != 0).sum()))
-
 
 def shell_points(m: int) -> np.ndarray:
     """Every point of E8's shell 2m [shell_size(m), 8] (materialised; small m only)."""

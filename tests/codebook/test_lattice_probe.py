@@ -1,5 +1,6 @@
-"""benchmarks/lattice_probe.py's E8 shell machinery and lattice_encode_speed.py's numba prototype (search,
-index, unrank) against exhaustive searches over materialised shells and codebooks."""
+"""benchmarks/lattice_probe.py's design machinery (the vectorised leader search, shell-code MSE, Lloyd radii)
+against exhaustive searches over materialised shells and codebooks (the registered codec's numba search,
+index and unrank: tests/codebook/test_e8shell.py)."""
 from __future__ import annotations
 
 import importlib.util
@@ -10,14 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-pytest.importorskip("numba", reason="the shell-code prototype kernels are numba")
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def _load(name: str):
     if str(BENCHMARKS) not in sys.path:
-        sys.path.insert(0, str(BENCHMARKS))  # lattice_encode_speed imports lattice_probe by name
+        sys.path.insert(0, str(BENCHMARKS))
     spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules.setdefault(name, module)
@@ -28,11 +28,6 @@ def _load(name: str):
 @pytest.fixture(scope="module")
 def probe():
     return _load("lattice_probe")
-
-
-@pytest.fixture(scope="module")
-def speed():
-    return _load("lattice_encode_speed")
 
 
 def _codebook(probe, shells, radii) -> np.ndarray:
@@ -84,32 +79,3 @@ def test_shell_code_mse_equals_exhaustive_and_lloyd_does_not_raise_it(probe):
     expected = 8 * _nearest(blocks, _codebook(probe, code.shells, code.radii)).mean()
     assert code.mse(norm2, cos, column) == pytest.approx(expected, rel=1e-12)
     assert code.lloyd(norm2, cos, column).mse(norm2, cos, column) <= code.mse(norm2, cos, column) * (1 + 1e-12)
-
-
-def test_numba_index_decodes_to_the_nearest_point_and_numbers_the_whole_codebook(probe, speed):
-    shells, radii = [0, 1, 2, 2, 3], [0.0, 0.1, 0.2, 0.3, 0.45]
-    t = speed.tables(shells, radii)
-    args = (t["radii"], t["lv_lo"], t["lv_hi"], t["lv_off"], t["lv_scale"], t["lead2"], t["half"], t["parity"],
-            t["orbit_off"], t["mult"], t["nsign"])
-    count = t["count"]
-    assert count == sum(probe.shell_size(m) for m in shells)
-    # unrank every index: the points are the materialised codebook, each once
-    every = np.empty((count, 8))
-    speed.decode_kernel(np.arange(count, dtype=np.int64), *args, every)
-    book = _codebook(probe, shells, radii)
-    assert len(np.unique(np.round(every, 12), axis=0)) == count
-    assert np.array_equal(np.unique(np.round(every, 12), axis=0), np.unique(np.round(book, 12), axis=0))
-    # every codebook point encodes to its own index (rank is the inverse of unrank)
-    index, dist = np.empty(count, np.int64), np.empty(count)
-    speed.encode_kernel(every.astype(np.float32), *args, index, dist)
-    assert np.array_equal(index, np.arange(count))
-    # random blocks: the decoded index is at the distance found, the exhaustive minimum
-    blocks = (np.random.default_rng(2).standard_normal((2000, 8)) * 0.15).astype(np.float32)
-    index, dist = np.empty(len(blocks), np.int64), np.empty(len(blocks))
-    speed.encode_kernel(blocks, *args, index, dist)
-    points = np.empty((len(blocks), 8))
-    speed.decode_kernel(index, *args, points)
-    y = blocks.astype(np.float64)
-    np.testing.assert_allclose(((points - y) ** 2).sum(1), dist, rtol=0, atol=1e-12)
-    np.testing.assert_allclose(dist, _nearest(y, book), rtol=0, atol=1e-12)
-    assert index.min() >= 0 and index.max() < count

@@ -19,6 +19,7 @@ SPECS = {
     "fibquant:b=0.5": "FibQuant b=0.5 (k=16,N=256)",
     "fibquant:k=64,n=4096": "FibQuant b=0.1875 (k=64,N=4096)",
     "turboquant:b=3": "TurboQuant b=3",
+    "e8shell:b=2,nc=1": "FibQuant-E8 b=2 (shell code,nc)",
     "int:b=4": "INT4",
     "lowrank:r=8": "low-rank r=8",
     "rvq:s=2,n=256": "RVQ 2x256 per head",
@@ -48,7 +49,7 @@ def test_keyword_construction_matches_parsing():
 
 def test_registry_entries_are_complete():
     classes = codec_classes()
-    assert list(classes) == ["fp", "fibquant", "fibrvq", "turboquant", "int", "lowrank", "rvq"]
+    assert list(classes) == ["fp", "fibquant", "fibrvq", "e8shell", "turboquant", "int", "lowrank", "rvq"]
     for family, cls in classes.items():
         assert cls.family == family and isinstance(cls.style, PlotStyle)
         assert len({p.key for p in cls.spec_params}) == len(cls.spec_params)

@@ -16,6 +16,9 @@ MSE bounds (total E||u - u_hat||^2 of unit vectors drawn uniformly on S^{dim-1},
 | FibQuant d=16 k=2 N=16 (2b)   | 0.120  | must beat TurboQuant d=16 b=2 (exact 0.1134): Theorem 2 |
 | FibQuant d=32 k=4 N=6         | 0.62   | measured 0.58 (log2(6)/4 = 0.65 bits/coord)             |
 | FibQuant-RVQ d=64 k=8 2x256   | 0.093  | measured 0.0911 (beam 16); FibQuant k=4 N=256: 0.0952   |
+| FibQuant-E8 d=64 b=2          | 0.087  | measured 0.0846 (lattice probe's test vectors)          |
+| FibQuant-E8 d=64 b=3          | 0.0225 | measured 0.0218                                         |
+| FibQuant-E8 d=64 b=4          | 0.0060 | measured 0.0057                                         |
 | INT4 d=64 (per token)         | 0.020  | measured 0.0125: step = range/15                        |
 | INT3 d=64 group 16            | 0.040  | measured 0.028                                          |
 | fp16 identity d=64            | 1e-6   | fp16 rounding only (measured ~4e-8 relative)            |
@@ -32,6 +35,7 @@ from hypothesis import strategies as st
 
 from fibquant import FibQuantCodec, IntCodec, TurboQuantCodec
 from fibquant.codecs import IdentityCodec, LowRankCodec, RVQCodec
+from fibquant.codecs.e8shell import E8ShellCodec
 from fibquant.codecs.residual import ResidualFibQuantCodec
 from fibquant.codebook import lloyd_max_table, nearest_codeword, nearest_codeword_reference, nearest_level
 from fibquant.codecs.fibquant import choose_block
@@ -59,13 +63,16 @@ CODECS = {
     "fib_d16_k2_n16": lambda: FibQuantCodec(16, 2, 16),
     "fib_d32_k4_n6": lambda: FibQuantCodec(32, 4, 6),
     "fibrvq_d64_b2": lambda: ResidualFibQuantCodec.from_spec(64, bits=2),  # shipped k=8, 2 x 256
+    "e8shell_b2": lambda: E8ShellCodec(64, 2),
+    "e8shell_b3_nc": lambda: E8ShellCodec(64, 3, norm_correction=True),
+    "e8shell_b4": lambda: E8ShellCodec(64, 4),
     "fp16": lambda: IdentityCodec(64),
     "lowrank_r8": lambda: LowRankCodec.fit(_calibration(), 8),
     "rvq_2x16": lambda: RVQCodec.fit(_calibration(), 2, 16, max_iterations=5),
 }
 MSE_BOUND = {"int4": 0.020, "int3_g16": 0.040, "turbo1": 0.375, "turbo2": 0.120, "turbo3": 0.035,
              "turbo4": 0.0097, "fib_d64_rate1": 0.335, "fib_d16_k2_n16": 0.120, "fib_d32_k4_n6": 0.62,
-             "fibrvq_d64_b2": 0.093, "fp16": 1e-6}
+             "fibrvq_d64_b2": 0.093, "e8shell_b2": 0.087, "e8shell_b4": 0.0060, "fp16": 1e-6}
 CALIBRATED_BOUND = {"lowrank_r8": 0.75, "rvq_2x16": 0.90}  # held-out MSE / MSE of the calibration mean
 # Float32 matmuls round differently for one row than for a batch: a low-rank code depends on the batch.
 NOT_ROW_EXACT = {"lowrank_r8"}

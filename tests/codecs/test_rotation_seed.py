@@ -8,7 +8,7 @@ from fibquant.codecs.base import config_matches
 from fibquant.codecs.registry import load_codec, parse_method
 from fibquant.source import haar_rotation
 
-FAMILIES = ("fibquant:b=2", "turboquant:b=2", "fibrvq:b=2")
+FAMILIES = ("fibquant:b=2", "turboquant:b=2", "fibrvq:b=2", "e8shell:b=2,nc=1")
 
 
 @pytest.mark.parametrize("spec", FAMILIES)
@@ -35,12 +35,13 @@ def test_rotation_seed_changes_only_the_rotation(spec, tmp_path):
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "2"])
 def test_rotation_seed_rejects_bad_values(bad):
+    from fibquant.codecs.e8shell import E8ShellCodec
     from fibquant.codecs.fibquant import FibQuantCodec
     from fibquant.codecs.residual import ResidualFibQuantCodec
     from fibquant.codecs.turboquant import TurboQuantCodec
 
     for build in (lambda: FibQuantCodec(64, 4, 256, rotation_seed=bad), lambda: TurboQuantCodec(64, 2, rotation_seed=bad),
-                  lambda: ResidualFibQuantCodec(64, rotation_seed=bad)):
+                  lambda: ResidualFibQuantCodec(64, rotation_seed=bad), lambda: E8ShellCodec(64, 2, rotation_seed=bad)):
         with pytest.raises(ValueError, match="rotation_seed"):
             build()
     if not isinstance(bad, str):

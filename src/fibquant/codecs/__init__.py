@@ -3,6 +3,7 @@
 The families used by the experiments are registered in `fibquant.codecs.registry.REGISTRY`.
 """
 from .base import Codec
+from .e8shell import E8ShellCodec
 from .fibquant import FibQuantCodec
 from .identity import IdentityCodec
 from .integer import IntCodec
@@ -11,5 +12,5 @@ from .residual import ResidualFibQuantCodec
 from .rvq import RVQCodec
 from .turboquant import TurboQuantCodec
 
-__all__ = ["Codec", "FibQuantCodec", "IdentityCodec", "IntCodec", "LowRankCodec", "RVQCodec", "ResidualFibQuantCodec",
+__all__ = ["Codec", "E8ShellCodec", "FibQuantCodec", "IdentityCodec", "IntCodec", "LowRankCodec", "RVQCodec", "ResidualFibQuantCodec",
            "TurboQuantCodec"]

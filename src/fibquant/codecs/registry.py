@@ -8,8 +8,9 @@ Spec strings (also accepted on the command line):
                             nc= the per-rate default: on at 4 bits (fibquant:b=4 = fibquant:b=4,nc=1), off below
     fibrvq:b=2              FibQuant-RVQ: universal residual codes in k = 8, b stages of 256 (beam search)
     fibrvq:b=2,k=16         FibQuant-RVQ in 16-dimensional blocks, b * 2 stages of 256 (same bytes)
+    e8shell:b=2,nc=1        FibQuant-E8: one E8 shell-code index per 8-block (b in 2..4, d = 64 or 128; exact search)
     turboquant:b=3          TurboQuant (scalar Lloyd-Max after a rotation), integer bits 1..4
-    fibquant:b=2,r=3        any rotation-based codec (fibquant, fibrvq, turboquant) with the Haar rotation
+    fibquant:b=2,r=3        any rotation-based codec (fibquant, fibrvq, e8shell, turboquant) with the Haar rotation
                             of seed 3 (the same codebook; for means over draws, `eval peers --rotation-seeds`)
     int:b=4                 per-token asymmetric INT quantization
     lowrank:r=8             calibrated PCA projection (fitted per layer and KV head)
@@ -35,6 +36,7 @@ REGISTRY = (
     "fibquant.codecs.identity.IdentityCodec",
     "fibquant.codecs.fibquant.FibQuantCodec",
     "fibquant.codecs.residual.ResidualFibQuantCodec",
+    "fibquant.codecs.e8shell.E8ShellCodec",
     "fibquant.codecs.turboquant.TurboQuantCodec",
     "fibquant.codecs.integer.IntCodec",
     "fibquant.codecs.lowrank.LowRankCodec",

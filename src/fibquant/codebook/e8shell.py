@@ -1,0 +1,465 @@
+"""E8 shell codes in 8 dimensions: levels, leaders, the exact leader search, index and unrank.
+
+A shell code is a list of levels (m_g, r_g): level g holds the E8 shell of squared norm 2 m_g (240 sigma_3(m)
+points; m = 0: the origin) rescaled to radius r_g. E8 = D8 u (D8 + 1/2); its shell 2m is the union of a
+few orbits of "leader" vectors (non-negative, non-increasing) under coordinate permutations and sign
+changes: every sign change of the non-zero coordinates for the integer leaders, an even or odd number of
+minus signs (the leader's parity) for the half-integer ones.
+
+Numbering (what a code stores, 0 <= index < count): levels in ascending radius (the order given, which
+`ShellLevels` checks), each level's points after the earlier levels' (`offsets`); inside a level its
+leaders in `shell_leaders` order (integer leaders, then half-integer ones), each leader's orbit after the
+earlier leaders' (`orbit_off`); inside an orbit index = rank * n_signs + sign, rank the multiset-permutation
+rank of the point's absolute values (lexicographic, larger leader values first: rank 0 = the leader itself)
+and sign the sign bits (integer leaders: one bit per non-zero coordinate in position order, 1 = minus; half
+leaders: bits of positions 0..6, the 8th sign fixed by the parity).
+
+The reference search (`exhaustive_search`) is the spec: over the materialised codebook (`codebook_points`,
+small level sets only), the lowest index among the points whose squared distance is within TIE of the
+smallest. The fast search (`shell_search`, numba) gives the same index without materialising anything:
+per 8-block y, |y| sorted once (stable: tied values keep their position order, so the rank is the lowest
+among equal inner products); levels visited outward from the radius nearest ||y|| while (||y|| - r)^2 can
+still reach the best distance (no point of a level is nearer than that); per level the largest inner
+product over its leaders (8 multiply-adds each; a half leader whose parity forbids sign(y) loses
+2 min|y| min(leader), the cheapest flip); ties (within TIE) go to the lower leader, then the lower level,
+and a parity flip with several equally cheap positions to the one giving the smallest sign word.
+"""
+from __future__ import annotations
+
+import math
+import threading
+from collections import Counter
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from .._numba import numba_available, run_split
+
+BLOCK = 8               # the code's block length (E8 is 8-dimensional)
+TIE = 1e-10             # squared distances within TIE of the smallest are ties (lowest index wins)
+_TIE_IP = 1e-11         # the same for a level's inner products (2 r / ||s|| <= 1 for unit-vector blocks)
+_MIN_BLOCKS_PER_THREAD = 4096
+_KERNELS = None
+_LOCK = threading.Lock()
+
+
+# --------------------------------------------------------------------------- E8 shells
+def sigma3(m: int) -> int:
+    return sum(d ** 3 for d in range(1, m + 1) if m % d == 0)
+
+
+def shell_size(m: int) -> int:
+    """Points of E8 with squared norm 2m (240 sigma_3(m)); 1 (the origin) for m = 0."""
+    return 1 if m == 0 else 240 * sigma3(m)
+
+
+@lru_cache(maxsize=None)
+def shell_leaders(m: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Leaders of E8's shell 2m (m >= 1): (integer leaders [Li, 8], half-integer leaders [Lh, 8], their
+    parities [Lh]), each leader non-negative and non-increasing, in descending lexicographic order. A
+    half-integer point is in E8 iff its number of minus signs has the leader's parity (sum even)."""
+    if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 1:
+        raise ValueError(f"shell index m must be a positive integer, got {m!r}")
+    m = int(m)
+    ints: list[tuple] = []
+
+    def rec_int(prefix, rem, top, left):
+        if left == 0:
+            if rem == 0:
+                ints.append(tuple(prefix))
+            return
+        for v in range(min(top, math.isqrt(rem)), -1, -1):
+            if v * v * left < rem:
+                break
+            rec_int(prefix + [v], rem - v * v, v, left - 1)
+
+    odds: list[tuple] = []  # odd o_i with sum o_i^2 = 8m: the half leader is o / 2
+
+    def rec_half(prefix, rem, top, left):
+        if left == 0:
+            if rem == 0:
+                odds.append(tuple(prefix))
+            return
+        v = min(top, math.isqrt(max(rem - (left - 1), 0)))
+        v -= 1 - v % 2
+        while v >= 1:
+            if v * v * left < rem:
+                break
+            rec_half(prefix + [v], rem - v * v, v, left - 1)
+            v -= 2
+
+    rec_int([], 2 * m, math.isqrt(2 * m), BLOCK)
+    rec_half([], 8 * m, math.isqrt(8 * m), BLOCK)
+    li = np.array(ints, dtype=np.float64).reshape(-1, BLOCK)
+    lh = np.array(odds, dtype=np.float64).reshape(-1, BLOCK) / 2
+    parity = np.array([(sum(o) // 2) % 2 for o in odds], dtype=np.int64)  # sum o = 0 mod 4: even
+    for array in (li, lh, parity):
+        array.setflags(write=False)
+    return li, lh, parity
+
+
+def orbit_size(leader: np.ndarray, half: bool) -> int:
+    """Points in the orbit of `leader` [8] under permutations and the allowed sign changes."""
+    count = math.factorial(BLOCK)
+    for v in Counter(np.asarray(leader).tolist()).values():
+        count //= math.factorial(v)
+    return count * (2 ** (BLOCK - 1) if half else 2 ** int((np.asarray(leader) != 0).sum()))
+
+
+# --------------------------------------------------------------------------- levels and tables
+@dataclass(frozen=True)
+class ShellLevels:
+    """A shell code: shells (m_g) and radii (r_g), one per level, radii ascending (the index order).
+
+    m = 0 is the origin (radius 0, first level only). count = the number of points, all distinct."""
+
+    shells: tuple[int, ...]
+    radii: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.shells) != len(self.radii) or not self.shells:
+            raise ValueError("ShellLevels needs as many radii as shells, at least one level")
+        for g, (m, r) in enumerate(zip(self.shells, self.radii)):
+            if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+                raise ValueError(f"level {g}: shell must be a non-negative integer, got {m!r}")
+            if not isinstance(r, float) or not math.isfinite(r) or r < 0 or (r == 0) != (m == 0):
+                raise ValueError(f"level {g}: radius must be a finite float, 0 exactly for the origin, got {r!r}")
+            if m == 0 and g != 0:
+                raise ValueError("the origin (m = 0) can only be the first level")
+        if any(b <= a for a, b in zip(self.radii, self.radii[1:])):
+            raise ValueError(f"radii must be strictly ascending, got {self.radii}")
+
+    @property
+    def count(self) -> int:
+        return sum(shell_size(m) for m in self.shells)
+
+
+@dataclass(frozen=True, eq=False)
+class ShellTables:
+    """Flat arrays the kernels read (numbering in the module docstring); L leaders over all levels.
+
+    radii, scale float64 [G] (scale = 1 / (2 sqrt(2m)): doubled leaders to the unit shell; 0 at the origin);
+    lv_lo, lv_hi int64 [G] (each level's leader range); offsets int64 [G] (first index of each level);
+    lead2 int64 [L, 8] (leaders x 2, integers; leadf: the same as float64, what the search multiplies);
+    half bool [L]; parity, orbit_off, mult, nsign int64 [L]."""
+
+    radii: np.ndarray
+    scale: np.ndarray
+    lv_lo: np.ndarray
+    lv_hi: np.ndarray
+    offsets: np.ndarray
+    lead2: np.ndarray
+    leadf: np.ndarray
+    half: np.ndarray
+    parity: np.ndarray
+    orbit_off: np.ndarray
+    mult: np.ndarray
+    nsign: np.ndarray
+    count: int
+
+    def args(self) -> tuple:
+        return (self.radii, self.scale, self.lv_lo, self.lv_hi, self.offsets, self.lead2, self.leadf, self.half,
+                self.parity, self.orbit_off, self.mult, self.nsign)
+
+
+@lru_cache(maxsize=16)
+def shell_tables(levels: ShellLevels) -> ShellTables:
+    """The kernels' arrays of `levels` (cached per levels)."""
+    lead2, half, parity, orbit_off, mult, nsign = [], [], [], [], [], []
+    lv_lo, lv_hi, offsets, scale = [], [], [], []
+    offset = 0
+    for m in levels.shells:
+        lv_lo.append(len(lead2))
+        offsets.append(offset)
+        if m == 0:
+            lv_hi.append(len(lead2))
+            scale.append(0.0)
+            offset += 1
+            continue
+        li, lh, par = shell_leaders(m)
+        inner = 0
+        for leader, is_half, p in [(lv, False, 0) for lv in li] + [(lv, True, int(q)) for lv, q in zip(lh, par)]:
+            perms = orbit_size(leader, is_half) // (2 ** (BLOCK - 1) if is_half else 2 ** int((leader != 0).sum()))
+            lead2.append(np.rint(2 * leader).astype(np.int64))
+            half.append(is_half)
+            parity.append(p)
+            orbit_off.append(inner)
+            mult.append(perms)
+            nsign.append(2 ** (BLOCK - 1) if is_half else 2 ** int((leader != 0).sum()))
+            inner += perms * nsign[-1]
+        if inner != shell_size(m):
+            raise AssertionError(f"shell {m}: orbits hold {inner} points, expected {shell_size(m)}")
+        lv_hi.append(len(lead2))
+        scale.append(1.0 / (2.0 * math.sqrt(2.0 * m)))
+        offset += inner
+
+    def arr(values, dtype):
+        return np.ascontiguousarray(np.array(values, dtype=dtype))
+
+    lead2 = arr(lead2, np.int64).reshape(-1, BLOCK)
+    return ShellTables(arr(levels.radii, np.float64), arr(scale, np.float64), arr(lv_lo, np.int64),
+                       arr(lv_hi, np.int64), arr(offsets, np.int64), lead2, arr(lead2, np.float64),
+                       arr(half, np.bool_), arr(parity, np.int64), arr(orbit_off, np.int64), arr(mult, np.int64),
+                       arr(nsign, np.int64), offset)
+
+
+# --------------------------------------------------------------------------- kernels (numba)
+def _distinct_py(leader2, vals, cnt):
+    """The distinct values of a (non-increasing) leader [8] into vals, their multiplicities into cnt
+    (both int64 [8]); returns how many."""
+    for k in range(8):
+        cnt[k] = 0
+    nd = 0
+    for k in range(8):
+        if nd == 0 or vals[nd - 1] != leader2[k]:
+            vals[nd] = leader2[k]
+            nd += 1
+        cnt[nd - 1] += 1
+    return nd
+
+
+_distinct = None  # the compiled _distinct_py, bound by _kernels() before the kernels that call it compile
+
+
+def _search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf, half, parity, orbit_off, mult, nsign,
+               index, level, start, stop):
+    """Blocks [start, stop) of y_all [n, 8] (float32 or float64) -> index [n], level [n] (int64)."""
+    n_lv = radii.shape[0]
+    a = np.empty(8)
+    p = np.empty(8, np.int64)
+    y = np.empty(8)
+    w = np.empty(8, np.int64)
+    cnt = np.zeros(8, np.int64)
+    vals = np.empty(8, np.int64)
+    for b in range(start, stop):
+        rho2 = 0.0
+        neg = 0
+        for i in range(8):
+            y[i] = y_all[b, i]
+            rho2 += y[i] * y[i]
+            if y[i] < 0:
+                neg += 1
+        negpar = neg & 1
+        rho = math.sqrt(rho2)
+        for i in range(8):  # stable insertion sort of |y|, descending, with positions
+            v = abs(y[i])
+            j = i
+            while j > 0 and a[j - 1] < v:
+                a[j] = a[j - 1]
+                p[j] = p[j - 1]
+                j -= 1
+            a[j] = v
+            p[j] = i
+        hi = np.searchsorted(radii, rho)
+        lo = hi - 1
+        best = np.inf
+        best_lv = n_lv
+        best_j = -1
+        while True:
+            dlo = (rho - radii[lo]) ** 2 if lo >= 0 else np.inf
+            dhi = (rho - radii[hi]) ** 2 if hi < n_lv else np.inf
+            if min(dlo, dhi) > best + 1e-10:  # TIE: a tied level further out is still visited
+                break
+            if dlo <= dhi:
+                g = lo
+                lo -= 1
+            else:
+                g = hi
+                hi += 1
+            if lv_hi[g] == lv_lo[g]:
+                d = rho2
+                jb = -1
+            else:
+                top = -np.inf
+                jb = -1
+                for j in range(lv_lo[g], lv_hi[g]):
+                    ip = 0.0
+                    for k in range(8):
+                        ip += a[k] * leadf[j, k]
+                    if half[j] and parity[j] != negpar:
+                        ip -= 2.0 * a[7] * leadf[j, 7]
+                    if ip > top + 1e-11:  # _TIE_IP: the lower leader keeps a tie
+                        top = ip
+                        jb = j
+                r = radii[g]
+                d = rho2 - 2.0 * r * top * scale[g] + r * r
+            if d < best - 1e-10 or (d <= best + 1e-10 and g < best_lv):
+                best = d
+                best_lv = g
+                best_j = jb
+        level[b] = best_lv
+        if best_j < 0:
+            index[b] = offsets[best_lv]
+            continue
+        j = best_j
+        for k in range(8):
+            w[p[k]] = lead2[j, k]
+        # multiset-permutation rank of w (distinct values in the leader's descending order)
+        rank = 0
+        total = mult[j]
+        _distinct(lead2[j], vals, cnt)
+        for i in range(8):
+            rem = 8 - i
+            t = 0
+            while vals[t] != w[i]:
+                if cnt[t] > 0:
+                    rank += total * cnt[t] // rem
+                t += 1
+            total = total * cnt[t] // rem
+            cnt[t] -= 1
+        sign = 0
+        if half[j]:
+            flip = -1
+            if parity[j] != negpar:
+                # flip one of the equally cheap positions (|y| = min |y| and the leader's smallest value there,
+                # any |y| = 0): the one giving the smallest sign word (bits of positions 0..6)
+                neg_hi = -1
+                pos_lo = 7
+                has7 = False
+                for k in range(8):
+                    if a[k] == a[7] and (a[7] == 0.0 or lead2[j, k] == lead2[j, 7]):
+                        i = p[k]
+                        if i == 7:
+                            has7 = True
+                        elif y[i] < 0:
+                            neg_hi = max(neg_hi, i)
+                        else:
+                            pos_lo = min(pos_lo, i)
+                if neg_hi >= 0:
+                    flip = neg_hi        # clears the highest such bit
+                elif has7:
+                    flip = 7             # the 8th sign is not stored: the word stays
+                else:
+                    flip = pos_lo        # sets the lowest bit
+            for i in range(7):
+                s = 1 if y[i] < 0 else 0
+                if i == flip:
+                    s ^= 1
+                sign |= s << i
+        else:
+            bit = 0
+            for i in range(8):
+                if w[i] != 0:
+                    if y[i] < 0:
+                        sign |= 1 << bit
+                    bit += 1
+        index[b] = offsets[best_lv] + orbit_off[j] + rank * nsign[j] + sign
+    return 0
+
+
+def _unrank_py(index, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf, half, parity, orbit_off, mult, nsign,
+               out, start, stop):
+    """index [n] (each in [0, count)) -> the points out [n, 8] float64 (the inverse of the numbering)."""
+    w = np.empty(8, np.int64)
+    cnt = np.zeros(8, np.int64)
+    vals = np.empty(8, np.int64)
+    for b in range(start, stop):
+        idx = index[b]
+        g = np.searchsorted(offsets, idx, side="right") - 1
+        if lv_hi[g] == lv_lo[g]:
+            for i in range(8):
+                out[b, i] = 0.0
+            continue
+        rest = idx - offsets[g]
+        j = lv_lo[g] + np.searchsorted(orbit_off[lv_lo[g]:lv_hi[g]], rest, side="right") - 1  # its leader
+        rest -= orbit_off[j]
+        rank = rest // nsign[j]
+        sign = rest % nsign[j]
+        nd = _distinct(lead2[j], vals, cnt)
+        total = mult[j]
+        for i in range(8):
+            rem = 8 - i
+            for t in range(nd):
+                if cnt[t] == 0:
+                    continue
+                block = total * cnt[t] // rem
+                if rank < block:
+                    w[i] = vals[t]
+                    total = block
+                    cnt[t] -= 1
+                    break
+                rank -= block
+        s_g = radii[g] * scale[g]
+        if half[j]:
+            negs = 0
+            for i in range(7):
+                s = (sign >> i) & 1
+                negs += s
+                out[b, i] = -w[i] * s_g if s else w[i] * s_g
+            last = (parity[j] - negs) % 2
+            out[b, 7] = -w[7] * s_g if last else w[7] * s_g
+        else:
+            bit = 0
+            for i in range(8):
+                v = w[i] * s_g
+                if w[i] != 0:
+                    if (sign >> bit) & 1:
+                        v = -v
+                    bit += 1
+                out[b, i] = v
+    return 0
+
+
+def _kernels():
+    global _KERNELS
+    if _KERNELS is None:
+        with _LOCK:
+            if _KERNELS is None:
+                if not numba_available():
+                    raise RuntimeError("E8 shell codes need numba (a fibquant dependency), which does not import")
+                import numba
+
+                global _distinct
+                _distinct = numba.njit(nogil=True, cache=True)(_distinct_py)
+                _KERNELS = (numba.njit(nogil=True, cache=True)(_search_py),
+                            numba.njit(nogil=True, cache=True)(_unrank_py))
+    return _KERNELS
+
+
+def shell_search(blocks: np.ndarray, tables: ShellTables) -> tuple[np.ndarray, np.ndarray]:
+    """blocks float32/float64 [n, 8] (finite) -> (index int64 [n], level int64 [n]): the nearest point of
+    the code, the lowest index among ties (= `exhaustive_search`'s)."""
+    blocks = np.ascontiguousarray(blocks)
+    if blocks.ndim != 2 or blocks.shape[1] != BLOCK or blocks.dtype not in (np.float32, np.float64):
+        raise ValueError(f"blocks must be float32/float64 [n, {BLOCK}], got {blocks.dtype} {blocks.shape}")
+    n = blocks.shape[0]
+    index = np.empty(n, np.int64)
+    level = np.empty(n, np.int64)
+    search, _ = _kernels()
+    run_split(search, (blocks, *tables.args(), index, level), n, 64, _MIN_BLOCKS_PER_THREAD, "fibquant-e8shell")
+    return index, level
+
+
+def unrank(index: np.ndarray, tables: ShellTables) -> np.ndarray:
+    """index int64 [n] -> points float64 [n, 8] (ValueError for an index outside [0, count))."""
+    index = np.ascontiguousarray(index, dtype=np.int64)
+    if index.ndim != 1:
+        raise ValueError(f"index must be 1-d, got shape {index.shape}")
+    if index.size and (int(index.min()) < 0 or int(index.max()) >= tables.count):
+        raise ValueError(f"E8 shell index out of range [0, {tables.count})")
+    out = np.empty((index.shape[0], BLOCK))
+    _, kernel = _kernels()
+    run_split(kernel, (index, *tables.args(), out), index.shape[0], 16, _MIN_BLOCKS_PER_THREAD, "fibquant-e8shell")
+    return out
+
+
+# --------------------------------------------------------------------------- the reference
+def codebook_points(levels: ShellLevels, limit: int = 1 << 20) -> np.ndarray:
+    """Every point of the code in index order, float64 [count, 8] (small codes: count <= limit)."""
+    tables = shell_tables(levels)
+    if tables.count > limit:
+        raise ValueError(f"{tables.count} points: too many to materialise (limit {limit})")
+    return unrank(np.arange(tables.count, dtype=np.int64), tables)
+
+
+def exhaustive_search(blocks: np.ndarray, points: np.ndarray, chunk: int = 256) -> np.ndarray:
+    """The spec: blocks [n, 8] -> int64 [n], per block the lowest index among the points [N, 8] whose
+    squared distance (float64) is within TIE of the smallest."""
+    y = np.asarray(blocks, dtype=np.float64)
+    out = np.empty(len(y), np.int64)
+    for at in range(0, len(y), chunk):
+        d = ((y[at:at + chunk, None, :] - points[None, :, :]) ** 2).sum(-1)
+        near = d <= d.min(1, keepdims=True) + TIE
+        out[at:at + chunk] = near.argmax(1)
+    return out
