@@ -80,7 +80,7 @@ def test_earlier_cache_names_still_parse_with_a_warning(old, new):
 
 def test_our_caches_come_from_the_codec_registry():
     # Registered codecs built from a bit count are ours; calibrated ones and the fp reference are not.
-    assert our_families() == ("fibquant", "fibrvq", "turboquant", "int")
+    assert our_families() == ("fibquant", "fibrvq", "e8shell", "turboquant", "int")
     spec = parse_cache_name("int:b=4@decode")
     assert (spec.kind, spec.family, spec.bits, spec.attention) == ("compressed", "int", 4, "decode")
     assert spec.label == "INT 4b (decode)" and parse_cache_name("fibquant:b=4").label == "FibQuant 4b (codes)"
