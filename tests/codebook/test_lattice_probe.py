@@ -3,31 +3,16 @@ against exhaustive searches over materialised shells and codebooks (the register
 index and unrank: tests/codebook/test_e8shell.py)."""
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
-
-
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def _load(name: str):
-    if str(BENCHMARKS) not in sys.path:
-        sys.path.insert(0, str(BENCHMARKS))
-    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(name, module)
-    spec.loader.exec_module(module)
-    return sys.modules[name]
+from _benchmarks import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def probe():
-    return _load("lattice_probe")
+    return load_benchmark("lattice_probe")
 
 
 def _codebook(probe, shells, radii) -> np.ndarray:

@@ -1,22 +1,18 @@
 """benchmarks/vllm_parity.py's comparison of two engines' per-span NLLs, without an engine (no vLLM needed)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
 
 import pytest
+from _benchmarks import load_benchmark
 
-BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "vllm_parity.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("_vllm_parity_benchmark", BENCHMARK)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("vllm_parity")
 
 
 def _run(engine, dtype, base, coded, offsets=(10, 20), recent=32):

@@ -2,26 +2,21 @@
 without starting an engine (no vLLM needed)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-from pathlib import Path
 
 import pytest
+from _benchmarks import load_benchmark
 
 from fibquant.integrations.vllm.engine import step_summary
 
-BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "vllm_serving.py"
 # SmolLM2-135M's attention shape (its config.json): 30 layers, 9 query heads, 3 KV heads of 64.
 SMOLLM2 = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576}
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("_vllm_serving_benchmark", BENCHMARK)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("vllm_serving")
 
 
 @pytest.fixture
