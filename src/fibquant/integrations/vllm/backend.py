@@ -341,8 +341,7 @@ class FibQuantAttentionImpl(AttentionImpl):
         (the codes of `encode(torch.cat([keys, values]))`; FibQuant widens bf16 parts straight into its
         float32 working block: no concatenated copy, no separate conversion or finiteness pass)."""
         if self.key_codec is self.value_codec:
-            key_codes, value_codes = self.key_codec.encode_parts([keys, values])
-            return key_codes, value_codes
+            return tuple(self.key_codec.encode_parts([keys, values]))
         return self.key_codec.encode(keys), self.value_codec.encode(values)
 
     def _context_codes(self, pages: torch.Tensor, tables: torch.Tensor, stops: list[int]):

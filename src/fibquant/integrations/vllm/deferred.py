@@ -37,15 +37,10 @@ class DeferredCodes:
         """Forwards held (each one add)."""
         return len(self._held)
 
-    def add(self, keys: torch.Tensor, values: torch.Tensor, slots: np.ndarray, copy: bool = True) -> bool:
-        """Hold one forward's decode tokens: keys / values [N, Hk, D] (copied: vLLM reuses its buffers;
-        `copy=False` for tensors, and an int64 slots array, the caller already owns and never writes
-        again), page slots int64 [N]. Returns True when `steps` forwards are held (the caller takes them)."""
-        if copy:
-            keys, values = keys.clone(), values.clone()
-        if copy or not isinstance(slots, np.ndarray) or slots.dtype != np.int64:
-            slots = np.array(slots, dtype=np.int64)
-        self._held.append((keys, values, slots, None))
+    def add(self, keys: torch.Tensor, values: torch.Tensor, slots: np.ndarray) -> bool:
+        """Hold one forward's decode tokens: keys / values [N, Hk, D] (copied: vLLM reuses its buffers),
+        page slots int64 [N]. Returns True when `steps` forwards are held (the caller takes them)."""
+        self._held.append((keys.clone(), values.clone(), np.array(slots, dtype=np.int64), None))
         return len(self._held) >= self.steps
 
     def add_host(self, keys: np.ndarray, values: np.ndarray, slots: np.ndarray, dtype: torch.dtype) -> bool:

@@ -254,15 +254,10 @@ class ExactWindow:
         keys, values = self._host_slabs()
         return keys[:, :, :n], values[:, :, :n]
 
-    def rows(self, keys_of: list[int], pasts: list[int]) -> list[int] | None:
-        """`row` of each (key, past), or None when any of them has no whole entry."""
-        entries = self.entries(keys_of, pasts)
-        return None if entries is None else [entry[0] for entry in entries]
-
     def entries(self, keys_of: list[int], pasts: list[int]) -> list[list] | None:
         """The entry (live, else a snapshot; [slab row, recorded up to]) holding every window position of
-        each (key, past), or None when any of them has none: what `rows` reads, kept by a decode step
-        for `record_decode`."""
+        each (key, past), or None when any of them has none (their slab rows are entry[0]), kept by a
+        decode step for `record_decode`."""
         if self.size == 0:
             return None
         found = []
