@@ -50,7 +50,8 @@ from .search import DEFAULT_CHUNK_ELEMENTS, nearest_codeword_reference
 TREE_MAX_K = 4        # k-d tree pruning pays up to here (k = 8, N = 256: the full scan is ~4x faster)
 TREE_LEAF = 8         # codewords per tree leaf
 # k -> (grid cells per axis, largest N): the grid's tables cost cells^k * N to build (k = 4, N = 256:
-# 0.35 s, 1.8 us per vector against 6 for the tree; N = 1024 would take 4x longer and ~1 GB).
+# 2.4-4.7 s measured 2026-12-03, then ~1 us per vector against 6 for the tree; N = 1024 would take 4x
+# longer and ~1 GB).
 GRID = {2: (GRID_CELLS[2], 1024), 3: (GRID_CELLS[3], 1024), 4: (12, 256)}
 MATMUL_MIN_BLOCKS = 256  # "brute": from this many blocks a BLAS matmul screens (a numba loop below)
 SCAN_MAX_K = 8           # up to this k the full scan's float32 screen runs in one kernel (`scan`), any batch size
