@@ -62,6 +62,7 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     blocks = -(-tokens // SCRATCH_BLOCK)
     # vLLM's layout: [blocks, Hk, 2 * block, D], keys in the first half of each block's rows, values in the second
     scratch = torch.empty(blocks, kv_heads, 2 * SCRATCH_BLOCK, dim, dtype=query.dtype)
+    scratch[-1].zero_()  # the kernel reads the last block's unused slots too (masked: they must not be NaN)
     key_cache, value_cache = scratch.chunk(2, dim=2)
     ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, torch.arange(tokens), isa)
     starts = torch.tensor([0, tokens], dtype=torch.int32)
