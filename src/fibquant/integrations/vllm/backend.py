@@ -24,7 +24,8 @@ Decode requests of a step attend in one call per layer (per exact-window size: o
 state). On CPU pages that is the paged numba kernel (`fibquant.kv.attention.paged`,
 `PAGED_NUMBA_DECODE`): each sequence's codes read in place through its block-table row, for exactly
 its own coded range, no gathered copy, no padding. With a soft-cap (or the switch off) they take the
-gathered path, padded to the longest context and masked. Prefill chunks take the gathered path.
+gathered path, padded to the longest context and masked. Prefill chunks take the gathered path; a
+first chunk (nothing before it) is plain causal attention, run by vLLM's own CPU kernel (`chunk`).
 
 On CUDA (when triton imports; `PAGED_CODED_BACKEND`) the coded tokens go through the paged fused
 kernel instead (`fibquant.kv.attention.kernels.coded_decode_attention_paged`): it reads each request's
