@@ -313,6 +313,74 @@ def test_paged_kernel_path_equals_decoded_reference(monkeypatch, spec, sink_toke
         assert calls and set(calls) == {"triton"} and gathers == []
 
 
+@needs_vllm
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_chunk_kernel_equals_sdpa(dtype):
+    """`chunk.causal_attention` (vLLM's CPU attention kernel over a scratch page set) is causal attention:
+    equal to SDPA within the dtype's rounding, for a chunk spanning several scratch blocks, a query
+    that is a strided view (as vLLM's split of one qkv tensor hands it) and GQA; bad shapes refused."""
+    import torch
+
+    from fibquant.integrations.vllm import chunk
+
+    dtype = getattr(torch, dtype)
+    if not chunk.available(dtype, 64):
+        pytest.skip(f"vLLM's CPU attention kernel is not built here for {dtype}")
+    torch.manual_seed(0)
+    tokens, heads, kv_heads, dim = chunk.SCRATCH_BLOCK * 2 + 37, 6, 2, 64
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim).to(dtype)
+    query, key, value = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    query, key, value = (t.reshape(tokens, -1, dim) for t in (query, key, value))
+    assert not query.is_contiguous()
+    out = chunk.causal_attention(query, key, value, 0.125)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        *(t.float().transpose(0, 1)[None] for t in (query, key, value)), is_causal=True, scale=0.125,
+        enable_gqa=True)[0].transpose(0, 1)
+    tolerance = {torch.bfloat16: 2e-2, torch.float16: 2e-3}.get(dtype, 1e-5)
+    assert out.dtype == dtype and out.shape == (tokens, heads, dim)
+    torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=tolerance)
+    with pytest.raises(ValueError, match="bad shapes"):
+        chunk.causal_attention(query, key[:-1], value, 0.125)
+    assert not chunk.available(dtype, 48)  # a head size vLLM's CPU kernel does not take
+
+
+@needs_vllm
+@pytest.mark.parametrize("kernel", [True, False])
+def test_first_prefill_chunks_attend_causally(monkeypatch, kernel):
+    """A forward of first prefill chunks (nothing before them) in a bf16 model: each request's output
+    is causal attention over its own tokens (within bf16 rounding of float32 SDPA), through vLLM's CPU
+    kernel (`chunk`, once per request) with CHUNK_KERNEL on, through SDPA with it off."""
+    import torch
+
+    from fibquant.integrations.vllm import backend, chunk
+
+    monkeypatch.setattr(backend, "CHUNK_KERNEL", kernel)
+    calls = []
+    real = chunk.causal_attention
+    monkeypatch.setattr(chunk, "causal_attention", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    monkeypatch.setenv(ENV_VAR, "fibquant:b=2")
+    heads, kv_heads, dim, block = 4, 2, 64, 16
+    impl = backend.FibQuantAttentionImpl(heads, dim, dim ** -0.5, kv_heads)
+    slot = VllmCacheConfig.parse("fibquant:b=2").slot_bytes(dim)
+    kv_cache = torch.zeros(24, block, kv_heads, slot // 2, dtype=torch.bfloat16).transpose(1, 2)
+    lengths = [150, 37]
+    tables = torch.arange(24, dtype=torch.int32).view(2, 12)
+    mapping = torch.tensor([int(tables[r, p // block]) * block + p % block for r in range(2) for p in range(lengths[r])])
+    count = sum(lengths)
+    torch.manual_seed(0)
+    query, key, value = (torch.randn(count, h * dim).bfloat16() for h in (heads, kv_heads, kv_heads))
+    meta = backend.FibQuantMetadata(count, [0, lengths[0], count], lengths, tables, mapping)
+    out = impl.forward(None, query, key, value, kv_cache, meta, torch.empty(count, heads * dim, dtype=torch.bfloat16))
+    start = 0
+    for n in lengths:
+        q, k, v = (t[start:start + n].float().reshape(n, -1, dim).transpose(0, 1)[None] for t in (query, key, value))
+        expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=dim ** -0.5,
+                                                                    enable_gqa=True)[0].transpose(0, 1)
+        torch.testing.assert_close(out[start:start + n].float(), expected.reshape(n, -1), rtol=2e-2, atol=2e-2)
+        start += n
+    assert calls == (lengths if kernel and chunk.available(torch.bfloat16, dim) else [])
+
+
 def _check_paged_scenario(monkeypatch, spec, sink_tokens, token_major, extras, recent=0):
     import torch
 

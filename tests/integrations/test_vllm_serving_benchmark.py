@@ -90,3 +90,23 @@ def test_step_summary_counts_decode_only_steps_by_batch():
     assert summary["decode_s"] == pytest.approx(0.35) and summary["decode_cpu_s"] == pytest.approx(0.21)
     assert summary["decode_by_batch"] == {"4": [2, pytest.approx(0.3), pytest.approx(0.17)], "2": [1, 0.05, 0.04]}
     assert step_summary([])["max_batch"] == 0
+
+
+def test_throughput_warms_up_every_timed_shape_first():
+    """`_throughput` (the same code for bf16 and every FibQuant cache: it is never told which) runs each
+    shape it times, one prompt and the whole batch, once untimed before any timed call."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (run `make test-vllm`)")
+    from types import SimpleNamespace
+
+    from fibquant.integrations.vllm import engine
+
+    calls = []
+
+    class Engine:
+        def generate(self, prompts, params, use_tqdm=True):
+            calls.append((len(prompts), params.max_tokens))
+            return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[0] * params.max_tokens)]) for _ in prompts]
+
+    result = engine._throughput(Engine(), {"prompt_token_ids": [[1, 2, 3]] * 4, "max_tokens": 64})
+    assert calls == [(1, 4), (4, 4), (1, 1), (4, 1), (4, 64)]  # warm-up: one prompt, the batch; then timed
+    assert result["generated"] == 4 * 64
