@@ -2,12 +2,15 @@
 
 Usage: .venv/bin/python benchmarks/decode_step_interleaved.py [--contexts 1024 2048 4096 8192]
        [--bits 4 2] [--steps 24] [--text emma] [--out results/] [--codecs fibrvq:b=2 ...] [--repeats 1]
+       [--compare e8shell:b=2/fibquant:b=2 ...]
 
 A shorthand for the decode part of `fibquant eval decode-speed` (`fibquant.eval.decode_speed`,
 whose decode steps are interleaved: every cache takes one greedy step per round, so all caches
 see the same machine state): caches fp + fibquant:b=B for each --bits + the --codecs specs,
 --steps rounds, 1 torch thread. --repeats N runs it N times (results/decode_speed_interleaved_<i>.json)
-and prints the spread of each ratio over the runs.
+and prints the spread of each ratio over the runs. --compare A/B prints, per context and run, cache A's
+step against cache B's of the same run: the ratio of the median steps (wall, CPU) and the paired ratio
+(median over the rounds of A's step / B's step in the same round, wall and CPU).
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import statistics
 import sys
 
 from fibquant.cli import main as cli_main
+from fibquant.eval.decode_speed.steps import paired_ratio
 from fibquant.paths import results_dir
 
 RATIOS = {"decode_vs_dynamic": "wall", "decode_cpu_vs_dynamic": "CPU", "decode_paired_vs_dynamic": "paired",
@@ -32,7 +36,12 @@ def main() -> int:
     parser.add_argument("--text", default="emma")
     parser.add_argument("--out", default=None)
     parser.add_argument("--repeats", type=int, default=1, help="whole runs, one after another")
+    parser.add_argument("--compare", nargs="*", default=[], metavar="A/B",
+                        help="cache A's step against cache B's of the same run, e.g. e8shell:b=2/fibquant:b=2")
     args = parser.parse_args()
+    pairs = [tuple(text.split("/", 1)) for text in args.compare]
+    if any(len(pair) != 2 for pair in pairs):
+        parser.error("--compare takes A/B pairs of cache specs")
     caches = ["fp", *(f"fibquant:b={b:g}" for b in args.bits), *args.codecs]
     out = results_dir(args.out)
     runs = []
@@ -44,6 +53,22 @@ def main() -> int:
         if code:
             return code
         runs.append(json.loads((out / stem / "decode_speed.json").read_text()))
+    if pairs:
+        print("\nstep of A / step of B (same run): median steps wall, CPU; paired wall, CPU; mean steps wall")
+        for index, run in enumerate(runs):
+            rows = {(r["tokens"], r["cache"]): r for r in run["rows"]}
+            for tokens in sorted({r["tokens"] for r in run["rows"]}):
+                for a, b in pairs:
+                    ra, rb = rows.get((tokens, a)), rows.get((tokens, b))
+                    if ra is None or rb is None:
+                        print(f"run {index} {tokens:>6} {a} / {b}: missing")
+                        continue
+                    cells = [ra["decode_ms_median"] / rb["decode_ms_median"],
+                             ra["decode_cpu_ms_median"] / rb["decode_cpu_ms_median"],
+                             paired_ratio(ra["step_ms"], rb["step_ms"]), paired_ratio(ra["step_cpu_ms"], rb["step_cpu_ms"]),
+                             ra["decode_ms_mean"] / rb["decode_ms_mean"]]
+                    print(f"run {index} {tokens:>6} {a} / {b}: " + " ".join(f"{c:.3f}" for c in cells)
+                          + f"  ({ra['decode_ms_median']:.1f} / {rb['decode_ms_median']:.1f} ms)")
     if args.repeats > 1:
         print(f"\nspread over {args.repeats} runs (min / median / max):")
         keys = sorted({(r["tokens"], r["cache"]) for run in runs for r in run["rows"] if r["kind"] != "dynamic"})
