@@ -463,9 +463,7 @@ class ShellPointTables:
     comps uint32 [E] (bits 21 - 3 k .. 23 - 3 k: the slot (distinct value) at position k, ranks in
     lexicographic order; bits 24..31: lastmask, the positions holding the last slot);
     signs uint8 [258, 256] (rows 0..255: the sign bits spread over the set bits of the row number in
-    position order; rows 256 + p: bits 0..6 as stored, bit 7 the parity p's last sign);
-    points float32 [count, 8]: every point, materialised for codes of at most MATERIALISE points (2 bits:
-    2 MB, one row read per block instead of four dependent table reads), else [0, 8]."""
+    position order; rows 256 + p: bits 0..6 as stored, bit 7 the parity p's last sign)."""
 
     start: np.ndarray
     bucket: np.ndarray
@@ -477,7 +475,6 @@ class ShellPointTables:
     comps: np.ndarray
     signs: np.ndarray
     count: int
-    points: np.ndarray
 
     def args(self) -> tuple:
         return (self.start, self.bucket, self.bshift, self.sh, self.comp_off, self.row, self.vals, self.comps,
@@ -485,11 +482,10 @@ class ShellPointTables:
 
     @property
     def nbytes(self) -> int:
-        return self.points.nbytes + sum(a.nbytes for a in self.args() if isinstance(a, np.ndarray))
+        return sum(a.nbytes for a in self.args() if isinstance(a, np.ndarray))
 
 
 _PERMUTATIONS = None
-MATERIALISE = 1 << 16  # codes of at most this many points keep every point (float32: 2 MB at 2^16)
 
 
 def _composition_words(counts: tuple[int, ...]) -> np.ndarray:
@@ -560,11 +556,9 @@ def point_tables(levels: ShellLevels) -> ShellPointTables:
     def arr(values, dtype):
         return np.ascontiguousarray(np.array(values, dtype=dtype))
 
-    points = unrank(np.arange(t.count, dtype=np.int64), t) if t.count <= MATERIALISE else np.empty((0, BLOCK))
     return ShellPointTables(arr(starts, np.int64), arr(bucket, np.int16), bshift, arr(sh, np.int64),
                             arr(comp_off, np.int64), arr(row, np.int64), arr(np.stack(vals), np.float32),
-                            arr(np.concatenate(comps), np.uint32), arr(_sign_rows(), np.uint8), t.count,
-                            arr(points, np.float32))
+                            arr(np.concatenate(comps), np.uint32), arr(_sign_rows(), np.uint8), t.count)
 
 
 def point_py(idx, start, bucket, bshift, sh, comp_off, row, vals, comps, signs, out, o):
@@ -595,8 +589,8 @@ _DECODE_POINTS = None
 
 
 def decode_points(index: np.ndarray, tables: ShellPointTables) -> np.ndarray:
-    """index int64 [n] (each in [0, count)) -> float32 [n, 8] through the decomposed tables (`point_py`, never
-    `points`): equal to unrank(index).astype(float32) (ValueError for an index outside [0, count))."""
+    """index int64 [n] (each in [0, count)) -> float32 [n, 8] through the decomposed tables (`point_py`):
+    equal to unrank(index).astype(float32) (ValueError for an index outside [0, count))."""
     global _point, _DECODE_POINTS
     index = np.ascontiguousarray(index, dtype=np.int64)
     if index.ndim != 1:

@@ -44,12 +44,11 @@ def _block_index_py(rows, i, blk, nbytes):
 
 
 def _code_scores_py(rows, rq, groups, norms, coded, u, nbytes, count, start, bucket, bshift, sh, comp_off, row,
-                    vals, comps, points, signs):
+                    vals, comps, signs):
     """coded[t, i] = norms[i] * (rq[t] . u_hat_i) for every code row i (u: float32 scratch [dim]); returns the
     count of indices >= count (decoded as index 0)."""
     n_tokens = rows.shape[0]
     dim = rq.shape[1]
-    full = points.shape[0] > 0
     bad = 0
     for i in range(n_tokens):
         for blk in range(dim // 8):
@@ -57,11 +56,7 @@ def _code_scores_py(rows, rq, groups, norms, coded, u, nbytes, count, start, buc
             if idx >= count:
                 bad += 1
                 idx = 0
-            if full:  # the materialised points (2 bits): one row
-                for k in range(8):
-                    u[blk * 8 + k] = points[idx, k]
-            else:
-                _point(idx, start, bucket, bshift, sh, comp_off, row, vals, comps, signs, u, blk * 8)
+            _point(idx, start, bucket, bshift, sh, comp_off, row, vals, comps, signs, u, blk * 8)
         nu = norms[i]
         for t in range(groups):
             s = np.float32(0.0)
@@ -72,12 +67,11 @@ def _code_scores_py(rows, rq, groups, norms, coded, u, nbytes, count, start, buc
 
 
 def _code_values_py(rows, weights, groups, norms, acc, u, nbytes, count, start, bucket, bshift, sh, comp_off, row,
-                    vals, comps, points, signs):
+                    vals, comps, signs):
     """acc[t] += weights[t, i] * norms[i] * u_hat_i over every code row i (acc [groups, dim] rotated domain);
     returns the count of indices >= count."""
     n_tokens = rows.shape[0]
     dim = acc.shape[1]
-    full = points.shape[0] > 0
     bad = 0
     for i in range(n_tokens):
         for blk in range(dim // 8):
@@ -85,11 +79,7 @@ def _code_values_py(rows, weights, groups, norms, acc, u, nbytes, count, start, 
             if idx >= count:
                 bad += 1
                 idx = 0
-            if full:  # the materialised points (2 bits): one row
-                for k in range(8):
-                    u[blk * 8 + k] = points[idx, k]
-            else:
-                _point(idx, start, bucket, bshift, sh, comp_off, row, vals, comps, signs, u, blk * 8)
+            _point(idx, start, bucket, bshift, sh, comp_off, row, vals, comps, signs, u, blk * 8)
         nu = norms[i]
         for t in range(groups):
             w = weights[t, i] * nu
@@ -103,8 +93,7 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_codes, value
                     recent_keys, recent_values, new_keys, new_values, key_mean, value_mean, bias, sinks, out, flags,
                     key_norms, value_norms,
                     k_nbytes, k_count, k_start, k_bucket, k_bshift, k_sh, k_comp_off, k_row, k_vals, k_comps,
-                    k_points, v_nbytes, v_count, v_start, v_bucket, v_bshift, v_sh, v_comp_off, v_row, v_vals, v_comps,
-                    v_points,
+                    v_nbytes, v_count, v_start, v_bucket, v_bshift, v_sh, v_comp_off, v_row, v_vals, v_comps,
                     signs, unit_start, unit_stop):
     """out[b, h*G + t] for units [unit_start, unit_stop) of (b, KV head h), as numba_decode's step, the coded
     columns read from shell codes (k_* / v_*: each role's `ShellPointTables` and index bytes); returns the count
@@ -153,7 +142,7 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_codes, value
                 _norms(key_codes[b, h], norms, ibits)
                 row_norms = norms
             bad += _code_scores(key_codes[b, h], rq, groups, row_norms, coded, u, k_nbytes, k_count, k_start,
-                                k_bucket, k_bshift, k_sh, k_comp_off, k_row, k_vals, k_comps, k_points, signs)
+                                k_bucket, k_bshift, k_sh, k_comp_off, k_row, k_vals, k_comps, signs)
             if has_key_mean:
                 _add_key_mean(coded, groups, n_tokens, scaled, key_mean, b, h, dim)
         # --- exact scores: columns [sinks, recent, new]
@@ -180,7 +169,7 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_codes, value
                 for e in range(value_dim):
                     acc[t, e] = 0.0
             bad += _code_values(value_codes[b, h], coded, groups, row_norms, acc, u, v_nbytes, v_count, v_start,
-                                v_bucket, v_bshift, v_sh, v_comp_off, v_row, v_vals, v_comps, v_points, signs)
+                                v_bucket, v_bshift, v_sh, v_comp_off, v_row, v_vals, v_comps, signs)
             for t in range(groups):  # inverse = forward.T
                 for e in range(value_dim):
                     x = acc[t, e]
@@ -222,12 +211,11 @@ def compile_shell_kernel():
         def jit(*signature, **options):
             return njit_tracking(*signature, depends_on=sources, nogil=True, **options)
 
-        _point, _block_index = jit(inline="always")(e8shell.point_py), jit(inline="always")(_block_index_py)
+        _point, _block_index = jit()(e8shell.point_py), jit()(_block_index_py)
         fast = jit(fastmath={"contract", "reassoc", "nsz"})  # float sums in any order
         _code_scores, _code_values = fast(_code_scores_py), fast(_code_values_py)
         rows4d = "float32[:, :, :, :]"
-        role = ("int64, int64, int64[::1], int16[::1], int64, int64[::1], int64[::1], int64[::1], float32[:, ::1], "
-                "uint32[::1], float32[:, ::1]")
+        role = "int64, int64, int64[::1], int16[::1], int64, int64[::1], int64[::1], int64[::1], float32[:, ::1], uint32[::1]"
         signature = (f"int64(float32[:, :, ::1], float32, float32[:, ::1], float32[:, ::1], uint8[:, :, :, :], "
                      f"uint8[:, :, :, :], {rows4d}, {rows4d}, {rows4d}, {rows4d}, {rows4d}, {rows4d}, "
                      "float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[::1], float32[:, :, ::1], "
@@ -313,8 +301,8 @@ def attend_decode_shells(query: torch.Tensor, kv, bias: torch.Tensor | None, sca
     kt, vt = keys[3], values[3]
     args = (query_np, float(scaling), keys[0], values[1], key_codes, value_codes, sink_k, sink_v, recent_k, recent_v,
             rows32(kv.new_keys), rows32(kv.new_values), key_mean, value_mean, bias_np, sinks_np, out.numpy(), flags,
-            key_norms, value_norms, keys[2], kt.count, *kt.args()[:-1], kt.points, values[2], vt.count,
-            *vt.args()[:-1], vt.points, kt.signs)
+            key_norms, value_norms, keys[2], kt.count, *kt.args()[:-1], values[2], vt.count, *vt.args()[:-1],
+            kt.signs)
     coded = key_codes.shape[2]
     bad = run_split(kernel, args, batch * heads, coded * 2 * query.shape[-1], _MIN_WORK_PER_THREAD,
                     "fibquant-decode-e8")
