@@ -451,41 +451,46 @@ class ShellPointTables:
     decodes with: `point_py`), built from the numbering above. The code's orbits (the origin if it is a
     level, then every leader of every level) are numbered J = 0..; an index of orbit J is
     start[J] + rank * 2^sh[J] + sign, and rank's multiset permutation depends only on the leader's
-    multiplicities (its composition of 8), so one table of slot words per composition serves every leader:
+    multiplicities (its composition of 8), so one table of slot words per composition serves every leader.
+    Sized for a decode step that finds them cold (the model's weights pass through the caches between two
+    layers): one 64-byte record per orbit, a small bucket table.
 
-    start int64 [J + 1] (each orbit's first index; count last); bucket int16 [ceil(count / 2^bshift)]
-    (the last orbit starting at or before q * 2^bshift: at most a few orbits to step over);
-    sh int64 [J] (log2 of the orbit's sign patterns; 0 at the origin); comp_off int64 [J] (the first
-    entry of its composition in comps); row int64 [J] (its row of signs: 256 + parity for a half leader,
-    255 for an integer leader without zeros, -1 with zeros: the row is then the non-zero positions
-    ~lastmask); vals float32 [J, 8] (the leader's distinct values, largest first, times the level's
-    scale r_g / ||s||, rounded once from float64: exactly unrank's float64 values rounded to float32);
-    comps uint32 [E] (bits 21 - 3 k .. 23 - 3 k: the slot (distinct value) at position k, ranks in
-    lexicographic order; bits 24..31: lastmask, the positions holding the last slot);
-    signs uint8 [258, 256] (rows 0..255: the sign bits spread over the set bits of the row number in
-    position order; rows 256 + p: bits 0..6 as stored, bit 7 the parity p's last sign)."""
+    orbits int64 [J, 8], one cache line per orbit: start, the next orbit's start (count after the last),
+    sh | comp_off << 8 | (row + 1) << 40, and in words 3..6 (columns 6..13 of the float32 view `orbit_vals`)
+    the leader's distinct values, largest first, times the level's scale r_g / ||s||, rounded once from
+    float64 (exactly unrank's values rounded to float32). sh: log2 of the orbit's sign patterns (0 at the
+    origin); comp_off: the first entry of its composition in comps; row: its row of signs (256 + parity for
+    a half leader, 255 for an integer leader without zeros, -1 with zeros: the row is then the non-zero
+    positions ~lastmask). bucket int16 [ceil(count / 2^bshift)]: the last orbit starting at or before
+    q * 2^bshift. comps uint32 [E]: bits 21 - 3 k .. 23 - 3 k the slot (distinct value) at position k, ranks in
+    lexicographic order; bits 24..31 lastmask, the positions holding the last slot. signs uint8 [258, 256]:
+    rows 0..255 the sign bits spread over the set bits of the row number in position order; rows 256 + p
+    bits 0..6 as stored, bit 7 the parity p's last sign."""
 
-    start: np.ndarray
+    orbits: np.ndarray
+    orbit_vals: np.ndarray
     bucket: np.ndarray
     bshift: int
-    sh: np.ndarray
-    comp_off: np.ndarray
-    row: np.ndarray
-    vals: np.ndarray
     comps: np.ndarray
     signs: np.ndarray
     count: int
 
     def args(self) -> tuple:
-        return (self.start, self.bucket, self.bshift, self.sh, self.comp_off, self.row, self.vals, self.comps,
-                self.signs)
+        return self.bucket, self.bshift, self.orbits, self.orbit_vals, self.comps, self.signs
+
+    @property
+    def starts(self) -> np.ndarray:
+        """int64 [J + 1]: each orbit's first index, then count."""
+        return np.append(self.orbits[:, 0], self.count)
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.args() if isinstance(a, np.ndarray))
+        return sum(a.nbytes for a in (self.orbits, self.bucket, self.comps, self.signs))
 
 
 _PERMUTATIONS = None
+# log2 of the orbit lookup's buckets: 8 KB of int16, few orbits per bucket (at 4 bits ~2.6 on average)
+BUCKET_BITS = 12
 
 
 def _composition_words(counts: tuple[int, ...]) -> np.ndarray:
@@ -548,39 +553,44 @@ def point_tables(levels: ShellLevels) -> ShellPointTables:
             v[:len(distinct)] = (-distinct).astype(np.float64) * s_g
             vals.append(v)
     start.append(t.count)
-    bshift = max(0, (t.count - 1).bit_length() - 16)
+    bshift = max(0, (t.count - 1).bit_length() - BUCKET_BITS)
     starts = np.array(start, np.int64)
     bucket = (np.searchsorted(starts, np.arange(((t.count - 1) >> bshift) + 1, dtype=np.int64) << bshift,
                               side="right") - 1).astype(np.int16)
+    n = len(sh)
+    raw = np.zeros(n * 8 + 8, np.int64)  # 64-byte aligned records
+    at = (-raw.ctypes.data // 8) % 8
+    orbits = raw[at:at + n * 8].reshape(n, 8)
+    orbits[:, 0], orbits[:, 1] = starts[:-1], starts[1:]
+    orbits[:, 2] = np.array(sh, np.int64) | (np.array(comp_off, np.int64) << 8) | ((np.array(row, np.int64) + 1) << 40)
+    orbit_vals = orbits.view(np.float32)
+    orbit_vals[:, 6:14] = np.stack(vals)
+    return ShellPointTables(orbits, orbit_vals, np.ascontiguousarray(bucket), bshift,
+                            np.ascontiguousarray(np.concatenate(comps), dtype=np.uint32),
+                            np.ascontiguousarray(_sign_rows(), dtype=np.uint8), t.count)
 
-    def arr(values, dtype):
-        return np.ascontiguousarray(np.array(values, dtype=dtype))
 
-    return ShellPointTables(arr(starts, np.int64), arr(bucket, np.int16), bshift, arr(sh, np.int64),
-                            arr(comp_off, np.int64), arr(row, np.int64), arr(np.stack(vals), np.float32),
-                            arr(np.concatenate(comps), np.uint32), arr(_sign_rows(), np.uint8), t.count)
-
-
-def point_py(idx, start, bucket, bshift, sh, comp_off, row, vals, comps, signs, out, o):
+def point_py(idx, bucket, bshift, orbits, orbit_vals, comps, signs, out, o):
     """out[o:o + 8] = the point of index idx (int64 in [0, count)) as float32, through `ShellPointTables`:
     exactly `unrank`'s float64 point rounded to float32 (compiled here and inlined by the attention kernel)."""
     j = np.int64(bucket[idx >> bshift])
-    while start[j + 1] <= idx:
+    while orbits[j, 1] <= idx:
         j += 1
-    rest = idx - start[j]
-    word = np.int64(comps[comp_off[j] + (rest >> sh[j])])
-    r = row[j]
+    rest = idx - orbits[j, 0]
+    packed = orbits[j, 2]
+    sh = packed & 255
+    word = np.int64(comps[((packed >> 8) & 0xFFFFFFFF) + (rest >> sh)])
+    r = ((packed >> 40) & 1023) - 1
     if r < 0:
         r = ~(word >> 24) & 255
-    mask = np.int64(signs[r, rest & ((np.int64(1) << sh[j]) - 1)])
-    for k in range(8):
-        v = vals[j, (word >> (21 - 3 * k)) & 7]
-        out[o + k] = -v if (mask >> k) & 1 else v
+    mask = np.int64(signs[r, rest & ((np.int64(1) << sh) - 1)])
+    for k in range(8):  # the sign as a float factor: no branch on a random bit
+        out[o + k] = orbit_vals[j, 6 + ((word >> (21 - 3 * k)) & 7)] * np.float32(1 - 2 * ((mask >> k) & 1))
 
 
-def _decode_points_py(index, start, bucket, bshift, sh, comp_off, row, vals, comps, signs, out, lo, hi):
+def _decode_points_py(index, bucket, bshift, orbits, orbit_vals, comps, signs, out, lo, hi):
     for b in range(lo, hi):
-        _point(index[b], start, bucket, bshift, sh, comp_off, row, vals, comps, signs, out, b * 8)
+        _point(index[b], bucket, bshift, orbits, orbit_vals, comps, signs, out, b * 8)
     return 0
 
 

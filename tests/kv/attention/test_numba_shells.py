@@ -50,7 +50,7 @@ def test_decoded_blocks_equal_unrank_exactly(bits):
     tables, ptables = shell_tables(levels), point_tables(levels)
     rng = np.random.default_rng(bits)
     index = np.arange(tables.count) if bits == 2 else rng.integers(0, tables.count, 100_000)
-    index = np.concatenate([index, ptables.start[:-1], ptables.start[1:] - 1])
+    index = np.concatenate([index, ptables.starts[:-1], ptables.starts[1:] - 1])
     got = decode_points(index, ptables)
     want = unrank(index, tables).astype(np.float32)
     assert got.dtype == np.float32 and got.shape == want.shape

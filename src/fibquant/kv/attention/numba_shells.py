@@ -43,8 +43,8 @@ def _block_index_py(rows, i, blk, nbytes):
     return idx
 
 
-def _code_scores_py(rows, rq, groups, norms, coded, u, nbytes, count, start, bucket, bshift, sh, comp_off, row,
-                    vals, comps, signs):
+def _code_scores_py(rows, rq, groups, norms, coded, u, nbytes, count, bucket, bshift, orbits, orbit_vals,
+                    comps, signs):
     """coded[t, i] = norms[i] * (rq[t] . u_hat_i) for every code row i (u: float32 scratch [dim]); returns the
     count of indices >= count (decoded as index 0)."""
     n_tokens = rows.shape[0]
@@ -56,7 +56,7 @@ def _code_scores_py(rows, rq, groups, norms, coded, u, nbytes, count, start, buc
             if idx >= count:
                 bad += 1
                 idx = 0
-            _point(idx, start, bucket, bshift, sh, comp_off, row, vals, comps, signs, u, blk * 8)
+            _point(idx, bucket, bshift, orbits, orbit_vals, comps, signs, u, blk * 8)
         nu = norms[i]
         for t in range(groups):
             s = np.float32(0.0)
@@ -66,8 +66,8 @@ def _code_scores_py(rows, rq, groups, norms, coded, u, nbytes, count, start, buc
     return bad
 
 
-def _code_values_py(rows, weights, groups, norms, acc, u, nbytes, count, start, bucket, bshift, sh, comp_off, row,
-                    vals, comps, signs):
+def _code_values_py(rows, weights, groups, norms, acc, u, nbytes, count, bucket, bshift, orbits, orbit_vals,
+                    comps, signs):
     """acc[t] += weights[t, i] * norms[i] * u_hat_i over every code row i (acc [groups, dim] rotated domain);
     returns the count of indices >= count."""
     n_tokens = rows.shape[0]
@@ -79,7 +79,7 @@ def _code_values_py(rows, weights, groups, norms, acc, u, nbytes, count, start, 
             if idx >= count:
                 bad += 1
                 idx = 0
-            _point(idx, start, bucket, bshift, sh, comp_off, row, vals, comps, signs, u, blk * 8)
+            _point(idx, bucket, bshift, orbits, orbit_vals, comps, signs, u, blk * 8)
         nu = norms[i]
         for t in range(groups):
             w = weights[t, i] * nu
@@ -92,8 +92,8 @@ def _code_values_py(rows, weights, groups, norms, acc, u, nbytes, count, start, 
 def _decode_step_py(query, scaling, key_forward, value_inverse, key_codes, value_codes, sink_keys, sink_values,
                     recent_keys, recent_values, new_keys, new_values, key_mean, value_mean, bias, sinks, out, flags,
                     key_norms, value_norms,
-                    k_nbytes, k_count, k_start, k_bucket, k_bshift, k_sh, k_comp_off, k_row, k_vals, k_comps,
-                    v_nbytes, v_count, v_start, v_bucket, v_bshift, v_sh, v_comp_off, v_row, v_vals, v_comps,
+                    k_nbytes, k_count, k_bucket, k_bshift, k_orbits, k_orbit_vals, k_comps,
+                    v_nbytes, v_count, v_bucket, v_bshift, v_orbits, v_orbit_vals, v_comps,
                     signs, unit_start, unit_stop):
     """out[b, h*G + t] for units [unit_start, unit_stop) of (b, KV head h), as numba_decode's step, the coded
     columns read from shell codes (k_* / v_*: each role's `ShellPointTables` and index bytes); returns the count
@@ -141,8 +141,8 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_codes, value
             else:
                 _norms(key_codes[b, h], norms, ibits)
                 row_norms = norms
-            bad += _code_scores(key_codes[b, h], rq, groups, row_norms, coded, u, k_nbytes, k_count, k_start,
-                                k_bucket, k_bshift, k_sh, k_comp_off, k_row, k_vals, k_comps, signs)
+            bad += _code_scores(key_codes[b, h], rq, groups, row_norms, coded, u, k_nbytes, k_count, k_bucket,
+                                k_bshift, k_orbits, k_orbit_vals, k_comps, signs)
             if has_key_mean:
                 _add_key_mean(coded, groups, n_tokens, scaled, key_mean, b, h, dim)
         # --- exact scores: columns [sinks, recent, new]
@@ -168,8 +168,8 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_codes, value
             for t in range(groups):
                 for e in range(value_dim):
                     acc[t, e] = 0.0
-            bad += _code_values(value_codes[b, h], coded, groups, row_norms, acc, u, v_nbytes, v_count, v_start,
-                                v_bucket, v_bshift, v_sh, v_comp_off, v_row, v_vals, v_comps, signs)
+            bad += _code_values(value_codes[b, h], coded, groups, row_norms, acc, u, v_nbytes, v_count, v_bucket,
+                                v_bshift, v_orbits, v_orbit_vals, v_comps, signs)
             for t in range(groups):  # inverse = forward.T
                 for e in range(value_dim):
                     x = acc[t, e]
@@ -215,7 +215,7 @@ def compile_shell_kernel():
         fast = jit(fastmath={"contract", "reassoc", "nsz"})  # float sums in any order
         _code_scores, _code_values = fast(_code_scores_py), fast(_code_values_py)
         rows4d = "float32[:, :, :, :]"
-        role = "int64, int64, int64[::1], int16[::1], int64, int64[::1], int64[::1], int64[::1], float32[:, ::1], uint32[::1]"
+        role = "int64, int64, int16[::1], int64, int64[:, ::1], float32[:, ::1], uint32[::1]"
         signature = (f"int64(float32[:, :, ::1], float32, float32[:, ::1], float32[:, ::1], uint8[:, :, :, :], "
                      f"uint8[:, :, :, :], {rows4d}, {rows4d}, {rows4d}, {rows4d}, {rows4d}, {rows4d}, "
                      "float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[::1], float32[:, :, ::1], "
