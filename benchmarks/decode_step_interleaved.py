@@ -27,6 +27,37 @@ RATIOS = {"decode_vs_dynamic": "wall", "decode_cpu_vs_dynamic": "CPU", "decode_p
           "decode_cpu_paired_vs_dynamic": "CPU paired"}
 
 
+def compare(run: dict, a: str, b: str, tokens: int) -> dict | None:
+    """Cache a's decode step against cache b's in one decode-speed payload at one context: the ratios of the
+    median steps (wall, CPU), the paired ratios (wall, CPU: median over the rounds of a's step / b's step of
+    the same round) and the ratio of the mean steps (which include the steps that encode leaving tokens);
+    None when either row is missing."""
+    rows = {(r["tokens"], r["cache"]): r for r in run["rows"]}
+    ra, rb = rows.get((tokens, a)), rows.get((tokens, b))
+    if ra is None or rb is None:
+        return None
+    return {"median": ra["decode_ms_median"] / rb["decode_ms_median"],
+            "cpu_median": ra["decode_cpu_ms_median"] / rb["decode_cpu_ms_median"],
+            "paired": paired_ratio(ra["step_ms"], rb["step_ms"]),
+            "cpu_paired": paired_ratio(ra["step_cpu_ms"], rb["step_cpu_ms"]),
+            "mean": ra["decode_ms_mean"] / rb["decode_ms_mean"],
+            "a_ms": ra["decode_ms_median"], "b_ms": rb["decode_ms_median"]}
+
+
+def compare_lines(run: dict, pairs: list[tuple[str, str]]) -> list[str]:
+    """One line per context and pair of `compare`."""
+    lines = []
+    for tokens in sorted({r["tokens"] for r in run["rows"]}):
+        for a, b in pairs:
+            c = compare(run, a, b, tokens)
+            if c is None:
+                lines.append(f"{tokens:>6} {a} / {b}: missing")
+                continue
+            cells = " ".join(f"{c[k]:.3f}" for k in ("median", "cpu_median", "paired", "cpu_paired", "mean"))
+            lines.append(f"{tokens:>6} {a} / {b}: {cells}  ({c['a_ms']:.1f} / {c['b_ms']:.1f} ms)")
+    return lines
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
@@ -56,19 +87,8 @@ def main() -> int:
     if pairs:
         print("\nstep of A / step of B (same run): median steps wall, CPU; paired wall, CPU; mean steps wall")
         for index, run in enumerate(runs):
-            rows = {(r["tokens"], r["cache"]): r for r in run["rows"]}
-            for tokens in sorted({r["tokens"] for r in run["rows"]}):
-                for a, b in pairs:
-                    ra, rb = rows.get((tokens, a)), rows.get((tokens, b))
-                    if ra is None or rb is None:
-                        print(f"run {index} {tokens:>6} {a} / {b}: missing")
-                        continue
-                    cells = [ra["decode_ms_median"] / rb["decode_ms_median"],
-                             ra["decode_cpu_ms_median"] / rb["decode_cpu_ms_median"],
-                             paired_ratio(ra["step_ms"], rb["step_ms"]), paired_ratio(ra["step_cpu_ms"], rb["step_cpu_ms"]),
-                             ra["decode_ms_mean"] / rb["decode_ms_mean"]]
-                    print(f"run {index} {tokens:>6} {a} / {b}: " + " ".join(f"{c:.3f}" for c in cells)
-                          + f"  ({ra['decode_ms_median']:.1f} / {rb['decode_ms_median']:.1f} ms)")
+            for line in compare_lines(run, pairs):
+                print(f"run {index} {line}")
     if args.repeats > 1:
         print(f"\nspread over {args.repeats} runs (min / median / max):")
         keys = sorted({(r["tokens"], r["cache"]) for run in runs for r in run["rows"] if r["kind"] != "dynamic"})
