@@ -23,6 +23,10 @@ still reach the best distance (no point of a level is nearer than that); per lev
 product over its leaders (8 multiply-adds each; a half leader whose parity forbids sign(y) loses
 2 min|y| min(leader), the cheapest flip); ties (within TIE) go to the lower leader, then the lower level,
 and a parity flip with several equally cheap positions to the one giving the smallest sign word.
+
+Attention on codes decodes blocks through `point_tables` (`ShellPointTables`, `point_py`: the index's orbit
+record, its composition's slot word, its sign row; no search, no division), which give exactly `unrank`'s
+points rounded to float32 (`decode_points`).
 """
 from __future__ import annotations
 

@@ -189,7 +189,7 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_codes, value
 
 
 def compile_shell_kernel():
-    """The shell-code decode-step dispatcher (numba, disk-cached: `jit.kernel_jit`, keyed also on this file and
+    """The shell-code decode-step dispatcher (numba, disk-cached as `jit.kernel_jit`, keyed also on
     codebook/e8shell.py, whose `point_py` it inlines), after binding numba_decode's helpers."""
     global _KERNEL, _point, _norms, _softmax_row, _add_key_mean, _add_bias, _exact_scores, _exact_values
     global _code_scores, _code_values, _block_index
@@ -206,7 +206,7 @@ def compile_shell_kernel():
         numba_decode.compile_decode_kernel()  # binds its helpers
         for name in ("_norms", "_softmax_row", "_add_key_mean", "_add_bias", "_exact_scores", "_exact_values"):
             globals()[name] = getattr(numba_decode, name)
-        sources = (*KERNEL_SOURCES, Path(__file__).resolve(), Path(e8shell.__file__).resolve())
+        sources = (*KERNEL_SOURCES, Path(e8shell.__file__).resolve())
 
         def jit(*signature, **options):
             return njit_tracking(*signature, depends_on=sources, nogil=True, **options)
