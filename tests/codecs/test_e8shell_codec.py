@@ -109,10 +109,11 @@ def test_bad_configurations_and_codes():
 
 
 @pytest.mark.parametrize("attention", ["decode", "codes"])
-def test_compressed_cache_stores_e8shell_codes(attention):
+def test_compressed_cache_stores_e8shell_codes(attention, monkeypatch):
     """Through `CompressedCache` (head_dim 64): layer 0's stored codes are the codec's codes of the exact keys
-    and values (layer 0 does not depend on the compression), and "codes" attention (the generic decode path:
-    no rotated codebook) gives the logits of "decode" attention."""
+    and values (layer 0 does not depend on the compression), and "codes" attention (a prefill chunk: the codes
+    decoded to floats; one-token steps: kv/attention/numba_shells.py's kernel) gives the logits of "decode"
+    attention."""
     import warnings
 
     from _kv_helpers import tiny_llama
@@ -121,6 +122,11 @@ def test_compressed_cache_stores_e8shell_codes(attention):
     from fibquant.kv.cache import CompressedCache
     from fibquant.kv.model import cache_kwarg
 
+    import fibquant.kv.attention.numba_shells as numba_shells
+
+    calls = []
+    original = numba_shells.attend_decode_shells
+    monkeypatch.setattr(numba_shells, "attend_decode_shells", lambda *a: calls.append(1) or original(*a))
     model = tiny_llama(hidden_size=256, num_attention_heads=4, num_key_value_heads=2)
     ids = torch.randint(3, 97, (1, 30), generator=torch.Generator().manual_seed(4))
     exact = DynamicCache()
@@ -134,7 +140,9 @@ def test_compressed_cache_stores_e8shell_codes(attention):
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # "no rotated codebook: decoding" (codes mode)
             model(ids[:, :20], **cache_kwarg(model, cache), use_cache=True)
-            logits[mode] = model(ids[:, 20:], **cache_kwarg(model, cache), use_cache=True).logits
+            steps = [model(ids[:, 20:27], **cache_kwarg(model, cache), use_cache=True).logits]
+            steps += [model(ids[:, t:t + 1], **cache_kwarg(model, cache), use_cache=True).logits for t in range(27, 30)]
+            logits[mode] = torch.cat(steps, dim=1)
         layer = cache.layers[0]
         coded = range(layer.num_sink, layer.num_sink + layer.num_coded)
         assert layer.num_coded == 30 - 2 - 4
@@ -142,6 +150,7 @@ def test_compressed_cache_stores_e8shell_codes(attention):
         assert torch.equal(layer.key_codes, codec.encode(keys[..., coded, :]))
         assert torch.equal(layer.value_codes, codec.encode(values[..., coded, :]))
     torch.testing.assert_close(logits[attention], logits["decode"], rtol=1e-4, atol=1e-4)
+    assert len(calls) == (3 * model.config.num_hidden_layers if attention == "codes" else 0)
 
 
 @pytest.mark.model

@@ -79,3 +79,25 @@ def test_interleaved_steps_on_a_real_cache_equal_steps_alone():
         together = {"x": started(), "y": started()}
         interleave(together, model, rounds=5)
     assert together["x"].tokens == together["y"].tokens == alone.tokens
+
+
+def test_interleaved_benchmark_compares_two_caches_of_a_run():
+    """benchmarks/decode_step_interleaved.py --compare A/B: median, paired (per round) and mean ratios."""
+    from _benchmarks import load_benchmark
+
+    bench = load_benchmark("decode_step_interleaved")
+
+    def row(cache, tokens, steps):
+        median = sorted(steps)[len(steps) // 2]
+        return {"cache": cache, "tokens": tokens, "step_ms": steps, "step_cpu_ms": [s / 2 for s in steps],
+                "decode_ms_median": median, "decode_cpu_ms_median": median / 2,
+                "decode_ms_mean": sum(steps) / len(steps)}
+
+    run = {"rows": [row("fibquant:b=2", 1024, [10.0, 20.0, 10.0]), row("e8shell:b=2", 1024, [12.0, 20.0, 40.0])]}
+    got = bench.compare(run, "e8shell:b=2", "fibquant:b=2", 1024)
+    assert got["paired"] == 1.2 and got["cpu_paired"] == 1.2  # rounds: 1.2, 1.0, 4.0
+    assert got["median"] == 2.0 and got["mean"] == pytest.approx(72.0 / 40.0)
+    assert bench.compare(run, "e8shell:b=3", "fibquant:b=2", 1024) is None
+    lines = bench.compare_lines(run, [("e8shell:b=2", "fibquant:b=2"), ("x", "fibquant:b=2")])
+    assert lines[0].startswith("  1024 e8shell:b=2 / fibquant:b=2: 2.000 2.000 1.200 1.200 1.800")
+    assert "missing" in lines[1]

@@ -23,6 +23,10 @@ still reach the best distance (no point of a level is nearer than that); per lev
 product over its leaders (8 multiply-adds each; a half leader whose parity forbids sign(y) loses
 2 min|y| min(leader), the cheapest flip); ties (within TIE) go to the lower leader, then the lower level,
 and a parity flip with several equally cheap positions to the one giving the smallest sign word.
+
+Attention on codes decodes blocks through `point_tables` (`ShellPointTables`, `point_py`: the index's orbit
+record, its composition's slot word, its sign row; no search, no division), which give exactly `unrank`'s
+points rounded to float32 (`decode_points`).
 """
 from __future__ import annotations
 
@@ -442,6 +446,180 @@ def unrank(index: np.ndarray, tables: ShellTables) -> np.ndarray:
     _, kernel = _kernels()
     run_split(kernel, (index, *tables.args(), out), index.shape[0], 16, _MIN_BLOCKS_PER_THREAD, "fibquant-e8shell")
     return out
+
+
+# --------------------------------------------------------------------------- decomposed decode tables
+@dataclass(frozen=True, eq=False)
+class ShellPointTables:
+    """An index's point without searching the levels or unranking a permutation (what attention on codes
+    decodes with: `point_py`), built from the numbering above. The code's orbits (the origin if it is a
+    level, then every leader of every level) are numbered J = 0..; an index of orbit J is
+    start[J] + rank * 2^sh[J] + sign, and rank's multiset permutation depends only on the leader's
+    multiplicities (its composition of 8), so one table of slot words per composition serves every leader.
+    Sized for a decode step that finds them cold (the model's weights pass through the caches between two
+    layers): one 64-byte record per orbit, a small bucket table.
+
+    orbits int64 [J, 8], one cache line per orbit: start, the next orbit's start (count after the last),
+    sh | comp_off << 8 | (row + 1) << 40, and in words 3..6 (columns 6..13 of the float32 view `orbit_vals`)
+    the leader's distinct values, largest first, times the level's scale r_g / ||s||, rounded once from
+    float64 (exactly unrank's values rounded to float32). sh: log2 of the orbit's sign patterns (0 at the
+    origin); comp_off: the first entry of its composition in comps; row: its row of signs (256 + parity for
+    a half leader, 255 for an integer leader without zeros, -1 with zeros: the row is then the non-zero
+    positions ~lastmask). bucket int16 [ceil(count / 2^bshift)]: the last orbit starting at or before
+    q * 2^bshift. comps uint32 [E]: bits 21 - 3 k .. 23 - 3 k the slot (distinct value) at position k, ranks in
+    lexicographic order; bits 24..31 lastmask, the positions holding the last slot. signs uint8 [258, 256]:
+    rows 0..255 the sign bits spread over the set bits of the row number in position order; rows 256 + p
+    bits 0..6 as stored, bit 7 the parity p's last sign."""
+
+    orbits: np.ndarray
+    orbit_vals: np.ndarray
+    bucket: np.ndarray
+    bshift: int
+    comps: np.ndarray
+    signs: np.ndarray
+    count: int
+
+    def args(self) -> tuple:
+        return self.bucket, self.bshift, self.orbits, self.orbit_vals, self.comps, self.signs
+
+    @property
+    def starts(self) -> np.ndarray:
+        """int64 [J + 1]: each orbit's first index, then count."""
+        return np.append(self.orbits[:, 0], self.count)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.orbits, self.bucket, self.comps, self.signs))
+
+
+_PERMUTATIONS = None
+# log2 of the orbit lookup's buckets: 8 KB of int16, few orbits per bucket (at 4 bits ~2.6 on average)
+BUCKET_BITS = 12
+
+
+def _composition_words(counts: tuple[int, ...]) -> np.ndarray:
+    """The slot words (ShellPointTables.comps) of every arrangement of a multiset with these slot
+    multiplicities, in lexicographic order of the slot sequence (rank 0: the leader itself)."""
+    global _PERMUTATIONS
+    if _PERMUTATIONS is None:
+        import itertools
+        _PERMUTATIONS = np.array(list(itertools.permutations(range(BLOCK))), dtype=np.int64)
+    base = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+    slots = base[_PERMUTATIONS]                                        # [8!, 8]
+    key = np.unique((slots << (3 * (BLOCK - 1 - np.arange(BLOCK)))).sum(1))  # position 0 most significant
+    last = len(counts) - 1
+    slots = (key[:, None] >> (3 * (BLOCK - 1 - np.arange(BLOCK)))) & 7
+    lastmask = ((slots == last) << np.arange(BLOCK)).sum(1)
+    return (key | (lastmask << 24)).astype(np.uint32)
+
+
+def _sign_rows() -> np.ndarray:
+    signs = np.zeros((258, 256), np.uint8)
+    for mask in range(256):
+        positions = [k for k in range(BLOCK) if mask >> k & 1]
+        for s in range(256):
+            signs[mask, s] = sum(1 << k for c, k in enumerate(positions) if s >> c & 1)
+    for parity in (0, 1):
+        for s in range(128):
+            last = (parity - bin(s).count("1")) % 2
+            signs[256 + parity, s] = s | (last << 7)
+    return signs
+
+
+@lru_cache(maxsize=16)
+def point_tables(levels: ShellLevels) -> ShellPointTables:
+    """The decomposed decode tables of `levels` (cached per levels)."""
+    t = shell_tables(levels)
+    start, sh, comp_off, row, vals = [], [], [], [], []
+    comps: list[np.ndarray] = [np.array([0xFF << 24], np.uint32)]  # entry 0: the origin (slot 0 everywhere)
+    comp_at: dict[tuple, int] = {}
+    for g in range(len(levels.shells)):
+        s_g = t.radii[g] * t.scale[g]  # unrank's float64 scale of the level
+        if t.lv_hi[g] == t.lv_lo[g]:  # the origin
+            start.append(int(t.offsets[g]))
+            sh.append(0)
+            comp_off.append(0)
+            row.append(255)
+            vals.append(np.zeros(BLOCK, np.float32))
+            continue
+        for j in range(t.lv_lo[g], t.lv_hi[g]):
+            leader = t.lead2[j]
+            distinct, counts = np.unique(-leader, return_counts=True)  # largest value first
+            counts = tuple(int(c) for c in counts)
+            if counts not in comp_at:
+                comp_at[counts] = sum(len(c) for c in comps)
+                comps.append(_composition_words(counts))
+            start.append(int(t.offsets[g] + t.orbit_off[j]))
+            sh.append(int(t.nsign[j]).bit_length() - 1)
+            comp_off.append(comp_at[counts])
+            row.append(256 + int(t.parity[j]) if t.half[j] else (-1 if leader[-1] == 0 else 255))
+            v = np.zeros(BLOCK, np.float32)
+            v[:len(distinct)] = (-distinct).astype(np.float64) * s_g
+            vals.append(v)
+    start.append(t.count)
+    bshift = max(0, (t.count - 1).bit_length() - BUCKET_BITS)
+    starts = np.array(start, np.int64)
+    bucket = (np.searchsorted(starts, np.arange(((t.count - 1) >> bshift) + 1, dtype=np.int64) << bshift,
+                              side="right") - 1).astype(np.int16)
+    n = len(sh)
+    raw = np.zeros(n * 8 + 8, np.int64)  # 64-byte aligned records
+    at = (-raw.ctypes.data // 8) % 8
+    orbits = raw[at:at + n * 8].reshape(n, 8)
+    orbits[:, 0], orbits[:, 1] = starts[:-1], starts[1:]
+    orbits[:, 2] = np.array(sh, np.int64) | (np.array(comp_off, np.int64) << 8) | ((np.array(row, np.int64) + 1) << 40)
+    orbit_vals = orbits.view(np.float32)
+    orbit_vals[:, 6:14] = np.stack(vals)
+    return ShellPointTables(orbits, orbit_vals, np.ascontiguousarray(bucket), bshift,
+                            np.ascontiguousarray(np.concatenate(comps), dtype=np.uint32),
+                            np.ascontiguousarray(_sign_rows(), dtype=np.uint8), t.count)
+
+
+def point_py(idx, bucket, bshift, orbits, orbit_vals, comps, signs, out, o):
+    """out[o:o + 8] = the point of index idx (int64 in [0, count)) as float32, through `ShellPointTables`:
+    exactly `unrank`'s float64 point rounded to float32 (compiled here and inlined by the attention kernel)."""
+    j = np.int64(bucket[idx >> bshift])
+    while orbits[j, 1] <= idx:
+        j += 1
+    rest = idx - orbits[j, 0]
+    packed = orbits[j, 2]
+    sh = packed & 255
+    word = np.int64(comps[((packed >> 8) & 0xFFFFFFFF) + (rest >> sh)])
+    r = ((packed >> 40) & 1023) - 1
+    if r < 0:
+        r = ~(word >> 24) & 255
+    mask = np.int64(signs[r, rest & ((np.int64(1) << sh) - 1)])
+    for k in range(8):  # the sign as a float factor: no branch on a random bit
+        out[o + k] = orbit_vals[j, 6 + ((word >> (21 - 3 * k)) & 7)] * np.float32(1 - 2 * ((mask >> k) & 1))
+
+
+def _decode_points_py(index, bucket, bshift, orbits, orbit_vals, comps, signs, out, lo, hi):
+    for b in range(lo, hi):
+        _point(index[b], bucket, bshift, orbits, orbit_vals, comps, signs, out, b * 8)
+    return 0
+
+
+_point = None
+_DECODE_POINTS = None
+
+
+def decode_points(index: np.ndarray, tables: ShellPointTables) -> np.ndarray:
+    """index int64 [n] (each in [0, count)) -> float32 [n, 8] through the decomposed tables (`point_py`):
+    equal to unrank(index).astype(float32) (ValueError for an index outside [0, count))."""
+    global _point, _DECODE_POINTS
+    index = np.ascontiguousarray(index, dtype=np.int64)
+    if index.ndim != 1:
+        raise ValueError(f"index must be 1-d, got shape {index.shape}")
+    if index.size and (int(index.min()) < 0 or int(index.max()) >= tables.count):
+        raise ValueError(f"E8 shell index out of range [0, {tables.count})")
+    if _DECODE_POINTS is None:
+        _kernels()
+        import numba
+        with _LOCK:
+            _point = numba.njit(nogil=True, cache=True)(point_py)
+            _DECODE_POINTS = numba.njit(nogil=True, cache=True)(_decode_points_py)
+    out = np.empty(index.shape[0] * BLOCK, np.float32)
+    _DECODE_POINTS(index, *tables.args(), out, 0, index.shape[0])
+    return out.reshape(-1, BLOCK)
 
 
 # --------------------------------------------------------------------------- the reference

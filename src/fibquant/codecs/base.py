@@ -99,6 +99,22 @@ class RotatedStages:
 
 
 @dataclass(frozen=True)
+class RotatedShells:
+    """What attention on codes needs from a rotate-then-shell-code codec (FibQuant-E8).
+
+    A code row [nu (fp16), idx_0 .. idx_{dim/8-1} (index_bits each, byte-aligned)] decodes to
+    x_hat = nu * concat_j(point(idx_j)) @ forward.T, point(i) the shell code's i-th 8-d point (too many
+    points for per-query tables: kv/attention/numba_shells.py decodes each block through `tables`).
+
+    forward: float32 [dim, dim] (Pi^T, u = x @ forward); tables: `codebook.e8shell.ShellPointTables` (numpy, CPU).
+    """
+
+    forward: torch.Tensor
+    tables: Any
+    index_bits: int
+
+
+@dataclass(frozen=True)
 class PlotStyle:
     """How a codec family appears in every plot: legend name, matplotlib colour and marker.
 
@@ -234,6 +250,11 @@ class Codec(ABC):
     def rotated_stages(self, device: torch.device) -> RotatedStages | None:
         """The rotated-domain stages of a residual codec on `device` (kv/attention/numba_residual.py
         reads its codes with one table per stage), or None for every other codec."""
+        return None
+
+    def rotated_shells(self, device: torch.device) -> RotatedShells | None:
+        """The rotated-domain shell code of an E8 shell codec (kv/attention/numba_shells.py decodes its
+        blocks in the decode step), or None for every other codec."""
         return None
 
     # ------------------------------------------------------------------ save / load

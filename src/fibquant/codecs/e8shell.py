@@ -17,8 +17,10 @@ code_size = 2 + dim * b / 8: d = 64: 18 / 26 / 34 bytes at b = 2 / 3 / 4 (FibQua
 `bits_per_coordinate` = b. Decode: unrank each index to its point, concatenate, apply Pi^T, scale by the
 stored norm. A zero vector stores 0 and decodes to zero.
 
-Attention on codes: no single rotated codebook or stages (2^(8 b) points per block), so the cache decodes
-these codes to floats for attention (`kv/attention/entry.py`'s generic path).
+Attention on codes: no single rotated codebook or stages (2^(8 b) points per block); `rotated_shells` gives
+the one-token decode step (kv/attention/numba_shells.py) the rotation and the decomposed decode tables
+(`codebook.e8shell.point_tables`), so it reads these codes directly; prefill chunks decode them to floats
+(`kv/attention/entry.py`'s generic path).
 """
 from __future__ import annotations
 
@@ -28,9 +30,10 @@ import numpy as np
 import torch
 
 from .._numba import numba_available
-from ..codebook.e8shell import BLOCK, ShellLevels, codebook_points, exhaustive_search, shell_search, shell_tables, unrank
+from ..codebook.e8shell import (BLOCK, ShellLevels, codebook_points, exhaustive_search, point_tables, shell_search,
+                                shell_tables, unrank)
 from ..codebook.e8shell_shipped import SHIPPED_LEVELS
-from .base import Codec, PlotStyle, SpecParam
+from .base import Codec, PlotStyle, RotatedShells, SpecParam
 from .bitpack import pack_bits, packed_size, unpack_bits
 from .layout import CodeLayout
 from .norm_correction import corrected_norm_bytes, reference_norm_bytes
@@ -139,6 +142,10 @@ class E8ShellCodec(Codec):
     def tables(self):
         """The levels' search / unrank tables (`codebook.e8shell.ShellTables`, numpy, CPU)."""
         return shell_tables(self.levels)
+
+    def rotated_shells(self, device: torch.device) -> RotatedShells:
+        return RotatedShells(self._rotation.forward_matrix(torch.device(device)), point_tables(self.levels),
+                             self.config.index_bits)
 
     def _sq_radii(self) -> np.ndarray:
         return self.device_state.get("sq_radii64", torch.device("cpu"),

@@ -27,8 +27,9 @@ new tokens) and `coded_attention_forward`, registered as "fibquant", attends to 
 
 Anything else falls back, never silently wrongly: a codec without a rotated codebook (INT,
 low-rank, RVQ) has its codes decoded to floats for that role (one-time warning), except that a
-one-token step on the CPU reads FibQuant-RVQ's residual codes with one table per stage
-(`numba_residual`, when the codec has `rotated_stages`); options the
+one-token step on the CPU goes through the steps registered in `ONE_TOKEN_STEPS`: FibQuant-RVQ's residual
+codes with one table per stage (`numba_residual`, `rotated_stages`), FibQuant-E8's shell codes decoded
+block by block in the kernel (`numba_shells`, `rotated_shells`); options the
 path does not implement (`position_bias`, dropout) decode the whole `CodedKV` and run SDPA on
 it (one-time warning); caches other than a `CompressedCache` in "codes" mode are served by
 transformers' SDPA unchanged, except with soft-capping or sinks, which SDPA cannot apply: those
@@ -63,6 +64,14 @@ FUSED_CODED_BACKEND = "auto"
 # One-token steps (decode) on the CPU through one fused numba kernel per layer
 # (kv/attention/numba_decode.py) when numba imports; False: the torch ops + two kernels below.
 NUMBA_DECODE = True
+# One-token steps on the CPU for code families the fused kernel cannot read (no single rotated codebook),
+# tried in order: (module, plans function, step function). plans(query, kv) -> plans or None (this step
+# cannot serve it); step(query, kv, bias, scaling, sinks, plans) -> out [B, 1, Hq, Dv]. A new family of
+# codes registers its module here.
+ONE_TOKEN_STEPS = (
+    ("fibquant.kv.attention.numba_residual", "residual_decode_plans", "attend_decode_residual"),  # RVQ stages
+    ("fibquant.kv.attention.numba_shells", "shell_decode_plans", "attend_decode_shells"),  # E8 shell codes
+)
 _UNSUPPORTED_KWARGS = ("position_bias",)
 _EAGER_KWARGS = ("softcap", "s_aux")  # applied here; SDPA would ignore them
 _warned: set[str] = set()
@@ -183,13 +192,13 @@ def attend_codes(query: torch.Tensor, kv: CodedKV, attention_mask: torch.Tensor 
         plans = _decode_plans(query, kv)
         if plans is not None:
             return _attend_decode_numba(query, kv, attention_mask, scaling, sinks, window, plans)
-        if NUMBA_DECODE:  # residual codes (one table per stage): kv/attention/numba_residual.py
-            from fibquant.kv.attention.numba_residual import attend_decode_residual, residual_decode_plans
-            staged = residual_decode_plans(query, kv)
-            if staged is not None:
-                bias = None if attention_mask is None and window is None else _bias_block(
-                    attention_mask, slice(0, 1), kv.length, kv.length - 1, query.device, window)
-                return attend_decode_residual(query, kv, bias, scaling, sinks, staged)
+        if NUMBA_DECODE:  # codes without one rotated codebook: the registered one-token steps
+            for plans_of, step in _one_token_steps():
+                staged = plans_of(query, kv)
+                if staged is not None:
+                    bias = None if attention_mask is None and window is None else _bias_block(
+                        attention_mask, slice(0, 1), kv.length, kv.length - 1, query.device, window)
+                    return step(query, kv, bias, scaling, sinks, staged)
     if softcap is None and (tokens >= SPLIT_MIN_TOKENS or _fused(kv, query.device)):
         return _attend_split(query, kv, attention_mask, scaling, sinks, window)
     groups = q_heads // heads
@@ -246,6 +255,15 @@ def attend_codes(query: torch.Tensor, kv: CodedKV, attention_mask: torch.Tensor 
 
 
 # --------------------------------------------------------------------- the fused one-token step (CPU)
+def _one_token_steps():
+    """ONE_TOKEN_STEPS' (plans, step) functions (modules imported on first use; the functions looked up
+    at each call, so a module's current binding is the one run)."""
+    import importlib
+    for name, plans, step in ONE_TOKEN_STEPS:
+        module = importlib.import_module(name)
+        yield getattr(module, plans), getattr(module, step)
+
+
 _PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _DUMMY = None
 

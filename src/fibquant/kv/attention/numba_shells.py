@@ -1,0 +1,313 @@
+"""The fused numba decode step (kv/attention/numba_decode.py) for E8 shell codes (FibQuant-E8, codecs/e8shell.py).
+
+A shell code stores per 8-block j of the rotated unit vector ONE index into 2^(8 b) points: no codebook small
+enough for per-query score tables (65 536 points at 2 bits, 2^32 at 4). So each code row's blocks are decoded
+in the kernel (`codebook.e8shell.point_py`: the index's orbit, its composition's slot word and its sign row,
+a few table reads per block, exactly `unrank`'s point rounded to float32) into u_hat [64], and
+
+    q . x_hat_i = nu_i (q @ forward) . u_hat_i           (the G query rows of the KV head: G dot products)
+    sum_i p_i x_hat_i = (sum_i p_i nu_i u_hat_i) @ forward.T   (each value row decoded once, G FMAs)
+
+in the rotated domain, un-rotated once per query row. Everything else (norms, exact columns, bias, one softmax
+over the row and a sink logit, centring) is numba_decode's step, whose helpers this kernel calls. Keys and
+values may be shell codes of different rates; both roles must be shell codes (else `shell_decode_plans` says
+None and another path serves the step). Results equal `attend_codes` on the decoded floats to float32 rounding
+(tests/kv/attention/test_numba_shells.py).
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fibquant.kv.attention.host_arrays import code_rows, f32, rows32
+
+_PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_KERNEL = None
+_LOCK = threading.Lock()
+MAX_GROUPS = 8  # query heads per KV head
+
+_point = _norms = _softmax_row = _add_key_mean = _add_bias = _exact_scores = _exact_values = None
+_code_scores = _code_values = _block_index = None
+
+
+def _block_index_py(rows, i, blk, nbytes):
+    """The little-endian index of block blk of code row i (nbytes bytes per index, after the 2-byte norm)."""
+    o = 2 + blk * nbytes
+    idx = np.int64(0)
+    for q in range(nbytes):
+        idx |= np.int64(rows[i, o + q]) << (8 * q)
+    return idx
+
+
+def _code_scores_py(rows, rq, groups, norms, coded, u, nbytes, count, bucket, bshift, orbits, orbit_vals,
+                    comps, signs):
+    """coded[t, i] = norms[i] * (rq[t] . u_hat_i) for every code row i (u: float32 scratch [dim]); returns the
+    count of indices >= count (decoded as index 0)."""
+    n_tokens = rows.shape[0]
+    dim = rq.shape[1]
+    bad = 0
+    for i in range(n_tokens):
+        for blk in range(dim // 8):
+            idx = _block_index(rows, i, blk, nbytes)
+            if idx >= count:
+                bad += 1
+                idx = 0
+            _point(idx, bucket, bshift, orbits, orbit_vals, comps, signs, u, blk * 8)
+        nu = norms[i]
+        for t in range(groups):
+            s = np.float32(0.0)
+            for e in range(dim):
+                s += rq[t, e] * u[e]
+            coded[t, i] = s * nu
+    return bad
+
+
+def _code_values_py(rows, weights, groups, norms, acc, u, nbytes, count, bucket, bshift, orbits, orbit_vals,
+                    comps, signs):
+    """acc[t] += weights[t, i] * norms[i] * u_hat_i over every code row i (acc [groups, dim] rotated domain);
+    returns the count of indices >= count."""
+    n_tokens = rows.shape[0]
+    dim = acc.shape[1]
+    bad = 0
+    for i in range(n_tokens):
+        for blk in range(dim // 8):
+            idx = _block_index(rows, i, blk, nbytes)
+            if idx >= count:
+                bad += 1
+                idx = 0
+            _point(idx, bucket, bshift, orbits, orbit_vals, comps, signs, u, blk * 8)
+        nu = norms[i]
+        for t in range(groups):
+            w = weights[t, i] * nu
+            if w != 0.0:
+                for e in range(dim):
+                    acc[t, e] += w * u[e]
+    return bad
+
+
+def _decode_step_py(query, scaling, key_forward, value_inverse, key_codes, value_codes, sink_keys, sink_values,
+                    recent_keys, recent_values, new_keys, new_values, key_mean, value_mean, bias, sinks, out, flags,
+                    key_norms, value_norms,
+                    k_nbytes, k_count, k_bucket, k_bshift, k_orbits, k_orbit_vals, k_comps,
+                    v_nbytes, v_count, v_bucket, v_bshift, v_orbits, v_orbit_vals, v_comps,
+                    signs, unit_start, unit_stop):
+    """out[b, h*G + t] for units [unit_start, unit_stop) of (b, KV head h), as numba_decode's step, the coded
+    columns read from shell codes (k_* / v_*: each role's `ShellPointTables` and index bytes); returns the count
+    of invalid indices (>= the code's point count) seen."""
+    n_b, n_qh, dim = query.shape
+    n_h = key_codes.shape[1]
+    groups = n_qh // n_h
+    n_tokens = key_codes.shape[2]
+    n_sink, n_recent, n_new = sink_keys.shape[2], recent_keys.shape[2], new_keys.shape[2]
+    n_exact = n_sink + n_recent + n_new
+    value_dim = value_inverse.shape[0]
+    has_key_mean, has_value_mean = (flags & 1) != 0, (flags & 2) != 0
+    has_bias, has_sinks, has_norms = (flags & 4) != 0, (flags & 8) != 0, (flags & 16) != 0
+    coded = np.empty((groups, max(n_tokens, 1)), dtype=np.float32)
+    norms = np.empty(max(n_tokens, 1), dtype=np.float32)
+    ibits = np.empty(max(n_tokens, 1), dtype=np.int32)
+    scaled = np.empty((groups, dim), dtype=np.float32)
+    rq = np.empty((groups, dim), dtype=np.float32)
+    acc = np.empty((groups, value_dim), dtype=np.float32)
+    u = np.empty(max(dim, value_dim), dtype=np.float32)
+    exact = np.empty((groups, n_exact), dtype=np.float32)
+    total = np.empty(groups, dtype=np.float32)
+    coded_total = np.empty(groups, dtype=np.float32)
+    result = np.empty((groups, value_dim), dtype=np.float32)
+    key_row = np.empty(dim, dtype=np.float32)
+    exact_rows = np.empty(max(n_sink, n_recent, n_new) * value_dim, dtype=np.float32)
+    bad = 0
+    for unit in range(unit_start, unit_stop):
+        b = unit // n_h
+        h = unit % n_h
+        for t in range(groups):
+            for d in range(dim):
+                scaled[t, d] = query[b, h * groups + t, d] * scaling
+        # --- coded scores: the rotated query rows . each decoded key row
+        if n_tokens:
+            for t in range(groups):
+                for e in range(dim):
+                    rq[t, e] = 0.0
+                for d in range(dim):
+                    x = scaled[t, d]
+                    for e in range(dim):
+                        rq[t, e] += x * key_forward[d, e]
+            if has_norms:
+                row_norms = key_norms[b, h]
+            else:
+                _norms(key_codes[b, h], norms, ibits)
+                row_norms = norms
+            bad += _code_scores(key_codes[b, h], rq, groups, row_norms, coded, u, k_nbytes, k_count, k_bucket,
+                                k_bshift, k_orbits, k_orbit_vals, k_comps, signs)
+            if has_key_mean:
+                _add_key_mean(coded, groups, n_tokens, scaled, key_mean, b, h, dim)
+        # --- exact scores: columns [sinks, recent, new]
+        _exact_scores(sink_keys, b, h, 0, exact, scaled, groups, key_row)
+        _exact_scores(recent_keys, b, h, n_sink, exact, scaled, groups, key_row)
+        _exact_scores(new_keys, b, h, n_sink + n_recent, exact, scaled, groups, key_row)
+        if has_bias:
+            _add_bias(coded, exact, groups, n_sink, n_tokens, n_exact, bias, b, h)
+        # --- one softmax over the row (and the sink logit)
+        for t in range(groups):
+            sink_logit = np.float32(sinks[h * groups + t]) if has_sinks else np.float32(-np.inf)
+            _, coded_total[t], total[t] = _softmax_row(coded[t], n_tokens, exact[t], n_exact, sink_logit, ibits)
+        # --- value sums: each value row decoded once, accumulated in the rotated domain, un-rotated once
+        for t in range(groups):
+            for d in range(value_dim):
+                result[t, d] = 0.0
+        if n_tokens:
+            if has_norms:
+                row_norms = value_norms[b, h]
+            else:
+                _norms(value_codes[b, h], norms, ibits)
+                row_norms = norms
+            for t in range(groups):
+                for e in range(value_dim):
+                    acc[t, e] = 0.0
+            bad += _code_values(value_codes[b, h], coded, groups, row_norms, acc, u, v_nbytes, v_count, v_bucket,
+                                v_bshift, v_orbits, v_orbit_vals, v_comps, signs)
+            for t in range(groups):  # inverse = forward.T
+                for e in range(value_dim):
+                    x = acc[t, e]
+                    for d in range(value_dim):
+                        result[t, d] += x * value_inverse[e, d]
+                if has_value_mean:
+                    for d in range(value_dim):
+                        result[t, d] += coded_total[t] * value_mean[b, h, d]
+        _exact_values(sink_values, b, h, 0, exact, result, groups, exact_rows)
+        _exact_values(recent_values, b, h, n_sink, exact, result, groups, exact_rows)
+        _exact_values(new_values, b, h, n_sink + n_recent, exact, result, groups, exact_rows)
+        for t in range(groups):
+            scale = np.float32(1.0) / total[t] if total[t] > 0 else np.float32(0.0)
+            for d in range(value_dim):
+                out[b, h * groups + t, d] = result[t, d] * scale
+    return bad
+
+
+def compile_shell_kernel():
+    """The shell-code decode-step dispatcher (numba, disk-cached as `jit.kernel_jit`, keyed also on
+    codebook/e8shell.py, whose `point_py` it inlines), after binding numba_decode's helpers."""
+    global _KERNEL, _point, _norms, _softmax_row, _add_key_mean, _add_bias, _exact_scores, _exact_values
+    global _code_scores, _code_values, _block_index
+    if _KERNEL is not None:
+        return _KERNEL
+    with _LOCK:
+        if _KERNEL is not None:
+            return _KERNEL
+        import fibquant.codebook.e8shell as e8shell
+        import fibquant.kv.attention.numba_decode as numba_decode
+        from fibquant.kv.attention.jit import KERNEL_SOURCES
+        from fibquant._numba import njit_tracking
+
+        numba_decode.compile_decode_kernel()  # binds its helpers
+        for name in ("_norms", "_softmax_row", "_add_key_mean", "_add_bias", "_exact_scores", "_exact_values"):
+            globals()[name] = getattr(numba_decode, name)
+        sources = (*KERNEL_SOURCES, Path(e8shell.__file__).resolve())
+
+        def jit(*signature, **options):
+            return njit_tracking(*signature, depends_on=sources, nogil=True, **options)
+
+        _point, _block_index = jit()(e8shell.point_py), jit()(_block_index_py)
+        fast = jit(fastmath={"contract", "reassoc", "nsz"})  # float sums in any order
+        _code_scores, _code_values = fast(_code_scores_py), fast(_code_values_py)
+        rows4d = "float32[:, :, :, :]"
+        role = "int64, int64, int16[::1], int64, int64[:, ::1], float32[:, ::1], uint32[::1]"
+        signature = (f"int64(float32[:, :, ::1], float32, float32[:, ::1], float32[:, ::1], uint8[:, :, :, :], "
+                     f"uint8[:, :, :, :], {rows4d}, {rows4d}, {rows4d}, {rows4d}, {rows4d}, {rows4d}, "
+                     "float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[::1], float32[:, :, ::1], "
+                     f"int64, float32[:, :, :], float32[:, :, :], {role}, {role}, uint8[:, ::1], int64, int64)")
+        _KERNEL = jit(signature, fastmath={"contract", "reassoc", "nsz"})(_decode_step_py)
+    return _KERNEL
+
+
+def shell_plan(codec):
+    """(forward, forward.T, index bytes, ShellPointTables, (torch tensors kept alive)) for a codec whose codes
+    are E8 shell codes (`rotated_shells`), else None."""
+    try:
+        plan = _PLANS.get(codec)
+    except TypeError:
+        plan = None
+    if plan is not None:
+        return plan or None
+    plan = ()
+    shells = codec.rotated_shells(torch.device("cpu"))
+    if shells is not None:
+        forward = shells.forward.detach().to(torch.float32).contiguous()
+        plan = (forward.numpy(), forward.T.contiguous().numpy(), shells.index_bits // 8, shells.tables, (forward,))
+    try:
+        _PLANS[codec] = plan
+    except TypeError:
+        pass
+    return plan or None
+
+
+def shell_decode_plans(query: torch.Tensor, kv):
+    """(key plan, value plan) when this one-token step can run the shell kernel (both roles shell codes,
+    <= MAX_GROUPS query heads per KV head, CPU, numba), else None."""
+    if query.device.type != "cpu" or not kv.key_codes.shape[-2] or (query.requires_grad and torch.is_grad_enabled()):
+        return None
+    if query.shape[1] // kv.new_keys.shape[1] > MAX_GROUPS:
+        return None
+    from fibquant._numba import numba_available
+    if not numba_available():
+        return None
+    keys, values = shell_plan(kv.key_codec), shell_plan(kv.value_codec)
+    if keys is None or values is None:
+        return None
+    return keys, values
+
+
+def attend_decode_shells(query: torch.Tensor, kv, bias: torch.Tensor | None, scaling: float, sinks,
+                         plans) -> torch.Tensor:
+    """`attend_codes` for one query token on the CPU through the shell kernel (as `entry._attend_decode_numba`;
+    bias: the step's additive float32 [B|1, Hq|1, 1, L] from `entry._bias_block`, or None): out [B, 1, Hq, Dv]
+    in query's dtype. ValueError when a code holds an index beyond its code's points."""
+    from fibquant._numba import run_split
+    from fibquant.kv.attention.kernels import _MIN_WORK_PER_THREAD
+
+    kernel = compile_shell_kernel()
+    keys, values = plans
+    batch, q_heads = query.shape[:2]
+    heads = kv.new_keys.shape[1]
+    dummy3, dummy1 = np.zeros((1, 1, 1), dtype=np.float32), np.zeros(1, dtype=np.float32)
+    flags = 0
+    key_mean = value_mean = bias_np = key_norms = value_norms = dummy3
+    sinks_np = dummy1
+    if kv.key_mean is not None:
+        key_mean, flags = f32(kv.key_mean), flags | 1
+    if kv.value_mean is not None:
+        value_mean, flags = f32(kv.value_mean), flags | 2
+    if bias is not None:
+        bias_np, flags = f32(bias[:, :, 0]), flags | 4
+    if sinks is not None:
+        sinks_np, flags = f32(sinks.reshape(-1)), flags | 8
+    arrays = kv.arrays
+    if arrays is None:
+        arrays = (rows32(kv.sink_keys), rows32(kv.sink_values), code_rows(kv.key_codes), code_rows(kv.value_codes),
+                  rows32(kv.recent_keys), rows32(kv.recent_values))
+    elif len(arrays) == 8:  # the code rows' norms, decoded once when they were stored
+        arrays, (key_norms, value_norms), flags = arrays[:6], arrays[6:], flags | 16
+    sink_k, sink_v, key_codes, value_codes, recent_k, recent_v = arrays
+    value_dim = values[1].shape[0]
+    out = torch.empty(batch, q_heads, value_dim, dtype=torch.float32)
+    if query.dtype is torch.float32 and not query.requires_grad and query.stride(-1) == 1:
+        query_np = np.ascontiguousarray(query.numpy()[:, :, 0])
+    else:
+        query_np = f32(query[:, :, 0])
+    kt, vt = keys[3], values[3]
+    args = (query_np, float(scaling), keys[0], values[1], key_codes, value_codes, sink_k, sink_v, recent_k, recent_v,
+            rows32(kv.new_keys), rows32(kv.new_values), key_mean, value_mean, bias_np, sinks_np, out.numpy(), flags,
+            key_norms, value_norms, keys[2], kt.count, *kt.args()[:-1], values[2], vt.count, *vt.args()[:-1],
+            kt.signs)
+    coded = key_codes.shape[2]
+    bad = run_split(kernel, args, batch * heads, coded * 2 * query.shape[-1], _MIN_WORK_PER_THREAD,
+                    "fibquant-decode-e8")
+    if bad:
+        raise ValueError(f"E8 shell codes hold {bad} index(es) beyond their code's points "
+                         f"({kt.count} keys / {vt.count} values)")
+    out = out.unsqueeze(1)
+    return out if query.dtype == torch.float32 else out.to(query.dtype)

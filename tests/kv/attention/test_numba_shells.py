@@ -1,0 +1,158 @@
+"""The E8 shell-code decode step (kv/attention/numba_shells.py: each block decoded in the kernel) against the
+torch path on decoded floats and the spec (decode every code, one softmax), to float32 tolerance; the
+kernel's block decoder (codebook/e8shell.py `point_py` through `point_tables`) equal to `unrank` exactly."""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+from _kv_helpers import decode_all_attention, fast_and_torch_paths, filled_coded_layer
+
+import fibquant.kv.attention.numba_shells as numba_shells
+from fibquant.codebook.e8shell import decode_points, point_tables, shell_tables, unrank
+from fibquant.codecs.e8shell import E8ShellCodec, shipped_levels
+from fibquant.codecs.fibquant import FibQuantCodec
+from fibquant.codecs.residual import ResidualFibQuantCodec
+from fibquant.kv.attention import attend_codes
+from fibquant.kv.cache import CompressedLayer
+
+pytest.importorskip("numba")
+
+DIM = 64
+PAIRS = {
+    "e8 2/2": lambda: (E8ShellCodec(DIM, 2), E8ShellCodec(DIM, 2)),
+    "e8 3/3 nc": lambda: (E8ShellCodec(DIM, 3, norm_correction=True), E8ShellCodec(DIM, 3, norm_correction=True)),
+    "e8 4/2": lambda: (E8ShellCodec(DIM, 4), E8ShellCodec(DIM, 2)),
+    "e8 2/4 r3": lambda: (E8ShellCodec(DIM, 2, rotation_seed=3), E8ShellCodec(DIM, 4)),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def codecs_of(pair):
+    return PAIRS[pair]()
+
+
+@pytest.fixture
+def shell_calls(monkeypatch):
+    calls = []
+    original = numba_shells.attend_decode_shells
+    monkeypatch.setattr(numba_shells, "attend_decode_shells", lambda *a: calls.append(1) or original(*a))
+    return calls
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_decoded_blocks_equal_unrank_exactly(bits):
+    """Every index at 2 bits, every orbit's first and last index and random ones at 3 and 4 bits: the
+    decomposed tables give unrank's float64 point rounded to float32, bit for bit."""
+    levels = shipped_levels(DIM, bits)
+    tables, ptables = shell_tables(levels), point_tables(levels)
+    rng = np.random.default_rng(bits)
+    index = np.arange(tables.count) if bits == 2 else rng.integers(0, tables.count, 100_000)
+    index = np.concatenate([index, ptables.starts[:-1], ptables.starts[1:] - 1])
+    got = decode_points(index, ptables)
+    want = unrank(index, tables).astype(np.float32)
+    assert got.dtype == np.float32 and got.shape == want.shape
+    assert np.array_equal(got.view(np.int32), want.view(np.int32))
+    with pytest.raises(ValueError, match="out of range"):
+        decode_points(np.array([tables.count]), ptables)
+    with pytest.raises(ValueError, match="out of range"):
+        decode_points(np.array([-1]), ptables)
+
+
+@pytest.mark.filterwarnings("ignore:.*rotated codebook")
+@pytest.mark.parametrize("pair", sorted(PAIRS))
+@pytest.mark.parametrize("groups", [1, 3, 6])  # 6 query heads per KV head
+@pytest.mark.parametrize("masked", [False, True])
+def test_shell_step_equals_torch_path_and_spec(monkeypatch, shell_calls, pair, groups, masked):
+    batch, heads = 2, 2
+    layer, generator = filled_coded_layer(*codecs_of(pair), batch, heads, past=70)
+    kv, _ = layer.update(torch.randn(batch, heads, 1, DIM, generator=generator),
+                         torch.randn(batch, heads, 1, DIM, generator=generator))
+    query = torch.randn(batch, heads * groups, 1, DIM, generator=generator)
+    mask = None
+    if masked:
+        allowed = torch.ones(batch, heads * groups, 1, kv.length, dtype=torch.bool)
+        allowed[1, :, :, :3] = False
+        allowed[1, :, :, 20:25] = False
+        allowed[0, :, :, kv.length - 4] = False
+        mask = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
+        mask[0] += torch.randn(mask[0].shape, generator=generator)
+    fast, slow = fast_and_torch_paths(monkeypatch, query, kv, mask, 0.125)
+    assert shell_calls, "the shell kernel did not run"
+    assert fast.shape == (batch, 1, heads * groups, DIM) and fast.dtype == query.dtype
+    torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(fast, decode_all_attention(query, kv, mask, 0.125), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore:.*rotated codebook")
+@pytest.mark.parametrize("past", [1, 17, 300])
+def test_shell_step_lengths_sinks_centring_window(monkeypatch, shell_calls, past):
+    """Several lengths (one coded row up to a few hundred), learned sinks, centred keys/values, the exact
+    sinks + window of the layer, a sliding window over the row."""
+    layer, generator = filled_coded_layer(*codecs_of("e8 3/3 nc"), 2, 3, past=past + 12, centre=True)
+    assert layer.key_mean is not None
+    kv, _ = layer.update(torch.randn(2, 3, 1, DIM, generator=generator) + 1.0,
+                         torch.randn(2, 3, 1, DIM, generator=generator) + 1.0)
+    assert kv.num_coded > 0 and kv.num_sink == 4
+    query = torch.randn(2, 9, 1, DIM, generator=generator)
+    sinks = torch.randn(9, generator=generator)
+    fast, slow = fast_and_torch_paths(monkeypatch, query, kv, None, 0.1, sinks=sinks)
+    torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(fast, decode_all_attention(query, kv, None, 0.1, sinks), rtol=1e-4, atol=1e-5)
+    window = max(2, kv.length - 10)
+    fast, slow = fast_and_torch_paths(monkeypatch, query, kv, None, 0.1, window=window)
+    blocked = torch.arange(kv.length) <= kv.length - 1 - window
+    bias = torch.zeros(kv.length).masked_fill_(blocked, float("-inf"))[None, None, None]
+    torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(fast, decode_all_attention(query, kv, bias, 0.1), rtol=1e-4, atol=1e-5)
+    assert len(shell_calls) == 2
+
+
+@pytest.mark.filterwarnings("ignore:.*rotated codebook")
+def test_bad_codes_raise(monkeypatch):
+    """An index beyond the code's points (4 bits: 2^31.95 points in 32 bits) is a ValueError, not garbage."""
+    layer, generator = filled_coded_layer(*codecs_of("e8 4/2"), 1, 1, past=30)
+    kv, _ = layer.update(torch.randn(1, 1, 1, DIM, generator=generator), torch.randn(1, 1, 1, DIM, generator=generator))
+    kv.key_codes[0, 0, 3, 2:6] = 255  # index 2^32 - 1 >= count
+    with pytest.raises(ValueError, match="beyond their code's points"):
+        attend_codes(torch.randn(1, 2, 1, DIM, generator=generator), kv, None, 0.125)
+
+
+@pytest.mark.filterwarnings("ignore:.*rotated codebook")
+def test_what_the_shell_kernel_does_not_take(monkeypatch, shell_calls):
+    """One role not a shell code, > 8 query heads per KV head, a prefill chunk: other paths (still = the spec)."""
+    assert numba_shells.shell_plan(FibQuantCodec(DIM, 4, 256)) is None
+    assert numba_shells.shell_plan(ResidualFibQuantCodec(DIM, stages=2)) is None
+    mixed = CompressedLayer(E8ShellCodec(DIM, 2), FibQuantCodec(DIM, 4, 256), 4, 8, attention="codes")
+    generator = torch.Generator().manual_seed(1)
+    for chunk in (20, 1):
+        kv, _ = mixed.update(torch.randn(1, 1, chunk, DIM, generator=generator),
+                             torch.randn(1, 1, chunk, DIM, generator=generator))
+    query = torch.randn(1, 2, 1, DIM, generator=generator)
+    torch.testing.assert_close(attend_codes(query, kv, None, 0.125), decode_all_attention(query, kv, None, 0.125),
+                               rtol=1e-4, atol=1e-5)
+    layer, generator = filled_coded_layer(*codecs_of("e8 2/2"), 1, 1, past=30)
+    kv, _ = layer.update(torch.randn(1, 1, 1, DIM, generator=generator), torch.randn(1, 1, 1, DIM, generator=generator))
+    query = torch.randn(1, 9, 1, DIM, generator=generator)
+    torch.testing.assert_close(attend_codes(query, kv, None, 0.125), decode_all_attention(query, kv, None, 0.125),
+                               rtol=1e-4, atol=1e-5)
+    chunk = torch.randn(1, 2, 20, DIM, generator=generator)
+    kv, _ = layer.update(chunk[:, :1], chunk[:, 1:])
+    attend_codes(torch.randn(1, 2, 20, DIM, generator=generator), kv, None, 0.125)
+    assert not shell_calls
+
+
+def test_shell_layout_matches_the_codec():
+    """rotated_shells: decoding a code by hand from its tables and rotation gives the codec's decode."""
+    codec = E8ShellCodec(DIM, 3, norm_correction=True)
+    x = torch.randn(5, DIM, generator=torch.Generator().manual_seed(3))
+    codes = codec.encode(x)
+    shells = codec.rotated_shells(torch.device("cpu"))
+    raw = codes[:, 2:].to(torch.int64).reshape(5, DIM // 8, shells.index_bits // 8)
+    index = (raw << (8 * torch.arange(shells.index_bits // 8))).sum(-1)
+    u_hat = torch.from_numpy(decode_points(index.reshape(-1).numpy(), shells.tables)).reshape(5, DIM)
+    norms = codes[:, :2].contiguous().view(torch.float16).to(torch.float32)
+    torch.testing.assert_close(norms * (u_hat @ shells.forward.T), codec.decode(codes), rtol=1e-5, atol=1e-5)
+    assert FibQuantCodec(DIM, 4, 256).rotated_shells(torch.device("cpu")) is None
