@@ -168,7 +168,7 @@ def test_real_model_generates_through_e8shell_codes(request):
     assert torch.equal(compressed[0, start:start + 4], reference[0, start:start + 4]), tokenizer.decode(compressed[0])
 
 
-@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("bits", [1.5, 2, 4])
 def test_code_archive_stores_e8shell_codes(bits, tmp_path):
     """`code_layout` is the [norm][packed indices] layout: `CodeArchive` gives the codes back byte for byte."""
     from fibquant.archive import CodeArchive
