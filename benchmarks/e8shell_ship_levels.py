@@ -90,7 +90,9 @@ def main(argv=None) -> int:
         best = min(rows, key=lambda r: r["mse_train"])
         # a level whose Lloyd cell stayed empty can keep radius 0 (the probe's 3-bit (d): shell 2 at 0): all its
         # points are the origin, so it ships as the origin level (m = 0; the same decoded points, fewer indices)
-        levels = sorted((float(r), 0 if float(r) == 0.0 else int(m)) for r, m in zip(best["radii"], best["shells"]))
+        # and a level the local search moved to shell 0 (the origin) ships as the origin whatever radius it kept
+        levels = sorted((0.0 if int(m) == 0 else float(r), 0 if float(r) == 0.0 else int(m))
+                        for r, m in zip(best["radii"], best["shells"]))
         shells = tuple(int(m) for _, m in levels)
         radii = tuple(0.0 if m == 0 else float(r) for r, m in levels)
         lines.append(f"    (64, {bits}): ({shells!r},\n              (" + ",\n               ".join(repr(r) for r in radii) + ")),")
@@ -101,8 +103,10 @@ def main(argv=None) -> int:
             d_shells, d_radii, note = refit(shells, radii, dim)
             lines.append(f"    ({dim}, {bits}): ({d_shells!r},\n              (" + ",\n               ".join(
                 repr(r) for r in d_radii) + ")),")
-            fib, turbo = baseline_mse(f"fibquant:b={bits}", dim), baseline_mse(f"turboquant:b={bits}", dim)
-            notes.append(f"    b={bits}, refitted for {note} (FibQuant b={bits} {fib:.5f}, TurboQuant {turbo:.5f})")
+            fib = baseline_mse(f"fibquant:b={bits}", dim)
+            # TurboQuant has whole bits only
+            turbo = f", TurboQuant {baseline_mse(f'turboquant:b={bits}', dim):.5f}" if bits == int(bits) else ""
+            notes.append(f"    b={bits}, refitted for {note} (FibQuant b={bits} {fib:.5f}{turbo})")
             print(notes[-1], flush=True)
     body = HEADER.format(provenance="\n".join(notes))
     body += "\nSHIPPED_LEVELS = {\n" + "\n".join(lines) + "\n}\n"

@@ -1,12 +1,13 @@
-"""Lattice-shell codes on the canonical source (issue 21): MSE per unit vector at 2, 3 and 4 bits per
-coordinate against FibQuant and the 16-dimensional FibQuant-RVQ, from the same vectors (table on stdout,
+"""Lattice-shell codes on the canonical source (issue 21): MSE per unit vector at 1, 1.5, 1.75, 2, 3 and 4 bits
+per coordinate (8 b index bits per 8-block) against FibQuant and the 16-dimensional FibQuant-RVQ, from the same vectors (table on stdout,
 results/lattice_probe.json).
 
-    PYTHONPATH=src .venv/bin/python benchmarks/lattice_probe.py [--vectors 4096] [--train-vectors 16384]
+    PYTHONPATH=src .venv/bin/python benchmarks/lattice_probe.py [--vectors 4096] [--train-vectors 16384] [--bits 1 1.5 1.75 2 3 4]
 
 Every candidate codes each 8-block y of the rotated unit vector u (d = 64, the codecs' own Haar
 rotation of seed 0) by one index into a codebook of at most 2^(8 b) points, so its code is FibQuant's
-size exactly (2-byte norm + 8 b bits per 8-block: 18 / 26 / 34 bytes at b = 2 / 3 / 4). The codebooks
+size exactly (2-byte norm + 8 b bits per 8-block: 10 / 14 / 16 / 18 / 26 / 34 bytes at b = 1 / 1.5 / 1.75 /
+2 / 3 / 4). The codebooks
 are *shell codes*: a list of levels (m_g, r_g), level g holding the E8 shell of squared norm 2 m_g
 rescaled to radius r_g (m = 0: the origin). E8 = D8 u (D8 + 1/2); its shell 2m is the union of a few
 orbits of "leader" vectors under coordinate permutations and sign changes (all sign changes for the
@@ -28,7 +29,7 @@ Candidates (all counts <= 2^(8 b), every stored bit counted):
 A candidate passes the gate when its test MSE is within GATE of the FibQuant-RVQ k = 16 configuration
 that meets issue 21's attention target at that rate (GATE_REFERENCE).
 The leader search is checked against the exhaustive search over the materialised shells (m <= 4) and
-the 2-bit codes against an exhaustive search over their materialised codebooks, before anything is
+the codes of at most 2 bits (<= 2^16 points) against an exhaustive search over their materialised codebooks, before anything is
 reported. Baselines: the registry's FibQuant b and FibQuant-RVQ k = 16 on the same test vectors.
 """
 from __future__ import annotations
@@ -50,7 +51,8 @@ from fibquant.source import canonicalize, haar_rotation, sample_sphere
 
 TEST_SEED = 987_654     # rvq_shapes.py's test vectors (no codebook construction uses it)
 TRAIN_SEED = 424_242    # the shell codes' radii are fitted on these, never on the test vectors
-BASELINES = {2: ("fibquant:b=2", "fibrvq:b=2,k=16", "fibrvq:b=2,k=16,w=64"),
+BASELINES = {1: ("fibquant:b=1",), 1.5: ("fibquant:b=1.5",), 1.75: ("fibquant:b=1.75",),
+             2: ("fibquant:b=2", "fibrvq:b=2,k=16", "fibrvq:b=2,k=16,w=64"),
              3: ("fibquant:b=3", "fibrvq:b=3,k=16,w=64"),
              4: ("fibquant:b=4,nc=0", "fibrvq:b=4,k=16,w=64")}
 MAX_SEARCH_LEVELS = 30  # (d) runs where the ball has at most this many levels (2 and 3 bits)
@@ -127,7 +129,9 @@ class ShellCode:
         """[B, G] squared distance of each block to the nearest point of each level."""
         idx = np.array([column.get(int(m), -1) for m in self.shells])
         c = np.where(idx[None, :] >= 0, cos[:, np.maximum(idx, 0)], 0.0)
-        return norm2[:, None] - 2.0 * self.radii[None, :] * c + self.radii[None, :] ** 2, c
+        # m = 0 is the origin whatever radius a level carries (local_search's shell 1 -> 0 move keeps shell 1's)
+        radii = np.where(self.shells == 0, 0.0, self.radii)
+        return norm2[:, None] - 2.0 * radii[None, :] * c + radii[None, :] ** 2, c
 
     def mse(self, norm2, cos, column) -> float:
         """Mean over blocks of the squared error, times 8 blocks: MSE per unit vector."""
@@ -343,7 +347,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vectors", type=int, default=4096)
     parser.add_argument("--train-vectors", type=int, default=16384)
-    parser.add_argument("--bits", type=int, nargs="+", default=[2, 3, 4])
+    parser.add_argument("--bits", type=float, nargs="+", default=[1, 1.5, 1.75, 2, 3, 4],
+                        help="bits per coordinate; 8 b must be an integer (the index bits per 8-block)")
     parser.add_argument("--max-shell", type=int, default=0, help="largest shell m (0: what the budget needs)")
     parser.add_argument("--no-baselines", action="store_true")
     parser.add_argument("--out", default=None)
@@ -353,8 +358,11 @@ def main(argv=None) -> int:
     test_vectors = sample_sphere(args.vectors, 64, seed=TEST_SEED)
     train = unit_blocks(sample_sphere(args.train_vectors, 64, seed=TRAIN_SEED))
     test = unit_blocks(test_vectors)
-    budget_top = max(args.bits)
-    top = args.max_shell or ball_top(2 ** (8 * budget_top)) + 12
+    for bits in args.bits:
+        if 8 * bits != int(8 * bits) or bits <= 0:
+            raise SystemExit(f"--bits {bits}: 8 b must be a positive integer (index bits per 8-block)")
+    args.bits = [int(b) if b == int(b) else b for b in args.bits]  # 2.0 -> 2: the json keeps the labels
+    top = args.max_shell or ball_top(2 ** int(8 * max(args.bits))) + 12
     table = ShellTable(list(range(1, top + 1)))
     column = {m: j for j, m in enumerate(table.shells)}
     checks = {"leader_search": check_leader_search(table, np.random.default_rng(5))}
@@ -366,7 +374,7 @@ def main(argv=None) -> int:
     norm_train, norm_test = np.linalg.norm(train, axis=1), np.linalg.norm(test, axis=1)
     rows = []
     for bits in args.bits:
-        budget = 2 ** (8 * bits)
+        budget = 2 ** int(8 * bits)
         rate_rows = []
         if not args.no_baselines:
             for spec in BASELINES[bits]:
@@ -398,14 +406,14 @@ def main(argv=None) -> int:
                 norm_train ** 2, cos_train, column)
             cands.append(("(d) free shells, ball + local search", describe(searched), searched))
         for kind, detail, code in cands:
-            row = {"kind": kind, "code": f"{kind}: {detail}", "bits": bits, "bytes": 2 + 8 * bits,
+            row = {"kind": kind, "code": f"{kind}: {detail}", "bits": bits, "bytes": 2 + int(8 * bits),
                    "count": code.count, "index_bits": math.log2(code.count),
                    "mse_train": code.mse(norm_train ** 2, cos_train, column),
                    "mse": code.mse(norm_test ** 2, cos_test, column),
                    "shells": code.shells.tolist(), "radii": code.radii.tolist()}
             if code.count > budget:
-                raise AssertionError(f"{row['code']}: {code.count} points > 2^{8 * bits}")
-            if bits == 2 and code.count <= 2 ** 16:  # the first 4096 test blocks, exhaustively
+                raise AssertionError(f"{row['code']}: {code.count} points > 2^{8 * bits:g}")
+            if bits <= 2 and code.count <= 2 ** 16:  # the first 4096 test blocks, exhaustively
                 sub = slice(0, 4096)
                 row["mse_exhaustive_4096"] = check_code_exhaustive(code, test[sub])
                 shell_mse = code.mse(norm_test[sub] ** 2, cos_test[sub], column)
@@ -415,7 +423,7 @@ def main(argv=None) -> int:
             rate_rows.append(row)
             print(f"{bits} bits {row['code']}: {row['mse']:.5f} (train {row['mse_train']:.5f}, "
                   f"2^{row['index_bits']:.3f} points)", flush=True)
-        ref = next((r["mse"] for r in rate_rows if r.get("spec") == GATE_REFERENCE[bits]), None)
+        ref = next((r["mse"] for r in rate_rows if r.get("spec") == GATE_REFERENCE.get(bits)), None)
         best = min((r["mse"] for r in rate_rows if r.get("spec", "").startswith("fibrvq")), default=None)
         fib = next((r["mse"] for r in rate_rows if r.get("spec", "").startswith("fibquant")), None)
         for row in rate_rows:
@@ -425,7 +433,7 @@ def main(argv=None) -> int:
             row["vs_best_rvq16"] = None if best is None else row["mse"] / best
             row["passes_gate"] = None if ref is None or row["kind"] == "baseline" else row["mse"] <= GATE * ref
         rows += rate_rows
-    columns = [("bits", "bits", "d"), ("code", "code", ""), ("mse", "MSE / unit vector", ".5f"),
+    columns = [("bits", "bits", "g"), ("code", "code", ""), ("mse", "MSE / unit vector", ".5f"),
                ("vs_fibquant", "vs FibQuant", ".3f"), ("vs_rvq16", "vs RVQ k=16 (target config)", ".3f"),
                ("vs_best_rvq16", "vs best RVQ k=16 row", ".3f"), ("passes_gate", "gate (<= 1.03x)", ""),
                ("encode_vectors_per_s", "encode vec/s", ".0f")]

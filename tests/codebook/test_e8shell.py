@@ -63,7 +63,9 @@ def test_unrank_numbers_the_e8_shells_once_and_search_inverts_it():
     assert np.array_equal(level, np.searchsorted(tables.offsets, index, side="right") - 1)
 
 
-@pytest.mark.parametrize("levels", [SMALL, shipped_levels(64, 2)], ids=["small", "shipped-b2"])
+@pytest.mark.parametrize("levels", [SMALL, shipped_levels(64, 2), shipped_levels(64, 1.75), shipped_levels(64, 1.5),
+                                    shipped_levels(64, 1), shipped_levels(128, 1.75)],
+                         ids=["small", "shipped-b2", "shipped-b1.75", "shipped-b1.5", "shipped-b1", "shipped-d128-b1.75"])
 def test_leader_search_equals_the_exhaustive_reference_on_random_blocks(levels):
     rng = np.random.default_rng(0)
     blocks = np.concatenate([rng.standard_normal((1500, 8)) * 0.12,       # unit-vector block scale
@@ -80,7 +82,7 @@ def test_leader_search_breaks_ties_as_the_reference(grid, step):
     """Coordinates on a coarse grid: equal |y|, zeros and sign-symmetric blocks, so exact ties between
     permutations, sign patterns, parity flips, leaders and levels."""
     y = (np.array(grid, dtype=np.float32) * np.float32(step))[None, :]
-    for levels in (SMALL, shipped_levels(64, 2)):
+    for levels in (SMALL, shipped_levels(64, 2), shipped_levels(64, 1.75)):
         index, _ = shell_search(y, shell_tables(levels))
         assert index[0] == exhaustive_search(y, codebook_points(levels))[0], (grid, step)
 

@@ -66,13 +66,16 @@ CODECS = {
     "e8shell_b2": lambda: E8ShellCodec(64, 2),
     "e8shell_b3_nc": lambda: E8ShellCodec(64, 3, norm_correction=True),
     "e8shell_b4": lambda: E8ShellCodec(64, 4),
+    "e8shell_b175_nc": lambda: E8ShellCodec(64, 1.75, norm_correction=True),
+    "e8shell_b1": lambda: E8ShellCodec(64, 1),
     "fp16": lambda: IdentityCodec(64),
     "lowrank_r8": lambda: LowRankCodec.fit(_calibration(), 8),
     "rvq_2x16": lambda: RVQCodec.fit(_calibration(), 2, 16, max_iterations=5),
 }
 MSE_BOUND = {"int4": 0.020, "int3_g16": 0.040, "turbo1": 0.375, "turbo2": 0.120, "turbo3": 0.035,
              "turbo4": 0.0097, "fib_d64_rate1": 0.335, "fib_d16_k2_n16": 0.120, "fib_d32_k4_n6": 0.62,
-             "fibrvq_d64_b2": 0.093, "e8shell_b2": 0.087, "e8shell_b4": 0.0060, "fp16": 1e-6}
+             "fibrvq_d64_b2": 0.093, "e8shell_b2": 0.087, "e8shell_b4": 0.0060,
+             "e8shell_b1": 0.322, "fp16": 1e-6}
 CALIBRATED_BOUND = {"lowrank_r8": 0.75, "rvq_2x16": 0.90}  # held-out MSE / MSE of the calibration mean
 # Float32 matmuls round differently for one row than for a batch: a low-rank code depends on the batch.
 NOT_ROW_EXACT = {"lowrank_r8"}

@@ -5,6 +5,12 @@ per rate the probe's candidate with the lowest training MSE, its radii Lloyd-fit
 16384 unit vectors of the canonical source (uniform on S^63, `fibquant.source.sample_sphere` seed 424242,
 Haar rotation of seed 0): calibration-free, no model data. Other head dimensions (--refit-dims): the d = 64
 shells, radii refitted by Lloyd steps on 16384 canonical-source vectors in R^d (same seeds). Candidates:
+    b=1: (b) ball, alpha E8 (2 levels, 2^7.9129 points, test MSE 0.31476)
+    b=1, refitted for d=128: test MSE 0.31790 (FibQuant b=1 0.31935, TurboQuant 0.36121)
+    b=1.5: (d) free shells, ball + local search (9 levels, 2^11.9944 points, test MSE 0.17668)
+    b=1.5, refitted for d=128: test MSE 0.17786 (FibQuant b=1.5 0.16922)
+    b=1.75: (d) free shells, ball + local search (4 levels, 2^13.9294 points, test MSE 0.12229)
+    b=1.75, refitted for d=128: test MSE 0.12364 (FibQuant b=1.75 0.13313)
     b=2: (d) free shells, ball + local search (6 levels, 2^15.9996 points, test MSE 0.08459)
     b=2, refitted for d=128: test MSE 0.08542 (FibQuant b=2 0.09599, TurboQuant 0.11616)
     b=3: (d) free shells, ball + local search (24 levels, 2^23.9991 points, test MSE 0.02177)
@@ -14,6 +20,42 @@ shells, radii refitted by Lloyd steps on 16384 canonical-source vectors in R^d (
 """
 
 SHIPPED_LEVELS = {
+    (64, 1): ((0, 1),
+              (0.0,
+               0.2946528753566795)),
+    (128, 1): ((0, 1),
+              (0.0,
+               0.20815812777557968)),
+    (64, 1.5): ((1, 1, 1, 1, 1, 2, 1, 1, 1),
+              (0.14511471046183477,
+               0.18859508430946106,
+               0.22501961249169705,
+               0.26708511108623667,
+               0.31468233143850544,
+               0.3389856853487166,
+               0.36443277594627316,
+               0.4174284208153552,
+               0.48299284372959056)),
+    (128, 1.5): ((1, 1, 1, 1, 1, 2, 1, 1, 1),
+              (0.0997262227353444,
+               0.13006908407640522,
+               0.15517910599367307,
+               0.18402074864164678,
+               0.21788694105773979,
+               0.24006213010196795,
+               0.25540758033971583,
+               0.2963119580021551,
+               0.3463153940150555)),
+    (64, 1.75): ((0, 3, 2, 3),
+              (0.0,
+               0.2599524451862232,
+               0.353163238846895,
+               0.3958597620572659)),
+    (128, 1.75): ((0, 3, 2, 3),
+              (0.0,
+               0.18293502116813884,
+               0.24846037403989196,
+               0.2831433232264215)),
     (64, 2): ((2, 3, 2, 4, 3, 5),
               (0.17471048905891387,
                0.24422653653538087,

@@ -11,9 +11,10 @@ Code layout of one vector (code_size bytes, vector i of a flat batch at byte i *
     bytes [0, 2)            the stored norm as IEEE fp16: nu = ||x||, or with norm_correction
                             nu / ||u_hat|| (so the decoded vector has the input's norm; no extra byte;
                             ||u_hat||^2 = the sum of the blocks' level radii squared)
-    bytes [2, code_size)    dim/8 indices of 8 b bits each (byte-aligned), bit-packed little-endian
+    bytes [2, code_size)    dim/8 indices of 8 b bits each (8 to 32), bit-packed little-endian
 
-code_size = 2 + dim * b / 8: d = 64: 18 / 26 / 34 bytes at b = 2 / 3 / 4 (FibQuant's sizes).
+code_size = 2 + dim * b / 8: d = 64: 10 / 14 / 16 / 18 / 26 / 34 bytes at b = 1 / 1.5 / 1.75 / 2 / 3 / 4
+(FibQuant's sizes).
 `bits_per_coordinate` = b. Decode: unrank each index to its point, concatenate, apply Pi^T, scale by the
 stored norm. A zero vector stores 0 and decodes to zero.
 
@@ -39,10 +40,15 @@ from .layout import CodeLayout
 from .norm_correction import corrected_norm_bytes, reference_norm_bytes
 from .rotation import NORM_BYTES, RotationState, check_rotation_seed, rotation_seed_of
 
-SUPPORTED_BITS = (2, 3, 4)
+SUPPORTED_BITS = (1, 1.5, 1.75, 2, 3, 4)  # 8 b index bits per 8-block: 8, 12, 14, 16, 24, 32
 
 
-def shipped_levels(dim: int, bits: int) -> ShellLevels:
+def _canonical_bits(bits: float) -> float:
+    """2.0 -> 2 (the shipped table's and the labels' key); 1.5 stays 1.5."""
+    return int(bits) if float(bits) == int(bits) else float(bits)
+
+
+def shipped_levels(dim: int, bits: float) -> ShellLevels:
     """The shipped shell code for head dimension `dim` at `bits` per coordinate (ValueError if none)."""
     if (dim, bits) not in SHIPPED_LEVELS:
         supported = sorted(SHIPPED_LEVELS)
@@ -54,7 +60,7 @@ def shipped_levels(dim: int, bits: int) -> ShellLevels:
 @dataclass(frozen=True)
 class E8ShellConfig:
     dim: int
-    bits: int
+    bits: float
     norm_correction: bool = False
     seed: int = 0
     rotation_seed: int | None = None  # the seed of Pi (None: `seed`); the levels do not depend on it
@@ -73,7 +79,7 @@ class E8ShellConfig:
 
     @property
     def index_bits(self) -> int:
-        return BLOCK * self.bits
+        return int(BLOCK * self.bits)
 
     @property
     def n_blocks(self) -> int:
@@ -83,15 +89,15 @@ class E8ShellConfig:
 class E8ShellCodec(Codec):
     """E8 shell code per 8-block after a random rotation: float [..., dim] <-> uint8 [..., code_size].
 
-    Spec strings: "e8shell:b=2" (b in 2..4, d = 64 or 128), options nc=1 (norm correction) and r=<seed> (another
+    Spec strings: "e8shell:b=2" (b in 1, 1.5, 1.75, 2, 3, 4; d = 64 or 128), options nc=1 (norm correction) and r=<seed> (another
     rotation draw). The levels' tables are built on first use."""
 
     family = "e8shell"
     fibquant_code = True
-    spec_params = (SpecParam("b", "bits"), SpecParam("nc", "nc"), SpecParam("r", "rotation_seed"))
+    spec_params = (SpecParam("b", "bits", float), SpecParam("nc", "nc"), SpecParam("r", "rotation_seed"))
     style = PlotStyle("FibQuant-E8 (shell code, k=8)", "C5", "P")
 
-    def __init__(self, dim: int, bits: int, norm_correction: bool = False, seed: int = 0,
+    def __init__(self, dim: int, bits: float, norm_correction: bool = False, seed: int = 0,
                  rotation_seed: int | None = None):
         super().__init__(E8ShellConfig(dim, bits, norm_correction, seed, rotation_seed))
         self.bits, self.norm_correction, self.seed, self.rotation_seed = bits, norm_correction, seed, rotation_seed
@@ -116,11 +122,11 @@ class E8ShellCodec(Codec):
 
     @classmethod
     def from_spec(cls, dim: int, bits: int, nc=None, rotation_seed=None) -> "E8ShellCodec":
-        return cls(dim, int(bits), bool(nc), rotation_seed=rotation_seed)
+        return cls(dim, _canonical_bits(bits), bool(nc), rotation_seed=rotation_seed)
 
     @classmethod
     def spec_unavailable(cls, dim: int, bits: int, nc=None, rotation_seed=None) -> str | None:
-        if (dim, bits) not in SHIPPED_LEVELS:
+        if (dim, _canonical_bits(bits)) not in SHIPPED_LEVELS:
             return f"e8shell ships levels for (dim, bits) in {sorted(SHIPPED_LEVELS)} only"
         return None if numba_available() else "e8shell needs numba, which does not import"
 

@@ -8,7 +8,7 @@ Spec strings (also accepted on the command line):
                             nc= the per-rate default: on at 4 bits (fibquant:b=4 = fibquant:b=4,nc=1), off below
     fibrvq:b=2              FibQuant-RVQ: universal residual codes in k = 8, b stages of 256 (beam search)
     fibrvq:b=2,k=16         FibQuant-RVQ in 16-dimensional blocks, b * 2 stages of 256 (same bytes)
-    e8shell:b=2,nc=1        FibQuant-E8: one E8 shell-code index per 8-block (b in 2..4, d = 64 or 128; exact search)
+    e8shell:b=2,nc=1        FibQuant-E8: one E8 shell-code index per 8-block (b in 1, 1.5, 1.75, 2..4, d = 64 or 128; exact search)
     turboquant:b=3          TurboQuant (scalar Lloyd-Max after a rotation), integer bits 1..4
     fibquant:b=2,r=3        any rotation-based codec (fibquant, fibrvq, e8shell, turboquant) with the Haar rotation
                             of seed 3 (the same codebook; for means over draws, `eval peers --rotation-seeds`)
