@@ -26,6 +26,8 @@ PAIRS = {
     "e8 3/3 nc": lambda: (E8ShellCodec(DIM, 3, norm_correction=True), E8ShellCodec(DIM, 3, norm_correction=True)),
     "e8 4/2": lambda: (E8ShellCodec(DIM, 4), E8ShellCodec(DIM, 2)),
     "e8 2/4 r3": lambda: (E8ShellCodec(DIM, 2, rotation_seed=3), E8ShellCodec(DIM, 4)),
+    "e8 1.75/1 nc": lambda: (E8ShellCodec(DIM, 1.75, norm_correction=True), E8ShellCodec(DIM, 1)),
+    "e8 1.5/2": lambda: (E8ShellCodec(DIM, 1.5), E8ShellCodec(DIM, 2)),
 }
 
 
@@ -42,14 +44,14 @@ def shell_calls(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("bits", [1, 1.5, 1.75, 2, 3, 4])
 def test_decoded_blocks_equal_unrank_exactly(bits):
-    """Every index at 2 bits, every orbit's first and last index and random ones at 3 and 4 bits: the
+    """Every index up to 2 bits, every orbit's first and last index and random ones at 3 and 4 bits: the
     decomposed tables give unrank's float64 point rounded to float32, bit for bit."""
     levels = shipped_levels(DIM, bits)
     tables, ptables = shell_tables(levels), point_tables(levels)
-    rng = np.random.default_rng(bits)
-    index = np.arange(tables.count) if bits == 2 else rng.integers(0, tables.count, 100_000)
+    rng = np.random.default_rng(int(4 * bits))
+    index = np.arange(tables.count) if bits <= 2 else rng.integers(0, tables.count, 100_000)
     index = np.concatenate([index, ptables.starts[:-1], ptables.starts[1:] - 1])
     got = decode_points(index, ptables)
     want = unrank(index, tables).astype(np.float32)

@@ -34,16 +34,20 @@ _point = _norms = _softmax_row = _add_key_mean = _add_bias = _exact_scores = _ex
 _code_scores = _code_values = _block_index = None
 
 
-def _block_index_py(rows, i, blk, nbytes):
-    """The little-endian index of block blk of code row i (nbytes bytes per index, after the 2-byte norm)."""
-    o = 2 + blk * nbytes
+def _block_index_py(rows, i, blk, ibits):
+    """The index of block blk of code row i: ibits (8..32) bits at bit offset blk * ibits of the indices after
+    the 2-byte norm, little-endian as `codecs.bitpack` packs them (12 / 14-bit codes are not byte-aligned)."""
+    bit = blk * ibits
+    o = 2 + (bit >> 3)
+    shift = bit & 7
+    last = min(rows.shape[1], 2 + ((bit + ibits + 7) >> 3))
     idx = np.int64(0)
-    for q in range(nbytes):
+    for q in range(last - o):
         idx |= np.int64(rows[i, o + q]) << (8 * q)
-    return idx
+    return (idx >> shift) & ((np.int64(1) << ibits) - 1)
 
 
-def _code_scores_py(rows, rq, groups, norms, coded, u, nbytes, count, bucket, bshift, orbits, orbit_vals,
+def _code_scores_py(rows, rq, groups, norms, coded, u, ibits, count, bucket, bshift, orbits, orbit_vals,
                     comps, signs):
     """coded[t, i] = norms[i] * (rq[t] . u_hat_i) for every code row i (u: float32 scratch [dim]); returns the
     count of indices >= count (decoded as index 0)."""
@@ -52,7 +56,7 @@ def _code_scores_py(rows, rq, groups, norms, coded, u, nbytes, count, bucket, bs
     bad = 0
     for i in range(n_tokens):
         for blk in range(dim // 8):
-            idx = _block_index(rows, i, blk, nbytes)
+            idx = _block_index(rows, i, blk, ibits)
             if idx >= count:
                 bad += 1
                 idx = 0
@@ -66,7 +70,7 @@ def _code_scores_py(rows, rq, groups, norms, coded, u, nbytes, count, bucket, bs
     return bad
 
 
-def _code_values_py(rows, weights, groups, norms, acc, u, nbytes, count, bucket, bshift, orbits, orbit_vals,
+def _code_values_py(rows, weights, groups, norms, acc, u, ibits, count, bucket, bshift, orbits, orbit_vals,
                     comps, signs):
     """acc[t] += weights[t, i] * norms[i] * u_hat_i over every code row i (acc [groups, dim] rotated domain);
     returns the count of indices >= count."""
@@ -75,7 +79,7 @@ def _code_values_py(rows, weights, groups, norms, acc, u, nbytes, count, bucket,
     bad = 0
     for i in range(n_tokens):
         for blk in range(dim // 8):
-            idx = _block_index(rows, i, blk, nbytes)
+            idx = _block_index(rows, i, blk, ibits)
             if idx >= count:
                 bad += 1
                 idx = 0
@@ -92,11 +96,11 @@ def _code_values_py(rows, weights, groups, norms, acc, u, nbytes, count, bucket,
 def _decode_step_py(query, scaling, key_forward, value_inverse, key_codes, value_codes, sink_keys, sink_values,
                     recent_keys, recent_values, new_keys, new_values, key_mean, value_mean, bias, sinks, out, flags,
                     key_norms, value_norms,
-                    k_nbytes, k_count, k_bucket, k_bshift, k_orbits, k_orbit_vals, k_comps,
-                    v_nbytes, v_count, v_bucket, v_bshift, v_orbits, v_orbit_vals, v_comps,
+                    k_ibits, k_count, k_bucket, k_bshift, k_orbits, k_orbit_vals, k_comps,
+                    v_ibits, v_count, v_bucket, v_bshift, v_orbits, v_orbit_vals, v_comps,
                     signs, unit_start, unit_stop):
     """out[b, h*G + t] for units [unit_start, unit_stop) of (b, KV head h), as numba_decode's step, the coded
-    columns read from shell codes (k_* / v_*: each role's `ShellPointTables` and index bytes); returns the count
+    columns read from shell codes (k_* / v_*: each role's `ShellPointTables` and index bits); returns the count
     of invalid indices (>= the code's point count) seen."""
     n_b, n_qh, dim = query.shape
     n_h = key_codes.shape[1]
@@ -141,7 +145,7 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_codes, value
             else:
                 _norms(key_codes[b, h], norms, ibits)
                 row_norms = norms
-            bad += _code_scores(key_codes[b, h], rq, groups, row_norms, coded, u, k_nbytes, k_count, k_bucket,
+            bad += _code_scores(key_codes[b, h], rq, groups, row_norms, coded, u, k_ibits, k_count, k_bucket,
                                 k_bshift, k_orbits, k_orbit_vals, k_comps, signs)
             if has_key_mean:
                 _add_key_mean(coded, groups, n_tokens, scaled, key_mean, b, h, dim)
@@ -168,7 +172,7 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_codes, value
             for t in range(groups):
                 for e in range(value_dim):
                     acc[t, e] = 0.0
-            bad += _code_values(value_codes[b, h], coded, groups, row_norms, acc, u, v_nbytes, v_count, v_bucket,
+            bad += _code_values(value_codes[b, h], coded, groups, row_norms, acc, u, v_ibits, v_count, v_bucket,
                                 v_bshift, v_orbits, v_orbit_vals, v_comps, signs)
             for t in range(groups):  # inverse = forward.T
                 for e in range(value_dim):
@@ -225,7 +229,7 @@ def compile_shell_kernel():
 
 
 def shell_plan(codec):
-    """(forward, forward.T, index bytes, ShellPointTables, (torch tensors kept alive)) for a codec whose codes
+    """(forward, forward.T, index bits, ShellPointTables, (torch tensors kept alive)) for a codec whose codes
     are E8 shell codes (`rotated_shells`), else None."""
     try:
         plan = _PLANS.get(codec)
@@ -237,7 +241,7 @@ def shell_plan(codec):
     shells = codec.rotated_shells(torch.device("cpu"))
     if shells is not None:
         forward = shells.forward.detach().to(torch.float32).contiguous()
-        plan = (forward.numpy(), forward.T.contiguous().numpy(), shells.index_bits // 8, shells.tables, (forward,))
+        plan = (forward.numpy(), forward.T.contiguous().numpy(), shells.index_bits, shells.tables, (forward,))
     try:
         _PLANS[codec] = plan
     except TypeError:
