@@ -28,6 +28,10 @@ from fibquant.kv.attention.reference import gather_paged_codes
 _KERNELS: dict = {}  # (bf16 inputs, bf16 out) -> the compiled kernel
 _scratch = None  # entry._scratch, imported on first use (entry pulls in transformers)
 _DUMMY_SINKS = np.zeros(1, dtype=np.float32)
+# Decode-then-dot (vector gathers from the codebook) for roles whose codes allow it (FibQuant at 4 bits:
+# `numba_paged._gather_ok`); False: the lookup tables / histograms everywhere (the tests run both).
+GATHER_DECODE = True
+_GATHER_FLAG = 16  # numba_paged.GATHER (not imported here: numba_paged's import is kept lazy)
 _ARANGE = np.arange(0, dtype=np.int64)
 
 
@@ -197,7 +201,8 @@ def run_paged_kernel(kernel, plans: PagedPlan, query, scaling: float, pages, tab
     batch, kv_heads = query.shape[0], pages.shape[1]
     args = (query, np.float32(scaling), keys[0], values[1], keys[2], values[2], pages, tables,
             starts, stops, int(key_offset), plans.key_size, int(value_offset), plans.value_size, exact_keys,
-            exact_values, exact_rows, new_keys, new_values, sinks, out, flags, *plans.scalars)
+            exact_values, exact_rows, new_keys, new_values, sinks, out,
+            (flags | _GATHER_FLAG) if GATHER_DECODE else flags, *plans.scalars)
     return run_split(kernel, args, batch * kv_heads, longest * (keys[4] + values[4]), _MIN_WORK_PER_THREAD,
                      "fibquant-paged", per_thread=lambda t: _scratch(t, sizes, lanes, longest))
 
