@@ -3,10 +3,13 @@ exact window, paged kernel) against vLLM's own CPU bf16 attention (`cpu_attn_res
 `cpu_attention_with_kv_cache`, what `CPU_ATTN` runs) in one process, calls interleaved.
 
 Usage: OMP_NUM_THREADS=1 .venv-vllm/bin/python benchmarks/vllm_layer_step.py [--batch 4]
-       [--context 1024] [--steps 200] [--caches fibquant:b=4 fibquant:b=2] [--immediate] [--out results/]
+       [--context 1024] [--steps 200] [--caches fibquant:b=4 fibquant:b=2] [--immediate] [--tables]
+       [--out results/]
 
 --immediate adds each cache once more with its codes written every forward (no deferred writes),
-to show what the batched encode of `integrations/vllm/deferred.py` saves.
+to show what the batched encode of `integrations/vllm/deferred.py` saves. --tables adds each cache
+once more with the paged kernel's gather path off (`paged.GATHER_DECODE = False`: 4-bit roles read
+through lookup tables / histograms), for the paired ratio gathers / tables in the same run.
 
 Issue 18's target "decode attention on codes per layer step <= bf16's" is timed inside the engine
 by `benchmarks/vllm_serving.py` (caches one after another, each its own engine); this script
@@ -95,12 +98,13 @@ class DenseBf16:
 class Plugin:
     """The FibQuant backend's forward (writes included) on token-major coded pages."""
 
-    def __init__(self, case: _Case, spec: str, defer: bool = True) -> None:
+    def __init__(self, case: _Case, spec: str, defer: bool = True, gather: bool = True) -> None:
         from fibquant.integrations.vllm import backend
         from fibquant.integrations.vllm.config import ENV_VAR, active_config
 
         os.environ[ENV_VAR] = spec
-        self.name, self.case, self.meta = spec + ("" if defer else " (immediate writes)"), case, backend.FibQuantMetadata
+        self.name = spec + ("" if defer else " (immediate writes)") + ("" if gather else " (tables)")
+        self.case, self.meta, self.gather = case, backend.FibQuantMetadata, gather
         saved, backend.DEFER_CODES = backend.DEFER_CODES, defer
         try:
             self.impl = backend.FibQuantAttentionImpl(Q_HEADS, DIM, DIM ** -0.5, KV_HEADS)
@@ -115,6 +119,8 @@ class Plugin:
         # The forward's window plan is built by the engine's first layer and kept on the metadata for
         # the other layers (30 in SmolLM2), like vLLM's scheduler metadata: built here, untimed.
         self.impl._window_plan(meta, self.impl._pages(self.cache))
+        from fibquant.kv.attention import paged
+        paged.GATHER_DECODE = self.gather  # a module switch read at each kernel call: set before the timed call
         return lambda: self.impl.forward(None, query, key, value, self.cache, meta,
                                          torch.empty(n, Q_HEADS * DIM, dtype=torch.bfloat16))
 
@@ -122,8 +128,9 @@ class Plugin:
 def measure(args) -> list[dict]:
     torch.set_num_threads(1)
     case = _Case(args.batch, args.context, args.steps, seed=0)
-    runners = [DenseBf16(case)] + [Plugin(case, spec, defer) for spec in args.caches
-                                   for defer in ((True, False) if args.immediate else (True,))]
+    runners = [DenseBf16(case)] + [Plugin(case, spec, defer, gather) for spec in args.caches
+                                   for defer in ((True, False) if args.immediate else (True,))
+                                   for gather in ((True, False) if args.tables else (True,))]
     for b in range(args.batch):  # prefill, one forward per sequence (untimed)
         query, key, value = case.tokens(args.context)
         slots = torch.tensor([int(case.tables[b, p // BLOCK]) * BLOCK + p % BLOCK for p in range(args.context)])
@@ -132,6 +139,8 @@ def measure(args) -> list[dict]:
                 runner.ops.cpu_attn_reshape_and_cache(key.view(-1, KV_HEADS, DIM), value.view(-1, KV_HEADS, DIM),
                                                       runner.key_cache, runner.value_cache, slots, runner.isa)
             else:
+                from fibquant.kv.attention import paged
+                paged.GATHER_DECODE = runner.gather
                 meta = runner.meta(args.context, [0, args.context], [args.context], case.tables[b:b + 1], slots)
                 runner.impl.forward(None, query, key, value, runner.cache, meta,
                                     torch.empty(args.context, Q_HEADS * DIM, dtype=torch.bfloat16))
@@ -154,13 +163,21 @@ def measure(args) -> list[dict]:
             errors[name] = max(errors[name], float((out.float() - reference).norm() / reference.norm()))
     warm = slice(min(16, args.steps // 4), None)
     base = statistics.median(times[runners[0].name][warm])
-    return [{"cache": name, "ms_per_layer_step": 1e3 * statistics.median(values[warm]),
+    rows = [{"cache": name, "ms_per_layer_step": 1e3 * statistics.median(values[warm]),
              "x_bf16": statistics.median(values[warm]) / base, "max_rel_err_vs_bf16": errors[name],
              "batch": args.batch, "context": args.context, "steps": args.steps}
             for name, values in times.items()]
+    for row in rows:  # per step: this cache / bf16, and gathers / tables of the same cache
+        name = row["cache"]
+        row["x_bf16_paired"] = statistics.median(a / b for a, b in zip(times[name][warm], times[runners[0].name][warm]))
+        if name + " (tables)" in times:
+            row["x_tables_paired"] = statistics.median(
+                a / b for a, b in zip(times[name][warm], times[name + " (tables)"][warm]))
+    return rows
 
 
 COLUMNS = [("cache", "cache", ""), ("ms_per_layer_step", "ms / layer step", ".3f"), ("x_bf16", "x bf16", ".2f"),
+           ("x_bf16_paired", "x bf16 (paired per step)", ".2f"), ("x_tables_paired", "x tables (paired)", ".2f"),
            ("max_rel_err_vs_bf16", "max rel. err vs bf16", ".3f")]
 
 
@@ -172,6 +189,8 @@ def main(argv=None) -> int:
     parser.add_argument("--caches", nargs="+", default=["fibquant:b=4", "fibquant:b=2"])
     parser.add_argument("--immediate", action="store_true",
                         help="also each cache with every forward's codes written at once (backend.DEFER_CODES off)")
+    parser.add_argument("--tables", action="store_true",
+                        help="also each cache with the paged kernel's gather path off (lookup tables / histograms)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.batch < 1 or args.context < 1 or args.steps < 4:
