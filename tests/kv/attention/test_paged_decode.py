@@ -63,9 +63,10 @@ def test_paged_decode_equals_reference(pair, token_major):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
-@pytest.fixture(params=[True, False], ids=["gather", "tables"])
+@pytest.fixture(params=[True, "keys", "values", False], ids=["gather", "gather-keys", "gather-values", "tables"])
 def gather(request, monkeypatch):
-    """Both decode paths of the kernel's 4-bit roles: decode-then-dot (gathers) and lookup tables / histograms."""
+    """Every decode path of the kernel's 4-bit roles: decode-then-dot (gathers) for both, keys or values
+    only, and lookup tables / histograms."""
     monkeypatch.setattr(paged, "GATHER_DECODE", request.param)
     return request.param
 
@@ -82,12 +83,16 @@ def test_paged_decode_gather_and_table_paths_equal_reference(pair, heads, gather
                                paged_decode_attention_reference(**case, sinks=sinks), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("pair, gathered", [("fibquant 4/4 bit (8-bit indices)", True), ("fibquant 4-bit d=128", True),
-                                            ("fibquant 4/2 bit", True), ("turboquant 4/2 (byte tables)", False)])
-def test_paged_decode_gather_switch_reaches_the_kernel(pair, gathered, monkeypatch):
-    """`paged.GATHER_DECODE` changes how 4-bit FibQuant roles are summed (outputs differ in float
-    rounding, within 1e-5 of each other) and nothing else (other codes: bitwise the same)."""
+@pytest.mark.parametrize("pair, setting, gathered", [
+    ("fibquant 4/4 bit (8-bit indices)", True, True), ("fibquant 4/4 bit (8-bit indices)", "keys", True),
+    ("fibquant 4/4 bit (8-bit indices)", "values", True), ("fibquant 4-bit d=128", True, True),
+    ("fibquant 4/2 bit", "keys", True), ("fibquant 4/2 bit", "values", False),
+    ("turboquant 4/2 (byte tables)", True, False)])
+def test_paged_decode_gather_switch_reaches_the_kernel(pair, setting, gathered, monkeypatch):
+    """`paged.GATHER_DECODE` changes how the 4-bit FibQuant roles it names are summed (outputs differ in
+    float rounding, within 1e-5 of each other) and nothing else (other codes: bitwise the same)."""
     case = _scenario(pair, seed=8)
+    monkeypatch.setattr(paged, "GATHER_DECODE", setting)
     on = paged_decode_attention(**case)
     monkeypatch.setattr(paged, "GATHER_DECODE", False)
     off = paged_decode_attention(**case)

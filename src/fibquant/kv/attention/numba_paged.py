@@ -33,7 +33,8 @@ _norms = _softmax_row = None
 _as_f32 = _from_f32 = None
 _exact_scores = _exact_values = _contract_dot = _rotate_rows = None
 _g_scores = _g_values = _gather_scores = _gather_values = _gather_ok = None
-GATHER = 16  # flags bit: decode-then-dot (vector gathers) for the roles that allow it (`_gather_ok`)
+# flags bits: decode-then-dot (vector gathers) for the keys / values when their codes allow it (`_gather_ok`)
+GATHER_KEYS, GATHER_VALUES = 16, 32
 
 
 def _rotate_rows_py(rows, matrix, out, n):
@@ -119,9 +120,10 @@ def _paged_step_py(query, scaling, key_forward, value_inverse, key_codewords, va
     exact_keys / exact_values [R, H, n, D] (n may be 0) of which sequence b reads row exact_rows[b]
     (int64 [B], in [0, R): e.g. the rows of the caller's window slabs, read in place), new_keys /
     new_values [B, H, n_new, D], sinks [Hq] (read when flags bit 3), out [B, Hq, Dv]; query, exact
-    parts and out float32 or bf16 bits (uint16), any strides. flags bit 4 (`GATHER`): a role whose
-    codes allow it (`_gather_ok`: FibQuant at 4 bits) is read by decode-then-dot (`_gather_scores`,
-    `_gather_values`) instead of the lookup table / histogram (same sums to float32 rounding).
+    parts and out float32 or bf16 bits (uint16), any strides. flags bits 4 / 5 (`GATHER_KEYS`,
+    `GATHER_VALUES`): the keys / values, when their codes allow it (`_gather_ok`: FibQuant at 4 bits),
+    are read by decode-then-dot (`_gather_scores`, `_gather_values`) instead of the lookup table /
+    histogram (the same sums to float32 rounding).
     Scratch as `numba_decode.scratch_sizes`, coded [lanes, >= max coded tokens], norms and ibits
     (int32) [>= that].
 
@@ -149,8 +151,8 @@ def _paged_step_py(query, scaling, key_forward, value_inverse, key_codewords, va
     # Decode-then-dot where the codes allow it: at 4 bits (k = 2, 32 blocks) the table / histogram
     # are 128 KB each (beyond L1) and the histogram needs its contraction; gathers from the 2 KB
     # codebook replace both (values 23 -> 15 us, scores 19 -> 18 us per 1,024 tokens, table build incl.).
-    k_gather = (flags & GATHER) != 0 and _gather_ok(key_mode, key_codewords, key_blocks, groups)
-    v_gather = (flags & GATHER) != 0 and _gather_ok(value_mode, value_codewords, value_blocks, groups)
+    k_gather = (flags & GATHER_KEYS) != 0 and _gather_ok(key_mode, key_codewords, key_blocks, groups)
+    v_gather = (flags & GATHER_VALUES) != 0 and _gather_ok(value_mode, value_codewords, value_blocks, groups)
     value_codewords_t = np.ascontiguousarray(value_codewords.T)  # [vk, vn]: the contraction's left factor
 
     n_rows = (unit_stop - unit_start) * groups  # query rows of this call's units: row u * G + t

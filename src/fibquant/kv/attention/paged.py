@@ -29,9 +29,11 @@ _KERNELS: dict = {}  # (bf16 inputs, bf16 out) -> the compiled kernel
 _scratch = None  # entry._scratch, imported on first use (entry pulls in transformers)
 _DUMMY_SINKS = np.zeros(1, dtype=np.float32)
 # Decode-then-dot (vector gathers from the codebook) for roles whose codes allow it (FibQuant at 4 bits:
-# `numba_paged._gather_ok`); False: the lookup tables / histograms everywhere (the tests run both).
+# `numba_paged._gather_ok`): True (both roles), "keys", "values", or False (the lookup tables /
+# histograms everywhere; the tests run every setting).
 GATHER_DECODE = True
-_GATHER_FLAG = 16  # numba_paged.GATHER (not imported here: numba_paged's import is kept lazy)
+# numba_paged.GATHER_KEYS / GATHER_VALUES (not imported here: numba_paged's import is kept lazy)
+_GATHER_FLAGS = {True: 16 | 32, "keys": 16, "values": 32, False: 0}
 _ARANGE = np.arange(0, dtype=np.int64)
 
 
@@ -202,7 +204,7 @@ def run_paged_kernel(kernel, plans: PagedPlan, query, scaling: float, pages, tab
     args = (query, np.float32(scaling), keys[0], values[1], keys[2], values[2], pages, tables,
             starts, stops, int(key_offset), plans.key_size, int(value_offset), plans.value_size, exact_keys,
             exact_values, exact_rows, new_keys, new_values, sinks, out,
-            (flags | _GATHER_FLAG) if GATHER_DECODE else flags, *plans.scalars)
+            flags | _GATHER_FLAGS[GATHER_DECODE], *plans.scalars)
     return run_split(kernel, args, batch * kv_heads, longest * (keys[4] + values[4]), _MIN_WORK_PER_THREAD,
                      "fibquant-paged", per_thread=lambda t: _scratch(t, sizes, lanes, longest))
 
