@@ -5,7 +5,7 @@ Usage: .venv/bin/python benchmarks/paged_decode_step.py [--batch 4] [--contexts 
        [--bits 4 2] [--repeats 30] [--block 128] [--dtype bfloat16|float32] [--tables] [--out results/]
 
 --tables adds each rate once more with `paged.GATHER_DECODE` off (4-bit roles read through lookup
-tables / histograms instead of decode-then-dot gathers), interleaved: the paired old / new ratio.
+tables / histograms instead of the default's decode-then-dot gathers), interleaved: the paired ratio.
 
 Issue 18 asks for decode attention on codes per layer step <= bf16's. Inside vLLM the bf16 step is
 vLLM's own CPU attention kernel (timed in the engine by `benchmarks/vllm_serving.py`); this script
@@ -74,11 +74,11 @@ def dense_step(dtype: torch.dtype, batch: int, context: int, generator: torch.Ge
 def _tables(step):
     """`step` with the kernel's gather path off (lookup tables / histograms for every role)."""
     def run():
-        paged.GATHER_DECODE = False
+        saved, paged.GATHER_DECODE = paged.GATHER_DECODE, False
         try:
             return step()
         finally:
-            paged.GATHER_DECODE = True
+            paged.GATHER_DECODE = saved
     return run
 
 
