@@ -9,7 +9,8 @@ of sequence b are not a contiguous [M, C] row block but slots of pages
     position p  ->  pages[tables[b, p // block_size], h, p % block_size, offset : offset + code_size]
 
 so the token loops (`_score_tokens`, `_hist_tokens` of numba_decode, the same lookup-table and
-histogram intrinsics) run block by block over 2-d strided views of the pages, writing the scores
+histogram intrinsics; for FibQuant's 4-bit codes, when the caller's flags ask, decode-then-dot by vector
+gathers instead: `_gather_scores`, `_gather_values`) run block by block over 2-d strided views of the pages, writing the scores
 of block j into columns [j * block_size - start_b, ...) of the row's score scratch. No codes are
 copied, and no sequence is padded to the longest: the work of sequence b is its own length.
 
