@@ -17,8 +17,8 @@ recent tokens are exact (the plugin's window) and the rest coded in token-major 
 --block slots (default 128, vLLM CPU's block size), block tables shuffled. The query, the exact
 window, the new token and the output are --dtype (default bfloat16, what the plugin hands the kernel
 in a bf16 model; the kernel reads and writes bf16 in place). Synthetic Gaussian keys/values: the kernel's cost does not depend on
-the values. One torch thread; each repeat times every variant once in turn (the order reversed every
-other repeat); ratio = median / SDPA fp32's median. Writes results/paged_decode_step.json.
+the values. One torch thread; each repeat times every variant once in turn (the order rotated by one
+each repeat); ratio = median / SDPA fp32's median. Writes results/paged_decode_step.json.
 """
 from __future__ import annotations
 
@@ -97,8 +97,10 @@ def measure(batch: int, context: int, bits: list[float], repeats: int, block: in
     times = {name: [] for name in variants}
     for name, step in variants.items():  # warm-up: numba compiles, tables allocate
         step()
-    for repeat in range(repeats):  # the order reversed every other repeat: no variant always runs after another
-        for name, step in (list(variants.items()) if repeat % 2 == 0 else reversed(variants.items())):
+    items = list(variants.items())
+    for repeat in range(repeats):  # the order rotated each repeat: no variant always, or twice in a row, after another
+        shift = repeat % len(items)
+        for name, step in items[shift:] + items[:shift]:
             start = time.perf_counter()
             step()
             times[name].append(time.perf_counter() - start)

@@ -22,7 +22,7 @@ attention over context + step tokens (the plugin's 4 + 32 exact window, its defe
 flushed every 16 steps inside the timed forwards); each step's metadata (vLLM's scheduler metadata,
 the plugin's metadata object and its window plan) is built before the timed call, as the engine
 builds it once per step for all layers. Synthetic Gaussian bf16 keys/values/queries,
-the same for every cache; the order of the caches reversed every other step. One torch thread; ratio = median / bf16's median. Writes
+the same for every cache; the order of the caches rotated by one each step. One torch thread; ratio = median / bf16's median. Writes
 results/vllm_layer_step.json.
 """
 from __future__ import annotations
@@ -160,7 +160,8 @@ def measure(args) -> list[dict]:
         slots = case.slots(positions)
         lengths = [p + 1 for p in positions]
         outs = {}
-        for runner in (runners if step % 2 == 0 else runners[::-1]):  # no cache always runs after another
+        shift = step % len(runners)  # the order rotated each step: no cache always, or twice in a row, after another
+        for runner in runners[shift:] + runners[:shift]:
             call = runner.prepare(query, key, value, slots, starts, lengths)
             start = time.perf_counter()
             outs[runner.name] = call()
