@@ -30,12 +30,14 @@ _scratch = None  # entry._scratch, imported on first use (entry pulls in transfo
 _DUMMY_SINKS = np.zeros(1, dtype=np.float32)
 # Decode-then-dot (vector gathers from the codebook) for roles whose codes allow it (FibQuant at 4 bits:
 # `numba_paged._gather_ok`): True (both roles), "keys", "values", or False (the lookup tables /
-# histograms everywhere; the tests run every setting). Default "values": in the vLLM layer step at 4 bits
-# (benchmarks/vllm_layer_step.py --gather, 2026-12-03, three runs paired per step) gathered values took
-# 0.88-0.90x the time of the histogram path, gathered keys 0.94-0.99x and both 0.91-0.97x, so the keys
-# keep their lookup table (3 query heads share each of its 4-lane entries; the gathers' cost is per
-# token, ~10 cycles per 8 codewords on this Zen 4 machine). No other rate has codes the gathers read.
-GATHER_DECODE = "values"
+# histograms everywhere; the tests run every setting). Default True: in the vLLM layer step at 4 bits
+# (benchmarks/vllm_layer_step.py --gather, 2026-12-03, paired per step) at load 1.2-1.5 both roles
+# gathered took 0.88-0.91x the time of the table path, values only 0.93-0.94x (keys only: 0.94-0.99x at
+# load 6; kernel
+# alone: 0.86 / 0.87 / 0.98); at load 5.6-6.3 values only did best (0.88-0.90 against 0.91-0.97). Keys
+# gain least: 3 query heads already share each 4-lane table entry, and the gathers cost per token
+# (~10 cycles per 8 codewords on this Zen 4 machine). No other rate has codes the gathers read.
+GATHER_DECODE = True
 # numba_paged.GATHER_KEYS / GATHER_VALUES (not imported here: numba_paged's import is kept lazy)
 _GATHER_FLAGS = {True: 16 | 32, "keys": 16, "values": 32, False: 0}
 _ARANGE = np.arange(0, dtype=np.int64)
