@@ -2,7 +2,10 @@
 dense SDPA over the same sequences' bf16 and fp32 keys/values, calls interleaved.
 
 Usage: .venv/bin/python benchmarks/paged_decode_step.py [--batch 4] [--contexts 1024 4096]
-       [--bits 4 2] [--repeats 30] [--block 128] [--dtype bfloat16|float32] [--out results/]
+       [--bits 4 2] [--repeats 30] [--block 128] [--dtype bfloat16|float32] [--tables] [--out results/]
+
+--tables adds each rate once more with `paged.GATHER_DECODE` off (4-bit roles read through lookup
+tables / histograms instead of the default's decode-then-dot gathers), interleaved: the paired ratio.
 
 Issue 18 asks for decode attention on codes per layer step <= bf16's. Inside vLLM the bf16 step is
 vLLM's own CPU attention kernel (timed in the engine by `benchmarks/vllm_serving.py`); this script
@@ -14,8 +17,8 @@ recent tokens are exact (the plugin's window) and the rest coded in token-major 
 --block slots (default 128, vLLM CPU's block size), block tables shuffled. The query, the exact
 window, the new token and the output are --dtype (default bfloat16, what the plugin hands the kernel
 in a bf16 model; the kernel reads and writes bf16 in place). Synthetic Gaussian keys/values: the kernel's cost does not depend on
-the values. One torch thread; each repeat times every variant once in turn; ratio = median /
-SDPA fp32's median. Writes results/paged_decode_step.json.
+the values. One torch thread; each repeat times every variant once in turn (the order rotated by one
+each repeat); ratio = median / SDPA fp32's median. Writes results/paged_decode_step.json.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ import torch
 
 from fibquant import FibQuantCodec
 from fibquant.eval.report import write_json
+from fibquant.kv.attention import paged
 from fibquant.kv.attention.paged import paged_decode_attention
 from fibquant.paths import results_dir
 
@@ -67,8 +71,19 @@ def dense_step(dtype: torch.dtype, batch: int, context: int, generator: torch.Ge
     return lambda: torch.nn.functional.scaled_dot_product_attention(query, keys, values, enable_gqa=True)
 
 
+def _tables(step):
+    """`step` with the kernel's gather path off (lookup tables / histograms for every role)."""
+    def run():
+        saved, paged.GATHER_DECODE = paged.GATHER_DECODE, False
+        try:
+            return step()
+        finally:
+            paged.GATHER_DECODE = saved
+    return run
+
+
 def measure(batch: int, context: int, bits: list[float], repeats: int, block: int = 128,
-            dtype: torch.dtype = torch.bfloat16) -> list[dict]:
+            dtype: torch.dtype = torch.bfloat16, tables: bool = False) -> list[dict]:
     generator = torch.Generator().manual_seed(context)
     variants = {"sdpa bf16": dense_step(torch.bfloat16, batch, context, generator),
                 "sdpa fp32": dense_step(torch.float32, batch, context, generator)}
@@ -77,18 +92,29 @@ def measure(batch: int, context: int, bits: list[float], repeats: int, block: in
         case = paged_case(batch, context, codec, generator, block, dtype)
         query = torch.randn(batch, Q_HEADS, DIM, generator=generator).to(dtype)
         variants[f"fibquant:b={b:g} paged"] = lambda case=case, query=query: paged_decode_attention(query, **case)
+        if tables:
+            variants[f"fibquant:b={b:g} paged (tables)"] = _tables(variants[f"fibquant:b={b:g} paged"])
     times = {name: [] for name in variants}
     for name, step in variants.items():  # warm-up: numba compiles, tables allocate
         step()
-    for _ in range(repeats):
-        for name, step in variants.items():
+    items = list(variants.items())
+    for repeat in range(repeats):  # the order rotated each repeat: no variant always, or twice in a row, after another
+        shift = repeat % len(items)
+        for name, step in items[shift:] + items[:shift]:
             start = time.perf_counter()
             step()
             times[name].append(time.perf_counter() - start)
     base = statistics.median(times["sdpa fp32"])
-    return [{"batch": batch, "context": context, "block": block, "dtype": str(dtype).removeprefix("torch."),
+    rows = [{"batch": batch, "context": context, "block": block, "dtype": str(dtype).removeprefix("torch."),
              "variant": name, "median_ms": 1e3 * statistics.median(t),
              "vs_sdpa_fp32": statistics.median(t) / base} for name, t in times.items()]
+    for row in rows:  # paired per repeat: gathers / tables of the same rate
+        pair = times.get(row["variant"] + " (tables)")
+        if pair is not None:
+            ratios = sorted(a / b for a, b in zip(times[row["variant"]], pair))
+            row["vs_tables_paired"] = statistics.median(ratios)
+            row["vs_tables_quartiles"] = (ratios[len(ratios) // 4], ratios[3 * len(ratios) // 4])
+    return rows
 
 
 def main() -> None:
@@ -100,6 +126,7 @@ def main() -> None:
     parser.add_argument("--block", type=int, default=128, help="page slots (vLLM CPU: 128)")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
                         help="query / exact window / new token / output dtype")
+    parser.add_argument("--tables", action="store_true", help="each rate also with the gather path off (paired)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.batch < 1 or args.repeats < 1 or any(c <= SINKS + RECENT for c in args.contexts):
@@ -109,13 +136,16 @@ def main() -> None:
     torch.set_num_threads(1)
     dtype = getattr(torch, args.dtype)
     rows = [row for context in args.contexts
-            for row in measure(args.batch, context, args.bits, args.repeats, args.block, dtype)]
+            for row in measure(args.batch, context, args.bits, args.repeats, args.block, dtype, args.tables)]
     print(f"one layer's decode attention, {args.batch} sequences, SmolLM2 shapes (9 q / 3 kv heads, d 64), "
           f"{args.block}-slot pages, {args.dtype} query / window / output, 1 thread, {args.repeats} interleaved "
           f"repeats, load {os.getloadavg()[0]:.1f}; baseline torch SDPA fp32 (not vLLM's own bf16 kernel)")
-    print(f"{'context':>8} | {'variant':<22} | {'median ms':>9} | {'x SDPA fp32':>11}")
+    print(f"{'context':>8} | {'variant':<31} | {'median ms':>9} | {'x SDPA fp32':>11} | paired x tables (quartiles)")
     for row in rows:
-        print(f"{row['context']:>8} | {row['variant']:<22} | {row['median_ms']:>9.3f} | {row['vs_sdpa_fp32']:>11.2f}")
+        paired = (f"{row['vs_tables_paired']:.2f} ({row['vs_tables_quartiles'][0]:.2f}-{row['vs_tables_quartiles'][1]:.2f})"
+                  if "vs_tables_paired" in row else "")
+        print(f"{row['context']:>8} | {row['variant']:<31} | {row['median_ms']:>9.3f} | {row['vs_sdpa_fp32']:>11.2f} | "
+              f"{paired}")
     path = write_json(Path(args.out or results_dir()) / "paged_decode_step.json",
                       {"benchmark": "paged_decode_step", "threads": 1, "repeats": args.repeats,
                        "dtype": args.dtype, "load_average": os.getloadavg(),

@@ -3,10 +3,14 @@ exact window, paged kernel) against vLLM's own CPU bf16 attention (`cpu_attn_res
 `cpu_attention_with_kv_cache`, what `CPU_ATTN` runs) in one process, calls interleaved.
 
 Usage: OMP_NUM_THREADS=1 .venv-vllm/bin/python benchmarks/vllm_layer_step.py [--batch 4]
-       [--context 1024] [--steps 200] [--caches fibquant:b=4 fibquant:b=2] [--immediate] [--out results/]
+       [--context 1024] [--steps 200] [--caches fibquant:b=4 fibquant:b=2] [--immediate]
+       [--gather on off values keys] [--out results/]
 
 --immediate adds each cache once more with its codes written every forward (no deferred writes),
-to show what the batched encode of `integrations/vllm/deferred.py` saves.
+to show what the batched encode of `integrations/vllm/deferred.py` saves. --gather runs each cache
+once per setting of the paged kernel's `paged.GATHER_DECODE` (on: decode-then-dot gathers for both
+4-bit roles; keys / values: for that role only; off: lookup tables / histograms everywhere; default:
+the module's own setting only); with "off" among them each other setting gets its paired ratio to it.
 
 Issue 18's target "decode attention on codes per layer step <= bf16's" is timed inside the engine
 by `benchmarks/vllm_serving.py` (caches one after another, each its own engine); this script
@@ -18,7 +22,7 @@ attention over context + step tokens (the plugin's 4 + 32 exact window, its defe
 flushed every 16 steps inside the timed forwards); each step's metadata (vLLM's scheduler metadata,
 the plugin's metadata object and its window plan) is built before the timed call, as the engine
 builds it once per step for all layers. Synthetic Gaussian bf16 keys/values/queries,
-the same for every cache. One torch thread; ratio = median / bf16's median. Writes
+the same for every cache; the order of the caches rotated by one each step. One torch thread; ratio = median / bf16's median. Writes
 results/vllm_layer_step.json.
 """
 from __future__ import annotations
@@ -92,15 +96,19 @@ class DenseBf16:
         return call
 
 
+_GATHER = {"on": True, "off": False, "keys": "keys", "values": "values"}  # --gather -> paged.GATHER_DECODE
+
+
 class Plugin:
     """The FibQuant backend's forward (writes included) on token-major coded pages."""
 
-    def __init__(self, case: _Case, spec: str, defer: bool = True) -> None:
+    def __init__(self, case: _Case, spec: str, defer: bool = True, gather=None) -> None:
         from fibquant.integrations.vllm import backend
         from fibquant.integrations.vllm.config import ENV_VAR, active_config
 
         os.environ[ENV_VAR] = spec
-        self.name, self.case, self.meta = spec + ("" if defer else " (immediate writes)"), case, backend.FibQuantMetadata
+        self.name = spec + ("" if defer else " (immediate writes)") + ("" if gather is None else f" (gather {gather})")
+        self.case, self.meta, self.gather = case, backend.FibQuantMetadata, gather
         saved, backend.DEFER_CODES = backend.DEFER_CODES, defer
         try:
             self.impl = backend.FibQuantAttentionImpl(Q_HEADS, DIM, DIM ** -0.5, KV_HEADS)
@@ -109,12 +117,18 @@ class Plugin:
         slot = active_config().slot_bytes(DIM)
         self.cache = torch.zeros(case.blocks, BLOCK, KV_HEADS, slot // 2, dtype=torch.bfloat16).transpose(1, 2)
 
+    def _switch(self) -> None:
+        from fibquant.kv.attention import paged
+        if self.gather is not None:
+            paged.GATHER_DECODE = _GATHER[self.gather]
+
     def prepare(self, query, key, value, slots, starts: list[int], lengths: list[int]):
         n = query.shape[0]
         meta = self.meta(n, starts, lengths, self.case.tables[: len(lengths)], slots)
         # The forward's window plan is built by the engine's first layer and kept on the metadata for
         # the other layers (30 in SmolLM2), like vLLM's scheduler metadata: built here, untimed.
         self.impl._window_plan(meta, self.impl._pages(self.cache))
+        self._switch()  # a module switch read at each kernel call: set before the timed call
         return lambda: self.impl.forward(None, query, key, value, self.cache, meta,
                                          torch.empty(n, Q_HEADS * DIM, dtype=torch.bfloat16))
 
@@ -122,8 +136,9 @@ class Plugin:
 def measure(args) -> list[dict]:
     torch.set_num_threads(1)
     case = _Case(args.batch, args.context, args.steps, seed=0)
-    runners = [DenseBf16(case)] + [Plugin(case, spec, defer) for spec in args.caches
-                                   for defer in ((True, False) if args.immediate else (True,))]
+    runners = [DenseBf16(case)] + [Plugin(case, spec, defer, gather) for spec in args.caches
+                                   for defer in ((True, False) if args.immediate else (True,))
+                                   for gather in (args.gather or (None,))]
     for b in range(args.batch):  # prefill, one forward per sequence (untimed)
         query, key, value = case.tokens(args.context)
         slots = torch.tensor([int(case.tables[b, p // BLOCK]) * BLOCK + p % BLOCK for p in range(args.context)])
@@ -132,6 +147,7 @@ def measure(args) -> list[dict]:
                 runner.ops.cpu_attn_reshape_and_cache(key.view(-1, KV_HEADS, DIM), value.view(-1, KV_HEADS, DIM),
                                                       runner.key_cache, runner.value_cache, slots, runner.isa)
             else:
+                runner._switch()
                 meta = runner.meta(args.context, [0, args.context], [args.context], case.tables[b:b + 1], slots)
                 runner.impl.forward(None, query, key, value, runner.cache, meta,
                                     torch.empty(args.context, Q_HEADS * DIM, dtype=torch.bfloat16))
@@ -144,7 +160,8 @@ def measure(args) -> list[dict]:
         slots = case.slots(positions)
         lengths = [p + 1 for p in positions]
         outs = {}
-        for runner in runners:
+        shift = step % len(runners)  # the order rotated each step: no cache always, or twice in a row, after another
+        for runner in runners[shift:] + runners[:shift]:
             call = runner.prepare(query, key, value, slots, starts, lengths)
             start = time.perf_counter()
             outs[runner.name] = call()
@@ -154,13 +171,21 @@ def measure(args) -> list[dict]:
             errors[name] = max(errors[name], float((out.float() - reference).norm() / reference.norm()))
     warm = slice(min(16, args.steps // 4), None)
     base = statistics.median(times[runners[0].name][warm])
-    return [{"cache": name, "ms_per_layer_step": 1e3 * statistics.median(values[warm]),
+    rows = [{"cache": name, "ms_per_layer_step": 1e3 * statistics.median(values[warm]),
              "x_bf16": statistics.median(values[warm]) / base, "max_rel_err_vs_bf16": errors[name],
              "batch": args.batch, "context": args.context, "steps": args.steps}
             for name, values in times.items()]
+    for row, runner in zip(rows, runners):  # per step: this cache / bf16, and / the same cache with gathers off
+        name = row["cache"]
+        row["x_bf16_paired"] = statistics.median(a / b for a, b in zip(times[name][warm], times[runners[0].name][warm]))
+        off = name.replace(f"(gather {getattr(runner, 'gather', None)})", "(gather off)")
+        if off != name and off in times:
+            row["x_tables_paired"] = statistics.median(a / b for a, b in zip(times[name][warm], times[off][warm]))
+    return rows
 
 
 COLUMNS = [("cache", "cache", ""), ("ms_per_layer_step", "ms / layer step", ".3f"), ("x_bf16", "x bf16", ".2f"),
+           ("x_bf16_paired", "x bf16 (paired per step)", ".2f"), ("x_tables_paired", "x gather off (paired)", ".2f"),
            ("max_rel_err_vs_bf16", "max rel. err vs bf16", ".3f")]
 
 
@@ -172,6 +197,8 @@ def main(argv=None) -> int:
     parser.add_argument("--caches", nargs="+", default=["fibquant:b=4", "fibquant:b=2"])
     parser.add_argument("--immediate", action="store_true",
                         help="also each cache with every forward's codes written at once (backend.DEFER_CODES off)")
+    parser.add_argument("--gather", nargs="+", choices=sorted(_GATHER), default=None,
+                        help="run each cache once per paged.GATHER_DECODE setting (default: the module's own)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.batch < 1 or args.context < 1 or args.steps < 4:

@@ -7,6 +7,7 @@ import torch
 
 from fibquant.codecs.fibquant import FibQuantCodec
 from fibquant.codecs.turboquant import TurboQuantCodec
+from fibquant.kv.attention import paged
 from fibquant.kv.attention.paged import paged_decode_attention, paged_decode_attention_reference
 
 pytest.importorskip("numba")
@@ -16,6 +17,7 @@ PAIRS = {
     "fibquant 4/4 bit (8-bit indices)": lambda: (FibQuantCodec(DIM, 2, 256), FibQuantCodec(DIM, 2, 256)),
     "fibquant 4/2 bit": lambda: (FibQuantCodec(DIM, 2, 256), FibQuantCodec(DIM, 4, 256)),
     "fibquant 12/10-bit indices": lambda: (FibQuantCodec(DIM, 4, 4096), FibQuantCodec(DIM, 4, 1024)),
+    "fibquant 4-bit d=128": lambda: (FibQuantCodec(2 * DIM, 2, 256), FibQuantCodec(2 * DIM, 2, 256)),
     "turboquant 4/2 (byte tables)": lambda: (TurboQuantCodec(DIM, 4), TurboQuantCodec(DIM, 2)),
     "turboquant 3 (3-bit fields)": lambda: (TurboQuantCodec(DIM, 3), TurboQuantCodec(DIM, 3)),
 }
@@ -24,6 +26,7 @@ PAIRS = {
 def _scenario(pair, heads=6, kv_heads=2, block=8, token_major=True, exact=5, seed=0):
     """Three sequences scattered over 24 pages; coded ranges of different lengths (one empty)."""
     key_codec, value_codec = PAIRS[pair]()
+    DIM = key_codec.dim
     generator = torch.Generator().manual_seed(seed)
     slot = key_codec.code_size + value_codec.code_size + 1  # an odd pad byte: offsets are not aligned
     if token_major:  # vLLM's LBNHC pages: the logical [blocks, Hkv, bs, slot] view of [blocks, bs, Hkv, slot]
@@ -58,6 +61,43 @@ def test_paged_decode_equals_reference(pair, token_major):
     want = paged_decode_attention_reference(**case)
     got = paged_decode_attention(**case)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.fixture(params=[True, "keys", "values", False], ids=["gather", "gather-keys", "gather-values", "tables"])
+def gather(request, monkeypatch):
+    """Every decode path of the kernel's 4-bit roles: decode-then-dot (gathers) for both, keys or values
+    only, and lookup tables / histograms."""
+    monkeypatch.setattr(paged, "GATHER_DECODE", request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("pair", ["fibquant 4/4 bit (8-bit indices)", "fibquant 4/2 bit", "fibquant 4-bit d=128",
+                                  "fibquant 12/10-bit indices"])
+@pytest.mark.parametrize("heads", [2, 4, 6, 8, 16])
+def test_paged_decode_gather_and_table_paths_equal_reference(pair, heads, gather):
+    """Every group size G = Hq / Hkv (1-4 take the gathers at 4 bits, 8 keeps the tables), ragged
+    coded ranges over scattered pages, sink logits: both paths equal the reference to float rounding."""
+    case = _scenario(pair, heads=heads, seed=6)
+    sinks = torch.randn(heads, generator=torch.Generator().manual_seed(7))
+    torch.testing.assert_close(paged_decode_attention(**case, sinks=sinks),
+                               paged_decode_attention_reference(**case, sinks=sinks), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("pair, setting, gathered", [
+    ("fibquant 4/4 bit (8-bit indices)", True, True), ("fibquant 4/4 bit (8-bit indices)", "keys", True),
+    ("fibquant 4/4 bit (8-bit indices)", "values", True), ("fibquant 4-bit d=128", True, True),
+    ("fibquant 4/2 bit", "keys", True), ("fibquant 4/2 bit", "values", False),
+    ("turboquant 4/2 (byte tables)", True, False)])
+def test_paged_decode_gather_switch_reaches_the_kernel(pair, setting, gathered, monkeypatch):
+    """`paged.GATHER_DECODE` changes how the 4-bit FibQuant roles it names are summed (outputs differ in
+    float rounding, within 1e-5 of each other) and nothing else (other codes: bitwise the same)."""
+    case = _scenario(pair, seed=8)
+    monkeypatch.setattr(paged, "GATHER_DECODE", setting)
+    on = paged_decode_attention(**case)
+    monkeypatch.setattr(paged, "GATHER_DECODE", False)
+    off = paged_decode_attention(**case)
+    assert torch.equal(on, off) is not gathered
+    torch.testing.assert_close(on, off, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("heads, exact", [(2, 0), (16, 3)])

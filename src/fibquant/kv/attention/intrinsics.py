@@ -301,3 +301,174 @@ def _build_bf16():
 
     _BF16 = as_f32, from_f32
     return _BF16
+
+
+_GATHERS = None
+
+
+def _build_gathers():
+    """(gather_scores, gather_values): decode-then-dot over code rows of 8-bit indices into a codebook
+    of 2-float codewords (FibQuant at 4 bits: k = 2, N = 256), the codewords fetched 8 at a time with
+    one vector gather (`llvm.masked.gather`: vpgatherqq on AVX2 / AVX-512; scalarised by LLVM
+    elsewhere) and multiplied with the G query rows (or weights) in <16 x float> registers.
+
+    Why: the table path (`lut_sum` / `hist_add`) makes a [codeword, block, lane] table (keys) and
+    histogram (values) of 128 KB per unit at 4 bits, beyond L1, and the histogram still needs its
+    contraction with the codewords; here the working set is the 2 KB codebook and G accumulators.
+
+    Row i's decoded vector is x_i[2 j : 2 j + 2] = codewords[rows[i, 2 + j]] for j < 8 * vecs
+    (D = 16 * vecs floats; bytes 0-1 of a row, the norm, are not read). `vecs` (4 or 8: D = 64 or 128)
+    and `heads` (G, 1..4) are literals; codewords a float32 C array [256, 2] (every byte a valid index),
+    rows 2-d uint8 with any row stride, norms 1-d float32, query / acc float32 C arrays, res / wts
+    float32 2-d with any strides.
+    gather_scores(codewords, rows, n, vecs, heads, query, q0, norms, res):
+        res[t, i] = norms[i] * (query[q0 + t, :D] . x_i)                      for t < G, i < n
+    gather_values(codewords, rows, n, vecs, heads, wts, norms, acc, a0):
+        acc[a0 + t, :D] += sum_{i < n} (wts[t, i] * norms[i]) * x_i           for t < G (i ascending)
+    The score's dot product is summed as a tree (reassociated); the value sums keep token order per
+    coordinate (one fused multiply-add per token).
+    """
+    global _GATHERS
+    if _GATHERS is not None:
+        return _GATHERS
+    from llvmlite import ir
+    from numba.core import cgutils, types
+    from numba.extending import intrinsic
+
+    f32, i8, i32, i64 = ir.FloatType(), ir.IntType(8), ir.IntType(32), ir.IntType(64)
+    width = 8  # codewords (8 bytes each) per gather: one <16 x float>
+    vec = ir.VectorType(f32, 16)
+    vec_i64 = ir.VectorType(i64, width)
+
+    def const(value):
+        return ir.Constant(i64, value)
+
+    def _literal(ty, allowed):
+        return isinstance(ty, types.IntegerLiteral) and ty.literal_value in allowed
+
+    def _f32_array(ty, ndim, contiguous=False):
+        return (isinstance(ty, types.Array) and ty.ndim == ndim and ty.dtype == types.float32
+                and (not contiguous or ty.layout == "C"))
+
+    def _typed(codewords, rows, n, vecs, heads, norms):
+        return (_f32_array(codewords, 2, True) and isinstance(rows, types.Array) and rows.ndim == 2
+                and rows.dtype == types.uint8 and isinstance(n, types.Integer) and _literal(vecs, (4, 8))
+                and _literal(heads, (1, 2, 3, 4)) and _f32_array(norms, 1))
+
+    def _address(builder, array, *indices):
+        """float* to array[indices] (byte strides: any layout)."""
+        at = builder.ptrtoint(array.data, i64)
+        for k, index in enumerate(indices):
+            at = builder.add(at, builder.mul(index, builder.extract_value(array.strides, k)))
+        return builder.inttoptr(at, f32.as_pointer())
+
+    def _splat(builder, x):
+        one = builder.insert_element(ir.Constant(vec, ir.Undefined), x, ir.Constant(i32, 0))
+        return builder.shuffle_vector(one, one, ir.Constant(ir.VectorType(i32, 16), [0] * 16))
+
+    def _decoder(context, builder, signature, args):
+        """-> (n as i64, rows(i) -> [<16 x float>] * vecs, norm(i) -> float)."""
+        codewords = context.make_array(signature.args[0])(context, builder, args[0])
+        rows = context.make_array(signature.args[1])(context, builder, args[1])
+        n_v = context.cast(builder, args[2], signature.args[2], types.int64)
+        vecs = signature.args[3].literal_value
+        norms = context.make_array(signature.args[7])(context, builder, args[7])
+        base = builder.ptrtoint(codewords.data, i64)
+        base = builder.insert_element(ir.Constant(vec_i64, ir.Undefined), base, ir.Constant(i32, 0))
+        base = builder.shuffle_vector(base, base, ir.Constant(ir.VectorType(i32, width), [0] * width))
+        row_stride = builder.extract_value(rows.strides, 0)
+        mask = ir.Constant(ir.VectorType(ir.IntType(1), width), [1] * width)
+        pointers = ir.VectorType(i64.as_pointer(), width)
+        gather_type = ir.FunctionType(vec_i64, [pointers, i32, mask.type, vec_i64])
+        gather = cgutils.get_or_insert_function(builder.module, gather_type, "llvm.masked.gather.v8i64.v8p0")
+
+        def decode(i):
+            payload = builder.gep(rows.data, [builder.add(builder.mul(i, row_stride), const(2))])
+            out = []
+            for g in range(vecs):
+                at = builder.bitcast(builder.gep(payload, [const(width * g)]), ir.VectorType(i8, width).as_pointer())
+                index = builder.zext(builder.load(at, align=1), vec_i64)
+                offsets = builder.shl(index, ir.Constant(vec_i64, [3] * width))  # 8 bytes per codeword
+                words = builder.call(gather, [builder.inttoptr(builder.add(base, offsets), pointers),
+                                              ir.Constant(i32, 4), mask, ir.Constant(vec_i64, ir.Undefined)])
+                out.append(builder.bitcast(words, vec))
+            return out
+
+        def norm(i):
+            return builder.load(_address(builder, norms, i))
+
+        return n_v, decode, norm
+
+    @intrinsic
+    def gather_scores(typingctx, codewords, rows, n, vecs, heads, query, q0, norms, res):
+        if not (_typed(codewords, rows, n, vecs, heads, norms) and _f32_array(query, 2, True)
+                and isinstance(q0, types.Integer) and _f32_array(res, 2)):
+            return None
+        sig = types.void(codewords, rows, n, vecs, heads, query, q0, norms, res)
+
+        def codegen(context, builder, signature, args):
+            # args order differs from _decoder's (norms at 7 in both signatures)
+            n_v, decode, norm = _decoder(context, builder, signature, args)
+            vecs_n, groups = signature.args[3].literal_value, signature.args[4].literal_value
+            query_a = context.make_array(signature.args[5])(context, builder, args[5])
+            res_a = context.make_array(signature.args[8])(context, builder, args[8])
+            q0_v = context.cast(builder, args[6], signature.args[6], types.int64)
+            q_rows = [builder.bitcast(_address(builder, query_a, builder.add(q0_v, const(t)), const(0)),
+                                      vec.as_pointer()) for t in range(groups)]
+            q_vecs = [[builder.load(builder.gep(q_rows[t], [const(g)]), align=4) for g in range(vecs_n)]
+                      for t in range(groups)]
+            reduce_type = ir.FunctionType(f32, [f32, vec])
+            reduce = cgutils.get_or_insert_function(builder.module, reduce_type, "llvm.vector.reduce.fadd.v16f32")
+            with cgutils.for_range(builder, n_v) as loop:
+                i = loop.index
+                x = decode(i)
+                nu = norm(i)
+                for t in range(groups):
+                    s = builder.fmul(q_vecs[t][0], x[0], flags=["fast"])
+                    for g in range(1, vecs_n):
+                        s = builder.fadd(builder.fmul(q_vecs[t][g], x[g], flags=["fast"]), s, flags=["fast"])
+                    total = builder.call(reduce, [ir.Constant(f32, 0.0), s], fastmath=("fast",))
+                    builder.store(builder.fmul(total, nu), _address(builder, res_a, const(t), i))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def gather_values(typingctx, codewords, rows, n, vecs, heads, wts, norms_, acc, a0):
+        # norms_ sits at position 6 here; _decoder reads position 7, so it is given a reordered view
+        if not (_typed(codewords, rows, n, vecs, heads, norms_) and _f32_array(wts, 2) and _f32_array(acc, 2, True)
+                and isinstance(a0, types.Integer)):
+            return None
+        sig = types.void(codewords, rows, n, vecs, heads, wts, norms_, acc, a0)
+
+        def codegen(context, builder, signature, args):
+            order = (0, 1, 2, 3, 4, 5, 8, 6)  # put norms at index 7 for _decoder
+            view = types.void(*[signature.args[k] for k in order])
+            n_v, decode, norm = _decoder(context, builder, view, [args[k] for k in order])
+            vecs_n, groups = signature.args[3].literal_value, signature.args[4].literal_value
+            wts_a = context.make_array(signature.args[5])(context, builder, args[5])
+            acc_a = context.make_array(signature.args[7])(context, builder, args[7])
+            a0_v = context.cast(builder, args[8], signature.args[8], types.int64)
+            acc_rows = [builder.bitcast(_address(builder, acc_a, builder.add(a0_v, const(t)), const(0)),
+                                        vec.as_pointer()) for t in range(groups)]
+            slots = [[cgutils.alloca_once_value(builder, builder.load(builder.gep(acc_rows[t], [const(g)]), align=4))
+                      for g in range(vecs_n)] for t in range(groups)]
+            with cgutils.for_range(builder, n_v) as loop:
+                i = loop.index
+                x = decode(i)
+                nu = norm(i)
+                for t in range(groups):
+                    w = _splat(builder, builder.fmul(builder.load(_address(builder, wts_a, const(t), i)), nu))
+                    for g in range(vecs_n):
+                        slot = slots[t][g]
+                        product = builder.fmul(w, x[g], flags=["contract"])
+                        builder.store(builder.fadd(builder.load(slot), product, flags=["contract"]), slot)
+            for t in range(groups):
+                for g in range(vecs_n):
+                    builder.store(builder.load(slots[t][g]), builder.gep(acc_rows[t], [const(g)]), align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    _GATHERS = gather_scores, gather_values
+    return _GATHERS

@@ -28,6 +28,18 @@ from fibquant.kv.attention.reference import gather_paged_codes
 _KERNELS: dict = {}  # (bf16 inputs, bf16 out) -> the compiled kernel
 _scratch = None  # entry._scratch, imported on first use (entry pulls in transformers)
 _DUMMY_SINKS = np.zeros(1, dtype=np.float32)
+# Decode-then-dot (vector gathers from the codebook) for roles whose codes allow it (FibQuant at 4 bits:
+# `numba_paged._gather_ok`): True (both roles), "keys", "values", or False (the lookup tables /
+# histograms everywhere; the tests run every setting). Default True: in the vLLM layer step at 4 bits
+# (benchmarks/vllm_layer_step.py --gather, 2026-12-03, paired per step) at load 1.2-1.5 both roles
+# gathered took 0.88-0.91x the time of the table path, values only 0.93-0.94x (keys only: 0.94-0.99x at
+# load 6; kernel
+# alone: 0.86 / 0.87 / 0.98); at load 5.6-6.3 values only did best (0.88-0.90 against 0.91-0.97). Keys
+# gain least: 3 query heads already share each 4-lane table entry, and the gathers cost per token
+# (~10 cycles per 8 codewords on this Zen 4 machine). No other rate has codes the gathers read.
+GATHER_DECODE = True
+# numba_paged.GATHER_KEYS / GATHER_VALUES (not imported here: numba_paged's import is kept lazy)
+_GATHER_FLAGS = {True: 16 | 32, "keys": 16, "values": 32, False: 0}
 _ARANGE = np.arange(0, dtype=np.int64)
 
 
@@ -197,7 +209,8 @@ def run_paged_kernel(kernel, plans: PagedPlan, query, scaling: float, pages, tab
     batch, kv_heads = query.shape[0], pages.shape[1]
     args = (query, np.float32(scaling), keys[0], values[1], keys[2], values[2], pages, tables,
             starts, stops, int(key_offset), plans.key_size, int(value_offset), plans.value_size, exact_keys,
-            exact_values, exact_rows, new_keys, new_values, sinks, out, flags, *plans.scalars)
+            exact_values, exact_rows, new_keys, new_values, sinks, out,
+            flags | _GATHER_FLAGS[GATHER_DECODE], *plans.scalars)
     return run_split(kernel, args, batch * kv_heads, longest * (keys[4] + values[4]), _MIN_WORK_PER_THREAD,
                      "fibquant-paged", per_thread=lambda t: _scratch(t, sizes, lanes, longest))
 
