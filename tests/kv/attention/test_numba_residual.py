@@ -6,7 +6,7 @@ import functools
 
 import pytest
 import torch
-from _kv_helpers import decode_all_attention, fast_and_torch_paths, filled_coded_layer
+from _kv_helpers import check_sinks_and_sliding_window, decode_all_attention, fast_and_torch_paths, filled_coded_layer
 
 import fibquant.kv.attention.numba_residual as numba_residual
 from fibquant.codecs.fibquant import FibQuantCodec
@@ -79,15 +79,7 @@ def test_residual_step_with_sinks_centring_and_window(monkeypatch, residual_call
                          torch.randn(2, 3, 1, DIM, generator=generator) + 1.0)
     query = torch.randn(2, 9, 1, DIM, generator=generator)
     sinks = torch.randn(9, generator=generator)
-    fast, slow = fast_and_torch_paths(monkeypatch, query, kv, None, 0.1, sinks=sinks)
-    torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(fast, decode_all_attention(query, kv, None, 0.1, sinks), rtol=1e-4, atol=1e-5)
-    window = kv.length - 10
-    fast, slow = fast_and_torch_paths(monkeypatch, query, kv, None, 0.1, window=window)
-    blocked = torch.arange(kv.length) <= kv.length - 1 - window
-    bias = torch.zeros(kv.length).masked_fill_(blocked, float("-inf"))[None, None, None]
-    torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(fast, decode_all_attention(query, kv, bias, 0.1), rtol=1e-4, atol=1e-5)
+    check_sinks_and_sliding_window(monkeypatch, query, kv, sinks)
     assert len(residual_calls) == 2
 
 

@@ -8,7 +8,7 @@ import functools
 import numpy as np
 import pytest
 import torch
-from _kv_helpers import decode_all_attention, fast_and_torch_paths, filled_coded_layer
+from _kv_helpers import check_sinks_and_sliding_window, decode_all_attention, fast_and_torch_paths, filled_coded_layer
 
 import fibquant.kv.attention.numba_shells as numba_shells
 from fibquant.codebook.e8shell import decode_points, point_tables, shell_tables, unrank
@@ -100,15 +100,7 @@ def test_shell_step_lengths_sinks_centring_window(monkeypatch, shell_calls, past
     assert kv.num_coded > 0 and kv.num_sink == 4
     query = torch.randn(2, 9, 1, DIM, generator=generator)
     sinks = torch.randn(9, generator=generator)
-    fast, slow = fast_and_torch_paths(monkeypatch, query, kv, None, 0.1, sinks=sinks)
-    torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(fast, decode_all_attention(query, kv, None, 0.1, sinks), rtol=1e-4, atol=1e-5)
-    window = max(2, kv.length - 10)
-    fast, slow = fast_and_torch_paths(monkeypatch, query, kv, None, 0.1, window=window)
-    blocked = torch.arange(kv.length) <= kv.length - 1 - window
-    bias = torch.zeros(kv.length).masked_fill_(blocked, float("-inf"))[None, None, None]
-    torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(fast, decode_all_attention(query, kv, bias, 0.1), rtol=1e-4, atol=1e-5)
+    check_sinks_and_sliding_window(monkeypatch, query, kv, sinks, window=max(2, kv.length - 10))
     assert len(shell_calls) == 2
 
 
