@@ -229,21 +229,6 @@ def test_bad_attention_option_and_unsupported_model(monkeypatch):
     assert cache.attention == "decode"
 
 
-def test_unsupported_model_judged_by_its_own_class(monkeypatch):
-    """transformers caches its "can set attention" scan on the class it ran for and reads it through
-    inheritance: a True cached on PreTrainedModel must not make Falcon (own attention code) look supported."""
-    from transformers import FalconConfig, FalconForCausalLM, PreTrainedModel
-
-    from fibquant.kv.attention.entry import unsupported_reason
-
-    model = FalconForCausalLM(FalconConfig(vocab_size=97, hidden_size=32, num_attention_heads=2,
-                                           num_hidden_layers=1))
-    monkeypatch.delattr(FalconForCausalLM, "_can_set_attn_implementation_cached_value", raising=False)
-    monkeypatch.setattr(PreTrainedModel, "_can_set_attn_implementation_cached_value", True, raising=False)
-    assert "does not dispatch attention through" in unsupported_reason(model)
-    assert unsupported_reason(tiny_llama64()) is None
-
-
 def test_from_cache_equals_one_update_and_keeps_source():
     ids = torch.randint(0, 97, (2, 50), generator=torch.Generator().manual_seed(10))
     model = tiny_llama64()

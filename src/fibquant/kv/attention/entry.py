@@ -99,11 +99,6 @@ def unsupported_reason(model) -> str | None:
     if config is None or not hasattr(model, "set_attn_implementation"):
         return f"{type(model).__name__} is not a transformers PreTrainedModel"
     can_set = getattr(type(model), "_can_set_attn_implementation", None)
-    # transformers caches that heuristic (a source scan) on the class it ran for but reads it through
-    # inheritance, so a value cached on a base class would answer for every subclass: judge this class.
-    cached = "_can_set_attn_implementation_cached_value"
-    if can_set is not None and cached not in vars(type(model)) and hasattr(type(model), cached):
-        setattr(type(model), cached, None)
     if can_set is not None and not can_set():
         return f"{type(model).__name__} does not dispatch attention through transformers' AttentionInterface"
     return None
