@@ -21,10 +21,7 @@ the feature lands, and the entry goes).
 """
 from __future__ import annotations
 
-import json
 import re
-import subprocess
-import sys
 
 import pytest
 
@@ -41,20 +38,6 @@ EXPECTED["Jamba"] = ("refused", "layer types .*linear_attention")
 EXPECTED["Mamba"] = ("refused", "no num_attention_heads")
 
 XFAIL: dict[str, str] = {}  # family -> why it does not reach its expected status yet
-# Probed in a fresh interpreter: Falcon's fallback hangs on transformers' process-wide "can this class set
-# its attention" source scan, which read True for Falcon late in full parallel runs (two CI runs of
-# 2026-12-03: "codes", no warning; alone it reads False). Cause not found; a fresh process is what a user sees.
-FRESH_PROCESS = {"Falcon"}
-
-
-def _probe(name: str) -> dict:
-    if name not in FRESH_PROCESS:
-        return probe(name)
-    code = ("import json, sys; from fibquant.eval.model_reach import probe; "
-            f"print(json.dumps(probe({name!r}), default=str))")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def _params() -> list:
@@ -71,7 +54,7 @@ def test_expectations_cover_every_family():
 
 @pytest.mark.parametrize("name", _params())
 def test_family(name):
-    result = _probe(name)
+    result = probe(name)
     status, reason = EXPECTED[name]
     summary = f"{name}: {result['status']} at stage {result['stage']!r}: {result['reason']}"
     assert result["status"] == status, summary
