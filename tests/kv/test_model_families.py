@@ -29,9 +29,18 @@ from fibquant.eval.model_reach import FAMILIES, LOGITS_RTOL, probe
 
 ON_CODES = "codes"
 EXPECTED = {name: (ON_CODES, None) for name in FAMILIES}
-# Falcon computes attention itself (F.scaled_dot_product_attention / alibi), not through
-# transformers' AttentionInterface: no attention function can be swapped in.
-EXPECTED["Falcon"] = ("decode fallback", "AttentionInterface")
+
+
+def _falcon_dispatches() -> bool:
+    from transformers.models.falcon.modeling_falcon import FalconForCausalLM
+
+    return FalconForCausalLM._can_set_attn_implementation()
+
+
+# Falcon computed attention itself (F.scaled_dot_product_attention / alibi), not through transformers'
+# AttentionInterface, until transformers 5.25 (5.24: no attention function can be swapped in).
+if not _falcon_dispatches():
+    EXPECTED["Falcon"] = ("decode fallback", "AttentionInterface")
 # Layers that are not attention (gated delta-net, Mamba): refused by for_model, before any prefill.
 EXPECTED["Qwen3-Next"] = ("refused", "layer types .*linear_attention")
 EXPECTED["Jamba"] = ("refused", "layer types .*linear_attention")
