@@ -96,3 +96,15 @@ def check_sinks_and_sliding_window(monkeypatch, query, kv, sinks, scale=0.1, win
     bias = torch.zeros(kv.length).masked_fill_(blocked, float("-inf"))[None, None, None]
     torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(fast, decode_all_attention(query, kv, bias, scale), rtol=1e-4, atol=1e-5)
+
+
+def ragged_float_mask(batch, query_heads, length, generator):
+    """A one-token float mask [batch, query_heads, 1, length] (batch >= 2): row 1 blocks its first 3 and
+    positions 20-24, row 0 blocks length - 4 and adds a random bias elsewhere."""
+    allowed = torch.ones(batch, query_heads, 1, length, dtype=torch.bool)
+    allowed[1, :, :, :3] = False
+    allowed[1, :, :, 20:25] = False
+    allowed[0, :, :, length - 4] = False
+    mask = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
+    mask[0] += torch.randn(mask[0].shape, generator=generator)
+    return mask

@@ -6,7 +6,7 @@ import functools
 
 import pytest
 import torch
-from _kv_helpers import check_sinks_and_sliding_window, decode_all_attention, fast_and_torch_paths, filled_coded_layer
+from _kv_helpers import check_sinks_and_sliding_window, ragged_float_mask, decode_all_attention, fast_and_torch_paths, filled_coded_layer
 
 import fibquant.kv.attention.numba_residual as numba_residual
 from fibquant.codecs.fibquant import FibQuantCodec
@@ -57,12 +57,7 @@ def test_residual_step_equals_torch_path_and_spec(monkeypatch, residual_calls, p
     query = torch.randn(batch, heads * groups, 1, DIM, generator=generator)
     mask = bias = None
     if masked:
-        allowed = torch.ones(batch, heads * groups, 1, kv.length, dtype=torch.bool)
-        allowed[1, :, :, :3] = False
-        allowed[1, :, :, 20:25] = False
-        allowed[0, :, :, kv.length - 4] = False
-        mask = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
-        mask[0] += torch.randn(mask[0].shape, generator=generator)
+        mask = ragged_float_mask(batch, heads * groups, kv.length, generator)
         bias = mask
     fast, slow = fast_and_torch_paths(monkeypatch, query, kv, mask, 0.125)
     assert residual_calls, "the residual kernel did not run"

@@ -8,7 +8,7 @@ import functools
 import numpy as np
 import pytest
 import torch
-from _kv_helpers import check_sinks_and_sliding_window, decode_all_attention, fast_and_torch_paths, filled_coded_layer
+from _kv_helpers import check_sinks_and_sliding_window, ragged_float_mask, decode_all_attention, fast_and_torch_paths, filled_coded_layer
 
 import fibquant.kv.attention.numba_shells as numba_shells
 from fibquant.codebook.e8shell import decode_points, point_tables, shell_tables, unrank
@@ -75,12 +75,7 @@ def test_shell_step_equals_torch_path_and_spec(monkeypatch, shell_calls, pair, g
     query = torch.randn(batch, heads * groups, 1, DIM, generator=generator)
     mask = None
     if masked:
-        allowed = torch.ones(batch, heads * groups, 1, kv.length, dtype=torch.bool)
-        allowed[1, :, :, :3] = False
-        allowed[1, :, :, 20:25] = False
-        allowed[0, :, :, kv.length - 4] = False
-        mask = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
-        mask[0] += torch.randn(mask[0].shape, generator=generator)
+        mask = ragged_float_mask(batch, heads * groups, kv.length, generator)
     fast, slow = fast_and_torch_paths(monkeypatch, query, kv, mask, 0.125)
     assert shell_calls, "the shell kernel did not run"
     assert fast.shape == (batch, 1, heads * groups, DIM) and fast.dtype == query.dtype
