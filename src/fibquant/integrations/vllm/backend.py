@@ -25,7 +25,8 @@ state). On CPU pages that is the paged numba kernel (`fibquant.kv.attention.page
 `PAGED_NUMBA_DECODE`): each sequence's codes read in place through its block-table row, for exactly
 its own coded range, no gathered copy, no padding. With a soft-cap (or the switch off) they take the
 gathered path, padded to the longest context and masked. Prefill chunks take the gathered path; a
-first chunk (nothing before it) is plain causal attention, run by vLLM's own CPU kernel (`chunk`).
+first chunk (nothing before it) is plain causal attention, run by vLLM's own CPU kernel (`chunk`, one
+call per chunk, written straight into vLLM's output rows: `_first_chunk`).
 
 On CUDA (when triton imports; `PAGED_CODED_BACKEND`) the coded tokens go through the paged fused
 kernel instead (`fibquant.kv.attention.kernels.coded_decode_attention_paged`): it reads each request's
