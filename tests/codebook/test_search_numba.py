@@ -297,6 +297,7 @@ def test_sure_boxes_hold_the_reference_index(n):
     assert sure.shape == (fine * fine,) and int(sure.max()) < n
     gen = torch.Generator().manual_seed(n)
     boxes = torch.nonzero(sure >= 0).reshape(-1)
+    boxes = boxes[torch.randperm(len(boxes), generator=gen)[:60_000]]  # a random sample: the whole table is ~230k
     corner = torch.stack([boxes % fine, boxes // fine], 1).to(torch.float64)          # [m, 2] cells (i, j)
     inside = lo + (corner + torch.rand(len(boxes), 2, generator=gen, dtype=torch.float64)) * (hi - lo) / fine
     on_lattice = (lo + (corner + torch.randint(0, 2, (len(boxes), 2), generator=gen)) * (hi - lo) / fine).float()
@@ -316,6 +317,25 @@ def test_sure_boxes_hold_the_reference_index(n):
         assert float((sure >= 0).float().mean()) > 0.5
     else:  # codewords 1 and n // 2 coincide: no box holds either as a sure nearest
         assert not ((sure == 1) | (sure == n // 2)).any()
+
+
+@pytest.mark.parametrize("n", [256, 64])
+def test_sure_table_from_the_coarser_one_equals_the_direct_one(monkeypatch, n):
+    """`sure_table` above SURE_DIRECT boxes per axis refines the table at half the boxes (only the boxes of unsure
+    coarse boxes computed): bit for bit the table computed directly at every corner; cached per codebook."""
+    from fibquant.codebook import fast_search
+
+    codewords = (FibQuantCodec(64, 2, n).codebook.codewords if n != 64
+                 else random_codebook(2, n, seed=7, duplicates=True)).to(torch.float64)
+    search = NumbaSearch(codewords.float(), 64, "grid")
+    lo, hi = float(search.edges[0]), float(search.edges[-1])
+    fine = (len(search.edges) - 1) * 8
+    assert fine > fast_search.SURE_DIRECT  # refined from the table at fine / 2
+    refined = fast_search._sure_table(codewords, lo, hi, fine)
+    monkeypatch.setattr(fast_search, "SURE_DIRECT", 10 ** 9)
+    direct = fast_search._sure_table(codewords, lo, hi, fine)
+    assert torch.equal(refined, direct) and float((direct >= 0).float().mean()) > 0.5
+    assert fast_search.sure_table(codewords, lo, hi, fine) is fast_search.sure_table(codewords.clone(), lo, hi, fine)
 
 
 @pytest.mark.parametrize("bits", [4, 2])

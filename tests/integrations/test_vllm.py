@@ -341,7 +341,57 @@ def test_chunk_kernel_equals_sdpa(dtype):
     torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=tolerance)
     with pytest.raises(ValueError, match="bad shapes"):
         chunk.causal_attention(query, key[:-1], value, 0.125)
+    with pytest.raises(ValueError, match="out must be"):
+        chunk.causal_attention(query, key, value, 0.125, out=torch.empty(tokens, heads, dim + 1, dtype=dtype))
     assert not chunk.available(dtype, 48)  # a head size vLLM's CPU kernel does not take
+
+
+@needs_vllm
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_chunk_kernel_reuses_its_scratch_pages(dtype):
+    """Ragged chunk lengths one after the other (longer, shorter, one token, a whole scratch block, GQA and
+    plain heads) through the kept scratch pages, written into `out` in place: each equals SDPA; a chunk
+    after one whose keys / values were NaN (left in the scratch's slots) is unaffected, so the unused
+    slots the kernel reads are cleared on every call."""
+    import torch
+
+    from fibquant.integrations.vllm import chunk
+
+    dtype = getattr(torch, dtype)
+    if not chunk.available(dtype, 64):
+        pytest.skip(f"vLLM's CPU attention kernel is not built here for {dtype}")
+    tolerance = {torch.bfloat16: 2e-2, torch.float16: 2e-3}.get(dtype, 1e-5)
+    torch.manual_seed(1)
+    poisoned = torch.full((3 * chunk.SCRATCH_BLOCK, 2, 64), float("nan"), dtype=dtype)
+    chunk.causal_attention(torch.randn(3 * chunk.SCRATCH_BLOCK, 6, 64).to(dtype), poisoned, poisoned, 0.125)
+    for tokens, heads, kv_heads in ((2 * chunk.SCRATCH_BLOCK + 5, 6, 2), (37, 6, 2), (1, 6, 2),
+                                    (chunk.SCRATCH_BLOCK, 6, 2), (300, 4, 4), (129, 6, 2)):
+        query = torch.randn(tokens, heads, 64).to(dtype)
+        key, value = (torch.randn(tokens, kv_heads, 64).to(dtype) for _ in range(2))
+        rows = torch.full((tokens + 3, heads * 64), 7.0, dtype=dtype)  # vLLM's output rows, 3 of another request
+        target = rows[3:].view(tokens, heads, 64)
+        assert chunk.causal_attention(query, key, value, 0.125, out=target) is target
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            *(t.float().transpose(0, 1)[None] for t in (query, key, value)), is_causal=True, scale=0.125,
+            enable_gqa=heads != kv_heads)[0].transpose(0, 1)
+        torch.testing.assert_close(target.float(), expected, rtol=tolerance, atol=tolerance)
+        assert bool((rows[:3] == 7.0).all())
+
+
+@needs_vllm
+def test_chunk_kernel_runs_in_a_bare_process():
+    """vLLM's AMX attention code needs the process's AMX tile permission, which nothing has asked for in a
+    bare process (inside an engine the model's bf16 matmuls have): `chunk` asks for it itself, so a bf16
+    chunk in a fresh interpreter returns instead of dying of SIGILL."""
+    import subprocess
+
+    code = ("import torch\nfrom fibquant.integrations.vllm import chunk\n"
+            "if chunk.available(torch.bfloat16, 64):\n"
+            "    q, k = torch.randn(200, 6, 64).bfloat16(), torch.randn(200, 2, 64).bfloat16()\n"
+            "    assert bool(chunk.causal_attention(q, k, k, 0.125).float().isfinite().all())\n"
+            "print('ok')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), (done.returncode, done.stderr[-2000:])
 
 
 @needs_vllm

@@ -25,7 +25,8 @@ state). On CPU pages that is the paged numba kernel (`fibquant.kv.attention.page
 `PAGED_NUMBA_DECODE`): each sequence's codes read in place through its block-table row, for exactly
 its own coded range, no gathered copy, no padding. With a soft-cap (or the switch off) they take the
 gathered path, padded to the longest context and masked. Prefill chunks take the gathered path; a
-first chunk (nothing before it) is plain causal attention, run by vLLM's own CPU kernel (`chunk`).
+first chunk (nothing before it) is plain causal attention, run by vLLM's own CPU kernel (`chunk`, one
+call per chunk, written straight into vLLM's output rows: `_first_chunk`).
 
 On CUDA (when triton imports; `PAGED_CODED_BACKEND`) the coded tokens go through the paged fused
 kernel instead (`fibquant.kv.attention.kernels.coded_decode_attention_paged`): it reads each request's
@@ -425,6 +426,19 @@ class FibQuantAttentionImpl(AttentionImpl):
             out[:, :, rows] = merge_lse(parts)[0]
         return out.transpose(1, 2).reshape(count, tokens, -1).to(query.dtype)
 
+    def _first_chunk(self, query, key, value, out) -> bool:
+        """A first prefill chunk (nothing coded or exact before it): query [T, Hq, D], key / value [T, Hk, D]
+        attend causally among themselves through vLLM's CPU kernel (`chunk`), written straight into
+        vLLM's output rows `out` [T, Hq * D] (no copy). False (nothing done) where the kernel does not
+        serve them (CHUNK_KERNEL off, a soft-cap or sink logits, other dtypes or head sizes, a
+        non-contiguous output): `_attend` then does it."""
+        if not CHUNK_KERNEL or self.softcap is not None or self.logit_sinks is not None \
+                or not (query.dtype == key.dtype == value.dtype == out.dtype) or not out.is_contiguous() \
+                or not chunk.available(query.dtype, self.head_size, query.device):
+            return False
+        chunk.causal_attention(query, key, value, self.scale, out=out.view(query.shape))
+        return True
+
     def _attend(self, pages, tables, skip: int, stops: list[int], query, key, value, mask=None,
                 window=None) -> torch.Tensor:
         """Requests with equal new-token counts T: query [R, T, Hq, D], key/value [R, T, Hk, D] ->
@@ -539,9 +553,11 @@ class FibQuantAttentionImpl(AttentionImpl):
                 run = (earlier_keys.transpose(0, 1)[None], earlier_values.transpose(0, 1)[None])
                 exact = run if exact is None else (torch.cat([exact[0], run[0].to(exact[0].dtype)], dim=2),
                                                    torch.cat([exact[1], run[1].to(exact[1].dtype)], dim=2))
-            out = self._attend(pages, tables[request:request + 1], skip, [first - recent], queries[span][None],
-                               keys[span][None], values[span][None], window=exact)
-            flat_out[span] = out[0].to(flat_out.dtype)
+            if not (exact is None and first == 0 and self._first_chunk(queries[span], keys[span], values[span],
+                                                                       flat_out[span])):
+                out = self._attend(pages, tables[request:request + 1], skip, [first - recent], queries[span][None],
+                                   keys[span][None], values[span][None], window=exact)
+                flat_out[span] = out[0].to(flat_out.dtype)
             recorded.append((request, key, first, span, earlier_keys, earlier_values))
         for size, (requests, pasts, rows) in decodes.items():
             self._decode_batch(pages, tables, starts, requests, pasts, rows, size, queries, keys, values, flat_out)
