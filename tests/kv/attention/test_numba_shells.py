@@ -1,6 +1,7 @@
 """The E8 shell-code decode step (kv/attention/numba_shells.py: each block decoded in the kernel) against the
 torch path on decoded floats and the spec (decode every code, one softmax), to float32 tolerance; the
-kernel's block decoder (codebook/e8shell.py `point_py` through `point_tables`) equal to `unrank` exactly."""
+kernel's block decoders (codebook/e8shell.py `point_py` through `point_tables`, `compact_point_py` through
+`compact_point_tables`) equal to `unrank` exactly."""
 from __future__ import annotations
 
 import functools
@@ -11,7 +12,8 @@ import torch
 from _kv_helpers import check_sinks_and_sliding_window, ragged_float_mask, decode_all_attention, fast_and_torch_paths, filled_coded_layer
 
 import fibquant.kv.attention.numba_shells as numba_shells
-from fibquant.codebook.e8shell import decode_points, point_tables, shell_tables, unrank
+from fibquant.codebook.e8shell import (COMPACT_MAX_POINTS, CompactPointTables, ShellPointTables, compact_point_tables,
+                                      decode_points, point_tables, shell_size, shell_tables, unrank)
 from fibquant.codecs.e8shell import E8ShellCodec, shipped_levels
 from fibquant.codecs.fibquant import FibQuantCodec
 from fibquant.codecs.residual import ResidualFibQuantCodec
@@ -133,9 +135,10 @@ def test_what_the_shell_kernel_does_not_take(monkeypatch, shell_calls):
     assert not shell_calls
 
 
-def test_shell_layout_matches_the_codec():
+@pytest.mark.parametrize("bits", [2, 3])
+def test_shell_layout_matches_the_codec(bits):
     """rotated_shells: decoding a code by hand from its tables and rotation gives the codec's decode."""
-    codec = E8ShellCodec(DIM, 3, norm_correction=True)
+    codec = E8ShellCodec(DIM, bits, norm_correction=True)
     x = torch.randn(5, DIM, generator=torch.Generator().manual_seed(3))
     codes = codec.encode(x)
     shells = codec.rotated_shells(torch.device("cpu"))
@@ -145,3 +148,46 @@ def test_shell_layout_matches_the_codec():
     norms = codes[:, :2].contiguous().view(torch.float16).to(torch.float32)
     torch.testing.assert_close(norms * (u_hat @ shells.forward.T), codec.decode(codes), rtol=1e-5, atol=1e-5)
     assert FibQuantCodec(DIM, 4, 256).rotated_shells(torch.device("cpu")) is None
+
+
+@pytest.mark.parametrize("bits", [1, 1.5, 1.75, 2])
+def test_compact_tables_equal_unrank_exactly(bits):
+    """Every index of the codes of <= 16 index bits: the compact tables (int8 doubled coordinates x the level's
+    scale) give unrank's float64 point rounded to float32, bit for bit; their rows are E8 points (doubled:
+    all even or all odd, sum = 0 mod 4) of the level's shell (squared norm 8 m), within int8."""
+    levels = shipped_levels(DIM, bits)
+    tables, compact = shell_tables(levels), compact_point_tables(levels)
+    assert compact.count == tables.count <= COMPACT_MAX_POINTS and compact.points.shape == (tables.count, 8)
+    assert compact.nbytes < tables.count * 8 + 1024
+    index = np.arange(tables.count)
+    got = decode_points(index, compact)
+    want = unrank(index, tables).astype(np.float32)
+    assert got.dtype == np.float32 and np.array_equal(got.view(np.int32), want.view(np.int32))
+    c = compact.points.astype(np.int64)
+    level = np.searchsorted(tables.offsets, index, side="right") - 1
+    shells = np.array(levels.shells)[level]
+    assert np.array_equal((c ** 2).sum(1), 8 * shells)
+    assert np.all((c % 2 == c[:, :1] % 2).all(1)) and np.all(c.sum(1) % 4 == 0)
+    for g in range(len(levels.shells)):  # each level's points distinct (one level may repeat another's shell)
+        rows = c[level == g]
+        assert len(np.unique(rows, axis=0)) == len(rows) == shell_size(levels.shells[g])
+    with pytest.raises(ValueError, match="out of range"):
+        decode_points(np.array([tables.count]), compact)
+    with pytest.raises(ValueError, match="out of range"):
+        decode_points(np.array([-1]), compact)
+
+
+def test_compact_tables_bad_input():
+    """Codes beyond 16 index bits have no compact tables; decode_points takes only the two table kinds."""
+    with pytest.raises(ValueError, match="at most 65536 points"):
+        compact_point_tables(shipped_levels(DIM, 3))
+    with pytest.raises(ValueError, match="ShellPointTables or CompactPointTables"):
+        decode_points(np.zeros(1, np.int64), shell_tables(shipped_levels(DIM, 2)))
+
+
+def test_codec_gives_compact_tables_up_to_16_bits():
+    """rotated_shells: the compact tables at b <= 2 (the kernel's one-read decode), the decomposed ones above."""
+    for bits in (1, 1.5, 1.75, 2):
+        assert isinstance(E8ShellCodec(DIM, bits).rotated_shells(torch.device("cpu")).tables, CompactPointTables)
+    for bits in (3, 4):
+        assert isinstance(E8ShellCodec(DIM, bits).rotated_shells(torch.device("cpu")).tables, ShellPointTables)

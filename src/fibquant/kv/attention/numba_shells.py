@@ -2,8 +2,10 @@
 
 A shell code stores per 8-block j of the rotated unit vector ONE index into 2^(8 b) points: no codebook small
 enough for per-query score tables (65 536 points at 2 bits, 2^32 at 4). So each code row's blocks are decoded
-in the kernel (`codebook.e8shell.point_py`: the index's orbit, its composition's slot word and its sign row,
-a few table reads per block, exactly `unrank`'s point rounded to float32) into u_hat [64], and
+in the kernel into u_hat [64], exactly `unrank`'s point rounded to float32: at <= 16 index bits (b <= 2) from
+`codebook.e8shell.compact_point_py` (the point's 8 int8 doubled coordinates, one 8-byte read, times its
+level's scale), above from `point_py` (the index's orbit, its composition's slot word and its sign row:
+four dependent table reads), and
 
     q . x_hat_i = nu_i (q @ forward) . u_hat_i           (the G query rows of the KV head: G dot products)
     sum_i p_i x_hat_i = (sum_i p_i nu_i u_hat_i) @ forward.T   (each value row decoded once, G FMAs)
@@ -23,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from fibquant.codebook.e8shell import CompactPointTables, ShellPointTables
 from fibquant.kv.attention.host_arrays import code_rows, f32, rows32
 
 _PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -31,7 +34,7 @@ _LOCK = threading.Lock()
 MAX_GROUPS = 8  # query heads per KV head
 
 _point = _norms = _softmax_row = _add_key_mean = _add_bias = _exact_scores = _exact_values = None
-_code_scores = _code_values = _block_index = None
+_code_scores = _code_values = _block_index = _compact_point = _code_scores_compact = _code_values_compact = None
 
 
 def _block_index_py(rows, i, blk, ibits):
@@ -93,15 +96,58 @@ def _code_values_py(rows, weights, groups, norms, acc, u, ibits, count, bucket, 
     return bad
 
 
+def _code_scores_compact_py(rows, rq, groups, norms, coded, u, ibits, count, points, offsets, scales):
+    """`_code_scores` with the blocks read from `CompactPointTables` (one 8-byte read per block, b <= 2)."""
+    n_tokens = rows.shape[0]
+    dim = rq.shape[1]
+    bad = 0
+    for i in range(n_tokens):
+        for blk in range(dim // 8):
+            idx = _block_index(rows, i, blk, ibits)
+            if idx >= count:
+                bad += 1
+                idx = 0
+            _compact_point(idx, points, offsets, scales, u, blk * 8)
+        nu = norms[i]
+        for t in range(groups):
+            s = np.float32(0.0)
+            for e in range(dim):
+                s += rq[t, e] * u[e]
+            coded[t, i] = s * nu
+    return bad
+
+
+def _code_values_compact_py(rows, weights, groups, norms, acc, u, ibits, count, points, offsets, scales):
+    """`_code_values` with the blocks read from `CompactPointTables`."""
+    n_tokens = rows.shape[0]
+    dim = acc.shape[1]
+    bad = 0
+    for i in range(n_tokens):
+        for blk in range(dim // 8):
+            idx = _block_index(rows, i, blk, ibits)
+            if idx >= count:
+                bad += 1
+                idx = 0
+            _compact_point(idx, points, offsets, scales, u, blk * 8)
+        nu = norms[i]
+        for t in range(groups):
+            w = weights[t, i] * nu
+            if w != 0.0:
+                for e in range(dim):
+                    acc[t, e] += w * u[e]
+    return bad
+
+
 def _decode_step_py(query, scaling, key_forward, value_inverse, key_codes, value_codes, sink_keys, sink_values,
                     recent_keys, recent_values, new_keys, new_values, key_mean, value_mean, bias, sinks, out, flags,
                     key_norms, value_norms,
-                    k_ibits, k_count, k_bucket, k_bshift, k_orbits, k_orbit_vals, k_comps,
-                    v_ibits, v_count, v_bucket, v_bshift, v_orbits, v_orbit_vals, v_comps,
-                    signs, unit_start, unit_stop):
+                    k_ibits, k_count, k_bucket, k_bshift, k_orbits, k_orbit_vals, k_comps, k_points, k_offsets,
+                    k_scales, v_ibits, v_count, v_bucket, v_bshift, v_orbits, v_orbit_vals, v_comps, v_points,
+                    v_offsets, v_scales, signs, unit_start, unit_stop):
     """out[b, h*G + t] for units [unit_start, unit_stop) of (b, KV head h), as numba_decode's step, the coded
-    columns read from shell codes (k_* / v_*: each role's `ShellPointTables` and index bits); returns the count
-    of invalid indices (>= the code's point count) seen."""
+    columns read from shell codes (k_* / v_*: each role's index bits, point count and tables: the compact
+    `CompactPointTables` (points, offsets, scales) when points has rows, else the decomposed `ShellPointTables`
+    (bucket .. comps, signs)); returns the count of invalid indices (>= the code's point count) seen."""
     n_b, n_qh, dim = query.shape
     n_h = key_codes.shape[1]
     groups = n_qh // n_h
@@ -145,8 +191,12 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_codes, value
             else:
                 _norms(key_codes[b, h], norms, ibits)
                 row_norms = norms
-            bad += _code_scores(key_codes[b, h], rq, groups, row_norms, coded, u, k_ibits, k_count, k_bucket,
-                                k_bshift, k_orbits, k_orbit_vals, k_comps, signs)
+            if k_points.shape[0]:
+                bad += _code_scores_compact(key_codes[b, h], rq, groups, row_norms, coded, u, k_ibits, k_count,
+                                            k_points, k_offsets, k_scales)
+            else:
+                bad += _code_scores(key_codes[b, h], rq, groups, row_norms, coded, u, k_ibits, k_count, k_bucket,
+                                    k_bshift, k_orbits, k_orbit_vals, k_comps, signs)
             if has_key_mean:
                 _add_key_mean(coded, groups, n_tokens, scaled, key_mean, b, h, dim)
         # --- exact scores: columns [sinks, recent, new]
@@ -172,8 +222,12 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_codes, value
             for t in range(groups):
                 for e in range(value_dim):
                     acc[t, e] = 0.0
-            bad += _code_values(value_codes[b, h], coded, groups, row_norms, acc, u, v_ibits, v_count, v_bucket,
-                                v_bshift, v_orbits, v_orbit_vals, v_comps, signs)
+            if v_points.shape[0]:
+                bad += _code_values_compact(value_codes[b, h], coded, groups, row_norms, acc, u, v_ibits, v_count,
+                                            v_points, v_offsets, v_scales)
+            else:
+                bad += _code_values(value_codes[b, h], coded, groups, row_norms, acc, u, v_ibits, v_count,
+                                    v_bucket, v_bshift, v_orbits, v_orbit_vals, v_comps, signs)
             for t in range(groups):  # inverse = forward.T
                 for e in range(value_dim):
                     x = acc[t, e]
@@ -196,7 +250,7 @@ def compile_shell_kernel():
     """The shell-code decode-step dispatcher (numba, disk-cached as `jit.kernel_jit`, keyed also on
     codebook/e8shell.py, whose `point_py` it inlines), after binding numba_decode's helpers."""
     global _KERNEL, _point, _norms, _softmax_row, _add_key_mean, _add_bias, _exact_scores, _exact_values
-    global _code_scores, _code_values, _block_index
+    global _code_scores, _code_values, _block_index, _compact_point, _code_scores_compact, _code_values_compact
     if _KERNEL is not None:
         return _KERNEL
     with _LOCK:
@@ -218,8 +272,11 @@ def compile_shell_kernel():
         _point, _block_index = jit()(e8shell.point_py), jit()(_block_index_py)
         fast = jit(fastmath={"contract", "reassoc", "nsz"})  # float sums in any order
         _code_scores, _code_values = fast(_code_scores_py), fast(_code_values_py)
+        _compact_point = jit()(e8shell.compact_point_py)
+        _code_scores_compact, _code_values_compact = fast(_code_scores_compact_py), fast(_code_values_compact_py)
         rows4d = "float32[:, :, :, :]"
-        role = "int64, int64, int16[::1], int64, int64[:, ::1], float32[:, ::1], uint32[::1]"
+        role = ("int64, int64, int16[::1], int64, int64[:, ::1], float32[:, ::1], uint32[::1], int8[:, ::1], "
+                "int64[::1], float64[::1]")
         signature = (f"int64(float32[:, :, ::1], float32, float32[:, ::1], float32[:, ::1], uint8[:, :, :, :], "
                      f"uint8[:, :, :, :], {rows4d}, {rows4d}, {rows4d}, {rows4d}, {rows4d}, {rows4d}, "
                      "float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[::1], float32[:, :, ::1], "
@@ -228,8 +285,23 @@ def compile_shell_kernel():
     return _KERNEL
 
 
+# the arrays of the table kind a role does not use (the kernel's signature takes both kinds per role)
+_NO_SIGNS = np.zeros((1, 1), np.uint8)
+_NO_DECOMPOSED = (np.zeros(1, np.int16), 0, np.zeros((1, 8), np.int64), np.zeros((1, 16), np.float32),
+                  np.zeros(1, np.uint32))
+_NO_COMPACT = (np.zeros((0, 8), np.int8), np.zeros(1, np.int64), np.zeros(1, np.float64))
+
+
+def _role_args(tables) -> tuple:
+    """count, the decomposed tables' arrays (bucket .. comps), the compact tables' (points, offsets, scales)."""
+    if isinstance(tables, CompactPointTables):
+        return (tables.count, *_NO_DECOMPOSED, *tables.args())
+    return (tables.count, *tables.args()[:-1], *_NO_COMPACT)
+
+
 def shell_plan(codec):
-    """(forward, forward.T, index bits, ShellPointTables, (torch tensors kept alive)) for a codec whose codes
+    """(forward, forward.T, index bits, tables (CompactPointTables at <= 16 index bits, else ShellPointTables),
+    (torch tensors kept alive)) for a codec whose codes
     are E8 shell codes (`rotated_shells`), else None."""
     try:
         plan = _PLANS.get(codec)
@@ -303,10 +375,10 @@ def attend_decode_shells(query: torch.Tensor, kv, bias: torch.Tensor | None, sca
     else:
         query_np = f32(query[:, :, 0])
     kt, vt = keys[3], values[3]
+    signs = kt.signs if isinstance(kt, ShellPointTables) else vt.signs if isinstance(vt, ShellPointTables) else _NO_SIGNS
     args = (query_np, float(scaling), keys[0], values[1], key_codes, value_codes, sink_k, sink_v, recent_k, recent_v,
             rows32(kv.new_keys), rows32(kv.new_values), key_mean, value_mean, bias_np, sinks_np, out.numpy(), flags,
-            key_norms, value_norms, keys[2], kt.count, *kt.args()[:-1], values[2], vt.count, *vt.args()[:-1],
-            kt.signs)
+            key_norms, value_norms, keys[2], *_role_args(kt), values[2], *_role_args(vt), signs)
     coded = key_codes.shape[2]
     bad = run_split(kernel, args, batch * heads, coded * 2 * query.shape[-1], _MIN_WORK_PER_THREAD,
                     "fibquant-decode-e8")
