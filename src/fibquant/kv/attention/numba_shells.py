@@ -2,10 +2,10 @@
 
 A shell code stores per 8-block j of the rotated unit vector ONE index into 2^(8 b) points: no codebook small
 enough for per-query score tables (65 536 points at 2 bits, 2^32 at 4). So each code row's blocks are decoded
-in the kernel into u_hat [64], exactly `unrank`'s point rounded to float32: at <= 16 index bits (b <= 2) from
-`codebook.e8shell.compact_point_py` (the point's 8 int8 doubled coordinates, one 8-byte read, times its
-level's scale), above from `point_py` (the index's orbit, its composition's slot word and its sign row:
-four dependent table reads), and
+in the kernel into u_hat [64]: at <= 16 index bits (b <= 2) from `codebook.e8shell.CompactPointTables` (the
+point's 8 int8 doubled coordinates, one 8-byte read, times its level's scale in float32: within an ulp of
+`unrank`'s point), above through `point_py` (the index's orbit, its composition's slot word and its sign row:
+four dependent table reads; exactly `unrank`'s point rounded to float32), and
 
     q . x_hat_i = nu_i (q @ forward) . u_hat_i           (the G query rows of the KV head: G dot products)
     sum_i p_i x_hat_i = (sum_i p_i nu_i u_hat_i) @ forward.T   (each value row decoded once, G FMAs)
@@ -34,36 +34,52 @@ _LOCK = threading.Lock()
 MAX_GROUPS = 8  # query heads per KV head
 
 _point = _norms = _softmax_row = _add_key_mean = _add_bias = _exact_scores = _exact_values = None
-_code_scores = _code_values = _block_index = _compact_point = _code_scores_compact = _code_values_compact = None
+_code_scores = _code_values = _row_indices = _compact_row = _code_scores_compact = _code_values_compact = None
 
 
-def _block_index_py(rows, i, blk, ibits):
-    """The index of block blk of code row i: ibits (8..32) bits at bit offset blk * ibits of the indices after
-    the 2-byte norm, little-endian as `codecs.bitpack` packs them (12 / 14-bit codes are not byte-aligned)."""
-    bit = blk * ibits
-    o = 2 + (bit >> 3)
-    shift = bit & 7
-    last = min(rows.shape[1], 2 + ((bit + ibits + 7) >> 3))
-    idx = np.int64(0)
-    for q in range(last - o):
-        idx |= np.int64(rows[i, o + q]) << (8 * q)
-    return (idx >> shift) & ((np.int64(1) << ibits) - 1)
+def _row_indices_py(rows, i, ibits, count, idx):
+    """The block indices of code row i into idx (int64 [dim/8]): ibits (8..32) bits each after the 2-byte norm,
+    little-endian as `codecs.bitpack` packs them (12 / 14-bit codes are not byte-aligned), all read before any
+    table (independent loads); an index >= count reads as 0. Returns how many were >= count."""
+    n_blk = idx.shape[0]
+    if ibits == 16:
+        for blk in range(n_blk):
+            idx[blk] = np.int64(rows[i, 2 + 2 * blk]) | (np.int64(rows[i, 3 + 2 * blk]) << 8)
+    elif ibits == 8:
+        for blk in range(n_blk):
+            idx[blk] = np.int64(rows[i, 2 + blk])
+    else:  # a bit stream: only the row's own bytes are read
+        mask = (np.int64(1) << ibits) - 1
+        buf = np.int64(0)
+        have = 0
+        o = 2
+        for blk in range(n_blk):
+            while have < ibits:
+                buf |= np.int64(rows[i, o]) << have
+                o += 1
+                have += 8
+            idx[blk] = buf & mask
+            buf >>= ibits
+            have -= ibits
+    bad = 0
+    for blk in range(n_blk):
+        if idx[blk] >= count:
+            bad += 1
+            idx[blk] = 0
+    return bad
 
 
-def _code_scores_py(rows, rq, groups, norms, coded, u, ibits, count, bucket, bshift, orbits, orbit_vals,
+def _code_scores_py(rows, rq, groups, norms, coded, u, idx, ibits, count, bucket, bshift, orbits, orbit_vals,
                     comps, signs):
-    """coded[t, i] = norms[i] * (rq[t] . u_hat_i) for every code row i (u: float32 scratch [dim]); returns the
-    count of indices >= count (decoded as index 0)."""
+    """coded[t, i] = norms[i] * (rq[t] . u_hat_i) for every code row i (u: float32 scratch [dim], idx: int64
+    scratch [dim/8]); returns the count of indices >= count (decoded as index 0)."""
     n_tokens = rows.shape[0]
     dim = rq.shape[1]
     bad = 0
     for i in range(n_tokens):
+        bad += _row_indices(rows, i, ibits, count, idx)
         for blk in range(dim // 8):
-            idx = _block_index(rows, i, blk, ibits)
-            if idx >= count:
-                bad += 1
-                idx = 0
-            _point(idx, bucket, bshift, orbits, orbit_vals, comps, signs, u, blk * 8)
+            _point(idx[blk], bucket, bshift, orbits, orbit_vals, comps, signs, u, blk * 8)
         nu = norms[i]
         for t in range(groups):
             s = np.float32(0.0)
@@ -73,7 +89,7 @@ def _code_scores_py(rows, rq, groups, norms, coded, u, ibits, count, bucket, bsh
     return bad
 
 
-def _code_values_py(rows, weights, groups, norms, acc, u, ibits, count, bucket, bshift, orbits, orbit_vals,
+def _code_values_py(rows, weights, groups, norms, acc, u, idx, ibits, count, bucket, bshift, orbits, orbit_vals,
                     comps, signs):
     """acc[t] += weights[t, i] * norms[i] * u_hat_i over every code row i (acc [groups, dim] rotated domain);
     returns the count of indices >= count."""
@@ -81,12 +97,9 @@ def _code_values_py(rows, weights, groups, norms, acc, u, ibits, count, bucket, 
     dim = acc.shape[1]
     bad = 0
     for i in range(n_tokens):
+        bad += _row_indices(rows, i, ibits, count, idx)
         for blk in range(dim // 8):
-            idx = _block_index(rows, i, blk, ibits)
-            if idx >= count:
-                bad += 1
-                idx = 0
-            _point(idx, bucket, bshift, orbits, orbit_vals, comps, signs, u, blk * 8)
+            _point(idx[blk], bucket, bshift, orbits, orbit_vals, comps, signs, u, blk * 8)
         nu = norms[i]
         for t in range(groups):
             w = weights[t, i] * nu
@@ -96,18 +109,29 @@ def _code_values_py(rows, weights, groups, norms, acc, u, ibits, count, bucket, 
     return bad
 
 
-def _code_scores_compact_py(rows, rq, groups, norms, coded, u, ibits, count, points, offsets, scales):
+def _compact_row_py(idx, points, offsets, scales, u):
+    """u [dim] = the row's blocks from `CompactPointTables`: int8 -> float32 (exact) times the level's scale
+    rounded to float32 (within an ulp of `compact_point_py`'s exact point; a float64 product per coordinate
+    cost ~40 % more here)."""
+    n_lv = offsets.shape[0]
+    for blk in range(idx.shape[0]):
+        j = idx[blk]
+        g = 0
+        for lv in range(1, n_lv):  # the level: offsets ascending, a few compares, no branch
+            g += np.int64(j >= offsets[lv])
+        s = np.float32(scales[g])
+        for k in range(8):
+            u[blk * 8 + k] = np.float32(points[j, k]) * s
+
+
+def _code_scores_compact_py(rows, rq, groups, norms, coded, u, idx, ibits, count, points, offsets, scales):
     """`_code_scores` with the blocks read from `CompactPointTables` (one 8-byte read per block, b <= 2)."""
     n_tokens = rows.shape[0]
     dim = rq.shape[1]
     bad = 0
     for i in range(n_tokens):
-        for blk in range(dim // 8):
-            idx = _block_index(rows, i, blk, ibits)
-            if idx >= count:
-                bad += 1
-                idx = 0
-            _compact_point(idx, points, offsets, scales, u, blk * 8)
+        bad += _row_indices(rows, i, ibits, count, idx)
+        _compact_row(idx, points, offsets, scales, u)
         nu = norms[i]
         for t in range(groups):
             s = np.float32(0.0)
@@ -117,18 +141,14 @@ def _code_scores_compact_py(rows, rq, groups, norms, coded, u, ibits, count, poi
     return bad
 
 
-def _code_values_compact_py(rows, weights, groups, norms, acc, u, ibits, count, points, offsets, scales):
+def _code_values_compact_py(rows, weights, groups, norms, acc, u, idx, ibits, count, points, offsets, scales):
     """`_code_values` with the blocks read from `CompactPointTables`."""
     n_tokens = rows.shape[0]
     dim = acc.shape[1]
     bad = 0
     for i in range(n_tokens):
-        for blk in range(dim // 8):
-            idx = _block_index(rows, i, blk, ibits)
-            if idx >= count:
-                bad += 1
-                idx = 0
-            _compact_point(idx, points, offsets, scales, u, blk * 8)
+        bad += _row_indices(rows, i, ibits, count, idx)
+        _compact_row(idx, points, offsets, scales, u)
         nu = norms[i]
         for t in range(groups):
             w = weights[t, i] * nu
@@ -164,6 +184,8 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_codes, value
     rq = np.empty((groups, dim), dtype=np.float32)
     acc = np.empty((groups, value_dim), dtype=np.float32)
     u = np.empty(max(dim, value_dim), dtype=np.float32)
+    blk_idx = np.empty(dim // 8, dtype=np.int64)
+    blk_idx_v = np.empty(value_dim // 8, dtype=np.int64)
     exact = np.empty((groups, n_exact), dtype=np.float32)
     total = np.empty(groups, dtype=np.float32)
     coded_total = np.empty(groups, dtype=np.float32)
@@ -192,11 +214,11 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_codes, value
                 _norms(key_codes[b, h], norms, ibits)
                 row_norms = norms
             if k_points.shape[0]:
-                bad += _code_scores_compact(key_codes[b, h], rq, groups, row_norms, coded, u, k_ibits, k_count,
-                                            k_points, k_offsets, k_scales)
+                bad += _code_scores_compact(key_codes[b, h], rq, groups, row_norms, coded, u, blk_idx, k_ibits,
+                                            k_count, k_points, k_offsets, k_scales)
             else:
-                bad += _code_scores(key_codes[b, h], rq, groups, row_norms, coded, u, k_ibits, k_count, k_bucket,
-                                    k_bshift, k_orbits, k_orbit_vals, k_comps, signs)
+                bad += _code_scores(key_codes[b, h], rq, groups, row_norms, coded, u, blk_idx, k_ibits, k_count,
+                                    k_bucket, k_bshift, k_orbits, k_orbit_vals, k_comps, signs)
             if has_key_mean:
                 _add_key_mean(coded, groups, n_tokens, scaled, key_mean, b, h, dim)
         # --- exact scores: columns [sinks, recent, new]
@@ -223,11 +245,11 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_codes, value
                 for e in range(value_dim):
                     acc[t, e] = 0.0
             if v_points.shape[0]:
-                bad += _code_values_compact(value_codes[b, h], coded, groups, row_norms, acc, u, v_ibits, v_count,
-                                            v_points, v_offsets, v_scales)
+                bad += _code_values_compact(value_codes[b, h], coded, groups, row_norms, acc, u, blk_idx_v, v_ibits,
+                                            v_count, v_points, v_offsets, v_scales)
             else:
-                bad += _code_values(value_codes[b, h], coded, groups, row_norms, acc, u, v_ibits, v_count,
-                                    v_bucket, v_bshift, v_orbits, v_orbit_vals, v_comps, signs)
+                bad += _code_values(value_codes[b, h], coded, groups, row_norms, acc, u, blk_idx_v, v_ibits,
+                                    v_count, v_bucket, v_bshift, v_orbits, v_orbit_vals, v_comps, signs)
             for t in range(groups):  # inverse = forward.T
                 for e in range(value_dim):
                     x = acc[t, e]
@@ -250,7 +272,7 @@ def compile_shell_kernel():
     """The shell-code decode-step dispatcher (numba, disk-cached as `jit.kernel_jit`, keyed also on
     codebook/e8shell.py, whose `point_py` it inlines), after binding numba_decode's helpers."""
     global _KERNEL, _point, _norms, _softmax_row, _add_key_mean, _add_bias, _exact_scores, _exact_values
-    global _code_scores, _code_values, _block_index, _compact_point, _code_scores_compact, _code_values_compact
+    global _code_scores, _code_values, _row_indices, _compact_row, _code_scores_compact, _code_values_compact
     if _KERNEL is not None:
         return _KERNEL
     with _LOCK:
@@ -269,10 +291,9 @@ def compile_shell_kernel():
         def jit(*signature, **options):
             return njit_tracking(*signature, depends_on=sources, nogil=True, **options)
 
-        _point, _block_index = jit()(e8shell.point_py), jit()(_block_index_py)
+        _point, _row_indices, _compact_row = jit()(e8shell.point_py), jit()(_row_indices_py), jit()(_compact_row_py)
         fast = jit(fastmath={"contract", "reassoc", "nsz"})  # float sums in any order
         _code_scores, _code_values = fast(_code_scores_py), fast(_code_values_py)
-        _compact_point = jit()(e8shell.compact_point_py)
         _code_scores_compact, _code_values_compact = fast(_code_scores_compact_py), fast(_code_values_compact_py)
         rows4d = "float32[:, :, :, :]"
         role = ("int64, int64, int16[::1], int64, int64[:, ::1], float32[:, ::1], uint32[::1], int8[:, ::1], "
