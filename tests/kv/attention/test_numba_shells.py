@@ -158,7 +158,6 @@ def test_compact_tables_equal_unrank_exactly(bits):
     levels = shipped_levels(DIM, bits)
     tables, compact = shell_tables(levels), compact_point_tables(levels)
     assert compact.count == tables.count <= COMPACT_MAX_POINTS and compact.points.shape == (tables.count, 8)
-    assert compact.nbytes < tables.count * 8 + 1024
     index = np.arange(tables.count)
     got = decode_points(index, compact)
     want = unrank(index, tables).astype(np.float32)

@@ -34,7 +34,7 @@ _LOCK = threading.Lock()
 MAX_GROUPS = 8  # query heads per KV head
 
 _point = _norms = _softmax_row = _add_key_mean = _add_bias = _exact_scores = _exact_values = None
-_code_scores = _code_values = _row_indices = _compact_row = _code_scores_compact = _code_values_compact = None
+_code_scores = _code_values = _row_indices = _row_words = _code_scores_compact = _code_values_compact = None
 
 
 def _row_indices_py(rows, i, ibits, count, idx):
@@ -109,64 +109,139 @@ def _code_values_py(rows, weights, groups, norms, acc, u, idx, ibits, count, buc
     return bad
 
 
-def _compact_row_py(idx, points, offsets, scales, u):
-    """u [dim] = the row's blocks from `CompactPointTables`: int8 -> float32 (exact) times the level's scale
-    rounded to float32 (within an ulp of `compact_point_py`'s exact point; a float64 product per coordinate
-    cost ~40 % more here)."""
-    n_lv = offsets.shape[0]
-    for blk in range(idx.shape[0]):
-        j = idx[blk]
-        g = 0
-        for lv in range(1, n_lv):  # the level: offsets ascending, a few compares, no branch
-            g += np.int64(j >= offsets[lv])
-        s = np.float32(scales[g])
-        for k in range(8):
-            u[blk * 8 + k] = np.float32(points[j, k]) * s
+def _row_words_py(rows, i, ibits, words, wr):
+    """wr [dim/8] (int64) = the compact words (`CompactPointTables.words`) of code row i's block indices, ibits
+    (8..16) bits each after the 2-byte norm, little-endian as `codecs.bitpack` packs them; only the row's own
+    bytes are read, and the branch on ibits is taken once per row (inlined: a per-block helper call cost 2-4x)."""
+    n_blk = wr.shape[0]
+    if ibits == 16:
+        for blk in range(n_blk):
+            wr[blk] = words[np.int64(rows[i, 2 + 2 * blk]) | (np.int64(rows[i, 3 + 2 * blk]) << 8)]
+    elif ibits == 8:
+        for blk in range(n_blk):
+            wr[blk] = words[np.int64(rows[i, 2 + blk])]
+    else:  # 12 / 14 bits: a bit stream
+        mask = (np.int64(1) << ibits) - 1
+        buf = np.int64(0)
+        have = 0
+        o = 2
+        for blk in range(n_blk):
+            while have < ibits:
+                buf |= np.int64(rows[i, o]) << have
+                o += 1
+                have += 8
+            wr[blk] = words[buf & mask]
+            buf >>= ibits
+            have -= ibits
 
 
-def _code_scores_compact_py(rows, rq, groups, norms, coded, u, idx, ibits, count, points, offsets, scales):
-    """`_code_scores` with the blocks read from `CompactPointTables` (one 8-byte read per block, b <= 2)."""
+def _code_scores_compact_py(rows, rq, groups, norms, coded, ibits, words, halves, scales32, table, wr):
+    """`_code_scores` for `CompactPointTables` codes (b <= 2) through per-query tables over the 4-d halves,
+    FibQuant-style: table [dim/4, H, 4] (scratch) = 4 query rows' quarter-blocks . each half, then per block
+    s_g (table[2 blk, first half] + table[2 blk + 1, second half]) for the 4 rows at once (groups > 4: twice);
+    wr int64 [dim/8] scratch, dim/8 a multiple of 8. words (2^ibits: one per index the code's bits can hold)
+    carry bit 31 for indices beyond the points; returns how many of those were read (decoded as index 0)."""
     n_tokens = rows.shape[0]
-    dim = rq.shape[1]
+    n_half = halves.shape[0]
+    n_blk = wr.shape[0]
     bad = 0
-    for i in range(n_tokens):
-        bad += _row_indices(rows, i, ibits, count, idx)
-        _compact_row(idx, points, offsets, scales, u)
-        nu = norms[i]
-        for t in range(groups):
-            s = np.float32(0.0)
-            for e in range(dim):
-                s += rq[t, e] * u[e]
-            coded[t, i] = s * nu
-    return bad
+    rq4 = np.zeros((4, 4), np.float32)  # [k, lane]: one quarter-block of 4 query rows (zero lanes past groups)
+    for t0 in range(0, groups, 4):
+        for q in range(table.shape[0]):
+            for t in range(min(4, groups - t0)):
+                for k in range(4):
+                    rq4[k, t] = rq[t0 + t, 4 * q + k]
+            for h in range(n_half):  # lanes innermost: 4-wide multiply-adds
+                for t in range(4):
+                    table[q, h, t] = (halves[h, 0] * rq4[0, t] + halves[h, 1] * rq4[1, t] + halves[h, 2] * rq4[2, t]
+                                      + halves[h, 3] * rq4[3, t])
+        for i in range(n_tokens):
+            _row_words(rows, i, ibits, words, wr)
+            a0 = np.float32(0.0)
+            a1 = np.float32(0.0)
+            a2 = np.float32(0.0)
+            a3 = np.float32(0.0)
+            for b8 in range(0, n_blk, 8):
+                for b in range(8):  # a constant trip count: unrolled
+                    blk = b8 + b
+                    w = wr[blk]
+                    bad += w >> 31
+                    lo = w & 4095
+                    hi = (w >> 12) & 4095
+                    s = scales32[(w >> 24) & 127]
+                    a0 += s * (table[2 * blk, lo, 0] + table[2 * blk + 1, hi, 0])
+                    a1 += s * (table[2 * blk, lo, 1] + table[2 * blk + 1, hi, 1])
+                    a2 += s * (table[2 * blk, lo, 2] + table[2 * blk + 1, hi, 2])
+                    a3 += s * (table[2 * blk, lo, 3] + table[2 * blk + 1, hi, 3])
+            nu = norms[i]
+            coded[t0, i] = a0 * nu
+            if t0 + 1 < groups:
+                coded[t0 + 1, i] = a1 * nu
+            if t0 + 2 < groups:
+                coded[t0 + 2, i] = a2 * nu
+            if t0 + 3 < groups:
+                coded[t0 + 3, i] = a3 * nu
+    return bad if groups <= 4 else bad // 2
 
 
-def _code_values_compact_py(rows, weights, groups, norms, acc, u, idx, ibits, count, points, offsets, scales):
-    """`_code_values` with the blocks read from `CompactPointTables`."""
+def _code_values_compact_py(rows, weights, groups, norms, acc, ibits, words, halves, scales32, table, wr):
+    """`_code_values` for `CompactPointTables` codes: each row's weights x nu x s_g added into a histogram over
+    the halves (table [dim/4, H, 4], scratch; 4 query rows at a time), then acc[t, 4 q + k] += sum_h
+    table[q, h, t] halves[h, k]. Returns the count of indices beyond the points."""
     n_tokens = rows.shape[0]
-    dim = acc.shape[1]
+    n_half = halves.shape[0]
+    n_blk = wr.shape[0]
     bad = 0
-    for i in range(n_tokens):
-        bad += _row_indices(rows, i, ibits, count, idx)
-        _compact_row(idx, points, offsets, scales, u)
-        nu = norms[i]
-        for t in range(groups):
-            w = weights[t, i] * nu
-            if w != 0.0:
-                for e in range(dim):
-                    acc[t, e] += w * u[e]
-    return bad
+    sums = np.empty((4, 4), np.float32)
+    for t0 in range(0, groups, 4):
+        table[:] = 0.0
+        for i in range(n_tokens):
+            _row_words(rows, i, ibits, words, wr)
+            nu = norms[i]
+            w0 = weights[t0, i] * nu
+            w1 = weights[t0 + 1, i] * nu if t0 + 1 < groups else np.float32(0.0)
+            w2 = weights[t0 + 2, i] * nu if t0 + 2 < groups else np.float32(0.0)
+            w3 = weights[t0 + 3, i] * nu if t0 + 3 < groups else np.float32(0.0)
+            for b8 in range(0, n_blk, 8):
+                for b in range(8):
+                    blk = b8 + b
+                    w = wr[blk]
+                    bad += w >> 31
+                    lo = w & 4095
+                    hi = (w >> 12) & 4095
+                    s = scales32[(w >> 24) & 127]
+                    table[2 * blk, lo, 0] += s * w0
+                    table[2 * blk, lo, 1] += s * w1
+                    table[2 * blk, lo, 2] += s * w2
+                    table[2 * blk, lo, 3] += s * w3
+                    table[2 * blk + 1, hi, 0] += s * w0
+                    table[2 * blk + 1, hi, 1] += s * w1
+                    table[2 * blk + 1, hi, 2] += s * w2
+                    table[2 * blk + 1, hi, 3] += s * w3
+        for q in range(table.shape[0]):
+            for k in range(4):
+                for t in range(4):
+                    sums[k, t] = 0.0
+            for h in range(n_half):  # lanes innermost: 4-wide multiply-adds
+                for k in range(4):
+                    x = halves[h, k]
+                    for t in range(4):
+                        sums[k, t] += table[q, h, t] * x
+            for t in range(min(4, groups - t0)):
+                for k in range(4):
+                    acc[t0 + t, 4 * q + k] += sums[k, t]
+    return bad if groups <= 4 else bad // 2
 
 
 def _decode_step_py(query, scaling, key_forward, value_inverse, key_codes, value_codes, sink_keys, sink_values,
                     recent_keys, recent_values, new_keys, new_values, key_mean, value_mean, bias, sinks, out, flags,
                     key_norms, value_norms,
-                    k_ibits, k_count, k_bucket, k_bshift, k_orbits, k_orbit_vals, k_comps, k_points, k_offsets,
-                    k_scales, v_ibits, v_count, v_bucket, v_bshift, v_orbits, v_orbit_vals, v_comps, v_points,
-                    v_offsets, v_scales, signs, unit_start, unit_stop):
+                    k_ibits, k_count, k_bucket, k_bshift, k_orbits, k_orbit_vals, k_comps, k_words, k_halves,
+                    k_scales32, v_ibits, v_count, v_bucket, v_bshift, v_orbits, v_orbit_vals, v_comps, v_words,
+                    v_halves, v_scales32, signs, unit_start, unit_stop):
     """out[b, h*G + t] for units [unit_start, unit_stop) of (b, KV head h), as numba_decode's step, the coded
     columns read from shell codes (k_* / v_*: each role's index bits, point count and tables: the compact
-    `CompactPointTables` (points, offsets, scales) when points has rows, else the decomposed `ShellPointTables`
+    `CompactPointTables` (words, halves, scales32) when words is not empty, else the decomposed `ShellPointTables`
     (bucket .. comps, signs)); returns the count of invalid indices (>= the code's point count) seen."""
     n_b, n_qh, dim = query.shape
     n_h = key_codes.shape[1]
@@ -186,6 +261,8 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_codes, value
     u = np.empty(max(dim, value_dim), dtype=np.float32)
     blk_idx = np.empty(dim // 8, dtype=np.int64)
     blk_idx_v = np.empty(value_dim // 8, dtype=np.int64)
+    k_table = np.empty((dim // 4 if k_words.shape[0] else 0, k_halves.shape[0], 4), dtype=np.float32)
+    v_table = np.empty((value_dim // 4 if v_words.shape[0] else 0, v_halves.shape[0], 4), dtype=np.float32)
     exact = np.empty((groups, n_exact), dtype=np.float32)
     total = np.empty(groups, dtype=np.float32)
     coded_total = np.empty(groups, dtype=np.float32)
@@ -213,9 +290,9 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_codes, value
             else:
                 _norms(key_codes[b, h], norms, ibits)
                 row_norms = norms
-            if k_points.shape[0]:
-                bad += _code_scores_compact(key_codes[b, h], rq, groups, row_norms, coded, u, blk_idx, k_ibits,
-                                            k_count, k_points, k_offsets, k_scales)
+            if k_words.shape[0]:
+                bad += _code_scores_compact(key_codes[b, h], rq, groups, row_norms, coded, k_ibits, k_words,
+                                            k_halves, k_scales32, k_table, blk_idx)
             else:
                 bad += _code_scores(key_codes[b, h], rq, groups, row_norms, coded, u, blk_idx, k_ibits, k_count,
                                     k_bucket, k_bshift, k_orbits, k_orbit_vals, k_comps, signs)
@@ -244,9 +321,9 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_codes, value
             for t in range(groups):
                 for e in range(value_dim):
                     acc[t, e] = 0.0
-            if v_points.shape[0]:
-                bad += _code_values_compact(value_codes[b, h], coded, groups, row_norms, acc, u, blk_idx_v, v_ibits,
-                                            v_count, v_points, v_offsets, v_scales)
+            if v_words.shape[0]:
+                bad += _code_values_compact(value_codes[b, h], coded, groups, row_norms, acc, v_ibits, v_words,
+                                            v_halves, v_scales32, v_table, blk_idx_v)
             else:
                 bad += _code_values(value_codes[b, h], coded, groups, row_norms, acc, u, blk_idx_v, v_ibits,
                                     v_count, v_bucket, v_bshift, v_orbits, v_orbit_vals, v_comps, signs)
@@ -272,7 +349,7 @@ def compile_shell_kernel():
     """The shell-code decode-step dispatcher (numba, disk-cached as `jit.kernel_jit`, keyed also on
     codebook/e8shell.py, whose `point_py` it inlines), after binding numba_decode's helpers."""
     global _KERNEL, _point, _norms, _softmax_row, _add_key_mean, _add_bias, _exact_scores, _exact_values
-    global _code_scores, _code_values, _row_indices, _compact_row, _code_scores_compact, _code_values_compact
+    global _code_scores, _code_values, _row_indices, _row_words, _code_scores_compact, _code_values_compact
     if _KERNEL is not None:
         return _KERNEL
     with _LOCK:
@@ -291,13 +368,14 @@ def compile_shell_kernel():
         def jit(*signature, **options):
             return njit_tracking(*signature, depends_on=sources, nogil=True, **options)
 
-        _point, _row_indices, _compact_row = jit()(e8shell.point_py), jit()(_row_indices_py), jit()(_compact_row_py)
+        _point, _row_indices = jit()(e8shell.point_py), jit()(_row_indices_py)
+        _row_words = jit(inline="always")(_row_words_py)
         fast = jit(fastmath={"contract", "reassoc", "nsz"})  # float sums in any order
         _code_scores, _code_values = fast(_code_scores_py), fast(_code_values_py)
         _code_scores_compact, _code_values_compact = fast(_code_scores_compact_py), fast(_code_values_compact_py)
         rows4d = "float32[:, :, :, :]"
-        role = ("int64, int64, int16[::1], int64, int64[:, ::1], float32[:, ::1], uint32[::1], int8[:, ::1], "
-                "int64[::1], float64[::1]")
+        role = ("int64, int64, int16[::1], int64, int64[:, ::1], float32[:, ::1], uint32[::1], uint32[::1], "
+                "float32[:, ::1], float32[::1]")
         signature = (f"int64(float32[:, :, ::1], float32, float32[:, ::1], float32[:, ::1], uint8[:, :, :, :], "
                      f"uint8[:, :, :, :], {rows4d}, {rows4d}, {rows4d}, {rows4d}, {rows4d}, {rows4d}, "
                      "float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[::1], float32[:, :, ::1], "
@@ -310,13 +388,13 @@ def compile_shell_kernel():
 _NO_SIGNS = np.zeros((1, 1), np.uint8)
 _NO_DECOMPOSED = (np.zeros(1, np.int16), 0, np.zeros((1, 8), np.int64), np.zeros((1, 16), np.float32),
                   np.zeros(1, np.uint32))
-_NO_COMPACT = (np.zeros((0, 8), np.int8), np.zeros(1, np.int64), np.zeros(1, np.float64))
+_NO_COMPACT = (np.zeros(0, np.uint32), np.zeros((1, 4), np.float32), np.zeros(1, np.float32))
 
 
 def _role_args(tables) -> tuple:
-    """count, the decomposed tables' arrays (bucket .. comps), the compact tables' (points, offsets, scales)."""
+    """count, the decomposed tables' arrays (bucket .. comps), the compact tables' (words, halves, scales32)."""
     if isinstance(tables, CompactPointTables):
-        return (tables.count, *_NO_DECOMPOSED, *tables.args())
+        return (tables.count, *_NO_DECOMPOSED, tables.words, tables.halves, tables.scales32)
     return (tables.count, *tables.args()[:-1], *_NO_COMPACT)
 
 
@@ -334,6 +412,11 @@ def shell_plan(codec):
     shells = codec.rotated_shells(torch.device("cpu"))
     if shells is not None:
         forward = shells.forward.detach().to(torch.float32).contiguous()
+        tables = shells.tables
+        if isinstance(tables, CompactPointTables) and (len(tables.words) != 1 << shells.index_bits
+                                                        or forward.shape[0] % 64):
+            raise ValueError(f"compact tables of {len(tables.words)} words for {shells.index_bits}-bit indices, "
+                             f"dim {forward.shape[0]} (the step needs 2^bits words, dim a multiple of 64)")
         plan = (forward.numpy(), forward.T.contiguous().numpy(), shells.index_bits, shells.tables, (forward,))
     try:
         _PLANS[codec] = plan
@@ -396,7 +479,7 @@ def attend_decode_shells(query: torch.Tensor, kv, bias: torch.Tensor | None, sca
     else:
         query_np = f32(query[:, :, 0])
     kt, vt = keys[3], values[3]
-    signs = kt.signs if isinstance(kt, ShellPointTables) else vt.signs if isinstance(vt, ShellPointTables) else _NO_SIGNS
+    signs = next((tables.signs for tables in (kt, vt) if isinstance(tables, ShellPointTables)), _NO_SIGNS)
     args = (query_np, float(scaling), keys[0], values[1], key_codes, value_codes, sink_k, sink_v, recent_k, recent_v,
             rows32(kv.new_keys), rows32(kv.new_values), key_mean, value_mean, bias_np, sinks_np, out.numpy(), flags,
             key_norms, value_norms, keys[2], *_role_args(kt), values[2], *_role_args(vt), signs)
