@@ -631,7 +631,7 @@ def decode_points(index: np.ndarray, tables) -> np.ndarray:
 
 # --------------------------------------------------------------------------- compact point tables (<= 16-bit indices)
 COMPACT_MAX_POINTS = 1 << 16  # indices of at most 16 bits (b <= 2): 8 B per point, <= 512 KB
-HALF_LIMIT = 1 << 12          # distinct 4-d halves a compact word can name (12 bits each)
+HALF_LIMIT = 1 << 11          # distinct 4-d halves (up to sign) a compact word can name (11 bits each)
 BAD_WORD_BIT = 1 << 31        # set in the words of indices beyond the code's points
 
 
@@ -646,10 +646,11 @@ class CompactPointTables:
     points int8 [count, 8]: 2 x the point before the level's scaling (the origin: zeros); offsets int64 [G]:
     each level's first index (ascending, offsets[0] = 0); scales float64 [G]: s_g (0 at the origin).
     The same points as two 4-d halves (what the attention step reads: per-query score tables over the halves,
-    FibQuant-style, instead of decoding each block): halves float32 [H, 4] the distinct doubled halves (H =
-    49 / 169 / 409 / 1081 at b = 1 / 1.5 / 1.75 / 2, at most HALF_LIMIT), words uint32 [2^ceil(log2 count)]
-    one word per index: first half | second half << 12 | level << 24, so points[i] = concat(halves[w & 4095],
-    halves[w >> 12 & 4095]) with w = words[i]; the indices from count up (no point) hold index 0's word with
+    FibQuant-style, instead of decoding each block): halves float32 [H, 4] the distinct doubled halves up to
+    sign (the first non-zero coordinate positive; H = 25 / 85 / 205 / 541 at b = 1 / 1.5 / 1.75 / 2, at most
+    HALF_LIMIT), words uint32 [2^ceil(log2 count)] one word per index: first half | its sign << 11 | second
+    half << 12 | its sign << 23 | level << 24 (sign bit 1: negated), so points[i] = concat(+-halves[w & 2047],
+    +-halves[w >> 12 & 2047]) with w = words[i]; the indices from count up (no point) hold index 0's word with
     bit 31 set (BAD_WORD_BIT: a step reads any index of the code's bits without a bounds check and counts them).
     scales32 float32 [G]: s_g rounded to float32."""
 
@@ -698,11 +699,14 @@ def compact_point_tables(levels: ShellLevels) -> CompactPointTables:
             start = int(t.offsets[g] + t.orbit_off[j])
             points[start:start + len(perms) * nsign] = (perms[:, None, :] * signs).reshape(-1, BLOCK)
     scales = np.ascontiguousarray(t.radii * t.scale, dtype=np.float64)  # unrank's s_g (float64, same product)
-    halves, inverse = np.unique(points.reshape(-1, BLOCK // 2), axis=0, return_inverse=True)
+    quarter = points.reshape(-1, BLOCK // 2).astype(np.int64)
+    lead = quarter[np.arange(len(quarter)), np.argmax(quarter != 0, axis=1)]
+    neg = (lead < 0).astype(np.int64)                     # the half is stored negated (the zero half: not)
+    halves, inverse = np.unique(quarter * (1 - 2 * neg)[:, None], axis=0, return_inverse=True)
     if len(halves) > HALF_LIMIT or len(levels.shells) > 127:
         raise ValueError(f"{len(halves)} distinct 4-d halves / {len(levels.shells)} levels: more than a 32-bit "
                          f"word per point names ({HALF_LIMIT} / 127)")
-    pairs = inverse.reshape(t.count, 2).astype(np.int64)
+    pairs = (inverse.reshape(-1) | (neg << 11)).reshape(t.count, 2)
     level = np.searchsorted(t.offsets, np.arange(t.count), side="right") - 1
     words = np.empty(1 << max(0, (t.count - 1).bit_length()), np.uint32)
     words[:t.count] = pairs[:, 0] | (pairs[:, 1] << 12) | (level << 24)

@@ -112,6 +112,32 @@ def test_bad_codes_raise(monkeypatch):
 
 
 @pytest.mark.filterwarnings("ignore:.*rotated codebook")
+@pytest.mark.parametrize("role", ["keys", "values"])
+def test_bad_compact_codes_raise(shell_calls, role):
+    """The compact path (2 bits: 65 520 points in 16 bits) flags index 65 535 in either role."""
+    layer, generator = filled_coded_layer(*codecs_of("e8 2/2"), 1, 1, past=30)
+    kv, _ = layer.update(torch.randn(1, 1, 1, DIM, generator=generator), torch.randn(1, 1, 1, DIM, generator=generator))
+    (kv.key_codes if role == "keys" else kv.value_codes)[0, 0, 5, 4:6] = 255
+    with pytest.raises(ValueError, match="hold 1 index"):
+        attend_codes(torch.randn(1, 6, 1, DIM, generator=generator), kv, None, 0.125)  # 6 query heads: 2 passes
+    assert shell_calls
+
+
+@pytest.mark.filterwarnings("ignore:.*rotated codebook")
+@pytest.mark.parametrize("groups", [3, 6])
+def test_shell_step_d128(monkeypatch, shell_calls, groups):
+    """d = 128 (16 blocks a row): compact keys (2 bits) with decomposed values (3 bits), and the reverse."""
+    for key_bits, value_bits in ((2, 3), (3, 1.75)):
+        layer, generator = filled_coded_layer(E8ShellCodec(128, key_bits), E8ShellCodec(128, value_bits), 1, 2, past=40)
+        kv, _ = layer.update(torch.randn(1, 2, 1, 128, generator=generator),
+                             torch.randn(1, 2, 1, 128, generator=generator))
+        query = torch.randn(1, 2 * groups, 1, 128, generator=generator)
+        fast, slow = fast_and_torch_paths(monkeypatch, query, kv, None, 0.09)
+        torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-5)
+    assert len(shell_calls) == 2
+
+
+@pytest.mark.filterwarnings("ignore:.*rotated codebook")
 def test_what_the_shell_kernel_does_not_take(monkeypatch, shell_calls):
     """One role not a shell code, > 8 query heads per KV head, a prefill chunk: other paths (still = the spec)."""
     assert numba_shells.shell_plan(FibQuantCodec(DIM, 4, 256)) is None
@@ -170,6 +196,15 @@ def test_compact_tables_equal_unrank_exactly(bits):
     for g in range(len(levels.shells)):  # each level's points distinct (one level may repeat another's shell)
         rows = c[level == g]
         assert len(np.unique(rows, axis=0)) == len(rows) == shell_size(levels.shells[g])
+    # the step's words: each index's two halves and level; the indices past the points flagged
+    words = compact.words.astype(np.int64)
+    assert len(words) == 1 << int(8 * bits) and np.all(words[tables.count:] >> 31 == 1)
+    w = words[:tables.count]
+    assert np.all(w >> 31 == 0) and np.array_equal((w >> 24) & 127, level)
+    sign_lo, sign_hi = (1 - 2 * ((w >> 11) & 1))[:, None], (1 - 2 * ((w >> 23) & 1))[:, None]
+    halves = np.concatenate([sign_lo * compact.halves[w & 2047], sign_hi * compact.halves[(w >> 12) & 2047]], axis=1)
+    assert np.array_equal(halves, compact.points.astype(np.float32))
+    assert np.array_equal(compact.scales32, compact.scales.astype(np.float32))
     with pytest.raises(ValueError, match="out of range"):
         decode_points(np.array([tables.count]), compact)
     with pytest.raises(ValueError, match="out of range"):

@@ -138,7 +138,7 @@ def _row_words_py(rows, i, ibits, words, wr):
 def _code_scores_compact_py(rows, rq, groups, norms, coded, ibits, words, halves, scales32, table, wr):
     """`_code_scores` for `CompactPointTables` codes (b <= 2) through per-query tables over the 4-d halves,
     FibQuant-style: table [dim/4, H, 4] (scratch) = 4 query rows' quarter-blocks . each half, then per block
-    s_g (table[2 blk, first half] + table[2 blk + 1, second half]) for the 4 rows at once (groups > 4: twice);
+    s_g (+-table[2 blk, first half] +- table[2 blk + 1, second half]) for 4 rows at once (groups > 4: twice);
     wr int64 [dim/8] scratch, dim/8 a multiple of 8. words (2^ibits: one per index the code's bits can hold)
     carry bit 31 for indices beyond the points; returns how many of those were read (decoded as index 0)."""
     n_tokens = rows.shape[0]
@@ -166,13 +166,15 @@ def _code_scores_compact_py(rows, rq, groups, norms, coded, ibits, words, halves
                     blk = b8 + b
                     w = wr[blk]
                     bad += w >> 31
-                    lo = w & 4095
-                    hi = (w >> 12) & 4095
+                    lo = w & 2047
+                    hi = (w >> 12) & 2047
                     s = scales32[(w >> 24) & 127]
-                    a0 += s * (table[2 * blk, lo, 0] + table[2 * blk + 1, hi, 0])
-                    a1 += s * (table[2 * blk, lo, 1] + table[2 * blk + 1, hi, 1])
-                    a2 += s * (table[2 * blk, lo, 2] + table[2 * blk + 1, hi, 2])
-                    a3 += s * (table[2 * blk, lo, 3] + table[2 * blk + 1, hi, 3])
+                    s_lo = s * np.float32(1 - 2 * ((w >> 11) & 1))  # the halves' signs (tables hold one of +-h)
+                    s_hi = s * np.float32(1 - 2 * ((w >> 23) & 1))
+                    a0 += s_lo * table[2 * blk, lo, 0] + s_hi * table[2 * blk + 1, hi, 0]
+                    a1 += s_lo * table[2 * blk, lo, 1] + s_hi * table[2 * blk + 1, hi, 1]
+                    a2 += s_lo * table[2 * blk, lo, 2] + s_hi * table[2 * blk + 1, hi, 2]
+                    a3 += s_lo * table[2 * blk, lo, 3] + s_hi * table[2 * blk + 1, hi, 3]
             nu = norms[i]
             coded[t0, i] = a0 * nu
             if t0 + 1 < groups:
@@ -207,17 +209,19 @@ def _code_values_compact_py(rows, weights, groups, norms, acc, ibits, words, hal
                     blk = b8 + b
                     w = wr[blk]
                     bad += w >> 31
-                    lo = w & 4095
-                    hi = (w >> 12) & 4095
+                    lo = w & 2047
+                    hi = (w >> 12) & 2047
                     s = scales32[(w >> 24) & 127]
-                    table[2 * blk, lo, 0] += s * w0
-                    table[2 * blk, lo, 1] += s * w1
-                    table[2 * blk, lo, 2] += s * w2
-                    table[2 * blk, lo, 3] += s * w3
-                    table[2 * blk + 1, hi, 0] += s * w0
-                    table[2 * blk + 1, hi, 1] += s * w1
-                    table[2 * blk + 1, hi, 2] += s * w2
-                    table[2 * blk + 1, hi, 3] += s * w3
+                    s_lo = s * np.float32(1 - 2 * ((w >> 11) & 1))
+                    s_hi = s * np.float32(1 - 2 * ((w >> 23) & 1))
+                    table[2 * blk, lo, 0] += s_lo * w0
+                    table[2 * blk, lo, 1] += s_lo * w1
+                    table[2 * blk, lo, 2] += s_lo * w2
+                    table[2 * blk, lo, 3] += s_lo * w3
+                    table[2 * blk + 1, hi, 0] += s_hi * w0
+                    table[2 * blk + 1, hi, 1] += s_hi * w1
+                    table[2 * blk + 1, hi, 2] += s_hi * w2
+                    table[2 * blk + 1, hi, 3] += s_hi * w3
         for q in range(table.shape[0]):
             for k in range(4):
                 for t in range(4):
