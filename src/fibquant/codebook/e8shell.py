@@ -26,8 +26,9 @@ and a parity flip with several equally cheap positions to the one giving the sma
 
 Attention on codes decodes blocks through `point_tables` (`ShellPointTables`, `point_py`: the index's orbit
 record, its composition's slot word, its sign row; no search, no division) or, for codes of at most 2^16
-points, `compact_point_tables` (`CompactPointTables`, `compact_point_py`: every point as 8 int8, the doubled
-coordinates, times the level's scale); both give exactly `unrank`'s points rounded to float32 (`decode_points`).
+points, `compact_point_tables` (`CompactPointTables`: every point as 8 int8, the doubled coordinates, times the
+level's scale, `compact_point_py`; and as a word naming its two 4-d halves, which the step scores through
+per-query tables); both decoders give exactly `unrank`'s points rounded to float32 (`decode_points`).
 """
 from __future__ import annotations
 
@@ -637,11 +638,12 @@ BAD_WORD_BIT = 1 << 31        # set in the words of indices beyond the code's po
 
 @dataclass(frozen=True, eq=False)
 class CompactPointTables:
-    """Every point of a code of at most COMPACT_MAX_POINTS points as 8 signed bytes (what attention on codes
-    decodes with at b <= 2: `compact_point_py`, one 8-byte read per block instead of the decomposed tables'
-    four dependent reads). An E8 point has integer or half-integer coordinates, so twice the point of the
-    unit-free shell fits in int8 (|2 x| <= 2 sqrt(2 m)); the level's float64 scale s_g = r_g / (2 sqrt(2 m))
-    (unrank's) turns it into unrank's float64 point, rounded once to float32.
+    """Every point of a code of at most COMPACT_MAX_POINTS points (b <= 2) as 8 signed bytes, and as one 32-bit
+    word naming its two 4-d halves (what attention on codes reads at b <= 2, instead of the decomposed tables'
+    four dependent reads per block). An E8 point has integer or half-integer coordinates, so twice the point
+    of the unit-free shell fits in int8 (|2 x| <= 2 sqrt(2 m)); the level's float64 scale
+    s_g = r_g / (2 sqrt(2 m)) (unrank's) turns it into unrank's float64 point, rounded once to float32
+    (`compact_point_py`, `decode_points`).
 
     points int8 [count, 8]: 2 x the point before the level's scaling (the origin: zeros); offsets int64 [G]:
     each level's first index (ascending, offsets[0] = 0); scales float64 [G]: s_g (0 at the origin).

@@ -1,18 +1,21 @@
 """The fused numba decode step (kv/attention/numba_decode.py) for E8 shell codes (FibQuant-E8, codecs/e8shell.py).
 
 A shell code stores per 8-block j of the rotated unit vector ONE index into 2^(8 b) points: no codebook small
-enough for per-query score tables (65 536 points at 2 bits, 2^32 at 4). So each code row's blocks are decoded
-in the kernel into u_hat [64]: at <= 16 index bits (b <= 2) from `codebook.e8shell.CompactPointTables` (the
-point's 8 int8 doubled coordinates, one 8-byte read, times its level's scale in float32: within an ulp of
-`unrank`'s point), above through `point_py` (the index's orbit, its composition's slot word and its sign row:
-four dependent table reads; exactly `unrank`'s point rounded to float32), and
+enough for per-query score tables over whole blocks (65 536 points at 2 bits, 2^32 at 4). In the rotated
+domain (un-rotated once per query row)
 
     q . x_hat_i = nu_i (q @ forward) . u_hat_i           (the G query rows of the KV head: G dot products)
-    sum_i p_i x_hat_i = (sum_i p_i nu_i u_hat_i) @ forward.T   (each value row decoded once, G FMAs)
+    sum_i p_i x_hat_i = (sum_i p_i nu_i u_hat_i) @ forward.T
 
-in the rotated domain, un-rotated once per query row. Everything else (norms, exact columns, bias, one softmax
-over the row and a sink logit, centring) is numba_decode's step, whose helpers this kernel calls. Keys and
-values may be shell codes of different rates; both roles must be shell codes (else `shell_decode_plans` says
+At <= 16 index bits (b <= 2, `codebook.e8shell.CompactPointTables`) every point is s_g (+-h_a, +-h_b), two
+4-d halves of at most 541 (up to sign) and its level's scale, named by one 32-bit word per index: so the
+scores come from per-query tables of (quarter of the query row) . h over the halves (built per KV head, 4
+query rows per entry), two reads per block, and the value sums from a histogram over the halves contracted
+with them once (FibQuant's scheme on the halves). Above 16 bits each block is decoded into u_hat [64] through
+`point_py` (the index's orbit, its composition's slot word and its sign row: four dependent table reads;
+exactly `unrank`'s point rounded to float32) and dotted / accumulated (each value row decoded once, G FMAs).
+Everything else (norms, exact columns, bias, one softmax over the row and a sink logit, centring) is
+numba_decode's step, whose helpers this kernel calls. Keys and values may be shell codes of different rates; both roles must be shell codes (else `shell_decode_plans` says
 None and another path serves the step). Results equal `attend_codes` on the decoded floats to float32 rounding
 (tests/kv/attention/test_numba_shells.py).
 """
