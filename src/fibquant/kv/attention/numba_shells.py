@@ -16,8 +16,8 @@ with them once (FibQuant's scheme on the halves). Above 16 bits each block is de
 exactly `unrank`'s point rounded to float32) and dotted / accumulated (each value row decoded once, G FMAs).
 Everything else (norms, exact columns, bias, one softmax over the row and a sink logit, centring) is
 numba_decode's step, whose helpers this kernel calls. Keys and values may be shell codes of different rates;
-both roles must be shell codes (else `shell_decode_plans` says None and another path serves the step). Results equal `attend_codes` on the decoded floats to float32 rounding
-(tests/kv/attention/test_numba_shells.py).
+both roles must be shell codes (else `shell_decode_plans` says None and another path serves the step).
+Results equal `attend_codes` on the decoded floats to float32 rounding (tests/kv/attention/test_numba_shells.py).
 """
 from __future__ import annotations
 
