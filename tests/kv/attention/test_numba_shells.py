@@ -1,7 +1,8 @@
-"""The E8 shell-code decode step (kv/attention/numba_shells.py: each block decoded in the kernel) against the
-torch path on decoded floats and the spec (decode every code, one softmax), to float32 tolerance; the
-kernel's block decoders (codebook/e8shell.py `point_py` through `point_tables`, `compact_point_py` through
-`compact_point_tables`) equal to `unrank` exactly."""
+"""The E8 shell-code decode step (kv/attention/numba_shells.py: per-query tables over the compact tables' halves
+at b <= 2, each block decoded in the kernel above) against the torch path on decoded floats and the spec (decode
+every code, one softmax), to float32 tolerance; the block decoders (codebook/e8shell.py `point_py` through
+`point_tables`, `compact_point_py` through `compact_point_tables`) equal to `unrank` exactly, and the compact
+tables' words naming each point's halves."""
 from __future__ import annotations
 
 import functools
@@ -220,7 +221,7 @@ def test_compact_tables_bad_input():
 
 
 def test_codec_gives_compact_tables_up_to_16_bits():
-    """rotated_shells: the compact tables at b <= 2 (the kernel's one-read decode), the decomposed ones above."""
+    """rotated_shells: the compact tables at b <= 2 (the step's halves tables), the decomposed ones above."""
     for bits in (1, 1.5, 1.75, 2):
         assert isinstance(E8ShellCodec(DIM, bits).rotated_shells(torch.device("cpu")).tables, CompactPointTables)
     for bits in (3, 4):
