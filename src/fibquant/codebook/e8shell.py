@@ -25,8 +25,10 @@ product over its leaders (8 multiply-adds each; a half leader whose parity forbi
 and a parity flip with several equally cheap positions to the one giving the smallest sign word.
 
 Attention on codes decodes blocks through `point_tables` (`ShellPointTables`, `point_py`: the index's orbit
-record, its composition's slot word, its sign row; no search, no division), which give exactly `unrank`'s
-points rounded to float32 (`decode_points`).
+record, its composition's slot word, its sign row; no search, no division) or, for codes of at most 2^16
+points, `compact_point_tables` (`CompactPointTables`: every point as 8 int8, the doubled coordinates, times the
+level's scale, `compact_point_py`; and as a word naming its two 4-d halves, which the step scores through
+per-query tables); both decoders give exactly `unrank`'s points rounded to float32 (`decode_points`).
 """
 from __future__ import annotations
 
@@ -602,10 +604,13 @@ _point = None
 _DECODE_POINTS = None
 
 
-def decode_points(index: np.ndarray, tables: ShellPointTables) -> np.ndarray:
-    """index int64 [n] (each in [0, count)) -> float32 [n, 8] through the decomposed tables (`point_py`):
-    equal to unrank(index).astype(float32) (ValueError for an index outside [0, count))."""
-    global _point, _DECODE_POINTS
+def decode_points(index: np.ndarray, tables) -> np.ndarray:
+    """index int64 [n] (each in [0, count)) -> float32 [n, 8] through the decomposed tables (`point_py`,
+    tables a `ShellPointTables`) or the compact ones (`compact_point_py`, a `CompactPointTables`): equal to
+    unrank(index).astype(float32) (ValueError for an index outside [0, count) or other tables)."""
+    global _point, _DECODE_POINTS, _compact_point, _DECODE_COMPACT
+    if not isinstance(tables, (ShellPointTables, CompactPointTables)):
+        raise ValueError(f"tables must be ShellPointTables or CompactPointTables, got {type(tables).__name__}")
     index = np.ascontiguousarray(index, dtype=np.int64)
     if index.ndim != 1:
         raise ValueError(f"index must be 1-d, got shape {index.shape}")
@@ -617,9 +622,139 @@ def decode_points(index: np.ndarray, tables: ShellPointTables) -> np.ndarray:
         with _LOCK:
             _point = numba.njit(nogil=True, cache=True)(point_py)
             _DECODE_POINTS = numba.njit(nogil=True, cache=True)(_decode_points_py)
+            _compact_point = numba.njit(nogil=True, cache=True)(compact_point_py)
+            _DECODE_COMPACT = numba.njit(nogil=True, cache=True)(_decode_compact_py)
     out = np.empty(index.shape[0] * BLOCK, np.float32)
-    _DECODE_POINTS(index, *tables.args(), out, 0, index.shape[0])
+    kernel = _DECODE_COMPACT if isinstance(tables, CompactPointTables) else _DECODE_POINTS
+    kernel(index, *tables.args(), out, 0, index.shape[0])
     return out.reshape(-1, BLOCK)
+
+
+# --------------------------------------------------------------------------- compact point tables (<= 16-bit indices)
+COMPACT_MAX_POINTS = 1 << 16  # indices of at most 16 bits (b <= 2): 8 B per point, <= 512 KB
+HALF_LIMIT = 1 << 11          # distinct 4-d halves (up to sign) a compact word can name (11 bits each)
+BAD_WORD_BIT = 1 << 31        # set in the words of indices beyond the code's points
+
+
+@dataclass(frozen=True, eq=False)
+class CompactPointTables:
+    """Every point of a code of at most COMPACT_MAX_POINTS points (b <= 2) as 8 signed bytes, and as one 32-bit
+    word naming its two 4-d halves (what attention on codes reads at b <= 2, instead of the decomposed tables'
+    four dependent reads per block). An E8 point has integer or half-integer coordinates, so twice the point
+    of the unit-free shell fits in int8 (|2 x| <= 2 sqrt(2 m)); the level's float64 scale
+    s_g = r_g / (2 sqrt(2 m)) (unrank's) turns it into unrank's float64 point, rounded once to float32
+    (`compact_point_py`, `decode_points`).
+
+    points int8 [count, 8]: 2 x the point before the level's scaling (the origin: zeros); offsets int64 [G]:
+    each level's first index (ascending, offsets[0] = 0); scales float64 [G]: s_g (0 at the origin).
+    The same points as two 4-d halves (what the attention step reads: per-query score tables over the halves,
+    FibQuant-style, instead of decoding each block): halves float32 [H, 4] the distinct doubled halves up to
+    sign (the first non-zero coordinate positive; H = 25 / 85 / 205 / 541 at b = 1 / 1.5 / 1.75 / 2, at most
+    HALF_LIMIT), words uint32 [2^ceil(log2 count)] one word per index: first half | its sign << 11 | second
+    half << 12 | its sign << 23 | level << 24 (sign bit 1: negated), so points[i] = concat(+-halves[w & 2047],
+    +-halves[w >> 12 & 2047]) with w = words[i]; the indices from count up (no point) hold index 0's word with
+    bit 31 set (BAD_WORD_BIT: a step reads any index of the code's bits without a bounds check and counts them).
+    scales32 float32 [G]: s_g rounded to float32."""
+
+    points: np.ndarray
+    offsets: np.ndarray
+    scales: np.ndarray
+    halves: np.ndarray
+    words: np.ndarray
+    scales32: np.ndarray
+    count: int
+
+    def args(self) -> tuple:
+        return self.points, self.offsets, self.scales
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.points, self.offsets, self.scales, self.halves, self.words, self.scales32))
+
+
+@lru_cache(maxsize=16)
+def compact_point_tables(levels: ShellLevels) -> CompactPointTables:
+    """The compact decode tables of `levels` (cached per levels); ValueError for a code of more than
+    COMPACT_MAX_POINTS points (b > 2: use `point_tables`)."""
+    t = shell_tables(levels)
+    if t.count > COMPACT_MAX_POINTS:
+        raise ValueError(f"compact point tables hold at most {COMPACT_MAX_POINTS} points (16-bit indices), "
+                         f"this code has {t.count}: use point_tables")
+    if int(np.abs(t.lead2).max(initial=0)) > 127:
+        raise ValueError("a doubled leader coordinate does not fit in int8")
+    points = np.zeros((t.count, BLOCK), np.int8)
+    for g in range(len(levels.shells)):
+        for j in range(t.lv_lo[g], t.lv_hi[g]):  # every orbit of the level, in index order (module docstring)
+            perms = _orbit_permutations(t.lead2[j])                             # [P, 8], rank order
+            nsign = int(t.nsign[j])
+            if t.half[j]:  # sign bits of positions 0..6, the 8th sign by the leader's parity
+                bits = (np.arange(nsign)[:, None] >> np.arange(BLOCK - 1)) & 1
+                bits = np.concatenate([bits, (int(t.parity[j]) - bits.sum(1, keepdims=True)) % 2], axis=1)
+                signs = np.broadcast_to(1 - 2 * bits, (len(perms), nsign, BLOCK))
+            else:          # one bit per non-zero coordinate, in position order
+                nz = int((t.lead2[j] != 0).sum())
+                bits = (np.arange(nsign)[:, None] >> np.arange(nz)) & 1             # [S, nz]
+                at = np.nonzero(perms)[1].reshape(len(perms), nz)                   # non-zero positions per rank
+                signs = np.ones((len(perms), nsign, BLOCK), np.int64)
+                signs[np.arange(len(perms))[:, None, None], np.arange(nsign)[None, :, None], at[:, None, :]] = \
+                    (1 - 2 * bits)[None]
+            start = int(t.offsets[g] + t.orbit_off[j])
+            points[start:start + len(perms) * nsign] = (perms[:, None, :] * signs).reshape(-1, BLOCK)
+    scales = np.ascontiguousarray(t.radii * t.scale, dtype=np.float64)  # unrank's s_g (float64, same product)
+    quarter = points.reshape(-1, BLOCK // 2).astype(np.int64)
+    lead = quarter[np.arange(len(quarter)), np.argmax(quarter != 0, axis=1)]
+    neg = (lead < 0).astype(np.int64)                     # the half is stored negated (the zero half: not)
+    halves, inverse = np.unique(quarter * (1 - 2 * neg)[:, None], axis=0, return_inverse=True)
+    if len(halves) > HALF_LIMIT or len(levels.shells) > 127:
+        raise ValueError(f"{len(halves)} distinct 4-d halves / {len(levels.shells)} levels: more than a 32-bit "
+                         f"word per point names ({HALF_LIMIT} / 127)")
+    pairs = (inverse.reshape(-1) | (neg << 11)).reshape(t.count, 2)
+    level = np.searchsorted(t.offsets, np.arange(t.count), side="right") - 1
+    words = np.empty(1 << max(0, (t.count - 1).bit_length()), np.uint32)
+    words[:t.count] = pairs[:, 0] | (pairs[:, 1] << 12) | (level << 24)
+    words[t.count:] = words[0] | BAD_WORD_BIT
+    return CompactPointTables(points, np.ascontiguousarray(t.offsets, dtype=np.int64), scales,
+                              np.ascontiguousarray(halves, dtype=np.float32), words, scales.astype(np.float32),
+                              t.count)
+
+
+def _orbit_permutations(leader: np.ndarray) -> np.ndarray:
+    """int64 [P, 8]: the distinct arrangements of a leader's values (int64 [8]) in lexicographic order, larger
+    values first (rank 0: the leader itself): the numbering's multiset-permutation rank."""
+    global _PERMUTATIONS
+    if _PERMUTATIONS is None:
+        import itertools
+        _PERMUTATIONS = np.array(list(itertools.permutations(range(BLOCK))), dtype=np.int64)
+    return _arrangements(tuple(int(v) for v in leader)).copy()
+
+
+@lru_cache(maxsize=256)
+def _arrangements(leader: tuple[int, ...]) -> np.ndarray:
+    shift = 8 * (BLOCK - 1 - np.arange(BLOCK))  # one byte per position (values 0..127), position 0 on top
+    keys = np.unique((np.array(leader, np.int64)[_PERMUTATIONS] << shift).sum(1))[::-1]
+    return (keys[:, None] >> shift) & 255
+
+
+def compact_point_py(idx, points, offsets, scales, out, o):
+    """out[o:o + 8] = the point of index idx (int64 in [0, count)) as float32 through `CompactPointTables`:
+    the int8 doubled coordinates times the level's float64 scale, rounded once (= unrank's point rounded to
+    float32; compiled here and inlined by the attention kernel)."""
+    g = 0
+    for lv in range(1, offsets.shape[0]):  # the level: offsets ascending, a few compares, no branch
+        g += np.int64(idx >= offsets[lv])
+    s = scales[g]
+    for k in range(8):
+        out[o + k] = np.float32(np.float64(points[idx, k]) * s)
+
+
+def _decode_compact_py(index, points, offsets, scales, out, lo, hi):
+    for b in range(lo, hi):
+        _compact_point(index[b], points, offsets, scales, out, b * 8)
+    return 0
+
+
+_compact_point = None
+_DECODE_COMPACT = None
 
 
 # --------------------------------------------------------------------------- the reference

@@ -19,8 +19,9 @@ code_size = 2 + dim * b / 8: d = 64: 10 / 14 / 16 / 18 / 26 / 34 bytes at b = 1 
 stored norm. A zero vector stores 0 and decodes to zero.
 
 Attention on codes: no single rotated codebook or stages (2^(8 b) points per block); `rotated_shells` gives
-the one-token decode step (kv/attention/numba_shells.py) the rotation and the decomposed decode tables
-(`codebook.e8shell.point_tables`), so it reads these codes directly; prefill chunks decode them to floats
+the one-token decode step (kv/attention/numba_shells.py) the rotation and the decode tables (at b <= 2 every
+point as 8 int8, `codebook.e8shell.compact_point_tables`; above, the decomposed `point_tables`), so it reads
+these codes directly; prefill chunks decode them to floats
 (`kv/attention/entry.py`'s generic path).
 """
 from __future__ import annotations
@@ -31,8 +32,8 @@ import numpy as np
 import torch
 
 from .._numba import numba_available
-from ..codebook.e8shell import (BLOCK, ShellLevels, codebook_points, exhaustive_search, point_tables, shell_search,
-                                shell_tables, unrank)
+from ..codebook.e8shell import (BLOCK, COMPACT_MAX_POINTS, ShellLevels, codebook_points, compact_point_tables,
+                                exhaustive_search, point_tables, shell_search, shell_tables, unrank)
 from ..codebook.e8shell_shipped import SHIPPED_LEVELS
 from .base import Codec, PlotStyle, RotatedShells, SpecParam
 from .bitpack import pack_bits, packed_size, unpack_bits
@@ -150,8 +151,10 @@ class E8ShellCodec(Codec):
         return shell_tables(self.levels)
 
     def rotated_shells(self, device: torch.device) -> RotatedShells:
-        return RotatedShells(self._rotation.forward_matrix(torch.device(device)), point_tables(self.levels),
-                             self.config.index_bits)
+        # <= 16 index bits: every point as 8 int8 (<= 512 KB; one read per block), else the decomposed tables
+        compact = self.tables.count <= COMPACT_MAX_POINTS
+        tables = compact_point_tables(self.levels) if compact else point_tables(self.levels)
+        return RotatedShells(self._rotation.forward_matrix(torch.device(device)), tables, self.config.index_bits)
 
     def _sq_radii(self) -> np.ndarray:
         return self.device_state.get("sq_radii64", torch.device("cpu"),

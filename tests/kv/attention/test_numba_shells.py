@@ -1,6 +1,8 @@
-"""The E8 shell-code decode step (kv/attention/numba_shells.py: each block decoded in the kernel) against the
-torch path on decoded floats and the spec (decode every code, one softmax), to float32 tolerance; the
-kernel's block decoder (codebook/e8shell.py `point_py` through `point_tables`) equal to `unrank` exactly."""
+"""The E8 shell-code decode step (kv/attention/numba_shells.py: per-query tables over the compact tables' halves
+at b <= 2, each block decoded in the kernel above) against the torch path on decoded floats and the spec (decode
+every code, one softmax), to float32 tolerance; the block decoders (codebook/e8shell.py `point_py` through
+`point_tables`, `compact_point_py` through `compact_point_tables`) equal to `unrank` exactly, and the compact
+tables' words naming each point's halves."""
 from __future__ import annotations
 
 import functools
@@ -11,7 +13,8 @@ import torch
 from _kv_helpers import check_sinks_and_sliding_window, ragged_float_mask, decode_all_attention, fast_and_torch_paths, filled_coded_layer
 
 import fibquant.kv.attention.numba_shells as numba_shells
-from fibquant.codebook.e8shell import decode_points, point_tables, shell_tables, unrank
+from fibquant.codebook.e8shell import (COMPACT_MAX_POINTS, CompactPointTables, ShellPointTables, compact_point_tables,
+                                      decode_points, point_tables, shell_size, shell_tables, unrank)
 from fibquant.codecs.e8shell import E8ShellCodec, shipped_levels
 from fibquant.codecs.fibquant import FibQuantCodec
 from fibquant.codecs.residual import ResidualFibQuantCodec
@@ -110,6 +113,32 @@ def test_bad_codes_raise(monkeypatch):
 
 
 @pytest.mark.filterwarnings("ignore:.*rotated codebook")
+@pytest.mark.parametrize("role", ["keys", "values"])
+def test_bad_compact_codes_raise(shell_calls, role):
+    """The compact path (2 bits: 65 520 points in 16 bits) flags index 65 535 in either role."""
+    layer, generator = filled_coded_layer(*codecs_of("e8 2/2"), 1, 1, past=30)
+    kv, _ = layer.update(torch.randn(1, 1, 1, DIM, generator=generator), torch.randn(1, 1, 1, DIM, generator=generator))
+    (kv.key_codes if role == "keys" else kv.value_codes)[0, 0, 5, 4:6] = 255
+    with pytest.raises(ValueError, match="hold 1 index"):
+        attend_codes(torch.randn(1, 6, 1, DIM, generator=generator), kv, None, 0.125)  # 6 query heads: 2 passes
+    assert shell_calls
+
+
+@pytest.mark.filterwarnings("ignore:.*rotated codebook")
+@pytest.mark.parametrize("groups", [3, 6])
+def test_shell_step_d128(monkeypatch, shell_calls, groups):
+    """d = 128 (16 blocks a row): compact keys (2 bits) with decomposed values (3 bits), and the reverse."""
+    for key_bits, value_bits in ((2, 3), (3, 1.75)):
+        layer, generator = filled_coded_layer(E8ShellCodec(128, key_bits), E8ShellCodec(128, value_bits), 1, 2, past=40)
+        kv, _ = layer.update(torch.randn(1, 2, 1, 128, generator=generator),
+                             torch.randn(1, 2, 1, 128, generator=generator))
+        query = torch.randn(1, 2 * groups, 1, 128, generator=generator)
+        fast, slow = fast_and_torch_paths(monkeypatch, query, kv, None, 0.09)
+        torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-5)
+    assert len(shell_calls) == 2
+
+
+@pytest.mark.filterwarnings("ignore:.*rotated codebook")
 def test_what_the_shell_kernel_does_not_take(monkeypatch, shell_calls):
     """One role not a shell code, > 8 query heads per KV head, a prefill chunk: other paths (still = the spec)."""
     assert numba_shells.shell_plan(FibQuantCodec(DIM, 4, 256)) is None
@@ -133,9 +162,10 @@ def test_what_the_shell_kernel_does_not_take(monkeypatch, shell_calls):
     assert not shell_calls
 
 
-def test_shell_layout_matches_the_codec():
+@pytest.mark.parametrize("bits", [2, 3])
+def test_shell_layout_matches_the_codec(bits):
     """rotated_shells: decoding a code by hand from its tables and rotation gives the codec's decode."""
-    codec = E8ShellCodec(DIM, 3, norm_correction=True)
+    codec = E8ShellCodec(DIM, bits, norm_correction=True)
     x = torch.randn(5, DIM, generator=torch.Generator().manual_seed(3))
     codes = codec.encode(x)
     shells = codec.rotated_shells(torch.device("cpu"))
@@ -145,3 +175,54 @@ def test_shell_layout_matches_the_codec():
     norms = codes[:, :2].contiguous().view(torch.float16).to(torch.float32)
     torch.testing.assert_close(norms * (u_hat @ shells.forward.T), codec.decode(codes), rtol=1e-5, atol=1e-5)
     assert FibQuantCodec(DIM, 4, 256).rotated_shells(torch.device("cpu")) is None
+
+
+@pytest.mark.parametrize("bits", [1, 1.5, 1.75, 2])
+def test_compact_tables_equal_unrank_exactly(bits):
+    """Every index of the codes of <= 16 index bits: the compact tables (int8 doubled coordinates x the level's
+    scale) give unrank's float64 point rounded to float32, bit for bit; their rows are E8 points (doubled:
+    all even or all odd, sum = 0 mod 4) of the level's shell (squared norm 8 m), within int8."""
+    levels = shipped_levels(DIM, bits)
+    tables, compact = shell_tables(levels), compact_point_tables(levels)
+    assert compact.count == tables.count <= COMPACT_MAX_POINTS and compact.points.shape == (tables.count, 8)
+    index = np.arange(tables.count)
+    got = decode_points(index, compact)
+    want = unrank(index, tables).astype(np.float32)
+    assert got.dtype == np.float32 and np.array_equal(got.view(np.int32), want.view(np.int32))
+    c = compact.points.astype(np.int64)
+    level = np.searchsorted(tables.offsets, index, side="right") - 1
+    shells = np.array(levels.shells)[level]
+    assert np.array_equal((c ** 2).sum(1), 8 * shells)
+    assert np.all((c % 2 == c[:, :1] % 2).all(1)) and np.all(c.sum(1) % 4 == 0)
+    for g in range(len(levels.shells)):  # each level's points distinct (one level may repeat another's shell)
+        rows = c[level == g]
+        assert len(np.unique(rows, axis=0)) == len(rows) == shell_size(levels.shells[g])
+    # the step's words: each index's two halves and level; the indices past the points flagged
+    words = compact.words.astype(np.int64)
+    assert len(words) == 1 << int(8 * bits) and np.all(words[tables.count:] >> 31 == 1)
+    w = words[:tables.count]
+    assert np.all(w >> 31 == 0) and np.array_equal((w >> 24) & 127, level)
+    sign_lo, sign_hi = (1 - 2 * ((w >> 11) & 1))[:, None], (1 - 2 * ((w >> 23) & 1))[:, None]
+    halves = np.concatenate([sign_lo * compact.halves[w & 2047], sign_hi * compact.halves[(w >> 12) & 2047]], axis=1)
+    assert np.array_equal(halves, compact.points.astype(np.float32))
+    assert np.array_equal(compact.scales32, compact.scales.astype(np.float32))
+    with pytest.raises(ValueError, match="out of range"):
+        decode_points(np.array([tables.count]), compact)
+    with pytest.raises(ValueError, match="out of range"):
+        decode_points(np.array([-1]), compact)
+
+
+def test_compact_tables_bad_input():
+    """Codes beyond 16 index bits have no compact tables; decode_points takes only the two table kinds."""
+    with pytest.raises(ValueError, match="at most 65536 points"):
+        compact_point_tables(shipped_levels(DIM, 3))
+    with pytest.raises(ValueError, match="ShellPointTables or CompactPointTables"):
+        decode_points(np.zeros(1, np.int64), shell_tables(shipped_levels(DIM, 2)))
+
+
+def test_codec_gives_compact_tables_up_to_16_bits():
+    """rotated_shells: the compact tables at b <= 2 (the step's halves tables), the decomposed ones above."""
+    for bits in (1, 1.5, 1.75, 2):
+        assert isinstance(E8ShellCodec(DIM, bits).rotated_shells(torch.device("cpu")).tables, CompactPointTables)
+    for bits in (3, 4):
+        assert isinstance(E8ShellCodec(DIM, bits).rotated_shells(torch.device("cpu")).tables, ShellPointTables)

@@ -1,18 +1,23 @@
 """The fused numba decode step (kv/attention/numba_decode.py) for E8 shell codes (FibQuant-E8, codecs/e8shell.py).
 
 A shell code stores per 8-block j of the rotated unit vector ONE index into 2^(8 b) points: no codebook small
-enough for per-query score tables (65 536 points at 2 bits, 2^32 at 4). So each code row's blocks are decoded
-in the kernel (`codebook.e8shell.point_py`: the index's orbit, its composition's slot word and its sign row,
-a few table reads per block, exactly `unrank`'s point rounded to float32) into u_hat [64], and
+enough for per-query score tables over whole blocks (65 536 points at 2 bits, 2^32 at 4). In the rotated
+domain (un-rotated once per query row)
 
     q . x_hat_i = nu_i (q @ forward) . u_hat_i           (the G query rows of the KV head: G dot products)
-    sum_i p_i x_hat_i = (sum_i p_i nu_i u_hat_i) @ forward.T   (each value row decoded once, G FMAs)
+    sum_i p_i x_hat_i = (sum_i p_i nu_i u_hat_i) @ forward.T
 
-in the rotated domain, un-rotated once per query row. Everything else (norms, exact columns, bias, one softmax
-over the row and a sink logit, centring) is numba_decode's step, whose helpers this kernel calls. Keys and
-values may be shell codes of different rates; both roles must be shell codes (else `shell_decode_plans` says
-None and another path serves the step). Results equal `attend_codes` on the decoded floats to float32 rounding
-(tests/kv/attention/test_numba_shells.py).
+At <= 16 index bits (b <= 2, `codebook.e8shell.CompactPointTables`) every point is s_g (+-h_a, +-h_b), two
+4-d halves of at most 541 (up to sign) and its level's scale, named by one 32-bit word per index: so the
+scores come from per-query tables of (quarter of the query row) . h over the halves (built per KV head, 4
+query rows per entry), two reads per block, and the value sums from a histogram over the halves contracted
+with them once (FibQuant's scheme on the halves). Above 16 bits each block is decoded into u_hat [64] through
+`point_py` (the index's orbit, its composition's slot word and its sign row: four dependent table reads;
+exactly `unrank`'s point rounded to float32) and dotted / accumulated (each value row decoded once, G FMAs).
+Everything else (norms, exact columns, bias, one softmax over the row and a sink logit, centring) is
+numba_decode's step, whose helpers this kernel calls. Keys and values may be shell codes of different rates;
+both roles must be shell codes (else `shell_decode_plans` says None and another path serves the step).
+Results equal `attend_codes` on the decoded floats to float32 rounding (tests/kv/attention/test_numba_shells.py).
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from fibquant.codebook.e8shell import CompactPointTables, ShellPointTables
 from fibquant.kv.attention.host_arrays import code_rows, f32, rows32
 
 _PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -31,36 +37,52 @@ _LOCK = threading.Lock()
 MAX_GROUPS = 8  # query heads per KV head
 
 _point = _norms = _softmax_row = _add_key_mean = _add_bias = _exact_scores = _exact_values = None
-_code_scores = _code_values = _block_index = None
+_code_scores = _code_values = _row_indices = _row_words = _code_scores_compact = _code_values_compact = None
 
 
-def _block_index_py(rows, i, blk, ibits):
-    """The index of block blk of code row i: ibits (8..32) bits at bit offset blk * ibits of the indices after
-    the 2-byte norm, little-endian as `codecs.bitpack` packs them (12 / 14-bit codes are not byte-aligned)."""
-    bit = blk * ibits
-    o = 2 + (bit >> 3)
-    shift = bit & 7
-    last = min(rows.shape[1], 2 + ((bit + ibits + 7) >> 3))
-    idx = np.int64(0)
-    for q in range(last - o):
-        idx |= np.int64(rows[i, o + q]) << (8 * q)
-    return (idx >> shift) & ((np.int64(1) << ibits) - 1)
+def _row_indices_py(rows, i, ibits, count, idx):
+    """The block indices of code row i into idx (int64 [dim/8]): ibits (8..32) bits each after the 2-byte norm,
+    little-endian as `codecs.bitpack` packs them (12 / 14-bit codes are not byte-aligned), all read before any
+    table (independent loads); an index >= count reads as 0. Returns how many were >= count."""
+    n_blk = idx.shape[0]
+    if ibits == 16:
+        for blk in range(n_blk):
+            idx[blk] = np.int64(rows[i, 2 + 2 * blk]) | (np.int64(rows[i, 3 + 2 * blk]) << 8)
+    elif ibits == 8:
+        for blk in range(n_blk):
+            idx[blk] = np.int64(rows[i, 2 + blk])
+    else:  # a bit stream: only the row's own bytes are read
+        mask = (np.int64(1) << ibits) - 1
+        buf = np.int64(0)
+        have = 0
+        o = 2
+        for blk in range(n_blk):
+            while have < ibits:
+                buf |= np.int64(rows[i, o]) << have
+                o += 1
+                have += 8
+            idx[blk] = buf & mask
+            buf >>= ibits
+            have -= ibits
+    bad = 0
+    for blk in range(n_blk):
+        if idx[blk] >= count:
+            bad += 1
+            idx[blk] = 0
+    return bad
 
 
-def _code_scores_py(rows, rq, groups, norms, coded, u, ibits, count, bucket, bshift, orbits, orbit_vals,
+def _code_scores_py(rows, rq, groups, norms, coded, u, idx, ibits, count, bucket, bshift, orbits, orbit_vals,
                     comps, signs):
-    """coded[t, i] = norms[i] * (rq[t] . u_hat_i) for every code row i (u: float32 scratch [dim]); returns the
-    count of indices >= count (decoded as index 0)."""
+    """coded[t, i] = norms[i] * (rq[t] . u_hat_i) for every code row i (u: float32 scratch [dim], idx: int64
+    scratch [dim/8]); returns the count of indices >= count (decoded as index 0)."""
     n_tokens = rows.shape[0]
     dim = rq.shape[1]
     bad = 0
     for i in range(n_tokens):
+        bad += _row_indices(rows, i, ibits, count, idx)
         for blk in range(dim // 8):
-            idx = _block_index(rows, i, blk, ibits)
-            if idx >= count:
-                bad += 1
-                idx = 0
-            _point(idx, bucket, bshift, orbits, orbit_vals, comps, signs, u, blk * 8)
+            _point(idx[blk], bucket, bshift, orbits, orbit_vals, comps, signs, u, blk * 8)
         nu = norms[i]
         for t in range(groups):
             s = np.float32(0.0)
@@ -70,7 +92,7 @@ def _code_scores_py(rows, rq, groups, norms, coded, u, ibits, count, bucket, bsh
     return bad
 
 
-def _code_values_py(rows, weights, groups, norms, acc, u, ibits, count, bucket, bshift, orbits, orbit_vals,
+def _code_values_py(rows, weights, groups, norms, acc, u, idx, ibits, count, bucket, bshift, orbits, orbit_vals,
                     comps, signs):
     """acc[t] += weights[t, i] * norms[i] * u_hat_i over every code row i (acc [groups, dim] rotated domain);
     returns the count of indices >= count."""
@@ -78,12 +100,9 @@ def _code_values_py(rows, weights, groups, norms, acc, u, ibits, count, bucket, 
     dim = acc.shape[1]
     bad = 0
     for i in range(n_tokens):
+        bad += _row_indices(rows, i, ibits, count, idx)
         for blk in range(dim // 8):
-            idx = _block_index(rows, i, blk, ibits)
-            if idx >= count:
-                bad += 1
-                idx = 0
-            _point(idx, bucket, bshift, orbits, orbit_vals, comps, signs, u, blk * 8)
+            _point(idx[blk], bucket, bshift, orbits, orbit_vals, comps, signs, u, blk * 8)
         nu = norms[i]
         for t in range(groups):
             w = weights[t, i] * nu
@@ -93,15 +112,144 @@ def _code_values_py(rows, weights, groups, norms, acc, u, ibits, count, bucket, 
     return bad
 
 
+def _row_words_py(rows, i, ibits, words, wr):
+    """wr [dim/8] (int64) = the compact words (`CompactPointTables.words`) of code row i's block indices, ibits
+    (8..16) bits each after the 2-byte norm, little-endian as `codecs.bitpack` packs them; only the row's own
+    bytes are read, and the branch on ibits is taken once per row (inlined: a per-block helper call cost 2-4x)."""
+    n_blk = wr.shape[0]
+    if ibits == 16:
+        for blk in range(n_blk):
+            wr[blk] = words[np.int64(rows[i, 2 + 2 * blk]) | (np.int64(rows[i, 3 + 2 * blk]) << 8)]
+    elif ibits == 8:
+        for blk in range(n_blk):
+            wr[blk] = words[np.int64(rows[i, 2 + blk])]
+    else:  # 12 / 14 bits: a bit stream
+        mask = (np.int64(1) << ibits) - 1
+        buf = np.int64(0)
+        have = 0
+        o = 2
+        for blk in range(n_blk):
+            while have < ibits:
+                buf |= np.int64(rows[i, o]) << have
+                o += 1
+                have += 8
+            wr[blk] = words[buf & mask]
+            buf >>= ibits
+            have -= ibits
+
+
+def _code_scores_compact_py(rows, rq, groups, norms, coded, ibits, words, halves, scales32, table, wr):
+    """`_code_scores` for `CompactPointTables` codes (b <= 2) through per-query tables over the 4-d halves,
+    FibQuant-style: table [dim/4, H, 4] (scratch) = 4 query rows' quarter-blocks . each half, then per block
+    s_g (+-table[2 blk, first half] +- table[2 blk + 1, second half]) for 4 rows at once (groups > 4: twice);
+    wr int64 [dim/8] scratch, dim/8 a multiple of 8. words (2^ibits: one per index the code's bits can hold)
+    carry bit 31 for indices beyond the points; returns how many of those were read (decoded as index 0)."""
+    n_tokens = rows.shape[0]
+    n_half = halves.shape[0]
+    n_blk = wr.shape[0]
+    bad = 0
+    rq4 = np.zeros((4, 4), np.float32)  # [k, lane]: one quarter-block of 4 query rows (zero lanes past groups)
+    for t0 in range(0, groups, 4):
+        for q in range(table.shape[0]):
+            for t in range(min(4, groups - t0)):
+                for k in range(4):
+                    rq4[k, t] = rq[t0 + t, 4 * q + k]
+            for h in range(n_half):  # lanes innermost: 4-wide multiply-adds
+                for t in range(4):
+                    table[q, h, t] = (halves[h, 0] * rq4[0, t] + halves[h, 1] * rq4[1, t] + halves[h, 2] * rq4[2, t]
+                                      + halves[h, 3] * rq4[3, t])
+        for i in range(n_tokens):
+            _row_words(rows, i, ibits, words, wr)
+            a0 = np.float32(0.0)
+            a1 = np.float32(0.0)
+            a2 = np.float32(0.0)
+            a3 = np.float32(0.0)
+            for b8 in range(0, n_blk, 8):
+                for b in range(8):  # a constant trip count: unrolled
+                    blk = b8 + b
+                    w = wr[blk]
+                    bad += w >> 31
+                    lo = w & 2047
+                    hi = (w >> 12) & 2047
+                    s = scales32[(w >> 24) & 127]
+                    s_lo = s * np.float32(1 - 2 * ((w >> 11) & 1))  # the halves' signs (tables hold one of +-h)
+                    s_hi = s * np.float32(1 - 2 * ((w >> 23) & 1))
+                    a0 += s_lo * table[2 * blk, lo, 0] + s_hi * table[2 * blk + 1, hi, 0]
+                    a1 += s_lo * table[2 * blk, lo, 1] + s_hi * table[2 * blk + 1, hi, 1]
+                    a2 += s_lo * table[2 * blk, lo, 2] + s_hi * table[2 * blk + 1, hi, 2]
+                    a3 += s_lo * table[2 * blk, lo, 3] + s_hi * table[2 * blk + 1, hi, 3]
+            nu = norms[i]
+            coded[t0, i] = a0 * nu
+            if t0 + 1 < groups:
+                coded[t0 + 1, i] = a1 * nu
+            if t0 + 2 < groups:
+                coded[t0 + 2, i] = a2 * nu
+            if t0 + 3 < groups:
+                coded[t0 + 3, i] = a3 * nu
+    return bad if groups <= 4 else bad // 2
+
+
+def _code_values_compact_py(rows, weights, groups, norms, acc, ibits, words, halves, scales32, table, wr):
+    """`_code_values` for `CompactPointTables` codes: each row's weights x nu x s_g added into a histogram over
+    the halves (table [dim/4, H, 4], scratch; 4 query rows at a time), then acc[t, 4 q + k] += sum_h
+    table[q, h, t] halves[h, k]. Returns the count of indices beyond the points."""
+    n_tokens = rows.shape[0]
+    n_half = halves.shape[0]
+    n_blk = wr.shape[0]
+    bad = 0
+    sums = np.empty((4, 4), np.float32)
+    for t0 in range(0, groups, 4):
+        table[:] = 0.0
+        for i in range(n_tokens):
+            _row_words(rows, i, ibits, words, wr)
+            nu = norms[i]
+            w0 = weights[t0, i] * nu
+            w1 = weights[t0 + 1, i] * nu if t0 + 1 < groups else np.float32(0.0)
+            w2 = weights[t0 + 2, i] * nu if t0 + 2 < groups else np.float32(0.0)
+            w3 = weights[t0 + 3, i] * nu if t0 + 3 < groups else np.float32(0.0)
+            for b8 in range(0, n_blk, 8):
+                for b in range(8):
+                    blk = b8 + b
+                    w = wr[blk]
+                    bad += w >> 31
+                    lo = w & 2047
+                    hi = (w >> 12) & 2047
+                    s = scales32[(w >> 24) & 127]
+                    s_lo = s * np.float32(1 - 2 * ((w >> 11) & 1))
+                    s_hi = s * np.float32(1 - 2 * ((w >> 23) & 1))
+                    table[2 * blk, lo, 0] += s_lo * w0
+                    table[2 * blk, lo, 1] += s_lo * w1
+                    table[2 * blk, lo, 2] += s_lo * w2
+                    table[2 * blk, lo, 3] += s_lo * w3
+                    table[2 * blk + 1, hi, 0] += s_hi * w0
+                    table[2 * blk + 1, hi, 1] += s_hi * w1
+                    table[2 * blk + 1, hi, 2] += s_hi * w2
+                    table[2 * blk + 1, hi, 3] += s_hi * w3
+        for q in range(table.shape[0]):
+            for k in range(4):
+                for t in range(4):
+                    sums[k, t] = 0.0
+            for h in range(n_half):  # lanes innermost: 4-wide multiply-adds
+                for k in range(4):
+                    x = halves[h, k]
+                    for t in range(4):
+                        sums[k, t] += table[q, h, t] * x
+            for t in range(min(4, groups - t0)):
+                for k in range(4):
+                    acc[t0 + t, 4 * q + k] += sums[k, t]
+    return bad if groups <= 4 else bad // 2
+
+
 def _decode_step_py(query, scaling, key_forward, value_inverse, key_codes, value_codes, sink_keys, sink_values,
                     recent_keys, recent_values, new_keys, new_values, key_mean, value_mean, bias, sinks, out, flags,
                     key_norms, value_norms,
-                    k_ibits, k_count, k_bucket, k_bshift, k_orbits, k_orbit_vals, k_comps,
-                    v_ibits, v_count, v_bucket, v_bshift, v_orbits, v_orbit_vals, v_comps,
-                    signs, unit_start, unit_stop):
+                    k_ibits, k_count, k_bucket, k_bshift, k_orbits, k_orbit_vals, k_comps, k_words, k_halves,
+                    k_scales32, v_ibits, v_count, v_bucket, v_bshift, v_orbits, v_orbit_vals, v_comps, v_words,
+                    v_halves, v_scales32, signs, unit_start, unit_stop):
     """out[b, h*G + t] for units [unit_start, unit_stop) of (b, KV head h), as numba_decode's step, the coded
-    columns read from shell codes (k_* / v_*: each role's `ShellPointTables` and index bits); returns the count
-    of invalid indices (>= the code's point count) seen."""
+    columns read from shell codes (k_* / v_*: each role's index bits, point count and tables: the compact
+    `CompactPointTables` (words, halves, scales32) when words is not empty, else the decomposed `ShellPointTables`
+    (bucket .. comps, signs)); returns the count of invalid indices (>= the code's point count) seen."""
     n_b, n_qh, dim = query.shape
     n_h = key_codes.shape[1]
     groups = n_qh // n_h
@@ -118,6 +266,10 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_codes, value
     rq = np.empty((groups, dim), dtype=np.float32)
     acc = np.empty((groups, value_dim), dtype=np.float32)
     u = np.empty(max(dim, value_dim), dtype=np.float32)
+    blk_idx = np.empty(dim // 8, dtype=np.int64)
+    blk_idx_v = np.empty(value_dim // 8, dtype=np.int64)
+    k_table = np.empty((dim // 4 if k_words.shape[0] else 0, k_halves.shape[0], 4), dtype=np.float32)
+    v_table = np.empty((value_dim // 4 if v_words.shape[0] else 0, v_halves.shape[0], 4), dtype=np.float32)
     exact = np.empty((groups, n_exact), dtype=np.float32)
     total = np.empty(groups, dtype=np.float32)
     coded_total = np.empty(groups, dtype=np.float32)
@@ -145,8 +297,12 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_codes, value
             else:
                 _norms(key_codes[b, h], norms, ibits)
                 row_norms = norms
-            bad += _code_scores(key_codes[b, h], rq, groups, row_norms, coded, u, k_ibits, k_count, k_bucket,
-                                k_bshift, k_orbits, k_orbit_vals, k_comps, signs)
+            if k_words.shape[0]:
+                bad += _code_scores_compact(key_codes[b, h], rq, groups, row_norms, coded, k_ibits, k_words,
+                                            k_halves, k_scales32, k_table, blk_idx)
+            else:
+                bad += _code_scores(key_codes[b, h], rq, groups, row_norms, coded, u, blk_idx, k_ibits, k_count,
+                                    k_bucket, k_bshift, k_orbits, k_orbit_vals, k_comps, signs)
             if has_key_mean:
                 _add_key_mean(coded, groups, n_tokens, scaled, key_mean, b, h, dim)
         # --- exact scores: columns [sinks, recent, new]
@@ -172,8 +328,12 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_codes, value
             for t in range(groups):
                 for e in range(value_dim):
                     acc[t, e] = 0.0
-            bad += _code_values(value_codes[b, h], coded, groups, row_norms, acc, u, v_ibits, v_count, v_bucket,
-                                v_bshift, v_orbits, v_orbit_vals, v_comps, signs)
+            if v_words.shape[0]:
+                bad += _code_values_compact(value_codes[b, h], coded, groups, row_norms, acc, v_ibits, v_words,
+                                            v_halves, v_scales32, v_table, blk_idx_v)
+            else:
+                bad += _code_values(value_codes[b, h], coded, groups, row_norms, acc, u, blk_idx_v, v_ibits,
+                                    v_count, v_bucket, v_bshift, v_orbits, v_orbit_vals, v_comps, signs)
             for t in range(groups):  # inverse = forward.T
                 for e in range(value_dim):
                     x = acc[t, e]
@@ -196,7 +356,7 @@ def compile_shell_kernel():
     """The shell-code decode-step dispatcher (numba, disk-cached as `jit.kernel_jit`, keyed also on
     codebook/e8shell.py, whose `point_py` it inlines), after binding numba_decode's helpers."""
     global _KERNEL, _point, _norms, _softmax_row, _add_key_mean, _add_bias, _exact_scores, _exact_values
-    global _code_scores, _code_values, _block_index
+    global _code_scores, _code_values, _row_indices, _row_words, _code_scores_compact, _code_values_compact
     if _KERNEL is not None:
         return _KERNEL
     with _LOCK:
@@ -215,11 +375,14 @@ def compile_shell_kernel():
         def jit(*signature, **options):
             return njit_tracking(*signature, depends_on=sources, nogil=True, **options)
 
-        _point, _block_index = jit()(e8shell.point_py), jit()(_block_index_py)
+        _point, _row_indices = jit()(e8shell.point_py), jit()(_row_indices_py)
+        _row_words = jit(inline="always")(_row_words_py)
         fast = jit(fastmath={"contract", "reassoc", "nsz"})  # float sums in any order
         _code_scores, _code_values = fast(_code_scores_py), fast(_code_values_py)
+        _code_scores_compact, _code_values_compact = fast(_code_scores_compact_py), fast(_code_values_compact_py)
         rows4d = "float32[:, :, :, :]"
-        role = "int64, int64, int16[::1], int64, int64[:, ::1], float32[:, ::1], uint32[::1]"
+        role = ("int64, int64, int16[::1], int64, int64[:, ::1], float32[:, ::1], uint32[::1], uint32[::1], "
+                "float32[:, ::1], float32[::1]")
         signature = (f"int64(float32[:, :, ::1], float32, float32[:, ::1], float32[:, ::1], uint8[:, :, :, :], "
                      f"uint8[:, :, :, :], {rows4d}, {rows4d}, {rows4d}, {rows4d}, {rows4d}, {rows4d}, "
                      "float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[::1], float32[:, :, ::1], "
@@ -228,8 +391,23 @@ def compile_shell_kernel():
     return _KERNEL
 
 
+# the arrays of the table kind a role does not use (the kernel's signature takes both kinds per role)
+_NO_SIGNS = np.zeros((1, 1), np.uint8)
+_NO_DECOMPOSED = (np.zeros(1, np.int16), 0, np.zeros((1, 8), np.int64), np.zeros((1, 16), np.float32),
+                  np.zeros(1, np.uint32))
+_NO_COMPACT = (np.zeros(0, np.uint32), np.zeros((1, 4), np.float32), np.zeros(1, np.float32))
+
+
+def _role_args(tables) -> tuple:
+    """count, the decomposed tables' arrays (bucket .. comps), the compact tables' (words, halves, scales32)."""
+    if isinstance(tables, CompactPointTables):
+        return (tables.count, *_NO_DECOMPOSED, tables.words, tables.halves, tables.scales32)
+    return (tables.count, *tables.args()[:-1], *_NO_COMPACT)
+
+
 def shell_plan(codec):
-    """(forward, forward.T, index bits, ShellPointTables, (torch tensors kept alive)) for a codec whose codes
+    """(forward, forward.T, index bits, tables (CompactPointTables at <= 16 index bits, else ShellPointTables),
+    (torch tensors kept alive)) for a codec whose codes
     are E8 shell codes (`rotated_shells`), else None."""
     try:
         plan = _PLANS.get(codec)
@@ -241,6 +419,11 @@ def shell_plan(codec):
     shells = codec.rotated_shells(torch.device("cpu"))
     if shells is not None:
         forward = shells.forward.detach().to(torch.float32).contiguous()
+        tables = shells.tables
+        if isinstance(tables, CompactPointTables) and (len(tables.words) != 1 << shells.index_bits
+                                                        or forward.shape[0] % 64):
+            raise ValueError(f"compact tables of {len(tables.words)} words for {shells.index_bits}-bit indices, "
+                             f"dim {forward.shape[0]} (the step needs 2^bits words, dim a multiple of 64)")
         plan = (forward.numpy(), forward.T.contiguous().numpy(), shells.index_bits, shells.tables, (forward,))
     try:
         _PLANS[codec] = plan
@@ -303,10 +486,10 @@ def attend_decode_shells(query: torch.Tensor, kv, bias: torch.Tensor | None, sca
     else:
         query_np = f32(query[:, :, 0])
     kt, vt = keys[3], values[3]
+    signs = next((tables.signs for tables in (kt, vt) if isinstance(tables, ShellPointTables)), _NO_SIGNS)
     args = (query_np, float(scaling), keys[0], values[1], key_codes, value_codes, sink_k, sink_v, recent_k, recent_v,
             rows32(kv.new_keys), rows32(kv.new_values), key_mean, value_mean, bias_np, sinks_np, out.numpy(), flags,
-            key_norms, value_norms, keys[2], kt.count, *kt.args()[:-1], values[2], vt.count, *vt.args()[:-1],
-            kt.signs)
+            key_norms, value_norms, keys[2], *_role_args(kt), values[2], *_role_args(vt), signs)
     coded = key_codes.shape[2]
     bad = run_split(kernel, args, batch * heads, coded * 2 * query.shape[-1], _MIN_WORK_PER_THREAD,
                     "fibquant-decode-e8")
