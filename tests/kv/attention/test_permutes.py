@@ -21,7 +21,7 @@ def _decoded(codewords, rows, dim):
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-@pytest.mark.parametrize("dim, heads, n", [(64, 3, 37), (64, 1, 16), (128, 4, 21), (64, 2, 5)])
+@pytest.mark.parametrize("dim, heads, n", [(64, 3, 37), (64, 1, 16), (128, 4, 21), (64, 2, 5), (64, 3, 48)])
 def test_permute_variants_equal_numpy(variant, dim, heads, n):
     if not VARIANTS[variant] <= _target_features():
         pytest.skip(f"this CPU has no {variant}")
@@ -31,25 +31,35 @@ def test_permute_variants_equal_numpy(variant, dim, heads, n):
     vecs = dim // 16
 
     @njit
-    def run(codewords, rows, query, norms, res, wts, acc):
-        scores_fn(codewords, rows, rows.shape[0], vecs, heads, query, 1, norms, res)
-        values_fn(codewords, rows, rows.shape[0], vecs, heads, wts, norms, acc, 1)
+    def run(codewords, rows, query, res, wts, acc):
+        scores_fn(codewords, rows, rows.shape[0], vecs, heads, query, 1, res)
+        values_fn(codewords, rows, rows.shape[0], vecs, heads, wts, acc, 1)
 
     rng = np.random.default_rng(dim + heads + n)
     codewords = np.sort(rng.standard_normal((16, 1)).astype(np.float32), axis=0)
     block = rng.integers(0, 256, size=(n, 2 + dim // 2 + 3), dtype=np.uint8)  # 3 pad bytes: strided rows
     rows = block[:, :2 + dim // 2]
     query = rng.standard_normal((heads + 2, dim)).astype(np.float32)
-    norms = rng.random(n).astype(np.float32) + 0.5
-    res = np.full((heads + 1, n + 4), 7.0, dtype=np.float32)
+    # fp16 norms in bytes 0-1, converted by the intrinsics: normals, a zero, a subnormal, a negative
+    norms16 = (rng.random(n) * 100 + 0.5).astype(np.float16)
+    norms16[:3] = [0.0, 6e-8, -1.5]
+    block[:, :2] = norms16.view(np.uint8).reshape(n, 2)
+    norms = norms16.astype(np.float32)
+    step = 2 if n > 16 else 1  # n > 16: scores into a strided view (the 16-token stores lane by lane)
+    res_full = np.full((heads + 1, step * (n + 4)), 7.0, dtype=np.float32)
+    res = res_full[:, ::step]
     wts = rng.random((heads, n)).astype(np.float32)
+    if n > 16:  # weights as a strided view: the values' 16-token groups load them lane by lane
+        wts = np.repeat(wts, 2, axis=1)[:, ::2]
     acc = rng.standard_normal((heads + 2, dim)).astype(np.float32)
     start = acc.copy()
-    run(codewords, rows, query, norms, res[:, 2:2 + n], wts, acc)
+    run(codewords, rows, query, res[:, 2:2 + n], wts, acc)
     x = _decoded(codewords, rows, dim).astype(np.float64)
     want_scores = norms[None, :] * (query[1:1 + heads].astype(np.float64) @ x.T)
     np.testing.assert_allclose(res[:heads, 2:2 + n], want_scores, rtol=1e-5, atol=1e-5)
-    assert (res[heads] == 7).all() and (res[:, :2] == 7).all() and (res[:, 2 + n:] == 7).all()  # nothing else written
+    untouched = np.ones(res_full.shape, dtype=bool)
+    untouched[:heads, (2 + np.arange(n)) * step] = False
+    assert (res_full[untouched] == 7).all()  # nothing else written
     want_acc = start[1:1 + heads] + (wts * norms[None, :]) @ x
     np.testing.assert_allclose(acc[1:1 + heads], want_acc, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(acc[0], start[0])

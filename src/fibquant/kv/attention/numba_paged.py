@@ -10,7 +10,8 @@ of sequence b are not a contiguous [M, C] row block but slots of pages
 
 so the token loops (`_score_tokens`, `_hist_tokens` of numba_decode, the same lookup-table and
 histogram intrinsics; for FibQuant's 4-bit codes, when the caller's flags ask, decode-then-dot by vector
-gathers instead: `_gather_scores`, `_gather_values`) run block by block over 2-d strided views of the pages, writing the scores
+gathers instead: `_gather_scores`, `_gather_values`; for 4-bit codes of 16 scalar codewords (k = 1),
+decode-then-dot in registers by variable permutes: `_perm_scores`, `_perm_values`) run block by block over 2-d strided views of the pages, writing the scores
 of block j into columns [j * block_size - start_b, ...) of the row's score scratch. No codes are
 copied, and no sequence is padded to the longest: the work of sequence b is its own length.
 
@@ -176,9 +177,10 @@ def _paged_step_py(query, scaling, key_forward, value_inverse, key_codewords, va
     (int64 [B], in [0, R): e.g. the rows of the caller's window slabs, read in place), new_keys /
     new_values [B, H, n_new, D], sinks [Hq] (read when flags bit 3), out [B, Hq, Dv]; query, exact
     parts and out float32 or bf16 bits (uint16), any strides. flags bits 4 / 5 (`GATHER_KEYS`,
-    `GATHER_VALUES`): the keys / values, when their codes allow it (`_gather_ok`: FibQuant at 4 bits),
-    are read by decode-then-dot (`_gather_scores`, `_gather_values`) instead of the lookup table /
-    histogram (the same sums to float32 rounding).
+    `GATHER_VALUES`): the keys / values, when their codes allow it (`_gather_ok`: FibQuant at 4 bits;
+    `_perm_ok`: 4-bit codes of 16 scalar codewords), are read by decode-then-dot (`_gather_scores`,
+    `_gather_values`; `_perm_scores`, `_perm_values`) instead of the lookup table / histogram (the same
+    sums to float32 rounding).
     Scratch as `numba_decode.scratch_sizes`, coded [lanes, >= max coded tokens], norms and ibits
     (int32) [>= that].
 
