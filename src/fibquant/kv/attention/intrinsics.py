@@ -503,14 +503,14 @@ def _build_permutes(features=None):
     Payload byte m of 16-byte chunk c (row bytes 2 + 16 c + m; bytes 0-1, the norm, are not read) holds
     coordinates 32 c + 2 m (low nibble) and 32 c + 2 m + 1 (high nibble), so a chunk decodes into an even
     and an odd <16 x float>; the query rows (keys) and accumulators (values) are de-interleaved into that
-    order once per call by constant shuffles. `vecs` (4 or 8: D = 16 * vecs) and `heads` (G, 1..4) are
-    literals; codewords a float32 C array [16, 1], rows 2-d uint8 with any row stride, norms 1-d float32,
-    query / acc float32 C arrays, res / wts float32 2-d with any strides. Same contracts as
-    `_build_gathers`:
-    perm_scores(codewords, rows, n, vecs, heads, query, q0, norms, res):
-        res[t, i] = norms[i] * (query[q0 + t, :D] . x_i)                      for t < G, i < n
-    perm_values(codewords, rows, n, vecs, heads, wts, norms, acc, a0):
-        acc[a0 + t, :D] += sum_{i < n} (wts[t, i] * norms[i]) * x_i           for t < G (i ascending)
+    order once per call by constant shuffles. Row i's norm nu_i is its fp16 bytes 0-1, converted here
+    (16 rows at a time, integer ops: `_half`), so the caller needs no norm pass. `vecs` (4 or 8:
+    D = 16 * vecs) and `heads` (G, 1..4) are literals; codewords a float32 C array [16, 1], rows 2-d
+    uint8 with any row stride, query / acc float32 C arrays, res / wts float32 2-d with any strides:
+    perm_scores(codewords, rows, n, vecs, heads, query, q0, res):
+        res[t, i] = nu_i * (query[q0 + t, :D] . x_i)                          for t < G, i < n
+    perm_values(codewords, rows, n, vecs, heads, wts, acc, a0):
+        acc[a0 + t, :D] += sum_{i < n} (wts[t, i] * nu_i) * x_i               for t < G (i ascending)
     Scores: 16 tokens' dot products are reduced together by a shuffle tree (one <16 x float> of 16
     sums), the rest one by one; both reassociate the sums (float rounding). Values: one fused
     multiply-add per token and coordinate, token order kept.
@@ -546,10 +546,10 @@ def _build_permutes(features=None):
         return (isinstance(ty, types.Array) and ty.ndim == ndim and ty.dtype == types.float32
                 and (not contiguous or ty.layout == "C"))
 
-    def _typed(codewords, rows, n, vecs, heads, norms):
+    def _typed(codewords, rows, n, vecs, heads):
         return (_f32_array(codewords, 2, True) and isinstance(rows, types.Array) and rows.ndim == 2
                 and rows.dtype == types.uint8 and isinstance(n, types.Integer) and _literal(vecs, (4, 8))
-                and _literal(heads, (1, 2, 3, 4)) and _f32_array(norms, 1))
+                and _literal(heads, (1, 2, 3, 4)))
 
     def _address(builder, array, *indices):
         """float* to array[indices] (byte strides: any layout)."""
@@ -561,6 +561,39 @@ def _build_permutes(features=None):
     def _splat(builder, x):
         one = builder.insert_element(ir.Constant(vec, ir.Undefined), x, ir.Constant(i32, 0))
         return builder.shuffle_vector(one, one, mask([0] * 16))
+
+    def _half(builder, h, width=None):
+        """fp16 bits h (i32, or <width x i32>) -> float32, exactly (normals, subnormals, zeros, inf; NaN
+        stays NaN) with integer ops only, as `numba_decode._norms` (no F16C / libcall needed)."""
+        ty = h.type
+
+        def c(value):
+            return ir.Constant(ty, value if width is None else [value] * width)
+
+        fty = f32 if width is None else ir.VectorType(f32, width)
+        em = builder.and_(h, c(0x7FFF))
+        sign = builder.shl(builder.and_(h, c(0x8000)), c(16))
+        shift = builder.select(builder.icmp_unsigned(">=", em, c(0x7C00)), c(224 << 23), c(112 << 23))
+        normal = builder.bitcast(builder.or_(builder.add(builder.shl(em, c(13)), shift), sign), fty)
+        tiny = builder.fmul(builder.uitofp(em, fty), ir.Constant(fty, 2.0 ** -24 if width is None else [2.0 ** -24] * width))
+        tiny = builder.bitcast(builder.or_(builder.bitcast(tiny, ty), sign), fty)  # sign bit: exact negation
+        return builder.select(builder.icmp_unsigned("<", em, c(0x400)), tiny, normal)
+
+    def _load16(builder, array, row, first, contiguous):
+        """<16 x float> of array[row, first : first + 16] (2-d float32, any strides): one load when the
+        columns are contiguous (`contiguous`: an i1), else 16."""
+        slot = cgutils.alloca_once(builder, vec)
+        with builder.if_else(contiguous, likely=True) as (whole, lanes):
+            with whole:
+                builder.store(builder.load(builder.bitcast(_address(builder, array, row, first), vec.as_pointer()),
+                                           align=4), slot)
+            with lanes:
+                value = ir.Constant(vec, ir.Undefined)
+                for lane in range(16):
+                    x = builder.load(_address(builder, array, row, builder.add(first, const(lane))))
+                    value = builder.insert_element(value, x, ir.Constant(i32, lane))
+                builder.store(value, slot)
+        return builder.load(slot)
 
     def _permuter(builder, book, book_pointer):
         """index <16 x i32> (each < 16) -> <16 x float> of book[index]."""
@@ -601,11 +634,11 @@ def _build_permutes(features=None):
 
         return gather
 
-    def _decoder(context, builder, codewords_ty, codewords_v, rows_ty, rows_v, norms_ty, norms_v, vecs):
-        """-> (decode(i) -> [<16 x float>] * vecs in (even, odd) order per chunk, norm(i) -> float)."""
+    def _decoder(context, builder, codewords_ty, codewords_v, rows_ty, rows_v, vecs):
+        """-> (decode(i) -> [<16 x float>] * vecs in (even, odd) order per chunk, half(i) -> the i32 of
+        row i's fp16 norm bits (bytes 0-1, little-endian): `_half` makes it a float)."""
         codewords = context.make_array(codewords_ty)(context, builder, codewords_v)
         rows = context.make_array(rows_ty)(context, builder, rows_v)
-        norms = context.make_array(norms_ty)(context, builder, norms_v)
         book = builder.load(builder.bitcast(codewords.data, vec.as_pointer()), align=4)
         permute = _permuter(builder, book, codewords.data)
         row_stride = builder.extract_value(rows.strides, 0)
@@ -622,10 +655,11 @@ def _build_permutes(features=None):
                 out.append(permute(builder.lshr(index, four)))
             return out
 
-        def norm(i):
-            return builder.load(_address(builder, norms, i))
+        def half(i):
+            at = builder.bitcast(builder.gep(rows.data, [builder.mul(i, row_stride)]), ir.IntType(16).as_pointer())
+            return builder.zext(builder.load(at, align=1), i32)
 
-        return decode, norm
+        return decode, half
 
     def _split(builder, pointer, vecs):
         """the <16 x float>s at pointer[0 : 16 * vecs], de-interleaved into (even, odd) per 32 floats."""
@@ -653,19 +687,19 @@ def _build_permutes(features=None):
         return s
 
     @intrinsic
-    def perm_scores(typingctx, codewords, rows, n, vecs, heads, query, q0, norms, res):
-        if not (_typed(codewords, rows, n, vecs, heads, norms) and _f32_array(query, 2, True)
+    def perm_scores(typingctx, codewords, rows, n, vecs, heads, query, q0, res):
+        if not (_typed(codewords, rows, n, vecs, heads) and _f32_array(query, 2, True)
                 and isinstance(q0, types.Integer) and _f32_array(res, 2)):
             return None
-        sig = types.void(codewords, rows, n, vecs, heads, query, q0, norms, res)
+        sig = types.void(codewords, rows, n, vecs, heads, query, q0, res)
 
         def codegen(context, builder, signature, args):
             a = signature.args
             vecs_n, groups = a[3].literal_value, a[4].literal_value
-            decode, norm = _decoder(context, builder, a[0], args[0], a[1], args[1], a[7], args[7], vecs_n)
+            decode, half = _decoder(context, builder, a[0], args[0], a[1], args[1], vecs_n)
             n_v = context.cast(builder, args[2], a[2], types.int64)
             query_a = context.make_array(a[5])(context, builder, args[5])
-            res_a = context.make_array(a[8])(context, builder, args[8])
+            res_a = context.make_array(a[7])(context, builder, args[7])
             q0_v = context.cast(builder, args[6], a[6], types.int64)
             q_vecs = [_split(builder, builder.bitcast(_address(builder, query_a, builder.add(q0_v, const(t)), const(0)),
                                                       vec.as_pointer()), vecs_n) for t in range(groups)]
@@ -677,17 +711,18 @@ def _build_permutes(features=None):
             with cgutils.for_range(builder, builder.udiv(n_v, const(16))) as loop:  # 16 tokens at a time
                 i0 = builder.mul(loop.index, const(16), flags=["nuw", "nsw"])
                 stacks = [[] for _ in range(groups)]  # (level, vector): a binary counter of folded pairs
-                nu = ir.Constant(vec, ir.Undefined)
+                nu = ir.Constant(vec_i32, ir.Undefined)
                 for p in range(16):
                     i = builder.add(i0, const(bitrev[p]))
                     x = decode(i)
-                    nu = builder.insert_element(nu, norm(i), ir.Constant(i32, bitrev[p]))
+                    nu = builder.insert_element(nu, half(i), ir.Constant(i32, bitrev[p]))
                     for t in range(groups):
                         stack = stacks[t]
                         stack.append((0, _dot(builder, q_vecs[t], x)))
                         while len(stack) > 1 and stack[-1][0] == stack[-2][0]:
                             (level, right), (_, left) = stack.pop(), stack.pop()
                             stack.append((level + 1, _fold(builder, left, right, 8 >> level)))
+                nu = _half(builder, nu, 16)
                 for t in range(groups):
                     total = builder.fmul(stacks[t][0][1], nu)
                     first = _address(builder, res_a, const(t), i0)
@@ -701,7 +736,7 @@ def _build_permutes(features=None):
             with cgutils.for_range(builder, n_v, start=builder.mul(builder.udiv(n_v, const(16)), const(16))) as loop:
                 i = loop.index
                 x = decode(i)
-                nu = norm(i)
+                nu = _half(builder, half(i))
                 for t in range(groups):
                     total = builder.call(reduce, [ir.Constant(f32, 0.0), _dot(builder, q_vecs[t], x)],
                                          fastmath=("fast",))
@@ -711,34 +746,48 @@ def _build_permutes(features=None):
         return sig, codegen
 
     @intrinsic
-    def perm_values(typingctx, codewords, rows, n, vecs, heads, wts, norms, acc, a0):
-        if not (_typed(codewords, rows, n, vecs, heads, norms) and _f32_array(wts, 2) and _f32_array(acc, 2, True)
+    def perm_values(typingctx, codewords, rows, n, vecs, heads, wts, acc, a0):
+        if not (_typed(codewords, rows, n, vecs, heads) and _f32_array(wts, 2) and _f32_array(acc, 2, True)
                 and isinstance(a0, types.Integer)):
             return None
-        sig = types.void(codewords, rows, n, vecs, heads, wts, norms, acc, a0)
+        sig = types.void(codewords, rows, n, vecs, heads, wts, acc, a0)
 
         def codegen(context, builder, signature, args):
             a = signature.args
             vecs_n, groups = a[3].literal_value, a[4].literal_value
-            decode, norm = _decoder(context, builder, a[0], args[0], a[1], args[1], a[6], args[6], vecs_n)
+            decode, half = _decoder(context, builder, a[0], args[0], a[1], args[1], vecs_n)
             n_v = context.cast(builder, args[2], a[2], types.int64)
             wts_a = context.make_array(a[5])(context, builder, args[5])
-            acc_a = context.make_array(a[7])(context, builder, args[7])
-            a0_v = context.cast(builder, args[8], a[8], types.int64)
+            acc_a = context.make_array(a[6])(context, builder, args[6])
+            a0_v = context.cast(builder, args[7], a[7], types.int64)
             acc_rows = [builder.bitcast(_address(builder, acc_a, builder.add(a0_v, const(t)), const(0)),
                                         vec.as_pointer()) for t in range(groups)]
             slots = [[cgutils.alloca_once_value(builder, v) for v in _split(builder, acc_rows[t], vecs_n)]
                      for t in range(groups)]
-            with cgutils.for_range(builder, n_v) as loop:
-                i = loop.index
-                x = decode(i)
-                nu = norm(i)
+            contiguous = builder.icmp_signed("==", builder.extract_value(wts_a.strides, 1), const(4))
+
+            def add(x, w):
                 for t in range(groups):
-                    w = _splat(builder, builder.fmul(builder.load(_address(builder, wts_a, const(t), i)), nu))
                     for g in range(vecs_n):
                         slot = slots[t][g]
-                        product = builder.fmul(w, x[g], flags=["contract"])
+                        product = builder.fmul(w[t], x[g], flags=["contract"])
                         builder.store(builder.fadd(builder.load(slot), product, flags=["contract"]), slot)
+
+            whole = builder.udiv(n_v, const(16))
+            with cgutils.for_range(builder, whole) as loop:  # 16 tokens at a time: norms and weights as vectors
+                i0 = builder.mul(loop.index, const(16), flags=["nuw", "nsw"])
+                nu = ir.Constant(vec_i32, ir.Undefined)
+                for p in range(16):
+                    nu = builder.insert_element(nu, half(builder.add(i0, const(p))), ir.Constant(i32, p))
+                nu = _half(builder, nu, 16)
+                w16 = [builder.fmul(_load16(builder, wts_a, const(t), i0, contiguous), nu) for t in range(groups)]
+                for p in range(16):
+                    add(decode(builder.add(i0, const(p))), [builder.shuffle_vector(w, w, mask([p] * 16)) for w in w16])
+            with cgutils.for_range(builder, n_v, start=builder.mul(whole, const(16))) as loop:
+                i = loop.index
+                nu = _half(builder, half(i))
+                add(decode(i), [_splat(builder, builder.fmul(builder.load(_address(builder, wts_a, const(t), i)), nu))
+                                for t in range(groups)])
             for t in range(groups):
                 for c in range(vecs_n // 2):
                     e, o = builder.load(slots[t][2 * c]), builder.load(slots[t][2 * c + 1])

@@ -120,48 +120,48 @@ def _perm_ok_py(mode, codewords, bits, blocks, groups):
             and (blocks == 64 or blocks == 128) and 1 <= groups <= 4)
 
 
-def _perm_scores_py(codewords, rows, rotated, q0, norms, res, groups, blocks):
-    """res[t, i] = norms[i] * rotated[q0 + t] . (decoded row i) for t < groups (literal variants)."""
+def _perm_scores_py(codewords, rows, rotated, q0, res, groups, blocks):
+    """res[t, i] = (row i's norm) * rotated[q0 + t] . (decoded row i) for t < groups (literal variants)."""
     n = rows.shape[0]
     if blocks == 64:
         if groups == 3:
-            _p_scores(codewords, rows, n, 4, 3, rotated, q0, norms, res)
+            _p_scores(codewords, rows, n, 4, 3, rotated, q0, res)
         elif groups == 4:
-            _p_scores(codewords, rows, n, 4, 4, rotated, q0, norms, res)
+            _p_scores(codewords, rows, n, 4, 4, rotated, q0, res)
         elif groups == 2:
-            _p_scores(codewords, rows, n, 4, 2, rotated, q0, norms, res)
+            _p_scores(codewords, rows, n, 4, 2, rotated, q0, res)
         else:
-            _p_scores(codewords, rows, n, 4, 1, rotated, q0, norms, res)
+            _p_scores(codewords, rows, n, 4, 1, rotated, q0, res)
     elif groups == 3:
-        _p_scores(codewords, rows, n, 8, 3, rotated, q0, norms, res)
+        _p_scores(codewords, rows, n, 8, 3, rotated, q0, res)
     elif groups == 4:
-        _p_scores(codewords, rows, n, 8, 4, rotated, q0, norms, res)
+        _p_scores(codewords, rows, n, 8, 4, rotated, q0, res)
     elif groups == 2:
-        _p_scores(codewords, rows, n, 8, 2, rotated, q0, norms, res)
+        _p_scores(codewords, rows, n, 8, 2, rotated, q0, res)
     else:
-        _p_scores(codewords, rows, n, 8, 1, rotated, q0, norms, res)
+        _p_scores(codewords, rows, n, 8, 1, rotated, q0, res)
 
 
-def _perm_values_py(codewords, rows, wts, norms, acc, a0, groups, blocks):
-    """acc[a0 + t] += sum_i wts[t, i] * norms[i] * (decoded row i) for t < groups (literal variants)."""
+def _perm_values_py(codewords, rows, wts, acc, a0, groups, blocks):
+    """acc[a0 + t] += sum_i wts[t, i] * (row i's norm) * (decoded row i) for t < groups (literal variants)."""
     n = rows.shape[0]
     if blocks == 64:
         if groups == 3:
-            _p_values(codewords, rows, n, 4, 3, wts, norms, acc, a0)
+            _p_values(codewords, rows, n, 4, 3, wts, acc, a0)
         elif groups == 4:
-            _p_values(codewords, rows, n, 4, 4, wts, norms, acc, a0)
+            _p_values(codewords, rows, n, 4, 4, wts, acc, a0)
         elif groups == 2:
-            _p_values(codewords, rows, n, 4, 2, wts, norms, acc, a0)
+            _p_values(codewords, rows, n, 4, 2, wts, acc, a0)
         else:
-            _p_values(codewords, rows, n, 4, 1, wts, norms, acc, a0)
+            _p_values(codewords, rows, n, 4, 1, wts, acc, a0)
     elif groups == 3:
-        _p_values(codewords, rows, n, 8, 3, wts, norms, acc, a0)
+        _p_values(codewords, rows, n, 8, 3, wts, acc, a0)
     elif groups == 4:
-        _p_values(codewords, rows, n, 8, 4, wts, norms, acc, a0)
+        _p_values(codewords, rows, n, 8, 4, wts, acc, a0)
     elif groups == 2:
-        _p_values(codewords, rows, n, 8, 2, wts, norms, acc, a0)
+        _p_values(codewords, rows, n, 8, 2, wts, acc, a0)
     else:
-        _p_values(codewords, rows, n, 8, 1, wts, norms, acc, a0)
+        _p_values(codewords, rows, n, 8, 1, wts, acc, a0)
 
 
 def _paged_step_py(query, scaling, key_forward, value_inverse, key_codewords, value_codewords, pages, tables,
@@ -274,12 +274,12 @@ def _paged_step_py(query, scaling, key_forward, value_inverse, key_codewords, va
                     continue
                 rows = pages[page, h, lo - j * block_size:hi - j * block_size, key_offset:key_offset + key_size]
                 block_norms = norms[base:base + hi - lo]
-                _norms(rows, block_norms, ibits)
+                if not k_perm:  # the in-register path reads the fp16 norms itself
+                    _norms(rows, block_norms, ibits)
                 if k_check:
                     bad += _count_invalid(rows, key_bits, key_blocks, kn)
                 if k_perm:
-                    _perm_scores(key_codewords, rows, rotated, o, block_norms, coded[:, base:base + hi - lo], groups,
-                                 key_blocks)
+                    _perm_scores(key_codewords, rows, rotated, o, coded[:, base:base + hi - lo], groups, key_blocks)
                 elif k_gather:
                     _gather_scores(key_codewords, rows, rotated, o, block_norms, coded[:, base:base + hi - lo], groups,
                                    key_blocks)
@@ -306,12 +306,13 @@ def _paged_step_py(query, scaling, key_forward, value_inverse, key_codewords, va
                     continue
                 rows = pages[page, h, lo - j * block_size:hi - j * block_size, value_offset:value_offset + value_size]
                 block_norms = norms[base:base + hi - lo]
-                _norms(rows, block_norms, ibits)
+                if not v_perm:
+                    _norms(rows, block_norms, ibits)
                 if v_check:
                     bad += _count_invalid(rows, value_bits, value_blocks, vn)
                 if v_perm:  # straight into the unit's rows of coded_sum (rotated basis, zero so far)
-                    _perm_values(value_codewords, rows, coded[:, base:base + hi - lo], block_norms, coded_sum, o,
-                                 groups, value_blocks)
+                    _perm_values(value_codewords, rows, coded[:, base:base + hi - lo], coded_sum, o, groups,
+                                 value_blocks)
                 elif v_gather:  # straight into the unit's rows of coded_sum (rotated basis, zero so far)
                     _gather_values(value_codewords, rows, coded[:, base:base + hi - lo], block_norms, coded_sum, o,
                                    groups, value_blocks)
