@@ -49,7 +49,7 @@ def adversarial_rows(dim: int = 64) -> torch.Tensor:
     return torch.cat(rows)
 
 
-@pytest.mark.parametrize("k,n", SHIPPED)
+@pytest.mark.parametrize("k,n", SHIPPED + [(1, 16)])  # (1, 16): fibquant:k=1,n=16, the scalar search
 def test_shipped_codes_match_reference_and_torch_path(k, n):
     codec = FibQuantCodec(64, k, n)
     assert codec._numba_search(torch.device("cpu")) is not None
@@ -116,6 +116,21 @@ def test_methods_match_reference_on_hard_blocks(method, k, n):
         assert torch.equal(search.indices(u).reshape(-1), reference_index(rows, codewords))
 
 
+@pytest.mark.parametrize("n", [1, 2, 16, 31, 32, 33, 300])
+@pytest.mark.parametrize("duplicates", [False, True])
+def test_scalar_search_matches_reference_on_hard_blocks(n, duplicates):
+    """k = 1 (`scalar`: cells between sorted midpoints, counted up to 31 midpoints, bisected beyond):
+    codewords, midpoints, duplicates, zeros, non-finite and far values give the reference's index."""
+    codewords = random_codebook(1, n, seed=n, duplicates=duplicates)
+    search = NumbaSearch(codewords, 64)
+    assert search.method == "scalar"
+    blocks = torch.cat([hard_blocks(codewords, 300, seed=n + 1),
+                        torch.tensor([[float("nan")], [float("inf")], [-float("inf")], [1e30], [-1e-40]])])
+    assert torch.equal(search.indices(blocks).reshape(-1), reference_index(blocks, codewords))
+    with pytest.raises(ValueError, match="k=1"):
+        NumbaSearch(random_codebook(2, 8, seed=1), 64, "scalar")
+
+
 @pytest.mark.parametrize("k,n", [(8, 256), (16, 37), (64, 300), (5, 2)])
 def test_brute_matmul_and_scan_match_reference(k, n):
     codewords = random_codebook(k, n, seed=k + n, duplicates=True)
@@ -132,6 +147,8 @@ def test_brute_matmul_and_scan_match_reference(k, n):
 @given(st.integers(1, 6), st.integers(2, 300), st.integers(0, 80), st.sampled_from(["grid", "tree", "walk", "brute"]),
        st.integers(0, 2 ** 16))
 def test_search_property(k, n, m, method, seed):
+    if k == 1 and method in ("grid", "walk"):
+        method = "scalar"
     if method == "grid" and k not in (2, 3, 4):
         method = "tree"
     if method == "grid" and k == 4:
@@ -189,6 +206,7 @@ def test_threads_give_the_same_indices():
 
 
 def test_choose_method_and_tree():
+    assert choose_method(1, 16) == choose_method(1, 256) == "scalar"
     assert [choose_method(k, n) for k, n in SHIPPED] == ["grid", "grid", "walk", "walk", "grid", "brute", "brute",
                                                           "brute", "brute"]
     points = random_codebook(3, 100, seed=1).numpy()

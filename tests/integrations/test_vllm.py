@@ -249,7 +249,9 @@ def test_engine_features_not_supported_are_refused_at_engine_start(monkeypatch, 
                           ("fibquant:b=4", 3, 8, True, "softcap+sinks"),
                           ("fibquant:b=4", 3, 8, True, "gathered"),
                           ("fibquant:b=4/fibquant:b=2", 3, 8, True, "bf16"),
-                          ("fibquant:b=4/fibquant:b=2", 3, 8, True, "fp16")])
+                          ("fibquant:b=4/fibquant:b=2", 3, 8, True, "fp16"),
+                          ("fibquant:k=1,n=16", 3, 8, True, ""),  # 4-bit scalar codes: the in-register path
+                          ("fibquant:k=1,n=16/fibquant:b=4", 0, 0, True, "bf16")])
 def test_paged_codes_attention_equals_decoded_reference(monkeypatch, spec, sink_tokens, recent, token_major, extras):
     """Three requests, pages scattered over blocks. Forward 1 prefills each request's earlier tokens
     (37, 5, 20); forward 2 batches a 6-token chunk and two decodes. Forward 2's output = softmax

@@ -12,7 +12,7 @@ block's index is the reference's.
 
 With bits > 0 each row's indices are also bit-packed into codes[row, head:] (= `pack_bits`).
 
-Methods: `grid` (candidate lists of the box of a block, `grid_search.GridSearch`, stored compactly:
+Methods: `scalar` (k = 1: the cell of each coordinate among the sorted codewords' midpoints), `grid` (candidate lists of the box of a block, `grid_search.GridSearch`, stored compactly:
 box b's list is candidates[offsets[b]:offsets[b + 1]]), `tree` (a k-d
 tree with per-node bounding boxes, depth-first, nearer child first), `walk` (a walk over the
 codebook's Delaunay graph to the certified Voronoi cell holding the block, `_walk_py`), `brute` (all
@@ -417,6 +417,43 @@ def _tree_py(u, k, lo, hi, child, bounds, pts, ids, cw_t, index, flags, codes, h
                     stack[top + 1] = right
                 top += 2
             flagged += _finish(d1, i1, d2, x, index, flags, row, b)
+        if bits > 0:
+            _pack_row(index, row, bits, codes, head)
+    return flagged
+
+
+def _scalar_py(u, k, mids, order, cw_t, index, flags, codes, head, bits, start, stop):
+    """k = 1: the codewords sorted (sorted[j] = cw_t[0, order[j]], ascending) and their float64 midpoints
+    mids[j] = (sorted[j] + sorted[j + 1]) / 2 (exact); a coordinate x falls in cell pos = #{mids < x}
+    (a branch-free count for up to 32 codewords, a binary search beyond), and its runner-up is a
+    neighbouring cell. The float64 distances of the three decide the flag as `_finish` does, so a block
+    whose rounded distances could order otherwise than the exact cells (near ties) goes to the reference."""
+    n_blocks = u.shape[1]
+    m = mids.shape[0]
+    last = m  # sorted positions 0..m
+    flagged = 0
+    for row in range(start, stop):
+        for b in range(n_blocks):
+            x = np.float64(u[row, b])
+            if m <= 31:
+                pos = 0
+                for j in range(m):
+                    pos += x > mids[j]
+            else:
+                pos = np.searchsorted(mids, x)
+            c = cw_t[0, order[pos]]
+            d1 = (x - c) * (x - c)
+            d2 = np.inf
+            if pos > 0:
+                g = x - cw_t[0, order[pos - 1]]
+                d2 = g * g
+            if pos < last:
+                g = x - cw_t[0, order[pos + 1]]
+                d2 = min(d2, g * g)
+            index[row, b] = order[pos]
+            if not np.isfinite(x) or (d2 - d1 <= TIE_REL * d2 and d2 < np.inf):
+                flags[row, b] = 1
+                flagged += 1
         if bits > 0:
             _pack_row(index, row, bits, codes, head)
     return flagged
@@ -884,7 +921,7 @@ def _pack_py(index, bits, codes, head, rows):
 
 
 def compile_kernels():
-    """{"grid", "tree", "walk", "brute", "verify", "pack"} numba dispatchers, compiled (or loaded from numba's
+    """{"scalar", "grid", "tree", "walk", "brute", "verify", "pack"} numba dispatchers, compiled (or loaded from numba's
     cache) on first call; `fast_search._kernels` calls it once, under a lock."""
     global np, _consider, _finish, _brute_block, _screen, _pack_row, _min, _count_below, _scores, _bits_min
     global _settle, _range_scores, _cell, _far_block, _row_cells, _scan4, _count_bits_below, _heavy4
@@ -936,6 +973,8 @@ def compile_kernels():
         "tree": numba.njit(f"int64({u}, int64, float64[:, ::1], float64[:, ::1], int64[:, ::1], "
                            f"int64[:, ::1], float64[:, ::1], int64[::1], float64[:, ::1], {out})",
                            **jit)(_tree_py),
+        "scalar": numba.njit(f"int64({u}, int64, float64[::1], int64[::1], float64[:, ::1], {out})",
+                             **jit)(_scalar_py),
         "walk": numba.njit(f"int64({u}, int64, float64, float64, int64[::1], int64, int16[:, ::1], int64[::1], "
                            f"int16[::1], "
                            f"float32[::1], float64[:, ::1], int64, boolean[::1], float64, float64[:, ::1], {out})",

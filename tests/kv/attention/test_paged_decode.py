@@ -20,6 +20,9 @@ PAIRS = {
     "fibquant 4-bit d=128": lambda: (FibQuantCodec(2 * DIM, 2, 256), FibQuantCodec(2 * DIM, 2, 256)),
     "turboquant 4/2 (byte tables)": lambda: (TurboQuantCodec(DIM, 4), TurboQuantCodec(DIM, 2)),
     "turboquant 3 (3-bit fields)": lambda: (TurboQuantCodec(DIM, 3), TurboQuantCodec(DIM, 3)),
+    "fibquant 4-bit k=1 (nibbles, in registers)": lambda: (FibQuantCodec(DIM, 1, 16), FibQuantCodec(DIM, 1, 16)),
+    "fibquant 4-bit k=1 d=128": lambda: (FibQuantCodec(2 * DIM, 1, 16), FibQuantCodec(2 * DIM, 1, 16)),
+    "fibquant k=1 keys / 4-bit values": lambda: (FibQuantCodec(DIM, 1, 16), FibQuantCodec(DIM, 2, 256)),
 }
 
 
@@ -83,11 +86,30 @@ def test_paged_decode_gather_and_table_paths_equal_reference(pair, heads, gather
                                paged_decode_attention_reference(**case, sinks=sinks), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("pair", ["fibquant 4-bit k=1 (nibbles, in registers)", "fibquant 4-bit k=1 d=128",
+                                  "fibquant k=1 keys / 4-bit values", "turboquant 4/2 (byte tables)"])
+@pytest.mark.parametrize("heads", [2, 4, 6, 8, 16])
+@pytest.mark.parametrize("block", [8, 32])
+def test_paged_decode_in_register_path_equals_reference(pair, heads, block, gather):
+    """4-bit codes of 16 scalar codewords (k = 1: `intrinsics._build_permutes`) for G = 1..4 (8: the
+    tables), pages of 8 tokens (per-token sums only) and 32 (16-token reduction trees and tails), sink logits: equal to the reference to float rounding (rtol 1e-4, atol 1e-5: the kernel
+    sums the dot products in another order than torch)."""
+    case = _scenario(pair, heads=heads, block=block, seed=9)
+    sinks = torch.randn(heads, generator=torch.Generator().manual_seed(10))
+    torch.testing.assert_close(paged_decode_attention(**case, sinks=sinks),
+                               paged_decode_attention_reference(**case, sinks=sinks), rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("pair, setting, gathered", [
+    ("fibquant 4-bit k=1 (nibbles, in registers)", True, True),
+    ("fibquant 4-bit k=1 (nibbles, in registers)", "keys", True),
+    ("fibquant 4-bit k=1 (nibbles, in registers)", "values", True),
+    ("fibquant 4-bit k=1 d=128", True, True),
     ("fibquant 4/4 bit (8-bit indices)", True, True), ("fibquant 4/4 bit (8-bit indices)", "keys", True),
     ("fibquant 4/4 bit (8-bit indices)", "values", True), ("fibquant 4-bit d=128", True, True),
     ("fibquant 4/2 bit", "keys", True), ("fibquant 4/2 bit", "values", False),
-    ("turboquant 4/2 (byte tables)", True, False)])
+    ("turboquant 4/2 (byte tables)", "values", False), ("turboquant 3 (3-bit fields)", True, False),
+    ("turboquant 4/2 (byte tables)", True, True)])  # TurboQuant at 4 bits: the same k = 1, N = 16 codes
 def test_paged_decode_gather_switch_reaches_the_kernel(pair, setting, gathered, monkeypatch):
     """`paged.GATHER_DECODE` changes how the 4-bit FibQuant roles it names are summed (outputs differ in
     float rounding, within 1e-5 of each other) and nothing else (other codes: bitwise the same)."""

@@ -472,3 +472,333 @@ def _build_gathers():
 
     _GATHERS = gather_scores, gather_values
     return _GATHERS
+
+
+_PERMUTES = None
+
+
+def _target_features() -> set:
+    """The CPU features numba compiles for (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES when set, else the host's)."""
+    from numba.core import config
+
+    if config.CPU_NAME:
+        text = config.CPU_FEATURES or ""
+    else:
+        from numba.core.codegen import get_host_cpu_features
+        text = get_host_cpu_features()
+    return {part[1:] for part in text.split(",") if part.startswith("+")}
+
+
+def _build_permutes(features=None):
+    """(perm_scores, perm_values): decode-then-dot over code rows of 4-bit indices (two per byte, the
+    low nibble first) into a codebook of 16 scalars (k = 1, N = 16: FibQuant `k=1,n=16`, TurboQuant
+    at 4 bits), decoded in registers: the 16 codewords fill one <16 x float> and 16 indices decode with
+    one variable permute (`vpermps zmm` on AVX-512; on AVX2 two `vpermps ymm` and a blend on index
+    bit 3; elsewhere a gather from the codebook, which LLVM scalarises).
+
+    Why: the byte table / histogram path reads 32 x 256 x 4-float tables per unit (128 KB, beyond
+    L1), the k = 2 gathers pay ~10 cycles per 8 codewords; here a 64-d row is two 16-byte loads, a few
+    shifts / ands and four permutes, then plain FMAs with the query (or weights) in registers.
+
+    Payload byte m of 16-byte chunk c (row bytes 2 + 16 c + m; bytes 0-1, the norm, are not read) holds
+    coordinates 32 c + 2 m (low nibble) and 32 c + 2 m + 1 (high nibble), so a chunk decodes into an even
+    and an odd <16 x float>; the query rows (keys) and accumulators (values) are de-interleaved into that
+    order once per call by constant shuffles. Row i's norm nu_i is its fp16 bytes 0-1, converted here
+    (16 rows at a time, integer ops: `_half`), so the caller needs no norm pass. `vecs` (4 or 8:
+    D = 16 * vecs) and `heads` (G, 1..4) are literals; codewords a float32 C array [16, 1], rows 2-d
+    uint8 with any row stride, query / acc float32 C arrays, res / wts float32 2-d with any strides:
+    perm_scores(codewords, rows, n, vecs, heads, query, q0, res):
+        res[t, i] = nu_i * (query[q0 + t, :D] . x_i)                          for t < G, i < n
+    perm_values(codewords, rows, n, vecs, heads, wts, acc, a0):
+        acc[a0 + t, :D] += sum_{i < n} (wts[t, i] * nu_i) * x_i               for t < G (i ascending)
+    Scores: 16 tokens' dot products are reduced together by a shuffle tree (one <16 x float> of 16
+    sums), the rest one by one; both reassociate the sums (float rounding). Values: one fused
+    multiply-add per token and coordinate, token order kept.
+    `features` (a set of CPU feature names; default: numba's target) picks the permute.
+    """
+    global _PERMUTES
+    if _PERMUTES is not None and features is None:
+        return _PERMUTES
+    from llvmlite import ir
+    from numba.core import cgutils, types
+    from numba.extending import intrinsic
+
+    chosen = _target_features() if features is None else set(features)
+    isa = "avx512" if "avx512f" in chosen else "avx2" if "avx2" in chosen else "generic"
+    f32, i8, i32, i64 = ir.FloatType(), ir.IntType(8), ir.IntType(32), ir.IntType(64)
+    vec, vec_i32, vec_i8 = ir.VectorType(f32, 16), ir.VectorType(i32, 16), ir.VectorType(i8, 16)
+    vec8, vec8_i32 = ir.VectorType(f32, 8), ir.VectorType(i32, 8)
+
+    def const(value):
+        return ir.Constant(i64, value)
+
+    def mask(lanes):
+        return ir.Constant(ir.VectorType(i32, len(lanes)), list(lanes))
+
+    even, odd = mask(range(0, 32, 2)), mask(range(1, 32, 2))  # de-interleave two <16 x float>
+    low = mask([m // 2 + (16 if m % 2 else 0) for m in range(16)])  # re-interleave (even, odd) -> 32 coordinates
+    high = mask([8 + m // 2 + (16 if m % 2 else 0) for m in range(16)])
+
+    def _literal(ty, allowed):
+        return isinstance(ty, types.IntegerLiteral) and ty.literal_value in allowed
+
+    def _f32_array(ty, ndim, contiguous=False):
+        return (isinstance(ty, types.Array) and ty.ndim == ndim and ty.dtype == types.float32
+                and (not contiguous or ty.layout == "C"))
+
+    def _typed(codewords, rows, n, vecs, heads):
+        return (_f32_array(codewords, 2, True) and isinstance(rows, types.Array) and rows.ndim == 2
+                and rows.dtype == types.uint8 and isinstance(n, types.Integer) and _literal(vecs, (4, 8))
+                and _literal(heads, (1, 2, 3, 4)))
+
+    def _address(builder, array, *indices):
+        """float* to array[indices] (byte strides: any layout)."""
+        at = builder.ptrtoint(array.data, i64)
+        for k, index in enumerate(indices):
+            at = builder.add(at, builder.mul(index, builder.extract_value(array.strides, k)))
+        return builder.inttoptr(at, f32.as_pointer())
+
+    def _splat(builder, x):
+        one = builder.insert_element(ir.Constant(vec, ir.Undefined), x, ir.Constant(i32, 0))
+        return builder.shuffle_vector(one, one, mask([0] * 16))
+
+    def _half(builder, h, width=None):
+        """fp16 bits h (i32, or <width x i32>) -> float32, exactly (normals, subnormals, zeros, inf; NaN
+        stays NaN) with integer ops only, as `numba_decode._norms` (no F16C / libcall needed)."""
+        ty = h.type
+
+        def c(value):
+            return ir.Constant(ty, value if width is None else [value] * width)
+
+        fty = f32 if width is None else ir.VectorType(f32, width)
+        em = builder.and_(h, c(0x7FFF))
+        sign = builder.shl(builder.and_(h, c(0x8000)), c(16))
+        shift = builder.select(builder.icmp_unsigned(">=", em, c(0x7C00)), c(224 << 23), c(112 << 23))
+        normal = builder.bitcast(builder.or_(builder.add(builder.shl(em, c(13)), shift), sign), fty)
+        tiny = builder.fmul(builder.uitofp(em, fty), ir.Constant(fty, 2.0 ** -24 if width is None else [2.0 ** -24] * width))
+        tiny = builder.bitcast(builder.or_(builder.bitcast(tiny, ty), sign), fty)  # sign bit: exact negation
+        return builder.select(builder.icmp_unsigned("<", em, c(0x400)), tiny, normal)
+
+    def _load16(builder, array, row, first, contiguous):
+        """<16 x float> of array[row, first : first + 16] (2-d float32, any strides): one load when the
+        columns are contiguous (`contiguous`: an i1), else 16."""
+        slot = cgutils.alloca_once(builder, vec)
+        with builder.if_else(contiguous, likely=True) as (whole, lanes):
+            with whole:
+                builder.store(builder.load(builder.bitcast(_address(builder, array, row, first), vec.as_pointer()),
+                                           align=4), slot)
+            with lanes:
+                value = ir.Constant(vec, ir.Undefined)
+                for lane in range(16):
+                    x = builder.load(_address(builder, array, row, builder.add(first, const(lane))))
+                    value = builder.insert_element(value, x, ir.Constant(i32, lane))
+                builder.store(value, slot)
+        return builder.load(slot)
+
+    def _permuter(builder, book, book_pointer):
+        """index <16 x i32> (each < 16) -> <16 x float> of book[index]."""
+        if isa == "avx512":
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vec, [vec, vec_i32]),
+                                                "llvm.x86.avx512.permvar.sf.512")
+            return lambda index: builder.call(fn, [book, index])
+        if isa == "avx2":
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vec8, [vec8, vec8_i32]),
+                                                "llvm.x86.avx2.permps")
+            halves = [builder.shuffle_vector(book, book, mask(range(8 * h, 8 * h + 8))) for h in (0, 1)]
+
+            def permute(index):
+                parts = []
+                for h in (0, 1):
+                    part = builder.shuffle_vector(index, index, mask(range(8 * h, 8 * h + 8)))
+                    upper = builder.icmp_unsigned("!=", builder.and_(part, ir.Constant(vec8_i32, [8] * 8)),
+                                                  ir.Constant(vec8_i32, [0] * 8))
+                    parts.append(builder.select(upper, builder.call(fn, [halves[1], part]),
+                                                builder.call(fn, [halves[0], part])))
+                return builder.shuffle_vector(parts[0], parts[1], mask(range(16)))
+
+            return permute
+        pointers = ir.VectorType(f32.as_pointer(), 16)
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(vec, [pointers, i32, ir.VectorType(ir.IntType(1), 16), vec]),
+            "llvm.masked.gather.v16f32.v16p0")
+        base = builder.ptrtoint(book_pointer, i64)
+        base = builder.insert_element(ir.Constant(ir.VectorType(i64, 16), ir.Undefined), base, ir.Constant(i32, 0))
+        base = builder.shuffle_vector(base, base, mask([0] * 16))
+        everywhere = ir.Constant(ir.VectorType(ir.IntType(1), 16), [1] * 16)
+
+        def gather(index):
+            offsets = builder.shl(builder.zext(index, ir.VectorType(i64, 16)), ir.Constant(ir.VectorType(i64, 16),
+                                                                                         [2] * 16))
+            return builder.call(fn, [builder.inttoptr(builder.add(base, offsets), pointers), ir.Constant(i32, 4),
+                                     everywhere, ir.Constant(vec, ir.Undefined)])
+
+        return gather
+
+    def _decoder(context, builder, codewords_ty, codewords_v, rows_ty, rows_v, vecs):
+        """-> (decode(i) -> [<16 x float>] * vecs in (even, odd) order per chunk, half(i) -> the i32 of
+        row i's fp16 norm bits (bytes 0-1, little-endian): `_half` makes it a float)."""
+        codewords = context.make_array(codewords_ty)(context, builder, codewords_v)
+        rows = context.make_array(rows_ty)(context, builder, rows_v)
+        book = builder.load(builder.bitcast(codewords.data, vec.as_pointer()), align=4)
+        permute = _permuter(builder, book, codewords.data)
+        row_stride = builder.extract_value(rows.strides, 0)
+        nibble = ir.Constant(vec_i32, [15] * 16)
+        four = ir.Constant(vec_i32, [4] * 16)
+
+        def decode(i):
+            payload = builder.gep(rows.data, [builder.add(builder.mul(i, row_stride), const(2))])
+            out = []
+            for c in range(vecs // 2):
+                at = builder.bitcast(builder.gep(payload, [const(16 * c)]), vec_i8.as_pointer())
+                index = builder.zext(builder.load(at, align=1), vec_i32)
+                out.append(permute(builder.and_(index, nibble)))
+                out.append(permute(builder.lshr(index, four)))
+            return out
+
+        def half(i):
+            at = builder.bitcast(builder.gep(rows.data, [builder.mul(i, row_stride)]), ir.IntType(16).as_pointer())
+            return builder.zext(builder.load(at, align=1), i32)
+
+        return decode, half
+
+    def _split(builder, pointer, vecs):
+        """the <16 x float>s at pointer[0 : 16 * vecs], de-interleaved into (even, odd) per 32 floats."""
+        loaded = [builder.load(builder.gep(pointer, [const(g)]), align=4) for g in range(vecs)]
+        out = []
+        for c in range(vecs // 2):
+            a, b = loaded[2 * c], loaded[2 * c + 1]
+            out += [builder.shuffle_vector(a, b, even), builder.shuffle_vector(a, b, odd)]
+        return out
+
+    def _fold(builder, a, b, h):
+        """One level of the reduction tree: per block of 2h lanes, lanes [0, h) = a's block folded in
+        half, [h, 2h) = b's. Four levels (h = 8, 4, 2, 1) over inputs p = 0..15 leave lane l holding
+        the sum of input bitrev(l) (4 bits): the callers feed token bitrev(p) as input p."""
+        x = mask([(lane // (2 * h)) * 2 * h + lane % (2 * h) % h + (16 if lane % (2 * h) >= h else 0)
+                  for lane in range(16)])
+        y = mask([(lane // (2 * h)) * 2 * h + lane % (2 * h) % h + h + (16 if lane % (2 * h) >= h else 0)
+                  for lane in range(16)])
+        return builder.fadd(builder.shuffle_vector(a, b, x), builder.shuffle_vector(a, b, y), flags=["fast"])
+
+    def _dot(builder, q, x):
+        s = builder.fmul(q[0], x[0], flags=["fast"])
+        for g in range(1, len(x)):
+            s = builder.fadd(builder.fmul(q[g], x[g], flags=["fast"]), s, flags=["fast"])
+        return s
+
+    @intrinsic
+    def perm_scores(typingctx, codewords, rows, n, vecs, heads, query, q0, res):
+        if not (_typed(codewords, rows, n, vecs, heads) and _f32_array(query, 2, True)
+                and isinstance(q0, types.Integer) and _f32_array(res, 2)):
+            return None
+        sig = types.void(codewords, rows, n, vecs, heads, query, q0, res)
+
+        def codegen(context, builder, signature, args):
+            a = signature.args
+            vecs_n, groups = a[3].literal_value, a[4].literal_value
+            decode, half = _decoder(context, builder, a[0], args[0], a[1], args[1], vecs_n)
+            n_v = context.cast(builder, args[2], a[2], types.int64)
+            query_a = context.make_array(a[5])(context, builder, args[5])
+            res_a = context.make_array(a[7])(context, builder, args[7])
+            q0_v = context.cast(builder, args[6], a[6], types.int64)
+            q_vecs = [_split(builder, builder.bitcast(_address(builder, query_a, builder.add(q0_v, const(t)), const(0)),
+                                                      vec.as_pointer()), vecs_n) for t in range(groups)]
+            res_step = builder.extract_value(res_a.strides, 1)
+            contiguous = builder.icmp_signed("==", res_step, const(4))
+            reduce = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32, [f32, vec]),
+                                                    "llvm.vector.reduce.fadd.v16f32")
+            bitrev = [int(f"{p:04b}"[::-1], 2) for p in range(16)]
+            with cgutils.for_range(builder, builder.udiv(n_v, const(16))) as loop:  # 16 tokens at a time
+                i0 = builder.mul(loop.index, const(16), flags=["nuw", "nsw"])
+                stacks = [[] for _ in range(groups)]  # (level, vector): a binary counter of folded pairs
+                nu = ir.Constant(vec_i32, ir.Undefined)
+                for p in range(16):
+                    i = builder.add(i0, const(bitrev[p]))
+                    x = decode(i)
+                    nu = builder.insert_element(nu, half(i), ir.Constant(i32, bitrev[p]))
+                    for t in range(groups):
+                        stack = stacks[t]
+                        stack.append((0, _dot(builder, q_vecs[t], x)))
+                        while len(stack) > 1 and stack[-1][0] == stack[-2][0]:
+                            (level, right), (_, left) = stack.pop(), stack.pop()
+                            stack.append((level + 1, _fold(builder, left, right, 8 >> level)))
+                nu = _half(builder, nu, 16)
+                for t in range(groups):
+                    total = builder.fmul(stacks[t][0][1], nu)
+                    first = _address(builder, res_a, const(t), i0)
+                    with builder.if_else(contiguous, likely=True) as (whole, lanes):
+                        with whole:
+                            builder.store(total, builder.bitcast(first, vec.as_pointer()), align=4)
+                        with lanes:
+                            for lane in range(16):
+                                builder.store(builder.extract_element(total, ir.Constant(i32, lane)),
+                                              _address(builder, res_a, const(t), builder.add(i0, const(lane))))
+            with cgutils.for_range(builder, n_v, start=builder.mul(builder.udiv(n_v, const(16)), const(16))) as loop:
+                i = loop.index
+                x = decode(i)
+                nu = _half(builder, half(i))
+                for t in range(groups):
+                    total = builder.call(reduce, [ir.Constant(f32, 0.0), _dot(builder, q_vecs[t], x)],
+                                         fastmath=("fast",))
+                    builder.store(builder.fmul(total, nu), _address(builder, res_a, const(t), i))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def perm_values(typingctx, codewords, rows, n, vecs, heads, wts, acc, a0):
+        if not (_typed(codewords, rows, n, vecs, heads) and _f32_array(wts, 2) and _f32_array(acc, 2, True)
+                and isinstance(a0, types.Integer)):
+            return None
+        sig = types.void(codewords, rows, n, vecs, heads, wts, acc, a0)
+
+        def codegen(context, builder, signature, args):
+            a = signature.args
+            vecs_n, groups = a[3].literal_value, a[4].literal_value
+            decode, half = _decoder(context, builder, a[0], args[0], a[1], args[1], vecs_n)
+            n_v = context.cast(builder, args[2], a[2], types.int64)
+            wts_a = context.make_array(a[5])(context, builder, args[5])
+            acc_a = context.make_array(a[6])(context, builder, args[6])
+            a0_v = context.cast(builder, args[7], a[7], types.int64)
+            acc_rows = [builder.bitcast(_address(builder, acc_a, builder.add(a0_v, const(t)), const(0)),
+                                        vec.as_pointer()) for t in range(groups)]
+            slots = [[cgutils.alloca_once_value(builder, v) for v in _split(builder, acc_rows[t], vecs_n)]
+                     for t in range(groups)]
+            contiguous = builder.icmp_signed("==", builder.extract_value(wts_a.strides, 1), const(4))
+
+            def add(x, w):
+                for t in range(groups):
+                    for g in range(vecs_n):
+                        slot = slots[t][g]
+                        product = builder.fmul(w[t], x[g], flags=["contract"])
+                        builder.store(builder.fadd(builder.load(slot), product, flags=["contract"]), slot)
+
+            whole = builder.udiv(n_v, const(16))
+            with cgutils.for_range(builder, whole) as loop:  # 16 tokens at a time: norms and weights as vectors
+                i0 = builder.mul(loop.index, const(16), flags=["nuw", "nsw"])
+                nu = ir.Constant(vec_i32, ir.Undefined)
+                for p in range(16):
+                    nu = builder.insert_element(nu, half(builder.add(i0, const(p))), ir.Constant(i32, p))
+                nu = _half(builder, nu, 16)
+                w16 = [builder.fmul(_load16(builder, wts_a, const(t), i0, contiguous), nu) for t in range(groups)]
+                for p in range(16):
+                    add(decode(builder.add(i0, const(p))), [builder.shuffle_vector(w, w, mask([p] * 16)) for w in w16])
+            with cgutils.for_range(builder, n_v, start=builder.mul(whole, const(16))) as loop:
+                i = loop.index
+                nu = _half(builder, half(i))
+                add(decode(i), [_splat(builder, builder.fmul(builder.load(_address(builder, wts_a, const(t), i)), nu))
+                                for t in range(groups)])
+            for t in range(groups):
+                for c in range(vecs_n // 2):
+                    e, o = builder.load(slots[t][2 * c]), builder.load(slots[t][2 * c + 1])
+                    builder.store(builder.shuffle_vector(e, o, low), builder.gep(acc_rows[t], [const(2 * c)]), align=4)
+                    builder.store(builder.shuffle_vector(e, o, high), builder.gep(acc_rows[t], [const(2 * c + 1)]),
+                                  align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    result = perm_scores, perm_values
+    if features is None:
+        _PERMUTES = result
+    return result

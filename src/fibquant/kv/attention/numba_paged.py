@@ -10,7 +10,8 @@ of sequence b are not a contiguous [M, C] row block but slots of pages
 
 so the token loops (`_score_tokens`, `_hist_tokens` of numba_decode, the same lookup-table and
 histogram intrinsics; for FibQuant's 4-bit codes, when the caller's flags ask, decode-then-dot by vector
-gathers instead: `_gather_scores`, `_gather_values`) run block by block over 2-d strided views of the pages, writing the scores
+gathers instead: `_gather_scores`, `_gather_values`; for 4-bit codes of 16 scalar codewords (k = 1),
+decode-then-dot in registers by variable permutes: `_perm_scores`, `_perm_values`) run block by block over 2-d strided views of the pages, writing the scores
 of block j into columns [j * block_size - start_b, ...) of the row's score scratch. No codes are
 copied, and no sequence is padded to the longest: the work of sequence b is its own length.
 
@@ -34,7 +35,9 @@ _norms = _softmax_row = None
 _as_f32 = _from_f32 = None
 _exact_scores = _exact_values = _contract_dot = _rotate_rows = None
 _g_scores = _g_values = _gather_scores = _gather_values = _gather_ok = None
-# flags bits: decode-then-dot (vector gathers) for the keys / values when their codes allow it (`_gather_ok`)
+_p_scores = _p_values = _perm_scores = _perm_values = _perm_ok = None
+# flags bits: decode-then-dot for the keys / values when their codes allow it (vector gathers: `_gather_ok`;
+# in-register permutes of 16 scalar codewords: `_perm_ok`)
 GATHER_KEYS, GATHER_VALUES = 16, 32
 
 
@@ -109,6 +112,58 @@ def _gather_values_py(codewords, rows, wts, norms, acc, a0, groups, blocks):
         _g_values(codewords, rows, n, 8, 1, wts, norms, acc, a0)
 
 
+def _perm_ok_py(mode, codewords, bits, blocks, groups):
+    """Whether a role takes the in-register path: 4-bit indices, two per byte (`_role_fields` mode 0),
+    into 16 scalar codewords (k = 1, N = 16), D = 64 or 128, at most 4 query heads per KV head
+    (`intrinsics._build_permutes`)."""
+    return (mode == 0 and bits == 4 and codewords.shape[0] == 16 and codewords.shape[1] == 1
+            and (blocks == 64 or blocks == 128) and 1 <= groups <= 4)
+
+
+def _perm_scores_py(codewords, rows, rotated, q0, res, groups, blocks):
+    """res[t, i] = (row i's norm) * rotated[q0 + t] . (decoded row i) for t < groups (literal variants)."""
+    n = rows.shape[0]
+    if blocks == 64:
+        if groups == 3:
+            _p_scores(codewords, rows, n, 4, 3, rotated, q0, res)
+        elif groups == 4:
+            _p_scores(codewords, rows, n, 4, 4, rotated, q0, res)
+        elif groups == 2:
+            _p_scores(codewords, rows, n, 4, 2, rotated, q0, res)
+        else:
+            _p_scores(codewords, rows, n, 4, 1, rotated, q0, res)
+    elif groups == 3:
+        _p_scores(codewords, rows, n, 8, 3, rotated, q0, res)
+    elif groups == 4:
+        _p_scores(codewords, rows, n, 8, 4, rotated, q0, res)
+    elif groups == 2:
+        _p_scores(codewords, rows, n, 8, 2, rotated, q0, res)
+    else:
+        _p_scores(codewords, rows, n, 8, 1, rotated, q0, res)
+
+
+def _perm_values_py(codewords, rows, wts, acc, a0, groups, blocks):
+    """acc[a0 + t] += sum_i wts[t, i] * (row i's norm) * (decoded row i) for t < groups (literal variants)."""
+    n = rows.shape[0]
+    if blocks == 64:
+        if groups == 3:
+            _p_values(codewords, rows, n, 4, 3, wts, acc, a0)
+        elif groups == 4:
+            _p_values(codewords, rows, n, 4, 4, wts, acc, a0)
+        elif groups == 2:
+            _p_values(codewords, rows, n, 4, 2, wts, acc, a0)
+        else:
+            _p_values(codewords, rows, n, 4, 1, wts, acc, a0)
+    elif groups == 3:
+        _p_values(codewords, rows, n, 8, 3, wts, acc, a0)
+    elif groups == 4:
+        _p_values(codewords, rows, n, 8, 4, wts, acc, a0)
+    elif groups == 2:
+        _p_values(codewords, rows, n, 8, 2, wts, acc, a0)
+    else:
+        _p_values(codewords, rows, n, 8, 1, wts, acc, a0)
+
+
 def _paged_step_py(query, scaling, key_forward, value_inverse, key_codewords, value_codewords, pages, tables,
                    starts, stops, key_offset, key_size, value_offset, value_size, exact_keys, exact_values,
                    exact_rows, new_keys, new_values, sinks, out, flags, key_bits, value_bits, key_blocks, value_blocks,
@@ -122,9 +177,10 @@ def _paged_step_py(query, scaling, key_forward, value_inverse, key_codewords, va
     (int64 [B], in [0, R): e.g. the rows of the caller's window slabs, read in place), new_keys /
     new_values [B, H, n_new, D], sinks [Hq] (read when flags bit 3), out [B, Hq, Dv]; query, exact
     parts and out float32 or bf16 bits (uint16), any strides. flags bits 4 / 5 (`GATHER_KEYS`,
-    `GATHER_VALUES`): the keys / values, when their codes allow it (`_gather_ok`: FibQuant at 4 bits),
-    are read by decode-then-dot (`_gather_scores`, `_gather_values`) instead of the lookup table /
-    histogram (the same sums to float32 rounding).
+    `GATHER_VALUES`): the keys / values, when their codes allow it (`_gather_ok`: FibQuant at 4 bits;
+    `_perm_ok`: 4-bit codes of 16 scalar codewords), are read by decode-then-dot (`_gather_scores`,
+    `_gather_values`; `_perm_scores`, `_perm_values`) instead of the lookup table / histogram (the same
+    sums to float32 rounding).
     Scratch as `numba_decode.scratch_sizes`, coded [lanes, >= max coded tokens], norms and ibits
     (int32) [>= that].
 
@@ -152,8 +208,14 @@ def _paged_step_py(query, scaling, key_forward, value_inverse, key_codewords, va
     # Decode-then-dot where the codes allow it: at 4 bits (k = 2, 32 blocks) the table / histogram
     # are 128 KB each (beyond L1) and the histogram needs its contraction; gathers from the 2 KB
     # codebook replace both (values 23 -> 15 us, scores 19 -> 18 us per 1,024 tokens, table build incl.).
+    # 4-bit codes of 16 scalar codewords (k = 1) decode in registers instead (`_perm_ok`): the byte
+    # table / histogram of their 32 index bytes is as large, and no gather is needed.
     k_gather = (flags & GATHER_KEYS) != 0 and _gather_ok(key_mode, key_codewords, key_blocks, groups)
     v_gather = (flags & GATHER_VALUES) != 0 and _gather_ok(value_mode, value_codewords, value_blocks, groups)
+    k_perm = (flags & GATHER_KEYS) != 0 and _perm_ok(key_mode, key_codewords, key_bits, key_blocks, groups)
+    v_perm = (flags & GATHER_VALUES) != 0 and _perm_ok(value_mode, value_codewords, value_bits, value_blocks,
+                                                       groups)
+    k_direct, v_direct = k_gather or k_perm, v_gather or v_perm  # decode-then-dot: no tables / histograms
     value_codewords_t = np.ascontiguousarray(value_codewords.T)  # [vk, vn]: the contraction's left factor
 
     n_rows = (unit_stop - unit_start) * groups  # query rows of this call's units: row u * G + t
@@ -163,7 +225,7 @@ def _paged_step_py(query, scaling, key_forward, value_inverse, key_codewords, va
     total = np.empty(n_rows, dtype=np.float32)
     coded_sum = np.zeros((n_rows, value_dim), dtype=np.float32)  # coded value sums, rotated basis
     result = np.empty((n_rows, value_dim), dtype=np.float32)
-    if value_mode != 0 and not v_gather:  # the [codeword, block, lane] histogram starts clear; each unit's contraction clears it
+    if value_mode != 0 and not v_direct:  # the [codeword, block, lane] histogram starts clear; each unit's contraction clears it
         hist1[:vn * value_blocks * lanes] = 0.0
     key_row = np.empty(dim, dtype=np.float32)
     value_rows = np.empty(max(n_exact_in, n_new) * value_dim, dtype=np.float32)
@@ -190,7 +252,7 @@ def _paged_step_py(query, scaling, key_forward, value_inverse, key_codewords, va
         last_block = (stop + block_size - 1) // block_size
         unit_scaled = scaled[o:o + groups]
         exact = weights[o:o + groups]
-        if n_tokens and not k_gather:
+        if n_tokens and not k_direct:
             for t in range(groups):  # the key table's right-hand side (lanes >= G stay 0)
                 for j in range(key_blocks):
                     for c in range(kk):
@@ -212,10 +274,13 @@ def _paged_step_py(query, scaling, key_forward, value_inverse, key_codewords, va
                     continue
                 rows = pages[page, h, lo - j * block_size:hi - j * block_size, key_offset:key_offset + key_size]
                 block_norms = norms[base:base + hi - lo]
-                _norms(rows, block_norms, ibits)
+                if not k_perm:  # the in-register path reads the fp16 norms itself
+                    _norms(rows, block_norms, ibits)
                 if k_check:
                     bad += _count_invalid(rows, key_bits, key_blocks, kn)
-                if k_gather:
+                if k_perm:
+                    _perm_scores(key_codewords, rows, rotated, o, coded[:, base:base + hi - lo], groups, key_blocks)
+                elif k_gather:
                     _gather_scores(key_codewords, rows, rotated, o, block_norms, coded[:, base:base + hi - lo], groups,
                                    key_blocks)
                 else:
@@ -230,7 +295,7 @@ def _paged_step_py(query, scaling, key_forward, value_inverse, key_codewords, va
             _, _, total[o + t] = _softmax_row(coded[t], n_tokens, exact[t], n_exact, sink_logit, ibits)
         # --- coded value sums, block by block (left in the rotated basis: un-rotated in pass 3)
         if n_tokens:
-            if value_mode == 0 and not v_gather:
+            if value_mode == 0 and not v_direct:
                 hist[:v_pos * 256 * lanes] = 0.0
             for j in range(first_block, last_block):
                 lo = max(start, j * block_size)
@@ -241,16 +306,20 @@ def _paged_step_py(query, scaling, key_forward, value_inverse, key_codewords, va
                     continue
                 rows = pages[page, h, lo - j * block_size:hi - j * block_size, value_offset:value_offset + value_size]
                 block_norms = norms[base:base + hi - lo]
-                _norms(rows, block_norms, ibits)
+                if not v_perm:
+                    _norms(rows, block_norms, ibits)
                 if v_check:
                     bad += _count_invalid(rows, value_bits, value_blocks, vn)
-                if v_gather:  # straight into the unit's rows of coded_sum (rotated basis, zero so far)
+                if v_perm:  # straight into the unit's rows of coded_sum (rotated basis, zero so far)
+                    _perm_values(value_codewords, rows, coded[:, base:base + hi - lo], coded_sum, o, groups,
+                                 value_blocks)
+                elif v_gather:  # straight into the unit's rows of coded_sum (rotated basis, zero so far)
                     _gather_values(value_codewords, rows, coded[:, base:base + hi - lo], block_norms, coded_sum, o,
                                    groups, value_blocks)
                 else:
                     _hist_tokens(hist1, hist, rows, coded[:, base:base + hi - lo], groups, block_norms, value_mode,
                                  lanes, value_bits, value_blocks, v_pos, vn, v_safe, v_safe_bytes, v_word)
-            if not v_gather:
+            if not v_direct:
                 if value_mode == 0:
                     _spread_bytes(hist, value_blocks, value_bits, lanes, hist1)
                 _contract_dot(hist1, value_codewords_t, acc)
@@ -287,13 +356,14 @@ def compile_paged_kernel(inputs: str = "float32", output: str = "float32"):
     global _score_tokens, _hist_tokens, _norms
     global _softmax_row, _as_f32, _from_f32, _exact_scores, _exact_values
     global _contract_dot, _rotate_rows, _g_scores, _g_values, _gather_scores, _gather_values, _gather_ok
+    global _p_scores, _p_values, _perm_scores, _perm_values, _perm_ok
     kernel = _KERNELS.get((inputs, output))
     if kernel is not None:
         return kernel
     if inputs not in ("float32", "uint16") or output not in ("float32", "uint16"):
         raise ValueError(f"paged kernel dtypes are float32 or uint16 (bf16 bits), got {inputs} / {output}")
     import fibquant.kv.attention.numba_decode as numba_decode
-    from fibquant.kv.attention.intrinsics import _build_bf16, _build_gathers
+    from fibquant.kv.attention.intrinsics import _build_bf16, _build_gathers, _build_permutes
     from fibquant.kv.attention.jit import kernel_jit
 
     numba_decode.compile_decode_kernel()  # binds numba_decode's (and numba_kernels') helpers
@@ -312,6 +382,10 @@ def compile_paged_kernel(inputs: str = "float32", output: str = "float32"):
     _gather_ok = kernel_jit(nogil=True)(_gather_ok_py)
     _gather_scores = kernel_jit(nogil=True)(_gather_scores_py)
     _gather_values = kernel_jit(nogil=True)(_gather_values_py)
+    _p_scores, _p_values = _build_permutes()
+    _perm_ok = kernel_jit(nogil=True)(_perm_ok_py)
+    _perm_scores = kernel_jit(nogil=True)(_perm_scores_py)
+    _perm_values = kernel_jit(nogil=True)(_perm_values_py)
     part = f"{inputs}[:, :, :, :]"
     signature = (f"int64({inputs}[:, :, :], float32, float32[:, ::1], float32[:, ::1], float32[:, ::1], "
                  "float32[:, ::1], uint8[:, :, :, :], int32[:, :], int64[::1], int64[::1], int64, int64, int64, "
