@@ -36,7 +36,7 @@ _DUMMY_SINKS = np.zeros(1, dtype=np.float32)
 # load 6; kernel
 # alone: 0.86 / 0.87 / 0.98); at load 5.6-6.3 values only did best (0.88-0.90 against 0.91-0.97). Keys
 # gain least: 3 query heads already share each 4-lane table entry, and the gathers cost per token
-# (~10 cycles per 8 codewords on this Zen 4 machine). The same switch governs the in-register decode of
+# (~10 cycles per 8 codewords on this Intel Xeon). The same switch governs the in-register decode of
 # 4-bit codes of 16 scalar codewords (`numba_paged._perm_ok`: fibquant:k=1,n=16, turboquant:b=4; one
 # vpermps per 16 coordinates): 1.6-1.8x bf16's layer step against 7.3x through their byte tables
 # (benchmarks/vllm_layer_step.py, 2026-12-03, branch perm18).
