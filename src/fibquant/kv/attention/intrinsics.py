@@ -472,3 +472,213 @@ def _build_gathers():
 
     _GATHERS = gather_scores, gather_values
     return _GATHERS
+
+
+_HALVES = None
+
+
+def _build_halves():
+    """(halves_scores, halves_hist, halves_build, halves_contract): one code row's blocks through the per-query tables over the 4-d halves of
+    E8 shell points (`codebook.e8shell.CompactPointTables`, the b <= 2 step of `numba_shells`), 4 query lanes in
+    one <4 x float> register per table entry (numba's scalar code read and multiplied the 4 lanes one by one).
+
+    Block j's word w = wr[j] (int64: `CompactPointTables.words`) names its halves lo = w & 2047, hi = (w >> 12)
+    & 2047, their signs (bits 11, 23), its level (bits 24..30: s = scales[level]) and bit 31 = an index beyond
+    the code's points; s_lo / s_hi = s with the halves' signs (a sign-bit flip, exact).
+    table: float32 C [Q, H, 4] (Q >= 2 * len(wr)); wr: int64 1-d C; scales: float32 1-d C; res / w4: float32
+    1-d C of >= 4 entries. Both return sum_j (w_j >> 31) (the bad indices).
+    halves_scores(table, wr, scales, res):
+        res[:4] = sum_j s_lo table[2 j, lo] + s_hi table[2 j + 1, hi]        (two accumulators, fused)
+    halves_hist(table, wr, scales, w4):
+        table[2 j, lo] += s_lo w4;  table[2 j + 1, hi] += s_hi w4           for j ascending
+    The callers guarantee in-range halves (the words come from the tables the table was built over).
+    """
+    global _HALVES
+    if _HALVES is not None:
+        return _HALVES
+    from llvmlite import ir
+    from numba.core import cgutils, types
+    from numba.extending import intrinsic
+
+    f32, i32, i64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
+    vec = ir.VectorType(f32, 4)
+    no_wrap = ["nuw", "nsw"]
+
+    def const(value, ty=i64):
+        return ir.Constant(ty, value)
+
+    def _c_array(ty, ndim, dtype):
+        return isinstance(ty, types.Array) and ty.ndim == ndim and ty.dtype == dtype and ty.layout == "C"
+
+    def _typed(table, wr, scales, out):
+        return (_c_array(table, 3, types.float32) and _c_array(wr, 1, types.int64)
+                and _c_array(scales, 1, types.float32) and _c_array(out, 1, types.float32))
+
+    def _splat(builder, x):
+        one = builder.insert_element(ir.Constant(vec, ir.Undefined), x, const(0, i32))
+        return builder.shuffle_vector(one, one, ir.Constant(ir.VectorType(i32, 4), [0] * 4))
+
+    def _blocks(context, builder, signature, args, body):
+        """Runs body(lo_pointer, s_lo, hi_pointer, s_hi) per block; returns the bad count (i64)."""
+        table = context.make_array(signature.args[0])(context, builder, args[0])
+        wr = context.make_array(signature.args[1])(context, builder, args[1])
+        scales = context.make_array(signature.args[2])(context, builder, args[2])
+        n_half = cgutils.unpack_tuple(builder, table.shape)[1]
+        n_blk = cgutils.unpack_tuple(builder, wr.shape)[0]
+        row = builder.mul(n_half, const(4), flags=no_wrap)  # floats per table row q
+        bad = cgutils.alloca_once_value(builder, const(0))
+
+        def signed(s_bits, w, bit):
+            flip = builder.shl(builder.and_(builder.lshr(w, const(bit, i32)), const(1, i32)), const(31, i32))
+            return builder.bitcast(builder.xor(s_bits, flip), f32)
+
+        with cgutils.for_range(builder, n_blk) as loop:
+            j = loop.index
+            w64 = builder.load(builder.gep(wr.data, [j], inbounds=True))
+            builder.store(builder.add(builder.load(bad), builder.lshr(w64, const(31))), bad)
+            w = builder.trunc(w64, i32)
+            lo = builder.zext(builder.and_(w, const(2047, i32)), i64)
+            hi = builder.zext(builder.and_(builder.lshr(w, const(12, i32)), const(2047, i32)), i64)
+            level = builder.zext(builder.and_(builder.lshr(w, const(24, i32)), const(127, i32)), i64)
+            s_bits = builder.bitcast(builder.load(builder.gep(scales.data, [level], inbounds=True)), i32)
+            base_lo = builder.mul(builder.mul(j, const(2), flags=no_wrap), row, flags=no_wrap)
+            at_lo = builder.add(base_lo, builder.mul(lo, const(4), flags=no_wrap), flags=no_wrap)
+            at_hi = builder.add(builder.add(base_lo, row, flags=no_wrap), builder.mul(hi, const(4), flags=no_wrap),
+                                flags=no_wrap)
+            p_lo = builder.bitcast(builder.gep(table.data, [at_lo], inbounds=True), vec.as_pointer())
+            p_hi = builder.bitcast(builder.gep(table.data, [at_hi], inbounds=True), vec.as_pointer())
+            body(p_lo, signed(s_bits, w, 11), p_hi, signed(s_bits, w, 23))
+        return builder.load(bad)
+
+    def _out(context, builder, signature, args):
+        out = context.make_array(signature.args[3])(context, builder, args[3])
+        return builder.bitcast(out.data, vec.as_pointer())
+
+    @intrinsic
+    def halves_scores(typingctx, table, wr, scales, res):
+        if not _typed(table, wr, scales, res):
+            return None
+        sig = types.int64(table, wr, scales, res)
+
+        def codegen(context, builder, signature, args):
+            accs = [cgutils.alloca_once_value(builder, ir.Constant(vec, [0.0] * 4)) for _ in range(2)]
+
+            def body(p_lo, s_lo, p_hi, s_hi):
+                for acc, pointer, s in ((accs[0], p_lo, s_lo), (accs[1], p_hi, s_hi)):
+                    product = builder.fmul(_splat(builder, s), builder.load(pointer, align=4), flags=["contract"])
+                    builder.store(builder.fadd(builder.load(acc), product, flags=["contract"]), acc)
+
+            bad = _blocks(context, builder, signature, args, body)
+            builder.store(builder.fadd(builder.load(accs[0]), builder.load(accs[1])),
+                          _out(context, builder, signature, args), align=4)
+            return bad
+
+        return sig, codegen
+
+    @intrinsic
+    def halves_hist(typingctx, table, wr, scales, w4):
+        if not _typed(table, wr, scales, w4):
+            return None
+        sig = types.int64(table, wr, scales, w4)
+
+        def codegen(context, builder, signature, args):
+            weights = builder.load(_out(context, builder, signature, args), align=4)
+
+            def body(p_lo, s_lo, p_hi, s_hi):
+                for pointer, s in ((p_lo, s_lo), (p_hi, s_hi)):
+                    product = builder.fmul(_splat(builder, s), weights, flags=["contract"])
+                    builder.store(builder.fadd(builder.load(pointer, align=4), product, flags=["contract"]),
+                                  pointer, align=4)
+
+            return _blocks(context, builder, signature, args, body)
+
+        return sig, codegen
+
+    def _lanes4(builder, x, k):
+        return builder.shuffle_vector(x, x, ir.Constant(ir.VectorType(i32, 4), [k] * 4))
+
+    def _loop_q_h(context, builder, table_ty, table_v, halves_ty, halves_v, before, body, after):
+        """for q < Q: state = before(q); for h < H: body(state, q, pointer to table[q, h] (<4 x float>*),
+        halves[h] (<4 x float>)); after(state, q)."""
+        table = context.make_array(table_ty)(context, builder, table_v)
+        halves = context.make_array(halves_ty)(context, builder, halves_v)
+        n_q, n_half = cgutils.unpack_tuple(builder, table.shape)[:2]
+        with cgutils.for_range(builder, n_q) as q_loop:
+            q = q_loop.index
+            state = before(q)
+            base = builder.mul(q, builder.mul(n_half, const(4), flags=no_wrap), flags=no_wrap)
+            with cgutils.for_range(builder, n_half) as h_loop:
+                h = h_loop.index
+                at = builder.add(base, builder.mul(h, const(4), flags=no_wrap), flags=no_wrap)
+                pointer = builder.bitcast(builder.gep(table.data, [at], inbounds=True), vec.as_pointer())
+                half = builder.load(builder.bitcast(builder.gep(halves.data, [builder.mul(h, const(4))],
+                                                                inbounds=True), vec.as_pointer()), align=4)
+                body(state, q, pointer, half)
+            after(state, q)
+
+    def _typed_q44(table, halves, q44):
+        return (_c_array(table, 3, types.float32) and _c_array(halves, 2, types.float32)
+                and _c_array(q44, 3, types.float32))
+
+    def _q44_row(context, builder, q44_ty, q44_v, q, k):
+        """<4 x float>* to q44[q, k, :]."""
+        q44 = context.make_array(q44_ty)(context, builder, q44_v)
+        at = builder.add(builder.mul(q, const(16), flags=no_wrap), const(4 * k), flags=no_wrap)
+        return builder.bitcast(builder.gep(q44.data, [at], inbounds=True), vec.as_pointer())
+
+    @intrinsic
+    def halves_build(typingctx, table, halves, rq44):
+        """table[q, h, :] = sum_k halves[h, k] rq44[q, k, :] (halves float32 C [H, 4], rq44 float32 C [Q, 4, 4]:
+        quarter q of 4 query rows, lanes last)."""
+        if not _typed_q44(table, halves, rq44):
+            return None
+        sig = types.void(table, halves, rq44)
+
+        def codegen(context, builder, signature, args):
+            def before(q):
+                return [builder.load(_q44_row(context, builder, signature.args[2], args[2], q, k), align=4)
+                        for k in range(4)]
+
+            def body(rows, q, pointer, half):
+                out = builder.fmul(_lanes4(builder, half, 0), rows[0])
+                for k in range(1, 4):
+                    out = builder.fadd(out, builder.fmul(_lanes4(builder, half, k), rows[k], flags=["contract"]),
+                                       flags=["contract"])
+                builder.store(out, pointer, align=4)
+
+            _loop_q_h(context, builder, signature.args[0], args[0], signature.args[1], args[1], before, body,
+                      lambda rows, q: None)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def halves_contract(typingctx, table, halves, out44):
+        """out44[q, k, :] = sum_h halves[h, k] table[q, h, :] (the values' histogram contracted with the halves;
+        out44 float32 C [Q, 4, 4])."""
+        if not _typed_q44(table, halves, out44):
+            return None
+        sig = types.void(table, halves, out44)
+
+        def codegen(context, builder, signature, args):
+            def before(q):
+                return [cgutils.alloca_once_value(builder, ir.Constant(vec, [0.0] * 4)) for _ in range(4)]
+
+            def body(accs, q, pointer, half):
+                row = builder.load(pointer, align=4)
+                for k in range(4):
+                    product = builder.fmul(_lanes4(builder, half, k), row, flags=["contract"])
+                    builder.store(builder.fadd(builder.load(accs[k]), product, flags=["contract"]), accs[k])
+
+            def after(accs, q):
+                for k in range(4):
+                    builder.store(builder.load(accs[k]), _q44_row(context, builder, signature.args[2], args[2], q, k),
+                                  align=4)
+
+            _loop_q_h(context, builder, signature.args[0], args[0], signature.args[1], args[1], before, body, after)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    _HALVES = halves_scores, halves_hist, halves_build, halves_contract
+    return _HALVES
