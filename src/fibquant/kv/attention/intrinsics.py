@@ -482,16 +482,19 @@ def _build_halves():
     E8 shell points (`codebook.e8shell.CompactPointTables`, the b <= 2 step of `numba_shells`), 4 query lanes in
     one <4 x float> register per table entry (numba's scalar code read and multiplied the 4 lanes one by one).
 
-    Block j's word w = wr[j] (int64: `CompactPointTables.words`) names its halves lo = w & 2047, hi = (w >> 12)
-    & 2047, their signs (bits 11, 23), its level (bits 24..30: s = scales[level]) and bit 31 = an index beyond
-    the code's points; s_lo / s_hi = s with the halves' signs (a sign-bit flip, exact).
-    table: float32 C [Q, H, 4] (Q >= 2 * len(wr)); wr: int64 1-d C; scales: float32 1-d C; res / w4: float32
-    1-d C of >= 4 entries. Both return sum_j (w_j >> 31) (the bad indices).
-    halves_scores(table, wr, scales, res):
+    Block j's step word w = wr[j] (int64, `numba_shells.step_words`): bits 0..31 the float32 s_lo (the level's
+    scale with the first half's sign), bits 32..46 / 48..62 the byte offsets of the two halves' entries in a
+    table row (16 x half), bit 47 set when the second half's sign differs (s_hi = s_lo with its sign bit
+    flipped: exact), bit 63 an index beyond the code's points (counted; its fields are index 0's).
+    table: float32 C [Q, H, 4] (Q >= 2 * len(wr)); wr: int64 1-d C; res / w4: float32 1-d C of >= 4 entries.
+    Both return sum_j (w_j >>> 63) (the bad indices).
+    halves_scores(table, wr, res):
         res[:4] = sum_j s_lo table[2 j, lo] + s_hi table[2 j + 1, hi]        (two accumulators, fused)
-    halves_hist(table, wr, scales, w4):
+    halves_hist(table, wr, w4):
         table[2 j, lo] += s_lo w4;  table[2 j + 1, hi] += s_hi w4           for j ascending
-    The callers guarantee in-range halves (the words come from the tables the table was built over).
+    halves_build(table, halves, rq44) / halves_contract(table, halves, out44): the tables' build and the
+    histogram's contraction (below). The callers guarantee in-range offsets (the words come from the tables
+    the table was built over).
     """
     global _HALVES
     if _HALVES is not None:
@@ -510,9 +513,9 @@ def _build_halves():
     def _c_array(ty, ndim, dtype):
         return isinstance(ty, types.Array) and ty.ndim == ndim and ty.dtype == dtype and ty.layout == "C"
 
-    def _typed(table, wr, scales, out):
+    def _typed(table, wr, out):
         return (_c_array(table, 3, types.float32) and _c_array(wr, 1, types.int64)
-                and _c_array(scales, 1, types.float32) and _c_array(out, 1, types.float32))
+                and _c_array(out, 1, types.float32))
 
     def _splat(builder, x):
         one = builder.insert_element(ir.Constant(vec, ir.Undefined), x, const(0, i32))
@@ -522,43 +525,38 @@ def _build_halves():
         """Runs body(lo_pointer, s_lo, hi_pointer, s_hi) per block; returns the bad count (i64)."""
         table = context.make_array(signature.args[0])(context, builder, args[0])
         wr = context.make_array(signature.args[1])(context, builder, args[1])
-        scales = context.make_array(signature.args[2])(context, builder, args[2])
         n_half = cgutils.unpack_tuple(builder, table.shape)[1]
         n_blk = cgutils.unpack_tuple(builder, wr.shape)[0]
-        row = builder.mul(n_half, const(4), flags=no_wrap)  # floats per table row q
+        row = builder.mul(n_half, const(16), flags=no_wrap)  # bytes per table row q
+        data = builder.bitcast(table.data, ir.IntType(8).as_pointer())
         bad = cgutils.alloca_once_value(builder, const(0))
-
-        def signed(s_bits, w, bit):
-            flip = builder.shl(builder.and_(builder.lshr(w, const(bit, i32)), const(1, i32)), const(31, i32))
-            return builder.bitcast(builder.xor(s_bits, flip), f32)
-
         with cgutils.for_range(builder, n_blk) as loop:
             j = loop.index
-            w64 = builder.load(builder.gep(wr.data, [j], inbounds=True))
-            builder.store(builder.add(builder.load(bad), builder.lshr(w64, const(31))), bad)
-            w = builder.trunc(w64, i32)
-            lo = builder.zext(builder.and_(w, const(2047, i32)), i64)
-            hi = builder.zext(builder.and_(builder.lshr(w, const(12, i32)), const(2047, i32)), i64)
-            level = builder.zext(builder.and_(builder.lshr(w, const(24, i32)), const(127, i32)), i64)
-            s_bits = builder.bitcast(builder.load(builder.gep(scales.data, [level], inbounds=True)), i32)
-            base_lo = builder.mul(builder.mul(j, const(2), flags=no_wrap), row, flags=no_wrap)
-            at_lo = builder.add(base_lo, builder.mul(lo, const(4), flags=no_wrap), flags=no_wrap)
-            at_hi = builder.add(builder.add(base_lo, row, flags=no_wrap), builder.mul(hi, const(4), flags=no_wrap),
-                                flags=no_wrap)
-            p_lo = builder.bitcast(builder.gep(table.data, [at_lo], inbounds=True), vec.as_pointer())
-            p_hi = builder.bitcast(builder.gep(table.data, [at_hi], inbounds=True), vec.as_pointer())
-            body(p_lo, signed(s_bits, w, 11), p_hi, signed(s_bits, w, 23))
+            w = builder.load(builder.gep(wr.data, [j], inbounds=True))
+            builder.store(builder.add(builder.load(bad), builder.lshr(w, const(63))), bad)
+            s_lo_bits = builder.trunc(w, i32)
+            flip = builder.and_(builder.trunc(builder.lshr(w, const(16)), i32), const(1 << 31, i32))
+            s_lo = builder.bitcast(s_lo_bits, f32)
+            s_hi = builder.bitcast(builder.xor(s_lo_bits, flip), f32)
+            lo = builder.and_(builder.lshr(w, const(32)), const(0x7FFF))
+            hi = builder.and_(builder.lshr(w, const(48)), const(0x7FFF))
+            base = builder.mul(builder.mul(j, const(2), flags=no_wrap), row, flags=no_wrap)
+            at_lo = builder.add(base, lo, flags=no_wrap)
+            at_hi = builder.add(builder.add(base, row, flags=no_wrap), hi, flags=no_wrap)
+            p_lo = builder.bitcast(builder.gep(data, [at_lo], inbounds=True), vec.as_pointer())
+            p_hi = builder.bitcast(builder.gep(data, [at_hi], inbounds=True), vec.as_pointer())
+            body(p_lo, s_lo, p_hi, s_hi)
         return builder.load(bad)
 
     def _out(context, builder, signature, args):
-        out = context.make_array(signature.args[3])(context, builder, args[3])
+        out = context.make_array(signature.args[2])(context, builder, args[2])
         return builder.bitcast(out.data, vec.as_pointer())
 
     @intrinsic
-    def halves_scores(typingctx, table, wr, scales, res):
-        if not _typed(table, wr, scales, res):
+    def halves_scores(typingctx, table, wr, res):
+        if not _typed(table, wr, res):
             return None
-        sig = types.int64(table, wr, scales, res)
+        sig = types.int64(table, wr, res)
 
         def codegen(context, builder, signature, args):
             accs = [cgutils.alloca_once_value(builder, ir.Constant(vec, [0.0] * 4)) for _ in range(2)]
@@ -576,10 +574,10 @@ def _build_halves():
         return sig, codegen
 
     @intrinsic
-    def halves_hist(typingctx, table, wr, scales, w4):
-        if not _typed(table, wr, scales, w4):
+    def halves_hist(typingctx, table, wr, w4):
+        if not _typed(table, wr, w4):
             return None
-        sig = types.int64(table, wr, scales, w4)
+        sig = types.int64(table, wr, w4)
 
         def codegen(context, builder, signature, args):
             weights = builder.load(_out(context, builder, signature, args), align=4)

@@ -266,7 +266,7 @@ def _code_scores_halves_py(rows, rq, groups, norms, coded, ibits, words, halves,
         _halves_build(table, halves, rq44)
         for i in range(n_tokens):
             _row_words(rows, i, ibits, words, wr)
-            bad += _halves_scores(table, wr, scales32, res)
+            bad += _halves_scores(table, wr, res)
             nu = norms[i]
             for t in range(min(4, groups - t0)):
                 coded[t0 + t, i] = res[t] * nu
@@ -287,7 +287,7 @@ def _code_values_halves_py(rows, weights, groups, norms, acc, ibits, words, halv
             nu = norms[i]
             for t in range(min(4, groups - t0)):
                 w4[t] = weights[t0 + t, i] * nu
-            bad += _halves_hist(table, wr, scales32, w4)
+            bad += _halves_hist(table, wr, w4)
         _halves_contract(table, halves, sums)
         for q in range(table.shape[0]):
             for t in range(min(4, groups - t0)):
@@ -444,7 +444,7 @@ def compile_shell_kernel():
         _code_scores_compact, _code_values_compact = fast(_code_scores_compact_py), fast(_code_values_compact_py)
         _code_scores_halves, _code_values_halves = fast(_code_scores_halves_py), fast(_code_values_halves_py)
         rows4d = "float32[:, :, :, :]"
-        role = ("int64, int64, int16[::1], int64, int64[:, ::1], float32[:, ::1], uint32[::1], uint32[::1], "
+        role = ("int64, int64, int16[::1], int64, int64[:, ::1], float32[:, ::1], uint32[::1], int64[::1], "
                 "float32[:, ::1], float32[::1]")
         signature = (f"int64(float32[:, :, ::1], float32, float32[:, ::1], float32[:, ::1], uint8[:, :, :, :], "
                      f"uint8[:, :, :, :], {rows4d}, {rows4d}, {rows4d}, {rows4d}, {rows4d}, {rows4d}, "
@@ -458,19 +458,33 @@ def compile_shell_kernel():
 _NO_SIGNS = np.zeros((1, 1), np.uint8)
 _NO_DECOMPOSED = (np.zeros(1, np.int16), 0, np.zeros((1, 8), np.int64), np.zeros((1, 16), np.float32),
                   np.zeros(1, np.uint32))
-_NO_COMPACT = (np.zeros(0, np.uint32), np.zeros((1, 4), np.float32), np.zeros(1, np.float32))
+_NO_COMPACT = (np.zeros(0, np.int64), np.zeros((1, 4), np.float32), np.zeros(1, np.float32))
 
 
-def _role_args(tables) -> tuple:
-    """count, the decomposed tables' arrays (bucket .. comps), the compact tables' (words, halves, scales32)."""
+def step_words(tables: CompactPointTables) -> np.ndarray:
+    """int64 [len(tables.words)]: each compact word re-cut for the step's vector loop (`intrinsics._build_halves`):
+    bits 0..31 the float32 s_lo = the level's scale with the first half's sign, 32..46 / 48..62 the two halves'
+    byte offsets in a score-table row (16 x half), bit 47 set when the second half's sign differs, bit 63 an
+    index beyond the points (BAD_WORD_BIT; index 0's fields). Fewer shifts per block and no scale lookup."""
+    w = tables.words.astype(np.uint64)
+    lo, hi = w & 2047, (w >> 12) & 2047
+    sign_lo, sign_hi = (w >> 11) & 1, (w >> 23) & 1
+    s_lo = tables.scales32[(w >> 24) & 127] * (1 - 2 * sign_lo.astype(np.float32))
+    out = (s_lo.astype(np.float32).view(np.uint32).astype(np.uint64) | (lo * 16) << 32 | (sign_lo ^ sign_hi) << 47
+           | (hi * 16) << 48 | (w >> 31) << 63)
+    return out.view(np.int64)
+
+
+def _role_args(tables, words) -> tuple:
+    """count, the decomposed tables' arrays (bucket .. comps), the compact tables' (step words, halves, scales32)."""
     if isinstance(tables, CompactPointTables):
-        return (tables.count, *_NO_DECOMPOSED, tables.words, tables.halves, tables.scales32)
+        return (tables.count, *_NO_DECOMPOSED, words, tables.halves, tables.scales32)
     return (tables.count, *tables.args()[:-1], *_NO_COMPACT)
 
 
 def shell_plan(codec):
     """(forward, forward.T, index bits, tables (CompactPointTables at <= 16 index bits, else ShellPointTables),
-    (torch tensors kept alive)) for a codec whose codes
+    (torch tensors kept alive), `step_words` of compact tables else None) for a codec whose codes
     are E8 shell codes (`rotated_shells`), else None."""
     try:
         plan = _PLANS.get(codec)
@@ -487,7 +501,8 @@ def shell_plan(codec):
                                                         or forward.shape[0] % 64):
             raise ValueError(f"compact tables of {len(tables.words)} words for {shells.index_bits}-bit indices, "
                              f"dim {forward.shape[0]} (the step needs 2^bits words, dim a multiple of 64)")
-        plan = (forward.numpy(), forward.T.contiguous().numpy(), shells.index_bits, shells.tables, (forward,))
+        words = step_words(tables) if isinstance(tables, CompactPointTables) else None
+        plan = (forward.numpy(), forward.T.contiguous().numpy(), shells.index_bits, shells.tables, (forward,), words)
     try:
         _PLANS[codec] = plan
     except TypeError:
@@ -552,7 +567,7 @@ def attend_decode_shells(query: torch.Tensor, kv, bias: torch.Tensor | None, sca
     signs = next((tables.signs for tables in (kt, vt) if isinstance(tables, ShellPointTables)), _NO_SIGNS)
     args = (query_np, float(scaling), keys[0], values[1], key_codes, value_codes, sink_k, sink_v, recent_k, recent_v,
             rows32(kv.new_keys), rows32(kv.new_values), key_mean, value_mean, bias_np, sinks_np, out.numpy(), flags,
-            key_norms, value_norms, keys[2], *_role_args(kt), values[2], *_role_args(vt), signs)
+            key_norms, value_norms, keys[2], *_role_args(kt, keys[5]), values[2], *_role_args(vt, values[5]), signs)
     coded = key_codes.shape[2]
     bad = run_split(kernel, args, batch * heads, coded * 2 * query.shape[-1], _MIN_WORK_PER_THREAD,
                     "fibquant-decode-e8")
