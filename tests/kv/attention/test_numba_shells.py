@@ -248,10 +248,10 @@ def test_vector_halves_rows_equal_scalar_rows(bits, groups, dim):
     norms = rng.uniform(0.5, 2.0, n_tokens).astype(np.float32)
     weights = rng.uniform(0.0, 1.0, (groups, n_tokens)).astype(np.float32)
     results = []
-    for scores, values, words in ((numba_shells._code_scores_compact, numba_shells._code_values_compact, tables.words),
-                                  (numba_shells._code_scores_halves, numba_shells._code_values_halves,
-                                   numba_shells.step_words(tables))):
-        args = (words, tables.halves, tables.scales32)
+    for scores, values, (words, scales) in (
+            (numba_shells._code_scores_compact, numba_shells._code_values_compact, (tables.words, tables.scales32)),
+            (numba_shells._code_scores_halves, numba_shells._code_values_halves, numba_shells.step_words(tables))):
+        args = (words, tables.halves, scales)
         table = np.empty((dim // 4, tables.halves.shape[0], 4), np.float32)
         wr = np.empty(dim // 8, np.int64)
         coded = np.zeros((groups, n_tokens), np.float32)

@@ -478,19 +478,20 @@ _HALVES = None
 
 
 def _build_halves():
-    """(halves_scores, halves_hist, halves_build, halves_contract): one code row's blocks through the per-query tables over the 4-d halves of
-    E8 shell points (`codebook.e8shell.CompactPointTables`, the b <= 2 step of `numba_shells`), 4 query lanes in
-    one <4 x float> register per table entry (numba's scalar code read and multiplied the 4 lanes one by one).
+    """(halves_scores, halves_hist, halves_build, halves_contract): one code row's blocks through the
+    per-query tables over the 4-d halves of E8 shell points (`codebook.e8shell.CompactPointTables`, the b <= 2
+    step of `numba_shells`), 4 query lanes in one <4 x float> register per table entry (numba's scalar code read
+    and multiplied the 4 lanes one by one), and the tables' build / contraction the same way.
 
-    Block j's step word w = wr[j] (int64, `numba_shells.step_words`): bits 0..31 the float32 s_lo (the level's
-    scale with the first half's sign), bits 32..46 / 48..62 the byte offsets of the two halves' entries in a
-    table row (16 x half), bit 47 set when the second half's sign differs (s_hi = s_lo with its sign bit
-    flipped: exact), bit 63 an index beyond the code's points (counted; its fields are index 0's).
-    table: float32 C [Q, H, 4] (Q >= 2 * len(wr)); wr: int64 1-d C; res / w4: float32 1-d C of >= 4 entries.
-    Both return sum_j (w_j >>> 63) (the bad indices).
-    halves_scores(table, wr, res):
+    Block j's step word w = wr[j] (int64 holding a `numba_shells.step_words` word): bits 0..10 / 11..21 the two
+    halves lo / hi, bits 22..30 (the halves' signs and the level) the index of the pair (s_lo, s_hi) in `pairs`
+    (the level's scale with each half's sign: two broadcast loads, no arithmetic), bit 31 an index beyond the
+    code's points (counted; its fields are index 0's).
+    table: float32 C [Q, H, 4] (Q >= 2 * len(wr)); wr: int64 1-d C; pairs float32 1-d C [1024]; res / w4:
+    float32 1-d C of >= 4 entries. Both return sum_j (w_j >> 31) (the bad indices).
+    halves_scores(table, wr, pairs, res):
         res[:4] = sum_j s_lo table[2 j, lo] + s_hi table[2 j + 1, hi]        (two accumulators, fused)
-    halves_hist(table, wr, w4):
+    halves_hist(table, wr, pairs, w4):
         table[2 j, lo] += s_lo w4;  table[2 j + 1, hi] += s_hi w4           for j ascending
     halves_build(table, halves, rq44) / halves_contract(table, halves, out44): the tables' build and the
     histogram's contraction (below). The callers guarantee in-range offsets (the words come from the tables
@@ -513,9 +514,9 @@ def _build_halves():
     def _c_array(ty, ndim, dtype):
         return isinstance(ty, types.Array) and ty.ndim == ndim and ty.dtype == dtype and ty.layout == "C"
 
-    def _typed(table, wr, out):
+    def _typed(table, wr, pairs, out):
         return (_c_array(table, 3, types.float32) and _c_array(wr, 1, types.int64)
-                and _c_array(out, 1, types.float32))
+                and _c_array(pairs, 1, types.float32) and _c_array(out, 1, types.float32))
 
     def _splat(builder, x):
         one = builder.insert_element(ir.Constant(vec, ir.Undefined), x, const(0, i32))
@@ -525,6 +526,7 @@ def _build_halves():
         """Runs body(lo_pointer, s_lo, hi_pointer, s_hi) per block; returns the bad count (i64)."""
         table = context.make_array(signature.args[0])(context, builder, args[0])
         wr = context.make_array(signature.args[1])(context, builder, args[1])
+        pairs = context.make_array(signature.args[2])(context, builder, args[2])
         n_half = cgutils.unpack_tuple(builder, table.shape)[1]
         n_blk = cgutils.unpack_tuple(builder, wr.shape)[0]
         row = builder.mul(n_half, const(16), flags=no_wrap)  # bytes per table row q
@@ -533,13 +535,12 @@ def _build_halves():
         with cgutils.for_range(builder, n_blk) as loop:
             j = loop.index
             w = builder.load(builder.gep(wr.data, [j], inbounds=True))
-            builder.store(builder.add(builder.load(bad), builder.lshr(w, const(63))), bad)
-            s_lo_bits = builder.trunc(w, i32)
-            flip = builder.and_(builder.trunc(builder.lshr(w, const(16)), i32), const(1 << 31, i32))
-            s_lo = builder.bitcast(s_lo_bits, f32)
-            s_hi = builder.bitcast(builder.xor(s_lo_bits, flip), f32)
-            lo = builder.and_(builder.lshr(w, const(32)), const(0x7FFF))
-            hi = builder.and_(builder.lshr(w, const(48)), const(0x7FFF))
+            builder.store(builder.add(builder.load(bad), builder.lshr(w, const(31))), bad)
+            pair = builder.mul(builder.and_(builder.lshr(w, const(22)), const(511)), const(2), flags=no_wrap)
+            s_lo = builder.load(builder.gep(pairs.data, [pair], inbounds=True))
+            s_hi = builder.load(builder.gep(pairs.data, [builder.add(pair, const(1), flags=no_wrap)], inbounds=True))
+            lo = builder.and_(builder.shl(w, const(4)), const(2047 << 4))
+            hi = builder.and_(builder.lshr(w, const(7)), const(2047 << 4))
             base = builder.mul(builder.mul(j, const(2), flags=no_wrap), row, flags=no_wrap)
             at_lo = builder.add(base, lo, flags=no_wrap)
             at_hi = builder.add(builder.add(base, row, flags=no_wrap), hi, flags=no_wrap)
@@ -549,14 +550,14 @@ def _build_halves():
         return builder.load(bad)
 
     def _out(context, builder, signature, args):
-        out = context.make_array(signature.args[2])(context, builder, args[2])
+        out = context.make_array(signature.args[3])(context, builder, args[3])
         return builder.bitcast(out.data, vec.as_pointer())
 
     @intrinsic
-    def halves_scores(typingctx, table, wr, res):
-        if not _typed(table, wr, res):
+    def halves_scores(typingctx, table, wr, pairs, res):
+        if not _typed(table, wr, pairs, res):
             return None
-        sig = types.int64(table, wr, res)
+        sig = types.int64(table, wr, pairs, res)
 
         def codegen(context, builder, signature, args):
             accs = [cgutils.alloca_once_value(builder, ir.Constant(vec, [0.0] * 4)) for _ in range(2)]
@@ -574,10 +575,10 @@ def _build_halves():
         return sig, codegen
 
     @intrinsic
-    def halves_hist(typingctx, table, wr, w4):
-        if not _typed(table, wr, w4):
+    def halves_hist(typingctx, table, wr, pairs, w4):
+        if not _typed(table, wr, pairs, w4):
             return None
-        sig = types.int64(table, wr, w4)
+        sig = types.int64(table, wr, pairs, w4)
 
         def codegen(context, builder, signature, args):
             weights = builder.load(_out(context, builder, signature, args), align=4)

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fibquant.codebook.e8shell import CompactPointTables, ShellPointTables
+from fibquant.codebook.e8shell import BAD_WORD_BIT, CompactPointTables, ShellPointTables
 from fibquant.kv.attention.host_arrays import code_rows, f32, rows32
 
 _PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -251,9 +251,10 @@ def _code_values_compact_py(rows, weights, groups, norms, acc, ibits, words, hal
     return bad if groups <= 4 else bad // 2
 
 
-def _code_scores_halves_py(rows, rq, groups, norms, coded, ibits, words, halves, scales32, table, wr):
-    """`_code_scores_compact` (same arguments and result) with each row's blocks summed by the vector intrinsic
-    `intrinsics._build_halves` (one <4 x float> load and fused multiply-add per half: 4 query lanes at once)."""
+def _code_scores_halves_py(rows, rq, groups, norms, coded, ibits, words, halves, pairs, table, wr):
+    """`_code_scores_compact` (same result; words / pairs: `step_words`) with each row's blocks summed by the
+    vector intrinsic `intrinsics._build_halves` (one <4 x float> load and fused multiply-add per half: 4 query
+    lanes at once; lanes past groups hold stale rows, never stored)."""
     n_tokens = rows.shape[0]
     bad = 0
     rq44 = np.zeros((table.shape[0], 4, 4), np.float32)  # [q, k, lane], zero lanes past groups
@@ -266,16 +267,16 @@ def _code_scores_halves_py(rows, rq, groups, norms, coded, ibits, words, halves,
         _halves_build(table, halves, rq44)
         for i in range(n_tokens):
             _row_words(rows, i, ibits, words, wr)
-            bad += _halves_scores(table, wr, res)
+            bad += _halves_scores(table, wr, pairs, res)
             nu = norms[i]
             for t in range(min(4, groups - t0)):
                 coded[t0 + t, i] = res[t] * nu
     return bad if groups <= 4 else bad // 2
 
 
-def _code_values_halves_py(rows, weights, groups, norms, acc, ibits, words, halves, scales32, table, wr):
-    """`_code_values_compact` (same arguments and result) with each row's weights added into the histogram by
-    the vector intrinsic `intrinsics._build_halves` (one <4 x float> read-modify-write per half)."""
+def _code_values_halves_py(rows, weights, groups, norms, acc, ibits, words, halves, pairs, table, wr):
+    """`_code_values_compact` (same result; words / pairs: `step_words`) with each row's weights added into the
+    histogram by the vector intrinsic `intrinsics._build_halves` (one <4 x float> read-modify-write per half)."""
     n_tokens = rows.shape[0]
     bad = 0
     sums = np.empty((table.shape[0], 4, 4), np.float32)  # [q, k, lane]
@@ -287,7 +288,7 @@ def _code_values_halves_py(rows, weights, groups, norms, acc, ibits, words, halv
             nu = norms[i]
             for t in range(min(4, groups - t0)):
                 w4[t] = weights[t0 + t, i] * nu
-            bad += _halves_hist(table, wr, w4)
+            bad += _halves_hist(table, wr, pairs, w4)
         _halves_contract(table, halves, sums)
         for q in range(table.shape[0]):
             for t in range(min(4, groups - t0)):
@@ -304,7 +305,8 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_codes, value
                     v_halves, v_scales32, signs, unit_start, unit_stop):
     """out[b, h*G + t] for units [unit_start, unit_stop) of (b, KV head h), as numba_decode's step, the coded
     columns read from shell codes (k_* / v_*: each role's index bits, point count and tables: the compact
-    `CompactPointTables` (words, halves, scales32) when words is not empty, else the decomposed `ShellPointTables`
+    `CompactPointTables` (`step_words`' words, halves, its pairs) when words is not empty, else the decomposed
+    `ShellPointTables`
     (bucket .. comps, signs)); returns the count of invalid indices (>= the code's point count) seen."""
     n_b, n_qh, dim = query.shape
     n_h = key_codes.shape[1]
@@ -444,7 +446,7 @@ def compile_shell_kernel():
         _code_scores_compact, _code_values_compact = fast(_code_scores_compact_py), fast(_code_values_compact_py)
         _code_scores_halves, _code_values_halves = fast(_code_scores_halves_py), fast(_code_values_halves_py)
         rows4d = "float32[:, :, :, :]"
-        role = ("int64, int64, int16[::1], int64, int64[:, ::1], float32[:, ::1], uint32[::1], int64[::1], "
+        role = ("int64, int64, int16[::1], int64, int64[:, ::1], float32[:, ::1], uint32[::1], uint32[::1], "
                 "float32[:, ::1], float32[::1]")
         signature = (f"int64(float32[:, :, ::1], float32, float32[:, ::1], float32[:, ::1], uint8[:, :, :, :], "
                      f"uint8[:, :, :, :], {rows4d}, {rows4d}, {rows4d}, {rows4d}, {rows4d}, {rows4d}, "
@@ -458,27 +460,31 @@ def compile_shell_kernel():
 _NO_SIGNS = np.zeros((1, 1), np.uint8)
 _NO_DECOMPOSED = (np.zeros(1, np.int16), 0, np.zeros((1, 8), np.int64), np.zeros((1, 16), np.float32),
                   np.zeros(1, np.uint32))
-_NO_COMPACT = (np.zeros(0, np.int64), np.zeros((1, 4), np.float32), np.zeros(1, np.float32))
+_NO_COMPACT = (np.zeros(0, np.uint32), np.zeros((1, 4), np.float32), np.zeros(1, np.float32))
 
 
-def step_words(tables: CompactPointTables) -> np.ndarray:
-    """int64 [len(tables.words)]: each compact word re-cut for the step's vector loop (`intrinsics._build_halves`):
-    bits 0..31 the float32 s_lo = the level's scale with the first half's sign, 32..46 / 48..62 the two halves'
-    byte offsets in a score-table row (16 x half), bit 47 set when the second half's sign differs, bit 63 an
-    index beyond the points (BAD_WORD_BIT; index 0's fields). Fewer shifts per block and no scale lookup."""
-    w = tables.words.astype(np.uint64)
+def step_words(tables: CompactPointTables) -> tuple:
+    """(words uint32 [len(tables.words)], pairs float32 [1024]): each compact word re-cut for the step's vector
+    loop (`intrinsics._build_halves`): bits 0..10 / 11..21 the two halves, 22 / 23 their signs, 24..30 the
+    level, 31 an index beyond the points (BAD_WORD_BIT; index 0's fields); pairs[2 p : 2 p + 2] = (s_lo, s_hi)
+    for p = bits 22..30 (the level's float32 scale with each half's sign): two broadcast loads per block instead
+    of a scale lookup and two sign products."""
+    w = tables.words.astype(np.uint32)
     lo, hi = w & 2047, (w >> 12) & 2047
     sign_lo, sign_hi = (w >> 11) & 1, (w >> 23) & 1
-    s_lo = tables.scales32[(w >> 24) & 127] * (1 - 2 * sign_lo.astype(np.float32))
-    out = (s_lo.astype(np.float32).view(np.uint32).astype(np.uint64) | (lo * 16) << 32 | (sign_lo ^ sign_hi) << 47
-           | (hi * 16) << 48 | (w >> 31) << 63)
-    return out.view(np.int64)
+    level = (w >> 24) & 127
+    words = lo | hi << 11 | sign_lo << 22 | sign_hi << 23 | level << 24 | (w & BAD_WORD_BIT)
+    p = np.arange(512)
+    scale = np.zeros(512, np.float32)
+    scale[:] = tables.scales32[np.minimum(p >> 2, len(tables.scales32) - 1)]
+    pairs = np.stack([scale * (1 - 2 * (p & 1)), scale * (1 - 2 * ((p >> 1) & 1))], axis=1).astype(np.float32)
+    return words.astype(np.uint32), pairs.reshape(-1)
 
 
-def _role_args(tables, words) -> tuple:
-    """count, the decomposed tables' arrays (bucket .. comps), the compact tables' (step words, halves, scales32)."""
+def _role_args(tables, step) -> tuple:
+    """count, the decomposed tables' arrays (bucket .. comps), the compact tables' (step words, halves, pairs)."""
     if isinstance(tables, CompactPointTables):
-        return (tables.count, *_NO_DECOMPOSED, words, tables.halves, tables.scales32)
+        return (tables.count, *_NO_DECOMPOSED, step[0], tables.halves, step[1])
     return (tables.count, *tables.args()[:-1], *_NO_COMPACT)
 
 
