@@ -46,7 +46,7 @@ def main(argv=None) -> int:
             caches = {"fibquant": FibQuantCodec.for_rate(64, bits), "e8": E8ShellCodec(64, bits),
                       "e8 decomposed": decomposed}
             plan = numba_shells.shell_plan(decomposed)
-            numba_shells._PLANS[decomposed] = (*plan[:3], point_tables(decomposed.levels), plan[4])
+            numba_shells._PLANS[decomposed] = (*plan[:3], point_tables(decomposed.levels), plan[4], None)
             kvs = {}
             for name, codec in caches.items():
                 layer = CompressedLayer(codec, codec, 4, 32, attention="codes")

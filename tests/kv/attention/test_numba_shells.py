@@ -226,3 +226,40 @@ def test_codec_gives_compact_tables_up_to_16_bits():
         assert isinstance(E8ShellCodec(DIM, bits).rotated_shells(torch.device("cpu")).tables, CompactPointTables)
     for bits in (3, 4):
         assert isinstance(E8ShellCodec(DIM, bits).rotated_shells(torch.device("cpu")).tables, ShellPointTables)
+
+
+@pytest.mark.parametrize("bits,groups,dim", [(2, 3, 64), (1.75, 6, 64), (1, 1, 128), (1.5, 4, 64)])
+def test_vector_halves_rows_equal_scalar_rows(bits, groups, dim):
+    """The step's row loops through the <4 x float> intrinsics (`intrinsics._build_halves`) against the scalar
+    numba loops they replaced (same tables, words and weights), bad indices included (2 bits: index 65 535)."""
+    numba_shells.compile_shell_kernel()
+    tables = compact_point_tables(shipped_levels(dim, bits))
+    ibits = int(round(8 * bits))
+    rng = np.random.default_rng(7)
+    n_tokens = 37
+    index = rng.integers(0, tables.count, size=(n_tokens, dim // 8))
+    if bits == 2:
+        index[[3, 20], [1, 5]] = (1 << 16) - 1
+    rows = np.zeros((n_tokens, 2 + dim * ibits // 64), np.uint8)
+    for i in range(n_tokens):
+        stream = sum(int(x) << (ibits * j) for j, x in enumerate(index[i]))
+        rows[i, 2:] = np.frombuffer(stream.to_bytes(rows.shape[1] - 2, "little"), np.uint8)
+    rq = rng.standard_normal((groups, dim)).astype(np.float32)
+    norms = rng.uniform(0.5, 2.0, n_tokens).astype(np.float32)
+    weights = rng.uniform(0.0, 1.0, (groups, n_tokens)).astype(np.float32)
+    results = []
+    for scores, values, (words, scales) in (
+            (numba_shells._code_scores_compact, numba_shells._code_values_compact, (tables.words, tables.scales32)),
+            (numba_shells._code_scores_halves, numba_shells._code_values_halves, numba_shells.step_words(tables))):
+        args = (words, tables.halves, scales)
+        table = np.empty((dim // 4, tables.halves.shape[0], 4), np.float32)
+        wr = np.empty(dim // 8, np.int64)
+        coded = np.zeros((groups, n_tokens), np.float32)
+        acc = np.zeros((groups, dim), np.float32)
+        bad_k = scores(rows, rq, groups, norms, coded, ibits, *args, table, wr)
+        bad_v = values(rows, weights, groups, norms, acc, ibits, *args, table, wr)
+        results.append((coded, acc, bad_k, bad_v))
+    (coded0, acc0, bk0, bv0), (coded1, acc1, bk1, bv1) = results
+    assert bk0 == bk1 == bv0 == bv1 == (2 if bits == 2 else 0)
+    np.testing.assert_allclose(coded1, coded0, rtol=1e-5, atol=1e-5 * np.abs(coded0).max())
+    np.testing.assert_allclose(acc1, acc0, rtol=1e-5, atol=1e-5 * np.abs(acc0).max())

@@ -802,3 +802,212 @@ def _build_permutes(features=None):
     if features is None:
         _PERMUTES = result
     return result
+
+
+_HALVES = None
+
+
+def _build_halves():
+    """(halves_scores, halves_hist, halves_build, halves_contract): one code row's blocks through the
+    per-query tables over the 4-d halves of E8 shell points (`codebook.e8shell.CompactPointTables`, the b <= 2
+    step of `numba_shells`), 4 query lanes in one <4 x float> register per table entry (numba's scalar code read
+    and multiplied the 4 lanes one by one), and the tables' build / contraction the same way.
+
+    Block j's step word w = wr[j] (int64 holding a `numba_shells.step_words` word): bits 0..10 / 11..21 the two
+    halves lo / hi, bits 22..30 (the halves' signs and the level) the index of the pair (s_lo, s_hi) in `pairs`
+    (the level's scale with each half's sign: two broadcast loads, no arithmetic), bit 31 an index beyond the
+    code's points (counted; its fields are index 0's).
+    table: float32 C [Q, H, 4] (Q >= 2 * len(wr)); wr: int64 1-d C; pairs float32 1-d C [1024]; res / w4:
+    float32 1-d C of >= 4 entries. Both return sum_j (w_j >> 31) (the bad indices).
+    halves_scores(table, wr, pairs, res):
+        res[:4] = sum_j s_lo table[2 j, lo] + s_hi table[2 j + 1, hi]        (two accumulators, fused)
+    halves_hist(table, wr, pairs, w4):
+        table[2 j, lo] += s_lo w4;  table[2 j + 1, hi] += s_hi w4           for j ascending
+    halves_build(table, halves, rq44) / halves_contract(table, halves, out44): the tables' build and the
+    histogram's contraction (below). The callers guarantee in-range offsets (the words come from the tables
+    the table was built over).
+    """
+    global _HALVES
+    if _HALVES is not None:
+        return _HALVES
+    from llvmlite import ir
+    from numba.core import cgutils, types
+    from numba.extending import intrinsic
+
+    f32, i32, i64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
+    vec = ir.VectorType(f32, 4)
+    no_wrap = ["nuw", "nsw"]
+
+    def const(value, ty=i64):
+        return ir.Constant(ty, value)
+
+    def _c_array(ty, ndim, dtype):
+        return isinstance(ty, types.Array) and ty.ndim == ndim and ty.dtype == dtype and ty.layout == "C"
+
+    def _typed(table, wr, pairs, out):
+        return (_c_array(table, 3, types.float32) and _c_array(wr, 1, types.int64)
+                and _c_array(pairs, 1, types.float32) and _c_array(out, 1, types.float32))
+
+    def _splat(builder, x):
+        one = builder.insert_element(ir.Constant(vec, ir.Undefined), x, const(0, i32))
+        return builder.shuffle_vector(one, one, ir.Constant(ir.VectorType(i32, 4), [0] * 4))
+
+    def _blocks(context, builder, signature, args, body):
+        """Runs body(lo_pointer, s_lo, hi_pointer, s_hi) per block; returns the bad count (i64)."""
+        table = context.make_array(signature.args[0])(context, builder, args[0])
+        wr = context.make_array(signature.args[1])(context, builder, args[1])
+        pairs = context.make_array(signature.args[2])(context, builder, args[2])
+        n_half = cgutils.unpack_tuple(builder, table.shape)[1]
+        n_blk = cgutils.unpack_tuple(builder, wr.shape)[0]
+        row = builder.mul(n_half, const(16), flags=no_wrap)  # bytes per table row q
+        data = builder.bitcast(table.data, ir.IntType(8).as_pointer())
+        bad = cgutils.alloca_once_value(builder, const(0))
+        with cgutils.for_range(builder, n_blk) as loop:
+            j = loop.index
+            w = builder.load(builder.gep(wr.data, [j], inbounds=True))
+            builder.store(builder.add(builder.load(bad), builder.lshr(w, const(31))), bad)
+            pair = builder.mul(builder.and_(builder.lshr(w, const(22)), const(511)), const(2), flags=no_wrap)
+            s_lo = builder.load(builder.gep(pairs.data, [pair], inbounds=True))
+            s_hi = builder.load(builder.gep(pairs.data, [builder.add(pair, const(1), flags=no_wrap)], inbounds=True))
+            lo = builder.and_(builder.shl(w, const(4)), const(2047 << 4))
+            hi = builder.and_(builder.lshr(w, const(7)), const(2047 << 4))
+            base = builder.mul(builder.mul(j, const(2), flags=no_wrap), row, flags=no_wrap)
+            at_lo = builder.add(base, lo, flags=no_wrap)
+            at_hi = builder.add(builder.add(base, row, flags=no_wrap), hi, flags=no_wrap)
+            p_lo = builder.bitcast(builder.gep(data, [at_lo], inbounds=True), vec.as_pointer())
+            p_hi = builder.bitcast(builder.gep(data, [at_hi], inbounds=True), vec.as_pointer())
+            body(p_lo, s_lo, p_hi, s_hi)
+        return builder.load(bad)
+
+    def _out(context, builder, signature, args):
+        out = context.make_array(signature.args[3])(context, builder, args[3])
+        return builder.bitcast(out.data, vec.as_pointer())
+
+    @intrinsic
+    def halves_scores(typingctx, table, wr, pairs, res):
+        if not _typed(table, wr, pairs, res):
+            return None
+        sig = types.int64(table, wr, pairs, res)
+
+        def codegen(context, builder, signature, args):
+            accs = [cgutils.alloca_once_value(builder, ir.Constant(vec, [0.0] * 4)) for _ in range(2)]
+
+            def body(p_lo, s_lo, p_hi, s_hi):
+                for acc, pointer, s in ((accs[0], p_lo, s_lo), (accs[1], p_hi, s_hi)):
+                    product = builder.fmul(_splat(builder, s), builder.load(pointer, align=4), flags=["contract"])
+                    builder.store(builder.fadd(builder.load(acc), product, flags=["contract"]), acc)
+
+            bad = _blocks(context, builder, signature, args, body)
+            builder.store(builder.fadd(builder.load(accs[0]), builder.load(accs[1])),
+                          _out(context, builder, signature, args), align=4)
+            return bad
+
+        return sig, codegen
+
+    @intrinsic
+    def halves_hist(typingctx, table, wr, pairs, w4):
+        if not _typed(table, wr, pairs, w4):
+            return None
+        sig = types.int64(table, wr, pairs, w4)
+
+        def codegen(context, builder, signature, args):
+            weights = builder.load(_out(context, builder, signature, args), align=4)
+
+            def body(p_lo, s_lo, p_hi, s_hi):
+                for pointer, s in ((p_lo, s_lo), (p_hi, s_hi)):
+                    product = builder.fmul(_splat(builder, s), weights, flags=["contract"])
+                    builder.store(builder.fadd(builder.load(pointer, align=4), product, flags=["contract"]),
+                                  pointer, align=4)
+
+            return _blocks(context, builder, signature, args, body)
+
+        return sig, codegen
+
+    def _lanes4(builder, x, k):
+        return builder.shuffle_vector(x, x, ir.Constant(ir.VectorType(i32, 4), [k] * 4))
+
+    def _loop_q_h(context, builder, table_ty, table_v, halves_ty, halves_v, before, body, after):
+        """for q < Q: state = before(q); for h < H: body(state, q, pointer to table[q, h] (<4 x float>*),
+        halves[h] (<4 x float>)); after(state, q)."""
+        table = context.make_array(table_ty)(context, builder, table_v)
+        halves = context.make_array(halves_ty)(context, builder, halves_v)
+        n_q, n_half = cgutils.unpack_tuple(builder, table.shape)[:2]
+        with cgutils.for_range(builder, n_q) as q_loop:
+            q = q_loop.index
+            state = before(q)
+            base = builder.mul(q, builder.mul(n_half, const(4), flags=no_wrap), flags=no_wrap)
+            with cgutils.for_range(builder, n_half) as h_loop:
+                h = h_loop.index
+                at = builder.add(base, builder.mul(h, const(4), flags=no_wrap), flags=no_wrap)
+                pointer = builder.bitcast(builder.gep(table.data, [at], inbounds=True), vec.as_pointer())
+                half = builder.load(builder.bitcast(builder.gep(halves.data, [builder.mul(h, const(4))],
+                                                                inbounds=True), vec.as_pointer()), align=4)
+                body(state, q, pointer, half)
+            after(state, q)
+
+    def _typed_q44(table, halves, q44):
+        return (_c_array(table, 3, types.float32) and _c_array(halves, 2, types.float32)
+                and _c_array(q44, 3, types.float32))
+
+    def _q44_row(context, builder, q44_ty, q44_v, q, k):
+        """<4 x float>* to q44[q, k, :]."""
+        q44 = context.make_array(q44_ty)(context, builder, q44_v)
+        at = builder.add(builder.mul(q, const(16), flags=no_wrap), const(4 * k), flags=no_wrap)
+        return builder.bitcast(builder.gep(q44.data, [at], inbounds=True), vec.as_pointer())
+
+    @intrinsic
+    def halves_build(typingctx, table, halves, rq44):
+        """table[q, h, :] = sum_k halves[h, k] rq44[q, k, :] (halves float32 C [H, 4], rq44 float32 C [Q, 4, 4]:
+        quarter q of 4 query rows, lanes last)."""
+        if not _typed_q44(table, halves, rq44):
+            return None
+        sig = types.void(table, halves, rq44)
+
+        def codegen(context, builder, signature, args):
+            def before(q):
+                return [builder.load(_q44_row(context, builder, signature.args[2], args[2], q, k), align=4)
+                        for k in range(4)]
+
+            def body(rows, q, pointer, half):
+                out = builder.fmul(_lanes4(builder, half, 0), rows[0])
+                for k in range(1, 4):
+                    out = builder.fadd(out, builder.fmul(_lanes4(builder, half, k), rows[k], flags=["contract"]),
+                                       flags=["contract"])
+                builder.store(out, pointer, align=4)
+
+            _loop_q_h(context, builder, signature.args[0], args[0], signature.args[1], args[1], before, body,
+                      lambda rows, q: None)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def halves_contract(typingctx, table, halves, out44):
+        """out44[q, k, :] = sum_h halves[h, k] table[q, h, :] (the values' histogram contracted with the halves;
+        out44 float32 C [Q, 4, 4])."""
+        if not _typed_q44(table, halves, out44):
+            return None
+        sig = types.void(table, halves, out44)
+
+        def codegen(context, builder, signature, args):
+            def before(q):
+                return [cgutils.alloca_once_value(builder, ir.Constant(vec, [0.0] * 4)) for _ in range(4)]
+
+            def body(accs, q, pointer, half):
+                row = builder.load(pointer, align=4)
+                for k in range(4):
+                    product = builder.fmul(_lanes4(builder, half, k), row, flags=["contract"])
+                    builder.store(builder.fadd(builder.load(accs[k]), product, flags=["contract"]), accs[k])
+
+            def after(accs, q):
+                for k in range(4):
+                    builder.store(builder.load(accs[k]), _q44_row(context, builder, signature.args[2], args[2], q, k),
+                                  align=4)
+
+            _loop_q_h(context, builder, signature.args[0], args[0], signature.args[1], args[1], before, body, after)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    _HALVES = halves_scores, halves_hist, halves_build, halves_contract
+    return _HALVES

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fibquant.codebook.e8shell import CompactPointTables, ShellPointTables
+from fibquant.codebook.e8shell import BAD_WORD_BIT, CompactPointTables, ShellPointTables
 from fibquant.kv.attention.host_arrays import code_rows, f32, rows32
 
 _PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -38,6 +38,8 @@ MAX_GROUPS = 8  # query heads per KV head
 
 _point = _norms = _softmax_row = _add_key_mean = _add_bias = _exact_scores = _exact_values = None
 _code_scores = _code_values = _row_indices = _row_words = _code_scores_compact = _code_values_compact = None
+_scores_table = _hist_contract = _halves_scores = _halves_hist = _halves_build = _halves_contract = None
+_code_scores_halves = _code_values_halves = None
 
 
 def _row_indices_py(rows, i, ibits, count, idx):
@@ -138,6 +140,35 @@ def _row_words_py(rows, i, ibits, words, wr):
             have -= ibits
 
 
+def _scores_table_py(rq, groups, t0, halves, table, rq4):
+    """table[q, h, t] = rq[t0 + t, 4 q : 4 q + 4] . halves[h] for the query rows t0 + t < groups (rq4: float32
+    [4, 4] scratch, zero in the lanes past groups)."""
+    for q in range(table.shape[0]):
+        for t in range(min(4, groups - t0)):
+            for k in range(4):
+                rq4[k, t] = rq[t0 + t, 4 * q + k]
+        for h in range(halves.shape[0]):  # lanes innermost: 4-wide multiply-adds
+            for t in range(4):
+                table[q, h, t] = (halves[h, 0] * rq4[0, t] + halves[h, 1] * rq4[1, t] + halves[h, 2] * rq4[2, t]
+                                  + halves[h, 3] * rq4[3, t])
+
+
+def _hist_contract_py(table, halves, acc, groups, t0, sums):
+    """acc[t0 + t, 4 q + k] += sum_h table[q, h, t] halves[h, k] for t0 + t < groups (sums: float32 [4, 4])."""
+    for q in range(table.shape[0]):
+        for k in range(4):
+            for t in range(4):
+                sums[k, t] = 0.0
+        for h in range(halves.shape[0]):  # lanes innermost: 4-wide multiply-adds
+            for k in range(4):
+                x = halves[h, k]
+                for t in range(4):
+                    sums[k, t] += table[q, h, t] * x
+        for t in range(min(4, groups - t0)):
+            for k in range(4):
+                acc[t0 + t, 4 * q + k] += sums[k, t]
+
+
 def _code_scores_compact_py(rows, rq, groups, norms, coded, ibits, words, halves, scales32, table, wr):
     """`_code_scores` for `CompactPointTables` codes (b <= 2) through per-query tables over the 4-d halves,
     FibQuant-style: table [dim/4, H, 4] (scratch) = 4 query rows' quarter-blocks . each half, then per block
@@ -145,19 +176,11 @@ def _code_scores_compact_py(rows, rq, groups, norms, coded, ibits, words, halves
     wr int64 [dim/8] scratch, dim/8 a multiple of 8. words (2^ibits: one per index the code's bits can hold)
     carry bit 31 for indices beyond the points; returns how many of those were read (decoded as index 0)."""
     n_tokens = rows.shape[0]
-    n_half = halves.shape[0]
     n_blk = wr.shape[0]
     bad = 0
     rq4 = np.zeros((4, 4), np.float32)  # [k, lane]: one quarter-block of 4 query rows (zero lanes past groups)
     for t0 in range(0, groups, 4):
-        for q in range(table.shape[0]):
-            for t in range(min(4, groups - t0)):
-                for k in range(4):
-                    rq4[k, t] = rq[t0 + t, 4 * q + k]
-            for h in range(n_half):  # lanes innermost: 4-wide multiply-adds
-                for t in range(4):
-                    table[q, h, t] = (halves[h, 0] * rq4[0, t] + halves[h, 1] * rq4[1, t] + halves[h, 2] * rq4[2, t]
-                                      + halves[h, 3] * rq4[3, t])
+        _scores_table(rq, groups, t0, halves, table, rq4)
         for i in range(n_tokens):
             _row_words(rows, i, ibits, words, wr)
             a0 = np.float32(0.0)
@@ -194,7 +217,6 @@ def _code_values_compact_py(rows, weights, groups, norms, acc, ibits, words, hal
     the halves (table [dim/4, H, 4], scratch; 4 query rows at a time), then acc[t, 4 q + k] += sum_h
     table[q, h, t] halves[h, k]. Returns the count of indices beyond the points."""
     n_tokens = rows.shape[0]
-    n_half = halves.shape[0]
     n_blk = wr.shape[0]
     bad = 0
     sums = np.empty((4, 4), np.float32)
@@ -225,18 +247,53 @@ def _code_values_compact_py(rows, weights, groups, norms, acc, ibits, words, hal
                     table[2 * blk + 1, hi, 1] += s_hi * w1
                     table[2 * blk + 1, hi, 2] += s_hi * w2
                     table[2 * blk + 1, hi, 3] += s_hi * w3
+        _hist_contract(table, halves, acc, groups, t0, sums)
+    return bad if groups <= 4 else bad // 2
+
+
+def _code_scores_halves_py(rows, rq, groups, norms, coded, ibits, words, halves, pairs, table, wr):
+    """`_code_scores_compact` (same result; words / pairs: `step_words`) with each row's blocks summed by the
+    vector intrinsic `intrinsics._build_halves` (one <4 x float> load and fused multiply-add per half: 4 query
+    lanes at once; lanes past groups hold stale rows, never stored)."""
+    n_tokens = rows.shape[0]
+    bad = 0
+    rq44 = np.zeros((table.shape[0], 4, 4), np.float32)  # [q, k, lane], zero lanes past groups
+    res = np.empty(4, np.float32)
+    for t0 in range(0, groups, 4):
         for q in range(table.shape[0]):
-            for k in range(4):
-                for t in range(4):
-                    sums[k, t] = 0.0
-            for h in range(n_half):  # lanes innermost: 4-wide multiply-adds
-                for k in range(4):
-                    x = halves[h, k]
-                    for t in range(4):
-                        sums[k, t] += table[q, h, t] * x
             for t in range(min(4, groups - t0)):
                 for k in range(4):
-                    acc[t0 + t, 4 * q + k] += sums[k, t]
+                    rq44[q, k, t] = rq[t0 + t, 4 * q + k]
+        _halves_build(table, halves, rq44)
+        for i in range(n_tokens):
+            _row_words(rows, i, ibits, words, wr)
+            bad += _halves_scores(table, wr, pairs, res)
+            nu = norms[i]
+            for t in range(min(4, groups - t0)):
+                coded[t0 + t, i] = res[t] * nu
+    return bad if groups <= 4 else bad // 2
+
+
+def _code_values_halves_py(rows, weights, groups, norms, acc, ibits, words, halves, pairs, table, wr):
+    """`_code_values_compact` (same result; words / pairs: `step_words`) with each row's weights added into the
+    histogram by the vector intrinsic `intrinsics._build_halves` (one <4 x float> read-modify-write per half)."""
+    n_tokens = rows.shape[0]
+    bad = 0
+    sums = np.empty((table.shape[0], 4, 4), np.float32)  # [q, k, lane]
+    w4 = np.zeros(4, np.float32)
+    for t0 in range(0, groups, 4):
+        table[:] = 0.0
+        for i in range(n_tokens):
+            _row_words(rows, i, ibits, words, wr)
+            nu = norms[i]
+            for t in range(min(4, groups - t0)):
+                w4[t] = weights[t0 + t, i] * nu
+            bad += _halves_hist(table, wr, pairs, w4)
+        _halves_contract(table, halves, sums)
+        for q in range(table.shape[0]):
+            for t in range(min(4, groups - t0)):
+                for k in range(4):
+                    acc[t0 + t, 4 * q + k] += sums[q, k, t]
     return bad if groups <= 4 else bad // 2
 
 
@@ -248,7 +305,8 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_codes, value
                     v_halves, v_scales32, signs, unit_start, unit_stop):
     """out[b, h*G + t] for units [unit_start, unit_stop) of (b, KV head h), as numba_decode's step, the coded
     columns read from shell codes (k_* / v_*: each role's index bits, point count and tables: the compact
-    `CompactPointTables` (words, halves, scales32) when words is not empty, else the decomposed `ShellPointTables`
+    `CompactPointTables` (`step_words`' words, halves, its pairs) when words is not empty, else the decomposed
+    `ShellPointTables`
     (bucket .. comps, signs)); returns the count of invalid indices (>= the code's point count) seen."""
     n_b, n_qh, dim = query.shape
     n_h = key_codes.shape[1]
@@ -298,7 +356,7 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_codes, value
                 _norms(key_codes[b, h], norms, ibits)
                 row_norms = norms
             if k_words.shape[0]:
-                bad += _code_scores_compact(key_codes[b, h], rq, groups, row_norms, coded, k_ibits, k_words,
+                bad += _code_scores_halves(key_codes[b, h], rq, groups, row_norms, coded, k_ibits, k_words,
                                             k_halves, k_scales32, k_table, blk_idx)
             else:
                 bad += _code_scores(key_codes[b, h], rq, groups, row_norms, coded, u, blk_idx, k_ibits, k_count,
@@ -329,7 +387,7 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_codes, value
                 for e in range(value_dim):
                     acc[t, e] = 0.0
             if v_words.shape[0]:
-                bad += _code_values_compact(value_codes[b, h], coded, groups, row_norms, acc, v_ibits, v_words,
+                bad += _code_values_halves(value_codes[b, h], coded, groups, row_norms, acc, v_ibits, v_words,
                                             v_halves, v_scales32, v_table, blk_idx_v)
             else:
                 bad += _code_values(value_codes[b, h], coded, groups, row_norms, acc, u, blk_idx_v, v_ibits,
@@ -357,6 +415,8 @@ def compile_shell_kernel():
     codebook/e8shell.py, whose `point_py` it inlines), after binding numba_decode's helpers."""
     global _KERNEL, _point, _norms, _softmax_row, _add_key_mean, _add_bias, _exact_scores, _exact_values
     global _code_scores, _code_values, _row_indices, _row_words, _code_scores_compact, _code_values_compact
+    global _scores_table, _hist_contract, _halves_scores, _halves_hist, _halves_build, _halves_contract
+    global _code_scores_halves, _code_values_halves
     if _KERNEL is not None:
         return _KERNEL
     with _LOCK:
@@ -364,6 +424,7 @@ def compile_shell_kernel():
             return _KERNEL
         import fibquant.codebook.e8shell as e8shell
         import fibquant.kv.attention.numba_decode as numba_decode
+        from fibquant.kv.attention.intrinsics import _build_halves
         from fibquant.kv.attention.jit import KERNEL_SOURCES
         from fibquant._numba import njit_tracking
 
@@ -379,7 +440,11 @@ def compile_shell_kernel():
         _row_words = jit(inline="always")(_row_words_py)
         fast = jit(fastmath={"contract", "reassoc", "nsz"})  # float sums in any order
         _code_scores, _code_values = fast(_code_scores_py), fast(_code_values_py)
+        inline = jit(inline="always", fastmath={"contract", "reassoc", "nsz"})
+        _scores_table, _hist_contract = inline(_scores_table_py), inline(_hist_contract_py)
+        _halves_scores, _halves_hist, _halves_build, _halves_contract = _build_halves()
         _code_scores_compact, _code_values_compact = fast(_code_scores_compact_py), fast(_code_values_compact_py)
+        _code_scores_halves, _code_values_halves = fast(_code_scores_halves_py), fast(_code_values_halves_py)
         rows4d = "float32[:, :, :, :]"
         role = ("int64, int64, int16[::1], int64, int64[:, ::1], float32[:, ::1], uint32[::1], uint32[::1], "
                 "float32[:, ::1], float32[::1]")
@@ -398,16 +463,34 @@ _NO_DECOMPOSED = (np.zeros(1, np.int16), 0, np.zeros((1, 8), np.int64), np.zeros
 _NO_COMPACT = (np.zeros(0, np.uint32), np.zeros((1, 4), np.float32), np.zeros(1, np.float32))
 
 
-def _role_args(tables) -> tuple:
-    """count, the decomposed tables' arrays (bucket .. comps), the compact tables' (words, halves, scales32)."""
+def step_words(tables: CompactPointTables) -> tuple:
+    """(words uint32 [len(tables.words)], pairs float32 [1024]): each compact word re-cut for the step's vector
+    loop (`intrinsics._build_halves`): bits 0..10 / 11..21 the two halves, 22 / 23 their signs, 24..30 the
+    level, 31 an index beyond the points (BAD_WORD_BIT; index 0's fields); pairs[2 p : 2 p + 2] = (s_lo, s_hi)
+    for p = bits 22..30 (the level's float32 scale with each half's sign): two broadcast loads per block instead
+    of a scale lookup and two sign products."""
+    w = tables.words.astype(np.uint32)
+    lo, hi = w & 2047, (w >> 12) & 2047
+    sign_lo, sign_hi = (w >> 11) & 1, (w >> 23) & 1
+    level = (w >> 24) & 127
+    words = lo | hi << 11 | sign_lo << 22 | sign_hi << 23 | level << 24 | (w & BAD_WORD_BIT)
+    p = np.arange(512)
+    scale = np.zeros(512, np.float32)
+    scale[:] = tables.scales32[np.minimum(p >> 2, len(tables.scales32) - 1)]
+    pairs = np.stack([scale * (1 - 2 * (p & 1)), scale * (1 - 2 * ((p >> 1) & 1))], axis=1).astype(np.float32)
+    return words.astype(np.uint32), pairs.reshape(-1)
+
+
+def _role_args(tables, step) -> tuple:
+    """count, the decomposed tables' arrays (bucket .. comps), the compact tables' (step words, halves, pairs)."""
     if isinstance(tables, CompactPointTables):
-        return (tables.count, *_NO_DECOMPOSED, tables.words, tables.halves, tables.scales32)
+        return (tables.count, *_NO_DECOMPOSED, step[0], tables.halves, step[1])
     return (tables.count, *tables.args()[:-1], *_NO_COMPACT)
 
 
 def shell_plan(codec):
     """(forward, forward.T, index bits, tables (CompactPointTables at <= 16 index bits, else ShellPointTables),
-    (torch tensors kept alive)) for a codec whose codes
+    (torch tensors kept alive), `step_words` of compact tables else None) for a codec whose codes
     are E8 shell codes (`rotated_shells`), else None."""
     try:
         plan = _PLANS.get(codec)
@@ -424,7 +507,8 @@ def shell_plan(codec):
                                                         or forward.shape[0] % 64):
             raise ValueError(f"compact tables of {len(tables.words)} words for {shells.index_bits}-bit indices, "
                              f"dim {forward.shape[0]} (the step needs 2^bits words, dim a multiple of 64)")
-        plan = (forward.numpy(), forward.T.contiguous().numpy(), shells.index_bits, shells.tables, (forward,))
+        words = step_words(tables) if isinstance(tables, CompactPointTables) else None
+        plan = (forward.numpy(), forward.T.contiguous().numpy(), shells.index_bits, shells.tables, (forward,), words)
     try:
         _PLANS[codec] = plan
     except TypeError:
@@ -489,7 +573,7 @@ def attend_decode_shells(query: torch.Tensor, kv, bias: torch.Tensor | None, sca
     signs = next((tables.signs for tables in (kt, vt) if isinstance(tables, ShellPointTables)), _NO_SIGNS)
     args = (query_np, float(scaling), keys[0], values[1], key_codes, value_codes, sink_k, sink_v, recent_k, recent_v,
             rows32(kv.new_keys), rows32(kv.new_values), key_mean, value_mean, bias_np, sinks_np, out.numpy(), flags,
-            key_norms, value_norms, keys[2], *_role_args(kt), values[2], *_role_args(vt), signs)
+            key_norms, value_norms, keys[2], *_role_args(kt, keys[5]), values[2], *_role_args(vt, values[5]), signs)
     coded = key_codes.shape[2]
     bad = run_split(kernel, args, batch * heads, coded * 2 * query.shape[-1], _MIN_WORK_PER_THREAD,
                     "fibquant-decode-e8")
