@@ -432,12 +432,16 @@ class FibQuantAttentionImpl(AttentionImpl):
         vLLM's output rows `out` [T, Hq * D] (no copy). False (nothing done) where the kernel does not
         serve them (CHUNK_KERNEL off, a soft-cap or sink logits, other dtypes or head sizes, a
         non-contiguous output): `_attend` then does it."""
-        if not CHUNK_KERNEL or self.softcap is not None or self.logit_sinks is not None \
-                or not (query.dtype == key.dtype == value.dtype == out.dtype) or not out.is_contiguous() \
-                or not chunk.available(query.dtype, self.head_size, query.device):
+        if not (self._chunk_kernel_serves(query, key, value) and out.dtype == query.dtype and out.is_contiguous()):
             return False
         chunk.causal_attention(query, key, value, self.scale, out=out.view(query.shape))
         return True
+
+    def _chunk_kernel_serves(self, query, key, value) -> bool:
+        """Whether vLLM's CPU kernel (`chunk`) runs a first chunk of these tensors: CHUNK_KERNEL on, no
+        soft-cap or sink logits, one dtype, and a kernel for that dtype and head size on their device."""
+        return CHUNK_KERNEL and self.softcap is None and self.logit_sinks is None \
+            and query.dtype == key.dtype == value.dtype and chunk.available(query.dtype, self.head_size, query.device)
 
     def _attend(self, pages, tables, skip: int, stops: list[int], query, key, value, mask=None,
                 window=None) -> torch.Tensor:
@@ -455,8 +459,7 @@ class FibQuantAttentionImpl(AttentionImpl):
         if coded <= 0 and window is None:
             if self.softcap is None and self.logit_sinks is None:
                 # nothing coded, nothing exact before (a first prefill chunk): plain causal attention, model dtype
-                if CHUNK_KERNEL and count == 1 and query.dtype == key.dtype == value.dtype \
-                        and chunk.available(query.dtype, self.head_size, query.device):
+                if count == 1 and self._chunk_kernel_serves(query, key, value):
                     return chunk.causal_attention(query[0], key[0], value[0], self.scale).reshape(1, tokens, -1)
                 out = torch.nn.functional.scaled_dot_product_attention(
                     query.transpose(1, 2), new_keys, new_values, is_causal=tokens > 1,
