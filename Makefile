@@ -46,7 +46,7 @@ $(VLLM_STAMP): pyproject.toml Makefile
 test-vllm: $(VLLM_STAMP)
 	OMP_NUM_THREADS=1 $(VLLM_VENV)/bin/python -m pytest -q tests/integrations/test_vllm.py tests/integrations/test_hf_export.py \
 		tests/integrations/test_vllm_serving_benchmark.py tests/integrations/test_vllm_parity_benchmark.py \
-		tests/kv/attention/test_paged_decode.py
+		tests/kv/attention/test_paged_decode.py tests/kv/attention/test_permutes.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache
