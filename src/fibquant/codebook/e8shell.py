@@ -210,6 +210,65 @@ def shell_tables(levels: ShellLevels) -> ShellTables:
                        arr(nsign, np.int64), offset)
 
 
+@dataclass(frozen=True, eq=False)
+class ShellTrie:
+    """Each level's leaders (doubled, `ShellTables.lead2`) as a trie of their coordinates in depth-first order,
+    children in leader order, so its leaves (depth 7) are the level's leaders in table order; only consecutive
+    leaders share a prefix node. node_lo, node_hi int64 [G]: each level's node range (empty at the origin);
+    per node: dep int64 (coordinate 0..7), val float64 (its doubled value), skip int64 (the first node after its
+    subtree), rem float64 (8 m less the squares of the values from the root down to it), leaf int64 (the
+    leader of a depth-7 node, else -1)."""
+
+    node_lo: np.ndarray
+    node_hi: np.ndarray
+    dep: np.ndarray
+    val: np.ndarray
+    skip: np.ndarray
+    rem: np.ndarray
+    leaf: np.ndarray
+
+    def args(self) -> tuple:
+        return self.node_lo, self.node_hi, self.dep, self.val, self.skip, self.rem, self.leaf
+
+
+@lru_cache(maxsize=16)
+def shell_trie(tables: ShellTables) -> ShellTrie:
+    """The leader trie of `tables` (cached per tables object)."""
+    dep, val, rem, leaf, node_lo, node_hi = [], [], [], [], [], []
+    for g in range(len(tables.radii)):
+        node_lo.append(len(dep))
+        prev = None
+        for j in range(tables.lv_lo[g], tables.lv_hi[g]):
+            lead = [int(v) for v in tables.lead2[j]]
+            norm = sum(v * v for v in lead)  # 8 m
+            common = 0
+            while prev is not None and common < BLOCK and prev[common] == lead[common]:
+                common += 1
+            if common == BLOCK:
+                raise AssertionError(f"leader {j} repeated")
+            for k in range(common, BLOCK):
+                dep.append(k)
+                val.append(float(lead[k]))
+                rem.append(float(norm - sum(v * v for v in lead[:k + 1])))
+                leaf.append(j if k == BLOCK - 1 else -1)
+            prev = lead
+        node_hi.append(len(dep))
+    dep_a = np.array(dep, np.int64)
+    skip = np.empty(len(dep), np.int64)
+    for g in range(len(node_lo)):  # the next node at the same or a shallower depth (or the level's end)
+        nxt = [node_hi[g]] * BLOCK
+        for i in range(node_hi[g] - 1, node_lo[g] - 1, -1):
+            d = dep[i]
+            skip[i] = min(nxt[:d + 1])
+            nxt[d] = i
+
+    def arr(values, dtype):
+        return np.ascontiguousarray(np.array(values, dtype=dtype))
+
+    return ShellTrie(arr(node_lo, np.int64), arr(node_hi, np.int64), dep_a, arr(val, np.float64), skip,
+                     arr(rem, np.float64), arr(leaf, np.int64))
+
+
 # --------------------------------------------------------------------------- kernels (numba)
 def _distinct_py(leader2, vals, cnt):
     """The distinct values of a (non-increasing) leader [8] into vals, their multiplicities into cnt
@@ -226,6 +285,68 @@ def _distinct_py(leader2, vals, cnt):
 
 
 _distinct = None  # the compiled _distinct_py, bound by _kernels() before the kernels that call it compile
+
+
+def _point_index_py(y, a, p, negpar, j, lead2, half, parity, mult, nsign, w, cnt, vals):
+    """The position inside leader j's orbit of its point nearest to block y [8] (a, p: |y| sorted descending
+    and the positions; negpar: the parity of y's minus signs): rank * nsign[j] + sign (the numbering in the
+    module docstring; of equally cheap parity flips, the one giving the smallest sign word). w, cnt, vals:
+    int64 [8] scratch."""
+    for k in range(8):
+        w[p[k]] = lead2[j, k]
+    # multiset-permutation rank of w (distinct values in the leader's descending order)
+    rank = 0
+    total = mult[j]
+    _distinct(lead2[j], vals, cnt)
+    for i in range(8):
+        rem = 8 - i
+        t = 0
+        while vals[t] != w[i]:
+            if cnt[t] > 0:
+                rank += total * cnt[t] // rem
+            t += 1
+        total = total * cnt[t] // rem
+        cnt[t] -= 1
+    sign = 0
+    if half[j]:
+        flip = -1
+        if parity[j] != negpar:
+            # flip one of the equally cheap positions (|y| = min |y| and the leader's smallest value there,
+            # any |y| = 0): the one giving the smallest sign word (bits of positions 0..6)
+            neg_hi = -1
+            pos_lo = 7
+            has7 = False
+            for k in range(8):
+                if a[k] == a[7] and (a[7] == 0.0 or lead2[j, k] == lead2[j, 7]):
+                    i = p[k]
+                    if i == 7:
+                        has7 = True
+                    elif y[i] < 0:
+                        neg_hi = max(neg_hi, i)
+                    else:
+                        pos_lo = min(pos_lo, i)
+            if neg_hi >= 0:
+                flip = neg_hi        # clears the highest such bit
+            elif has7:
+                flip = 7             # the 8th sign is not stored: the word stays
+            else:
+                flip = pos_lo        # sets the lowest bit
+        for i in range(7):
+            s = 1 if y[i] < 0 else 0
+            if i == flip:
+                s ^= 1
+            sign |= s << i
+    else:
+        bit = 0
+        for i in range(8):
+            if w[i] != 0:
+                if y[i] < 0:
+                    sign |= 1 << bit
+                bit += 1
+    return rank * nsign[j] + sign
+
+
+_point_index = None  # the compiled _point_index_py, bound by _kernels()
 
 
 def _search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf, half, parity, orbit_off, mult, nsign,
@@ -299,58 +420,167 @@ def _search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf, half, p
             index[b] = offsets[best_lv]
             continue
         j = best_j
-        for k in range(8):
-            w[p[k]] = lead2[j, k]
-        # multiset-permutation rank of w (distinct values in the leader's descending order)
-        rank = 0
-        total = mult[j]
-        _distinct(lead2[j], vals, cnt)
+        index[b] = offsets[best_lv] + orbit_off[j] + _point_index(y, a, p, negpar, j, lead2, half, parity, mult, nsign,
+                                                                  w, cnt, vals)
+    return 0
+
+
+# The pruned search (`shell_search`'s default): the reference's levels in the reference's order with the same
+# update rule, but a level's leaders are searched depth-first through a trie of their coordinates (`ShellTrie`),
+# a branch cut when even the best completion of its prefix (Cauchy-Schwarz on the rest, or the rest's
+# coordinates at most the last one) cannot reach the inner product the level needs to matter. Only the
+# leaders within _NEAR_IP of the level's largest inner product are kept; the reference's scan keeps the
+# first of them when they are all within _CLUSTER_IP of it (exact ties), else that level is scanned as the
+# reference does. So the (level, leader) picked, and the index, are the reference's.
+_PRUNE_IP = 1e-9     # a level is skipped when its largest inner product is this far below what it needs
+_NEAR_IP = 1e-9      # leaders this close to a level's largest inner product are kept (>> _TIE_IP)
+_CLUSTER_IP = 1e-12  # ... and must all be this close (exact ties) for the pruned pick; else a plain scan
+_NEAR_SLOTS = 32
+
+
+def _pruned_search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf, half, parity, orbit_off, mult, nsign,
+                      node_lo, node_hi, tdep, tval, tskip, trem, tleaf, index, level, start, stop):
+    """`_search_py` with each level's leaders searched through the trie (node_lo/hi int64 [G]: each level's
+    nodes; tdep int64, tval float64 (doubled coordinate), tskip int64 (the next node outside this one's
+    subtree), trem float64 (8 m less the squares of the prefix down to this node), tleaf int64 (the leader of
+    a depth-7 node), all [nodes]): the same index [n] and level [n]."""
+    n_lv = radii.shape[0]
+    a = np.empty(8)
+    p = np.empty(8, np.int64)
+    y = np.empty(8)
+    w = np.empty(8, np.int64)
+    cnt = np.zeros(8, np.int64)
+    vals = np.empty(8, np.int64)
+    pre = np.zeros(9)       # the inner product of the trie path's prefix, per depth
+    sq_tail = np.zeros(9)   # sum of a[k]^2 for k >= i
+    tail = np.zeros(9)      # sum of a[k] for k >= i
+    near_j = np.empty(_NEAR_SLOTS, np.int64)
+    near_ip = np.empty(_NEAR_SLOTS)
+    for b in range(start, stop):
+        rho2 = 0.0
+        neg = 0
         for i in range(8):
-            rem = 8 - i
-            t = 0
-            while vals[t] != w[i]:
-                if cnt[t] > 0:
-                    rank += total * cnt[t] // rem
-                t += 1
-            total = total * cnt[t] // rem
-            cnt[t] -= 1
-        sign = 0
-        if half[j]:
-            flip = -1
-            if parity[j] != negpar:
-                # flip one of the equally cheap positions (|y| = min |y| and the leader's smallest value there,
-                # any |y| = 0): the one giving the smallest sign word (bits of positions 0..6)
-                neg_hi = -1
-                pos_lo = 7
-                has7 = False
-                for k in range(8):
-                    if a[k] == a[7] and (a[7] == 0.0 or lead2[j, k] == lead2[j, 7]):
-                        i = p[k]
-                        if i == 7:
-                            has7 = True
-                        elif y[i] < 0:
-                            neg_hi = max(neg_hi, i)
-                        else:
-                            pos_lo = min(pos_lo, i)
-                if neg_hi >= 0:
-                    flip = neg_hi        # clears the highest such bit
-                elif has7:
-                    flip = 7             # the 8th sign is not stored: the word stays
-                else:
-                    flip = pos_lo        # sets the lowest bit
-            for i in range(7):
-                s = 1 if y[i] < 0 else 0
-                if i == flip:
-                    s ^= 1
-                sign |= s << i
-        else:
-            bit = 0
-            for i in range(8):
-                if w[i] != 0:
-                    if y[i] < 0:
-                        sign |= 1 << bit
-                    bit += 1
-        index[b] = offsets[best_lv] + orbit_off[j] + rank * nsign[j] + sign
+            y[i] = y_all[b, i]
+            rho2 += y[i] * y[i]
+            if y[i] < 0:
+                neg += 1
+        negpar = neg & 1
+        rho = math.sqrt(rho2)
+        for i in range(8):  # stable insertion sort of |y|, descending, with positions
+            v = abs(y[i])
+            j = i
+            while j > 0 and a[j - 1] < v:
+                a[j] = a[j - 1]
+                p[j] = p[j - 1]
+                j -= 1
+            a[j] = v
+            p[j] = i
+        for k in range(7, -1, -1):
+            sq_tail[k] = sq_tail[k + 1] + a[k] * a[k]
+            tail[k] = tail[k + 1] + a[k]
+        hi = np.searchsorted(radii, rho)
+        lo = hi - 1
+        best = np.inf
+        best_lv = n_lv
+        best_j = -1
+        while True:
+            dlo = (rho - radii[lo]) ** 2 if lo >= 0 else np.inf
+            dhi = (rho - radii[hi]) ** 2 if hi < n_lv else np.inf
+            if min(dlo, dhi) > best + 1e-10:  # TIE: a tied level further out is still visited
+                break
+            if dlo <= dhi:
+                g = lo
+                lo -= 1
+            else:
+                g = hi
+                hi += 1
+            if lv_hi[g] == lv_lo[g]:
+                d = rho2
+                jb = -1
+            else:
+                r = radii[g]
+                # d <= best + TIE (needed for an update) iff top >= need
+                need = -np.inf if best == np.inf else (rho2 + r * r - best - 1e-10) / (2.0 * r * scale[g]) - _PRUNE_IP
+                cur = -np.inf
+                nn = 0
+                plain = False
+                i = node_lo[g]
+                end = node_hi[g]
+                while i < end:
+                    dep = tdep[i]
+                    v = tval[i]
+                    ip = pre[dep] + a[dep] * v
+                    floor = max(need, cur) - _NEAR_IP
+                    if dep == 7:
+                        j = tleaf[i]
+                        if half[j] and parity[j] != negpar:
+                            ip -= 2.0 * a[7] * leadf[j, 7]
+                        if ip >= floor:
+                            if ip > cur:
+                                cur = ip
+                            if nn == _NEAR_SLOTS:  # drop the records the larger cur has left behind
+                                kept = 0
+                                for q in range(nn):
+                                    if near_ip[q] >= cur - _NEAR_IP:
+                                        near_j[kept] = near_j[q]
+                                        near_ip[kept] = near_ip[q]
+                                        kept += 1
+                                nn = kept
+                            if nn == _NEAR_SLOTS:
+                                plain = True
+                                break
+                            near_j[nn] = j
+                            near_ip[nn] = ip
+                            nn += 1
+                        i += 1
+                        continue
+                    gap = floor - ip
+                    if gap > 0.0 and (v * tail[dep + 1] < gap or gap * gap > sq_tail[dep + 1] * trem[i]):
+                        i = tskip[i]
+                        continue
+                    pre[dep + 1] = ip
+                    i += 1
+                if cur < need and not plain:
+                    continue  # the level's d > best + TIE: the reference does not update either
+                jb = -1
+                if not plain:
+                    for q in range(nn):
+                        if near_ip[q] >= cur - _NEAR_IP:
+                            if near_ip[q] < cur - _CLUSTER_IP:
+                                plain = True  # distinct near inner products: the scan's tie chain decides
+                                break
+                            if jb < 0:
+                                jb = near_j[q]
+                if plain:
+                    top = -np.inf
+                    jb = -1
+                    for j in range(lv_lo[g], lv_hi[g]):
+                        ip = 0.0
+                        for k in range(8):
+                            ip += a[k] * leadf[j, k]
+                        if half[j] and parity[j] != negpar:
+                            ip -= 2.0 * a[7] * leadf[j, 7]
+                        if ip > top + 1e-11:  # _TIE_IP: the lower leader keeps a tie
+                            top = ip
+                            jb = j
+                else:  # the reference's inner product of that leader, the same operations
+                    top = 0.0
+                    for k in range(8):
+                        top += a[k] * leadf[jb, k]
+                    if half[jb] and parity[jb] != negpar:
+                        top -= 2.0 * a[7] * leadf[jb, 7]
+                d = rho2 - 2.0 * r * top * scale[g] + r * r
+            if d < best - 1e-10 or (d <= best + 1e-10 and g < best_lv):
+                best = d
+                best_lv = g
+                best_j = jb
+        level[b] = best_lv
+        if best_j < 0:
+            index[b] = offsets[best_lv]
+            continue
+        j = best_j
+        index[b] = offsets[best_lv] + orbit_off[j] + _point_index(y, a, p, negpar, j, lead2, half, parity, mult, nsign,
+                                                                  w, cnt, vals)
     return 0
 
 
@@ -416,24 +646,33 @@ def _kernels():
                     raise RuntimeError("E8 shell codes need numba (a fibquant dependency), which does not import")
                 import numba
 
-                global _distinct
+                global _distinct, _point_index
                 _distinct = numba.njit(nogil=True, cache=True)(_distinct_py)
+                _point_index = numba.njit(nogil=True, cache=True)(_point_index_py)
                 _KERNELS = (numba.njit(nogil=True, cache=True)(_search_py),
-                            numba.njit(nogil=True, cache=True)(_unrank_py))
+                            numba.njit(nogil=True, cache=True)(_unrank_py),
+                            numba.njit(nogil=True, cache=True)(_pruned_search_py))
     return _KERNELS
 
 
-def shell_search(blocks: np.ndarray, tables: ShellTables) -> tuple[np.ndarray, np.ndarray]:
+def shell_search(blocks: np.ndarray, tables: ShellTables, scan: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """blocks float32/float64 [n, 8] (finite) -> (index int64 [n], level int64 [n]): the nearest point of
-    the code, the lowest index among ties (= `exhaustive_search`'s)."""
+    the code, the lowest index among ties (= `exhaustive_search`'s). The leaders of each visited level are
+    searched through `shell_trie` (pruned); with `scan`, every leader of each visited level is scored (the
+    plain leader scan, the pruned search's reference: the same codes)."""
     blocks = np.ascontiguousarray(blocks)
     if blocks.ndim != 2 or blocks.shape[1] != BLOCK or blocks.dtype not in (np.float32, np.float64):
         raise ValueError(f"blocks must be float32/float64 [n, {BLOCK}], got {blocks.dtype} {blocks.shape}")
     n = blocks.shape[0]
     index = np.empty(n, np.int64)
     level = np.empty(n, np.int64)
-    search, _ = _kernels()
-    run_split(search, (blocks, *tables.args(), index, level), n, 64, _MIN_BLOCKS_PER_THREAD, "fibquant-e8shell")
+    search, _, pruned = _kernels()
+    if scan:
+        args = (blocks, *tables.args(), index, level)
+    else:
+        args = (blocks, *tables.args(), *shell_trie(tables).args(), index, level)
+        search = pruned
+    run_split(search, args, n, 64, _MIN_BLOCKS_PER_THREAD, "fibquant-e8shell")
     return index, level
 
 
@@ -445,7 +684,7 @@ def unrank(index: np.ndarray, tables: ShellTables) -> np.ndarray:
     if index.size and (int(index.min()) < 0 or int(index.max()) >= tables.count):
         raise ValueError(f"E8 shell index out of range [0, {tables.count})")
     out = np.empty((index.shape[0], BLOCK))
-    _, kernel = _kernels()
+    _, kernel, _ = _kernels()
     run_split(kernel, (index, *tables.args(), out), index.shape[0], 16, _MIN_BLOCKS_PER_THREAD, "fibquant-e8shell")
     return out
 
