@@ -232,6 +232,18 @@ class ShellTrie:
 
 
 @lru_cache(maxsize=16)
+def shell_columns(tables: ShellTables) -> tuple[np.ndarray, np.ndarray]:
+    """(cols float64 [8, L]: the doubled leaders transposed; flip float64 [2, L]: 1.0 where leader j is a half
+    leader whose parity differs from p = 0 / 1, else 0.0), cached per tables object."""
+    cols = np.ascontiguousarray(tables.leadf.T)
+    flip = np.ascontiguousarray(np.stack([(tables.half & (tables.parity != q)).astype(np.float64) for q in (0, 1)]))
+    return cols, flip
+
+
+_MODE = "columns"
+
+
+@lru_cache(maxsize=16)
 def shell_trie(tables: ShellTables) -> ShellTrie:
     """The leader trie of `tables` (cached per tables object)."""
     dep, val, rem, leaf, node_lo, node_hi = [], [], [], [], [], []
@@ -584,6 +596,105 @@ def _pruned_search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf, 
     return 0
 
 
+def _columns_search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf, half, parity, orbit_off, mult,
+                       nsign, cols, flip, buf, index, level, start, stop):
+    """`_search_py` with each visited level's inner products computed first for all its leaders at once
+    (cols float64 [8, L]: leadf transposed; flip float64 [2, L]: 1 where a half leader's parity forbids
+    y's sign parity 0 / 1; buf float64 [>= leaders per level]: scratch): a loop over leaders that vectorises,
+    the same operations per leader as the scan. A level whose largest inner product cannot bring its d
+    within TIE of the best is skipped (the scan does not update on it either); else the scan's tie rule runs
+    over the computed values. Same index [n] and level [n] as `_search_py`."""
+    n_lv = radii.shape[0]
+    a = np.empty(8)
+    p = np.empty(8, np.int64)
+    y = np.empty(8)
+    w = np.empty(8, np.int64)
+    cnt = np.zeros(8, np.int64)
+    vals = np.empty(8, np.int64)
+    for b in range(start, stop):
+        rho2 = 0.0
+        neg = 0
+        for i in range(8):
+            y[i] = y_all[b, i]
+            rho2 += y[i] * y[i]
+            if y[i] < 0:
+                neg += 1
+        negpar = neg & 1
+        rho = math.sqrt(rho2)
+        for i in range(8):  # stable insertion sort of |y|, descending, with positions
+            v = abs(y[i])
+            j = i
+            while j > 0 and a[j - 1] < v:
+                a[j] = a[j - 1]
+                p[j] = p[j - 1]
+                j -= 1
+            a[j] = v
+            p[j] = i
+        a0, a1, a2, a3, a4, a5, a6, a7 = a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]
+        cut = 2.0 * a7
+        hi = np.searchsorted(radii, rho)
+        lo = hi - 1
+        best = np.inf
+        best_lv = n_lv
+        best_j = -1
+        while True:
+            dlo = (rho - radii[lo]) ** 2 if lo >= 0 else np.inf
+            dhi = (rho - radii[hi]) ** 2 if hi < n_lv else np.inf
+            if min(dlo, dhi) > best + 1e-10:  # TIE: a tied level further out is still visited
+                break
+            if dlo <= dhi:
+                g = lo
+                lo -= 1
+            else:
+                g = hi
+                hi += 1
+            if lv_hi[g] == lv_lo[g]:
+                d = rho2
+                jb = -1
+            else:
+                j0 = lv_lo[g]
+                nl = lv_hi[g] - j0
+                r = radii[g]
+                # the level can update only if some leader's inner product reaches need (d <= best + TIE)
+                need = -np.inf if best == np.inf else (rho2 + r * r - best - 1e-10) / (2.0 * r * scale[g]) - _PRUNE_IP
+                fl = flip[negpar]
+                c0, c1, c2, c3, c4, c5, c6, c7 = cols[0], cols[1], cols[2], cols[3], cols[4], cols[5], cols[6], cols[7]
+                hits = 0
+                for j in range(j0, j0 + nl):  # the scan's sum, term by term in k order (vectorises over j)
+                    ip = 0.0 + a0 * c0[j]
+                    ip = ip + a1 * c1[j]
+                    ip = ip + a2 * c2[j]
+                    ip = ip + a3 * c3[j]
+                    ip = ip + a4 * c4[j]
+                    ip = ip + a5 * c5[j]
+                    ip = ip + a6 * c6[j]
+                    ip = ip + a7 * c7[j]
+                    ip = ip - fl[j] * (cut * c7[j])
+                    buf[j - j0] = ip
+                    hits += ip >= need
+                if hits == 0:
+                    continue  # the level's d is above best + TIE: no update in the scan
+                top = -np.inf
+                jb = -1
+                for q in range(nl):
+                    if buf[q] > top + 1e-11:  # _TIE_IP: the lower leader keeps a tie
+                        top = buf[q]
+                        jb = j0 + q
+                d = rho2 - 2.0 * r * top * scale[g] + r * r
+            if d < best - 1e-10 or (d <= best + 1e-10 and g < best_lv):
+                best = d
+                best_lv = g
+                best_j = jb
+        level[b] = best_lv
+        if best_j < 0:
+            index[b] = offsets[best_lv]
+            continue
+        j = best_j
+        index[b] = offsets[best_lv] + orbit_off[j] + _point_index(y, a, p, negpar, j, lead2, half, parity, mult, nsign,
+                                                                  w, cnt, vals)
+    return 0
+
+
 def _unrank_py(index, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf, half, parity, orbit_off, mult, nsign,
                out, start, stop):
     """index [n] (each in [0, count)) -> the points out [n, 8] float64 (the inverse of the numbering)."""
@@ -651,7 +762,8 @@ def _kernels():
                 _point_index = numba.njit(nogil=True, cache=True)(_point_index_py)
                 _KERNELS = (numba.njit(nogil=True, cache=True)(_search_py),
                             numba.njit(nogil=True, cache=True)(_unrank_py),
-                            numba.njit(nogil=True, cache=True)(_pruned_search_py))
+                            numba.njit(nogil=True, cache=True)(_pruned_search_py),
+                            numba.njit(nogil=True, cache=True)(_columns_search_py))
     return _KERNELS
 
 
@@ -666,12 +778,17 @@ def shell_search(blocks: np.ndarray, tables: ShellTables, scan: bool = False) ->
     n = blocks.shape[0]
     index = np.empty(n, np.int64)
     level = np.empty(n, np.int64)
-    search, _, pruned = _kernels()
+    search, _, pruned, columns = _kernels()
     if scan:
         args = (blocks, *tables.args(), index, level)
-    else:
+    elif _MODE == "trie":
         args = (blocks, *tables.args(), *shell_trie(tables).args(), index, level)
         search = pruned
+    else:
+        cols, flip = shell_columns(tables)
+        buf = np.empty(int((tables.lv_hi - tables.lv_lo).max()) + 1)
+        args = (blocks, *tables.args(), cols, flip, buf, index, level)
+        search = columns
     run_split(search, args, n, 64, _MIN_BLOCKS_PER_THREAD, "fibquant-e8shell")
     return index, level
 
@@ -684,7 +801,7 @@ def unrank(index: np.ndarray, tables: ShellTables) -> np.ndarray:
     if index.size and (int(index.min()) < 0 or int(index.max()) >= tables.count):
         raise ValueError(f"E8 shell index out of range [0, {tables.count})")
     out = np.empty((index.shape[0], BLOCK))
-    _, kernel, _ = _kernels()
+    kernel = _kernels()[1]
     run_split(kernel, (index, *tables.args(), out), index.shape[0], 16, _MIN_BLOCKS_PER_THREAD, "fibquant-e8shell")
     return out
 
