@@ -232,12 +232,22 @@ class ShellTrie:
 
 
 @lru_cache(maxsize=16)
-def shell_columns(tables: ShellTables) -> tuple[np.ndarray, np.ndarray]:
-    """(cols float64 [8, L]: the doubled leaders transposed; flip float64 [2, L]: 1.0 where leader j is a half
-    leader whose parity differs from p = 0 / 1, else 0.0), cached per tables object."""
+def shell_columns(tables: ShellTables) -> tuple[np.ndarray, ...]:
+    """The pruned search's extra tables, cached per tables object: cols float64 [8, L] (the doubled leaders
+    transposed), flip float64 [2, L] (1.0 where leader j is a half leader whose parity differs from p = 0 / 1),
+    keys int64 [L] (the doubled leader packed 5 bits per value, position 0 most significant), lv_mid int64 [G]
+    (each level's first half leader), m8 int64 [G] (8 m, the doubled leaders' squared norm)."""
+    if int(tables.lead2.max(initial=0)) > 31:
+        raise ValueError("a doubled leader value does not fit the 5-bit leader key (shells m <= 127 only)")
     cols = np.ascontiguousarray(tables.leadf.T)
     flip = np.ascontiguousarray(np.stack([(tables.half & (tables.parity != q)).astype(np.float64) for q in (0, 1)]))
-    return cols, flip
+    keys = np.zeros(len(tables.lead2), np.int64)
+    for k in range(BLOCK):
+        keys = (keys << 5) | tables.lead2[:, k]
+    lv_mid = np.array([lo + int((~tables.half[lo:hi]).sum()) for lo, hi in zip(tables.lv_lo, tables.lv_hi)], np.int64)
+    m8 = np.array([int((tables.lead2[lo] ** 2).sum()) if hi > lo else 0 for lo, hi in zip(tables.lv_lo, tables.lv_hi)],
+                  np.int64)
+    return cols, flip, np.ascontiguousarray(keys), lv_mid, m8
 
 
 _MODE = "columns"
@@ -306,18 +316,21 @@ def _point_index_py(y, a, p, negpar, j, lead2, half, parity, mult, nsign, w, cnt
     int64 [8] scratch."""
     for k in range(8):
         w[p[k]] = lead2[j, k]
-    # multiset-permutation rank of w (distinct values in the leader's descending order)
+    # multiset-permutation rank of w (distinct values in the leader's descending order); every division by
+    # rem = 8 - i is exact, so it is a shift and a multiply by the odd part's inverse mod 2^64 (no idiv)
     rank = 0
     total = mult[j]
     _distinct(lead2[j], vals, cnt)
     for i in range(8):
         rem = 8 - i
+        sh = _EXACT_SHIFT[rem]
+        inv = _EXACT_INV[rem]
         t = 0
         while vals[t] != w[i]:
             if cnt[t] > 0:
-                rank += total * cnt[t] // rem
+                rank += ((total * cnt[t]) >> sh) * inv
             t += 1
-        total = total * cnt[t] // rem
+        total = ((total * cnt[t]) >> sh) * inv
         cnt[t] -= 1
     sign = 0
     if half[j]:
@@ -359,6 +372,10 @@ def _point_index_py(y, a, p, negpar, j, lead2, half, parity, mult, nsign, w, cnt
 
 
 _point_index = None  # the compiled _point_index_py, bound by _kernels()
+# x // q for q in 1..8 and x a multiple of q: (x >> e) * inv mod 2^64, q = 2^e o, inv * o = 1 mod 2^64
+_EXACT_SHIFT = np.array([0, 0, 1, 0, 2, 0, 1, 0, 3], np.int64)
+_EXACT_INV = np.array([0, 1, 1, -6148914691236517205, 1, -3689348814741910323, -6148914691236517205,
+                       7905747460161236407, 1], np.int64)
 
 
 def _search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf, half, parity, orbit_off, mult, nsign,
@@ -596,14 +613,51 @@ def _pruned_search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf, 
     return 0
 
 
+def _d8_doubled_py(x, shift, out):
+    """out int64 [8] = 2 q + shift, q the nearest point of D8 (integers, even sum) to x [8] - shift / 2
+    (shift 0: D8 itself, 1: the coset D8 + 1/2 in doubled units); returns the squared distance from 2 x."""
+    total = 0
+    worst = 0
+    err = -1.0
+    for i in range(8):
+        v = x[i] - 0.5 * shift
+        q = math.floor(v + 0.5)
+        out[i] = np.int64(q)
+        total += np.int64(q)
+        e = abs(v - q)
+        if e > err:
+            err = e
+            worst = i
+    if total & 1:  # odd sum: round the worst coordinate the other way
+        v = x[worst] - 0.5 * shift
+        out[worst] += 1 if v > out[worst] else -1
+    dist = 0.0
+    for i in range(8):
+        out[i] = 2 * out[i] + shift
+        e = 2.0 * x[i] - out[i]
+        dist += e * e
+    return dist
+
+
+_d8_doubled = None  # the compiled _d8_doubled_py, bound by _kernels()
+_DECODE_RHO = (1e-3, 1e3)  # block norms where the lattice step is used (tie margins stay >> _TIE_IP)
+_INNER2 = 0.69 ** 2        # < E8's packing radius^2 (1/2): a lattice point this near z is the only one
+
+
 def _columns_search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf, half, parity, orbit_off, mult,
-                       nsign, cols, flip, buf, index, level, start, stop):
+                       nsign, cols, flip, keys, lv_mid, m8, buf, index, level, start, stop):
     """`_search_py` with each visited level's inner products computed first for all its leaders at once
     (cols float64 [8, L]: leadf transposed; flip float64 [2, L]: 1 where a half leader's parity forbids
     y's sign parity 0 / 1; buf float64 [>= leaders per level]: scratch): a loop over leaders that vectorises,
     the same operations per leader as the scan. A level whose largest inner product cannot bring its d
     within TIE of the best is skipped (the scan does not update on it either); else the scan's tie rule runs
-    over the computed values. Same index [n] and level [n] as `_search_py`."""
+    over the computed values. Before that, the lattice step (keys int64 [L]: each leader's doubled values
+    packed 5 bits each, first most significant; lv_mid int64 [G]: each level's first half leader; m8 int64
+    [G]: 8 m): the point of shell m nearest in angle to y is the point of that shell nearest to
+    z = sqrt(2 m) y / ||y|| (|z - s|^2 = 4 m (1 - cos)); E8's nearest point to z (Conway-Sloane) within
+    _INNER2 of z is the only lattice point that near, so if it lies on shell m its leader is the level's
+    unique best (no scan), and if no shell point may be nearer than the level needs (its d within TIE of
+    best) and that bound is below _INNER2, the level is skipped. Same index [n] and level [n] as `_search_py`."""
     n_lv = radii.shape[0]
     a = np.empty(8)
     p = np.empty(8, np.int64)
@@ -611,6 +665,10 @@ def _columns_search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf,
     w = np.empty(8, np.int64)
     cnt = np.zeros(8, np.int64)
     vals = np.empty(8, np.int64)
+    z = np.empty(8)
+    c0i = np.empty(8, np.int64)
+    c1i = np.empty(8, np.int64)
+    srt = np.empty(8, np.int64)
     for b in range(start, stop):
         rho2 = 0.0
         neg = 0
@@ -632,6 +690,7 @@ def _columns_search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf,
             p[j] = i
         a0, a1, a2, a3, a4, a5, a6, a7 = a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]
         cut = 2.0 * a7
+        lattice = _DECODE_RHO[0] <= rho <= _DECODE_RHO[1]
         hi = np.searchsorted(radii, rho)
         lo = hi - 1
         best = np.inf
@@ -657,6 +716,49 @@ def _columns_search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf,
                 r = radii[g]
                 # the level can update only if some leader's inner product reaches need (d <= best + TIE)
                 need = -np.inf if best == np.inf else (rho2 + r * r - best - 1e-10) / (2.0 * r * scale[g]) - _PRUNE_IP
+                if lattice:
+                    root = math.sqrt(0.125 * m8[g])  # sqrt(2 m)
+                    for i in range(8):
+                        z[i] = y[i] * (root / rho)
+                    d0 = _d8_doubled(z, 0, c0i)
+                    d1 = _d8_doubled(z, 1, c1i)
+                    cz = c0i if d0 <= d1 else c1i
+                    near2 = 0.25 * min(d0, d1)  # |z - Q(z)|^2
+                    sq = 0
+                    for i in range(8):
+                        sq += cz[i] * cz[i]
+                    if sq == m8[g] and near2 < _INNER2:  # Q(z) on the shell: its leader is the level's best
+                        for i in range(8):  # |Q(z)| sorted descending, packed as a leader key
+                            v = abs(cz[i])
+                            k = i
+                            while k > 0 and srt[k - 1] < v:
+                                srt[k] = srt[k - 1]
+                                k -= 1
+                            srt[k] = v
+                        key = 0
+                        for i in range(8):
+                            key = (key << 5) | srt[i]
+                        lo_j, hi_j = (j0, lv_mid[g]) if srt[0] % 2 == 0 else (lv_mid[g], j0 + nl)
+                        while hi_j - lo_j > 1:  # keys descend within the integer and the half leaders
+                            mid = (lo_j + hi_j) // 2
+                            if keys[mid] >= key:
+                                lo_j = mid
+                            else:
+                                hi_j = mid
+                        jb = lo_j
+                        top = 0.0  # the scan's inner product of that leader, the same operations
+                        for k in range(8):
+                            top += a[k] * leadf[jb, k]
+                        if half[jb] and parity[jb] != negpar:
+                            top -= 2.0 * a[7] * leadf[jb, 7]
+                        d = rho2 - 2.0 * r * top * scale[g] + r * r
+                        if d < best - 1e-10 or (d <= best + 1e-10 and g < best_lv):
+                            best = d
+                            best_lv = g
+                            best_j = jb
+                        continue
+                    if need > -np.inf and 4.0 * root * root - root * need / rho < _INNER2:
+                        continue  # no shell point within the needed distance of z: d > best + TIE
                 fl = flip[negpar]
                 c0, c1, c2, c3, c4, c5, c6, c7 = cols[0], cols[1], cols[2], cols[3], cols[4], cols[5], cols[6], cols[7]
                 hits = 0
@@ -757,8 +859,9 @@ def _kernels():
                     raise RuntimeError("E8 shell codes need numba (a fibquant dependency), which does not import")
                 import numba
 
-                global _distinct, _point_index
+                global _distinct, _point_index, _d8_doubled
                 _distinct = numba.njit(nogil=True, cache=True)(_distinct_py)
+                _d8_doubled = numba.njit(nogil=True, cache=True)(_d8_doubled_py)
                 _point_index = numba.njit(nogil=True, cache=True)(_point_index_py)
                 _KERNELS = (numba.njit(nogil=True, cache=True)(_search_py),
                             numba.njit(nogil=True, cache=True)(_unrank_py),
@@ -785,9 +888,8 @@ def shell_search(blocks: np.ndarray, tables: ShellTables, scan: bool = False) ->
         args = (blocks, *tables.args(), *shell_trie(tables).args(), index, level)
         search = pruned
     else:
-        cols, flip = shell_columns(tables)
         buf = np.empty(int((tables.lv_hi - tables.lv_lo).max()) + 1)
-        args = (blocks, *tables.args(), cols, flip, buf, index, level)
+        args = (blocks, *tables.args(), *shell_columns(tables), buf, index, level)
         search = columns
     run_split(search, args, n, 64, _MIN_BLOCKS_PER_THREAD, "fibquant-e8shell")
     return index, level
