@@ -210,85 +210,33 @@ def shell_tables(levels: ShellLevels) -> ShellTables:
                        arr(nsign, np.int64), offset)
 
 
-@dataclass(frozen=True, eq=False)
-class ShellTrie:
-    """Each level's leaders (doubled, `ShellTables.lead2`) as a trie of their coordinates in depth-first order,
-    children in leader order, so its leaves (depth 7) are the level's leaders in table order; only consecutive
-    leaders share a prefix node. node_lo, node_hi int64 [G]: each level's node range (empty at the origin);
-    per node: dep int64 (coordinate 0..7), val float64 (its doubled value), skip int64 (the first node after its
-    subtree), rem float64 (8 m less the squares of the values from the root down to it), leaf int64 (the
-    leader of a depth-7 node, else -1)."""
-
-    node_lo: np.ndarray
-    node_hi: np.ndarray
-    dep: np.ndarray
-    val: np.ndarray
-    skip: np.ndarray
-    rem: np.ndarray
-    leaf: np.ndarray
-
-    def args(self) -> tuple:
-        return self.node_lo, self.node_hi, self.dep, self.val, self.skip, self.rem, self.leaf
+@lru_cache(maxsize=16)
+def shell_columns(tables: ShellTables) -> tuple[np.ndarray, np.ndarray]:
+    """The leader-column search's tables, cached per tables object: cols float64 [8, L] (the doubled leaders
+    transposed), flip float64 [2, L] (1.0 where leader j is a half leader whose parity differs from p = 0 / 1)."""
+    cols = np.ascontiguousarray(tables.leadf.T)
+    flip = np.ascontiguousarray(np.stack([(tables.half & (tables.parity != q)).astype(np.float64) for q in (0, 1)]))
+    return cols, flip
 
 
 @lru_cache(maxsize=16)
-def shell_columns(tables: ShellTables) -> tuple[np.ndarray, ...]:
-    """The pruned search's extra tables, cached per tables object: cols float64 [8, L] (the doubled leaders
-    transposed), flip float64 [2, L] (1.0 where leader j is a half leader whose parity differs from p = 0 / 1),
-    keys int64 [L] (the doubled leader packed 5 bits per value, position 0 most significant), lv_mid int64 [G]
-    (each level's first half leader), m8 int64 [G] (8 m, the doubled leaders' squared norm)."""
+def lattice_tables(tables: ShellTables) -> tuple[np.ndarray, ...]:
+    """The lattice search's tables, cached per tables object: keys int64 [L] (each doubled leader packed 5 bits
+    per value, position 0 most significant), lv_mid int64 [G] (each level's first half leader), m8 int64 [G]
+    (8 m per level), ml_ptr int64 [M + 2] and ml_lv int64 [G] (the levels of shell m, M the largest shell)."""
     if int(tables.lead2.max(initial=0)) > 31:
         raise ValueError("a doubled leader value does not fit the 5-bit leader key (shells m <= 127 only)")
-    cols = np.ascontiguousarray(tables.leadf.T)
-    flip = np.ascontiguousarray(np.stack([(tables.half & (tables.parity != q)).astype(np.float64) for q in (0, 1)]))
     keys = np.zeros(len(tables.lead2), np.int64)
     for k in range(BLOCK):
         keys = (keys << 5) | tables.lead2[:, k]
     lv_mid = np.array([lo + int((~tables.half[lo:hi]).sum()) for lo, hi in zip(tables.lv_lo, tables.lv_hi)], np.int64)
     m8 = np.array([int((tables.lead2[lo] ** 2).sum()) if hi > lo else 0 for lo, hi in zip(tables.lv_lo, tables.lv_hi)],
                   np.int64)
-    return cols, flip, np.ascontiguousarray(keys), lv_mid, m8
-
-
-_MODE = "columns"
-
-
-@lru_cache(maxsize=16)
-def shell_trie(tables: ShellTables) -> ShellTrie:
-    """The leader trie of `tables` (cached per tables object)."""
-    dep, val, rem, leaf, node_lo, node_hi = [], [], [], [], [], []
-    for g in range(len(tables.radii)):
-        node_lo.append(len(dep))
-        prev = None
-        for j in range(tables.lv_lo[g], tables.lv_hi[g]):
-            lead = [int(v) for v in tables.lead2[j]]
-            norm = sum(v * v for v in lead)  # 8 m
-            common = 0
-            while prev is not None and common < BLOCK and prev[common] == lead[common]:
-                common += 1
-            if common == BLOCK:
-                raise AssertionError(f"leader {j} repeated")
-            for k in range(common, BLOCK):
-                dep.append(k)
-                val.append(float(lead[k]))
-                rem.append(float(norm - sum(v * v for v in lead[:k + 1])))
-                leaf.append(j if k == BLOCK - 1 else -1)
-            prev = lead
-        node_hi.append(len(dep))
-    dep_a = np.array(dep, np.int64)
-    skip = np.empty(len(dep), np.int64)
-    for g in range(len(node_lo)):  # the next node at the same or a shallower depth (or the level's end)
-        nxt = [node_hi[g]] * BLOCK
-        for i in range(node_hi[g] - 1, node_lo[g] - 1, -1):
-            d = dep[i]
-            skip[i] = min(nxt[:d + 1])
-            nxt[d] = i
-
-    def arr(values, dtype):
-        return np.ascontiguousarray(np.array(values, dtype=dtype))
-
-    return ShellTrie(arr(node_lo, np.int64), arr(node_hi, np.int64), dep_a, arr(val, np.float64), skip,
-                     arr(rem, np.float64), arr(leaf, np.int64))
+    shells = m8 // 8
+    order = np.argsort(shells, kind="stable")
+    ml_ptr = np.searchsorted(shells[order], np.arange(int(shells.max()) + 2), side="left").astype(np.int64)
+    return (np.ascontiguousarray(keys), lv_mid, m8, np.ascontiguousarray(ml_ptr),
+            np.ascontiguousarray(order.astype(np.int64)))
 
 
 # --------------------------------------------------------------------------- kernels (numba)
@@ -454,165 +402,6 @@ def _search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf, half, p
     return 0
 
 
-# The pruned search (`shell_search`'s default): the reference's levels in the reference's order with the same
-# update rule, but a level's leaders are searched depth-first through a trie of their coordinates (`ShellTrie`),
-# a branch cut when even the best completion of its prefix (Cauchy-Schwarz on the rest, or the rest's
-# coordinates at most the last one) cannot reach the inner product the level needs to matter. Only the
-# leaders within _NEAR_IP of the level's largest inner product are kept; the reference's scan keeps the
-# first of them when they are all within _CLUSTER_IP of it (exact ties), else that level is scanned as the
-# reference does. So the (level, leader) picked, and the index, are the reference's.
-_PRUNE_IP = 1e-9     # a level is skipped when its largest inner product is this far below what it needs
-_NEAR_IP = 1e-9      # leaders this close to a level's largest inner product are kept (>> _TIE_IP)
-_CLUSTER_IP = 1e-12  # ... and must all be this close (exact ties) for the pruned pick; else a plain scan
-_NEAR_SLOTS = 32
-
-
-def _pruned_search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf, half, parity, orbit_off, mult, nsign,
-                      node_lo, node_hi, tdep, tval, tskip, trem, tleaf, index, level, start, stop):
-    """`_search_py` with each level's leaders searched through the trie (node_lo/hi int64 [G]: each level's
-    nodes; tdep int64, tval float64 (doubled coordinate), tskip int64 (the next node outside this one's
-    subtree), trem float64 (8 m less the squares of the prefix down to this node), tleaf int64 (the leader of
-    a depth-7 node), all [nodes]): the same index [n] and level [n]."""
-    n_lv = radii.shape[0]
-    a = np.empty(8)
-    p = np.empty(8, np.int64)
-    y = np.empty(8)
-    w = np.empty(8, np.int64)
-    cnt = np.zeros(8, np.int64)
-    vals = np.empty(8, np.int64)
-    pre = np.zeros(9)       # the inner product of the trie path's prefix, per depth
-    sq_tail = np.zeros(9)   # sum of a[k]^2 for k >= i
-    tail = np.zeros(9)      # sum of a[k] for k >= i
-    near_j = np.empty(_NEAR_SLOTS, np.int64)
-    near_ip = np.empty(_NEAR_SLOTS)
-    for b in range(start, stop):
-        rho2 = 0.0
-        neg = 0
-        for i in range(8):
-            y[i] = y_all[b, i]
-            rho2 += y[i] * y[i]
-            if y[i] < 0:
-                neg += 1
-        negpar = neg & 1
-        rho = math.sqrt(rho2)
-        for i in range(8):  # stable insertion sort of |y|, descending, with positions
-            v = abs(y[i])
-            j = i
-            while j > 0 and a[j - 1] < v:
-                a[j] = a[j - 1]
-                p[j] = p[j - 1]
-                j -= 1
-            a[j] = v
-            p[j] = i
-        for k in range(7, -1, -1):
-            sq_tail[k] = sq_tail[k + 1] + a[k] * a[k]
-            tail[k] = tail[k + 1] + a[k]
-        hi = np.searchsorted(radii, rho)
-        lo = hi - 1
-        best = np.inf
-        best_lv = n_lv
-        best_j = -1
-        while True:
-            dlo = (rho - radii[lo]) ** 2 if lo >= 0 else np.inf
-            dhi = (rho - radii[hi]) ** 2 if hi < n_lv else np.inf
-            if min(dlo, dhi) > best + 1e-10:  # TIE: a tied level further out is still visited
-                break
-            if dlo <= dhi:
-                g = lo
-                lo -= 1
-            else:
-                g = hi
-                hi += 1
-            if lv_hi[g] == lv_lo[g]:
-                d = rho2
-                jb = -1
-            else:
-                r = radii[g]
-                # d <= best + TIE (needed for an update) iff top >= need
-                need = -np.inf if best == np.inf else (rho2 + r * r - best - 1e-10) / (2.0 * r * scale[g]) - _PRUNE_IP
-                cur = -np.inf
-                nn = 0
-                plain = False
-                i = node_lo[g]
-                end = node_hi[g]
-                while i < end:
-                    dep = tdep[i]
-                    v = tval[i]
-                    ip = pre[dep] + a[dep] * v
-                    floor = max(need, cur) - _NEAR_IP
-                    if dep == 7:
-                        j = tleaf[i]
-                        if half[j] and parity[j] != negpar:
-                            ip -= 2.0 * a[7] * leadf[j, 7]
-                        if ip >= floor:
-                            if ip > cur:
-                                cur = ip
-                            if nn == _NEAR_SLOTS:  # drop the records the larger cur has left behind
-                                kept = 0
-                                for q in range(nn):
-                                    if near_ip[q] >= cur - _NEAR_IP:
-                                        near_j[kept] = near_j[q]
-                                        near_ip[kept] = near_ip[q]
-                                        kept += 1
-                                nn = kept
-                            if nn == _NEAR_SLOTS:
-                                plain = True
-                                break
-                            near_j[nn] = j
-                            near_ip[nn] = ip
-                            nn += 1
-                        i += 1
-                        continue
-                    gap = floor - ip
-                    if gap > 0.0 and (v * tail[dep + 1] < gap or gap * gap > sq_tail[dep + 1] * trem[i]):
-                        i = tskip[i]
-                        continue
-                    pre[dep + 1] = ip
-                    i += 1
-                if cur < need and not plain:
-                    continue  # the level's d > best + TIE: the reference does not update either
-                jb = -1
-                if not plain:
-                    for q in range(nn):
-                        if near_ip[q] >= cur - _NEAR_IP:
-                            if near_ip[q] < cur - _CLUSTER_IP:
-                                plain = True  # distinct near inner products: the scan's tie chain decides
-                                break
-                            if jb < 0:
-                                jb = near_j[q]
-                if plain:
-                    top = -np.inf
-                    jb = -1
-                    for j in range(lv_lo[g], lv_hi[g]):
-                        ip = 0.0
-                        for k in range(8):
-                            ip += a[k] * leadf[j, k]
-                        if half[j] and parity[j] != negpar:
-                            ip -= 2.0 * a[7] * leadf[j, 7]
-                        if ip > top + 1e-11:  # _TIE_IP: the lower leader keeps a tie
-                            top = ip
-                            jb = j
-                else:  # the reference's inner product of that leader, the same operations
-                    top = 0.0
-                    for k in range(8):
-                        top += a[k] * leadf[jb, k]
-                    if half[jb] and parity[jb] != negpar:
-                        top -= 2.0 * a[7] * leadf[jb, 7]
-                d = rho2 - 2.0 * r * top * scale[g] + r * r
-            if d < best - 1e-10 or (d <= best + 1e-10 and g < best_lv):
-                best = d
-                best_lv = g
-                best_j = jb
-        level[b] = best_lv
-        if best_j < 0:
-            index[b] = offsets[best_lv]
-            continue
-        j = best_j
-        index[b] = offsets[best_lv] + orbit_off[j] + _point_index(y, a, p, negpar, j, lead2, half, parity, mult, nsign,
-                                                                  w, cnt, vals)
-    return 0
-
-
 def _d8_doubled_py(x, shift, out):
     """out int64 [8] = 2 q + shift, q the nearest point of D8 (integers, even sum) to x [8] - shift / 2
     (shift 0: D8 itself, 1: the coset D8 + 1/2 in doubled units); returns the squared distance from 2 x."""
@@ -640,25 +429,34 @@ def _d8_doubled_py(x, shift, out):
 
 
 _d8_doubled = None  # the compiled _d8_doubled_py, bound by _kernels()
-_DECODE_RHO = (1e-3, 1e3)  # block norms where the lattice step is used (tie margins stay >> _TIE_IP)
-_INNER2 = 0.69 ** 2        # < E8's packing radius^2 (1/2): a lattice point this near z is the only one
+_PRUNE_IP = 1e-9     # a level is skipped when its largest inner product is this far below what it needs
 
 
-def _columns_search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf, half, parity, orbit_off, mult,
-                       nsign, cols, flip, keys, lv_mid, m8, buf, index, level, start, stop):
-    """`_search_py` with each visited level's inner products computed first for all its leaders at once
-    (cols float64 [8, L]: leadf transposed; flip float64 [2, L]: 1 where a half leader's parity forbids
-    y's sign parity 0 / 1; buf float64 [>= leaders per level]: scratch): a loop over leaders that vectorises,
-    the same operations per leader as the scan. A level whose largest inner product cannot bring its d
-    within TIE of the best is skipped (the scan does not update on it either); else the scan's tie rule runs
-    over the computed values. Before that, the lattice step (keys int64 [L]: each leader's doubled values
-    packed 5 bits each, first most significant; lv_mid int64 [G]: each level's first half leader; m8 int64
-    [G]: 8 m): the point of shell m nearest in angle to y is the point of that shell nearest to
-    z = sqrt(2 m) y / ||y|| (|z - s|^2 = 4 m (1 - cos)); E8's nearest point to z (Conway-Sloane) within
-    _INNER2 of z is the only lattice point that near, so if it lies on shell m its leader is the level's
-    unique best (no scan), and if no shell point may be nearer than the level needs (its d within TIE of
-    best) and that bound is below _INNER2, the level is skipped. Same index [n] and level [n] as `_search_py`."""
+_LATTICE_RHO = (1e-3, 1e3)  # block norms the lattice search takes (its tie margins stay >> _TIE_IP)
+_R2_CAP = 3.0               # a larger enumeration ball: the block goes to the leader search
+_CANDIDATES = 64            # lattice points kept per block (more: the leader search)
+_SURVIVE_D = 1e-8           # candidates within this of the smallest cheap d get the scan's exact d
+_NEAR_D = 1e-9              # exact d (and inner products) this close to the best must tie ...
+_TIE_D = 1e-12              # ... within this (exact ties), else the block goes to the leader search
+
+
+def _lattice_search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf, half, parity, orbit_off, mult,
+                       nsign, keys, lv_mid, m8, ml_ptr, ml_lv, index, level, done, start, stop):
+    """Blocks [start, stop) of y_all [n, 8] -> index [n], level [n] and done[b] = 1 where the lattice search
+    settles the block (0: left to the leader search). keys int64 [L] (each doubled leader packed 5 bits per
+    value, position 0 most significant), lv_mid int64 [G] (each level's first half leader), m8 int64 [G]
+    (8 m per level), ml_ptr int64 [M + 2] / ml_lv int64 [G] (the levels of shell m: ml_lv[ml_ptr[m]:ml_ptr[m + 1]]).
+
+    A level's points are r_g s / |s| for s on E8's shell m_g, and d = rho^2 + r^2 - 2 r rho cos(y, s). An
+    incumbent D (the E8 point nearest to sqrt(2 m) y / rho for the level nearest in radius, Conway-Sloane)
+    bounds the levels that can matter ((rho - r)^2 <= D) and per level the cosine they need; every s meeting
+    one of those lies in one ball around t y / rho, whose E8 points are enumerated (both D8 cosets, a
+    depth-first walk over each coordinate's three nearest values). The candidates' leaders then get the
+    scan's exact inner products and d: the block is settled when the best d's and inner products tie
+    exactly or are apart by more than _NEAR_D (then the scan's sequential tie rule picks the lowest level,
+    then the lowest leader, as here); anything else is left to the leader search."""
     n_lv = radii.shape[0]
+    max_m = ml_ptr.shape[0] - 2
     a = np.empty(8)
     p = np.empty(8, np.int64)
     y = np.empty(8)
@@ -666,9 +464,285 @@ def _columns_search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf,
     cnt = np.zeros(8, np.int64)
     vals = np.empty(8, np.int64)
     z = np.empty(8)
-    c0i = np.empty(8, np.int64)
-    c1i = np.empty(8, np.int64)
+    s0 = np.empty(8, np.int64)
+    s1 = np.empty(8, np.int64)
+    base = np.empty(8, np.int64)
+    step = np.empty(8, np.int64)
+    cost = np.empty((8, 3))
+    opt = np.zeros(8, np.int64)
+    part = np.zeros(9)
     srt = np.empty(8, np.int64)
+    cand_g = np.empty(_CANDIDATES, np.int64)
+    cand_d = np.empty(_CANDIDATES)
+    cand_s = np.empty((_CANDIDATES, 8), np.int64)
+    cand_j = np.empty(_CANDIDATES, np.int64)
+    cand_top = np.empty(_CANDIDATES)
+    for b in range(start, stop):
+        done[b] = 0
+        rho2 = 0.0
+        neg = 0
+        for i in range(8):
+            y[i] = y_all[b, i]
+            rho2 += y[i] * y[i]
+            if y[i] < 0:
+                neg += 1
+        negpar = neg & 1
+        rho = math.sqrt(rho2)
+        if not (_LATTICE_RHO[0] <= rho <= _LATTICE_RHO[1]):
+            continue
+        for i in range(8):  # stable insertion sort of |y|, descending, with positions
+            v = abs(y[i])
+            j = i
+            while j > 0 and a[j - 1] < v:
+                a[j] = a[j - 1]
+                p[j] = p[j - 1]
+                j -= 1
+            a[j] = v
+            p[j] = i
+        # the incumbent: the E8 point nearest to sqrt(2 m) y / rho, m the shell of the level nearest in radius
+        hi = np.searchsorted(radii, rho)
+        g0 = hi if hi < n_lv else n_lv - 1
+        if hi > 0 and (hi == n_lv or rho - radii[hi - 1] < radii[hi] - rho):
+            g0 = hi - 1
+        if m8[g0] == 0:
+            if g0 + 1 >= n_lv:
+                continue
+            g0 += 1
+        root = 0.5 * math.sqrt(m8[g0])  # sqrt(2 m)
+        for i in range(8):
+            z[i] = y[i] * (root / rho)
+        e0 = _d8_doubled(z, 0, s0)
+        e1 = _d8_doubled(z, 1, s1)
+        sq = 0
+        ip = 0.0
+        for i in range(8):
+            v = s0[i] if e0 <= e1 else s1[i]
+            sq += v * v
+            ip += y[i] * v
+        big = np.inf
+        if m8[0] == 0:
+            big = rho2
+        m = sq >> 3
+        if 0 < m <= max_m:
+            for q in range(ml_ptr[m], ml_ptr[m + 1]):
+                r = radii[ml_lv[q]]
+                big = min(big, rho2 - 2.0 * r * ip / math.sqrt(sq) + r * r)
+        if big == np.inf:
+            continue
+        bound = big * (1.0 + 1e-9) + 1e-12
+        # the levels that can matter, and the ball holding every point any of them needs
+        gl = hi - 1
+        while gl >= 0 and (rho - radii[gl]) ** 2 <= bound:
+            gl -= 1
+        gl += 1
+        gh = hi
+        while gh < n_lv and (rho - radii[gh]) ** 2 <= bound:
+            gh += 1
+        gh -= 1
+        lo_c = np.inf
+        hi_c = -np.inf
+        ok = True
+        for g in range(gl, gh + 1):
+            if m8[g] == 0:
+                continue
+            r = radii[g]
+            kappa = (rho2 + r * r - bound) / (2.0 * r * rho)
+            if kappa <= 0.0:
+                ok = False
+                break
+            c = 0.5 * math.sqrt(m8[g]) * kappa
+            lo_c = min(lo_c, c)
+            hi_c = max(hi_c, c)
+        if not ok or lo_c == np.inf:
+            continue
+        t = 0.5 * (lo_c + hi_c)
+        ball = 0.0
+        for g in range(gl, gh + 1):
+            if m8[g] == 0:
+                continue
+            r = radii[g]
+            kappa = (rho2 + r * r - bound) / (2.0 * r * rho)
+            sr = 0.5 * math.sqrt(m8[g])
+            ball = max(ball, sr * sr + t * t - 2.0 * t * sr * kappa)
+        ball += 1e-9
+        if ball > _R2_CAP:
+            continue
+        # enumerate E8 (D8 and D8 + 1/2, doubled coordinates) in the ball around t y / rho
+        nc = 0
+        if m8[0] == 0 and gl == 0:  # the origin level: d = rho^2 (the scan's)
+            cand_g[0] = 0
+            cand_d[0] = rho2
+            nc = 1
+        for shift in range(2):
+            for i in range(8):
+                v = y[i] * (t / rho) - 0.5 * shift
+                n0 = math.floor(v + 0.5)
+                f = v - n0
+                base[i] = np.int64(n0)
+                step[i] = 1 if f >= 0 else -1
+                af = abs(f)
+                cost[i, 0] = af * af
+                cost[i, 1] = (1.0 - af) * (1.0 - af)
+                cost[i, 2] = (1.0 + af) * (1.0 + af)
+            k = 0
+            opt[0] = 0
+            part[0] = 0.0
+            while k >= 0:
+                if opt[k] > 2:
+                    k -= 1
+                    if k >= 0:
+                        opt[k] += 1
+                    continue
+                c = part[k] + cost[k, opt[k]]
+                if c > ball:  # the options cost more and more: none left at this depth
+                    k -= 1
+                    if k >= 0:
+                        opt[k] += 1
+                    continue
+                if k < 7:
+                    part[k + 1] = c
+                    k += 1
+                    opt[k] = 0
+                    continue
+                total = 0
+                sq = 0
+                ip = 0.0
+                for i in range(8):
+                    o = opt[i]
+                    n = base[i] + (0 if o == 0 else (step[i] if o == 1 else -step[i]))
+                    total += n
+                    v = 2 * n + shift
+                    srt[i] = v
+                    sq += v * v
+                    ip += y[i] * v
+                opt[7] += 1
+                m = sq >> 3
+                if total & 1 or m == 0 or m > max_m:
+                    continue
+                for q in range(ml_ptr[m], ml_ptr[m + 1]):
+                    g = ml_lv[q]
+                    if g < gl or g > gh:
+                        continue
+                    r = radii[g]
+                    dd = rho2 - 2.0 * r * ip / math.sqrt(sq) + r * r
+                    if dd > bound:
+                        continue
+                    if nc == _CANDIDATES:
+                        ok = False
+                        break
+                    cand_g[nc] = g
+                    cand_d[nc] = dd
+                    for i in range(8):
+                        cand_s[nc, i] = srt[i]
+                    nc += 1
+                if not ok:
+                    break
+            if not ok:
+                break
+        if not ok or nc == 0:
+            continue
+        # the scan's exact d for the candidates near the smallest
+        dmin = np.inf
+        for q in range(nc):
+            dmin = min(dmin, cand_d[q])
+        dstar = np.inf
+        for q in range(nc):
+            cand_j[q] = -2  # not near
+            if cand_d[q] > dmin + _SURVIVE_D:
+                continue
+            g = cand_g[q]
+            if m8[g] == 0:
+                cand_j[q] = -1
+                cand_top[q] = 0.0
+                cand_d[q] = rho2
+                dstar = min(dstar, rho2)
+                continue
+            for i in range(8):  # the candidate's leader: |s| sorted descending, as a key
+                v = abs(cand_s[q, i])
+                k = i
+                while k > 0 and srt[k - 1] < v:
+                    srt[k] = srt[k - 1]
+                    k -= 1
+                srt[k] = v
+            key = 0
+            for i in range(8):
+                key = (key << 5) | srt[i]
+            lo_j, hi_j = (lv_lo[g], lv_mid[g]) if srt[0] % 2 == 0 else (lv_mid[g], lv_hi[g])
+            while hi_j - lo_j > 1:  # keys descend within the integer and within the half leaders
+                mid = (lo_j + hi_j) // 2
+                if keys[mid] >= key:
+                    lo_j = mid
+                else:
+                    hi_j = mid
+            if lo_j >= lv_hi[g] or keys[lo_j] != key:
+                ok = False
+                break
+            j = lo_j
+            top = 0.0  # the scan's inner product of that leader: the same operations
+            for k in range(8):
+                top += a[k] * leadf[j, k]
+            if half[j] and parity[j] != negpar:
+                top -= 2.0 * a[7] * leadf[j, 7]
+            r = radii[g]
+            cand_j[q] = j
+            cand_top[q] = top
+            cand_d[q] = rho2 - 2.0 * r * top * scale[g] + r * r
+            dstar = min(dstar, cand_d[q])
+        if not ok:
+            continue
+        # settled only without near-ties: the lowest level among exact ties, inside it the lowest leader
+        win = n_lv
+        for q in range(nc):
+            if cand_j[q] == -2 or cand_d[q] > dstar + _NEAR_D:
+                continue
+            if cand_d[q] > dstar + _TIE_D:
+                ok = False
+                break
+            win = min(win, cand_g[q])
+        if not ok:
+            continue
+        best_j = -1
+        if m8[win] != 0:
+            top = -np.inf
+            for q in range(nc):
+                if cand_j[q] >= 0 and cand_g[q] == win:
+                    top = max(top, cand_top[q])
+            best_j = lv_hi[win]
+            for q in range(nc):
+                if cand_j[q] < 0 or cand_g[q] != win or cand_top[q] < top - _NEAR_D:
+                    continue
+                if cand_top[q] < top - _TIE_D:
+                    ok = False
+                    break
+                best_j = min(best_j, cand_j[q])
+            if not ok:
+                continue
+        level[b] = win
+        if best_j < 0:
+            index[b] = offsets[win]
+        else:
+            j = best_j
+            index[b] = offsets[win] + orbit_off[j] + _point_index(y, a, p, negpar, j, lead2, half, parity, mult,
+                                                                  nsign, w, cnt, vals)
+        done[b] = 1
+    return 0
+
+
+def _columns_search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf, half, parity, orbit_off, mult,
+                       nsign, cols, flip, buf, index, level, start, stop):
+    """`_search_py` with each visited level's inner products computed first for all its leaders at once
+    (cols float64 [8, L]: leadf transposed; flip float64 [2, L]: 1 where a half leader's parity forbids
+    y's sign parity 0 / 1; buf float64 [>= leaders per level]: scratch): a loop over leaders that vectorises,
+    the same operations per leader as the scan. A level whose largest inner product cannot bring its d
+    within TIE of the best is skipped (the scan does not update on it either); else the scan's tie rule runs
+    over the computed values. Same index [n] and level [n] as `_search_py`."""
+    n_lv = radii.shape[0]
+    a = np.empty(8)
+    p = np.empty(8, np.int64)
+    y = np.empty(8)
+    w = np.empty(8, np.int64)
+    cnt = np.zeros(8, np.int64)
+    vals = np.empty(8, np.int64)
     for b in range(start, stop):
         rho2 = 0.0
         neg = 0
@@ -690,7 +764,6 @@ def _columns_search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf,
             p[j] = i
         a0, a1, a2, a3, a4, a5, a6, a7 = a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]
         cut = 2.0 * a7
-        lattice = _DECODE_RHO[0] <= rho <= _DECODE_RHO[1]
         hi = np.searchsorted(radii, rho)
         lo = hi - 1
         best = np.inf
@@ -716,49 +789,6 @@ def _columns_search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf,
                 r = radii[g]
                 # the level can update only if some leader's inner product reaches need (d <= best + TIE)
                 need = -np.inf if best == np.inf else (rho2 + r * r - best - 1e-10) / (2.0 * r * scale[g]) - _PRUNE_IP
-                if lattice:
-                    root = math.sqrt(0.125 * m8[g])  # sqrt(2 m)
-                    for i in range(8):
-                        z[i] = y[i] * (root / rho)
-                    d0 = _d8_doubled(z, 0, c0i)
-                    d1 = _d8_doubled(z, 1, c1i)
-                    cz = c0i if d0 <= d1 else c1i
-                    near2 = 0.25 * min(d0, d1)  # |z - Q(z)|^2
-                    sq = 0
-                    for i in range(8):
-                        sq += cz[i] * cz[i]
-                    if sq == m8[g] and near2 < _INNER2:  # Q(z) on the shell: its leader is the level's best
-                        for i in range(8):  # |Q(z)| sorted descending, packed as a leader key
-                            v = abs(cz[i])
-                            k = i
-                            while k > 0 and srt[k - 1] < v:
-                                srt[k] = srt[k - 1]
-                                k -= 1
-                            srt[k] = v
-                        key = 0
-                        for i in range(8):
-                            key = (key << 5) | srt[i]
-                        lo_j, hi_j = (j0, lv_mid[g]) if srt[0] % 2 == 0 else (lv_mid[g], j0 + nl)
-                        while hi_j - lo_j > 1:  # keys descend within the integer and the half leaders
-                            mid = (lo_j + hi_j) // 2
-                            if keys[mid] >= key:
-                                lo_j = mid
-                            else:
-                                hi_j = mid
-                        jb = lo_j
-                        top = 0.0  # the scan's inner product of that leader, the same operations
-                        for k in range(8):
-                            top += a[k] * leadf[jb, k]
-                        if half[jb] and parity[jb] != negpar:
-                            top -= 2.0 * a[7] * leadf[jb, 7]
-                        d = rho2 - 2.0 * r * top * scale[g] + r * r
-                        if d < best - 1e-10 or (d <= best + 1e-10 and g < best_lv):
-                            best = d
-                            best_lv = g
-                            best_j = jb
-                        continue
-                    if need > -np.inf and 4.0 * root * root - root * need / rho < _INNER2:
-                        continue  # no shell point within the needed distance of z: d > best + TIE
                 fl = flip[negpar]
                 c0, c1, c2, c3, c4, c5, c6, c7 = cols[0], cols[1], cols[2], cols[3], cols[4], cols[5], cols[6], cols[7]
                 hits = 0
@@ -865,8 +895,8 @@ def _kernels():
                 _point_index = numba.njit(nogil=True, cache=True)(_point_index_py)
                 _KERNELS = (numba.njit(nogil=True, cache=True)(_search_py),
                             numba.njit(nogil=True, cache=True)(_unrank_py),
-                            numba.njit(nogil=True, cache=True)(_pruned_search_py),
-                            numba.njit(nogil=True, cache=True)(_columns_search_py))
+                            numba.njit(nogil=True, cache=True)(_columns_search_py),
+                            numba.njit(nogil=True, cache=True)(_lattice_search_py))
     return _KERNELS
 
 
@@ -881,16 +911,22 @@ def shell_search(blocks: np.ndarray, tables: ShellTables, scan: bool = False) ->
     n = blocks.shape[0]
     index = np.empty(n, np.int64)
     level = np.empty(n, np.int64)
-    search, _, pruned, columns = _kernels()
-    if scan:
-        args = (blocks, *tables.args(), index, level)
-    elif _MODE == "trie":
-        args = (blocks, *tables.args(), *shell_trie(tables).args(), index, level)
-        search = pruned
-    else:
+    search, _, columns, lattice = _kernels()
+    if not scan:  # the lattice search first; the blocks it leaves go to the leader-column search
+        done = np.empty(n, np.uint8)
+        run_split(lattice, (blocks, *tables.args(), *lattice_tables(tables), index, level, done), n, 64,
+                  _MIN_BLOCKS_PER_THREAD, "fibquant-e8shell")
+        rest = np.flatnonzero(done == 0)
+        if rest.size == 0:
+            return index, level
+        sub_index, sub_level = np.empty(rest.size, np.int64), np.empty(rest.size, np.int64)
+        cols, flip = shell_columns(tables)
         buf = np.empty(int((tables.lv_hi - tables.lv_lo).max()) + 1)
-        args = (blocks, *tables.args(), *shell_columns(tables), buf, index, level)
-        search = columns
+        run_split(columns, (np.ascontiguousarray(blocks[rest]), *tables.args(), cols, flip, buf, sub_index,
+                            sub_level), rest.size, 64, _MIN_BLOCKS_PER_THREAD, "fibquant-e8shell")
+        index[rest], level[rest] = sub_index, sub_level
+        return index, level
+    args = (blocks, *tables.args(), index, level)
     run_split(search, args, n, 64, _MIN_BLOCKS_PER_THREAD, "fibquant-e8shell")
     return index, level
 
