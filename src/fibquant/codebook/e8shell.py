@@ -223,7 +223,8 @@ def shell_columns(tables: ShellTables) -> tuple[np.ndarray, np.ndarray]:
 def lattice_tables(tables: ShellTables) -> tuple[np.ndarray, ...]:
     """The lattice search's tables, cached per tables object: keys int64 [L] (each doubled leader packed 5 bits
     per value, position 0 most significant), lv_mid int64 [G] (each level's first half leader), m8 int64 [G]
-    (8 m per level), ml_ptr int64 [M + 2] and ml_lv int64 [G] (the levels of shell m, M the largest shell)."""
+    (8 m per level), ml_ptr int64 [M + 2] and ml_lv int64 [G] (the levels of shell m, M the largest shell),
+    sroot float64 [G] (sqrt(2 m)), inv_r float64 [G] (1 / r; 0 at the origin)."""
     if int(tables.lead2.max(initial=0)) > 31:
         raise ValueError("a doubled leader value does not fit the 5-bit leader key (shells m <= 127 only)")
     keys = np.zeros(len(tables.lead2), np.int64)
@@ -235,8 +236,10 @@ def lattice_tables(tables: ShellTables) -> tuple[np.ndarray, ...]:
     shells = m8 // 8
     order = np.argsort(shells, kind="stable")
     ml_ptr = np.searchsorted(shells[order], np.arange(int(shells.max()) + 2), side="left").astype(np.int64)
+    sroot = np.sqrt(m8 / 4.0)
+    inv_r = np.where(m8 > 0, 1.0 / np.where(m8 > 0, tables.radii, 1.0), 0.0)
     return (np.ascontiguousarray(keys), lv_mid, m8, np.ascontiguousarray(ml_ptr),
-            np.ascontiguousarray(order.astype(np.int64)))
+            np.ascontiguousarray(order.astype(np.int64)), sroot, inv_r)
 
 
 # --------------------------------------------------------------------------- kernels (numba)
@@ -435,17 +438,19 @@ _PRUNE_IP = 1e-9     # a level is skipped when its largest inner product is this
 _LATTICE_RHO = (1e-3, 1e3)  # block norms the lattice search takes (its tie margins stay >> _TIE_IP)
 _R2_CAP = 3.0               # a larger enumeration ball: the block goes to the leader search
 _CANDIDATES = 64            # lattice points kept per block (more: the leader search)
+_LATTICE_MIN_LEADERS = 50   # leaders per level from which `shell_search` takes the lattice search
 _SURVIVE_D = 1e-8           # candidates within this of the smallest cheap d get the scan's exact d
 _NEAR_D = 1e-9              # exact d (and inner products) this close to the best must tie ...
 _TIE_D = 1e-12              # ... within this (exact ties), else the block goes to the leader search
 
 
 def _lattice_search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf, half, parity, orbit_off, mult,
-                       nsign, keys, lv_mid, m8, ml_ptr, ml_lv, index, level, done, start, stop):
+                       nsign, keys, lv_mid, m8, ml_ptr, ml_lv, sroot, inv_r, index, level, done, start, stop):
     """Blocks [start, stop) of y_all [n, 8] -> index [n], level [n] and done[b] = 1 where the lattice search
     settles the block (0: left to the leader search). keys int64 [L] (each doubled leader packed 5 bits per
     value, position 0 most significant), lv_mid int64 [G] (each level's first half leader), m8 int64 [G]
-    (8 m per level), ml_ptr int64 [M + 2] / ml_lv int64 [G] (the levels of shell m: ml_lv[ml_ptr[m]:ml_ptr[m + 1]]).
+    (8 m per level), ml_ptr int64 [M + 2] / ml_lv int64 [G] (the levels of shell m: ml_lv[ml_ptr[m]:ml_ptr[m + 1]]),
+    sroot float64 [G] (sqrt(2 m)), inv_r float64 [G] (1 / r, 0 at the origin).
 
     A level's points are r_g s / |s| for s on E8's shell m_g, and d = rho^2 + r^2 - 2 r rho cos(y, s). An
     incumbent D (the E8 point nearest to sqrt(2 m) y / rho for the level nearest in radius, Conway-Sloane)
@@ -468,8 +473,10 @@ def _lattice_search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf,
     s1 = np.empty(8, np.int64)
     base = np.empty(8, np.int64)
     step = np.empty(8, np.int64)
-    cost = np.empty((8, 3))
-    opt = np.zeros(8, np.int64)
+    up1 = np.empty(8)
+    up2 = np.empty(8)
+    el = np.empty(8, np.int64)
+    opt = np.zeros(9, np.int64)
     part = np.zeros(9)
     srt = np.empty(8, np.int64)
     cand_g = np.empty(_CANDIDATES, np.int64)
@@ -477,6 +484,7 @@ def _lattice_search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf,
     cand_s = np.empty((_CANDIDATES, 8), np.int64)
     cand_j = np.empty(_CANDIDATES, np.int64)
     cand_top = np.empty(_CANDIDATES)
+    kap = np.empty(n_lv)
     for b in range(start, stop):
         done[b] = 0
         rho2 = 0.0
@@ -508,7 +516,7 @@ def _lattice_search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf,
             if g0 + 1 >= n_lv:
                 continue
             g0 += 1
-        root = 0.5 * math.sqrt(m8[g0])  # sqrt(2 m)
+        root = sroot[g0]
         for i in range(8):
             z[i] = y[i] * (root / rho)
         e0 = _d8_doubled(z, 0, s0)
@@ -542,15 +550,17 @@ def _lattice_search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf,
         lo_c = np.inf
         hi_c = -np.inf
         ok = True
+        half_rho = 0.5 / rho
         for g in range(gl, gh + 1):
             if m8[g] == 0:
                 continue
             r = radii[g]
-            kappa = (rho2 + r * r - bound) / (2.0 * r * rho)
+            kappa = ((rho2 - bound) * inv_r[g] + r) * half_rho  # the cosine level g needs
             if kappa <= 0.0:
                 ok = False
                 break
-            c = 0.5 * math.sqrt(m8[g]) * kappa
+            kap[g - gl] = kappa
+            c = sroot[g] * kappa
             lo_c = min(lo_c, c)
             hi_c = max(hi_c, c)
         if not ok or lo_c == np.inf:
@@ -560,10 +570,8 @@ def _lattice_search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf,
         for g in range(gl, gh + 1):
             if m8[g] == 0:
                 continue
-            r = radii[g]
-            kappa = (rho2 + r * r - bound) / (2.0 * r * rho)
-            sr = 0.5 * math.sqrt(m8[g])
-            ball = max(ball, sr * sr + t * t - 2.0 * t * sr * kappa)
+            sr = sroot[g]
+            ball = max(ball, sr * sr + t * t - 2.0 * t * sr * kap[g - gl])
         ball += 1e-9
         if ball > _R2_CAP:
             continue
@@ -574,6 +582,7 @@ def _lattice_search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf,
             cand_d[0] = rho2
             nc = 1
         for shift in range(2):
+            extra = ball  # what the ball leaves over the nearest integers' squared distance
             for i in range(8):
                 v = y[i] * (t / rho) - 0.5 * shift
                 n0 = math.floor(v + 0.5)
@@ -581,62 +590,74 @@ def _lattice_search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf,
                 base[i] = np.int64(n0)
                 step[i] = 1 if f >= 0 else -1
                 af = abs(f)
-                cost[i, 0] = af * af
-                cost[i, 1] = (1.0 - af) * (1.0 - af)
-                cost[i, 2] = (1.0 + af) * (1.0 + af)
+                extra -= af * af
+                up1[i] = 1.0 - 2.0 * af  # the second nearest value's extra squared distance
+                up2[i] = 1.0 + 2.0 * af  # the third's
+            if extra < 0.0:
+                continue
+            ne = 0
+            for i in range(8):  # only these coordinates can leave their nearest value
+                if up1[i] <= extra:
+                    el[ne] = i
+                    ne += 1
             k = 0
             opt[0] = 0
             part[0] = 0.0
-            while k >= 0:
-                if opt[k] > 2:
-                    k -= 1
-                    if k >= 0:
-                        opt[k] += 1
-                    continue
-                c = part[k] + cost[k, opt[k]]
-                if c > ball:  # the options cost more and more: none left at this depth
-                    k -= 1
-                    if k >= 0:
-                        opt[k] += 1
-                    continue
-                if k < 7:
-                    part[k + 1] = c
-                    k += 1
-                    opt[k] = 0
-                    continue
-                total = 0
-                sq = 0
-                ip = 0.0
-                for i in range(8):
-                    o = opt[i]
-                    n = base[i] + (0 if o == 0 else (step[i] if o == 1 else -step[i]))
-                    total += n
-                    v = 2 * n + shift
-                    srt[i] = v
-                    sq += v * v
-                    ip += y[i] * v
-                opt[7] += 1
-                m = sq >> 3
-                if total & 1 or m == 0 or m > max_m:
-                    continue
-                for q in range(ml_ptr[m], ml_ptr[m + 1]):
-                    g = ml_lv[q]
-                    if g < gl or g > gh:
-                        continue
-                    r = radii[g]
-                    dd = rho2 - 2.0 * r * ip / math.sqrt(sq) + r * r
-                    if dd > bound:
-                        continue
-                    if nc == _CANDIDATES:
-                        ok = False
-                        break
-                    cand_g[nc] = g
-                    cand_d[nc] = dd
+            while True:
+                if k == ne:  # a lattice point of the ball's coset
+                    total = 0
                     for i in range(8):
-                        cand_s[nc, i] = srt[i]
-                    nc += 1
-                if not ok:
-                    break
+                        srt[i] = base[i]
+                    for e in range(ne):
+                        o = opt[e]
+                        if o:
+                            i = el[e]
+                            srt[i] += step[i] if o == 1 else -step[i]
+                    sq = 0
+                    ip = 0.0
+                    for i in range(8):
+                        total += srt[i]
+                        v = 2 * srt[i] + shift
+                        srt[i] = v
+                        sq += v * v
+                        ip += y[i] * v
+                    m = sq >> 3
+                    if not (total & 1 or m == 0 or m > max_m):
+                        for q in range(ml_ptr[m], ml_ptr[m + 1]):
+                            g = ml_lv[q]
+                            if g < gl or g > gh:
+                                continue
+                            r = radii[g]
+                            dd = rho2 - 2.0 * r * ip / math.sqrt(sq) + r * r
+                            if dd > bound:
+                                continue
+                            if nc == _CANDIDATES:
+                                ok = False
+                                break
+                            cand_g[nc] = g
+                            cand_d[nc] = dd
+                            for i in range(8):
+                                cand_s[nc, i] = srt[i]
+                            nc += 1
+                    if not ok:
+                        break
+                    k -= 1
+                    if k < 0:
+                        break
+                    opt[k] += 1
+                    continue
+                o = opt[k]
+                c = part[k] + (0.0 if o == 0 else (up1[el[k]] if o == 1 else up2[el[k]]))
+                if o > 2 or c > extra:  # the options cost more and more: none left at this depth
+                    k -= 1
+                    if k < 0:
+                        break
+                    opt[k] += 1
+                    continue
+                part[k + 1] = c
+                k += 1
+                if k < ne:
+                    opt[k] = 0
             if not ok:
                 break
         if not ok or nc == 0:
@@ -729,10 +750,10 @@ def _lattice_search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf,
 
 
 def _columns_search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf, half, parity, orbit_off, mult,
-                       nsign, cols, flip, buf, index, level, start, stop):
+                       nsign, cols, flip, index, level, buf, start, stop):
     """`_search_py` with each visited level's inner products computed first for all its leaders at once
     (cols float64 [8, L]: leadf transposed; flip float64 [2, L]: 1 where a half leader's parity forbids
-    y's sign parity 0 / 1; buf float64 [>= leaders per level]: scratch): a loop over leaders that vectorises,
+    y's sign parity 0 / 1; buf float64 [>= leaders per level]: scratch, one per thread): a loop over leaders that vectorises,
     the same operations per leader as the scan. A level whose largest inner product cannot bring its d
     within TIE of the best is skipped (the scan does not update on it either); else the scan's tie rule runs
     over the computed values. Same index [n] and level [n] as `_search_py`."""
@@ -900,11 +921,19 @@ def _kernels():
     return _KERNELS
 
 
+def uses_lattice(tables: ShellTables) -> bool:
+    """Whether `shell_search` takes the lattice search for this code: levels of many leaders (b = 4: 119 on
+    average), where scanning them costs more than enumerating E8 near the block (b <= 3: 4 to 14 leaders)."""
+    levels = int((tables.lv_hi > tables.lv_lo).sum())
+    return levels > 0 and len(tables.lead2) / levels >= _LATTICE_MIN_LEADERS
+
+
 def shell_search(blocks: np.ndarray, tables: ShellTables, scan: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """blocks float32/float64 [n, 8] (finite) -> (index int64 [n], level int64 [n]): the nearest point of
-    the code, the lowest index among ties (= `exhaustive_search`'s). The leaders of each visited level are
-    searched through `shell_trie` (pruned); with `scan`, every leader of each visited level is scored (the
-    plain leader scan, the pruned search's reference: the same codes)."""
+    the code, the lowest index among ties (= `exhaustive_search`'s). With `scan` (the reference of the
+    faster paths), every leader of each visited level is scored (`_search_py`); else, for codes of many
+    leaders per level (`uses_lattice`), the lattice search (`_lattice_search_py`) and, for the blocks it
+    leaves (near-ties, far blocks), the leader-column search (`_columns_search_py`): the same codes."""
     blocks = np.ascontiguousarray(blocks)
     if blocks.ndim != 2 or blocks.shape[1] != BLOCK or blocks.dtype not in (np.float32, np.float64):
         raise ValueError(f"blocks must be float32/float64 [n, {BLOCK}], got {blocks.dtype} {blocks.shape}")
@@ -912,7 +941,7 @@ def shell_search(blocks: np.ndarray, tables: ShellTables, scan: bool = False) ->
     index = np.empty(n, np.int64)
     level = np.empty(n, np.int64)
     search, _, columns, lattice = _kernels()
-    if not scan:  # the lattice search first; the blocks it leaves go to the leader-column search
+    if not scan and uses_lattice(tables):  # the lattice search; the blocks it leaves: the leader-column search
         done = np.empty(n, np.uint8)
         run_split(lattice, (blocks, *tables.args(), *lattice_tables(tables), index, level, done), n, 64,
                   _MIN_BLOCKS_PER_THREAD, "fibquant-e8shell")
@@ -920,10 +949,10 @@ def shell_search(blocks: np.ndarray, tables: ShellTables, scan: bool = False) ->
         if rest.size == 0:
             return index, level
         sub_index, sub_level = np.empty(rest.size, np.int64), np.empty(rest.size, np.int64)
-        cols, flip = shell_columns(tables)
-        buf = np.empty(int((tables.lv_hi - tables.lv_lo).max()) + 1)
-        run_split(columns, (np.ascontiguousarray(blocks[rest]), *tables.args(), cols, flip, buf, sub_index,
-                            sub_level), rest.size, 64, _MIN_BLOCKS_PER_THREAD, "fibquant-e8shell")
+        width = int((tables.lv_hi - tables.lv_lo).max()) + 1
+        run_split(columns, (np.ascontiguousarray(blocks[rest]), *tables.args(), *shell_columns(tables), sub_index,
+                            sub_level), rest.size, 64, _MIN_BLOCKS_PER_THREAD, "fibquant-e8shell",
+                  per_thread=lambda _: (np.empty(width),))
         index[rest], level[rest] = sub_index, sub_level
         return index, level
     args = (blocks, *tables.args(), index, level)
