@@ -260,29 +260,29 @@ def _distinct_py(leader2, vals, cnt):
 _distinct = None  # the compiled _distinct_py, bound by _kernels() before the kernels that call it compile
 
 
-def _point_index_py(y, a, p, negpar, j, lead2, half, parity, mult, nsign, w, cnt, vals):
+def _point_index_py(y, a, p, negpar, j, lead2, half, parity, mult, nsign, w):
     """The position inside leader j's orbit of its point nearest to block y [8] (a, p: |y| sorted descending
     and the positions; negpar: the parity of y's minus signs): rank * nsign[j] + sign (the numbering in the
-    module docstring; of equally cheap parity flips, the one giving the smallest sign word). w, cnt, vals:
-    int64 [8] scratch."""
+    module docstring; of equally cheap parity flips, the one giving the smallest sign word). w: int64 [8]
+    scratch."""
     for k in range(8):
         w[p[k]] = lead2[j, k]
-    # multiset-permutation rank of w (distinct values in the leader's descending order); every division by
-    # rem = 8 - i is exact, so it is a shift and a multiply by the odd part's inverse mod 2^64 (no idiv)
+    # multiset-permutation rank of w (larger values first): position i adds the arrangements of the rest with a
+    # larger value there, total * (# larger) / (8 - i), total = the arrangements of positions i.. (exact
+    # divisions by 1..8: a shift and a multiply by the odd part's inverse mod 2^64; counts without branches)
     rank = 0
     total = mult[j]
-    _distinct(lead2[j], vals, cnt)
     for i in range(8):
-        rem = 8 - i
-        sh = _EXACT_SHIFT[rem]
-        inv = _EXACT_INV[rem]
-        t = 0
-        while vals[t] != w[i]:
-            if cnt[t] > 0:
-                rank += ((total * cnt[t]) >> sh) * inv
-            t += 1
-        total = ((total * cnt[t]) >> sh) * inv
-        cnt[t] -= 1
+        larger = 0
+        equal = 0
+        wi = w[i]
+        for k in range(i, 8):
+            larger += w[k] > wi
+            equal += w[k] == wi
+        sh = _EXACT_SHIFT[8 - i]
+        inv = _EXACT_INV[8 - i]
+        rank += ((total * larger) >> sh) * inv
+        total = ((total * equal) >> sh) * inv
     sign = 0
     if half[j]:
         flip = -1
@@ -312,13 +312,12 @@ def _point_index_py(y, a, p, negpar, j, lead2, half, parity, mult, nsign, w, cnt
             if i == flip:
                 s ^= 1
             sign |= s << i
-    else:
+    else:  # one bit per non-zero coordinate, in position order
         bit = 0
         for i in range(8):
-            if w[i] != 0:
-                if y[i] < 0:
-                    sign |= 1 << bit
-                bit += 1
+            nz = np.int64(w[i] != 0)
+            sign |= (nz & np.int64(y[i] < 0)) << bit
+            bit += nz
     return rank * nsign[j] + sign
 
 
@@ -401,7 +400,7 @@ def _search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf, half, p
             continue
         j = best_j
         index[b] = offsets[best_lv] + orbit_off[j] + _point_index(y, a, p, negpar, j, lead2, half, parity, mult, nsign,
-                                                                  w, cnt, vals)
+                                                                  w)
     return 0
 
 
@@ -744,7 +743,7 @@ def _lattice_search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf,
         else:
             j = best_j
             index[b] = offsets[win] + orbit_off[j] + _point_index(y, a, p, negpar, j, lead2, half, parity, mult,
-                                                                  nsign, w, cnt, vals)
+                                                                  nsign, w)
         done[b] = 1
     return 0
 
@@ -844,7 +843,7 @@ def _columns_search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf,
             continue
         j = best_j
         index[b] = offsets[best_lv] + orbit_off[j] + _point_index(y, a, p, negpar, j, lead2, half, parity, mult, nsign,
-                                                                  w, cnt, vals)
+                                                                  w)
     return 0
 
 
