@@ -211,20 +211,12 @@ def shell_tables(levels: ShellLevels) -> ShellTables:
 
 
 @lru_cache(maxsize=16)
-def shell_columns(tables: ShellTables) -> tuple[np.ndarray, np.ndarray]:
-    """The leader-column search's tables, cached per tables object: cols float64 [8, L] (the doubled leaders
-    transposed), flip float64 [2, L] (1.0 where leader j is a half leader whose parity differs from p = 0 / 1)."""
-    cols = np.ascontiguousarray(tables.leadf.T)
-    flip = np.ascontiguousarray(np.stack([(tables.half & (tables.parity != q)).astype(np.float64) for q in (0, 1)]))
-    return cols, flip
-
-
-@lru_cache(maxsize=16)
 def lattice_tables(tables: ShellTables) -> tuple[np.ndarray, ...]:
     """The lattice search's tables, cached per tables object: keys int64 [L] (each doubled leader packed 5 bits
     per value, position 0 most significant), lv_mid int64 [G] (each level's first half leader), m8 int64 [G]
     (8 m per level), ml_ptr int64 [M + 2] and ml_lv int64 [G] (the levels of shell m, M the largest shell),
-    sroot float64 [G] (sqrt(2 m)), inv_r float64 [G] (1 / r; 0 at the origin)."""
+    sroot float64 [G] (sqrt(2 m)), inv_r float64 [G] (1 / r; 0 at the origin), inv_norm float64 [M + 1]
+    (1 / sqrt(8 m), the doubled shell's inverse norm; 0 at m = 0)."""
     if int(tables.lead2.max(initial=0)) > 31:
         raise ValueError("a doubled leader value does not fit the 5-bit leader key (shells m <= 127 only)")
     keys = np.zeros(len(tables.lead2), np.int64)
@@ -238,8 +230,10 @@ def lattice_tables(tables: ShellTables) -> tuple[np.ndarray, ...]:
     ml_ptr = np.searchsorted(shells[order], np.arange(int(shells.max()) + 2), side="left").astype(np.int64)
     sroot = np.sqrt(m8 / 4.0)
     inv_r = np.where(m8 > 0, 1.0 / np.where(m8 > 0, tables.radii, 1.0), 0.0)
+    inv_norm = 1.0 / np.sqrt(np.maximum(8.0 * np.arange(int(shells.max()) + 1), 1.0))
+    inv_norm[0] = 0.0
     return (np.ascontiguousarray(keys), lv_mid, m8, np.ascontiguousarray(ml_ptr),
-            np.ascontiguousarray(order.astype(np.int64)), sroot, inv_r)
+            np.ascontiguousarray(order.astype(np.int64)), sroot, inv_r, inv_norm)
 
 
 # --------------------------------------------------------------------------- kernels (numba)
@@ -406,32 +400,31 @@ def _search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf, half, p
 
 def _d8_doubled_py(x, shift, out):
     """out int64 [8] = 2 q + shift, q the nearest point of D8 (integers, even sum) to x [8] - shift / 2
-    (shift 0: D8 itself, 1: the coset D8 + 1/2 in doubled units); returns the squared distance from 2 x."""
+    (shift 0: D8 itself, 1: the coset D8 + 1/2 in doubled units); returns |2 x - out|^2."""
     total = 0
     worst = 0
     err = -1.0
-    for i in range(8):
-        v = x[i] - 0.5 * shift
-        q = math.floor(v + 0.5)
-        out[i] = np.int64(q)
-        total += np.int64(q)
-        e = abs(v - q)
-        if e > err:
-            err = e
-            worst = i
-    if total & 1:  # odd sum: round the worst coordinate the other way
-        v = x[worst] - 0.5 * shift
-        out[worst] += 1 if v > out[worst] else -1
     dist = 0.0
     for i in range(8):
-        out[i] = 2 * out[i] + shift
-        e = 2.0 * x[i] - out[i]
+        v = x[i] - 0.5 * shift
+        q = np.floor(v + 0.5)
+        e = v - q
+        out[i] = np.int64(q)
+        total += out[i]
         dist += e * e
-    return dist
+        if abs(e) > err:
+            err = abs(e)
+            worst = i
+    if total & 1:  # odd sum: round the worst coordinate the other way (its error e becomes 1 - |e|)
+        v = x[worst] - 0.5 * shift
+        out[worst] += 1 if v > out[worst] else -1
+        dist += 1.0 - 2.0 * err
+    for i in range(8):
+        out[i] = 2 * out[i] + shift
+    return 4.0 * dist
 
 
 _d8_doubled = None  # the compiled _d8_doubled_py, bound by _kernels()
-_PRUNE_IP = 1e-9     # a level is skipped when its largest inner product is this far below what it needs
 
 
 _LATTICE_RHO = (1e-3, 1e3)  # block norms the lattice search takes (its tie margins stay >> _TIE_IP)
@@ -444,12 +437,13 @@ _TIE_D = 1e-12              # ... within this (exact ties), else the block goes 
 
 
 def _lattice_search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf, half, parity, orbit_off, mult,
-                       nsign, keys, lv_mid, m8, ml_ptr, ml_lv, sroot, inv_r, index, level, done, start, stop):
+                       nsign, keys, lv_mid, m8, ml_ptr, ml_lv, sroot, inv_r, inv_norm, index, level, done, start,
+                       stop):
     """Blocks [start, stop) of y_all [n, 8] -> index [n], level [n] and done[b] = 1 where the lattice search
     settles the block (0: left to the leader search). keys int64 [L] (each doubled leader packed 5 bits per
     value, position 0 most significant), lv_mid int64 [G] (each level's first half leader), m8 int64 [G]
     (8 m per level), ml_ptr int64 [M + 2] / ml_lv int64 [G] (the levels of shell m: ml_lv[ml_ptr[m]:ml_ptr[m + 1]]),
-    sroot float64 [G] (sqrt(2 m)), inv_r float64 [G] (1 / r, 0 at the origin).
+    sroot float64 [G] (sqrt(2 m)), inv_r float64 [G] (1 / r, 0 at the origin), inv_norm float64 [M + 1] (1 / sqrt(8 m)).
 
     A level's points are r_g s / |s| for s on E8's shell m_g, and d = rho^2 + r^2 - 2 r rho cos(y, s). An
     incumbent D (the E8 point nearest to sqrt(2 m) y / rho for the level nearest in radius, Conway-Sloane)
@@ -533,7 +527,7 @@ def _lattice_search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf,
         if 0 < m <= max_m:
             for q in range(ml_ptr[m], ml_ptr[m + 1]):
                 r = radii[ml_lv[q]]
-                big = min(big, rho2 - 2.0 * r * ip / math.sqrt(sq) + r * r)
+                big = min(big, rho2 - 2.0 * r * ip * inv_norm[m] + r * r)
         if big == np.inf:
             continue
         bound = big * (1.0 + 1e-9) + 1e-12
@@ -580,13 +574,17 @@ def _lattice_search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf,
             cand_g[0] = 0
             cand_d[0] = rho2
             nc = 1
+        for i in range(8):
+            z[i] = y[i] * (t / rho)
         for shift in range(2):
             extra = ball  # what the ball leaves over the nearest integers' squared distance
+            base_par = 0
             for i in range(8):
-                v = y[i] * (t / rho) - 0.5 * shift
-                n0 = math.floor(v + 0.5)
+                v = z[i] - 0.5 * shift
+                n0 = np.floor(v + 0.5)
                 f = v - n0
                 base[i] = np.int64(n0)
+                base_par += base[i]
                 step[i] = 1 if f >= 0 else -1
                 af = abs(f)
                 extra -= af * af
@@ -603,31 +601,34 @@ def _lattice_search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf,
             opt[0] = 0
             part[0] = 0.0
             while True:
-                if k == ne:  # a lattice point of the ball's coset
-                    total = 0
-                    for i in range(8):
-                        srt[i] = base[i]
+                if k == ne:  # a point of the ball's coset of Z^8; in E8 when its integer parts sum to even
+                    flips = base_par
                     for e in range(ne):
-                        o = opt[e]
-                        if o:
-                            i = el[e]
-                            srt[i] += step[i] if o == 1 else -step[i]
-                    sq = 0
-                    ip = 0.0
-                    for i in range(8):
-                        total += srt[i]
-                        v = 2 * srt[i] + shift
-                        srt[i] = v
-                        sq += v * v
-                        ip += y[i] * v
-                    m = sq >> 3
-                    if not (total & 1 or m == 0 or m > max_m):
+                        flips += opt[e] != 0  # each move to another value changes the sum by one
+                    m = 0
+                    if flips & 1 == 0:
+                        for i in range(8):
+                            srt[i] = base[i]
+                        for e in range(ne):
+                            o = opt[e]
+                            if o:
+                                i = el[e]
+                                srt[i] += step[i] if o == 1 else -step[i]
+                        sq = 0
+                        ip = 0.0
+                        for i in range(8):
+                            v = 2 * srt[i] + shift
+                            srt[i] = v
+                            sq += v * v
+                            ip += y[i] * v
+                        m = sq >> 3
+                    if 0 < m <= max_m:
                         for q in range(ml_ptr[m], ml_ptr[m + 1]):
                             g = ml_lv[q]
                             if g < gl or g > gh:
                                 continue
                             r = radii[g]
-                            dd = rho2 - 2.0 * r * ip / math.sqrt(sq) + r * r
+                            dd = rho2 - 2.0 * r * ip * inv_norm[m] + r * r
                             if dd > bound:
                                 continue
                             if nc == _CANDIDATES:
@@ -689,11 +690,10 @@ def _lattice_search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf,
                 key = (key << 5) | srt[i]
             lo_j, hi_j = (lv_lo[g], lv_mid[g]) if srt[0] % 2 == 0 else (lv_mid[g], lv_hi[g])
             while hi_j - lo_j > 1:  # keys descend within the integer and within the half leaders
-                mid = (lo_j + hi_j) // 2
-                if keys[mid] >= key:
-                    lo_j = mid
-                else:
-                    hi_j = mid
+                mid = (lo_j + hi_j) >> 1
+                up = keys[mid] >= key
+                lo_j = mid if up else lo_j
+                hi_j = hi_j if up else mid
             if lo_j >= lv_hi[g] or keys[lo_j] != key:
                 ok = False
                 break
@@ -745,105 +745,6 @@ def _lattice_search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf,
             index[b] = offsets[win] + orbit_off[j] + _point_index(y, a, p, negpar, j, lead2, half, parity, mult,
                                                                   nsign, w)
         done[b] = 1
-    return 0
-
-
-def _columns_search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf, half, parity, orbit_off, mult,
-                       nsign, cols, flip, index, level, buf, start, stop):
-    """`_search_py` with each visited level's inner products computed first for all its leaders at once
-    (cols float64 [8, L]: leadf transposed; flip float64 [2, L]: 1 where a half leader's parity forbids
-    y's sign parity 0 / 1; buf float64 [>= leaders per level]: scratch, one per thread): a loop over leaders that vectorises,
-    the same operations per leader as the scan. A level whose largest inner product cannot bring its d
-    within TIE of the best is skipped (the scan does not update on it either); else the scan's tie rule runs
-    over the computed values. Same index [n] and level [n] as `_search_py`."""
-    n_lv = radii.shape[0]
-    a = np.empty(8)
-    p = np.empty(8, np.int64)
-    y = np.empty(8)
-    w = np.empty(8, np.int64)
-    cnt = np.zeros(8, np.int64)
-    vals = np.empty(8, np.int64)
-    for b in range(start, stop):
-        rho2 = 0.0
-        neg = 0
-        for i in range(8):
-            y[i] = y_all[b, i]
-            rho2 += y[i] * y[i]
-            if y[i] < 0:
-                neg += 1
-        negpar = neg & 1
-        rho = math.sqrt(rho2)
-        for i in range(8):  # stable insertion sort of |y|, descending, with positions
-            v = abs(y[i])
-            j = i
-            while j > 0 and a[j - 1] < v:
-                a[j] = a[j - 1]
-                p[j] = p[j - 1]
-                j -= 1
-            a[j] = v
-            p[j] = i
-        a0, a1, a2, a3, a4, a5, a6, a7 = a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]
-        cut = 2.0 * a7
-        hi = np.searchsorted(radii, rho)
-        lo = hi - 1
-        best = np.inf
-        best_lv = n_lv
-        best_j = -1
-        while True:
-            dlo = (rho - radii[lo]) ** 2 if lo >= 0 else np.inf
-            dhi = (rho - radii[hi]) ** 2 if hi < n_lv else np.inf
-            if min(dlo, dhi) > best + 1e-10:  # TIE: a tied level further out is still visited
-                break
-            if dlo <= dhi:
-                g = lo
-                lo -= 1
-            else:
-                g = hi
-                hi += 1
-            if lv_hi[g] == lv_lo[g]:
-                d = rho2
-                jb = -1
-            else:
-                j0 = lv_lo[g]
-                nl = lv_hi[g] - j0
-                r = radii[g]
-                # the level can update only if some leader's inner product reaches need (d <= best + TIE)
-                need = -np.inf if best == np.inf else (rho2 + r * r - best - 1e-10) / (2.0 * r * scale[g]) - _PRUNE_IP
-                fl = flip[negpar]
-                c0, c1, c2, c3, c4, c5, c6, c7 = cols[0], cols[1], cols[2], cols[3], cols[4], cols[5], cols[6], cols[7]
-                hits = 0
-                for j in range(j0, j0 + nl):  # the scan's sum, term by term in k order (vectorises over j)
-                    ip = 0.0 + a0 * c0[j]
-                    ip = ip + a1 * c1[j]
-                    ip = ip + a2 * c2[j]
-                    ip = ip + a3 * c3[j]
-                    ip = ip + a4 * c4[j]
-                    ip = ip + a5 * c5[j]
-                    ip = ip + a6 * c6[j]
-                    ip = ip + a7 * c7[j]
-                    ip = ip - fl[j] * (cut * c7[j])
-                    buf[j - j0] = ip
-                    hits += ip >= need
-                if hits == 0:
-                    continue  # the level's d is above best + TIE: no update in the scan
-                top = -np.inf
-                jb = -1
-                for q in range(nl):
-                    if buf[q] > top + 1e-11:  # _TIE_IP: the lower leader keeps a tie
-                        top = buf[q]
-                        jb = j0 + q
-                d = rho2 - 2.0 * r * top * scale[g] + r * r
-            if d < best - 1e-10 or (d <= best + 1e-10 and g < best_lv):
-                best = d
-                best_lv = g
-                best_j = jb
-        level[b] = best_lv
-        if best_j < 0:
-            index[b] = offsets[best_lv]
-            continue
-        j = best_j
-        index[b] = offsets[best_lv] + orbit_off[j] + _point_index(y, a, p, negpar, j, lead2, half, parity, mult, nsign,
-                                                                  w)
     return 0
 
 
@@ -915,7 +816,6 @@ def _kernels():
                 _point_index = numba.njit(nogil=True, cache=True)(_point_index_py)
                 _KERNELS = (numba.njit(nogil=True, cache=True)(_search_py),
                             numba.njit(nogil=True, cache=True)(_unrank_py),
-                            numba.njit(nogil=True, cache=True)(_columns_search_py),
                             numba.njit(nogil=True, cache=True)(_lattice_search_py))
     return _KERNELS
 
@@ -927,36 +827,47 @@ def uses_lattice(tables: ShellTables) -> bool:
     return levels > 0 and len(tables.lead2) / levels >= _LATTICE_MIN_LEADERS
 
 
-def shell_search(blocks: np.ndarray, tables: ShellTables, scan: bool = False) -> tuple[np.ndarray, np.ndarray]:
+SEARCH_METHODS = ("auto", "scan", "lattice")
+
+
+def shell_search(blocks: np.ndarray, tables: ShellTables, method: str = "auto") -> tuple[np.ndarray, np.ndarray]:
     """blocks float32/float64 [n, 8] (finite) -> (index int64 [n], level int64 [n]): the nearest point of
-    the code, the lowest index among ties (= `exhaustive_search`'s). With `scan` (the reference of the
-    faster paths), every leader of each visited level is scored (`_search_py`); else, for codes of many
-    leaders per level (`uses_lattice`), the lattice search (`_lattice_search_py`) and, for the blocks it
-    leaves (near-ties, far blocks), the leader-column search (`_columns_search_py`): the same codes."""
+    the code, the lowest index among ties (= `exhaustive_search`'s). Every method gives the same codes:
+    "scan" (the lattice search's reference) scores every leader of each visited level (`_search_py`);
+    "lattice" enumerates E8 near the block (`_lattice_search_py`) and hands the blocks it does not settle
+    (near-ties, blocks far from unit scale or beyond the outer levels) to "scan"; "auto" is "lattice" for
+    codes of many leaders per level (`uses_lattice`: b = 4), else "scan"."""
+    if method not in SEARCH_METHODS:
+        raise ValueError(f"method must be one of {SEARCH_METHODS}, got {method!r}")
     blocks = np.ascontiguousarray(blocks)
     if blocks.ndim != 2 or blocks.shape[1] != BLOCK or blocks.dtype not in (np.float32, np.float64):
         raise ValueError(f"blocks must be float32/float64 [n, {BLOCK}], got {blocks.dtype} {blocks.shape}")
-    n = blocks.shape[0]
-    index = np.empty(n, np.int64)
-    level = np.empty(n, np.int64)
-    search, _, columns, lattice = _kernels()
-    if not scan and uses_lattice(tables):  # the lattice search; the blocks it leaves: the leader-column search
-        done = np.empty(n, np.uint8)
-        run_split(lattice, (blocks, *tables.args(), *lattice_tables(tables), index, level, done), n, 64,
-                  _MIN_BLOCKS_PER_THREAD, "fibquant-e8shell")
-        rest = np.flatnonzero(done == 0)
-        if rest.size == 0:
-            return index, level
-        sub_index, sub_level = np.empty(rest.size, np.int64), np.empty(rest.size, np.int64)
-        width = int((tables.lv_hi - tables.lv_lo).max()) + 1
-        run_split(columns, (np.ascontiguousarray(blocks[rest]), *tables.args(), *shell_columns(tables), sub_index,
-                            sub_level), rest.size, 64, _MIN_BLOCKS_PER_THREAD, "fibquant-e8shell",
-                  per_thread=lambda _: (np.empty(width),))
-        index[rest], level[rest] = sub_index, sub_level
-        return index, level
-    args = (blocks, *tables.args(), index, level)
-    run_split(search, args, n, 64, _MIN_BLOCKS_PER_THREAD, "fibquant-e8shell")
+    if method == "auto":
+        method = "lattice" if uses_lattice(tables) else "scan"
+    if method == "scan":
+        return _scan(blocks, tables)
+    index, level, done = lattice_pass(blocks, tables)
+    rest = np.flatnonzero(done == 0)
+    if rest.size:
+        index[rest], level[rest] = _scan(np.ascontiguousarray(blocks[rest]), tables)
     return index, level
+
+
+def _scan(blocks: np.ndarray, tables: ShellTables) -> tuple[np.ndarray, np.ndarray]:
+    n = blocks.shape[0]
+    index, level = np.empty(n, np.int64), np.empty(n, np.int64)
+    run_split(_kernels()[0], (blocks, *tables.args(), index, level), n, 64, _MIN_BLOCKS_PER_THREAD, "fibquant-e8shell")
+    return index, level
+
+
+def lattice_pass(blocks: np.ndarray, tables: ShellTables) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The lattice search alone: blocks [n, 8] (contiguous float32/float64) -> (index int64 [n], level int64
+    [n], done uint8 [n]); index and level hold the code where done = 1, garbage where 0."""
+    n = blocks.shape[0]
+    index, level, done = np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n, np.uint8)
+    run_split(_kernels()[2], (blocks, *tables.args(), *lattice_tables(tables), index, level, done), n, 64,
+              _MIN_BLOCKS_PER_THREAD, "fibquant-e8shell")
+    return index, level, done
 
 
 def unrank(index: np.ndarray, tables: ShellTables) -> np.ndarray:
