@@ -412,9 +412,10 @@ def _d8_doubled_py(x, shift, out):
         out[i] = np.int64(q)
         total += out[i]
         dist += e * e
-        if abs(e) > err:
-            err = abs(e)
-            worst = i
+        ae = abs(e)
+        worse = ae > err  # selects, not branches: the rounding errors are random
+        worst = i if worse else worst
+        err = ae if worse else err
     if total & 1:  # odd sum: round the worst coordinate the other way (its error e becomes 1 - |e|)
         v = x[worst] - 0.5 * shift
         out[worst] += 1 if v > out[worst] else -1
