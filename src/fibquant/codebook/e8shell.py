@@ -16,13 +16,21 @@ leaders: bits of positions 0..6, the 8th sign fixed by the parity).
 
 The reference search (`exhaustive_search`) is the spec: over the materialised codebook (`codebook_points`,
 small level sets only), the lowest index among the points whose squared distance is within TIE of the
-smallest. The fast search (`shell_search`, numba) gives the same index without materialising anything:
+smallest. The leader scan (`shell_search(..., "scan")`, numba) gives the same index without materialising
+anything, and is the reference of the lattice search below where the codebook is too large (b >= 3):
 per 8-block y, |y| sorted once (stable: tied values keep their position order, so the rank is the lowest
 among equal inner products); levels visited outward from the radius nearest ||y|| while (||y|| - r)^2 can
 still reach the best distance (no point of a level is nearer than that); per level the largest inner
 product over its leaders (8 multiply-adds each; a half leader whose parity forbids sign(y) loses
 2 min|y| min(leader), the cheapest flip); ties (within TIE) go to the lower leader, then the lower level,
 and a parity flip with several equally cheap positions to the one giving the smallest sign word.
+The lattice search (`shell_search(..., "lattice")`, the default for codes of many leaders per level: b = 4)
+visits lattice points, not leaders: with d = ||y||^2 + r^2 - 2 r ||y|| cos(y, s) for a point s of level g's
+shell, an incumbent (Conway-Sloane's nearest E8 point to sqrt(2 m) y / ||y||) bounds the levels that can
+win and the cosine each needs, all such s lie in one ball around the block's direction, and that ball's E8
+points are enumerated (a few per block). Their leaders get the scan's exact inner products, and the block
+is settled only where the scan's sequential tie rules are known to pick the same (lowest level, then lowest
+leader among exact ties, nothing else within 1e-9); the few other blocks go to the scan.
 
 Attention on codes decodes blocks through `point_tables` (`ShellPointTables`, `point_py`: the index's orbit
 record, its composition's slot word, its sign row; no search, no division) or, for codes of at most 2^16
@@ -330,8 +338,6 @@ def _search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf, half, p
     p = np.empty(8, np.int64)
     y = np.empty(8)
     w = np.empty(8, np.int64)
-    cnt = np.zeros(8, np.int64)
-    vals = np.empty(8, np.int64)
     for b in range(start, stop):
         rho2 = 0.0
         neg = 0
@@ -460,8 +466,6 @@ def _lattice_search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf,
     p = np.empty(8, np.int64)
     y = np.empty(8)
     w = np.empty(8, np.int64)
-    cnt = np.zeros(8, np.int64)
-    vals = np.empty(8, np.int64)
     z = np.empty(8)
     s0 = np.empty(8, np.int64)
     s1 = np.empty(8, np.int64)
