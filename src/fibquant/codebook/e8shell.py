@@ -469,8 +469,14 @@ def _lattice_search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf,
     z = np.empty(8)
     s0 = np.empty(8, np.int64)
     s1 = np.empty(8, np.int64)
-    base = np.empty(8, np.int64)
+    base2 = np.empty(8, np.int64)
     step = np.empty(8, np.int64)
+    dsq1 = np.empty(8, np.int64)
+    dsq2 = np.empty(8, np.int64)
+    dip1 = np.empty(8)
+    pmov = np.zeros(9, np.int64)
+    psq = np.zeros(9, np.int64)
+    pip = np.zeros(9)
     up1 = np.empty(8)
     up2 = np.empty(8)
     el = np.empty(8, np.int64)
@@ -582,19 +588,29 @@ def _lattice_search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf,
         for i in range(8):
             z[i] = y[i] * (t / rho)
         for shift in range(2):
-            extra = ball  # what the ball leaves over the nearest integers' squared distance
+            extra = ball  # what the ball leaves over the nearest values' squared distance
             base_par = 0
+            base_sq = 0
+            base_ip = 0.0
             for i in range(8):
                 v = z[i] - 0.5 * shift
                 n0 = np.floor(v + 0.5)
                 f = v - n0
-                base[i] = np.int64(n0)
-                base_par += base[i]
-                step[i] = 1 if f >= 0 else -1
+                nb = np.int64(n0)
+                base_par += nb
+                st = 1 if f >= 0 else -1
                 af = abs(f)
                 extra -= af * af
                 up1[i] = 1.0 - 2.0 * af  # the second nearest value's extra squared distance
                 up2[i] = 1.0 + 2.0 * af  # the third's
+                v2 = 2 * nb + shift      # doubled coordinate; the others are v2 +- 2
+                base2[i] = v2
+                step[i] = 2 * st
+                base_sq += v2 * v2
+                base_ip += y[i] * v2
+                dsq1[i] = 4 * st * v2 + 4   # (v2 + 2 st)^2 - v2^2
+                dsq2[i] = -4 * st * v2 + 4  # (v2 - 2 st)^2 - v2^2
+                dip1[i] = 2.0 * st * y[i]
             if extra < 0.0:
                 continue
             ne = 0
@@ -602,32 +618,19 @@ def _lattice_search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf,
                 if up1[i] <= extra:
                     el[ne] = i
                     ne += 1
+            # depth-first over those coordinates' values; the path carries the extra squared distance, the
+            # number of moved coordinates (each changes the integer sum by one), |s|^2 and <y, s>
             k = 0
             opt[0] = 0
             part[0] = 0.0
+            pmov[0] = base_par
+            psq[0] = base_sq
+            pip[0] = base_ip
             while True:
-                if k == ne:  # a point of the ball's coset of Z^8; in E8 when its integer parts sum to even
-                    flips = base_par
-                    for e in range(ne):
-                        flips += opt[e] != 0  # each move to another value changes the sum by one
-                    m = 0
-                    if flips & 1 == 0:
-                        for i in range(8):
-                            srt[i] = base[i]
-                        for e in range(ne):
-                            o = opt[e]
-                            if o:
-                                i = el[e]
-                                srt[i] += step[i] if o == 1 else -step[i]
-                        sq = 0
-                        ip = 0.0
-                        for i in range(8):
-                            v = 2 * srt[i] + shift
-                            srt[i] = v
-                            sq += v * v
-                            ip += y[i] * v
-                        m = sq >> 3
-                    if 0 < m <= max_m:
+                if k == ne:  # a point of the ball's coset of Z^8, in E8 when its integer parts sum to even
+                    m = psq[ne] >> 3
+                    if pmov[ne] & 1 == 0 and 0 < m <= max_m:
+                        ip = pip[ne]
                         for q in range(ml_ptr[m], ml_ptr[m + 1]):
                             g = ml_lv[q]
                             if g < gl or g > gh:
@@ -642,17 +645,23 @@ def _lattice_search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf,
                             cand_g[nc] = g
                             cand_d[nc] = dd
                             for i in range(8):
-                                cand_s[nc, i] = srt[i]
+                                cand_s[nc, i] = base2[i]
+                            for e in range(ne):
+                                o = opt[e]
+                                if o:
+                                    i = el[e]
+                                    cand_s[nc, i] += step[i] if o == 1 else -step[i]
                             nc += 1
-                    if not ok:
-                        break
+                        if not ok:
+                            break
                     k -= 1
                     if k < 0:
                         break
                     opt[k] += 1
                     continue
                 o = opt[k]
-                c = part[k] + (0.0 if o == 0 else (up1[el[k]] if o == 1 else up2[el[k]]))
+                i = el[k]
+                c = part[k] + (0.0 if o == 0 else (up1[i] if o == 1 else up2[i]))
                 if o > 2 or c > extra:  # the options cost more and more: none left at this depth
                     k -= 1
                     if k < 0:
@@ -660,6 +669,9 @@ def _lattice_search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf,
                     opt[k] += 1
                     continue
                 part[k + 1] = c
+                pmov[k + 1] = pmov[k] + (o != 0)
+                psq[k + 1] = psq[k] + (0 if o == 0 else (dsq1[i] if o == 1 else dsq2[i]))
+                pip[k + 1] = pip[k] + (0.0 if o == 0 else (dip1[i] if o == 1 else -dip1[i]))
                 k += 1
                 if k < ne:
                     opt[k] = 0
