@@ -466,19 +466,23 @@ def _lattice_search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf,
     p = np.empty(8, np.int64)
     y = np.empty(8)
     w = np.empty(8, np.int64)
-    z = np.empty(8)
-    s0 = np.empty(8, np.int64)
-    s1 = np.empty(8, np.int64)
-    base2 = np.empty(8, np.int64)
-    step = np.empty(8, np.int64)
-    dsq1 = np.empty(8, np.int64)
-    dsq2 = np.empty(8, np.int64)
-    dip1 = np.empty(8)
+    base2 = np.empty((2, 8), np.int64)
+    step = np.empty((2, 8), np.int64)
+    dsq1 = np.empty((2, 8), np.int64)
+    dsq2 = np.empty((2, 8), np.int64)
+    dip1 = np.empty((2, 8))
+    up1 = np.empty((2, 8))
+    up2 = np.empty((2, 8))
+    cnear = np.empty(2)
+    cpar = np.empty(2, np.int64)
+    csq = np.empty(2, np.int64)
+    cip = np.empty(2)
+    inc_d = np.empty(2)
+    inc_sq = np.empty(2, np.int64)
+    inc_ip = np.empty(2)
     pmov = np.zeros(9, np.int64)
     psq = np.zeros(9, np.int64)
     pip = np.zeros(9)
-    up1 = np.empty(8)
-    up2 = np.empty(8)
     el = np.empty(8, np.int64)
     opt = np.zeros(9, np.int64)
     part = np.zeros(9)
@@ -488,7 +492,6 @@ def _lattice_search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf,
     cand_s = np.empty((_CANDIDATES, 8), np.int64)
     cand_j = np.empty(_CANDIDATES, np.int64)
     cand_top = np.empty(_CANDIDATES)
-    kap = np.empty(n_lv)
     for b in range(start, stop):
         done[b] = 0
         rho2 = 0.0
@@ -520,17 +523,47 @@ def _lattice_search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf,
             if g0 + 1 >= n_lv:
                 continue
             g0 += 1
-        root = sroot[g0]
-        for i in range(8):
-            z[i] = y[i] * (root / rho)
-        e0 = _d8_doubled(z, 0, s0)
-        e1 = _d8_doubled(z, 1, s1)
-        sq = 0
-        ip = 0.0
-        for i in range(8):
-            v = s0[i] if e0 <= e1 else s1[i]
-            sq += v * v
-            ip += y[i] * v
+        # both D8 cosets around z = sqrt(2 m) y / rho: each coordinate's nearest value (doubled), the extra
+        # squared distance of its second and third nearest, and what they change in |s|^2 and <y, s>
+        t = sroot[g0]
+        for shift in range(2):
+            near = 0.0
+            par = 0
+            bsq = 0
+            bip = 0.0
+            cheap = 0
+            for i in range(8):
+                v = y[i] * (t / rho) - 0.5 * shift
+                n0 = np.floor(v + 0.5)
+                f = v - n0
+                nb = np.int64(n0)
+                par += nb
+                st = 1 if f >= 0 else -1
+                af = abs(f)
+                near += af * af
+                up1[shift, i] = 1.0 - 2.0 * af
+                up2[shift, i] = 1.0 + 2.0 * af
+                cheap = i if up1[shift, i] < up1[shift, cheap] else cheap
+                v2 = 2 * nb + shift
+                base2[shift, i] = v2
+                step[shift, i] = 2 * st
+                bsq += v2 * v2
+                bip += y[i] * v2
+                dsq1[shift, i] = 4 * st * v2 + 4   # (v2 + 2 st)^2 - v2^2
+                dsq2[shift, i] = -4 * st * v2 + 4  # (v2 - 2 st)^2 - v2^2
+                dip1[shift, i] = 2.0 * st * y[i]
+            cnear[shift] = near
+            cpar[shift] = par
+            csq[shift] = bsq
+            cip[shift] = bip
+            # the coset's nearest E8 point (Conway-Sloane): an odd integer sum moves the cheapest coordinate
+            odd = par & 1
+            inc_d[shift] = near + (up1[shift, cheap] if odd else 0.0)
+            inc_sq[shift] = bsq + (dsq1[shift, cheap] if odd else 0)
+            inc_ip[shift] = bip + (dip1[shift, cheap] if odd else 0.0)
+        c = 0 if inc_d[0] <= inc_d[1] else 1
+        sq = inc_sq[c]
+        ip = inc_ip[c]
         big = np.inf
         if m8[0] == 0:
             big = rho2
@@ -551,10 +584,9 @@ def _lattice_search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf,
         while gh < n_lv and (rho - radii[gh]) ** 2 <= bound:
             gh += 1
         gh -= 1
-        lo_c = np.inf
-        hi_c = -np.inf
         ok = True
         half_rho = 0.5 / rho
+        ball = 0.0
         for g in range(gl, gh + 1):
             if m8[g] == 0:
                 continue
@@ -563,19 +595,10 @@ def _lattice_search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf,
             if kappa <= 0.0:
                 ok = False
                 break
-            kap[g - gl] = kappa
-            c = sroot[g] * kappa
-            lo_c = min(lo_c, c)
-            hi_c = max(hi_c, c)
-        if not ok or lo_c == np.inf:
+            sr = sroot[g]  # its points s have |s| = sr and cos(y, s) >= kappa: |s - z|^2 <= this
+            ball = max(ball, sr * sr + t * t - 2.0 * t * sr * kappa)
+        if not ok:
             continue
-        t = 0.5 * (lo_c + hi_c)
-        ball = 0.0
-        for g in range(gl, gh + 1):
-            if m8[g] == 0:
-                continue
-            sr = sroot[g]
-            ball = max(ball, sr * sr + t * t - 2.0 * t * sr * kap[g - gl])
         ball += 1e-9
         if ball > _R2_CAP:
             continue
@@ -585,37 +608,15 @@ def _lattice_search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf,
             cand_g[0] = 0
             cand_d[0] = rho2
             nc = 1
-        for i in range(8):
-            z[i] = y[i] * (t / rho)
         for shift in range(2):
-            extra = ball  # what the ball leaves over the nearest values' squared distance
-            base_par = 0
-            base_sq = 0
-            base_ip = 0.0
-            for i in range(8):
-                v = z[i] - 0.5 * shift
-                n0 = np.floor(v + 0.5)
-                f = v - n0
-                nb = np.int64(n0)
-                base_par += nb
-                st = 1 if f >= 0 else -1
-                af = abs(f)
-                extra -= af * af
-                up1[i] = 1.0 - 2.0 * af  # the second nearest value's extra squared distance
-                up2[i] = 1.0 + 2.0 * af  # the third's
-                v2 = 2 * nb + shift      # doubled coordinate; the others are v2 +- 2
-                base2[i] = v2
-                step[i] = 2 * st
-                base_sq += v2 * v2
-                base_ip += y[i] * v2
-                dsq1[i] = 4 * st * v2 + 4   # (v2 + 2 st)^2 - v2^2
-                dsq2[i] = -4 * st * v2 + 4  # (v2 - 2 st)^2 - v2^2
-                dip1[i] = 2.0 * st * y[i]
+            extra = ball - cnear[shift]  # what the ball leaves over the nearest values' squared distance
             if extra < 0.0:
                 continue
+            up1c, up2c, base2c, stepc = up1[shift], up2[shift], base2[shift], step[shift]
+            dsq1c, dsq2c, dip1c = dsq1[shift], dsq2[shift], dip1[shift]
             ne = 0
             for i in range(8):  # only these coordinates can leave their nearest value
-                if up1[i] <= extra:
+                if up1c[i] <= extra:
                     el[ne] = i
                     ne += 1
             # depth-first over those coordinates' values; the path carries the extra squared distance, the
@@ -623,9 +624,9 @@ def _lattice_search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf,
             k = 0
             opt[0] = 0
             part[0] = 0.0
-            pmov[0] = base_par
-            psq[0] = base_sq
-            pip[0] = base_ip
+            pmov[0] = cpar[shift]
+            psq[0] = csq[shift]
+            pip[0] = cip[shift]
             while True:
                 if k == ne:  # a point of the ball's coset of Z^8, in E8 when its integer parts sum to even
                     m = psq[ne] >> 3
@@ -645,12 +646,12 @@ def _lattice_search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf,
                             cand_g[nc] = g
                             cand_d[nc] = dd
                             for i in range(8):
-                                cand_s[nc, i] = base2[i]
+                                cand_s[nc, i] = base2c[i]
                             for e in range(ne):
                                 o = opt[e]
                                 if o:
                                     i = el[e]
-                                    cand_s[nc, i] += step[i] if o == 1 else -step[i]
+                                    cand_s[nc, i] += stepc[i] if o == 1 else -stepc[i]
                             nc += 1
                         if not ok:
                             break
@@ -661,7 +662,7 @@ def _lattice_search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf,
                     continue
                 o = opt[k]
                 i = el[k]
-                c = part[k] + (0.0 if o == 0 else (up1[i] if o == 1 else up2[i]))
+                c = part[k] + (0.0 if o == 0 else (up1c[i] if o == 1 else up2c[i]))
                 if o > 2 or c > extra:  # the options cost more and more: none left at this depth
                     k -= 1
                     if k < 0:
@@ -670,8 +671,8 @@ def _lattice_search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf,
                     continue
                 part[k + 1] = c
                 pmov[k + 1] = pmov[k] + (o != 0)
-                psq[k + 1] = psq[k] + (0 if o == 0 else (dsq1[i] if o == 1 else dsq2[i]))
-                pip[k + 1] = pip[k] + (0.0 if o == 0 else (dip1[i] if o == 1 else -dip1[i]))
+                psq[k + 1] = psq[k] + (0 if o == 0 else (dsq1c[i] if o == 1 else dsq2c[i]))
+                pip[k + 1] = pip[k] + (0.0 if o == 0 else (dip1c[i] if o == 1 else -dip1c[i]))
                 k += 1
                 if k < ne:
                     opt[k] = 0
