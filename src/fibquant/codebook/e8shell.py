@@ -404,34 +404,18 @@ def _search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf, half, p
     return 0
 
 
-def _d8_doubled_py(x, shift, out):
-    """out int64 [8] = 2 q + shift, q the nearest point of D8 (integers, even sum) to x [8] - shift / 2
-    (shift 0: D8 itself, 1: the coset D8 + 1/2 in doubled units); returns |2 x - out|^2."""
-    total = 0
-    worst = 0
-    err = -1.0
-    dist = 0.0
-    for i in range(8):
-        v = x[i] - 0.5 * shift
-        q = np.floor(v + 0.5)
-        e = v - q
-        out[i] = np.int64(q)
-        total += out[i]
-        dist += e * e
-        ae = abs(e)
-        worse = ae > err  # selects, not branches: the rounding errors are random
-        worst = i if worse else worst
-        err = ae if worse else err
-    if total & 1:  # odd sum: round the worst coordinate the other way (its error e becomes 1 - |e|)
-        v = x[worst] - 0.5 * shift
-        out[worst] += 1 if v > out[worst] else -1
-        dist += 1.0 - 2.0 * err
-    for i in range(8):
-        out[i] = 2 * out[i] + shift
-    return 4.0 * dist
 
 
-_d8_doubled = None  # the compiled _d8_doubled_py, bound by _kernels()
+def _sort8_py(v):
+    """v int64 [8] sorted descending in place by a 19-comparator network (no data-dependent branches)."""
+    for i, j in ((0, 2), (1, 3), (4, 6), (5, 7), (0, 4), (1, 5), (2, 6), (3, 7), (0, 1), (2, 3), (4, 5), (6, 7),
+                 (2, 4), (3, 5), (1, 4), (3, 6), (1, 2), (3, 4), (5, 6)):
+        hi = max(v[i], v[j])
+        v[j] = min(v[i], v[j])
+        v[i] = hi
+
+
+_sort8 = None  # the compiled _sort8_py, bound by _kernels()
 
 
 _LATTICE_RHO = (1e-3, 1e3)  # block norms the lattice search takes (its tie margins stay >> _TIE_IP)
@@ -697,12 +681,8 @@ def _lattice_search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf,
                 dstar = min(dstar, rho2)
                 continue
             for i in range(8):  # the candidate's leader: |s| sorted descending, as a key
-                v = abs(cand_s[q, i])
-                k = i
-                while k > 0 and srt[k - 1] < v:
-                    srt[k] = srt[k - 1]
-                    k -= 1
-                srt[k] = v
+                srt[i] = abs(cand_s[q, i])
+            _sort8(srt)
             key = 0
             for i in range(8):
                 key = (key << 5) | srt[i]
@@ -828,9 +808,9 @@ def _kernels():
                     raise RuntimeError("E8 shell codes need numba (a fibquant dependency), which does not import")
                 import numba
 
-                global _distinct, _point_index, _d8_doubled
+                global _distinct, _point_index, _sort8
                 _distinct = numba.njit(nogil=True, cache=True)(_distinct_py)
-                _d8_doubled = numba.njit(nogil=True, cache=True)(_d8_doubled_py)
+                _sort8 = numba.njit(nogil=True, cache=True)(_sort8_py)
                 _point_index = numba.njit(nogil=True, cache=True)(_point_index_py)
                 _KERNELS = (numba.njit(nogil=True, cache=True)(_search_py),
                             numba.njit(nogil=True, cache=True)(_unrank_py),
