@@ -437,13 +437,15 @@ def _lattice_search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf,
     sroot float64 [G] (sqrt(2 m)), inv_r float64 [G] (1 / r, 0 at the origin), inv_norm float64 [M + 1] (1 / sqrt(8 m)).
 
     A level's points are r_g s / |s| for s on E8's shell m_g, and d = rho^2 + r^2 - 2 r rho cos(y, s). An
-    incumbent D (the E8 point nearest to sqrt(2 m) y / rho for the level nearest in radius, Conway-Sloane)
-    bounds the levels that can matter ((rho - r)^2 <= D) and per level the cosine they need; every s meeting
-    one of those lies in one ball around t y / rho, whose E8 points are enumerated (both D8 cosets, a
-    depth-first walk over each coordinate's three nearest values). The candidates' leaders then get the
-    scan's exact inner products and d: the block is settled when the best d's and inner products tie
-    exactly or are apart by more than _NEAR_D (then the scan's sequential tie rule picks the lowest level,
-    then the lowest leader, as here); anything else is left to the leader search."""
+    incumbent D (the E8 point nearest to z = sqrt(2 m) y / rho, m the shell of the level nearest in radius:
+    Conway-Sloane, each D8 coset rounded and its parity fixed) bounds the levels that can matter
+    ((rho - r)^2 <= D) and per level the cosine they need; every s meeting one of those lies in one ball
+    around z (|s - z|^2 = |s|^2 + |z|^2 - 2 |s| |z| cos), whose E8 points are enumerated (both D8 cosets, a
+    depth-first walk over the coordinates the ball lets leave their nearest value, carrying |s|^2, <y, s>
+    and the parity). The candidates' leaders then get the scan's exact inner products and d: the block is
+    settled when the best d's and inner products tie exactly (_TIE_D) or are apart by more than _NEAR_D
+    (then the scan's sequential tie rules pick the lowest level, then the lowest leader, as here); anything
+    else is left to the leader search."""
     n_lv = radii.shape[0]
     max_m = ml_ptr.shape[0] - 2
     a = np.empty(8)
