@@ -11,8 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fibquant.codebook.e8shell import (ShellLevels, codebook_points, exhaustive_search, orbit_size, shell_leaders,
-                                       shell_search, shell_size, shell_tables, sigma3, unrank)
+from fibquant.codebook.e8shell import (ShellLevels, codebook_points, exhaustive_search, lattice_pass, orbit_size,
+                                       shell_leaders, shell_search, shell_size, shell_tables, sigma3, unrank,
+                                       uses_lattice)
 from fibquant.codecs.e8shell import shipped_levels
 
 # a small code with the origin, an integer-only and mixed shells and one shell at two radii
@@ -71,9 +72,13 @@ def test_leader_search_equals_the_exhaustive_reference_on_random_blocks(levels):
     blocks = np.concatenate([rng.standard_normal((1500, 8)) * 0.12,       # unit-vector block scale
                              rng.standard_normal((100, 8)) * 0.5]).astype(np.float32)
     tables = shell_tables(levels)
-    index, _ = shell_search(blocks, tables)
     expected = exhaustive_search(blocks, codebook_points(levels))
-    assert np.array_equal(index, expected)
+    for method in ("auto", "scan", "lattice"):
+        index, level = shell_search(blocks, tables, method)
+        assert np.array_equal(index, expected), method
+        assert np.array_equal(level, np.searchsorted(tables.offsets, expected, side="right") - 1), method
+    # the lattice search settles most blocks itself (the rest go to the scan): the check above exercises it
+    assert lattice_pass(blocks, tables)[2].mean() > 0.5
 
 
 @settings(max_examples=150, deadline=None)
@@ -83,8 +88,50 @@ def test_leader_search_breaks_ties_as_the_reference(grid, step):
     permutations, sign patterns, parity flips, leaders and levels."""
     y = (np.array(grid, dtype=np.float32) * np.float32(step))[None, :]
     for levels in (SMALL, shipped_levels(64, 2), shipped_levels(64, 1.75)):
-        index, _ = shell_search(y, shell_tables(levels))
-        assert index[0] == exhaustive_search(y, codebook_points(levels))[0], (grid, step)
+        expected = exhaustive_search(y, codebook_points(levels))[0]
+        for method in ("scan", "lattice"):
+            index, _ = shell_search(y, shell_tables(levels), method)
+            assert index[0] == expected, (grid, step, method)
+
+
+def _blocks_at_every_scale(n: int, seed: int) -> np.ndarray:
+    """8-blocks of rotated unit vectors (the codec's input), Gaussian blocks from tiny to large, heavy-tailed
+    ones (Student t, 2 degrees of freedom: outlier channels as in real keys), zeros and one-hot blocks."""
+    from fibquant.source import sample_sphere
+
+    rng = np.random.default_rng(seed)
+    parts = [sample_sphere(n // 8, 64, seed=seed).numpy().reshape(-1, 8)]
+    for scale in (1e-5, 0.01, 0.05, 0.12, 0.3, 0.6, 2.0):
+        parts.append(rng.standard_normal((n // 16, 8)) * scale)
+    parts.append(rng.standard_t(2, (n // 8, 8)) * 0.08)
+    parts.append(np.zeros((3, 8)))
+    parts.append(np.eye(8) * 0.35)
+    return np.concatenate(parts).astype(np.float32)
+
+
+@pytest.mark.parametrize("bits", [3, 4])
+def test_lattice_search_equals_the_leader_scan_at_3_and_4_bits(bits):
+    """b >= 3: too many points to materialise, so the plain leader scan (itself equal to the exhaustive
+    reference at b <= 2, above) is the reference of the lattice search, which "auto" takes at b = 4."""
+    tables = shell_tables(shipped_levels(64, bits))
+    assert uses_lattice(tables) == (bits == 4)
+    blocks = _blocks_at_every_scale(4096, seed=bits)
+    expected = shell_search(blocks, tables, "scan")
+    for method in ("auto", "lattice"):
+        index, level = shell_search(blocks, tables, method)
+        assert np.array_equal(index, expected[0]) and np.array_equal(level, expected[1]), method
+    unit = np.ascontiguousarray(blocks[:512])  # the rotated unit vectors: nearly all settled by the lattice
+    assert lattice_pass(unit, tables)[2].mean() > 0.85
+    assert np.array_equal(shell_search(blocks.astype(np.float64), tables, "lattice")[0],
+                          shell_search(blocks.astype(np.float64), tables, "scan")[0])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(-3, 3), min_size=8, max_size=8), st.sampled_from([0.02, 0.05, 0.0625, 0.1]))
+def test_lattice_search_breaks_ties_as_the_scan_at_4_bits(grid, step):
+    y = (np.array(grid, dtype=np.float32) * np.float32(step))[None, :]
+    tables = shell_tables(shipped_levels(64, 4))
+    assert shell_search(y, tables, "lattice")[0][0] == shell_search(y, tables, "scan")[0][0], (grid, step)
 
 
 def test_unrank_rejects_out_of_range_and_levels_validate():
@@ -99,5 +146,9 @@ def test_unrank_rejects_out_of_range_and_levels_validate():
         ShellLevels((2,), (0.0,))
     with pytest.raises(ValueError, match="blocks"):
         shell_search(np.zeros((3, 7), np.float32), tables)
+    with pytest.raises(ValueError, match="method"):
+        shell_search(np.zeros((3, 8), np.float32), tables, "exhaustive")
+    with pytest.raises(ValueError, match="blocks"):
+        shell_search(np.zeros((3, 8), np.int64), tables, "lattice")
     with pytest.raises(ValueError, match="materialise"):
         codebook_points(shipped_levels(64, 3))

@@ -26,7 +26,23 @@ def _rows(n=200, seed=0):
 def test_encode_equals_the_exhaustive_reference(bits, nc):
     codec = E8ShellCodec(64, bits, norm_correction=nc)
     x = _rows()
-    assert torch.equal(codec.encode(x), codec.encode_with(x, exhaustive=True))
+    expected = codec.encode_with(x, exhaustive=True)
+    assert torch.equal(codec.encode(x), expected)
+    assert torch.equal(codec.encode_with(x, exhaustive=False, method="lattice"), expected)
+
+
+@pytest.mark.parametrize("bits,nc", [(3, False), (3, True), (4, False), (4, True)])
+def test_encode_equals_the_leader_scan_at_3_and_4_bits(bits, nc):
+    """b >= 3 has too many points to materialise: the plain leader scan (equal to the exhaustive search at
+    b <= 2) is the reference of `encode` (the lattice search at b = 4). Scaled channels and a zero row,
+    Gaussian rows, and heavy-tailed rows (outlier channels, as in real keys)."""
+    codec = E8ShellCodec(64, bits, norm_correction=nc)
+    g = torch.Generator().manual_seed(bits)
+    heavy = torch.from_numpy(np.random.default_rng(bits).standard_t(2.0, (300, 64))).float() * torch.rand(64, generator=g)
+    for x in (_rows(), torch.randn(300, 64, generator=g), heavy):
+        assert torch.equal(codec.encode(x), codec.encode_with(x, exhaustive=False, method="scan"))
+    with pytest.raises(ValueError, match="method"):
+        codec.encode_with(_rows(4), exhaustive=False, method="beam")
 
 
 @pytest.mark.parametrize("bits,bound", [(1.75, 0.127), (2, 0.087), (3, 0.0226)])

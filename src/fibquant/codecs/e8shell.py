@@ -161,29 +161,33 @@ class E8ShellCodec(Codec):
                                      lambda d: torch.from_numpy(self.tables.radii ** 2)).numpy()
 
     # ------------------------------------------------------------------ coding
-    def block_indices(self, u: torch.Tensor, exhaustive: bool = False) -> tuple[np.ndarray, np.ndarray]:
-        """Rotated unit rows u [n, dim] float32 -> (indices, levels) int64 [n, dim/8]: the leader search, or
-        with `exhaustive` the reference search over the materialised codebook (small codes only: b = 2)."""
+    def block_indices(self, u: torch.Tensor, exhaustive: bool = False,
+                      method: str = "auto") -> tuple[np.ndarray, np.ndarray]:
+        """Rotated unit rows u [n, dim] float32 -> (indices, levels) int64 [n, dim/8]: `shell_search` with
+        `method` (all give the same codes; "scan" is the reference at b >= 3), or with `exhaustive` the
+        reference search over the materialised codebook (small codes only: b <= 2)."""
         blocks = u.detach().to("cpu").contiguous().numpy().reshape(-1, BLOCK)
         if exhaustive:
             index = exhaustive_search(blocks, codebook_points(self.levels))
             level = np.searchsorted(self.tables.offsets, index, side="right") - 1
         else:
-            index, level = shell_search(blocks, self.tables)
+            index, level = shell_search(blocks, self.tables, method)
         return index.reshape(u.shape[0], -1), level.reshape(u.shape[0], -1)
 
-    def encode_with(self, x: torch.Tensor, exhaustive: bool) -> torch.Tensor:
-        """`encode` with the leader search (False) or the exhaustive reference search (True)."""
+    def encode_with(self, x: torch.Tensor, exhaustive: bool, method: str = "auto") -> torch.Tensor:
+        """`encode` with the exhaustive reference search (True: b <= 2 only, the codebook materialised) or
+        `shell_search` by `method` (False; "auto" is `encode`'s, "scan" the plain leader scan: the reference
+        of the faster methods at every b)."""
         self.check_input(x)
         lead = x.shape[:-1]
         flat = x.reshape(-1, self.dim).to(torch.float32)
         if flat.shape[0] == 0:
             return torch.empty(*lead, self.code_size, dtype=torch.uint8, device=x.device)
-        return self._encode_rows(flat, exhaustive).reshape(*lead, self.code_size)
+        return self._encode_rows(flat, exhaustive, method).reshape(*lead, self.code_size)
 
-    def _encode_rows(self, x: torch.Tensor, exhaustive: bool) -> torch.Tensor:
+    def _encode_rows(self, x: torch.Tensor, exhaustive: bool, method: str = "auto") -> torch.Tensor:
         norm_bytes, u = self._rotation.normalise_rotate(x, type(self).__name__)
-        index, level = self.block_indices(u, exhaustive)
+        index, level = self.block_indices(u, exhaustive, method)
         if self.norm_correction:
             norm_bytes = self._corrected_norm_bytes(x, level).to(x.device)
         packed = pack_bits(torch.from_numpy(index).to(x.device), self.config.index_bits)
