@@ -13,6 +13,7 @@ window of +-k tokens (k = 4, 14: the needle sentence is ~28 tokens). The window 
 tokens, fewer than the 32 recent tokens the cache keeps exact, so it is known before the token is
 coded. Besides the top 1.5 % (at 1k that is 14 tokens, half the needle: the ceiling is ~0.5), it
 prints the fraction in the top `needle length` tokens (a tier the needle's size; ceiling 1.0).
+Last, the excess surprisal (surprisal minus the entropy of that prediction) and its window mean.
 """
 import sys, torch
 import torch.nn.functional as F
@@ -26,6 +27,12 @@ def surprisal(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """-log p(ids[t] | ids[:t]) per token: logits [L, V], ids [L] -> [L] (token 0 gets 0)."""
     logp = torch.log_softmax(logits[:-1].float(), dim=-1)
     return torch.cat([logp.new_zeros(1), -logp.gather(1, ids[1:, None])[:, 0]])
+
+
+def entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the prediction of token t (made at t - 1): logits [L, V] -> [L] (token 0 gets 0)."""
+    logp = torch.log_softmax(logits[:-1].float(), dim=-1)
+    return torch.cat([logp.new_zeros(1), -(logp.exp() * logp).sum(-1)])
 
 
 def window(s: torch.Tensor, k: int, how: str) -> torch.Tensor:
@@ -76,6 +83,11 @@ for depth in (0.0, 0.25, 0.5, 0.75):
     for k in (4, 14):
         per_token[f"surp_mean{k}"] = window(surp, k, "mean")
         per_token[f"surp_max{k}"] = window(surp, k, "max")
+    # Surprisal beyond what the model expected (a random digit after "is" is surprising but expected).
+    excess = surp - entropy(out.logits[0])
+    per_token["excess"] = excess
+    for k in (4, 14):
+        per_token[f"excess_mean{k}"] = window(excess, k, "mean")
     n = L - 32 - 4
     print(f"  per-token scores (same for every layer and head): fraction of the needle's {hi - lo} tokens in the "
           f"top 1.5 % ({max(1, int(0.015 * n))} tokens) / in the top {hi - lo}")
@@ -84,7 +96,9 @@ for depth in (0.0, 0.25, 0.5, 0.75):
         for top in (max(1, int(0.015 * n)), hi - lo):
             sel = s[coded].topk(top).indices + 4
             fr.append(((sel >= lo) & (sel < hi)).float().sum().item() / (hi - lo))
-        print(f"  {name:11s} top1.5% {fr[0]:.2f}  top{hi - lo} {fr[1]:.2f}", flush=True)
+        sc = s[coded]
+        best = (sc > s[lo:hi].max()).sum().item() + 1  # rank of the needle's best token among n
+        print(f"  {name:13s} top1.5% {fr[0]:.2f}  top{hi - lo} {fr[1]:.2f}  needle's best rank {best}/{n}", flush=True)
     pieces = [tok.decode(int(t)) for t in ids[0, lo:hi]]
     print("  needle surprisal:", " ".join(f"{p!r}:{v:.1f}" for p, v in zip(pieces, surp[lo:hi].tolist())))
     top = surp[coded].topk(8).indices + 4
