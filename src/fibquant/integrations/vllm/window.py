@@ -254,6 +254,11 @@ class ExactWindow:
         keys, values = self._host_slabs()
         return keys[:, :, :n], values[:, :, :n]
 
+    def host_slab_arrays(self):
+        """numpy views of both whole slabs [rows, Hk, S + R, D] (C arrays; bf16 as uint16 bits): a kernel
+        reads the first n columns of the rows `entries` hands out, in place, with no view per call."""
+        return self._host_slabs()
+
     def entries(self, keys_of: list[int], pasts: list[int]) -> list[list] | None:
         """The entry (live, else a snapshot; [slab row, recorded up to]) holding every window position of
         each (key, past), or None when any of them has none (their slab rows are entry[0]), kept by a
