@@ -228,7 +228,9 @@ def test_exact_parts_reach_the_kernel_as_c_arrays():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_run_paged_kernel_reads_whole_slabs_to_exact_count(dtype):
     """`run_paged_kernel(exact_count=n)` on whole window slabs (what the vLLM backend's lean decode step
-    passes) equals the call on their first n columns, bit for bit; a count past the slab is refused."""
+    passes) equals the call on their first n columns, bit for bit; with `record_slots` it also writes each
+    new token into its row at the given column, after reading it (same result); counts / columns past
+    the slab are refused."""
     case = _as(_scenario("fibquant 4/2 bit", seed=6), dtype)
     batch, kv_heads, exact, dim = case["exact_keys"].shape
     generator = torch.Generator().manual_seed(7)
@@ -246,14 +248,28 @@ def test_run_paged_kernel_reads_whole_slabs_to_exact_count(dtype):
     starts, stops = (np.array(case[n], dtype=np.int64) for n in ("starts", "stops"))
     out = torch.empty(batch, case["query"].shape[1], dim, dtype=torch.float32)
 
-    def run(count):
+    def run(count, record=None):
         return paged.run_paged_kernel(
             paged.paged_kernel(bits, False), plans, host(case["query"]), case["scaling"], case["pages"].numpy(),
             case["tables"].numpy(), starts, stops, 0, plans.key_size, host(slabs["exact_keys"]),
             host(slabs["exact_values"]), np.array(rows, dtype=np.int64), host(case["new_keys"].contiguous()),
-            host(case["new_values"].contiguous()), out.numpy(), int(max(stops - starts)), exact_count=count)
+            host(case["new_values"].contiguous()), out.numpy(), int(max(stops - starts)), exact_count=count,
+            record_slots=record)
 
     assert run(exact) == 0
     assert torch.equal(out, want)
     with pytest.raises(ValueError, match="exact_count"):
         run(exact + 3)
+    # record_slots: each new token written into its exact row after the kernel read it (the window record)
+    before = {name: slab.clone() for name, slab in slabs.items()}
+    columns = np.array([exact - 1, exact + 1, 0], dtype=np.int64)  # a read column, an unread one, a read one
+    out.zero_()
+    assert run(exact, columns) == 0
+    assert torch.equal(out, want)  # the same result: the writes come after the reads
+    for name, new in (("exact_keys", "new_keys"), ("exact_values", "new_values")):
+        expected = before[name].clone()
+        for b, (row, column) in enumerate(zip(rows, columns)):
+            expected[row, :, column] = case[new][b, :, 0]
+        assert torch.equal(slabs[name], expected)
+    with pytest.raises(ValueError, match="record_slots"):
+        run(exact, np.array([0, exact + 2, 0], dtype=np.int64))  # past the slab's columns

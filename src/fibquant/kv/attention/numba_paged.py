@@ -215,7 +215,7 @@ def _softmax_exact_py(coded_row, n_tokens, exact_row, n_exact, sink_logit, ibits
 
 def _paged_step_py(query, scaling, key_forward, value_inverse, key_codewords, value_codewords, pages, tables,
                    starts, stops, key_offset, key_size, value_offset, value_size, exact_keys, exact_values,
-                   exact_rows, n_exact_in, new_keys, new_values, sinks, out, flags, key_bits, value_bits, key_blocks,
+                   exact_rows, n_exact_in, record_slots, new_keys, new_values, sinks, out, flags, key_bits, value_bits, key_blocks,
                    value_blocks, key_mode, value_mode, lanes, table1, lut, hist1, hist, coded, norms, ibits, unit_start,
                    unit_stop):
     """out[b, h*G + t] for units [unit_start, unit_stop) of (b, KV head h); returns the count of
@@ -226,7 +226,10 @@ def _paged_step_py(query, scaling, key_forward, value_inverse, key_codewords, va
     be 0) columns of row exact_rows[b] (int64 [B], in [0, R): e.g. the rows of the caller's window
     slabs, read in place), new_keys / new_values [B, H, n_new, D], sinks [Hq] (read when flags bit 3),
     out [B, Hq, Dv]; query, exact parts and out float32 or bf16 bits (uint16); the exact and new parts
-    C-contiguous, query and out any strides. flags bits 4 / 5 (`GATHER_KEYS`,
+    C-contiguous, query and out any strides. record_slots int64 [B]: where record_slots[b] >= 0 the new
+    token (n_new = 1) is written into column record_slots[b] of its exact row once the unit has read it
+    (a decode step's window record, fused: the caller keeps the rows distinct, so no unit reads a
+    column another one writes). flags bits 4 / 5 (`GATHER_KEYS`,
     `GATHER_VALUES`): the keys / values, when their codes allow it (`_gather_ok`: FibQuant at 4 bits;
     `_perm_ok`: 4-bit codes of 16 scalar codewords), are read by decode-then-dot (`_gather_scores`,
     `_gather_values`; `_perm_scores`, `_perm_values`) instead of the lookup table / histogram (the same
@@ -387,6 +390,12 @@ def _paged_step_py(query, scaling, key_forward, value_inverse, key_codewords, va
         exact = weights[o:o + groups]
         _exact_values(exact_values, exact_rows[b], h, n_exact_in, 0, exact, unit_result, groups, value_rows)
         _exact_values(new_values, b, h, n_new, n_exact_in, exact, unit_result, groups, value_rows)
+        slot = record_slots[b]
+        if slot >= 0:  # the window record, after this unit's last read of its exact row
+            for d in range(dim):
+                exact_keys[exact_rows[b], h, slot, d] = new_keys[b, h, 0, d]
+            for d in range(value_dim):
+                exact_values[exact_rows[b], h, slot, d] = new_values[b, h, 0, d]
         for t in range(groups):
             scale = np.float32(1.0) / total[o + t] if total[o + t] > 0 else np.float32(0.0)
             for d in range(value_dim):
@@ -442,7 +451,7 @@ def compile_paged_kernel(inputs: str = "float32", output: str = "float32"):
     part = f"{inputs}[:, :, :, ::1]"  # exact / new parts: C arrays (the caller makes them so, `paged._c_part`)
     signature = (f"int64({inputs}[:, :, :], float32, float32[:, ::1], float32[:, ::1], float32[:, ::1], "
                  "float32[:, ::1], uint8[:, :, :, :], int32[:, :], int64[::1], int64[::1], int64, int64, int64, "
-                 f"int64, {part}, {part}, int64[::1], int64, {part}, {part}, float32[::1], {output}[:, :, :], "
+                 f"int64, {part}, {part}, int64[::1], int64, int64[::1], {part}, {part}, float32[::1], {output}[:, :, :], "
                  "int64, int64, int64, int64, int64, int64, int64, int64, float32[::1], float32[::1], float32[::1], "
                  "float32[::1], float32[:, ::1], float32[::1], int32[::1], int64, int64)")
     kernel = _KERNELS[inputs, output] = kernel_jit(signature, nogil=True)(_paged_step_py)
