@@ -703,7 +703,8 @@ class FibQuantAttentionImpl(AttentionImpl):
         bad = run_paged_kernel(paged_kernel(bits, bits), self._paged_plans, queries, self.scale, cached[1],
                                step.tables, step.starts, step.stops, 0, self.key_bytes, exact_keys, exact_values,
                                rows, keys[:, :, None], values[:, :, None], out,
-                               step.longest, exact_count=step.size, record_slots=step.window_slots if fused else None)
+                               step.longest, exact_count=step.size,
+                               record_slots=step.window_slots if fused else None)
         if bad:
             raise ValueError(f"paged codes hold {bad} invalid index(es) or block id(s) outside the pages")
         # tensors only when flushed; step.slots: never written

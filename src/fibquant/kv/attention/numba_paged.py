@@ -215,9 +215,9 @@ def _softmax_exact_py(coded_row, n_tokens, exact_row, n_exact, sink_logit, ibits
 
 def _paged_step_py(query, scaling, key_forward, value_inverse, key_codewords, value_codewords, pages, tables,
                    starts, stops, key_offset, key_size, value_offset, value_size, exact_keys, exact_values,
-                   exact_rows, n_exact_in, record_slots, new_keys, new_values, sinks, out, flags, key_bits, value_bits, key_blocks,
-                   value_blocks, key_mode, value_mode, lanes, table1, lut, hist1, hist, coded, norms, ibits, unit_start,
-                   unit_stop):
+                   exact_rows, n_exact_in, record_slots, new_keys, new_values, sinks, out, flags, key_bits,
+                   value_bits, key_blocks, value_blocks, key_mode, value_mode, lanes, table1, lut, hist1, hist,
+                   coded, norms, ibits, unit_start, unit_stop):
     """out[b, h*G + t] for units [unit_start, unit_stop) of (b, KV head h); returns the count of
     invalid indices (>= N) and out-of-range block ids seen. query [B, Hq, D] (unscaled, unrotated),
     pages uint8 [num_blocks, H, block_size, slot] (any strides, slot bytes contiguous), tables
@@ -451,7 +451,8 @@ def compile_paged_kernel(inputs: str = "float32", output: str = "float32"):
     part = f"{inputs}[:, :, :, ::1]"  # exact / new parts: C arrays (the caller makes them so, `paged._c_part`)
     signature = (f"int64({inputs}[:, :, :], float32, float32[:, ::1], float32[:, ::1], float32[:, ::1], "
                  "float32[:, ::1], uint8[:, :, :, :], int32[:, :], int64[::1], int64[::1], int64, int64, int64, "
-                 f"int64, {part}, {part}, int64[::1], int64, int64[::1], {part}, {part}, float32[::1], {output}[:, :, :], "
+                 f"int64, {part}, {part}, int64[::1], int64, int64[::1], {part}, {part}, float32[::1], "
+                 f"{output}[:, :, :], "
                  "int64, int64, int64, int64, int64, int64, int64, int64, float32[::1], float32[::1], float32[::1], "
                  "float32[::1], float32[:, ::1], float32[::1], int32[::1], int64, int64)")
     kernel = _KERNELS[inputs, output] = kernel_jit(signature, nogil=True)(_paged_step_py)
