@@ -579,10 +579,12 @@ def test_deferred_code_writes_equal_immediate_ones(monkeypatch, lean):
                         lambda self, *a: leans.append(real_lean(self, *a)) or leans[-1])
     from fibquant.integrations.vllm.window import ExactWindow
 
-    fast_records = []  # steady steps recording through `record_decode` (the others: `record_tokens`)
-    real_record = ExactWindow.record_decode
-    monkeypatch.setattr(ExactWindow, "record_decode",
-                        lambda self, *a: fast_records.append(real_record(self, *a)) or fast_records[-1])
+    # steady steps whose window record the paged kernel writes (`record_slots`), the bookkeeping through
+    # `advance_decode` (the others: `record_tokens`)
+    fast_records = []
+    real_advance = ExactWindow.advance_decode
+    monkeypatch.setattr(ExactWindow, "advance_decode",
+                        lambda self, *a: fast_records.append(True) or real_advance(self, *a))
 
     monkeypatch.setenv(ENV_VAR, "fibquant:b=4/fibquant:b=2")
     monkeypatch.setenv("FIBQUANT_VLLM_SINK_TOKENS", "3")
@@ -641,7 +643,7 @@ def test_deferred_code_writes_equal_immediate_ones(monkeypatch, lean):
     assert torch.equal(caches[0].view(torch.uint8), caches[1].view(torch.uint8))
     # the deferring backend's steady steps (others: mixed forwards, a lost window); never the immediate one
     assert (sum(leans) >= 15) if lean else not leans
-    # most steady steps stay in their blocks (8 tokens): recorded through record_decode, the rest not
+    # most steady steps stay in their blocks (8 tokens): recorded by the kernel, the rest not
     assert (10 <= sum(fast_records) < sum(leans)) if lean else not fast_records
 
 

@@ -2,6 +2,7 @@
 place through block tables, per-sequence coded ranges, exact window + new token, sink logits."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -206,3 +207,69 @@ def test_paged_decode_reads_exact_window_rows_in_place(dtype):
         paged_decode_attention(**{**in_place, "exact_rows": [4, 0, 6]})
     with pytest.raises(ValueError, match="exact_rows"):
         paged_decode_attention(**{**in_place, "exact_rows": [4, 0]})
+
+
+def test_exact_parts_reach_the_kernel_as_c_arrays():
+    """The kernel reads the exact / new parts as C arrays (`paged._c_part`): a C array as it is, the first
+    n columns of a C slab as that slab (a view, read to column n), anything else as a C copy."""
+    slab = np.arange(2 * 3 * 7 * 4, dtype=np.float32).reshape(2, 3, 7, 4)
+    got, count = paged._c_part(slab)
+    assert got is slab and count == 7
+    got, count = paged._c_part(slab[:, :, :5])
+    assert count == 5 and got.flags.c_contiguous and np.shares_memory(got, slab) and np.array_equal(got, slab)
+    heads = slab[:, 1:]  # a head slice: its rows are not one C slab
+    got, count = paged._c_part(heads)
+    assert count == 7 and got.flags.c_contiguous and not np.shares_memory(got, slab) and np.array_equal(got, heads)
+    swapped = slab.transpose(0, 2, 1, 3)
+    got, count = paged._c_part(swapped)
+    assert count == 3 and got.flags.c_contiguous and np.array_equal(got, swapped)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_run_paged_kernel_reads_whole_slabs_to_exact_count(dtype):
+    """`run_paged_kernel(exact_count=n)` on whole window slabs (what the vLLM backend's lean decode step
+    passes) equals the call on their first n columns, bit for bit; with `record_slots` it also writes each
+    new token into its row at the given column, after reading it (same result); counts / columns past
+    the slab are refused."""
+    case = _as(_scenario("fibquant 4/2 bit", seed=6), dtype)
+    batch, kv_heads, exact, dim = case["exact_keys"].shape
+    generator = torch.Generator().manual_seed(7)
+    rows = [1, 3, 0]
+    slabs = {}
+    for name in ("exact_keys", "exact_values"):
+        slab = torch.randn(4, kv_heads, exact + 2, dim, generator=generator).to(dtype)
+        slab[rows, :, :exact] = case[name]
+        slabs[name] = slab
+    want = paged_decode_attention(**{**case, "exact_keys": slabs["exact_keys"][:, :, :exact],
+                                     "exact_values": slabs["exact_values"][:, :, :exact], "exact_rows": rows})
+    bits = dtype == torch.bfloat16
+    host = (lambda t: t.view(torch.uint16).numpy()) if bits else (lambda t: t.numpy())
+    plans = paged.paged_plans(case["key_codec"], case["value_codec"], case["query"].shape[1], kv_heads)
+    starts, stops = (np.array(case[n], dtype=np.int64) for n in ("starts", "stops"))
+    out = torch.empty(batch, case["query"].shape[1], dim, dtype=torch.float32)
+
+    def run(count, record=None):
+        return paged.run_paged_kernel(
+            paged.paged_kernel(bits, False), plans, host(case["query"]), case["scaling"], case["pages"].numpy(),
+            case["tables"].numpy(), starts, stops, 0, plans.key_size, host(slabs["exact_keys"]),
+            host(slabs["exact_values"]), np.array(rows, dtype=np.int64), host(case["new_keys"].contiguous()),
+            host(case["new_values"].contiguous()), out.numpy(), int(max(stops - starts)), exact_count=count,
+            record_slots=record)
+
+    assert run(exact) == 0
+    assert torch.equal(out, want)
+    with pytest.raises(ValueError, match="exact_count"):
+        run(exact + 3)
+    # record_slots: each new token written into its exact row after the kernel read it (the window record)
+    before = {name: slab.clone() for name, slab in slabs.items()}
+    columns = np.array([exact - 1, exact + 1, 0], dtype=np.int64)  # a read column, an unread one, a read one
+    out.zero_()
+    assert run(exact, columns) == 0
+    assert torch.equal(out, want)  # the same result: the writes come after the reads
+    for name, new in (("exact_keys", "new_keys"), ("exact_values", "new_values")):
+        expected = before[name].clone()
+        for b, (row, column) in enumerate(zip(rows, columns)):
+            expected[row, :, column] = case[new][b, :, 0]
+        assert torch.equal(slabs[name], expected)
+    with pytest.raises(ValueError, match="record_slots"):
+        run(exact, np.array([0, exact + 2, 0], dtype=np.int64))  # past the slab's columns

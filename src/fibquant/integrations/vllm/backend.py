@@ -692,20 +692,26 @@ class FibQuantAttentionImpl(AttentionImpl):
         bits = dtype == torch.bfloat16
         host = (lambda t: t.view(torch.uint16).numpy()) if bits else (lambda t: t.numpy())
         queries = host(query)[:count].reshape(count, heads, dim)  # a copy only for an odd layout (input)
-        keys, values = (host(t)[:count].reshape(count, kv_heads, dim) for t in (key, value))
+        # the new tokens as C copies [B, Hkv, D]: the kernel's new-token parts (it reads C arrays), then held
+        # for the deferred writes (vLLM reuses its buffers) and recorded into the window
+        keys, values = (host(t)[:count].reshape(count, kv_heads, dim).copy() for t in (key, value))
         out = host(output)[:count].reshape(count, heads, dim)  # a view (output is contiguous): written in place
-        exact_keys, exact_values = self.window.host_slabs(step.size)
+        exact_keys, exact_values = self.window.host_slab_arrays()  # whole slabs: the first step.size columns read
+        # the steady case (ring slots from the step, live entries, distinct rows): the kernel records the new
+        # tokens into the window rows itself, after reading them; else the general record below
+        fused = step.window_slots is not None and self.window.live(entries, plan.keys)
         bad = run_paged_kernel(paged_kernel(bits, bits), self._paged_plans, queries, self.scale, cached[1],
                                step.tables, step.starts, step.stops, 0, self.key_bytes, exact_keys, exact_values,
                                rows, keys[:, :, None], values[:, :, None], out,
-                               step.longest)
+                               step.longest, exact_count=step.size,
+                               record_slots=step.window_slots if fused else None)
         if bad:
             raise ValueError(f"paged codes hold {bad} invalid index(es) or block id(s) outside the pages")
-        # held as numpy copies (vLLM reuses its buffers), tensors only when flushed; step.slots: never written
-        self.deferred.add_host(keys, values, step.slots, dtype)
-        # the steady case: the entries found above, ring slots from the step; else the general record
-        if step.window_slots is None or not self.window.record_decode(entries, plan.keys, step.pasts, rows,
-                                                                      step.window_slots, (keys, values)):
+        # tensors only when flushed; step.slots: never written
+        self.deferred.add_host(keys, values, step.slots, dtype, owned=True)
+        if fused:
+            self.window.advance_decode(entries, plan.keys, step.pasts)
+        else:
             self.window.record_tokens(plan.keys, step.pasts, plan.new_keys, *(
                 torch.from_numpy(t).view(dtype) for t in (keys, values)), host=(keys, values))
         if len(self.deferred) >= self.deferred.steps:

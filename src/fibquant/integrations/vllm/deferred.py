@@ -43,11 +43,13 @@ class DeferredCodes:
         self._held.append((keys.clone(), values.clone(), np.array(slots, dtype=np.int64), None))
         return len(self._held) >= self.steps
 
-    def add_host(self, keys: np.ndarray, values: np.ndarray, slots: np.ndarray, dtype: torch.dtype) -> bool:
+    def add_host(self, keys: np.ndarray, values: np.ndarray, slots: np.ndarray, dtype: torch.dtype,
+                 owned: bool = False) -> bool:
         """`add` for keys / values as numpy views [N, Hk, D] of tensors of `dtype` (bf16 as its uint16
-        bits), copied here as numpy arrays (a fraction of a torch clone's cost per step) and turned into
-        tensors of `dtype` once, when taken; slots int64 [N], owned by the caller and never written."""
-        self._held.append((keys.copy(), values.copy(), slots, dtype))
+        bits), copied here as numpy arrays (a fraction of a torch clone's cost per step; `owned`: the
+        caller's own copies, held as they are, never written again) and turned into tensors of `dtype`
+        once, when taken; slots int64 [N], owned by the caller and never written."""
+        self._held.append((keys, values, slots, dtype) if owned else (keys.copy(), values.copy(), slots, dtype))
         return len(self._held) >= self.steps
 
     def take(self) -> tuple[torch.Tensor, torch.Tensor, np.ndarray] | None:

@@ -254,6 +254,11 @@ class ExactWindow:
         keys, values = self._host_slabs()
         return keys[:, :, :n], values[:, :, :n]
 
+    def host_slab_arrays(self):
+        """numpy views of both whole slabs [rows, Hk, S + R, D] (C arrays; bf16 as uint16 bits): a kernel
+        reads the first n columns of the rows `entries` hands out, in place, with no view per call."""
+        return self._host_slabs()
+
     def entries(self, keys_of: list[int], pasts: list[int]) -> list[list] | None:
         """The entry (live, else a snapshot; [slab row, recorded up to]) holding every window position of
         each (key, past), or None when any of them has none (their slab rows are entry[0]), kept by a
@@ -280,17 +285,31 @@ class ExactWindow:
         When each entry is its sequence's live one (the steady state) that is one bookkeeping loop and
         one indexed store per role, without `record_tokens`' lookups; otherwise nothing is done and
         False is returned (the caller takes `record_tokens`)."""
-        live = self._entries
-        for entry, key in zip(entries, keys_of):
-            if live.get(key) is not entry:  # a snapshot (prefix caching): record_tokens forks it
-                return False
-        for entry, key, past in zip(entries, keys_of, pasts):
-            live.move_to_end(key)
-            entry[1] = past + 1
+        if not self.live(entries, keys_of):
+            return False
+        self.advance_decode(entries, keys_of, pasts)
         host_keys, host_values = self._host_slabs()
         host_keys[rows, :, slots] = host[0]  # advanced indices around a slice: [B, Hk, D]
         host_values[rows, :, slots] = host[1]
         return True
+
+    def live(self, entries: list[list], keys_of: list[int]) -> bool:
+        """Whether each of `entries` (from `entries(keys_of, ...)`) is its sequence's live entry (the steady
+        state; a snapshot, under prefix caching, is forked by `record_tokens` instead)."""
+        live = self._entries
+        for entry, key in zip(entries, keys_of):
+            if live.get(key) is not entry:
+                return False
+        return True
+
+    def advance_decode(self, entries: list[list], keys_of: list[int], pasts: list[int]) -> None:
+        """The bookkeeping of `record_decode` without its stores, for a caller that wrote the new tokens into
+        the entries' slab rows itself (at ring slots `slot(past)`; e.g. the paged kernel's `record_slots`):
+        each live entry (`live`) now holds position `past` too, and is the most recently recorded."""
+        live = self._entries
+        for entry, key, past in zip(entries, keys_of, pasts):
+            live.move_to_end(key)
+            entry[1] = past + 1
 
     def record_tokens(self, keys_of: list[int], pasts: list[int], new_keys: list[int], keys: torch.Tensor,
                       values: torch.Tensor, host: tuple | None = None) -> None:

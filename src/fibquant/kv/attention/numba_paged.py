@@ -31,9 +31,10 @@ np = None
 _count_invalid = _role_fields = None
 _build_table = _bytes_table = _spread_bytes = None
 _score_tokens = _hist_tokens = None
-_norms = _softmax_row = None
+_norms = None
 _as_f32 = _from_f32 = None
 _exact_scores = _exact_values = _contract_dot = _rotate_rows = None
+_row_max = _exp_sum = _softmax_exact = None
 _g_scores = _g_values = _gather_scores = _gather_values = _gather_ok = None
 _p_scores = _p_values = _perm_scores = _perm_values = _perm_ok = None
 # flags bits: decode-then-dot for the keys / values when their codes allow it (vector gathers: `_gather_ok`;
@@ -164,19 +165,71 @@ def _perm_values_py(codewords, rows, wts, acc, a0, groups, blocks):
         _p_values(codewords, rows, n, 8, 1, wts, acc, a0)
 
 
+def _exact_scores_py(keys, b, h, count, start, scores, query, groups, row):
+    """scores[t, start + e] = query[t] . keys[b, h, e] for e < count (keys C-contiguous, float32 or bf16
+    bits): numba_decode's `_exact_scores` over C arrays, so the row's conversion to float32 is one
+    contiguous, vectorised pass (over any strides it is one scalar load per element: ~2x the time)."""
+    dim = query.shape[1]
+    for e in range(count):
+        for d in range(dim):
+            row[d] = _as_f32(keys[b, h, e, d])
+        for t in range(groups):
+            s = np.float32(0.0)
+            for d in range(dim):
+                s += query[t, d] * row[d]
+            scores[t, start + e] = s
+
+
+def _exact_values_py(values, b, h, count, start, weights, result, groups, rows):
+    """result[t] += sum_e weights[t, start + e] * values[b, h, e] for e < count, e ascending (values
+    C-contiguous, float32 or bf16 bits): numba_decode's `_exact_values` over C arrays."""
+    dim = values.shape[3]
+    for e in range(count):
+        for d in range(dim):
+            rows[e * dim + d] = _as_f32(values[b, h, e, d])
+    for e in range(count):
+        for t in range(groups):
+            w = weights[t, start + e]
+            if w != 0.0:
+                o = e * dim
+                for d in range(dim):
+                    result[t, d] += w * rows[o + d]
+
+
+def _softmax_exact_py(coded_row, n_tokens, exact_row, n_exact, sink_logit, ibits):
+    """numba_decode's `_softmax_row` (one softmax over a row's coded and exact columns and a sink
+    logit, in place, unnormalised; returns the sum of all weights) with the exact columns' exp
+    vectorised too (`_exp_sum`, Cephes' expf, ~1 ulp from libm's; 37 scalar libm calls per row cost
+    ~0.7 us per (sequence, KV head) unit at G = 3)."""
+    top = _row_max(coded_row, n_tokens, np.float32(-np.inf))
+    top = _row_max(exact_row, n_exact, top)
+    if sink_logit > top:
+        top = sink_logit
+    if top == -np.inf:
+        top = np.float32(0.0)
+    s = _exp_sum(coded_row, n_tokens, top, ibits) + _exp_sum(exact_row, n_exact, top, ibits)
+    if sink_logit != -np.inf:
+        s += np.float32(np.exp(sink_logit - top))
+    return s
+
+
 def _paged_step_py(query, scaling, key_forward, value_inverse, key_codewords, value_codewords, pages, tables,
                    starts, stops, key_offset, key_size, value_offset, value_size, exact_keys, exact_values,
-                   exact_rows, new_keys, new_values, sinks, out, flags, key_bits, value_bits, key_blocks, value_blocks,
-                   key_mode, value_mode, lanes, table1, lut, hist1, hist, coded, norms, ibits, unit_start,
-                   unit_stop):
+                   exact_rows, n_exact_in, record_slots, new_keys, new_values, sinks, out, flags, key_bits,
+                   value_bits, key_blocks, value_blocks, key_mode, value_mode, lanes, table1, lut, hist1, hist,
+                   coded, norms, ibits, unit_start, unit_stop):
     """out[b, h*G + t] for units [unit_start, unit_stop) of (b, KV head h); returns the count of
     invalid indices (>= N) and out-of-range block ids seen. query [B, Hq, D] (unscaled, unrotated),
     pages uint8 [num_blocks, H, block_size, slot] (any strides, slot bytes contiguous), tables
     int32 [B, max_blocks], starts / stops int64 [B] (coded positions [start, stop)), exact window
-    exact_keys / exact_values [R, H, n, D] (n may be 0) of which sequence b reads row exact_rows[b]
-    (int64 [B], in [0, R): e.g. the rows of the caller's window slabs, read in place), new_keys /
-    new_values [B, H, n_new, D], sinks [Hq] (read when flags bit 3), out [B, Hq, Dv]; query, exact
-    parts and out float32 or bf16 bits (uint16), any strides. flags bits 4 / 5 (`GATHER_KEYS`,
+    exact_keys / exact_values [R, H, >= n, D] of which sequence b reads the first n = n_exact_in (may
+    be 0) columns of row exact_rows[b] (int64 [B], in [0, R): e.g. the rows of the caller's window
+    slabs, read in place), new_keys / new_values [B, H, n_new, D], sinks [Hq] (read when flags bit 3),
+    out [B, Hq, Dv]; query, exact parts and out float32 or bf16 bits (uint16); the exact and new parts
+    C-contiguous, query and out any strides. record_slots int64 [B]: where record_slots[b] >= 0 the new
+    token (n_new = 1) is written into column record_slots[b] of its exact row once the unit has read it
+    (a decode step's window record, fused: the caller keeps the rows distinct, so no unit reads a
+    column another one writes). flags bits 4 / 5 (`GATHER_KEYS`,
     `GATHER_VALUES`): the keys / values, when their codes allow it (`_gather_ok`: FibQuant at 4 bits;
     `_perm_ok`: 4-bit codes of 16 scalar codewords), are read by decode-then-dot (`_gather_scores`,
     `_gather_values`; `_perm_scores`, `_perm_values`) instead of the lookup table / histogram (the same
@@ -193,7 +246,7 @@ def _paged_step_py(query, scaling, key_forward, value_inverse, key_codewords, va
     block_size = pages.shape[2]
     n_pages = pages.shape[0]
     groups = n_qh // n_h
-    n_exact_in, n_new = exact_keys.shape[2], new_keys.shape[2]
+    n_new = new_keys.shape[2]
     n_exact = n_exact_in + n_new
     value_dim = value_inverse.shape[0]
     has_sinks = (flags & 8) != 0
@@ -287,12 +340,12 @@ def _paged_step_py(query, scaling, key_forward, value_inverse, key_codewords, va
                     _score_tokens(table1, lut, rows, coded[:, base:base + hi - lo], groups, block_norms, key_mode,
                                   lanes, key_bits, key_blocks, k_pos, kn, k_safe, k_safe_bytes, k_word)
         # --- exact scores: columns [the caller's exact window, the new token]
-        _exact_scores(exact_keys, r, h, 0, exact, unit_scaled, groups, key_row)
-        _exact_scores(new_keys, b, h, n_exact_in, exact, unit_scaled, groups, key_row)
+        _exact_scores(exact_keys, r, h, n_exact_in, 0, exact, unit_scaled, groups, key_row)
+        _exact_scores(new_keys, b, h, n_new, n_exact_in, exact, unit_scaled, groups, key_row)
         # --- one softmax over the row (and the sink logit)
         for t in range(groups):
             sink_logit = np.float32(sinks[h * groups + t]) if has_sinks else np.float32(-np.inf)
-            _, _, total[o + t] = _softmax_row(coded[t], n_tokens, exact[t], n_exact, sink_logit, ibits)
+            total[o + t] = _softmax_exact(coded[t], n_tokens, exact[t], n_exact, sink_logit, ibits)
         # --- coded value sums, block by block (left in the rotated basis: un-rotated in pass 3)
         if n_tokens:
             if value_mode == 0 and not v_direct:
@@ -335,8 +388,14 @@ def _paged_step_py(query, scaling, key_forward, value_inverse, key_codewords, va
         o = (unit - unit_start) * groups
         unit_result = result[o:o + groups]
         exact = weights[o:o + groups]
-        _exact_values(exact_values, exact_rows[b], h, 0, exact, unit_result, groups, value_rows)
-        _exact_values(new_values, b, h, n_exact_in, exact, unit_result, groups, value_rows)
+        _exact_values(exact_values, exact_rows[b], h, n_exact_in, 0, exact, unit_result, groups, value_rows)
+        _exact_values(new_values, b, h, n_new, n_exact_in, exact, unit_result, groups, value_rows)
+        slot = record_slots[b]
+        if slot >= 0:  # the window record, after this unit's last read of its exact row
+            for d in range(dim):
+                exact_keys[exact_rows[b], h, slot, d] = new_keys[b, h, 0, d]
+            for d in range(value_dim):
+                exact_values[exact_rows[b], h, slot, d] = new_values[b, h, 0, d]
         for t in range(groups):
             scale = np.float32(1.0) / total[o + t] if total[o + t] > 0 else np.float32(0.0)
             for d in range(value_dim):
@@ -354,9 +413,9 @@ def compile_paged_kernel(inputs: str = "float32", output: str = "float32"):
     layout are converted, never compiled anew)."""
     global np, _count_invalid, _role_fields, _build_table, _bytes_table, _spread_bytes
     global _score_tokens, _hist_tokens, _norms
-    global _softmax_row, _as_f32, _from_f32, _exact_scores, _exact_values
+    global _as_f32, _from_f32, _exact_scores, _exact_values
     global _contract_dot, _rotate_rows, _g_scores, _g_values, _gather_scores, _gather_values, _gather_ok
-    global _p_scores, _p_values, _perm_scores, _perm_values, _perm_ok
+    global _p_scores, _p_values, _perm_scores, _perm_values, _perm_ok, _row_max, _exp_sum, _softmax_exact
     kernel = _KERNELS.get((inputs, output))
     if kernel is not None:
         return kernel
@@ -373,9 +432,12 @@ def compile_paged_kernel(inputs: str = "float32", output: str = "float32"):
     _build_table, _bytes_table = numba_decode._build_table, numba_decode._bytes_table
     _spread_bytes = numba_decode._spread_bytes
     _score_tokens, _hist_tokens = numba_decode._score_tokens, numba_decode._hist_tokens
-    _norms, _softmax_row = numba_decode._norms, numba_decode._softmax_row
-    # the exact window's columns, read in place (float32 or bf16 bits, any strides)
-    _exact_scores, _exact_values = numba_decode._exact_scores, numba_decode._exact_values
+    _norms = numba_decode._norms
+    # the exact window's columns, read in place (float32 or bf16 bits, C arrays: vectorised conversion)
+    _exact_scores = kernel_jit(nogil=True, fastmath={"reassoc", "nsz", "contract"})(_exact_scores_py)
+    _exact_values = kernel_jit(nogil=True)(_exact_values_py)
+    _row_max, _exp_sum = numba_decode._row_max, numba_decode._exp_sum
+    _softmax_exact = kernel_jit(nogil=True)(_softmax_exact_py)
     _rotate_rows = kernel_jit(nogil=True)(_rotate_rows_py)
     _contract_dot = kernel_jit(nogil=True)(_contract_dot_py)
     _g_scores, _g_values = _build_gathers()
@@ -386,10 +448,11 @@ def compile_paged_kernel(inputs: str = "float32", output: str = "float32"):
     _perm_ok = kernel_jit(nogil=True)(_perm_ok_py)
     _perm_scores = kernel_jit(nogil=True)(_perm_scores_py)
     _perm_values = kernel_jit(nogil=True)(_perm_values_py)
-    part = f"{inputs}[:, :, :, :]"
+    part = f"{inputs}[:, :, :, ::1]"  # exact / new parts: C arrays (the caller makes them so, `paged._c_part`)
     signature = (f"int64({inputs}[:, :, :], float32, float32[:, ::1], float32[:, ::1], float32[:, ::1], "
                  "float32[:, ::1], uint8[:, :, :, :], int32[:, :], int64[::1], int64[::1], int64, int64, int64, "
-                 f"int64, {part}, {part}, int64[::1], {part}, {part}, float32[::1], {output}[:, :, :], "
+                 f"int64, {part}, {part}, int64[::1], int64, int64[::1], {part}, {part}, float32[::1], "
+                 f"{output}[:, :, :], "
                  "int64, int64, int64, int64, int64, int64, int64, int64, float32[::1], float32[::1], float32[::1], "
                  "float32[::1], float32[:, ::1], float32[::1], int32[::1], int64, int64)")
     kernel = _KERNELS[inputs, output] = kernel_jit(signature, nogil=True)(_paged_step_py)

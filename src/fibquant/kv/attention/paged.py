@@ -44,6 +44,7 @@ GATHER_DECODE = True
 # numba_paged.GATHER_KEYS / GATHER_VALUES (not imported here: numba_paged's import is kept lazy)
 _GATHER_FLAGS = {True: 16 | 32, "keys": 16, "values": 32, False: 0}
 _ARANGE = np.arange(0, dtype=np.int64)
+_NO_RECORD = np.full(0, -1, dtype=np.int64)
 
 
 def _arange(n: int) -> np.ndarray:
@@ -92,6 +93,31 @@ def _host(tensor: torch.Tensor, bits: bool):
     if tensor.requires_grad:
         tensor = tensor.detach()
     return tensor.view(torch.uint16).numpy() if bits else tensor.to(torch.float32).numpy()
+
+
+def _no_record(n: int) -> np.ndarray:
+    """n times -1 (no window record) as int64, kept between calls."""
+    global _NO_RECORD
+    if _NO_RECORD.shape[0] < n:
+        _NO_RECORD = np.full(max(n, 2 * _NO_RECORD.shape[0]), -1, dtype=np.int64)
+    return _NO_RECORD[:n]
+
+
+def _c_part(array: np.ndarray) -> tuple[np.ndarray, int]:
+    """(a C-contiguous array the kernel reads, the columns n to read) for an exact / new part [R, H, n, D]:
+    the array itself when C-contiguous; the C array it is the first n columns of (the window slabs'
+    `[:, :, :n]`, an in-place view, no copy) when its strides say so; else a C copy."""
+    count = array.shape[2]
+    if array.flags.c_contiguous:
+        return array, count
+    item = array.itemsize
+    s0, s1, s2, s3 = array.strides
+    if s3 == item and s2 == array.shape[3] * item and s2 > 0 and s1 % s2 == 0 and s1 // s2 >= count \
+            and s0 == array.shape[1] * s1:
+        full = np.lib.stride_tricks.as_strided(array, (array.shape[0], array.shape[1], s1 // s2, array.shape[3]),
+                                               array.strides)  # writeable: numba types readonly apart
+        return full, count
+    return np.ascontiguousarray(array), count
 
 
 def paged_decode_attention(query: torch.Tensor, pages: torch.Tensor, tables: torch.Tensor, starts: list[int],
@@ -175,11 +201,11 @@ def paged_decode_attention(query: torch.Tensor, pages: torch.Tensor, tables: tor
         sinks_np, flags = f32(sinks.reshape(-1)), 8
     if tables.dtype != torch.int32 or (tables.shape[1] > 1 and tables.stride(1) != 1):
         tables = tables.to(torch.int32).contiguous()
+    (exact_k, count), (exact_v, _), (new_k, _), (new_v, _) = (_c_part(_host(t, bits_in)) for t in parts)
     bad = run_paged_kernel(paged_kernel(bits_in, bits_out), plans, _host(query, bits_in), scaling, pages.numpy(),
                            tables.numpy(), np.array(starts, dtype=np.int64), np.array(stops, dtype=np.int64),
-                           key_offset, value_offset, _host(exact_keys, bits_in), _host(exact_values, bits_in),
-                           rows_np, _host(new_keys, bits_in), _host(new_values, bits_in), _host(out, bits_out),
-                           longest, sinks_np, flags)
+                           key_offset, value_offset, exact_k, exact_v, rows_np, new_k, new_v, _host(out, bits_out),
+                           longest, sinks_np, flags, exact_count=count)
     if bad:
         raise ValueError(f"paged codes hold {bad} invalid index(es) or block id(s) outside the pages")
     return out
@@ -197,22 +223,34 @@ def paged_kernel(bits_in: bool, bits_out: bool):
 
 def run_paged_kernel(kernel, plans: PagedPlan, query, scaling: float, pages, tables, starts, stops, key_offset: int,
                      value_offset: int, exact_keys, exact_values, exact_rows, new_keys, new_values, out,
-                     longest: int, sinks=_DUMMY_SINKS, flags: int = 0) -> int:
+                     longest: int, sinks=_DUMMY_SINKS, flags: int = 0, exact_count: int | None = None,
+                     record_slots=None) -> int:
     """The paged kernel on numpy arrays exactly as it takes them (`paged_decode_attention` checks and
     converts; a caller that keeps these arrays between calls, e.g. a serving backend per step and
     layer, saves that work): query [B, Hq, D], pages uint8 [blocks, Hkv, bs, slot], tables int32
-    [B, max_blocks], starts / stops / exact_rows int64 [B] (C arrays), exact / new parts [R|B, Hkv, n, D], out
-    [B, Hq, Dv] (query, parts and out all float32 or all uint16 bf16 bits, matching `kernel`);
-    `longest` = max(stops - starts). Returns the count of invalid indices / block ids seen (the
-    caller raises)."""
+    [B, max_blocks], starts / stops / exact_rows int64 [B] (C arrays), exact / new parts [R|B, Hkv, n, D]
+    (C arrays: `_c_part`), out [B, Hq, Dv] (query, parts and out all float32 or all uint16 bf16 bits,
+    matching `kernel`); `longest` = max(stops - starts); `exact_count`: the exact columns read of each
+    row (default all n: a caller passing whole window slabs reads only their first `exact_count`);
+    `record_slots` int64 [B] (C array; default none): sequence b's new token (one per sequence) is
+    written into column record_slots[b] >= 0 of its exact row exact_rows[b] after the kernel has read
+    that row (a decode step's window record; the rows must be distinct). Returns the count of invalid
+    indices / block ids seen (the caller raises)."""
     global _scratch
     if _scratch is None:
         from fibquant.kv.attention.entry import _scratch
     keys, values, lanes, sizes = plans.keys, plans.values, plans.lanes, plans.sizes
     batch, kv_heads = query.shape[0], pages.shape[1]
+    if exact_count is not None and not 0 <= exact_count <= exact_keys.shape[2]:
+        raise ValueError(f"exact_count {exact_count} outside the {exact_keys.shape[2]} exact columns")
+    if record_slots is not None and (record_slots.shape != (batch,) or new_keys.shape[2] != 1
+                                     or (batch and record_slots.max() >= exact_keys.shape[2])):
+        raise ValueError(f"record_slots must be {batch} columns < {exact_keys.shape[2]} for one new token each")
     args = (query, np.float32(scaling), keys[0], values[1], keys[2], values[2], pages, tables,
             starts, stops, int(key_offset), plans.key_size, int(value_offset), plans.value_size, exact_keys,
-            exact_values, exact_rows, new_keys, new_values, sinks, out,
+            exact_values, exact_rows, exact_keys.shape[2] if exact_count is None else int(exact_count),
+            _no_record(batch) if record_slots is None else record_slots, new_keys,
+            new_values, sinks, out,
             flags | _GATHER_FLAGS[GATHER_DECODE], *plans.scalars)
     return run_split(kernel, args, batch * kv_heads, longest * (keys[4] + values[4]), _MIN_WORK_PER_THREAD,
                      "fibquant-paged", per_thread=lambda t: _scratch(t, sizes, lanes, longest))
