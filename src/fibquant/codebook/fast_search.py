@@ -73,6 +73,7 @@ _SURE_TABLES: dict = {}  # (codewords bytes, lo, hi, fine) -> `sure_table`'s tab
 _SURE_LOCK = threading.Lock()
 SURE_DIRECT = 256       # `sure_table` computes up to this many boxes per axis directly, finer ones from the coarser
 SURE_MARGIN = 1e-7      # a sure box's codeword is nearer than every other by more than this (squared distance)
+SCALAR_ROW_MAX = 31     # scalar: up to this many midpoints (N <= 32) the row-vectorised kernel `scalar_rows`
 SENTINEL = 1e300        # coordinates of the padding codeword of the grid2 / grid4 tables (distance inf)
 SCAN4_PAD = 1e15        # coordinates of grid4's float32 padding codewords (`scan4_table`: far, squares finite)
 DOMINANCE_MARGIN = 1e-9  # a listed codeword beaten by this much on its whole box is dropped
@@ -474,6 +475,14 @@ class NumbaSearch:
             self.order = order.contiguous()
             self.mids = ((sorted64[:-1] + sorted64[1:]) * 0.5).contiguous()  # exact: float32 sums in float64
             tables = (self.mids, self.order, self.codewords_t64)
+            if len(self.mids) <= SCALAR_ROW_MAX:  # the row-vectorised kernel `scalar_rows`
+                mids32 = self.mids.to(torch.float32)  # each midpoint rounded down to float32 (see the kernel)
+                above = mids32.to(torch.float64) > self.mids
+                mids32[above] = torch.nextafter(mids32[above], torch.tensor(-math.inf))
+                self.mids32 = mids32.contiguous()
+                far = torch.tensor([SENTINEL], dtype=torch.float64)
+                self.sorted_pad = torch.cat([-far, sorted64, far]).contiguous()
+                self._scalar_rows_args = (1, self.mids32.numpy(), self.sorted_pad.numpy(), self.order.numpy())
         elif self.method == "grid":
             if self.k not in GRID:
                 raise ValueError(f"no grid for k={self.k}")
@@ -566,7 +575,9 @@ class NumbaSearch:
         elif self.method == "brute" and n * n_blocks >= MATMUL_MIN_BLOCKS:
             flagged = self._matmul_screen(u, kernels["verify"], out)
         else:
-            if self.method == "grid" and self.k in (2, 4):
+            if self.method == "scalar" and hasattr(self, "mids32"):
+                flagged = _run_rows(kernels["scalar_rows"], (u.numpy(), *self._scalar_rows_args, *out), n, n_blocks)
+            elif self.method == "grid" and self.k in (2, 4):
                 flagged = _run_rows(kernels[f"grid{self.k}"], (u.numpy(), *self._grid_args, *out), n, n_blocks)
             else:
                 flagged = _run_rows(kernels[self.method], (u.numpy(), *self._args, *out), n, n_blocks)

@@ -459,6 +459,42 @@ def _scalar_py(u, k, mids, order, cw_t, index, flags, codes, head, bits, start, 
     return flagged
 
 
+def _scalar_rows_py(u, k, mids32, padded, order, index, flags, codes, head, bits, start, stop):
+    """`_scalar_py` for up to SCALAR_ROW_MAX midpoints, vectorised over a row: the same cells, indices and flags.
+    pos = #{mids < x} is counted on float32 comparisons against mids32 (each midpoint rounded down to
+    float32: for a float32 x, x > mid exactly when x > mids32, NaN counting 0 either way), then the cell's
+    codeword and its neighbours come from padded (float64 [m + 3]: the sorted codewords with one far
+    sentinel at each end, so the end cells' missing neighbour is at distance inf) and the float64
+    distances and tie flag are `_scalar_py`'s, in the same order."""
+    d = u.shape[1]
+    m = mids32.shape[0]
+    pos = np.empty(d, dtype=np.int32)
+    flagged = 0
+    for row in range(start, stop):
+        for i in range(d):
+            pos[i] = 0
+        for j in range(m):
+            e = mids32[j]
+            for i in range(d):
+                pos[i] += np.int32(1) if u[row, i] > e else np.int32(0)
+        for i in range(d):
+            x = np.float64(u[row, i])
+            p = np.int64(pos[i])
+            g = x - padded[p + 1]
+            d1 = g * g
+            g = x - padded[p]
+            lo = g * g
+            g = x - padded[p + 2]
+            d2 = min(lo, g * g)
+            index[row, i] = order[p]
+            bad = not (x - x == 0.0) or (d2 - d1 <= TIE_REL * d2 and d2 < np.inf)
+            flags[row, i] = 1 if bad else 0
+            flagged += 1 if bad else 0
+        if bits > 0:
+            _pack_row(index, row, bits, codes, head)
+    return flagged
+
+
 def _walk_py(u, k, origin, scale, lut, cells, guess, offsets, nbr, reach, table, n_real, certified, size2, cw_t,
              index, flags, codes, head, bits, start, stop):
     """Delaunay walk (`fast_search.build_delaunay`, `walk_lists`, `walk_guess`): start at the nearest
@@ -975,6 +1011,8 @@ def compile_kernels():
                            **jit)(_tree_py),
         "scalar": numba.njit(f"int64({u}, int64, float64[::1], int64[::1], float64[:, ::1], {out})",
                              **jit)(_scalar_py),
+        "scalar_rows": numba.njit(f"int64({u}, int64, float32[::1], float64[::1], int64[::1], {out})",
+                                  **jit)(_scalar_rows_py),
         "walk": numba.njit(f"int64({u}, int64, float64, float64, int64[::1], int64, int16[:, ::1], int64[::1], "
                            f"int16[::1], "
                            f"float32[::1], float64[:, ::1], int64, boolean[::1], float64, float64[:, ::1], {out})",
