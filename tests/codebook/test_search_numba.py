@@ -299,20 +299,27 @@ def test_grid4_heavy_boxes_and_row_cells_match_the_reference(seed, spread):
 
 
 @pytest.mark.parametrize("n", [256, 128, 64])
-def test_sure_boxes_hold_the_reference_index(n):
-    """grid2's sure boxes (`fast_search.sure_table`): at float32 blocks inside sure boxes, on their
+@pytest.mark.parametrize("table", ["inner", "outer"])
+def test_sure_boxes_hold_the_reference_index(n, table):
+    """grid2's sure boxes (`fast_search.sure_table`; the inner table over the grid's inner cells, the outer one
+    over [-1, 1]^2 for blocks beyond it): at float32 blocks inside sure boxes, on their
     corners and one float32 step beside them, mapped to a box as the kernel maps them, the table's
     codeword is the reference's index; the kernel's indices equal the reference's there. Shipped
     codebooks: most boxes are sure; with duplicate codewords the boxes around a duplicate are not."""
-    from fibquant.codebook.fast_search import SURE_SPLIT
+    from fibquant.codebook.fast_search import OUTER_SURE, SURE_SPLIT
 
     codewords = (FibQuantCodec(64, 2, n).codebook.codewords if n != 64
                  else random_codebook(2, n, seed=7, duplicates=True))
     search = NumbaSearch(codewords, 64, "grid")
-    sure = search.sure.to(torch.int64)
     lo, hi = float(search.edges[0]), float(search.edges[-1])
     fine = (len(search.edges) - 1) * SURE_SPLIT
-    assert sure.shape == (fine * fine,) and int(sure.max()) < n
+    assert search.sure.shape == (fine * fine + OUTER_SURE[1] ** 2,)
+    if table == "inner":
+        sure = search.sure[:fine * fine].to(torch.int64)
+    else:
+        sure = search.sure[fine * fine:].to(torch.int64)
+        lo, hi, fine = -OUTER_SURE[0], OUTER_SURE[0], OUTER_SURE[1]
+    assert int(sure.max()) < n
     gen = torch.Generator().manual_seed(n)
     boxes = torch.nonzero(sure >= 0).reshape(-1)
     boxes = boxes[torch.randperm(len(boxes), generator=gen)[:60_000]]  # a random sample: the whole table is ~230k
