@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -129,6 +130,46 @@ def test_scalar_search_matches_reference_on_hard_blocks(n, duplicates):
     assert torch.equal(search.indices(blocks).reshape(-1), reference_index(blocks, codewords))
     with pytest.raises(ValueError, match="k=1"):
         NumbaSearch(random_codebook(2, 8, seed=1), 64, "scalar")
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 32), st.integers(0, 2 ** 16), st.sampled_from([1.0, 1e-3, 1e-7]), st.booleans())
+def test_scalar_safe_cells_hold_the_reference_index(n, seed, spread, duplicates):
+    """`scalar_safe_cells` (the proof table of `scalar_rows`, k = 1 with N <= 32): float32 points on both ends of
+    every cell's interval, one float32 step inside them and at random inside have the cell's codeword as the
+    reference's index; codewords with an equal neighbour get an empty interval; the kernel's indices (flagged
+    ones decided by the reference) equal the reference's on those points and on hard blocks (ties, NaN, inf)."""
+    from fibquant.codebook.fast_search import scalar_safe_cells
+
+    codewords = random_codebook(1, n, seed, duplicates=duplicates) * spread
+    sorted64, order = torch.sort(codewords[:, 0].to(torch.float64), stable=True)
+    lo, hi = scalar_safe_cells(sorted64)
+    cells = torch.nonzero(lo <= hi).reshape(-1)
+    for p in range(n):
+        if p not in cells:
+            assert (p > 0 and sorted64[p - 1] == sorted64[p]) or (p + 1 < n and sorted64[p + 1] == sorted64[p]) or n == 1
+    gen = torch.Generator().manual_seed(seed)
+    a, b = lo[cells], hi[cells]
+    inside = (a.double() + torch.rand(len(cells), generator=gen, dtype=torch.float64) * (b.double() - a.double())).float()
+    inside = torch.minimum(torch.maximum(inside, a), b)
+    points = torch.cat([a, b, torch.nextafter(a, b), torch.nextafter(b, a), inside])
+    owner = order[cells].repeat(5)
+    reference = reference_index(points[:, None], codewords)
+    assert torch.equal(reference, owner)
+    search = NumbaSearch(codewords, 64)
+    blocks = torch.cat([points[:, None], hard_blocks(codewords, 64, seed),
+                        torch.tensor([[float("nan")], [float("inf")], [-float("inf")]])])
+    assert torch.equal(search.indices(blocks).reshape(-1), reference_index(blocks, codewords))
+
+
+def test_four_bit_packing_of_an_odd_count_equals_pack_bits():
+    """`_pack_row` at 4 bits (two indices a byte) equals `pack_bits`, an odd count's last index in a low nibble."""
+    from fibquant.codebook.fast_search import _kernels
+
+    index = torch.randint(0, 16, (5, 7), generator=torch.Generator().manual_seed(3))
+    codes = np.zeros((5, 2 + 4), dtype=np.uint8)
+    _kernels()["pack"](index.numpy(), 4, codes, 2, np.arange(5))
+    assert torch.equal(torch.from_numpy(codes[:, 2:]), pack_bits(index, 4))
 
 
 @pytest.mark.parametrize("k,n", [(8, 256), (16, 37), (64, 300), (5, 2)])

@@ -113,6 +113,46 @@ def choose_method(k: int, n_codewords: int) -> str:
     return "tree" if k <= TREE_MAX_K else "brute"
 
 
+def scalar_safe_cells(sorted64: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `scalar_rows` kernel's proof table for sorted codewords [N] (float64 values of float32 codewords,
+    ascending): float32 [N] bounds (lo[p], hi[p]) such that for every float x in [lo[p], hi[p]] the codeword of
+    sorted position p is strictly the nearest of all in the reference's float64 squared distances, whatever
+    their rounding: for each neighbour n of c = sorted[p], (1 - e)(x - n)^2 > (1 + e)(x - c)^2 with e = 1e-14
+    (>> the ~3.4e-16 relative rounding of fl(fl(x - c)^2)), checked in exact rational arithmetic at both ends
+    (the difference is concave in x, so it holds between them); farther codewords are farther still, and the
+    rounding is monotone. The interval stops 1e-9 of the gap short of each midpoint and 1e6 gaps beyond an end
+    codeword; a codeword with an equal neighbour (a tie everywhere) gets the empty interval (inf, -inf)."""
+    from fractions import Fraction
+
+    values = [float(v) for v in sorted64]
+    top = float(np.finfo(np.float32).max)
+    lo = np.full(len(values), np.inf, dtype=np.float32)
+    hi = np.full(len(values), -np.inf, dtype=np.float32)
+    e = Fraction(1, 10 ** 14)
+    for p, c in enumerate(values):
+        below = values[p - 1] if p > 0 else None
+        above = values[p + 1] if p + 1 < len(values) else None
+        if c == below or c == above:
+            continue
+        a = (below + c) / 2 + 1e-9 * (c - below) if below is not None else (
+            c - 1e6 * (above - c) if above is not None else -top)
+        b = (c + above) / 2 - 1e-9 * (above - c) if above is not None else (
+            c + 1e6 * (c - below) if below is not None else top)
+        a32 = np.float32(max(a, -top))
+        if float(a32) < a:
+            a32 = np.nextafter(a32, np.float32(np.inf))
+        b32 = np.float32(min(b, top))
+        if float(b32) > b:
+            b32 = np.nextafter(b32, np.float32(-np.inf))
+        if not (np.isfinite(a32) and np.isfinite(b32) and a32 <= b32):
+            continue
+        ends, cf = (Fraction(float(a32)), Fraction(float(b32))), Fraction(c)
+        if all((1 - e) * (x - Fraction(n)) ** 2 > (1 + e) * (x - cf) ** 2
+               for n in (below, above) if n is not None for x in ends):
+            lo[p], hi[p] = a32, b32
+    return torch.from_numpy(lo), torch.from_numpy(hi)
+
+
 def build_tree(points: np.ndarray, leaf: int = TREE_LEAF) -> tuple[np.ndarray, ...]:
     """k-d tree over points [N, k] (median splits on the widest axis, ties by index).
 
@@ -484,9 +524,9 @@ class NumbaSearch:
                 above = mids32.to(torch.float64) > self.mids
                 mids32[above] = torch.nextafter(mids32[above], torch.tensor(-math.inf))
                 self.mids32 = mids32.contiguous()
-                far = torch.tensor([SENTINEL], dtype=torch.float64)
-                self.sorted_pad = torch.cat([-far, sorted64, far]).contiguous()
-                self._scalar_rows_args = (1, self.mids32.numpy(), self.sorted_pad.numpy(), self.order.numpy())
+                self.safe_lo, self.safe_hi = scalar_safe_cells(sorted64)
+                self._scalar_rows_args = (1, self.mids32.numpy(), self.safe_lo.numpy(), self.safe_hi.numpy(),
+                                          self.order.numpy())
         elif self.method == "grid":
             if self.k not in GRID:
                 raise ValueError(f"no grid for k={self.k}")

@@ -478,13 +478,13 @@ def _scalar_py(u, k, mids, order, cw_t, index, flags, codes, head, bits, start, 
     return flagged
 
 
-def _scalar_rows_py(u, k, mids32, padded, order, index, flags, codes, head, bits, start, stop):
-    """`_scalar_py` for up to SCALAR_ROW_MAX midpoints, vectorised over a row: the same cells, indices and flags.
-    pos = #{mids < x} is counted on float32 comparisons against mids32 (each midpoint rounded down to
-    float32: for a float32 x, x > mid exactly when x > mids32, NaN counting 0 either way), then the cell's
-    codeword and its neighbours come from padded (float64 [m + 3]: the sorted codewords with one far
-    sentinel at each end, so the end cells' missing neighbour is at distance inf) and the float64
-    distances and tie flag are `_scalar_py`'s, in the same order."""
+def _scalar_rows_py(u, k, mids32, safe_lo, safe_hi, order, index, flags, codes, head, bits, start, stop):
+    """k = 1 with up to SCALAR_ROW_MAX midpoints, vectorised over a row. pos = #{mids < x} is counted on float32
+    comparisons against mids32 (each midpoint rounded down to float32: for a float32 x, x > mid exactly when
+    x > mids32; NaN counts 0), the index is order[pos], and a coordinate outside its cell's proof interval
+    [safe_lo[pos], safe_hi[pos]] (`fast_search.scalar_safe_cells`: inside it the sorted codeword pos is strictly
+    the reference's nearest; NaN and inf are outside) is flagged for the reference. The flags are a superset
+    of `_scalar_py`'s near ties; the indices after the reference are the same."""
     d = u.shape[1]
     m = mids32.shape[0]
     pos = np.empty(d, dtype=np.int32)
@@ -496,19 +496,15 @@ def _scalar_rows_py(u, k, mids32, padded, order, index, flags, codes, head, bits
             e = mids32[j]
             for i in range(d):
                 pos[i] += np.int32(1) if u[row, i] > e else np.int32(0)
+        bad = 0
         for i in range(d):
-            x = np.float64(u[row, i])
-            p = np.int64(pos[i])
-            g = x - padded[p + 1]
-            d1 = g * g
-            g = x - padded[p]
-            lo = g * g
-            g = x - padded[p + 2]
-            d2 = min(lo, g * g)
+            x = u[row, i]
+            p = pos[i]
             index[row, i] = order[p]
-            bad = not (x - x == 0.0) or (d2 - d1 <= TIE_REL * d2 and d2 < np.inf)
-            flags[row, i] = 1 if bad else 0
-            flagged += 1 if bad else 0
+            out = np.int32(safe_lo[p] > x) | np.int32(x > safe_hi[p]) | np.int32(x != x)
+            flags[row, i] = np.int8(out)
+            bad += out
+        flagged += bad
         if bits > 0:
             _pack_row(index, row, bits, codes, head)
     return flagged
@@ -953,6 +949,13 @@ def _pack_row_py(index, row, bits, codes, head):
         for b in range(index.shape[1]):
             codes[row, head + b] = np.uint8(index[row, b])
         return
+    if bits == 4:  # two per byte, the first in the low nibble (a lone last index: its byte's low nibble)
+        half = index.shape[1] // 2
+        for b in range(half):
+            codes[row, head + b] = np.uint8(index[row, 2 * b] | (index[row, 2 * b + 1] << 4))
+        if index.shape[1] % 2:
+            codes[row, head + half] = np.uint8(index[row, 2 * half])
+        return
     acc = np.uint64(0)
     filled = 0
     pos = head
@@ -1030,7 +1033,7 @@ def compile_kernels():
                            **jit)(_tree_py),
         "scalar": numba.njit(f"int64({u}, int64, float64[::1], int64[::1], float64[:, ::1], {out})",
                              **jit)(_scalar_py),
-        "scalar_rows": numba.njit(f"int64({u}, int64, float32[::1], float64[::1], int64[::1], {out})",
+        "scalar_rows": numba.njit(f"int64({u}, int64, float32[::1], float32[::1], float32[::1], int64[::1], {out})",
                                   **jit)(_scalar_rows_py),
         "walk": numba.njit(f"int64({u}, int64, float64, float64, int64[::1], int64, int16[:, ::1], int64[::1], "
                            f"int16[::1], "
