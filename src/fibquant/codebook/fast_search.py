@@ -4,7 +4,9 @@
 
 - `scalar` (k = 1: FibQuant `k=1`, the 4-bit in-register code of the paged kernel): the cell of each
   coordinate among the sorted codewords' midpoints, ~15 compares at N = 16 (the k-d tree it replaces
-  took ~4.5 us per 64-d row, 7x k = 2's grid search);
+  took ~4.5 us per 64-d row, 7x k = 2's grid search); up to N = 32 (`scalar_rows`) the compares are
+  float32, vectorised over a row, and a coordinate is decided by its cell's proof interval
+  (`scalar_safe_cells`), the float64 distances only for the flagged few;
 
 - `walk` (k = 4, 256 < N <= 4096: the 2.5 and 3 bit defaults): a walk over the codebook's Delaunay
   graph (`build_delaunay`, scipy / Qhull) from a start codeword looked up in a coarse grid
@@ -19,7 +21,9 @@
   width with a far sentinel codeword, the fold as selects; heavy boxes and far blocks through the float32
   screen, at k = 4 a row's boxes first and the heavy-box screen vectorised over `scan4_table`), and at k = 2
   first a table of *sure* sub-boxes (`sure_table`: 8 x 8 per grid cell, those whose
-  one codeword is the nearest of the whole sub-box by SURE_MARGIN) that answers ~89 % of blocks by a lookup;
+  one codeword is the nearest of the whole sub-box by SURE_MARGIN) that answers ~89 % of blocks by a lookup
+  (a row's lookups vectorised first, the other blocks listed and searched after; blocks beyond the inner grid
+  look up a coarser outer table over [-1, 1]^2, `OUTER_SURE`, instead of the full scan);
 - `tree` (other k <= TREE_MAX_K): a k-d tree;
 - `brute` (k > 4): a full scan (for k <= SCAN_MAX_K the fused float32 `scan` kernel; above, a numba
   loop for few blocks and a float32 BLAS matmul from MATMUL_MIN_BLOCKS blocks; the near-best of

@@ -12,7 +12,8 @@ block's index is the reference's.
 
 With bits > 0 each row's indices are also bit-packed into codes[row, head:] (= `pack_bits`).
 
-Methods: `scalar` (k = 1: the cell of each coordinate among the sorted codewords' midpoints), `grid` (candidate lists of the box of a block, `grid_search.GridSearch`, stored compactly:
+Methods: `scalar` (k = 1: the cell of each coordinate among the sorted codewords' midpoints; `scalar_rows` for
+N <= 32 counts a row's cells vectorised and flags a coordinate outside its cell's proof interval), `grid` (candidate lists of the box of a block, `grid_search.GridSearch`, stored compactly:
 box b's list is candidates[offsets[b]:offsets[b + 1]]), `tree` (a k-d
 tree with per-node bounding boxes, depth-first, nearer child first), `walk` (a walk over the
 codebook's Delaunay graph to the certified Voronoi cell holding the block, `_walk_py`), `brute` (all
