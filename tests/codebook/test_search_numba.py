@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -129,6 +130,46 @@ def test_scalar_search_matches_reference_on_hard_blocks(n, duplicates):
     assert torch.equal(search.indices(blocks).reshape(-1), reference_index(blocks, codewords))
     with pytest.raises(ValueError, match="k=1"):
         NumbaSearch(random_codebook(2, 8, seed=1), 64, "scalar")
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 32), st.integers(0, 2 ** 16), st.sampled_from([1.0, 1e-3, 1e-7]), st.booleans())
+def test_scalar_safe_cells_hold_the_reference_index(n, seed, spread, duplicates):
+    """`scalar_safe_cells` (the proof table of `scalar_rows`, k = 1 with N <= 32): float32 points on both ends of
+    every cell's interval, one float32 step inside them and at random inside have the cell's codeword as the
+    reference's index; codewords with an equal neighbour get an empty interval; the kernel's indices (flagged
+    ones decided by the reference) equal the reference's on those points and on hard blocks (ties, NaN, inf)."""
+    from fibquant.codebook.fast_search import scalar_safe_cells
+
+    codewords = random_codebook(1, n, seed, duplicates=duplicates) * spread
+    sorted64, order = torch.sort(codewords[:, 0].to(torch.float64), stable=True)
+    lo, hi = scalar_safe_cells(sorted64)
+    cells = torch.nonzero(lo <= hi).reshape(-1)
+    for p in range(n):
+        if p not in cells:
+            assert (p > 0 and sorted64[p - 1] == sorted64[p]) or (p + 1 < n and sorted64[p + 1] == sorted64[p]) or n == 1
+    gen = torch.Generator().manual_seed(seed)
+    a, b = lo[cells], hi[cells]
+    inside = (a.double() + torch.rand(len(cells), generator=gen, dtype=torch.float64) * (b.double() - a.double())).float()
+    inside = torch.minimum(torch.maximum(inside, a), b)
+    points = torch.cat([a, b, torch.nextafter(a, b), torch.nextafter(b, a), inside])
+    owner = order[cells].repeat(5)
+    reference = reference_index(points[:, None], codewords)
+    assert torch.equal(reference, owner)
+    search = NumbaSearch(codewords, 64)
+    blocks = torch.cat([points[:, None], hard_blocks(codewords, 64, seed),
+                        torch.tensor([[float("nan")], [float("inf")], [-float("inf")]])])
+    assert torch.equal(search.indices(blocks).reshape(-1), reference_index(blocks, codewords))
+
+
+def test_four_bit_packing_of_an_odd_count_equals_pack_bits():
+    """`_pack_row` at 4 bits (two indices a byte) equals `pack_bits`, an odd count's last index in a low nibble."""
+    from fibquant.codebook.fast_search import _kernels
+
+    index = torch.randint(0, 16, (5, 7), generator=torch.Generator().manual_seed(3))
+    codes = np.zeros((5, 2 + 4), dtype=np.uint8)
+    _kernels()["pack"](index.numpy(), 4, codes, 2, np.arange(5))
+    assert torch.equal(torch.from_numpy(codes[:, 2:]), pack_bits(index, 4))
 
 
 @pytest.mark.parametrize("k,n", [(8, 256), (16, 37), (64, 300), (5, 2)])
@@ -299,20 +340,27 @@ def test_grid4_heavy_boxes_and_row_cells_match_the_reference(seed, spread):
 
 
 @pytest.mark.parametrize("n", [256, 128, 64])
-def test_sure_boxes_hold_the_reference_index(n):
-    """grid2's sure boxes (`fast_search.sure_table`): at float32 blocks inside sure boxes, on their
+@pytest.mark.parametrize("table", ["inner", "outer"])
+def test_sure_boxes_hold_the_reference_index(n, table):
+    """grid2's sure boxes (`fast_search.sure_table`; the inner table over the grid's inner cells, the outer one
+    over [-1, 1]^2 for blocks beyond it): at float32 blocks inside sure boxes, on their
     corners and one float32 step beside them, mapped to a box as the kernel maps them, the table's
     codeword is the reference's index; the kernel's indices equal the reference's there. Shipped
     codebooks: most boxes are sure; with duplicate codewords the boxes around a duplicate are not."""
-    from fibquant.codebook.fast_search import SURE_SPLIT
+    from fibquant.codebook.fast_search import OUTER_SURE, SURE_SPLIT
 
     codewords = (FibQuantCodec(64, 2, n).codebook.codewords if n != 64
                  else random_codebook(2, n, seed=7, duplicates=True))
     search = NumbaSearch(codewords, 64, "grid")
-    sure = search.sure.to(torch.int64)
     lo, hi = float(search.edges[0]), float(search.edges[-1])
     fine = (len(search.edges) - 1) * SURE_SPLIT
-    assert sure.shape == (fine * fine,) and int(sure.max()) < n
+    assert search.sure.shape == (fine * fine + OUTER_SURE[1] ** 2,)
+    if table == "inner":
+        sure = search.sure[:fine * fine].to(torch.int64)
+    else:
+        sure = search.sure[fine * fine:].to(torch.int64)
+        lo, hi, fine = -OUTER_SURE[0], OUTER_SURE[0], OUTER_SURE[1]
+    assert int(sure.max()) < n
     gen = torch.Generator().manual_seed(n)
     boxes = torch.nonzero(sure >= 0).reshape(-1)
     boxes = boxes[torch.randperm(len(boxes), generator=gen)[:60_000]]  # a random sample: the whole table is ~230k

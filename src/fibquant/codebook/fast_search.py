@@ -4,7 +4,9 @@
 
 - `scalar` (k = 1: FibQuant `k=1`, the 4-bit in-register code of the paged kernel): the cell of each
   coordinate among the sorted codewords' midpoints, ~15 compares at N = 16 (the k-d tree it replaces
-  took ~4.5 us per 64-d row, 7x k = 2's grid search);
+  took ~4.5 us per 64-d row, 7x k = 2's grid search); up to N = 32 (`scalar_rows`) the compares are
+  float32, vectorised over a row, and a coordinate is decided by its cell's proof interval
+  (`scalar_safe_cells`), the float64 distances only for the flagged few;
 
 - `walk` (k = 4, 256 < N <= 4096: the 2.5 and 3 bit defaults): a walk over the codebook's Delaunay
   graph (`build_delaunay`, scipy / Qhull) from a start codeword looked up in a coarse grid
@@ -19,7 +21,9 @@
   width with a far sentinel codeword, the fold as selects; heavy boxes and far blocks through the float32
   screen, at k = 4 a row's boxes first and the heavy-box screen vectorised over `scan4_table`), and at k = 2
   first a table of *sure* sub-boxes (`sure_table`: 8 x 8 per grid cell, those whose
-  one codeword is the nearest of the whole sub-box by SURE_MARGIN) that answers ~89 % of blocks by a lookup;
+  one codeword is the nearest of the whole sub-box by SURE_MARGIN) that answers ~89 % of blocks by a lookup
+  (a row's lookups vectorised first, the other blocks listed and searched after; blocks beyond the inner grid
+  look up a coarser outer table over [-1, 1]^2, `OUTER_SURE`, instead of the full scan);
 - `tree` (other k <= TREE_MAX_K): a k-d tree;
 - `brute` (k > 4): a full scan (for k <= SCAN_MAX_K the fused float32 `scan` kernel; above, a numba
   loop for few blocks and a float32 BLAS matmul from MATMUL_MIN_BLOCKS blocks; the near-best of
@@ -71,8 +75,13 @@ SURE_SPLIT = 8          # grid2: sure boxes per grid cell and axis (`sure_table`
                         # 4: ~79 %, the search ~1.3x slower; built once per codebook and process, ~0.3-1 s)
 _SURE_TABLES: dict = {}  # (codewords bytes, lo, hi, fine) -> `sure_table`'s table (a few codebooks per process)
 _SURE_LOCK = threading.Lock()
+# grid2: the outer sure table (half-width R, boxes per axis) for blocks beyond the inner one (the grid's outer
+# boxes, all heavy, i.e. the full scan otherwise): [-1, 1]^2 holds every block of a unit row; 512 boxes per axis
+# answer ~93 % of those KV-like blocks (256: ~85 %), built in ~0.15 s.
+OUTER_SURE = (1.0, 512)
 SURE_DIRECT = 256       # `sure_table` computes up to this many boxes per axis directly, finer ones from the coarser
 SURE_MARGIN = 1e-7      # a sure box's codeword is nearer than every other by more than this (squared distance)
+SCALAR_ROW_MAX = 31     # scalar: up to this many midpoints (N <= 32) the row-vectorised kernel `scalar_rows`
 SENTINEL = 1e300        # coordinates of the padding codeword of the grid2 / grid4 tables (distance inf)
 SCAN4_PAD = 1e15        # coordinates of grid4's float32 padding codewords (`scan4_table`: far, squares finite)
 DOMINANCE_MARGIN = 1e-9  # a listed codeword beaten by this much on its whole box is dropped
@@ -106,6 +115,46 @@ def choose_method(k: int, n_codewords: int) -> str:
     if k in WALK and n_codewords <= WALK[k][1]:
         return "walk"
     return "tree" if k <= TREE_MAX_K else "brute"
+
+
+def scalar_safe_cells(sorted64: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `scalar_rows` kernel's proof table for sorted codewords [N] (float64 values of float32 codewords,
+    ascending): float32 [N] bounds (lo[p], hi[p]) such that for every float x in [lo[p], hi[p]] the codeword of
+    sorted position p is strictly the nearest of all in the reference's float64 squared distances, whatever
+    their rounding: for each neighbour n of c = sorted[p], (1 - e)(x - n)^2 > (1 + e)(x - c)^2 with e = 1e-14
+    (>> the ~3.4e-16 relative rounding of fl(fl(x - c)^2)), checked in exact rational arithmetic at both ends
+    (the difference is concave in x, so it holds between them); farther codewords are farther still, and the
+    rounding is monotone. The interval stops 1e-9 of the gap short of each midpoint and 1e6 gaps beyond an end
+    codeword; a codeword with an equal neighbour (a tie everywhere) gets the empty interval (inf, -inf)."""
+    from fractions import Fraction
+
+    values = [float(v) for v in sorted64]
+    top = float(np.finfo(np.float32).max)
+    lo = np.full(len(values), np.inf, dtype=np.float32)
+    hi = np.full(len(values), -np.inf, dtype=np.float32)
+    e = Fraction(1, 10 ** 14)
+    for p, c in enumerate(values):
+        below = values[p - 1] if p > 0 else None
+        above = values[p + 1] if p + 1 < len(values) else None
+        if c == below or c == above:
+            continue
+        a = (below + c) / 2 + 1e-9 * (c - below) if below is not None else (
+            c - 1e6 * (above - c) if above is not None else -top)
+        b = (c + above) / 2 - 1e-9 * (above - c) if above is not None else (
+            c + 1e6 * (c - below) if below is not None else top)
+        a32 = np.float32(max(a, -top))
+        if float(a32) < a:
+            a32 = np.nextafter(a32, np.float32(np.inf))
+        b32 = np.float32(min(b, top))
+        if float(b32) > b:
+            b32 = np.nextafter(b32, np.float32(-np.inf))
+        if not (np.isfinite(a32) and np.isfinite(b32) and a32 <= b32):
+            continue
+        ends, cf = (Fraction(float(a32)), Fraction(float(b32))), Fraction(c)
+        if all((1 - e) * (x - Fraction(n)) ** 2 > (1 + e) * (x - cf) ** 2
+               for n in (below, above) if n is not None for x in ends):
+            lo[p], hi[p] = a32, b32
+    return torch.from_numpy(lo), torch.from_numpy(hi)
 
 
 def build_tree(points: np.ndarray, leaf: int = TREE_LEAF) -> tuple[np.ndarray, ...]:
@@ -474,6 +523,14 @@ class NumbaSearch:
             self.order = order.contiguous()
             self.mids = ((sorted64[:-1] + sorted64[1:]) * 0.5).contiguous()  # exact: float32 sums in float64
             tables = (self.mids, self.order, self.codewords_t64)
+            if len(self.mids) <= SCALAR_ROW_MAX:  # the row-vectorised kernel `scalar_rows`
+                mids32 = self.mids.to(torch.float32)  # each midpoint rounded down to float32 (see the kernel)
+                above = mids32.to(torch.float64) > self.mids
+                mids32[above] = torch.nextafter(mids32[above], torch.tensor(-math.inf))
+                self.mids32 = mids32.contiguous()
+                self.safe_lo, self.safe_hi = scalar_safe_cells(sorted64)
+                self._scalar_rows_args = (1, self.mids32.numpy(), self.safe_lo.numpy(), self.safe_hi.numpy(),
+                                          self.order.numpy())
         elif self.method == "grid":
             if self.k not in GRID:
                 raise ValueError(f"no grid for k={self.k}")
@@ -492,8 +549,11 @@ class NumbaSearch:
                     self.padded = padded_lists(self.offsets, self.candidates, self.n_codewords)
                     lo, hi = float(self.edges[0]), float(self.edges[-1])
                     fine = (len(self.edges) - 1) * SURE_SPLIT
-                    self.sure = sure_table(self.codewords64, lo, hi, fine)
-                    lists = (self.padded, self.sure, lo, fine / (hi - lo), fine)
+                    olo, ofine = -OUTER_SURE[0], OUTER_SURE[1]
+                    # inner table, then the outer one (its boxes inside [lo, hi]^2 are never looked up)
+                    self.sure = torch.cat([sure_table(self.codewords64, lo, hi, fine),
+                                           sure_table(self.codewords64, olo, -olo, ofine)]).contiguous()
+                    lists = (self.padded, self.sure, lo, fine / (hi - lo), fine, olo, ofine / (-2 * olo), ofine)
                 else:
                     self.scan4 = scan4_table(cw)
                     lists = (self.offsets, self.candidates)
@@ -566,7 +626,9 @@ class NumbaSearch:
         elif self.method == "brute" and n * n_blocks >= MATMUL_MIN_BLOCKS:
             flagged = self._matmul_screen(u, kernels["verify"], out)
         else:
-            if self.method == "grid" and self.k in (2, 4):
+            if self.method == "scalar" and hasattr(self, "mids32"):
+                flagged = _run_rows(kernels["scalar_rows"], (u.numpy(), *self._scalar_rows_args, *out), n, n_blocks)
+            elif self.method == "grid" and self.k in (2, 4):
                 flagged = _run_rows(kernels[f"grid{self.k}"], (u.numpy(), *self._grid_args, *out), n, n_blocks)
             else:
                 flagged = _run_rows(kernels[self.method], (u.numpy(), *self._args, *out), n, n_blocks)
