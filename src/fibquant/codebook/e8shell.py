@@ -348,15 +348,7 @@ def _search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf, half, p
                 neg += 1
         negpar = neg & 1
         rho = math.sqrt(rho2)
-        for i in range(8):  # stable insertion sort of |y|, descending, with positions
-            v = abs(y[i])
-            j = i
-            while j > 0 and a[j - 1] < v:
-                a[j] = a[j - 1]
-                p[j] = p[j - 1]
-                j -= 1
-            a[j] = v
-            p[j] = i
+        _sort_abs(y, a, p)
         hi = np.searchsorted(radii, rho)
         lo = hi - 1
         best = np.inf
@@ -416,6 +408,22 @@ def _sort8_py(v):
 
 
 _sort8 = None  # the compiled _sort8_py, bound by _kernels()
+
+
+def _sort_abs_py(y, a, p):
+    """a [8] = |y| sorted descending (stable: equal values keep their order), p [8] their positions in y."""
+    for i in range(8):
+        v = abs(y[i])
+        j = i
+        while j > 0 and a[j - 1] < v:
+            a[j] = a[j - 1]
+            p[j] = p[j - 1]
+            j -= 1
+        a[j] = v
+        p[j] = i
+
+
+_sort_abs = None  # the compiled _sort_abs_py, bound by _kernels()
 
 
 _LATTICE_RHO = (1e-3, 1e3)  # block norms the lattice search takes (its tie margins stay >> _TIE_IP)
@@ -491,15 +499,7 @@ def _lattice_search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf,
         rho = math.sqrt(rho2)
         if not (_LATTICE_RHO[0] <= rho <= _LATTICE_RHO[1]):
             continue
-        for i in range(8):  # stable insertion sort of |y|, descending, with positions
-            v = abs(y[i])
-            j = i
-            while j > 0 and a[j - 1] < v:
-                a[j] = a[j - 1]
-                p[j] = p[j - 1]
-                j -= 1
-            a[j] = v
-            p[j] = i
+        _sort_abs(y, a, p)
         # the incumbent: the E8 point nearest to sqrt(2 m) y / rho, m the shell of the level nearest in radius
         hi = np.searchsorted(radii, rho)
         g0 = hi if hi < n_lv else n_lv - 1
@@ -810,9 +810,10 @@ def _kernels():
                     raise RuntimeError("E8 shell codes need numba (a fibquant dependency), which does not import")
                 import numba
 
-                global _distinct, _point_index, _sort8
+                global _distinct, _point_index, _sort8, _sort_abs
                 _distinct = numba.njit(nogil=True, cache=True)(_distinct_py)
                 _sort8 = numba.njit(nogil=True, cache=True)(_sort8_py)
+                _sort_abs = numba.njit(nogil=True, cache=True)(_sort_abs_py)
                 _point_index = numba.njit(nogil=True, cache=True)(_point_index_py)
                 _KERNELS = (numba.njit(nogil=True, cache=True)(_search_py),
                             numba.njit(nogil=True, cache=True)(_unrank_py),

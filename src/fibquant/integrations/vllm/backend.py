@@ -189,7 +189,7 @@ class _DecodeStep:
     longest: int             # max(stops - starts) > 0
     tables: np.ndarray       # int32 [B, max_blocks], C order
     slots: np.ndarray        # int64 [B]: the new tokens' page slots
-    # int64 [B]: the window's ring slots of the new tokens (`ExactWindow.record_decode`), when every token
+    # int64 [B]: the window's ring slots of the new tokens (the paged kernel's `record_slots`), when every token
     # stays in its previous token's block, the keys are distinct and every position is kept; else None
     window_slots: np.ndarray | None = None
 

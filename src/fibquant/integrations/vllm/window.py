@@ -248,12 +248,6 @@ class ExactWindow:
             hosts = self._hosts = (self._keys, _host(self._keys), _host(self._values))
         return hosts[1], hosts[2]
 
-    def host_slabs(self, n: int):
-        """`slabs(n)` as numpy views (bf16 as uint16 bits) for a kernel reading rows in place, without
-        a torch view per call."""
-        keys, values = self._host_slabs()
-        return keys[:, :, :n], values[:, :, :n]
-
     def host_slab_arrays(self):
         """numpy views of both whole slabs [rows, Hk, S + R, D] (C arrays; bf16 as uint16 bits): a kernel
         reads the first n columns of the rows `entries` hands out, in place, with no view per call."""
@@ -262,7 +256,7 @@ class ExactWindow:
     def entries(self, keys_of: list[int], pasts: list[int]) -> list[list] | None:
         """The entry (live, else a snapshot; [slab row, recorded up to]) holding every window position of
         each (key, past), or None when any of them has none (their slab rows are entry[0]), kept by a
-        decode step for `record_decode`."""
+        decode step for `live` / `advance_decode`."""
         if self.size == 0:
             return None
         found = []
@@ -275,24 +269,6 @@ class ExactWindow:
             found.append(entry)
         return found
 
-    def record_decode(self, entries: list[list], keys_of: list[int], pasts: list[int], rows: np.ndarray,
-                      slots: np.ndarray, host: tuple) -> bool:
-        """`record_tokens(keys_of, pasts, keys_of, ..., host=host)` for a decode step whose tokens all stay
-        in the block of their sequence's previous token (new key = key, keys distinct), from what the
-        caller found before the layer's attention (nothing recorded since): `entries(keys_of, pasts)`,
-        their slab rows `rows` int64 [B], the ring slots of positions `pasts` `slots` int64 [B] (all
-        >= 0), and the tokens as numpy views [B, Hk, D] in the slabs' host form (bf16 as uint16 bits).
-        When each entry is its sequence's live one (the steady state) that is one bookkeeping loop and
-        one indexed store per role, without `record_tokens`' lookups; otherwise nothing is done and
-        False is returned (the caller takes `record_tokens`)."""
-        if not self.live(entries, keys_of):
-            return False
-        self.advance_decode(entries, keys_of, pasts)
-        host_keys, host_values = self._host_slabs()
-        host_keys[rows, :, slots] = host[0]  # advanced indices around a slice: [B, Hk, D]
-        host_values[rows, :, slots] = host[1]
-        return True
-
     def live(self, entries: list[list], keys_of: list[int]) -> bool:
         """Whether each of `entries` (from `entries(keys_of, ...)`) is its sequence's live entry (the steady
         state; a snapshot, under prefix caching, is forked by `record_tokens` instead)."""
@@ -303,9 +279,10 @@ class ExactWindow:
         return True
 
     def advance_decode(self, entries: list[list], keys_of: list[int], pasts: list[int]) -> None:
-        """The bookkeeping of `record_decode` without its stores, for a caller that wrote the new tokens into
-        the entries' slab rows itself (at ring slots `slot(past)`; e.g. the paged kernel's `record_slots`):
-        each live entry (`live`) now holds position `past` too, and is the most recently recorded."""
+        """A decode step's record for a caller that wrote the new tokens into the entries' slab rows itself
+        (at ring slots `slot(past)`; the paged kernel's `record_slots`), every token staying in the block of
+        its sequence's previous token: each live entry (`live`) now holds position `past` too, and is the
+        most recently recorded (no `record_tokens` lookups)."""
         live = self._entries
         for entry, key, past in zip(entries, keys_of, pasts):
             live.move_to_end(key)

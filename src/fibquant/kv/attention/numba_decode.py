@@ -120,13 +120,14 @@ def _hist_tokens_py(hist1, hist, rows, wts, nq, norms, mode, lanes, bits, n_bloc
             _hist_add(hist1, rows, i, n_blocks, bits, 1, n_blocks, n_codewords, safe, 4, 8, wts, 0, nq, norms[i])
 
 
-def _exact_scores_py(keys, b, h, start, scores, query, groups, row):
-    """scores[t, start + e] = query[t] . keys[b, h, e] for every key e of one exact part (float32 or
-    bf16 bits, any strides): each key row converted once into the float32 scratch `row` [>= D], then
-    G dot products over contiguous arrays (compiled with reassociation, so LLVM vectorises the sums;
-    a loop over e innermost would read the keys with stride D and stay scalar: ~2x slower)."""
+def _exact_scores_py(keys, b, h, count, start, scores, query, groups, row):
+    """scores[t, start + e] = query[t] . keys[b, h, e] for the first `count` keys e of one exact part
+    (float32 or bf16 bits, any strides; numba_paged compiles it for C arrays, where the conversion is
+    one contiguous, vectorised pass): each key row converted once into the float32 scratch `row`
+    [>= D], then G dot products over contiguous arrays (compiled with reassociation, so LLVM vectorises
+    the sums; a loop over e innermost would read the keys with stride D and stay scalar: ~2x slower)."""
     dim = query.shape[1]
-    for e in range(keys.shape[2]):
+    for e in range(count):
         for d in range(dim):
             row[d] = _as_f32(keys[b, h, e, d])
         for t in range(groups):
@@ -136,15 +137,15 @@ def _exact_scores_py(keys, b, h, start, scores, query, groups, row):
             scores[t, start + e] = s
 
 
-def _exact_values_py(values, b, h, start, weights, result, groups, rows):
-    """result[t] += sum_e weights[t, start + e] * values[b, h, e] for every value e of one exact part
-    (float32 or bf16 bits, any strides), e ascending, over the part first converted into the
-    contiguous float32 scratch `rows` [>= n * Dv], so the axpys vectorise."""
-    n, dim = values.shape[2], values.shape[3]
-    for e in range(n):
+def _exact_values_py(values, b, h, count, start, weights, result, groups, rows):
+    """result[t] += sum_e weights[t, start + e] * values[b, h, e] for the first `count` values e of one
+    exact part (float32 or bf16 bits, any strides; C arrays in numba_paged), e ascending, over the part
+    first converted into the contiguous float32 scratch `rows` [>= count * Dv], so the axpys vectorise."""
+    dim = values.shape[3]
+    for e in range(count):
         for d in range(dim):
             rows[e * dim + d] = _as_f32(values[b, h, e, d])
-    for e in range(n):
+    for e in range(count):
         for t in range(groups):
             w = weights[t, start + e]
             if w != 0.0:
@@ -385,9 +386,9 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_codewords, v
             if has_key_mean:
                 _add_key_mean(coded, groups, n_tokens, scaled, key_mean, b, h, dim)
         # --- exact scores: columns [sinks, recent, new]
-        _exact_scores(sink_keys, b, h, 0, exact, scaled, groups, key_row)
-        _exact_scores(recent_keys, b, h, n_sink, exact, scaled, groups, key_row)
-        _exact_scores(new_keys, b, h, n_sink + n_recent, exact, scaled, groups, key_row)
+        _exact_scores(sink_keys, b, h, sink_keys.shape[2], 0, exact, scaled, groups, key_row)
+        _exact_scores(recent_keys, b, h, recent_keys.shape[2], n_sink, exact, scaled, groups, key_row)
+        _exact_scores(new_keys, b, h, new_keys.shape[2], n_sink + n_recent, exact, scaled, groups, key_row)
         if has_bias:
             _add_bias(coded, exact, groups, n_sink, n_tokens, n_exact, bias, b, h)
         # --- one softmax over the row (and the sink logit)
@@ -419,9 +420,9 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_codewords, v
                 if has_value_mean:
                     for d in range(value_dim):
                         result[t, d] += coded_total[t] * value_mean[b, h, d]
-        _exact_values(sink_values, b, h, 0, exact, result, groups, exact_rows)
-        _exact_values(recent_values, b, h, n_sink, exact, result, groups, exact_rows)
-        _exact_values(new_values, b, h, n_sink + n_recent, exact, result, groups, exact_rows)
+        _exact_values(sink_values, b, h, sink_values.shape[2], 0, exact, result, groups, exact_rows)
+        _exact_values(recent_values, b, h, recent_values.shape[2], n_sink, exact, result, groups, exact_rows)
+        _exact_values(new_values, b, h, new_values.shape[2], n_sink + n_recent, exact, result, groups, exact_rows)
         for t in range(groups):
             scale = np.float32(1.0) / total[t] if total[t] > 0 else np.float32(0.0)
             for d in range(value_dim):

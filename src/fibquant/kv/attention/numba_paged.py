@@ -165,37 +165,6 @@ def _perm_values_py(codewords, rows, wts, acc, a0, groups, blocks):
         _p_values(codewords, rows, n, 8, 1, wts, acc, a0)
 
 
-def _exact_scores_py(keys, b, h, count, start, scores, query, groups, row):
-    """scores[t, start + e] = query[t] . keys[b, h, e] for e < count (keys C-contiguous, float32 or bf16
-    bits): numba_decode's `_exact_scores` over C arrays, so the row's conversion to float32 is one
-    contiguous, vectorised pass (over any strides it is one scalar load per element: ~2x the time)."""
-    dim = query.shape[1]
-    for e in range(count):
-        for d in range(dim):
-            row[d] = _as_f32(keys[b, h, e, d])
-        for t in range(groups):
-            s = np.float32(0.0)
-            for d in range(dim):
-                s += query[t, d] * row[d]
-            scores[t, start + e] = s
-
-
-def _exact_values_py(values, b, h, count, start, weights, result, groups, rows):
-    """result[t] += sum_e weights[t, start + e] * values[b, h, e] for e < count, e ascending (values
-    C-contiguous, float32 or bf16 bits): numba_decode's `_exact_values` over C arrays."""
-    dim = values.shape[3]
-    for e in range(count):
-        for d in range(dim):
-            rows[e * dim + d] = _as_f32(values[b, h, e, d])
-    for e in range(count):
-        for t in range(groups):
-            w = weights[t, start + e]
-            if w != 0.0:
-                o = e * dim
-                for d in range(dim):
-                    result[t, d] += w * rows[o + d]
-
-
 def _softmax_exact_py(coded_row, n_tokens, exact_row, n_exact, sink_logit, ibits):
     """numba_decode's `_softmax_row` (one softmax over a row's coded and exact columns and a sink
     logit, in place, unnormalised; returns the sum of all weights) with the exact columns' exp
@@ -434,8 +403,8 @@ def compile_paged_kernel(inputs: str = "float32", output: str = "float32"):
     _score_tokens, _hist_tokens = numba_decode._score_tokens, numba_decode._hist_tokens
     _norms = numba_decode._norms
     # the exact window's columns, read in place (float32 or bf16 bits, C arrays: vectorised conversion)
-    _exact_scores = kernel_jit(nogil=True, fastmath={"reassoc", "nsz", "contract"})(_exact_scores_py)
-    _exact_values = kernel_jit(nogil=True)(_exact_values_py)
+    _exact_scores = kernel_jit(nogil=True, fastmath={"reassoc", "nsz", "contract"})(numba_decode._exact_scores_py)
+    _exact_values = kernel_jit(nogil=True)(numba_decode._exact_values_py)
     _row_max, _exp_sum = numba_decode._row_max, numba_decode._exp_sum
     _softmax_exact = kernel_jit(nogil=True)(_softmax_exact_py)
     _rotate_rows = kernel_jit(nogil=True)(_rotate_rows_py)

@@ -364,9 +364,9 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_codes, value
             if has_key_mean:
                 _add_key_mean(coded, groups, n_tokens, scaled, key_mean, b, h, dim)
         # --- exact scores: columns [sinks, recent, new]
-        _exact_scores(sink_keys, b, h, 0, exact, scaled, groups, key_row)
-        _exact_scores(recent_keys, b, h, n_sink, exact, scaled, groups, key_row)
-        _exact_scores(new_keys, b, h, n_sink + n_recent, exact, scaled, groups, key_row)
+        _exact_scores(sink_keys, b, h, sink_keys.shape[2], 0, exact, scaled, groups, key_row)
+        _exact_scores(recent_keys, b, h, recent_keys.shape[2], n_sink, exact, scaled, groups, key_row)
+        _exact_scores(new_keys, b, h, new_keys.shape[2], n_sink + n_recent, exact, scaled, groups, key_row)
         if has_bias:
             _add_bias(coded, exact, groups, n_sink, n_tokens, n_exact, bias, b, h)
         # --- one softmax over the row (and the sink logit)
@@ -400,9 +400,9 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_codes, value
                 if has_value_mean:
                     for d in range(value_dim):
                         result[t, d] += coded_total[t] * value_mean[b, h, d]
-        _exact_values(sink_values, b, h, 0, exact, result, groups, exact_rows)
-        _exact_values(recent_values, b, h, n_sink, exact, result, groups, exact_rows)
-        _exact_values(new_values, b, h, n_sink + n_recent, exact, result, groups, exact_rows)
+        _exact_values(sink_values, b, h, sink_values.shape[2], 0, exact, result, groups, exact_rows)
+        _exact_values(recent_values, b, h, recent_values.shape[2], n_sink, exact, result, groups, exact_rows)
+        _exact_values(new_values, b, h, new_values.shape[2], n_sink + n_recent, exact, result, groups, exact_rows)
         for t in range(groups):
             scale = np.float32(1.0) / total[t] if total[t] > 0 else np.float32(0.0)
             for d in range(value_dim):
