@@ -339,15 +339,7 @@ def _search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf, half, p
     y = np.empty(8)
     w = np.empty(8, np.int64)
     for b in range(start, stop):
-        rho2 = 0.0
-        neg = 0
-        for i in range(8):
-            y[i] = y_all[b, i]
-            rho2 += y[i] * y[i]
-            if y[i] < 0:
-                neg += 1
-        negpar = neg & 1
-        rho = math.sqrt(rho2)
+        rho2, rho, negpar = _read_block(y_all, b, y)
         _sort_abs(y, a, p)
         hi = np.searchsorted(radii, rho)
         lo = hi - 1
@@ -426,6 +418,22 @@ def _sort_abs_py(y, a, p):
 _sort_abs = None  # the compiled _sort_abs_py, bound by _kernels()
 
 
+def _read_block_py(y_all, b, y):
+    """y [8] = block b of y_all [n, 8]; returns (its squared norm, its norm, the parity of its count of
+    negative entries)."""
+    rho2 = 0.0
+    neg = 0
+    for i in range(8):
+        y[i] = y_all[b, i]
+        rho2 += y[i] * y[i]
+        if y[i] < 0:
+            neg += 1
+    return rho2, math.sqrt(rho2), neg & 1
+
+
+_read_block = None  # the compiled _read_block_py, bound by _kernels()
+
+
 _LATTICE_RHO = (1e-3, 1e3)  # block norms the lattice search takes (its tie margins stay >> _TIE_IP)
 _R2_CAP = 3.0               # a larger enumeration ball: the block goes to the leader search
 _CANDIDATES = 64            # lattice points kept per block (more: the leader search)
@@ -488,15 +496,7 @@ def _lattice_search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf,
     cand_top = np.empty(_CANDIDATES)
     for b in range(start, stop):
         done[b] = 0
-        rho2 = 0.0
-        neg = 0
-        for i in range(8):
-            y[i] = y_all[b, i]
-            rho2 += y[i] * y[i]
-            if y[i] < 0:
-                neg += 1
-        negpar = neg & 1
-        rho = math.sqrt(rho2)
+        rho2, rho, negpar = _read_block(y_all, b, y)
         if not (_LATTICE_RHO[0] <= rho <= _LATTICE_RHO[1]):
             continue
         _sort_abs(y, a, p)
@@ -810,10 +810,11 @@ def _kernels():
                     raise RuntimeError("E8 shell codes need numba (a fibquant dependency), which does not import")
                 import numba
 
-                global _distinct, _point_index, _sort8, _sort_abs
+                global _distinct, _point_index, _sort8, _sort_abs, _read_block
                 _distinct = numba.njit(nogil=True, cache=True)(_distinct_py)
                 _sort8 = numba.njit(nogil=True, cache=True)(_sort8_py)
                 _sort_abs = numba.njit(nogil=True, cache=True)(_sort_abs_py)
+                _read_block = numba.njit(nogil=True, cache=True)(_read_block_py)
                 _point_index = numba.njit(nogil=True, cache=True)(_point_index_py)
                 _KERNELS = (numba.njit(nogil=True, cache=True)(_search_py),
                             numba.njit(nogil=True, cache=True)(_unrank_py),
