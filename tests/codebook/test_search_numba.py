@@ -307,7 +307,7 @@ def test_specialised_grid_kernels_equal_the_generic_one(k, n):
         index = np.empty((rows, n_blocks), dtype=np.int64)
         flags = np.zeros((rows, n_blocks), dtype=np.int8)
         codes = np.zeros((rows, 2 + (n_blocks * bits + 7) // 8), dtype=np.uint8)
-        args = search._args if name == "grid" else search._grid_args
+        args = search._args if name == "grid" else search._row_kernel[1]
         flagged = _kernels()[name](u.numpy(), *args, index, flags, codes, 2, bits, 0, rows)
         outs[name] = (flagged, index, flags, codes)
     (f0, i0, g0, c0), (f1, i1, g1, c1) = outs.values()

@@ -388,8 +388,6 @@ def _search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf, half, p
     return 0
 
 
-
-
 def _sort8_py(v):
     """v int64 [8] sorted descending in place by a 19-comparator network (no data-dependent branches)."""
     for i, j in ((0, 2), (1, 3), (4, 6), (5, 7), (0, 4), (1, 5), (2, 6), (3, 7), (0, 1), (2, 3), (4, 5), (6, 7),

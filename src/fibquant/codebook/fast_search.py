@@ -504,6 +504,11 @@ def prune_dominated(offsets: torch.Tensor, candidates: torch.Tensor, edges: torc
     return kept_counts.cumsum(0), candidates[keep].contiguous()
 
 
+def _kernel_args(k: int, tables) -> tuple:
+    """(k, *tables) as a search kernel takes them: tensors as numpy views, other values as they are."""
+    return (k, *(t.numpy() if isinstance(t, torch.Tensor) else t for t in tables))
+
+
 class NumbaSearch:
     """Search tables of one codebook [N, k] (CPU float32) and the numba encode of rotated rows."""
 
@@ -516,6 +521,7 @@ class NumbaSearch:
         # Tables are tensor attributes (counted with the codec's device state); kernels get numpy views.
         self.codewords = cw
         self.codewords_t64 = cw.T.to(torch.float64).contiguous()          # [k, N]
+        row_kernel = None  # (kernel name, its tables) where a faster row kernel than the method's own serves
         if self.method == "scalar":
             if self.k != 1:
                 raise ValueError(f"the scalar search needs k=1, not k={self.k}")
@@ -529,8 +535,7 @@ class NumbaSearch:
                 mids32[above] = torch.nextafter(mids32[above], torch.tensor(-math.inf))
                 self.mids32 = mids32.contiguous()
                 self.safe_lo, self.safe_hi = scalar_safe_cells(sorted64)
-                self._scalar_rows_args = (1, self.mids32.numpy(), self.safe_lo.numpy(), self.safe_hi.numpy(),
-                                          self.order.numpy())
+                row_kernel = ("scalar_rows", _kernel_args(1, (self.mids32, self.safe_lo, self.safe_hi, self.order)))
         elif self.method == "grid":
             if self.k not in GRID:
                 raise ValueError(f"no grid for k={self.k}")
@@ -559,7 +564,7 @@ class NumbaSearch:
                     lists = (self.offsets, self.candidates)
                 fast_tables = (self.edges, cells, *lists, self.heavy, self.codewords_pad, self.codewords_t64,
                                self.codewords_t32, *((self.scan4,) if self.k == 4 else ()))
-                self._grid_args = (self.k, *(t.numpy() if isinstance(t, torch.Tensor) else t for t in fast_tables))
+                row_kernel = (f"grid{self.k}", _kernel_args(self.k, fast_tables))
         elif self.method == "walk":
             cells = WALK.get(self.k, (GRID_CELLS.get(self.k, 8), 0))[0]
             origin, scale, lut, guess = walk_guess(cw, dim, cells)
@@ -596,7 +601,8 @@ class NumbaSearch:
             self.sq_norms = (cw ** 2).sum(-1)
             self.cmax = float(cw.to(torch.float64).norm(dim=1).max())
             tables = (self.codewords_t32, self.codewords_t64)
-        self._args = (self.k, *(t.numpy() if isinstance(t, torch.Tensor) else t for t in tables))
+        self._args = _kernel_args(self.k, tables)
+        self._row_kernel = row_kernel or (self.method, self._args)
 
     def _run(self, u: torch.Tensor, codes: np.ndarray, head: int, bits: int,
              scratch: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
@@ -626,12 +632,8 @@ class NumbaSearch:
         elif self.method == "brute" and n * n_blocks >= MATMUL_MIN_BLOCKS:
             flagged = self._matmul_screen(u, kernels["verify"], out)
         else:
-            if self.method == "scalar" and hasattr(self, "mids32"):
-                flagged = _run_rows(kernels["scalar_rows"], (u.numpy(), *self._scalar_rows_args, *out), n, n_blocks)
-            elif self.method == "grid" and self.k in (2, 4):
-                flagged = _run_rows(kernels[f"grid{self.k}"], (u.numpy(), *self._grid_args, *out), n, n_blocks)
-            else:
-                flagged = _run_rows(kernels[self.method], (u.numpy(), *self._args, *out), n, n_blocks)
+            name, args = self._row_kernel
+            flagged = _run_rows(kernels[name], (u.numpy(), *args, *out), n, n_blocks)
         if flagged:  # near ties (and non-finite blocks): the reference decides
             where = np.flatnonzero(flags)
             blocks = u.reshape(-1, self.k)[torch.from_numpy(where)]
