@@ -205,6 +205,8 @@ def _layer_types(config) -> tuple[list[str], list[Optional[int]]]:
         get_layer_types_and_kwargs = None
     if get_layer_types_and_kwargs is not None and hasattr(config, "per_layer_config"):
         types, kwargs = get_layer_types_and_kwargs(config)
+        if isinstance(kwargs, dict):  # transformers <= 5.17: one kwargs dict shared by every layer
+            kwargs = [kwargs] * len(types)
         return list(types), [kw.get("sliding_window") if t in WINDOW_LAYER_TYPES else None
                              for t, kw in zip(types, kwargs)]
     types = getattr(config, "layer_types", None)
