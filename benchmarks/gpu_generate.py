@@ -9,6 +9,7 @@ the real weights cannot travel to a lent GPU). One prompt of --context random to
     decode_tok_s     decode steps / time from the first token's logits to the last one's (a logits
                      processor synchronises the GPU and reads the clock at each token)
     peak_delta_bytes torch.cuda.max_memory_allocated during generate, above what was allocated before
+                     (also apart: prefill_peak_bytes up to the first token, decode_peak_bytes after it)
     cache_bytes      the cache's storage after it (`fibquant.kv.accounting.cache_nbytes`: codes with their
                      reserved capacity + exact window; DynamicCache: its K/V tensors)
 
@@ -57,23 +58,27 @@ def make_cache(spec: str, model):
 
 
 class TokenClock(LogitsProcessor):
-    """Reads the clock (after synchronising the device) each time generate has a token's logits."""
+    """Reads the clock (after synchronising the device) each time generate has a token's logits; at the
+    first, also the peak memory of the prefill (then resets the peak for the decode steps)."""
 
-    def __init__(self, sync):
-        self.sync, self.times = sync, []
+    def __init__(self, sync, device):
+        self.sync, self.device, self.times, self.prefill_peak = sync, device, [], 0
 
     def __call__(self, input_ids, scores):
         self.sync()
         self.times.append(time.perf_counter())
+        if len(self.times) == 1 and self.device.type == "cuda":
+            self.prefill_peak = torch.cuda.max_memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
         return scores
 
 
-def timed_generate(model, prompt, spec: str, new_tokens: int, device) -> tuple[float, float, int, int]:
-    """(TTFT seconds, decode seconds per token, peak bytes above the start, cache bytes) of one greedy
-    generate of `new_tokens` tokens with a fresh cache."""
+def timed_generate(model, prompt, spec: str, new_tokens: int, device) -> tuple:
+    """(TTFT seconds, decode seconds per token, prefill peak and decode peak bytes above the start, cache
+    bytes) of one greedy generate of `new_tokens` tokens with a fresh cache."""
     cache = make_cache(spec, model)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    clock = TokenClock(sync)
+    clock = TokenClock(sync, device)
     sync()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -82,9 +87,10 @@ def timed_generate(model, prompt, spec: str, new_tokens: int, device) -> tuple[f
     with torch.no_grad():
         model.generate(prompt, past_key_values=cache, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                        do_sample=False, pad_token_id=0, logits_processor=LogitsProcessorList([clock]))
-    peak = torch.cuda.max_memory_allocated(device) - before if device.type == "cuda" else 0
+    decode_peak = torch.cuda.max_memory_allocated(device) - before if device.type == "cuda" else 0
+    prefill_peak = clock.prefill_peak - before if device.type == "cuda" else 0
     per_token = (clock.times[-1] - clock.times[0]) / (len(clock.times) - 1)
-    return clock.times[0] - start, per_token, peak, cache_nbytes(cache)
+    return clock.times[0] - start, per_token, prefill_peak, decode_peak, cache_nbytes(cache)
 
 
 def measure(model, prompt, spec: str, args, device) -> dict:
@@ -92,7 +98,24 @@ def measure(model, prompt, spec: str, args, device) -> dict:
     runs = [timed_generate(model, prompt, spec, 1 + args.decode_tokens, device) for _ in range(args.repeats)]
     ttft, per_token = statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
     return {"cache": spec, "ttft_ms": 1e3 * ttft, "decode_tok_s": 1.0 / per_token,
-            "peak_delta_bytes": max(r[2] for r in runs), "cache_bytes": runs[-1][3]}
+            "peak_delta_bytes": max(max(r[2], r[3]) for r in runs), "prefill_peak_bytes": max(r[2] for r in runs),
+            "decode_peak_bytes": max(r[3] for r in runs), "cache_bytes": runs[-1][4]}
+
+
+def profile_prefill(model, prompt, spec: str, device, rows: int = 15) -> str:
+    """torch.profiler tables of one prefill (generate of 1 token) with `spec`'s cache: the ops by self device
+    memory and by device time, to show where TTFT and the prefill peak go."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    cache = make_cache(spec, model)
+    with profile(activities=activities, profile_memory=True) as prof, torch.no_grad():
+        model.generate(prompt, past_key_values=cache, max_new_tokens=1, do_sample=False, pad_token_id=0)
+    by = "self_cuda_memory_usage" if device.type == "cuda" else "self_cpu_memory_usage"
+    time_key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    table = prof.key_averages()
+    return (f"prefill profile of {spec} by {by}:\n" + table.table(sort_by=by, row_limit=rows, max_name_column_width=60)
+            + f"\nby {time_key}:\n" + table.table(sort_by=time_key, row_limit=rows, max_name_column_width=60))
 
 
 def main(argv=None) -> int:
@@ -107,6 +130,8 @@ def main(argv=None) -> int:
     parser.add_argument("--q-heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=128256)
+    parser.add_argument("--profile", default=None, metavar="SPEC",
+                        help="also print torch.profiler tables of one prefill with this cache")
     parser.add_argument("--out", default=None, help="results folder (default $FIBQUANT_RESULTS_DIR or ./results)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -133,7 +158,9 @@ def main(argv=None) -> int:
         row["cache_vs_fp"] = row["cache_bytes"] / base["cache_bytes"]
         print(f"{spec:14s} TTFT {row['ttft_ms']:8.1f} ms ({row['ttft_vs_fp']:.2f}x)  decode "
               f"{row['decode_tok_s']:7.1f} tok/s ({row['decode_vs_fp']:.2f}x)  peak +{row['peak_delta_bytes'] / 2**20:.0f}"
-              f" MiB  cache {row['cache_bytes'] / 2**20:.1f} MiB ({row['cache_vs_fp']:.3f}x)")
+              f" MiB (prefill +{row['prefill_peak_bytes'] / 2**20:.0f}, decode +{row['decode_peak_bytes'] / 2**20:.0f})  cache {row['cache_bytes'] / 2**20:.1f} MiB ({row['cache_vs_fp']:.3f}x)")
+    if args.profile:
+        print(profile_prefill(model, prompt, args.profile, device))
     out_dir = Path(args.out or os.environ.get("FIBQUANT_RESULTS_DIR") or "results")
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "gpu_generate.json"

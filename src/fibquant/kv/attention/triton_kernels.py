@@ -39,6 +39,7 @@ Inference only: inputs are detached. Outputs are float32.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 
@@ -374,6 +375,19 @@ NUM_WARPS = 8
 NUM_STAGES = 1  # no software pipelining: with the default 3 stages ptxas spills ~10 KB per thread (sm_90)
 
 
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """How the decode-attention kernels are launched (benchmarks/gpu_tune_decode.py times the choices).
+
+    num_warps, num_stages: Triton's launch options; block_tokens: tokens per tile (BM; None: `_tiles`);
+    waves: context splits sized so that about `waves` programs per multiprocessor run."""
+
+    num_warps: int = NUM_WARPS
+    num_stages: int = NUM_STAGES
+    block_tokens: int | None = None
+    waves: int = 2
+
+
 def _tiles(n_rows: int, dim: int, weighted_sum: bool = False) -> tuple[int, int]:
     """(BQ query rows, BM tokens) per tile: >= 16 each (tl.dot), BM x D <= 4096 and (scores, fused)
     BQ x D <= 2048 elements, so that with 8 warps and one stage every kernel compiles for sm_90 without
@@ -389,10 +403,11 @@ def _multiprocessors(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _auto_splits(device: torch.device, units: int, n_tiles: int) -> int:
-    """Context splits so that about 2 waves of programs fill the GPU (4 on the interpreter)."""
+def _auto_splits(device: torch.device, units: int, n_tiles: int, waves: int = 2) -> int:
+    """Context splits so that about `waves` programs per multiprocessor fill the GPU (4 in all on the
+    interpreter)."""
     if device.type == "cuda":
-        target = 2 * _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+        target = waves * _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
     else:
         target = 4
     return max(1, min(n_tiles, -(-target // max(units, 1))))
@@ -462,8 +477,8 @@ def weighted_sum(weights: torch.Tensor, codes: torch.Tensor, codewords: torch.Te
 
 def decode_attention(queries: torch.Tensor, key_codes: torch.Tensor, value_codes: torch.Tensor,
                      key_codewords: torch.Tensor, value_codewords: torch.Tensor, key_bits: int, value_bits: int,
-                     bias: torch.Tensor | None, value_dim: int,
-                     splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     bias: torch.Tensor | None, value_dim: int, splits: int | None = None,
+                     launch: Launch = Launch()) -> tuple[torch.Tensor, torch.Tensor]:
     """coded_decode_attention on Triton (inputs validated by coded_kernels)
     -> (out float32 [B, Hq, Q, Dv] rotated, normalised over the coded columns; lse float32 [B, Hq, Q])."""
     n_b, q_heads, n_q, dim = queries.shape
@@ -480,8 +495,10 @@ def decode_attention(queries: torch.Tensor, key_codes: torch.Tensor, value_codes
     check_k, check_v = n_kcw != 1 << key_bits, n_vcw != 1 << value_bits
     n_rows = groups * n_q
     bq, bm = _tiles(n_rows, max(dim, value_dim))
+    bm = launch.block_tokens or bm
     row_tiles, n_tiles = triton.cdiv(n_rows, bq), triton.cdiv(n_tokens, bm)
-    splits = _auto_splits(device, n_b * kv_heads * row_tiles, n_tiles) if splits is None else min(splits, n_tiles)
+    splits = (_auto_splits(device, n_b * kv_heads * row_tiles, n_tiles, launch.waves) if splits is None
+              else min(splits, n_tiles))
     per_split = triton.cdiv(n_tiles, splits) * bm
     splits = triton.cdiv(n_tokens, per_split)
     acc = torch.empty(splits, n_b, kv_heads, n_rows, value_dim, dtype=torch.float32, device=device)
@@ -503,17 +520,11 @@ def decode_attention(queries: torch.Tensor, key_codes: torch.Tensor, value_codes
             *acc.stride()[:4], *stat.stride()[:4],
             KW=key_bits, KK=k_key, KNB=_field_bytes(key_bits), VW=value_bits, VK=k_value,
             VNB=_field_bytes(value_bits), DP=_pow2(dim, 16), DVP=_pow2(value_dim, 16), HAS_BIAS=bias is not None,
-            CHECK_K=check_k, CHECK_V=check_v, BQ=bq, BM=bm, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+            CHECK_K=check_k, CHECK_V=check_v, BQ=bq, BM=bm, num_warps=launch.num_warps,
+            num_stages=launch.num_stages)
     if check_k or check_v:
         _check_bad(bad, (n_kcw, n_vcw), (key_bits, value_bits))
-    out = torch.empty(n_b, kv_heads, n_rows, value_dim, dtype=torch.float32, device=device)
-    lse = torch.empty(n_b, kv_heads, n_rows, dtype=torch.float32, device=device)
-    total_rows = n_b * kv_heads * n_rows
-    merge_rows = 16
-    with _launch_scope():
-        _merge_splits_kernel[(triton.cdiv(total_rows, merge_rows),)](
-            acc, stat, out, lse, splits, total_rows, value_dim, acc.stride(0), stat.stride(0),
-            DVP=_pow2(value_dim, 16), BR=merge_rows, num_warps=4, num_stages=NUM_STAGES)
+    out, lse = _merge_splits(acc, stat, n_b, kv_heads, n_rows, value_dim)
     # rows r = g * Q + t of KV head h are query head h * G + g, token t
     return out.reshape(n_b, q_heads, n_q, value_dim), lse.reshape(n_b, q_heads, n_q)
 
@@ -537,7 +548,7 @@ def paged_decode_attention(queries: torch.Tensor, pages: torch.Tensor, block_tab
                            starts: torch.Tensor, stops: torch.Tensor, key_codewords: torch.Tensor,
                            value_codewords: torch.Tensor, key_bits: int, value_bits: int, key_bytes: int,
                            key_code_size: int, value_code_size: int, value_dim: int, max_tokens: int,
-                           splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                           splits: int | None = None, launch: Launch = Launch()) -> tuple[torch.Tensor, torch.Tensor]:
     """coded_decode_attention_paged on Triton (inputs validated by coded_kernels): queries [R, Hq, Q, D],
     pages uint8 [num_blocks, Hkv, block_size, slot_bytes] (any strides, a slot's bytes contiguous),
     block_tables int [R, max_blocks], starts/stops int32 [R] (coded positions [start, stop) of each request),
@@ -557,8 +568,10 @@ def paged_decode_attention(queries: torch.Tensor, pages: torch.Tensor, block_tab
     check_k, check_v = n_kcw != 1 << key_bits, n_vcw != 1 << value_bits
     n_rows = groups * n_q
     bq, bm = _tiles(n_rows, max(dim, value_dim))
+    bm = launch.block_tokens or bm
     row_tiles, n_tiles = triton.cdiv(n_rows, bq), triton.cdiv(max_tokens, bm)
-    splits = _auto_splits(device, n_b * kv_heads * row_tiles, n_tiles) if splits is None else min(splits, n_tiles)
+    splits = (_auto_splits(device, n_b * kv_heads * row_tiles, n_tiles, launch.waves) if splits is None
+              else min(splits, n_tiles))
     acc = torch.empty(splits, n_b, kv_heads, n_rows, value_dim, dtype=torch.float32, device=device)
     stat = torch.empty(splits, n_b, kv_heads, n_rows, 2, dtype=torch.float32, device=device)
     bad = torch.zeros(2, dtype=torch.int32, device=device) if check_k or check_v else stat  # never written
@@ -570,7 +583,8 @@ def paged_decode_attention(queries: torch.Tensor, pages: torch.Tensor, block_tab
             *queries.stride(), *pages.stride()[:3], *block_tables.stride(), *acc.stride()[:4], *stat.stride()[:4],
             KW=key_bits, KK=k_key, KNB=_field_bytes(key_bits), VW=value_bits, VK=k_value,
             VNB=_field_bytes(value_bits), DP=_pow2(dim, 16), DVP=_pow2(value_dim, 16),
-            CHECK_K=check_k, CHECK_V=check_v, BQ=bq, BM=bm, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+            CHECK_K=check_k, CHECK_V=check_v, BQ=bq, BM=bm, num_warps=launch.num_warps,
+            num_stages=launch.num_stages)
     if check_k or check_v:
         _check_bad(bad, (n_kcw, n_vcw), (key_bits, value_bits))
     out, lse = _merge_splits(acc, stat, n_b, kv_heads, n_rows, value_dim)
