@@ -55,7 +55,7 @@ def cases(dims: list[int], quick: bool) -> list[tuple[str, dict, int]]:
             nb = ct._field_bytes(bits)
             out.append(("_decode_attention_kernel",
                         dict(KW=bits, KK=k, KNB=nb, VW=bits, VK=k, VNB=nb, DP=dp, DVP=dp, HAS_BIAS=bias,
-                             CHECK_K=check, CHECK_V=check, BQ=bq, BM=bm), ct.NUM_WARPS))
+                             CHECK_K=check, CHECK_V=check, BQ=bq, BM=bm), ct.Launch().num_warps))
         if quick:
             continue
         out.append(("_merge_splits_kernel", dict(DVP=dp, BR=16), 4))

@@ -534,16 +534,18 @@ def _ptxas_available() -> bool:
 
 
 @pytest.mark.skipif(not _ptxas_available(), reason="triton's NVIDIA backend (with its ptxas) is not installed")
-def test_fused_kernel_compiles_for_sm90_without_spills(tmp_path):
-    """The interpreter cannot see lowering errors or register spills: compile the fused decode kernel at the
-    Llama-8B decode shape (D=128, 8-bit k=2 indices) to an sm_90 cubin, in a process without the interpreter."""
+def test_fused_kernel_compiles_for_sm90(tmp_path):
+    """The interpreter cannot see lowering errors: compile the fused decode kernel at the Llama-8B decode
+    shape (D=128, 8-bit k=2 indices) and the default `Launch` to an sm_90 cubin, in a process without the
+    interpreter. (Spills are reported, not refused: at 4 warps ptxas spills, yet on an H200 4 warps ran
+    1.2-1.7x faster than 8 warps without spills; docs/gpu.md.)"""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = Path(__file__).resolve().parents[3] / "benchmarks" / "triton_compile_check.py"
-    result = subprocess.run([sys.executable, str(script), "--quick", "--dims", "128", "--no-spills",
+    result = subprocess.run([sys.executable, str(script), "--quick", "--dims", "128",
                              "--out", str(tmp_path)], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     report = json.loads((tmp_path / "triton_compile_check.json").read_text())
-    assert report["rows"] and all("error" not in row and row.get("stack", 0) == 0 for row in report["rows"])
+    assert report["rows"] and all("error" not in row and row["reg"] > 0 for row in report["rows"])
 
 
 # --------------------------------------------------------------------------- CUDA only

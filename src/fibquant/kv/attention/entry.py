@@ -436,15 +436,19 @@ def _attend_split(query: torch.Tensor, kv: CodedKV, attention_mask, scaling: flo
     if n_sink:
         exact_keys = torch.cat([kv.sink_keys.to(exact_keys.dtype), exact_keys], dim=-2)
         exact_values = torch.cat([kv.sink_values.to(exact_values.dtype), exact_values], dim=-2)
-    exact_keys, exact_values = exact_keys.to(torch.float32), exact_values.to(torch.float32)
-    queries = query.to(torch.float32)
     if sinks is None and attention_mask is None and coded == 0 and exact_keys.shape[-2] == tokens and (
             window is None or window >= length):
         # a first chunk (nothing coded, nothing before it): no merge, so no log-sum-exp is needed, and
-        # this is the call transformers' SDPA attention makes for a DynamicCache (GQA without repeated keys)
-        out = torch.nn.functional.scaled_dot_product_attention(queries, exact_keys, exact_values, is_causal=True,
-                                                               scale=scaling, enable_gqa=groups > 1)
+        # this is the call transformers' SDPA attention makes for a DynamicCache (GQA without repeated keys).
+        # On CUDA in the model's dtype, so that SDPA picks its flash kernel: in float32 it takes the math
+        # path, which holds [B, Hq, T, T] float32 scores (19 GB at 8k tokens, 32 heads; docs/gpu.md).
+        dtype = query.dtype if query.device.type == "cuda" else torch.float32
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query.to(dtype), exact_keys.to(dtype), exact_values.to(dtype), is_causal=True, scale=scaling,
+            enable_gqa=groups > 1)
         return out.transpose(1, 2).contiguous().to(query.dtype)
+    exact_keys, exact_values = exact_keys.to(torch.float32), exact_values.to(torch.float32)
+    queries = query.to(torch.float32)
     if groups > 1 and query.device.type == "cpu":  # SDPA's CPU kernel takes one KV head per query head
         exact_keys = exact_keys.repeat_interleave(groups, dim=1)
         exact_values = exact_values.repeat_interleave(groups, dim=1)

@@ -380,12 +380,16 @@ class Launch:
     """How the decode-attention kernels are launched (benchmarks/gpu_tune_decode.py times the choices).
 
     num_warps, num_stages: Triton's launch options; block_tokens: tokens per tile (BM; None: `_tiles`);
-    waves: context splits sized so that about `waves` programs per multiprocessor run."""
+    waves, min_splits: the context is split so that about `waves` programs per multiprocessor run, and
+    into at least `min_splits` parts (CUDA only; both capped by the number of tiles).
+    Defaults from the H200 sweep (docs/gpu.md): 4 warps, one stage, BM = 32 at D = 128, >= 32 splits
+    were the fastest at 8k tokens x batch 1 and 32k x batch 16 (8 warps, 2 waves: 1.2-1.7x slower)."""
 
-    num_warps: int = NUM_WARPS
+    num_warps: int = 4
     num_stages: int = NUM_STAGES
     block_tokens: int | None = None
     waves: int = 2
+    min_splits: int = 32
 
 
 def _tiles(n_rows: int, dim: int, weighted_sum: bool = False) -> tuple[int, int]:
@@ -403,14 +407,13 @@ def _multiprocessors(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _auto_splits(device: torch.device, units: int, n_tiles: int, waves: int = 2) -> int:
-    """Context splits so that about `waves` programs per multiprocessor fill the GPU (4 in all on the
-    interpreter)."""
-    if device.type == "cuda":
-        target = waves * _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
-    else:
-        target = 4
-    return max(1, min(n_tiles, -(-target // max(units, 1))))
+def _auto_splits(device: torch.device, units: int, n_tiles: int, waves: int = 2, min_splits: int = 1) -> int:
+    """Context splits so that about `waves` programs per multiprocessor fill the GPU, at least `min_splits`
+    (4 programs in all on the interpreter)."""
+    if device.type != "cuda":
+        return max(1, min(n_tiles, -(-4 // max(units, 1))))
+    target = waves * _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+    return max(1, min(n_tiles, max(min_splits, -(-target // max(units, 1)))))
 
 
 def _check_bad(bad: torch.Tensor | None, n_codewords: tuple[int, ...], index_bits: tuple[int, ...]) -> None:
@@ -497,7 +500,7 @@ def decode_attention(queries: torch.Tensor, key_codes: torch.Tensor, value_codes
     bq, bm = _tiles(n_rows, max(dim, value_dim))
     bm = launch.block_tokens or bm
     row_tiles, n_tiles = triton.cdiv(n_rows, bq), triton.cdiv(n_tokens, bm)
-    splits = (_auto_splits(device, n_b * kv_heads * row_tiles, n_tiles, launch.waves) if splits is None
+    splits = (_auto_splits(device, n_b * kv_heads * row_tiles, n_tiles, launch.waves, launch.min_splits) if splits is None
               else min(splits, n_tiles))
     per_split = triton.cdiv(n_tiles, splits) * bm
     splits = triton.cdiv(n_tokens, per_split)
@@ -570,7 +573,7 @@ def paged_decode_attention(queries: torch.Tensor, pages: torch.Tensor, block_tab
     bq, bm = _tiles(n_rows, max(dim, value_dim))
     bm = launch.block_tokens or bm
     row_tiles, n_tiles = triton.cdiv(n_rows, bq), triton.cdiv(max_tokens, bm)
-    splits = (_auto_splits(device, n_b * kv_heads * row_tiles, n_tiles, launch.waves) if splits is None
+    splits = (_auto_splits(device, n_b * kv_heads * row_tiles, n_tiles, launch.waves, launch.min_splits) if splits is None
               else min(splits, n_tiles))
     acc = torch.empty(splits, n_b, kv_heads, n_rows, value_dim, dtype=torch.float32, device=device)
     stat = torch.empty(splits, n_b, kv_heads, n_rows, 2, dtype=torch.float32, device=device)
