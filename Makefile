@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-vllm clean
+.PHONY: venv demo test test-vllm test-device-image clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -48,5 +48,25 @@ test-vllm: $(VLLM_STAMP)
 		tests/integrations/test_vllm_serving_benchmark.py tests/integrations/test_vllm_parity_benchmark.py \
 		tests/kv/attention/test_paged_decode.py tests/kv/attention/test_permutes.py
 
+# The lent GPU's image (torch 2.11, triton 3.6, transformers 5.17, not ours to change): a venv with its triton and
+# transformers beside the CPU torch, without the dev extras it lacks, runs the Triton interpreter tests, the
+# tests that read transformers' model code, and benchmarks/gpu_check.sh's CPU smoke mode. numpy < 2.4: triton
+# 3.6's interpreter converts 1-element arrays with int(), which numpy 2.4 refuses (compiled kernels are unaffected).
+DEVICE_VENV := .venv-gpu
+DEVICE_STAMP := $(DEVICE_VENV)/.installed
+
+$(DEVICE_STAMP): pyproject.toml Makefile
+	test -x $(DEVICE_VENV)/bin/python || $(PYTHON) -m venv $(DEVICE_VENV)
+	$(DEVICE_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(DEVICE_VENV)/bin/python -m pip install --quiet torch==2.13.0
+	$(DEVICE_VENV)/bin/python -m pip install --quiet -e . pytest hypothesis triton==3.6.0 transformers==5.17.0 'numpy<2.4'
+	touch $(DEVICE_STAMP)
+
+test-device-image: $(DEVICE_STAMP)
+	OMP_NUM_THREADS=1 $(DEVICE_VENV)/bin/python -m pytest -q -p no:cacheprovider -m "not model" \
+		tests/kv/attention/test_coded_triton.py tests/kv/test_cuda.py tests/kv/test_model_families.py \
+		tests/kv/test_kv_cache.py tests/kv/attention/test_coded_kernels.py
+	OMP_NUM_THREADS=1 PYTHON=$(DEVICE_VENV)/bin/python bash benchmarks/gpu_check.sh --smoke $$(mktemp -d)
+
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(DEVICE_VENV) .pytest_cache

@@ -24,10 +24,14 @@ from __future__ import annotations
 import re
 
 import pytest
+import transformers
+from packaging.version import Version
 
 from fibquant.eval.model_reach import FAMILIES, LOGITS_RTOL, probe
 
 ON_CODES = "codes"
+NO_INTERFACE = "does not dispatch attention through transformers' AttentionInterface"
+TESTED_TRANSFORMERS = Version("5.25")  # the release the expectations below are checked on (Makefile's venv)
 EXPECTED = {name: (ON_CODES, None) for name in FAMILIES}
 
 
@@ -66,6 +70,10 @@ def test_family(name):
     result = probe(name)
     status, reason = EXPECTED[name]
     summary = f"{name}: {result['status']} at stage {result['stage']!r}: {result['reason']}"
+    if status == ON_CODES and result["status"] == "decode fallback" and NO_INTERFACE in result["reason"] and \
+            Version(transformers.__version__) < TESTED_TRANSFORMERS:
+        pytest.skip(f"transformers {transformers.__version__}'s {name} does not dispatch attention through "
+                    f"AttentionInterface ({TESTED_TRANSFORMERS} does); the cache falls back to decode")
     assert result["status"] == status, summary
     if status == ON_CODES:
         assert result["fallback_warnings"] == [] and result["warned_keys"] == [], summary

@@ -428,6 +428,14 @@ def probe(family: Family | str, seed: int = 0, bits: float = BITS, generate: boo
     return result
 
 
+def _reference_attention(model) -> str:
+    """The model's own attention implementation, or "eager" where that one drops a feature of the model:
+    transformers' SDPA ignores logit soft-capping, and releases before 5.18 give Gemma 2 SDPA by default."""
+    own = model.config._attn_implementation
+    softcap = getattr(getattr(model.config, "get_text_config", lambda: model.config)(), "attn_logit_softcapping", None)
+    return "eager" if own == "sdpa" and softcap else own
+
+
 def _probe_stages(family: Family, seed: int, bits: float, generate: bool, result: dict,
                   recorder: "_FallbackRecorder", codec: Optional[Callable]) -> tuple[str, str]:
     """The probe's stages, filling `result`; returns (status, reason)."""
@@ -443,7 +451,8 @@ def _probe_stages(family: Family, seed: int, bits: float, generate: bool, result
 
     try:
         model = family.build(seed)
-        own_attention = model.config._attn_implementation
+        own_attention = _reference_attention(model)
+        model.set_attn_implementation(own_attention)
         result["features"] = features(model)
     except Exception as exc:  # noqa: BLE001 - the probe reports every failure
         return finish("error", f"build: {_error_text(exc)}")
