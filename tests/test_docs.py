@@ -152,7 +152,8 @@ def test_the_checks_catch_what_is_gone():
     assert _path_exists("kv/", page, set()) and not _path_exists("kv/persist_read", page, set())
     assert not _resolves("fibquant.kv.persist_read") and _resolves("fibquant.kv.cache.CompressedCache")
     text = "`fibquant eval nope` and `fibquant archive pack|gone` `kv/attention.py` `from fibquant import X`"
-    assert COMMAND.findall(_code(text)) == [("eval", "nope"), ("archive", "pack|gone")]
+    found = [match for match in COMMAND.findall(_code(text)) if match[0] != "import"]
+    assert found == [("eval", "nope"), ("archive", "pack|gone")]
     assert "kv/attention.py" in {m.group(1) for m in PATH.finditer(_code(text))}
 
 
