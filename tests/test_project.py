@@ -47,32 +47,39 @@ def test_makefile_installs_cpu_torch_but_the_package_does_not_pin_it():
     assert re.search(r'"transformers>=5[0-9.]*,<6"', pyproject)
 
 
-def readme_quick_start() -> str:
-    """The Python block after the README's `<!-- quick-start-python ... -->` marker."""
+def readme_own_model_example() -> str:
+    """The Python block after the README's `<!-- own-model-example -->` marker."""
     readme = (ROOT / "README.md").read_text()
-    found = re.search(r"<!-- quick-start-python.*?-->\n```python\n(.*?)```", readme, flags=re.S)
-    assert found, "README.md has no <!-- quick-start-python --> block"
+    found = re.search(r"<!-- own-model-example -->\n```python\n(.*?)```", readme, flags=re.S)
+    assert found, "README.md has no <!-- own-model-example --> block"
     return found.group(1)
 
 
-@pytest.mark.model
-def test_readme_quick_start_compresses(model_and_tokenizer, monkeypatch, capsys):
-    """The README's snippet, run as written (the session's model stands in for load_model()):
-    its prompt leaves the exact window, so bytes per token is well below uncompressed."""
-    import torch
+def test_readme_own_model_example_runs_on_a_local_directory(tmp_path, capsys):
+    """The README's example, run as written on a tiny random-weight Llama saved to a directory."""
+    import fibquant
 
-    monkeypatch.setattr("fibquant.kv.model.load_model", lambda *args, **kwargs: model_and_tokenizer)
+    if not hasattr(fibquant, "attention_on_codes"):  # lands with the one-line API; the lead removes this at merge
+        pytest.skip("fibquant.attention_on_codes is not in this tree yet")
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    words = "It is a truth universally acknowledged".split()
+    vocab = {"<unk>": 0, **{word: i + 1 for i, word in enumerate(words)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>").save_pretrained(tmp_path)
+    code = readme_own_model_example().replace("path/to/model", str(tmp_path))
     namespace: dict = {}
-    exec(compile(readme_quick_start(), "README.md:quick-start-python", "exec"), namespace)
-    cache, model = namespace["cache"], namespace["model"]
-    config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    itemsize = torch.empty(0, dtype=model.dtype).element_size()
-    uncompressed = config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * itemsize  # K and V
-    assert uncompressed == 46_080  # SmolLM2-135M in float32: 30 layers x K,V x 3 heads x 64 x 4 bytes
-    printed = capsys.readouterr().out.split()
-    assert float(printed[-1]) == cache.bytes_per_token() < uncompressed / 2
-    assert cache.get_seq_length() > 32 + 4 + 100  # most tokens left the exact window
+    exec(compile(code, "README.md:own-model-example", "exec"), namespace)
+    out, cache = namespace["out"], namespace["cache"]
+    assert namespace["inputs"]["input_ids"].shape[1] < out.shape[1] <= namespace["inputs"]["input_ids"].shape[1] + 64
+    assert float(capsys.readouterr().out.split()[-1]) == cache.bytes_per_token()
 
 
 def test_dev_extra_holds_the_peers_so_make_test_runs_their_tests():

@@ -593,9 +593,8 @@ def render_markdown(results: list[dict], command: str, provenance: dict) -> str:
     lines = [
         "# Model reach: which decoder families a CompressedCache serves on codes",
         "",
-        f"**Generated** by `{command}` ({provenance.get('date', '?')}; transformers "
-        f"{provenance.get('transformers', '?')}, torch {provenance.get('torch', '?')}, fibquant "
-        f"{provenance.get('commit', '?')}). Do not edit by hand: rerun the command. The same probe "
+        f"**Generated** by `{command}` (transformers {provenance.get('transformers', '?')}, torch "
+        f"{provenance.get('torch', '?')}). Do not edit by hand: rerun the command. The same probe "
         "(`fibquant.eval.model_reach.probe`) is asserted per family by `tests/kv/test_model_families.py`.",
         "",
         f"Each family is its own transformers class with a tiny random config ({len(results)} families: 2 layers, "
@@ -618,7 +617,7 @@ def render_markdown(results: list[dict], command: str, provenance: dict) -> str:
         "- **refused**: `CompressedCache.for_model` raises ValueError naming the feature, before any prefill;",
         "- **error**: a raw exception or a failed check (a bug).",
         "",
-        f"Summary: issue 16's {len(listed)} families: {counts(listed)}; {len(further)} further families "
+        f"Summary: the {len(listed)} core families: {counts(listed)}; {len(further)} further families "
         f"(marked +): {counts(further)}.",
         "",
         "| family | transformers class | status | layer types / features exercised | options the attention "

@@ -1,36 +1,27 @@
-"""Lattice-shell codes on the canonical source (issue 21): MSE per unit vector at 1, 1.5, 1.75, 2, 3 and 4 bits
-per coordinate (8 b index bits per 8-block) against FibQuant and the 16-dimensional FibQuant-RVQ, from the same vectors (table on stdout,
-results/lattice_probe.json).
+"""Build the shipped E8 shell levels, src/fibquant/codebook/e8shell_shipped.py (FibQuant-E8, `e8shell:b=B`).
 
-    PYTHONPATH=src .venv/bin/python benchmarks/lattice_probe.py [--vectors 4096] [--train-vectors 16384] [--bits 1 1.5 1.75 2 3 4]
+    PYTHONPATH=src python tools/build_e8shell_levels.py            # every rate, d = 64 and 128: writes the file (~4 min)
+    PYTHONPATH=src python tools/build_e8shell_levels.py --check    # rebuild and compare with the shipped file
+    PYTHONPATH=src python tools/build_e8shell_levels.py --bits 1 --check   # one rate (seconds; the test's mode)
 
-Every candidate codes each 8-block y of the rotated unit vector u (d = 64, the codecs' own Haar
-rotation of seed 0) by one index into a codebook of at most 2^(8 b) points, so its code is FibQuant's
-size exactly (2-byte norm + 8 b bits per 8-block: 10 / 14 / 16 / 18 / 26 / 34 bytes at b = 1 / 1.5 / 1.75 /
-2 / 3 / 4). The codebooks
-are *shell codes*: a list of levels (m_g, r_g), level g holding the E8 shell of squared norm 2 m_g
-rescaled to radius r_g (m = 0: the origin). E8 = D8 u (D8 + 1/2); its shell 2m is the union of a few
-orbits of "leader" vectors under coordinate permutations and sign changes (all sign changes for the
-integer leaders, an even or odd number of minus signs for the half-integer ones), so the largest inner
-product of y with a shell point is found exactly by sorting |y| once: per leader, sorted |y| . leader,
-less 2 min|y| * min(leader) where the half-integer parity forbids sign(y). The nearest point of the
-whole codebook is then min_g ||y||^2 - 2 r_g c_{m_g}(y) + r_g^2 with c_m(y) = max over shell m of
-<y, s> / ||s||: exact, and independent of the radii, so the radii are fitted by Lloyd steps on a
-training sample (another seed) and the test MSE uses the test vectors only.
+Every rate b codes each 8-block y of the rotated unit vector (d = 64, the codecs' Haar rotation of seed 0)
+by one index into at most 2^(8 b) points: a list of levels (m_g, r_g), level g the E8 shell of squared
+norm 2 m_g rescaled to radius r_g (m = 0: the origin). The largest inner product of y with a shell is
+exact from |y| sorted once (one leader per orbit under permutations and sign changes, a parity rule for
+the half-integer leaders), so the nearest codebook point is min_g ||y||^2 - 2 r_g c_m(y) + r_g^2,
+independent of the radii, and radii are fitted by Lloyd steps.
 
-Candidates (all counts <= 2^(8 b), every stored bit counted):
-  (a) gain-shape product: one shell m at G radii, G * |shell m| <= 2^(8 b), radii by Lloyd;
-  (b) ball: the origin and the shells 1..M of E8 scaled by one factor alpha (the truncated scaled
-      lattice; alpha by golden-section search), and (b') the same shells with Lloyd radii;
-  (c) free shell code: which shell at which radius chosen by a dynamic programme over the block-norm
-      law (Lagrangian in the point count, then the best count under the budget), radii by Lloyd,
-      then a local search (shell +- 1, drop a level, split a level in two) on the training MSE;
-  (d) (b') followed by that local search (where the ball has at most MAX_SEARCH_LEVELS levels).
-A candidate passes the gate when its test MSE is within GATE of the FibQuant-RVQ k = 16 configuration
-that meets issue 21's attention target at that rate (GATE_REFERENCE).
-The leader search is checked against the exhaustive search over the materialised shells (m <= 4) and
-the codes of at most 2 bits (<= 2^16 points) against an exhaustive search over their materialised codebooks, before anything is
-reported. Baselines: the registry's FibQuant b and FibQuant-RVQ k = 16 on the same test vectors.
+Candidates per rate (all within 2^(8 b) points): (a) gain-shape products (one shell at G radii), (b) the
+ball (shells 0..M of alpha E8, alpha by golden section) and (b') the same shells with Lloyd radii, (c) shells
+per radius by a dynamic programme over the block-norm law and (c') plus a local search (shell +- 1, drop
+or split a level), (d) (b') plus that local search. The candidate with the lowest *training* MSE ships
+(training: 16384 canonical-source vectors of seed 424242, never model data; the test MSE, 4096 vectors of
+seed 987654, is only reported). A level whose Lloyd cell stayed empty at radius 0, or that the local search
+moved to shell 0, ships as the origin (the same decoded points). --refit-dims D: the d = 64 shells with
+radii refitted by REFIT_STEPS Lloyd steps on canonical-source vectors in R^D (same seeds).
+
+Before anything is built the leader search is checked against the exhaustive search over the materialised
+shells m <= 4, and every code of at most 2 bits against an exhaustive search over its codebook.
 """
 from __future__ import annotations
 
@@ -38,30 +29,41 @@ import argparse
 import itertools
 import math
 import sys
-import time
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from fibquant.codebook.e8shell import orbit_size, shell_leaders, shell_size, sigma3  # noqa: F401 (re-exported)
+from fibquant.codebook.e8shell import shell_leaders, shell_size
 from fibquant.codecs.registry import parse_method
-from fibquant.eval.report import format_table, write_json
-from fibquant.paths import results_dir
 from fibquant.source import canonicalize, haar_rotation, sample_sphere
 
-TEST_SEED = 987_654     # rvq_shapes.py's test vectors (no codebook construction uses it)
-TRAIN_SEED = 424_242    # the shell codes' radii are fitted on these, never on the test vectors
-BASELINES = {1: ("fibquant:b=1",), 1.5: ("fibquant:b=1.5",), 1.75: ("fibquant:b=1.75",),
-             2: ("fibquant:b=2", "fibrvq:b=2,k=16", "fibrvq:b=2,k=16,w=64"),
-             3: ("fibquant:b=3", "fibrvq:b=3,k=16,w=64"),
-             4: ("fibquant:b=4,nc=0", "fibrvq:b=4,k=16,w=64")}
-MAX_SEARCH_LEVELS = 30  # (d) runs where the ball has at most this many levels (2 and 3 bits)
-GATE = 1.03  # a candidate passes when its MSE <= 1.03 x the FibQuant-RVQ k = 16 row below at its rate
-# the configurations that meet issue 21's attention-error target (docs/codecs.md): beam 16 at 2 bits, 64 above
-GATE_REFERENCE = {2: "fibrvq:b=2,k=16", 3: "fibrvq:b=3,k=16,w=64", 4: "fibrvq:b=4,k=16,w=64"}
+TEST_SEED = 987_654
+TRAIN_SEED = 424_242
+RATES = (1, 1.5, 1.75, 2, 3, 4)
+REFIT_DIMS = (128,)
+REFIT_STEPS = 30
+MAX_SEARCH_LEVELS = 30  # (d) runs where the ball has at most this many levels (the search is quadratic in them)
+# --check's radius tolerance: the shells are reproduced exactly, the radii to rounding: the max-cos products
+# round differently with the BLAS and with the shell table's size (a subset of rates builds a smaller one),
+# and Lloyd steps and the golden-section search of (b), on a flat minimum, carry that to ~1e-10 relative
+# (measured: 3e-10 at b = 1, last digits elsewhere, on a full build against the shipped file)
+RTOL = 1e-6
+TARGET = Path(__file__).resolve().parents[1] / "src" / "fibquant" / "codebook" / "e8shell_shipped.py"
+HEADER = '''"""Shipped E8 shell codes: SHIPPED_LEVELS[(dim, bits)] = (shells, radii), levels in ascending radius.
+
+Generated by tools/build_e8shell_levels.py (do not edit by hand; tests/codebook/test_build_e8shell_levels.py
+rebuilds a rate and compares): per rate the design candidate with the lowest training MSE, its radii
+Lloyd-fitted on 8-blocks of 16384 unit vectors of the canonical source (uniform on S^63,
+`fibquant.source.sample_sphere` seed 424242, Haar rotation of seed 0): calibration-free, no model data.
+Other head dimensions: the d = 64 shells, radii refitted by Lloyd steps on 16384 canonical-source vectors
+in R^d (same seeds). Candidates:
+{provenance}
+"""
+'''
 
 
-# --------------------------------------------------------------------------- E8 shells
+# --------------------------------------------------------------------------- E8 shells and shell codes
 
 def shell_points(m: int) -> np.ndarray:
     """Every point of E8's shell 2m [shell_size(m), 8] (materialised; small m only)."""
@@ -317,134 +319,159 @@ def check_code_exhaustive(code: ShellCode, blocks: np.ndarray) -> float:
     return 8.0 * float(np.maximum(best, 0).mean())
 
 
-# --------------------------------------------------------------------------- main
 
-def unit_blocks(vectors: torch.Tensor) -> np.ndarray:
-    """[n, 64] -> the codecs' rotated unit vectors in 8-blocks [n * 8, 8] float64."""
-    _, unit = canonicalize(vectors.double(), haar_rotation(64, 0))
+
+# --------------------------------------------------------------------------- the build
+
+def unit_blocks(vectors: torch.Tensor, dim: int) -> np.ndarray:
+    """[n, dim] -> the codecs' rotated unit vectors (Haar seed 0) in 8-blocks [n * dim / 8, 8] float64."""
+    _, unit = canonicalize(vectors.double(), haar_rotation(dim, 0))
     return unit.reshape(-1, 8).numpy()
 
 
-def baseline(spec: str, vectors: torch.Tensor) -> dict:
-    method = parse_method(spec)
-    codec = method.build(64)
-    codec.encode(vectors[:2])
-    start = time.perf_counter()
-    codes = codec.encode(vectors)
-    seconds = time.perf_counter() - start
-    err = ((codec.decode(codes).double() - vectors.double()) ** 2).sum(1)
-    return {"code": method.label(64), "spec": method.spec, "bits": codec.bits_per_coordinate,
-            "bytes": codec.code_size, "mse": float(err.mean()), "mse_se": float(err.std() / len(err) ** 0.5),
-            "encode_vectors_per_s": len(vectors) / seconds}
+class Blocks:
+    """8-blocks of canonical-source vectors with their norms and max-cos table against a ShellTable."""
+
+    def __init__(self, n: int, dim: int, seed: int, table: ShellTable):
+        self.vectors = sample_sphere(n, dim, seed=seed)
+        self.blocks = unit_blocks(self.vectors, dim)
+        self.norm = np.linalg.norm(self.blocks, axis=1)
+        self.norm2 = self.norm ** 2
+        self.cos = table.max_cos(self.blocks)
 
 
-def describe(code: ShellCode) -> str:
-    runs = [(m, len(list(g))) for m, g in itertools.groupby(code.shells.tolist())]
-    return " ".join(f"{m}x{n}" if n > 1 else f"{m}" for m, n in runs)
+def candidates(budget: int, train: Blocks, column: dict) -> list[tuple[str, ShellCode]]:
+    """Every design candidate within `budget` points, in a fixed order (ties keep the first)."""
+    norm, cos = train.norm, train.cos
+    sub = slice(0, 32768)  # the searches over designs run on a training subsample
+    products = []
+    for m in column:
+        gains = budget // shell_size(m)
+        if 2 <= gains <= 32:
+            products.append((product_code(m, gains, norm[sub], cos[sub], column), m, gains))
+    products = [(code.lloyd(train.norm2, cos, column, steps=10), m, g) for code, m, g in products]
+    products.sort(key=lambda item: item[0].mse(train.norm2, cos, column))
+    cands = [("(a) gain-shape", code) for code, _, _ in products[:3]]
+    ball, ball_lloyd = ball_code(budget, norm, cos, column)
+    cands += [("(b) ball, alpha E8", ball), ("(b') ball, Lloyd radii", ball_lloyd)]
+    dp = dp_code(budget, norm, cos, column)
+    cands.append(("(c) free shells, DP", dp.lloyd(train.norm2, cos, column)))
+    searched = local_search(dp, budget, norm[sub], cos[sub], column).lloyd(train.norm2, cos, column)
+    cands.append(("(c') free shells, DP + local search", searched))
+    if len(ball_lloyd.shells) <= MAX_SEARCH_LEVELS:
+        searched = local_search(ball_lloyd, budget, norm[sub], cos[sub], column).lloyd(train.norm2, cos, column)
+        cands.append(("(d) free shells, ball + local search", searched))
+    for kind, code in cands:
+        if code.count > budget:
+            raise AssertionError(f"{kind}: {code.count} points > {budget}")
+    return cands
+
+
+def shipped_levels(code: ShellCode) -> tuple[tuple, tuple]:
+    """(shells, radii) in ascending radius; empty-cell levels at radius 0 and shell-0 levels as the origin."""
+    levels = sorted((0.0 if int(m) == 0 else float(r), 0 if float(r) == 0.0 else int(m))
+                    for r, m in zip(code.radii, code.shells))
+    shells = tuple(int(m) for _, m in levels)
+    return shells, tuple(0.0 if m == 0 else float(r) for r, m in levels)
+
+
+def refit(shells: tuple, radii: tuple, dim: int) -> tuple[tuple, tuple, float]:
+    """The d = 64 shells with radii Lloyd-refitted on canonical-source blocks in R^dim, and the test MSE."""
+    table = ShellTable(sorted({m for m in shells if m}))
+    column = {m: j for j, m in enumerate(table.shells)}
+    train = Blocks(16384, dim, TRAIN_SEED, table)
+    start = ShellCode(list(shells), np.array(radii) * math.sqrt(64 / dim))
+    code = start.lloyd(train.norm2, train.cos, column, steps=REFIT_STEPS)
+    levels = sorted((float(r), 0 if float(r) == 0.0 else int(m)) for r, m in zip(code.radii, code.shells))
+    test = Blocks(4096, dim, TEST_SEED, table)
+    mse = ShellCode([m for _, m in levels], [r for r, _ in levels]).mse(test.norm2, test.cos, column)
+    mse *= dim / 64  # ShellCode.mse sums 8 blocks (a d = 64 vector); a unit vector in R^dim has dim / 8
+    return tuple(m for _, m in levels), tuple(r for r, _ in levels), mse
+
+
+def baseline_mse(spec: str, dim: int) -> float:
+    vectors = sample_sphere(4096, dim, seed=TEST_SEED)
+    codec = parse_method(spec).build(dim)
+    return float(((codec.roundtrip(vectors).double() - vectors.double()) ** 2).sum(1).mean())
+
+
+def build(rates, refit_dims) -> tuple[dict, list[str]]:
+    """{(dim, bits): (shells, radii)} for every rate (d = 64) and refit dimension, and provenance lines."""
+    top = ball_top(2 ** int(8 * max(rates))) + 12
+    table = ShellTable(list(range(1, top + 1)))
+    column = {m: j for j, m in enumerate(table.shells)}
+    check_leader_search(table, np.random.default_rng(5))
+    train = Blocks(16384, 64, TRAIN_SEED, table)
+    test = Blocks(4096, 64, TEST_SEED, table)
+    levels, notes = {}, []
+    for bits in rates:
+        kind, best = min(candidates(2 ** int(8 * bits), train, column),
+                         key=lambda item: item[1].mse(train.norm2, train.cos, column))
+        if bits <= 2 and best.count <= 2 ** 16:
+            exhaustive = check_code_exhaustive(best, test.blocks[:4096])
+            searched = best.mse(test.norm2[:4096], test.cos[:4096], column)
+            if abs(exhaustive - searched) > 1e-9:
+                raise AssertionError(f"b={bits}: shell search {searched} != exhaustive {exhaustive}")
+        levels[(64, bits)] = shipped_levels(best)
+        notes.append(f"    b={bits}: {kind} ({len(best.shells)} levels, 2^{math.log2(best.count):.4f} points, "
+                     f"test MSE {best.mse(test.norm2, test.cos, column):.5f})")
+        for dim in refit_dims:
+            shells, radii, mse = refit(*levels[(64, bits)], dim)
+            levels[(dim, bits)] = (shells, radii)
+            turbo = f", TurboQuant {baseline_mse(f'turboquant:b={bits}', dim):.5f}" if bits == int(bits) else ""
+            notes.append(f"    b={bits}, refitted for d={dim}: test MSE {mse:.5f} "
+                         f"(FibQuant b={bits} {baseline_mse(f'fibquant:b={bits}', dim):.5f}{turbo})")
+        print("\n".join(notes[-1 - len(refit_dims):]), flush=True)
+    return levels, notes
+
+
+def render(levels: dict, notes: list[str]) -> str:
+    """The text of e8shell_shipped.py."""
+    lines = []
+    for (dim, bits), (shells, radii) in levels.items():
+        lines.append(f"    ({dim}, {bits}): ({shells!r},\n              ("
+                     + ",\n               ".join(repr(r) for r in radii) + ")),")
+    return HEADER.format(provenance="\n".join(notes)) + "\nSHIPPED_LEVELS = {\n" + "\n".join(lines) + "\n}\n"
+
+
+def differences(levels: dict, shipped: dict, rtol: float = RTOL) -> list[str]:
+    """Where built levels differ from the shipped ones: shells exactly, radii to `rtol`."""
+    out = []
+    for key, (shells, radii) in levels.items():
+        if key not in shipped:
+            out.append(f"{key}: not shipped")
+            continue
+        ship_shells, ship_radii = shipped[key]
+        if tuple(shells) != tuple(ship_shells):
+            out.append(f"{key}: shells {shells} != shipped {ship_shells}")
+        elif not np.allclose(radii, ship_radii, rtol=rtol, atol=0.0):
+            worst = float(np.max(np.abs(np.subtract(radii, ship_radii)) / np.maximum(np.abs(ship_radii), 1e-300)))
+            out.append(f"{key}: radii differ from the shipped ones (relative {worst:.1e})")
+    return out
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--vectors", type=int, default=4096)
-    parser.add_argument("--train-vectors", type=int, default=16384)
-    parser.add_argument("--bits", type=float, nargs="+", default=[1, 1.5, 1.75, 2, 3, 4],
-                        help="bits per coordinate; 8 b must be an integer (the index bits per 8-block)")
-    parser.add_argument("--max-shell", type=int, default=0, help="largest shell m (0: what the budget needs)")
-    parser.add_argument("--no-baselines", action="store_true")
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--bits", type=float, nargs="+", default=list(RATES),
+                        help="rates to build (8 b index bits per 8-block must be an integer); writing needs all")
+    parser.add_argument("--refit-dims", type=int, nargs="*", default=list(REFIT_DIMS))
+    parser.add_argument("--check", action="store_true", help="compare with the shipped levels instead of writing")
     args = parser.parse_args(argv)
+    rates = [int(b) if b == int(b) else b for b in args.bits]  # 2.0 -> 2: the keys keep the labels
+    for bits in rates:
+        if bits <= 0 or 8 * bits != int(8 * bits):
+            parser.error(f"--bits {bits}: 8 b must be a positive integer (index bits per 8-block)")
+    if not args.check and (sorted(rates) != sorted(RATES) or list(args.refit_dims) != list(REFIT_DIMS)):
+        parser.error("writing the shipped file needs every rate and refit dimension; use --check for a subset")
     torch.set_num_threads(1)
-    started = time.time()
-    test_vectors = sample_sphere(args.vectors, 64, seed=TEST_SEED)
-    train = unit_blocks(sample_sphere(args.train_vectors, 64, seed=TRAIN_SEED))
-    test = unit_blocks(test_vectors)
-    for bits in args.bits:
-        if 8 * bits != int(8 * bits) or bits <= 0:
-            raise SystemExit(f"--bits {bits}: 8 b must be a positive integer (index bits per 8-block)")
-    args.bits = [int(b) if b == int(b) else b for b in args.bits]  # 2.0 -> 2: the json keeps the labels
-    top = args.max_shell or ball_top(2 ** int(8 * max(args.bits))) + 12
-    table = ShellTable(list(range(1, top + 1)))
-    column = {m: j for j, m in enumerate(table.shells)}
-    checks = {"leader_search": check_leader_search(table, np.random.default_rng(5))}
-    print(f"shells 1..{top}, {len(table.leaders)} leaders; leader search = exhaustive on m <= 4 "
-          f"(max |diff| {checks['leader_search']['max_abs_diff']:.1e})", flush=True)
-    t0 = time.process_time()
-    cos_train, cos_test = table.max_cos(train), table.max_cos(test)
-    print(f"max-cos tables: {time.process_time() - t0:.0f} CPU-s", flush=True)
-    norm_train, norm_test = np.linalg.norm(train, axis=1), np.linalg.norm(test, axis=1)
-    rows = []
-    for bits in args.bits:
-        budget = 2 ** int(8 * bits)
-        rate_rows = []
-        if not args.no_baselines:
-            for spec in BASELINES[bits]:
-                row = baseline(spec, test_vectors)
-                row["kind"] = "baseline"
-                rate_rows.append(row)
-                print(f"{bits} bits {row['code']}: {row['mse']:.5f}", flush=True)
-        cands = []
-        products = []
-        sub = slice(0, 32768)  # the searches over designs run on a training subsample
-        for m in table.shells:
-            gains = budget // shell_size(m)
-            if 2 <= gains <= 32:
-                products.append((product_code(m, gains, norm_train[sub], cos_train[sub], column), m, gains))
-        products = [(code.lloyd(norm_train ** 2, cos_train, column, steps=10), m, g) for code, m, g in products]
-        products.sort(key=lambda item: item[0].mse(norm_train ** 2, cos_train, column))
-        for code, m, gains in products[:3]:
-            cands.append(("(a) gain-shape", f"shell {m} x {gains} gains", code))
-        ball, ball_lloyd = ball_code(budget, norm_train, cos_train, column)
-        cands.append(("(b) ball, alpha E8", f"shells 0..{ball.shells[-1]}", ball))
-        cands.append(("(b') ball, Lloyd radii", f"shells 0..{ball.shells[-1]}", ball_lloyd))
-        dp = dp_code(budget, norm_train, cos_train, column)
-        cands.append(("(c) free shells, DP", describe(dp), dp.lloyd(norm_train ** 2, cos_train, column)))
-        searched = local_search(dp, budget, norm_train[sub], cos_train[sub], column).lloyd(
-            norm_train ** 2, cos_train, column)
-        cands.append(("(c') free shells, DP + local search", describe(searched), searched))
-        if len(ball_lloyd.shells) <= MAX_SEARCH_LEVELS:  # the local search is quadratic in the levels
-            searched = local_search(ball_lloyd, budget, norm_train[sub], cos_train[sub], column).lloyd(
-                norm_train ** 2, cos_train, column)
-            cands.append(("(d) free shells, ball + local search", describe(searched), searched))
-        for kind, detail, code in cands:
-            row = {"kind": kind, "code": f"{kind}: {detail}", "bits": bits, "bytes": 2 + int(8 * bits),
-                   "count": code.count, "index_bits": math.log2(code.count),
-                   "mse_train": code.mse(norm_train ** 2, cos_train, column),
-                   "mse": code.mse(norm_test ** 2, cos_test, column),
-                   "shells": code.shells.tolist(), "radii": code.radii.tolist()}
-            if code.count > budget:
-                raise AssertionError(f"{row['code']}: {code.count} points > 2^{8 * bits:g}")
-            if bits <= 2 and code.count <= 2 ** 16:  # the first 4096 test blocks, exhaustively
-                sub = slice(0, 4096)
-                row["mse_exhaustive_4096"] = check_code_exhaustive(code, test[sub])
-                shell_mse = code.mse(norm_test[sub] ** 2, cos_test[sub], column)
-                if abs(row["mse_exhaustive_4096"] - shell_mse) > 1e-9:
-                    raise AssertionError(f"{row['code']}: shell search {shell_mse} != exhaustive "
-                                         f"{row['mse_exhaustive_4096']}")
-            rate_rows.append(row)
-            print(f"{bits} bits {row['code']}: {row['mse']:.5f} (train {row['mse_train']:.5f}, "
-                  f"2^{row['index_bits']:.3f} points)", flush=True)
-        ref = next((r["mse"] for r in rate_rows if r.get("spec") == GATE_REFERENCE.get(bits)), None)
-        best = min((r["mse"] for r in rate_rows if r.get("spec", "").startswith("fibrvq")), default=None)
-        fib = next((r["mse"] for r in rate_rows if r.get("spec", "").startswith("fibquant")), None)
-        for row in rate_rows:
-            row["bits"] = bits
-            row["vs_fibquant"] = None if fib is None else row["mse"] / fib
-            row["vs_rvq16"] = None if ref is None else row["mse"] / ref
-            row["vs_best_rvq16"] = None if best is None else row["mse"] / best
-            row["passes_gate"] = None if ref is None or row["kind"] == "baseline" else row["mse"] <= GATE * ref
-        rows += rate_rows
-    columns = [("bits", "bits", "g"), ("code", "code", ""), ("mse", "MSE / unit vector", ".5f"),
-               ("vs_fibquant", "vs FibQuant", ".3f"), ("vs_rvq16", "vs RVQ k=16 (target config)", ".3f"),
-               ("vs_best_rvq16", "vs best RVQ k=16 row", ".3f"), ("passes_gate", "gate (<= 1.03x)", ""),
-               ("encode_vectors_per_s", "encode vec/s", ".0f")]
-    print(format_table(rows, columns, markdown=True))
-    path = write_json(results_dir(args.out) / "lattice_probe.json",
-                      {"experiment": "E8 shell codes on the canonical source, d = 64, 8-blocks",
-                       "vectors": args.vectors, "train_vectors": args.train_vectors, "test_seed": TEST_SEED,
-                       "train_seed": TRAIN_SEED, "gate": GATE, "gate_reference": GATE_REFERENCE,
-                       "checks": checks, "rows": rows,
-                       "wall_s": time.time() - started})
-    print(f"wrote {path}")
+    levels, notes = build(rates, args.refit_dims)
+    if args.check:
+        from fibquant.codebook.e8shell_shipped import SHIPPED_LEVELS
+        wrong = differences(levels, SHIPPED_LEVELS)
+        print("\n".join(wrong) if wrong else f"{len(levels)} shipped level sets reproduced")
+        return 1 if wrong else 0
+    TARGET.write_text(render(levels, notes))
+    print(f"wrote {TARGET}")
     return 0
 
 
