@@ -76,13 +76,7 @@ def _paths(page: Path) -> set[str]:
     return found
 
 
-# docs/gpu.md is edited with the GPU work: it still names the old coded_reference.py (now
-# kv/attention/reference.py). Strict: the mark fails once the page is fixed, and then goes.
-STALE_PAGES = {"gpu.md"}
-
-
-@pytest.mark.parametrize("page", [pytest.param(p, marks=pytest.mark.xfail(strict=True, reason="names a moved file"))
-                                  if p.name in STALE_PAGES else p for p in PAGES], ids=lambda p: p.name)
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
 def test_every_path_exists(page):
     tracked = _tracked()
     names = {Path(p).name for p in tracked}
