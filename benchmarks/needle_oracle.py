@@ -18,6 +18,7 @@ from fibquant.eval.needle import (NEEDLE, NeedleConfig, answer, build_trial, ext
 from fibquant.eval.report import write_json
 from fibquant.kv import tier
 from fibquant.kv.model import load_model
+from fibquant.kv.build import build_cache
 from fibquant.kv.specs import parse_cache_spec
 
 parser = argparse.ArgumentParser()
@@ -53,7 +54,7 @@ for depth in args.depths:
     span.update(lo=trial.needle_start - args.sink_tokens, hi=trial.needle_start - args.sink_tokens + needle)
     source = prefill(model, trial.prefill_ids)
     for text in specs:
-        cache = parse_cache_spec(text).build(model, args.sink_tokens, 32, "codes", prefill=source)
+        cache = build_cache(text, model, args.sink_tokens, 32, "codes", prefill=source)
         reply = answer(model, tokenizer, cache, trial.question_ids, 8)
         in_tier = None
         if "@heavy" in text:

@@ -10,6 +10,7 @@ from transformers import DynamicCache
 
 from fibquant.codecs.identity import IdentityCodec
 from fibquant.codecs.integer import IntCodec
+from fibquant.kv.build import build_cache
 from fibquant.kv.cache import CompressedCache
 from fibquant.kv.model import cache_kwarg
 from fibquant.kv.specs import parse_cache_spec
@@ -137,7 +138,7 @@ def test_heavy_spec_parses_counts_bytes_and_builds():
     assert fp_tier.key_bytes(64) == pytest.approx(10 + 0.01 * 130)
     assert parse_cache_spec("fibquant:b=2@heavy=0.05").heavy == HeavySpec(0.05)  # defaults knorm, 4 bits
     model = tiny_llama(hidden_size=128, num_attention_heads=2, num_key_value_heads=1)  # head_dim 64
-    cache = spec.build(model)
+    cache = build_cache(spec, model)
     assert cache.tier is not None and cache.tier.key_codec.code_size == 34
 
 

@@ -155,29 +155,6 @@ def _resolve_codecs(model, code, value_codec, centre: bool, allocate, tier) -> t
     return key, value, spec_options
 
 
-def _codes_or_decode(model, latent: bool) -> tuple[str, list]:
-    """("codes", the MLA modules to check) when `model` can run attention on codes, else ("decode", []) with a
-    one-time warning naming why. Changes nothing in the model."""
-    from fibquant.kv.attention.entry import _warn_once, unsupported_reason
-
-    reason = unsupported_reason(model)
-    if reason is not None:
-        _warn_once(f"model:{type(model).__name__}", f"attention on codes is unsupported for this model: {reason}; "
-                   "the CompressedCache falls back to attention='decode'")
-        return "decode", []
-    if not latent:
-        return "codes", []
-    from fibquant.kv.attention.mla import latent_modules
-
-    modules = latent_modules(model)
-    if not modules:
-        _warn_once(f"latent:{type(model).__name__}", f"{type(model).__name__} caches an MLA latent but its attention "
-                   "modules are not the form fibquant's latent attention knows (expand_kv + kv_b_proj): the "
-                   "CompressedCache codes the latent and uses attention='decode'")
-        return "decode", []
-    return "codes", modules
-
-
 class CompressedCache(Cache):
     """KV cache holding tokens outside an exact window only as codec codes.
 
@@ -358,7 +335,9 @@ class CompressedCache(Cache):
         attention = _check_attention(options.pop("attention", attention))
         latent_modules = []
         if attention == "codes":
-            attention, latent_modules = _codes_or_decode(model, info["latent"])
+            from fibquant.kv.attention.switch import codes_or_decode
+
+            attention, latent_modules = codes_or_decode(model, info["latent"])
         cache = cls(key_codec, value_codec, sink_tokens, recent_tokens, attention, encode_batch,
                     num_layers=info["layers"], layer_windows=info["windows"], sliding_exact=sliding_exact, **options)
         if attention == "codes":

@@ -296,6 +296,7 @@ def parse_cache_spec(text: str, model=None) -> CacheSpec:
             raise ValueError(f"cache spec {text!r} is a budget: it needs the model to choose a code for "
                              "(parse_cache_spec(text, model))")
         base = choose(model, parse_budget(base))
+        text = "@".join([base, *option_items])
     if option_items:
         parsed = parse_cache_spec(base)
         return CacheSpec(parsed.key, parsed.value, **_parse_options(option_items, text))

@@ -63,3 +63,22 @@ def check_on_codes(model, latent_modules=()) -> None:
             f"this CompressedCache attends on its codes (attention='codes') but {type(model).__name__} runs "
             f"attention implementation {getattr(model.config, '_attn_implementation', None)!r}: run the model inside "
             "`with fibquant.attention_on_codes(model):`, or build the cache with attention='decode'")
+
+
+def codes_or_decode(model, latent: bool) -> tuple[str, list]:
+    """("codes", the MLA modules to check) when `model` can run attention on codes, else ("decode", []) with a
+    one-time warning naming why. Changes nothing in the model."""
+    reason = unsupported_reason(model)
+    if reason is not None:
+        _warn_once(f"model:{type(model).__name__}", f"attention on codes is unsupported for this model: {reason}; "
+                   "the CompressedCache falls back to attention='decode'")
+        return "decode", []
+    if not latent:
+        return "codes", []
+    modules = mla.latent_modules(model)
+    if not modules:
+        _warn_once(f"latent:{type(model).__name__}", f"{type(model).__name__} caches an MLA latent but its attention "
+                   "modules are not the form fibquant's latent attention knows (expand_kv + kv_b_proj): the "
+                   "CompressedCache codes the latent and uses attention='decode'")
+        return "decode", []
+    return "codes", modules
