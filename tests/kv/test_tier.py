@@ -10,6 +10,7 @@ from transformers import DynamicCache
 
 from fibquant.codecs.identity import IdentityCodec
 from fibquant.codecs.integer import IntCodec
+from fibquant.kv.attention.switch import attention_on_codes
 from fibquant.kv.build import build_cache
 from fibquant.kv.cache import CompressedCache
 from fibquant.kv.model import cache_kwarg
@@ -101,7 +102,7 @@ def test_tiered_cache_in_a_model_matches_the_cache_it_reads_back():
     for index, layer in enumerate(cache.layers):
         reference.update(layer.keys, layer.values, index)
     nxt = torch.tensor([[3, 4, 5]])
-    with torch.no_grad():
+    with torch.no_grad(), attention_on_codes(model):
         got = model(input_ids=nxt, **cache_kwarg(model, cache), use_cache=True).logits
         want = model(input_ids=nxt, **cache_kwarg(model, reference), use_cache=True).logits
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
