@@ -223,7 +223,7 @@ def run(config: NeedleConfig = NeedleConfig(), caches=None, build_codebooks: boo
 
     model, tokenizer = model_and_tokenizer or load_model()
     dim = check_model_supported(model)["head_dim"]
-    specs, skipped = split_available(parse_cache_specs(list(caches or NEEDLE_CACHES)), dim, build_codebooks)
+    specs, skipped = split_available(parse_cache_specs(list(caches or NEEDLE_CACHES), model), dim, build_codebooks)
     if not specs or not specs[0].is_fp:
         specs = [s for s in specs if not s.is_fp]
         specs.insert(0, parse_cache_specs(reference_method().spec)[0])
