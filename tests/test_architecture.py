@@ -12,7 +12,7 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src"
 # Lowest first. A module may import its own layer and any layer below, never one above.
 LAYERS = (
-    ("fibquant._json", "fibquant._numba", "fibquant._moved", "fibquant.paths", "fibquant.source", "fibquant.data"),
+    ("fibquant._json", "fibquant._extras", "fibquant._numba", "fibquant._moved", "fibquant.paths", "fibquant.source", "fibquant.data"),
     ("fibquant.codebook",),
     ("fibquant.codecs",),
     ("fibquant.archive", "fibquant.peers"),

@@ -26,7 +26,9 @@ def test_areas_cover_the_persistence_api_the_readme_advertises():
     areas = {area: {n for names in modules.values() for n in names} for area, modules in fibquant._AREAS.items()}
     assert {"PersistentCache", "save_cache", "load_cache", "generate_persistent", "resume_generate",
             "prefill_with_prefix"} <= areas["persistence"]
-    assert {"CompressedCache", "use_coded_attention"} <= areas["caches"]
+    assert {"CompressedCache", "attention_on_codes", "choose_code", "parse_cache_spec", "build_cache",
+            "AttentionNotOnCodes"} <= areas["caches"]
+    assert {"E8ShellCodec", "ResidualFibQuantCodec"} <= areas["codecs"]
 
 
 def _imported_names(text: str) -> set[tuple[str, str]]:

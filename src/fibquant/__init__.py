@@ -3,11 +3,14 @@
 Public names, by area (each imported lazily from its module, so `import fibquant` stays cheap
 and the heavy framework glue — transformers, model files — loads only when used):
 
-- codecs: `Codec`, `FibQuantCodec`, `TurboQuantCodec`, `IntCodec`, `LowRankCodec`, `RVQCodec`,
-  `IdentityCodec`; `parse_method` (spec strings such as "fibquant:b=2", `.build(dim)`), `load_codec`;
+- codecs: `Codec`, `FibQuantCodec`, `E8ShellCodec`, `ResidualFibQuantCodec`, `TurboQuantCodec`, `IntCodec`,
+  `LowRankCodec`, `RVQCodec`, `IdentityCodec`; `parse_method` (spec strings such as "fibquant:b=2", `.build(dim)`), `load_codec`;
   codebooks `build_codebook`, `load_codebook`
-- caches: `CompressedCache`, `parse_cache_spec` ("fibquant:b=4/fibquant:b=2", peers, "@decode"),
-  `use_coded_attention`, `attend_codes`, `cache_nbytes`, `load_model`, `check_model_supported`, `cache_kwarg`
+- caches: `CompressedCache` (`CompressedCache.for_model(model, "e8shell:b=2,nc=1")`), `attention_on_codes`
+  (the explicit, reversible switch of a model to attention on codes; `AttentionNotOnCodes` without it),
+  `choose_code` (budget first: the best shipped code for a ratio or bytes per token), `parse_cache_spec`
+  ("fibquant:b=4/fibquant:b=2", "ratio=6", peers, "@decode"), `build_cache` (any spec: fp, ours, a peer),
+  `attend_codes`, `cache_nbytes`, `load_model`, `check_model_supported`, `cache_kwarg`
 - persistence: `PersistentCache`, `save_cache`, `load_cache`, `CacheWriter`,
   `generate_persistent`, `resume_generate`, `find_prefix`, `prefill_with_prefix`
 - archive: `Archive`, `CodeArchive`
@@ -28,6 +31,8 @@ _AREAS = {
         "fibquant.codecs.integer": ("IntCodec",),
         "fibquant.codecs.lowrank": ("LowRankCodec",),
         "fibquant.codecs.rvq": ("RVQCodec",),
+        "fibquant.codecs.e8shell": ("E8ShellCodec",),
+        "fibquant.codecs.residual": ("ResidualFibQuantCodec",),
         "fibquant.codecs.identity": ("IdentityCodec",),
         "fibquant.codecs.registry": ("parse_method", "load_codec"),
         "fibquant.codebook": ("build_codebook", "load_codebook"),
@@ -35,7 +40,10 @@ _AREAS = {
     "caches": {
         "fibquant.kv.cache": ("CompressedCache",),
         "fibquant.kv.specs": ("parse_cache_spec",),
-        "fibquant.kv.attention": ("use_coded_attention", "attend_codes"),
+        "fibquant.kv.budget": ("choose_code",),
+        "fibquant.kv.build": ("build_cache",),
+        "fibquant.kv.attention.switch": ("attention_on_codes", "AttentionNotOnCodes"),
+        "fibquant.kv.attention": ("attend_codes",),
         "fibquant.kv.accounting": ("cache_nbytes",),
         "fibquant.kv.model": ("load_model", "check_model_supported", "cache_kwarg"),
     },

@@ -3,6 +3,8 @@ reference's, norm correction, the code layout, spec strings and bad input (the s
 test_codecs.py)."""
 from __future__ import annotations
 
+from fibquant.kv.attention.switch import attention_on_codes
+
 import math
 
 import numpy as np
@@ -156,7 +158,7 @@ def test_compressed_cache_stores_e8shell_codes(attention, monkeypatch):
     for mode in ("decode", attention):
         cache = CompressedCache.for_model(model, codec, codec, sink_tokens=2, recent_tokens=4, encode_batch=1,
                                           attention=mode)
-        with torch.no_grad(), warnings.catch_warnings():
+        with torch.no_grad(), warnings.catch_warnings(), attention_on_codes(model):
             warnings.simplefilter("ignore", RuntimeWarning)  # "no rotated codebook: decoding" (codes mode)
             model(ids[:, :20], **cache_kwarg(model, cache), use_cache=True)
             steps = [model(ids[:, 20:27], **cache_kwarg(model, cache), use_cache=True).logits]
@@ -187,7 +189,8 @@ def test_real_model_generates_through_e8shell_codes(request):
     reference = model.generate(**inputs, **kwargs)
     codec = E8ShellCodec(64, 4, norm_correction=True)
     cache = CompressedCache.for_model(model, codec, codec, sink_tokens=4, recent_tokens=32, encode_batch=1)
-    compressed = model.generate(**inputs, **cache_kwarg(model, cache), **kwargs)
+    with attention_on_codes(model):
+        compressed = model.generate(**inputs, **cache_kwarg(model, cache), **kwargs)
     start = inputs.input_ids.shape[1]
     assert cache.layers[0].num_coded > 0
     assert torch.equal(compressed[0, start:start + 4], reference[0, start:start + 4]), tokenizer.decode(compressed[0])

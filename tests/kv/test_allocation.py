@@ -13,6 +13,7 @@ from transformers import DynamicCache
 from fibquant.kv.model import cache_kwarg
 from fibquant.codecs.integer import IntCodec
 from fibquant.kv.allocation import LADDER, RateAllocator, attention_weights, greedy, ladder_codec
+from fibquant.kv.build import build_cache
 from fibquant.kv.specs import parse_cache_spec
 from fibquant.kv.cache import CompressedCache
 
@@ -206,8 +207,8 @@ def test_decode_option_builds_the_reference_attention_path():
     spec = parse_cache_spec("fibquant:b=2@decode")
     assert spec.decode and spec.spec == "fibquant:b=2@decode" and spec.label().endswith("(decode)")
     assert spec.key_bytes(64) == parse_cache_spec("fibquant:b=2").key_bytes(64)
-    assert spec.build(model).attention == "decode"
-    assert parse_cache_spec("fibquant:b=2").build(model, attention="codes").attention == "codes"
+    assert build_cache(spec, model).attention == "decode"
+    assert build_cache("fibquant:b=2", model, attention="codes").attention == "codes"
 
 
 def test_spec_centre_and_uniform_alloc_build_the_caches_they_name():
@@ -216,16 +217,16 @@ def test_spec_centre_and_uniform_alloc_build_the_caches_they_name():
     source = DynamicCache(config=model.config)
     with torch.no_grad():
         model(input_ids=ids, **cache_kwarg(model, source), use_cache=True)
-    plain = parse_cache_spec("fibquant:b=3/fibquant:b=2.5").build(model, 4, 8, "decode", prefill=source)
-    uniform = parse_cache_spec("fibquant:b=3/fibquant:b=2.5@alloc=uniform").build(model, 4, 8, "decode",
+    plain = build_cache("fibquant:b=3/fibquant:b=2.5", model, 4, 8, "decode", prefill=source)
+    uniform = build_cache("fibquant:b=3/fibquant:b=2.5@alloc=uniform", model, 4, 8, "decode",
                                                                                  prefill=source)
     assert uniform.allocation["key_bits"] == [3.0, 3.0]
     for a, b in zip(plain.layers, uniform.layers):
         assert torch.equal(a.key_codes, b.key_codes) and torch.equal(a.value_codes, b.value_codes)
     assert plain.used_nbytes() == uniform.used_nbytes()
-    centred = parse_cache_spec("int:b=4@centre").build(model, 4, 8, "decode", prefill=source)
+    centred = build_cache("int:b=4@centre", model, 4, 8, "decode", prefill=source)
     assert centred.centre and centred.layers[0].key_mean is not None
-    attn = parse_cache_spec("fibquant:b=3/fibquant:b=2.5@alloc=attn").build(model, 4, 8, "decode", prefill=source)
+    attn = build_cache("fibquant:b=3/fibquant:b=2.5@alloc=attn", model, 4, 8, "decode", prefill=source)
     assert attn.allocation["signal"] == "attn"
     assert attn.used_nbytes() <= plain.used_nbytes()
     assert sum(layer.key_codec.code_size for layer in attn.layers) <= 2 * ladder_codec(64, 3.0).code_size

@@ -2,6 +2,8 @@
 (tiny random models of the families' own transformers classes; seconds each)."""
 from __future__ import annotations
 
+import contextlib
+
 import warnings
 
 import pytest
@@ -12,6 +14,7 @@ from fibquant.kv.model import cache_kwarg
 from fibquant.codecs.fibquant import FibQuantCodec
 from fibquant.kv.attention.entry import attend_codes, coded_attention_forward
 from fibquant.kv.cache import CodeBuffer, CodedKV, CompressedCache, CompressedSlidingLayer
+from fibquant.kv.attention.switch import attention_on_codes
 
 DIM = 64
 
@@ -71,14 +74,16 @@ def _int8(dim=DIM):
     return FibQuantCodec(dim, 1, 256)  # 8 bits per coordinate
 
 
-def _run(model, cache, ids, chunks, steps):
-    """Logits [B, sum(chunks) + steps, V]: prefill in `chunks`, then `steps` single tokens (teacher-forced)."""
-    out, start = [], 0
-    with torch.no_grad():
-        for chunk in list(chunks) + [1] * steps:
-            out.append(model(input_ids=ids[:, start:start + chunk], **cache_kwarg(model, cache), use_cache=True).logits)
-            start += chunk
-    return torch.cat(out, dim=1)
+def _run(model, cache, ids, chunks, steps, codes: bool = True):
+    """Logits [B, sum(chunks) + steps, V]: prefill in `chunks`, then `steps` single tokens (teacher-forced);
+    inside `attention_on_codes(model)` unless `codes` is False (the model's own attention)."""
+    with attention_on_codes(model) if codes else contextlib.nullcontext():
+        out, start = [], 0
+        with torch.no_grad():
+            for chunk in list(chunks) + [1] * steps:
+                out.append(model(input_ids=ids[:, start:start + chunk], **cache_kwarg(model, cache), use_cache=True).logits)
+                start += chunk
+        return torch.cat(out, dim=1)
 
 
 def _rel(a, b):
@@ -154,12 +159,14 @@ def test_generate_with_left_padding_matches_dynamic_cache():
     settings = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, output_scores=True,
                     return_dict_in_generate=True)
     exact = CompressedCache.for_model(model, _int8(), _int8(), sink_tokens=4, recent_tokens=1000, sliding_exact=True)
-    got = model.generate(ids, **cache_kwarg(model, exact), **settings)
+    with attention_on_codes(model):
+        got = model.generate(ids, **cache_kwarg(model, exact), **settings)
     want = model.generate(ids, past_key_values=DynamicCache(config=model.config), **settings)
     assert torch.equal(got.sequences, want.sequences)
     torch.testing.assert_close(torch.stack(got.scores), torch.stack(want.scores), rtol=1e-4, atol=1e-4)
     coded = CompressedCache.for_model(model, _int8(), _int8(), sink_tokens=2, recent_tokens=4, encode_batch=4)
-    on_codes = model.generate(ids, **cache_kwarg(model, coded), **settings)
+    with attention_on_codes(model):
+        on_codes = model.generate(ids, **cache_kwarg(model, coded), **settings)
     decoded = model.generate(ids, past_key_values=CompressedCache.for_model(
         model, _int8(), _int8(), 2, 4, attention="decode", encode_batch=4), **settings)
     torch.testing.assert_close(torch.stack(on_codes.scores), torch.stack(decoded.scores), rtol=1e-4, atol=1e-4)
@@ -186,10 +193,10 @@ def test_fibquant_attention_applies_softcap_and_sinks_to_plain_tensors(build):
     model = build()
     ids = _ids(30)
     model.set_attn_implementation("eager")
-    want = _run(model, DynamicCache(config=model.config), ids, [20], 4)
-    CompressedCache.for_model(model, _int8(), _int8())  # switches the model to "fibquant"
-    assert model.config._attn_implementation == "fibquant"
-    got = _run(model, DynamicCache(config=model.config), ids, [20], 4)
+    want = _run(model, DynamicCache(config=model.config), ids, [20], 4, codes=False)
+    with attention_on_codes(model):
+        assert model.config._attn_implementation == "fibquant"
+        got = _run(model, DynamicCache(config=model.config), ids, [20], 4)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 

@@ -10,6 +10,8 @@ from transformers import DynamicCache
 
 from fibquant.codecs.identity import IdentityCodec
 from fibquant.codecs.integer import IntCodec
+from fibquant.kv.attention.switch import attention_on_codes
+from fibquant.kv.build import build_cache
 from fibquant.kv.cache import CompressedCache
 from fibquant.kv.model import cache_kwarg
 from fibquant.kv.specs import parse_cache_spec
@@ -100,7 +102,7 @@ def test_tiered_cache_in_a_model_matches_the_cache_it_reads_back():
     for index, layer in enumerate(cache.layers):
         reference.update(layer.keys, layer.values, index)
     nxt = torch.tensor([[3, 4, 5]])
-    with torch.no_grad():
+    with torch.no_grad(), attention_on_codes(model):
         got = model(input_ids=nxt, **cache_kwarg(model, cache), use_cache=True).logits
         want = model(input_ids=nxt, **cache_kwarg(model, reference), use_cache=True).logits
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
@@ -137,7 +139,7 @@ def test_heavy_spec_parses_counts_bytes_and_builds():
     assert fp_tier.key_bytes(64) == pytest.approx(10 + 0.01 * 130)
     assert parse_cache_spec("fibquant:b=2@heavy=0.05").heavy == HeavySpec(0.05)  # defaults knorm, 4 bits
     model = tiny_llama(hidden_size=128, num_attention_heads=2, num_key_value_heads=1)  # head_dim 64
-    cache = spec.build(model)
+    cache = build_cache(spec, model)
     assert cache.tier is not None and cache.tier.key_codec.code_size == 34
 
 

@@ -17,6 +17,7 @@ from fibquant.peers import (PEERS, PeerFamily, build_peer, native_families, one_
 from fibquant.peers.kakeya import kakeya_bits
 from fibquant.peers.nexus import nexus_block_points, nexus_bytes
 from fibquant.eval.perplexity import PerplexityConfig, make_cache, window_nll
+from fibquant.kv.build import build_cache
 from fibquant.kv.cache import CompressedCache
 from fibquant.kv.accounting import cache_nbytes
 from fibquant.kv.roundtrip import RoundTripCache, RoundTripLayer
@@ -215,7 +216,7 @@ def test_peer_cache_refuses_centring():
     _skip_unless("quanto-rt:b=4")
     model = tiny_llama(head_dim=64, hidden_size=256, num_attention_heads=4)
     with pytest.raises(ValueError, match="centring"):
-        parse_cache_spec("quanto-rt:b=4").build(model, 2, 4, centre=True)
+        build_cache("quanto-rt:b=4", model, 2, 4, centre=True)
 
 
 def test_native_names_read_as_the_round_trip_for_one_release():
@@ -266,7 +267,7 @@ def test_a_new_peer_is_one_module_and_one_registry_line(toy_peer):
     assert spec.uses_peer and spec.key_bytes(64) == 64.0 and spec.label() == "toy rounding 2"
     assert unavailable_reason("toy-round:b=1") is None
     model = tiny_llama(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64)
-    cache = spec.build(model, sink_tokens=1, recent_tokens=2)
+    cache = build_cache(spec, model, sink_tokens=1, recent_tokens=2)
     assert isinstance(cache, RoundTripCache)
     x = torch.randn(1, 1, 5, 64)
     quantizer = build_peer("toy-round:b=1", 64)

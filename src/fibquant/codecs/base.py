@@ -120,7 +120,8 @@ class PlotStyle:
     """How a codec family appears in every plot: legend name, matplotlib colour and marker.
 
     frontier: when set, plots with many points per family at one rate (e.g. every FibQuant (k, N))
-    draw the family's Pareto front and the other points as dots, with this note in the legend.
+    draw the family's Pareto front and the points off it as dots, with this note in the legend (only when some
+    point is off the front: otherwise there are no dots to name).
     """
 
     name: str

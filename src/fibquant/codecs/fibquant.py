@@ -149,7 +149,7 @@ class FibQuantCodec(Codec):
     fibquant_code = True
     spec_params = (SpecParam("b", "bits", float), SpecParam("k", "k"), SpecParam("n", "n"), SpecParam("nc", "nc"),
                    SpecParam("r", "rotation_seed"))
-    style = PlotStyle("FibQuant", "C3", "o", frontier="frontier; dots: all k, N")
+    style = PlotStyle("FibQuant", "C3", "o", frontier="frontier; dots: other k, N")
     # CPU encode through the numba search (codebook/fast_search.py) when numba imports; False: the
     # torch path (`search_method`), which CUDA tensors always take. Both give the reference's codes.
     fast_search = True

@@ -38,6 +38,8 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from fibquant._extras import require
+
 from ..paths import cache_root  # re-exported: fibquant.data.bigbench imports it from here
 
 CLEANING_VERSION = "v2"  # bump when the cleaning changes: old cached texts are then ignored
@@ -211,7 +213,7 @@ def _as_lines(obj, source: TextSource) -> list[str]:
 
 def read_lazyload_index(rdx: bytes) -> dict[str, tuple[int, int]]:
     """Parse `Rdata.rdx` bytes -> {object name: (offset, length) in Rdata.rdb}."""
-    import rdata
+    rdata = require("rdata", "reading the R-data texts")
 
     try:
         raw = gzip.decompress(rdx) if rdx[:2] == b"\x1f\x8b" else zlib.decompress(rdx[4:])
@@ -224,7 +226,7 @@ def read_lazyload_index(rdx: bytes) -> dict[str, tuple[int, int]]:
 
 def decode_lazyload_entry(entry: bytes):
     """One .rdb entry (4-byte big-endian length + compressed R serialization) -> Python object."""
-    import rdata
+    rdata = require("rdata", "reading the R-data texts")
 
     if len(entry) < 5:
         raise ValueError(f"R lazy-load entry too short ({len(entry)} bytes)")
@@ -353,7 +355,7 @@ def read_ar_members(archive: bytes) -> dict[str, bytes]:
 
 def _open_data_tar(name: str, payload: bytes) -> tarfile.TarFile:
     if name.endswith(".zst"):
-        import zstandard
+        zstandard = require("zstandard", "reading a zstd-compressed package")
 
         payload = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(payload)).read()
         return tarfile.open(fileobj=io.BytesIO(payload), mode="r:")

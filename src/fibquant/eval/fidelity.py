@@ -254,11 +254,13 @@ def plot_frontier(rows: list[dict], path, title: str) -> None:
             color, marker = styles.get(name, (f"C{5 + len(styles) % 5}", "x"))
             styles.setdefault(name, (color, marker))
             if name in frontier:
-                ax.scatter([r["compression_ratio"] for r in items], [r["cosine"] for r in items], color=color,
-                           marker=marker, alpha=0.5)
                 front = pareto_front(items)
+                off = [r for r in items if r not in front]  # the dots the legend note promises, when any
+                if off:
+                    ax.scatter([r["compression_ratio"] for r in off], [r["cosine"] for r in off], color=color,
+                               marker=marker, alpha=0.5)
                 ax.plot([r["compression_ratio"] for r in front], [r["cosine"] for r in front], color=color,
-                        marker=marker, label=f"{name} ({frontier[name]})")
+                        marker=marker, label=f"{name} ({frontier[name]})" if off else name)
             else:
                 ax.plot([r["compression_ratio"] for r in items], [r["cosine"] for r in items], color=color,
                         marker=marker, label=name)

@@ -35,6 +35,7 @@ The status of a family:
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import time
 import traceback
@@ -390,9 +391,8 @@ def probe(family: Family | str, seed: int = 0, bits: float = BITS, generate: boo
     """Run one family's tiny model through the codes and decode paths; return what happened.
 
     Order: DynamicCache and the decode path first, on the model's own attention implementation
-    (the references); then `for_model(..., attention="codes")` (which switches the model to
-    fibquant's attention function) and the codes runs; the decode side of `generate` switches the
-    model back to its own implementation first.
+    (the references); then `for_model(..., attention="codes")` (which must leave the model unchanged)
+    and the codes runs inside `attention_on_codes(model)` (which must restore it after).
 
     Keys: family, config_class, model_class, note, status (one of STATUSES), reason, stage (where it
     stopped), features, cache_shapes, fallback_warnings (texts), warned_keys, attention (the codes
@@ -442,6 +442,7 @@ def _probe_stages(family: Family, seed: int, bits: float, generate: bool, result
     from transformers import DynamicCache
 
     from fibquant.codecs.fibquant import FibQuantCodec
+    from fibquant.kv.attention.switch import attention_on_codes
     from fibquant.kv.cache import CompressedCache
     from fibquant.kv.model import check_model_supported
 
@@ -474,8 +475,6 @@ def _probe_stages(family: Family, seed: int, bits: float, generate: bool, result
         result["codecs"] = [repr(key_codec), repr(value_codec)]
 
         def new_cache(attention: str, recent: int = RECENT_TOKENS):
-            if attention == "decode" and model.config._attn_implementation != own_attention:
-                model.set_attn_implementation(own_attention)  # the reference: the model's own attention
             return CompressedCache.for_model(model, key_codec, value_codec, sink_tokens=SINK_TOKENS,
                                              recent_tokens=recent, attention=attention, encode_batch=ENCODE_BATCH)
 
@@ -483,6 +482,13 @@ def _probe_stages(family: Family, seed: int, bits: float, generate: bool, result
         new_cache("decode")
         result["stage"] = "for_model (codes)"
         new_cache("codes")
+        result["stage"] = "for_model (spec)"  # each role's size read from the model
+        spec_cache = CompressedCache.for_model(model, f"fibquant:b={bits:g}")
+        if (spec_cache.key_codec.dim, spec_cache.value_codec.dim) != dims:
+            return finish("error", f"for_model(model, spec) built codecs of {spec_cache.key_codec.dim}/"
+                                   f"{spec_cache.value_codec.dim} dims, the model caches {dims[0]}/{dims[1]}")
+        if model.config._attn_implementation != own_attention:
+            return finish("error", "for_model changed the model's attention implementation")
     except ValueError as exc:
         return finish("refused", str(exc))
     except Exception as exc:  # noqa: BLE001
@@ -490,7 +496,6 @@ def _probe_stages(family: Family, seed: int, bits: float, generate: bool, result
 
     try:
         result["stage"] = "dynamic cache reference"
-        model.set_attn_implementation(own_attention)
         generator = torch.Generator().manual_seed(seed + 1)
         ids = torch.randint(3, VOCAB, (1, PROMPT_TOKENS + DECODE_STEPS), generator=generator)
         shapes = cache_shapes(model, ids)
@@ -507,11 +512,13 @@ def _probe_stages(family: Family, seed: int, bits: float, generate: bool, result
         result["stage"] = "decode run"
         decode_logits = _run(model, new_cache("decode"), ids)
         result["stage"] = "codes run"
-        codes_cache = new_cache("codes")  # switches the model back to fibquant's attention (if it can)
+        codes_cache = new_cache("codes")
         result["attention"] = codes_cache.attention
-        result["attn_implementation"] = model.config._attn_implementation
-        with _AttentionCalls() as calls:
+        with attention_on_codes(model), _AttentionCalls() as calls:
+            result["attn_implementation"] = model.config._attn_implementation
             codes_logits = _run(model, codes_cache, ids)
+        if model.config._attn_implementation != own_attention:
+            failures.append("attention_on_codes did not restore the model's attention implementation")
         result["attention_calls"] = calls.summary()
         result["coded_tokens"] = [getattr(layer, "num_coded", None) for layer in codes_cache.layers]
         result["held_tokens"] = [sum(getattr(layer, name, 0) or 0 for name in ("num_sink", "num_coded", "num_recent"))
@@ -522,15 +529,18 @@ def _probe_stages(family: Family, seed: int, bits: float, generate: bool, result
             failures.append(f"codes logits differ from decode logits: max relative difference {rel:.3g} "
                             f"> {LOGITS_RTOL:g}")
         result["stage"] = "exact-window run"
-        exact_logits = _run(model, new_cache("codes", recent=PROMPT_TOKENS + DECODE_STEPS), ids)
+        with attention_on_codes(model):
+            exact_logits = _run(model, new_cache("codes", recent=PROMPT_TOKENS + DECODE_STEPS), ids)
         rel = relative_difference(exact_logits, dynamic_logits)
         result["logits_rel_exact_vs_dynamic"] = rel
         if not rel <= LOGITS_RTOL:
             failures.append(f"codes path with nothing coded differs from DynamicCache: max relative "
                             f"difference {rel:.3g} > {LOGITS_RTOL:g}")
         result["stage"] = "DynamicCache under fibquant's attention"
-        if model.config._attn_implementation != own_attention:  # switched: a plain cache must still be right
-            rel = relative_difference(_run(model, DynamicCache(config=model.config), ids), dynamic_logits)
+        with attention_on_codes(model) as switched:  # switched: a plain cache must still be right
+            rel = (relative_difference(_run(model, DynamicCache(config=model.config), ids), dynamic_logits)
+                   if switched else None)
+        if rel is not None:
             result["logits_rel_switched_dynamic"] = rel
             if not rel <= LOGITS_RTOL:
                 failures.append(f"a DynamicCache on the switched model differs from the model's own attention: "
@@ -553,6 +563,7 @@ def _probe_stages(family: Family, seed: int, bits: float, generate: bool, result
 
 def _generate_equal(model, new_cache) -> bool:
     """Greedy generate, batch 2 (row 1 left-padded by 5), codes vs decode: the same tokens?"""
+    from fibquant.kv.attention.switch import attention_on_codes
     from fibquant.kv.model import cache_kwarg
 
     generator = torch.Generator().manual_seed(7)
@@ -562,7 +573,7 @@ def _generate_equal(model, new_cache) -> bool:
     outputs = []
     for attention in ("decode", "codes"):
         cache = new_cache(attention)
-        with torch.no_grad():
+        with torch.no_grad(), attention_on_codes(model) if attention == "codes" else contextlib.nullcontext():
             outputs.append(model.generate(ids, attention_mask=mask, **cache_kwarg(model, cache),
                                           max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
                                           eos_token_id=None))

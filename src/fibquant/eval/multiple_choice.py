@@ -33,6 +33,7 @@ import torch
 from fibquant.data.bigbench import MultipleChoiceExample
 from fibquant.kv.model import cache_kwarg
 from fibquant.eval.report import Experiment, figure, format_table
+from fibquant.kv.attention.switch import attention_on_codes
 
 
 @dataclass(frozen=True)
@@ -285,39 +286,40 @@ def run_multiple_choice(model, tokenizer, task: str = "goal_step_wikihow", limit
     from fibquant.data.bigbench import load_bigbench_task
     from fibquant.kv.model import check_model_supported, describe_model
 
-    settings = list(settings) if settings is not None else default_settings()
-    if not settings or not settings[0].is_fp:  # fp first: every ratio and agreement refers to it
-        settings = [CacheSetting("fp")] + [s for s in settings if not s.is_fp]
-    pool = list(examples) if examples is not None else load_bigbench_task(task)
-    chosen = select_examples(pool, limit, seed)
-    head_dim = check_model_supported(model)["head_dim"]
-    results, code_bytes = [], {}
-    for setting in settings:
-        codec = setting.build_codec(head_dim)
-        code_bytes[setting] = codec.code_size
-        scorer = CacheScorer(model, tokenizer, setting.cache_factory(head_dim, codec))
-        results.append((setting, evaluate_multiple_choice(chosen, scorer, setting.name(head_dim), progress)))
-    baseline = results[0][1]
-    rows = []
-    for setting, result in results:
-        # the cache's spec and label lead, as in every experiment comparing caches
-        row = {"cache": setting.parsed.spec, "label": result.name}
-        row.update({key: value for key, value in result.to_dict().items() if key != "name"})
-        row.update(code_bytes=code_bytes[setting],
-                   ratio_vs_fp16=2 * head_dim / code_bytes[setting],
-                   sink_tokens=setting.sink_tokens, recent_tokens=setting.recent_tokens,
-                   acc_ratio=result.acc / baseline.acc if baseline.acc else float("nan"),
-                   acc_norm_ratio=result.acc_norm / baseline.acc_norm if baseline.acc_norm else float("nan"),
-                   agreement_with_fp=result.agreement(baseline),
-                   agreement_norm_with_fp=result.agreement(baseline, normalised=True),
-                   mean_context_tokens=result.context_tokens / result.n,
-                   mean_compressed_tokens=result.context_tokens_compressed / result.n)
-        rows.append(row)
-    chance = sum(1 / len(e.options) for e in chosen) / len(chosen)
-    return {"experiment": "multiple_choice", "task": task, "bigbench_version": "1.0.0",
-            "model": describe_model(model), "n_examples": len(chosen), "pool_size": len(pool), "seed": seed,
-            "chance_accuracy": chance, "protocol": __doc__.split("Protocol with a cache")[1].strip(),
-            "rows": rows}
+    with attention_on_codes(model):
+        settings = list(settings) if settings is not None else default_settings()
+        if not settings or not settings[0].is_fp:  # fp first: every ratio and agreement refers to it
+            settings = [CacheSetting("fp")] + [s for s in settings if not s.is_fp]
+        pool = list(examples) if examples is not None else load_bigbench_task(task)
+        chosen = select_examples(pool, limit, seed)
+        head_dim = check_model_supported(model)["head_dim"]
+        results, code_bytes = [], {}
+        for setting in settings:
+            codec = setting.build_codec(head_dim)
+            code_bytes[setting] = codec.code_size
+            scorer = CacheScorer(model, tokenizer, setting.cache_factory(head_dim, codec))
+            results.append((setting, evaluate_multiple_choice(chosen, scorer, setting.name(head_dim), progress)))
+        baseline = results[0][1]
+        rows = []
+        for setting, result in results:
+            # the cache's spec and label lead, as in every experiment comparing caches
+            row = {"cache": setting.parsed.spec, "label": result.name}
+            row.update({key: value for key, value in result.to_dict().items() if key != "name"})
+            row.update(code_bytes=code_bytes[setting],
+                       ratio_vs_fp16=2 * head_dim / code_bytes[setting],
+                       sink_tokens=setting.sink_tokens, recent_tokens=setting.recent_tokens,
+                       acc_ratio=result.acc / baseline.acc if baseline.acc else float("nan"),
+                       acc_norm_ratio=result.acc_norm / baseline.acc_norm if baseline.acc_norm else float("nan"),
+                       agreement_with_fp=result.agreement(baseline),
+                       agreement_norm_with_fp=result.agreement(baseline, normalised=True),
+                       mean_context_tokens=result.context_tokens / result.n,
+                       mean_compressed_tokens=result.context_tokens_compressed / result.n)
+            rows.append(row)
+        chance = sum(1 / len(e.options) for e in chosen) / len(chosen)
+        return {"experiment": "multiple_choice", "task": task, "bigbench_version": "1.0.0",
+                "model": describe_model(model), "n_examples": len(chosen), "pool_size": len(pool), "seed": seed,
+                "chance_accuracy": chance, "protocol": __doc__.split("Protocol with a cache")[1].strip(),
+                "rows": rows}
 
 
 MC_COLUMNS = [("label", "cache", ""), ("code_bytes", "B/vec", "d"), ("ratio_vs_fp16", "x fp16", ".2f"),

@@ -300,7 +300,7 @@ def run(config: PeersConfig = PeersConfig(), caches=None, build_codebooks: bool 
 
     model, tokenizer = model_and_tokenizer or load_model()
     dim = check_model_supported(model)["head_dim"]
-    specs = parse_cache_specs(list(caches or PEERS_REPORT_SPECS))
+    specs = parse_cache_specs(list(caches or PEERS_REPORT_SPECS), model)
     if not any(s.is_fp for s in specs):
         specs.insert(0, parse_cache_specs("fp")[0])
     specs = sorted(specs, key=lambda s: not s.is_fp)  # fp first: the reference of every metric

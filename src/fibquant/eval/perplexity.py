@@ -26,7 +26,9 @@ from tqdm.auto import tqdm
 from fibquant.codecs.registry import Method, codec_classes, is_reference, plot_style
 from fibquant.eval.report import Experiment, figure, target
 from fibquant.kv.accounting import cache_nbytes
+from fibquant.kv.build import build_cache
 from fibquant.kv.model import cache_kwarg, check_model_supported
+from fibquant.kv.attention.switch import attention_on_codes
 
 
 @dataclass(frozen=True)
@@ -81,7 +83,7 @@ def make_cache(method, model, config: PerplexityConfig, quantizers: tuple | None
     `quantizers`: the (key, value) codecs of `cache_factory`, built here when None."""
     spec = as_cache_spec(method)
     centre = config.centre and not spec.is_fp and not spec.uses_peer  # peers: never centred
-    return spec.build(model, config.sink_tokens, config.recent_tokens, config.attention, centre=centre,
+    return build_cache(spec, model, config.sink_tokens, config.recent_tokens, config.attention, centre=centre,
                       quantizers=quantizers)
 
 
@@ -135,80 +137,81 @@ def run_perplexity(model, tokenizer, methods: list, config: PerplexityConfig = P
     from fibquant.eval.kv_report import text_tokens
     from fibquant.kv.model import describe_model
 
-    ids = text_tokens(tokenizer, config.text, config.windows * config.context).to(model.device)
-    windows = ids.reshape(config.windows, config.context)
-    batches = list(torch.split(windows, config.batch_size))
-    head_dim = check_model_supported(model)["head_dim"]
-    half = config.context // 2
-    specs = [as_cache_spec(method) for method in methods]
-    factories = [cache_factory(spec, model, config) for spec in specs]
-    # The uncompressed model's distribution: an fp row's own cache where there is one, else a DynamicCache.
-    fp_index = next((i for i, spec in enumerate(specs) if spec.is_fp), None)
-    sums = [dict(nll=0.0, second=0.0, kl=0.0, top1=0.0, count=0, second_count=0, bytes=None, stored=None,
-                 windows=dict(nll=[], kl=[], top1=[])) for _ in specs]
-    bar = tqdm(total=len(batches) * len(specs), desc="perplexity", disable=not progress)
-    for batch in batches:
-        caches = [fresh() for fresh in factories]
-        reference = fp_index if fp_index is not None else DynamicCache()
-        for spec, cache, stats, total in zip(specs, caches, window_stats(model, batch, caches, config.chunk, reference),
-                                             sums):
-            nll = stats["nll"]
-            total["nll"] += float(nll.sum())
-            total["count"] += nll.numel()
-            total["second"] += float(nll[:, half - 1:].sum())  # predictions of tokens at positions >= half
-            total["second_count"] += nll[:, half - 1:].numel()
-            total["kl"] += float(stats["kl"].double().sum())
-            total["top1"] += float(stats["top1"].sum())
-            # per window (a row of the batch): mean token NLL, KL and top-1, for spreads over windows
-            total["windows"]["nll"] += nll.double().mean(1).tolist()
-            total["windows"]["kl"] += stats["kl"].double().mean(1).tolist()
-            total["windows"]["top1"] += stats["top1"].double().mean(1).tolist()
-            # A RoundTripCache (peers) stores floats: its bytes are counted in the peer's format.
-            format_bytes = (spec.key_bytes(head_dim), spec.value_bytes(head_dim))
-            total["bytes"] = cache_nbytes(cache, format_bytes) / (batch.shape[0] * config.context)
-            total["stored"] = cache_nbytes(cache, format_bytes, stored=True) / (batch.shape[0] * config.context)
-            bar.update(1)
-    bar.close()
-    rows = []
-    for spec, total in zip(specs, sums):
-        key_bytes, value_bytes = spec.key_bytes(head_dim), spec.value_bytes(head_dim)
-        count = total["count"]
-        rows.append({
-            "cache": spec.spec, "label": spec.label(head_dim), "family": spec.family,
-            "bits_per_coordinate": spec.bits_per_coordinate(head_dim),
-            "key_bytes_per_vector": key_bytes, "value_bytes_per_vector": value_bytes,
-            "code_bytes_per_vector": 0.5 * (key_bytes + value_bytes), "compression_ratio": spec.codes_ratio(head_dim),
-            "peer": spec.uses_peer,
-            "cache_bytes_per_token": total["bytes"],
-            "cache_stored_bytes_per_token": total["stored"],  # without reserved capacity: the peers' count
-            "perplexity": math.exp(total["nll"] / count),
-            "perplexity_second_half": math.exp(total["second"] / total["second_count"]),
-            "nll": total["nll"] / count, "predicted_tokens": count,
-            "kl": total["kl"] / count, "top1_agreement": total["top1"] / count,
-            # one entry per window, in text order (each window predicts the same number of tokens)
-            "kl_per_window": total["windows"]["kl"], "top1_per_window": total["windows"]["top1"],
-            "perplexity_per_window": [math.exp(v) for v in total["windows"]["nll"]],
-        })
-        if progress:
-            tqdm.write(f"{rows[-1]['label']}: perplexity {rows[-1]['perplexity']:.3f} "
-                       f"(second half {rows[-1]['perplexity_second_half']:.3f}), KL {rows[-1]['kl']:.4f} nats, "
-                       f"top-1 agreement {rows[-1]['top1_agreement']:.3f}")
-    baseline = next((r for r in rows if is_reference(r["family"])), None)
-    for row in rows:
-        if baseline is not None:
-            row["perplexity_change_pct"] = 100.0 * (row["perplexity"] / baseline["perplexity"] - 1.0)
-            row["second_half_change_pct"] = 100.0 * (row["perplexity_second_half"]
-                                                     / baseline["perplexity_second_half"] - 1.0)
-            row["cache_ratio_vs_dynamic"] = baseline["cache_bytes_per_token"] / row["cache_bytes_per_token"]
-    return {
-        "experiment": "perplexity with the compressed cache in the loop (FibQuant paper 4.3)",
-        "model": describe_model(model), "text": config.text, "tokens": config.windows * config.context,
-        "context": config.context, "chunk": config.chunk, "windows": config.windows,
-        "exact_window": {"sink_tokens": config.sink_tokens, "recent_tokens": config.recent_tokens},
-        "attention": config.attention, "centre": config.centre,
-        "kl_reference": "the uncompressed model (DynamicCache, same windows and chunks)",
-        "model_dtype": str(next(model.parameters()).dtype), "rows": rows,
-    }
+    with attention_on_codes(model):
+        ids = text_tokens(tokenizer, config.text, config.windows * config.context).to(model.device)
+        windows = ids.reshape(config.windows, config.context)
+        batches = list(torch.split(windows, config.batch_size))
+        head_dim = check_model_supported(model)["head_dim"]
+        half = config.context // 2
+        specs = [as_cache_spec(method) for method in methods]
+        factories = [cache_factory(spec, model, config) for spec in specs]
+        # The uncompressed model's distribution: an fp row's own cache where there is one, else a DynamicCache.
+        fp_index = next((i for i, spec in enumerate(specs) if spec.is_fp), None)
+        sums = [dict(nll=0.0, second=0.0, kl=0.0, top1=0.0, count=0, second_count=0, bytes=None, stored=None,
+                     windows=dict(nll=[], kl=[], top1=[])) for _ in specs]
+        bar = tqdm(total=len(batches) * len(specs), desc="perplexity", disable=not progress)
+        for batch in batches:
+            caches = [fresh() for fresh in factories]
+            reference = fp_index if fp_index is not None else DynamicCache()
+            for spec, cache, stats, total in zip(specs, caches, window_stats(model, batch, caches, config.chunk, reference),
+                                                 sums):
+                nll = stats["nll"]
+                total["nll"] += float(nll.sum())
+                total["count"] += nll.numel()
+                total["second"] += float(nll[:, half - 1:].sum())  # predictions of tokens at positions >= half
+                total["second_count"] += nll[:, half - 1:].numel()
+                total["kl"] += float(stats["kl"].double().sum())
+                total["top1"] += float(stats["top1"].sum())
+                # per window (a row of the batch): mean token NLL, KL and top-1, for spreads over windows
+                total["windows"]["nll"] += nll.double().mean(1).tolist()
+                total["windows"]["kl"] += stats["kl"].double().mean(1).tolist()
+                total["windows"]["top1"] += stats["top1"].double().mean(1).tolist()
+                # A RoundTripCache (peers) stores floats: its bytes are counted in the peer's format.
+                format_bytes = (spec.key_bytes(head_dim), spec.value_bytes(head_dim))
+                total["bytes"] = cache_nbytes(cache, format_bytes) / (batch.shape[0] * config.context)
+                total["stored"] = cache_nbytes(cache, format_bytes, stored=True) / (batch.shape[0] * config.context)
+                bar.update(1)
+        bar.close()
+        rows = []
+        for spec, total in zip(specs, sums):
+            key_bytes, value_bytes = spec.key_bytes(head_dim), spec.value_bytes(head_dim)
+            count = total["count"]
+            rows.append({
+                "cache": spec.spec, "label": spec.label(head_dim), "family": spec.family,
+                "bits_per_coordinate": spec.bits_per_coordinate(head_dim),
+                "key_bytes_per_vector": key_bytes, "value_bytes_per_vector": value_bytes,
+                "code_bytes_per_vector": 0.5 * (key_bytes + value_bytes), "compression_ratio": spec.codes_ratio(head_dim),
+                "peer": spec.uses_peer,
+                "cache_bytes_per_token": total["bytes"],
+                "cache_stored_bytes_per_token": total["stored"],  # without reserved capacity: the peers' count
+                "perplexity": math.exp(total["nll"] / count),
+                "perplexity_second_half": math.exp(total["second"] / total["second_count"]),
+                "nll": total["nll"] / count, "predicted_tokens": count,
+                "kl": total["kl"] / count, "top1_agreement": total["top1"] / count,
+                # one entry per window, in text order (each window predicts the same number of tokens)
+                "kl_per_window": total["windows"]["kl"], "top1_per_window": total["windows"]["top1"],
+                "perplexity_per_window": [math.exp(v) for v in total["windows"]["nll"]],
+            })
+            if progress:
+                tqdm.write(f"{rows[-1]['label']}: perplexity {rows[-1]['perplexity']:.3f} "
+                           f"(second half {rows[-1]['perplexity_second_half']:.3f}), KL {rows[-1]['kl']:.4f} nats, "
+                           f"top-1 agreement {rows[-1]['top1_agreement']:.3f}")
+        baseline = next((r for r in rows if is_reference(r["family"])), None)
+        for row in rows:
+            if baseline is not None:
+                row["perplexity_change_pct"] = 100.0 * (row["perplexity"] / baseline["perplexity"] - 1.0)
+                row["second_half_change_pct"] = 100.0 * (row["perplexity_second_half"]
+                                                         / baseline["perplexity_second_half"] - 1.0)
+                row["cache_ratio_vs_dynamic"] = baseline["cache_bytes_per_token"] / row["cache_bytes_per_token"]
+        return {
+            "experiment": "perplexity with the compressed cache in the loop (FibQuant paper 4.3)",
+            "model": describe_model(model), "text": config.text, "tokens": config.windows * config.context,
+            "context": config.context, "chunk": config.chunk, "windows": config.windows,
+            "exact_window": {"sink_tokens": config.sink_tokens, "recent_tokens": config.recent_tokens},
+            "attention": config.attention, "centre": config.centre,
+            "kl_reference": "the uncompressed model (DynamicCache, same windows and chunks)",
+            "model_dtype": str(next(model.parameters()).dtype), "rows": rows,
+        }
 
 
 def plot_perplexity(rows: list[dict], path, title: str) -> None:
@@ -274,7 +277,7 @@ def run(config: PerplexityConfig = PerplexityConfig(), methods: list[str] | None
 
     model, tokenizer = model_and_tokenizer or load_model()
     head_dim = check_model_supported(model)["head_dim"]
-    ready, skipped = split_available(parse_cache_specs(list(methods or PERPLEXITY_METHODS)), head_dim, build_codebooks)
+    ready, skipped = split_available(parse_cache_specs(list(methods or PERPLEXITY_METHODS), model), head_dim, build_codebooks)
     payload = run_perplexity(model, tokenizer, ready, config, progress)
     payload["skipped"] = skipped
     payload["targets"] = perplexity_targets(payload["rows"])

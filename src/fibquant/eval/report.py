@@ -112,9 +112,9 @@ def format_targets(targets: Sequence[dict]) -> str:
 
 def pyplot():
     """matplotlib.pyplot on the Agg backend (no display needed)."""
-    import matplotlib
+    from fibquant._extras import require
 
-    matplotlib.use("Agg")
+    require("matplotlib", "plotting a report").use("Agg")
     import matplotlib.pyplot as plt
 
     return plt

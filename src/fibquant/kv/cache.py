@@ -53,12 +53,13 @@ Two ways to read the coded part (`attention=`):
   for any attention implementation;
 - "codes": `update` returns a `CodedKV` snapshot (no float copy of the coded part) that the
   attention function of `fibquant.kv.attention.entry` scores directly from the codes; the model
-  must use it (`CompressedCache.for_model` sets that up).
+  must use it while it runs (`with fibquant.attention_on_codes(model):`, `fibquant.kv.attention.switch`).
 
 Tested against the Cache / CacheLayerMixin contract of transformers 5.x.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Optional, Sequence, Union
 
 import torch
@@ -126,6 +127,34 @@ def _check_window(value, name: str) -> int:
     return value
 
 
+def _resolve_codecs(model, code, value_codec, centre: bool, allocate, tier) -> tuple:
+    """(key codec(s), value codec(s), cache options) of `for_model`'s code: a spec or codec objects."""
+    options = {"centre": centre, "allocate": allocate, "tier": tier}
+    if isinstance(code, Codec) or isinstance(code, (list, tuple)):
+        if value_codec is None:
+            sizes = check_model_supported(model)
+            if sizes["key_dim"] != sizes["value_dim"]:
+                raise ValueError(f"this model caches keys of {sizes['key_dim']} and values of {sizes['value_dim']} "
+                                 "dims (an MLA latent): pass a value codec too, or a cache spec")
+            value_codec = code
+        return code, value_codec, options
+    from fibquant.kv.specs import CacheSpec, parse_cache_spec
+
+    if not isinstance(code, (str, CacheSpec)):
+        raise ValueError(f"code must be a cache spec (e.g. 'e8shell:b=2,nc=1' or 'ratio=6'), a CacheSpec or "
+                         f"fibquant Codec(s), got {type(code).__name__}")
+    if value_codec is not None:
+        raise ValueError("a cache spec names both roles ('KEY/VALUE'): pass no value codec with it")
+    spec = parse_cache_spec(code, model) if isinstance(code, str) else code
+    key, value = spec.quantizers(model)
+    spec_options = spec.cache_options(model, key.dim, centre)
+    for name in ("allocate", "tier"):
+        if options[name] is not None and spec_options[name] is not None:
+            raise ValueError(f"{spec.spec} sets {name} already: pass it in the spec or as an argument, not both")
+        spec_options[name] = spec_options[name] if spec_options[name] is not None else options[name]
+    return key, value, spec_options
+
+
 class CompressedCache(Cache):
     """KV cache holding tokens outside an exact window only as codec codes.
 
@@ -133,7 +162,7 @@ class CompressedCache(Cache):
     at the first update). sink_tokens / recent_tokens: sizes of the exact window (first and
     last tokens kept in the model's dtype). attention: "decode" (update returns floats, works
     with any attention implementation) or "codes" (attention runs on the codes; the model must
-    use fibquant's attention function: build the cache with `for_model`, which sets it up).
+    use fibquant's attention function: run it inside `fibquant.attention_on_codes(model)`).
     encode_batch: tokens leaving the window are encoded once this many have gathered (the
     window then holds up to recent_tokens + encode_batch - 1). centre: quantise keys and values
     minus a per-layer, per-head mean fixed at the first encode (see the module docstring).
@@ -201,6 +230,7 @@ class CompressedCache(Cache):
             for name, count in (("num_layers", num_layers), ("per-layer codecs", len(key_codecs or ()) or None)):
                 if count is not None and count != len(self.layer_windows):
                     raise ValueError(f"layer_windows has {len(self.layer_windows)} entries but {name} says {count}")
+        self._switch = None  # (model, MLA modules) weak references: for_model's cache on codes checks them
         super().__init__(layer_class_to_replicate=self._new_layer)
         if self.layer_windows is not None:
             for _ in self.layer_windows:
@@ -275,20 +305,26 @@ class CompressedCache(Cache):
         return True
 
     @classmethod
-    def for_model(cls, model, key_codec, value_codec, sink_tokens: int = 4,
+    def for_model(cls, model, code, value_codec=None, sink_tokens: int = 4,
                   recent_tokens: int = 32, attention: str = "codes", encode_batch: int = 16,
                   centre: bool = False, allocate: Optional[Callable] = None,
                   sliding_exact: bool = False, tier=None) -> "CompressedCache":
-        """A cache for `model` after checking that the model's attention is supported.
+        """A cache for `model`, each role's size read from the model; the model itself is not changed.
 
-        The layers follow the model's own layer types (full / sliding / chunked attention).
-        attention="codes" switches the model to fibquant's attention function (which serves
-        every other cache as SDPA does); a model that cannot use it gets "decode" with a
-        one-time warning naming why. MLA models (DeepSeek V3, Kimi) cache their latent (key
-        codec: `kv_lora_rank` dims, value codec: `qk_rope_head_dim`); attention on its codes
-        absorbs the up-projections (`fibquant.kv.attention.mla`), or decodes where the model's modules are
-        not of the form it knows.
+        code: a cache spec (`fibquant.kv.specs`: "e8shell:b=2,nc=1", "fibquant:b=4/fibquant:b=2",
+        "fibquant:b=2@centre", a budget "ratio=6" / "bytes=4000,context=8192" (`fibquant.kv.budget`), or a
+        parsed `CacheSpec`), or codec objects: the key codec (or one per layer) with `value_codec` (the key
+        codec serves both roles when it is omitted and the roles have one size). The layers follow the
+        model's own layer types (full / sliding / chunked attention). MLA models (DeepSeek V3, Kimi) cache
+        their latent (key role: `kv_lora_rank` dims, value role: `qk_rope_head_dim`).
+
+        attention="codes" (the default) attends on the codes, which needs the model switched to fibquant's
+        attention while it runs: `with fibquant.attention_on_codes(model): ...`; used outside that block the
+        cache raises `AttentionNotOnCodes` at its first update. A model that cannot run it (its attention is
+        not dispatched through transformers' AttentionInterface, or an MLA module of a form
+        `fibquant.kv.attention.mla` does not know) gets attention="decode" with a one-time warning naming why.
         """
+        key_codec, value_codec, options = _resolve_codecs(model, code, value_codec, centre, allocate, tier)
         first_key, key_codecs = _codec_list(key_codec, "key_codec")
         first_value, value_codecs = _codec_list(value_codec, "value_codec")
         info = check_model_supported(model, first_key, first_value)
@@ -296,24 +332,28 @@ class CompressedCache(Cache):
             check_model_supported(model, key, value)
         if key_codecs is not None and len(key_codecs) != info["layers"]:
             raise ValueError(f"{len(key_codecs)} per-layer codecs for a model of {info['layers']} layers")
-        attention = _check_attention(attention)
+        attention = _check_attention(options.pop("attention", attention))
+        latent_modules = []
         if attention == "codes":
-            from fibquant.kv.attention.entry import _warn_once, try_use_coded_attention
+            from fibquant.kv.attention.switch import codes_or_decode
 
-            if not try_use_coded_attention(model):
-                attention = "decode"
-            elif info["latent"]:
-                import fibquant.kv.attention.mla as mla
+            attention, latent_modules = codes_or_decode(model, info["latent"])
+        cache = cls(key_codec, value_codec, sink_tokens, recent_tokens, attention, encode_batch,
+                    num_layers=info["layers"], layer_windows=info["windows"], sliding_exact=sliding_exact, **options)
+        if attention == "codes":
+            cache._switch = (weakref.ref(model), [weakref.ref(module) for module in latent_modules])
+        return cache
 
-                if not mla.enable(model):
-                    _warn_once(f"latent:{type(model).__name__}", f"{type(model).__name__} caches an MLA latent but "
-                               "its attention modules are not the form fibquant's latent attention knows "
-                               "(expand_kv + kv_b_proj): the CompressedCache codes the latent and uses "
-                               "attention='decode'")
-                    attention = "decode"
-        return cls(key_codec, value_codec, sink_tokens, recent_tokens, attention, encode_batch, centre,
-                   allocate=allocate, num_layers=info["layers"], layer_windows=info["windows"],
-                   sliding_exact=sliding_exact, tier=tier)
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Cache.update; a cache on codes built for a model first checks (at layer 0, once per forward) that the
+        model runs fibquant's attention (`attention_on_codes`), before anything is stored."""
+        if layer_idx == 0 and self._switch is not None and self.attention == "codes":
+            model = self._switch[0]()
+            if model is not None:
+                from fibquant.kv.attention.switch import check_on_codes
+
+                check_on_codes(model, [module for module in (ref() for ref in self._switch[1]) if module is not None])
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     @classmethod
     def from_cache(cls, cache: Cache, key_codec, value_codec, sink_tokens: int = 4,
@@ -325,7 +365,7 @@ class CompressedCache(Cache):
 
         The result holds what this cache would hold had it seen the same tokens in one update:
         the first `sink_tokens` and last `recent_tokens` exact, the rest as codes. The source is
-        left untouched. With `model` given, `for_model`'s checks and attention set-up apply. With
+        left untouched. With `model` given, `for_model`'s checks apply (and the codes may be a cache spec). With
         `allocate`, it chooses the per-layer codecs from the source's tokens after the sinks first.
         """
         if model is not None:
@@ -340,7 +380,7 @@ class CompressedCache(Cache):
             if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor):
                 raise ValueError(f"from_cache: layer {index} of the source ({type(layer).__name__}) holds no "
                                  "float keys/values tensors (e.g. a linear-attention or uninitialised layer)")
-        if allocate is not None:
+        if target.allocate is not None:
             target._set_allocation([(layer.keys[..., sink_tokens:, :], layer.values[..., sink_tokens:, :])
                                     for layer in cache.layers])
         target.layers = []  # rebuilt in order (for_model creates a hybrid model's layers up front)

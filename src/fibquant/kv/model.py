@@ -36,7 +36,7 @@ def load_model(name_or_path: str | os.PathLike | None = None, dtype=None, dense:
     """Return (model, tokenizer) in eval mode.
 
     name_or_path: None for the default model, a `.gguf` file, or a local directory holding a
-    transformers causal LM. Nothing is fetched from a hub (HF_HUB_OFFLINE=1).
+    transformers causal LM. Nothing is fetched from a hub (`local_files_only=True`; no environment is set).
     dense: dequantise a GGUF file's weights at load and drop its quantisation entry from the config
     (transformers otherwise keeps the packed blocks, which it cannot save: `save_pretrained` needs this).
     A GGUF file is parsed once and kept as a dense copy under the cache root (`kv.model_copy`); every
@@ -44,7 +44,6 @@ def load_model(name_or_path: str | os.PathLike | None = None, dtype=None, dense:
     """
     import torch
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     dtype = dtype or torch.float32
     path = default_model_file() if name_or_path is None else Path(name_or_path)
     if not path.exists():
@@ -59,8 +58,8 @@ def load_model(name_or_path: str | os.PathLike | None = None, dtype=None, dense:
 def _load_pretrained(directory: Path, dtype):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(directory)
-    return AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).eval(), tokenizer
+    tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, local_files_only=True).eval(), tokenizer
 
 
 def _load_gguf(path: Path, dtype, dense: bool):
@@ -94,7 +93,10 @@ def _read_gguf(path: Path, dtype, dense: bool):
     """The model and tokenizer read from the GGUF file itself (transformers' GGUF loader)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    kwargs = {"gguf_file": path.name}
+    from fibquant._extras import require
+
+    require("gguf", "loading a GGUF model (the default model)")
+    kwargs = {"gguf_file": path.name, "local_files_only": True}
     tokenizer = AutoTokenizer.from_pretrained(path.parent, **kwargs)
     if dense:
         from transformers import GgufConfig

@@ -1,4 +1,4 @@
-"""Cache specs for the in-the-loop experiments (perplexity, needle): one string -> one KV cache.
+"""Cache specs: one string -> one KV cache (`CompressedCache.for_model`, the experiments, the CLI's --caches).
 
     fp                              the uncompressed DynamicCache (reference)
     fibquant:b=2                    keys and values with the same codec (any `fibquant.codecs.registry` spec
@@ -16,6 +16,9 @@ tier for the fraction F of coded tokens per layer and KV head with the highest S
 knorm, vnorm, kerr, kverr; default knorm) at RATE (FibQuant bits, 'fp' for fp16, or KEY/VALUE, e.g.
 `fibquant:b=1.5/fibquant:b=1@heavy=0.02:knorm:4`; default 4), its rows and index counted in the bytes. Without options a spec means what it always did.
 
+A budget (`ratio=6`, `bytes=4000`, optionally `,context=N` and `,keys=finer`; `fibquant.kv.budget`) stands
+for the best shipped code whose cache on the model fits it: `parse_cache_spec(text, model)` resolves it.
+
 Our codecs on both sides give a `CompressedCache` (codes stored, attention on the codes); a peer on
 either side gives a `RoundTripCache` (`fibquant.kv.roundtrip`) with the same exact window (sinks +
 recent tokens), so every cache compresses the same positions and only the quantizer differs.
@@ -30,6 +33,7 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from fibquant.codecs.registry import Method, parse_method, reference_method
+from fibquant.kv.budget import choose, is_budget, parse_budget
 from fibquant.peers import PeerSpec, build_peer, is_peer, parse_peer, unavailable_reason
 
 
@@ -235,55 +239,28 @@ class CacheSpec:
     def quantizers(self, model) -> tuple:
         """(key, value) for `model`: our `Codec`s or peers' `PeerQuantizer`s; (None, None) for fp.
 
-        Build them once and pass them to `build` to give many caches the same codecs (codebooks
-        read and search tables built once)."""
+        Each role's size is read from the model (`check_model_supported`: head_dim, or an MLA model's
+        cached latent and rotary key). Build them once and pass them to `fibquant.kv.build.build_cache`
+        to give many caches the same codecs (codebooks read and search tables built once)."""
         if self.is_fp:
             return None, None
         from fibquant.kv.model import check_model_supported
 
-        dim = check_model_supported(model)["head_dim"]
-        return self.key.build(dim, "key", model), self.value.build(dim, "value", model)
+        info = check_model_supported(model)
+        return self.key.build(info["key_dim"], "key", model), self.value.build(info["value_dim"], "value", model)
 
-    def build(self, model, sink_tokens: int = 4, recent_tokens: int = 32, attention: str = "codes", prefill=None,
-              centre: bool = False, quantizers: Optional[tuple] = None):
-        """A fresh cache for `model`, or (prefill = a DynamicCache) one holding the prefill compressed.
-
-        fp: a DynamicCache (a copy of the prefill). Our codecs on both sides: CompressedCache
-        (`for_model` / `from_cache`; centred when `centre` or the spec's @centre; per-layer rates
-        with @alloc). A peer on either side: RoundTripCache with the same window (no centring:
-        ValueError when asked). `quantizers`: (key, value) from `self.quantizers(model)`, built here
-        when None.
-        """
-        from transformers import DynamicCache
-
-        from fibquant.kv.cache import CompressedCache
-        from fibquant.kv.model import copy_dynamic_cache
-
-        if self.is_fp:
-            return DynamicCache(config=model.config) if prefill is None else copy_dynamic_cache(prefill, model.config)
-        key, value = quantizers if quantizers is not None else self.quantizers(model)
-        if not self.uses_peer:
-            centre = bool(centre or self.centre)
-            attention = "decode" if self.decode else attention
-            allocate = self.allocator(key.dim, centre, model)
-            tier = None if self.heavy is None else self.heavy.build(key.dim)
-            if prefill is None:
-                return CompressedCache.for_model(model, key, value, sink_tokens, recent_tokens, attention=attention,
-                                                 centre=centre, allocate=allocate, tier=tier)
-            return CompressedCache.from_cache(prefill, key, value, sink_tokens, recent_tokens, attention=attention,
-                                              model=model, centre=centre, allocate=allocate, tier=tier)
-        if centre:
-            raise ValueError(f"{self.spec}: centring applies to our codecs (CompressedCache), not to a peer")
-        from fibquant.kv.roundtrip import RoundTripCache
-
-        def as_roundtrip(quantizer):
-            if hasattr(quantizer, "encode"):  # one of our codecs
-                return lambda x, start: quantizer.roundtrip(x)
-            return quantizer.roundtrip
-
-        if prefill is None:
-            return RoundTripCache(as_roundtrip(key), as_roundtrip(value), sink_tokens, recent_tokens)
-        return RoundTripCache.from_cache(prefill, as_roundtrip(key), as_roundtrip(value), sink_tokens, recent_tokens)
+    def cache_options(self, model, key_dim: int, centre: bool = False) -> dict:
+        """The `CompressedCache` options this spec sets (our codecs on both sides): centre, allocate, tier,
+        and attention "decode" with @decode (absent otherwise)."""
+        if self.is_fp or self.uses_peer:
+            raise ValueError(f"{self.spec}: a CompressedCache needs our codecs on both sides (fp is a "
+                             "DynamicCache, a peer a RoundTripCache: fibquant.kv.build.build_cache makes those)")
+        centre = bool(centre or self.centre)
+        options = {"centre": centre, "allocate": self.allocator(key_dim, centre, model),
+                   "tier": None if self.heavy is None else self.heavy.build(key_dim)}
+        if self.decode:
+            options["attention"] = "decode"
+        return options
 
 
 def _parse_options(items: list[str], text: str) -> dict:
@@ -306,13 +283,20 @@ def _parse_options(items: list[str], text: str) -> dict:
     return options
 
 
-def parse_cache_spec(text: str) -> CacheSpec:
+def parse_cache_spec(text: str, model=None) -> CacheSpec:
     """'fp', 'fibquant:b=2', 'fibquant:b=2/fibquant:b=1', 'quanto-rt:b=2', '...@centre@alloc=mse', '...@decode'
-    (see the module docstring)."""
+    (see the module docstring), or a budget ('ratio=6', 'bytes=4000,context=8192', `fibquant.kv.budget`),
+    which needs `model`: the best shipped code whose cache on it fits."""
     text = text.strip()
     if not text:
         raise ValueError("empty cache spec")
     base, *option_items = text.split("@")
+    if is_budget(base):
+        if model is None:
+            raise ValueError(f"cache spec {text!r} is a budget: it needs the model to choose a code for "
+                             "(parse_cache_spec(text, model))")
+        base = choose(model, parse_budget(base))
+        text = "@".join([base, *option_items])
     if option_items:
         parsed = parse_cache_spec(base)
         return CacheSpec(parsed.key, parsed.value, **_parse_options(option_items, text))
@@ -326,11 +310,11 @@ def parse_cache_spec(text: str) -> CacheSpec:
     return CacheSpec(key, value)
 
 
-def parse_cache_specs(texts) -> list[CacheSpec]:
-    """A ';'-separated string or a list of spec strings."""
+def parse_cache_specs(texts, model=None) -> list[CacheSpec]:
+    """A ';'-separated string or a list of spec strings (budgets resolved for `model`)."""
     if isinstance(texts, str):
         texts = [t for t in texts.split(";") if t.strip()]
-    return [parse_cache_spec(t) for t in texts]
+    return [parse_cache_spec(t, model) for t in texts]
 
 
 def from_method(method: Method) -> CacheSpec:

@@ -1,6 +1,8 @@
 """Attention on codes: tested against the reference "decode then softmax" path."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from _kv_helpers import REAL_PROMPT, real_model, tiny_llama
@@ -10,6 +12,7 @@ from fibquant.kv.model import cache_kwarg
 from fibquant.codecs.fibquant import FibQuantCodec
 from fibquant.codecs.integer import IntCodec
 from fibquant.codecs.turboquant import TurboQuantCodec
+from fibquant.kv.attention.switch import attention_on_codes
 from fibquant.kv.attention.entry import ATTENTION_NAME, attend_codes, coded_attention_forward, use_coded_attention
 from fibquant.kv.cache import CodedKV, CompressedCache, CompressedLayer
 
@@ -159,8 +162,8 @@ def test_model_logits_codes_equal_decode_path(codecs):
         model = tiny_llama64()
         cache = CompressedCache.for_model(model, *make(), sink_tokens=4, recent_tokens=8, attention=mode)
         assert cache.attention == mode
-        assert (model.config._attn_implementation == ATTENTION_NAME) == (mode == "codes")
-        with torch.no_grad():
+        with torch.no_grad(), attention_on_codes(model) if mode == "codes" else contextlib.nullcontext():
+            assert (model.config._attn_implementation == ATTENTION_NAME) == (mode == "codes")
             parts = [model(ids[:, :30], **cache_kwarg(model, cache), use_cache=True).logits,
                      model(ids[:, 30:50], **cache_kwarg(model, cache), use_cache=True).logits]
             parts += [model(ids[:, t:t + 1], **cache_kwarg(model, cache), use_cache=True).logits for t in range(50, 70)]
@@ -179,9 +182,10 @@ def test_generate_with_left_padding_same_tokens_on_both_paths():
         model = tiny_llama64()
         cache = CompressedCache.for_model(model, FibQuantCodec(DIM, 2, 256), FibQuantCodec(DIM, 2, 256),
                                           sink_tokens=2, recent_tokens=4, attention=mode)
-        outputs[mode] = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
-                                       **cache_kwarg(model, cache), pad_token_id=0, output_scores=True,
-                                       return_dict_in_generate=True)
+        with attention_on_codes(model) if mode == "codes" else contextlib.nullcontext():
+            outputs[mode] = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                                           **cache_kwarg(model, cache), pad_token_id=0, output_scores=True,
+                                           return_dict_in_generate=True)
     assert torch.equal(outputs["codes"].sequences, outputs["decode"].sequences)
     for got, want in zip(outputs["codes"].scores, outputs["decode"].scores):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
@@ -276,7 +280,8 @@ def test_real_model_codes_path_equals_decode_path(request):
         for mode in ("decode", "codes"):
             cache = CompressedCache.for_model(model, FibQuantCodec.for_rate(64, 2), FibQuantCodec.for_rate(64, 2),
                                               sink_tokens=4, recent_tokens=8, attention=mode)
-            results[mode] = model.generate(**inputs, **cache_kwarg(model, cache), **kwargs)
+            with attention_on_codes(model) if mode == "codes" else contextlib.nullcontext():
+                results[mode] = model.generate(**inputs, **cache_kwarg(model, cache), **kwargs)
             assert cache.layers[0].num_coded > 0
     finally:
         model.set_attn_implementation(previous)

@@ -16,6 +16,7 @@ from fibquant.kv.cache import CompressedCache
 from fibquant.kv.persist.store import PersistentCache, load_cache, save_cache
 from fibquant.kv.persist.generate import CacheWriter, generate_persistent, resume_generate
 from fibquant.kv.persist.prefix import common_prefix_length, find_prefix, prefill_with_prefix
+from fibquant.kv.attention.switch import attention_on_codes
 
 torch.set_num_threads(1)
 FIELDS = ("sink_keys", "sink_values", "recent_keys", "recent_values")
@@ -39,8 +40,9 @@ def _ids(n, seed=0):
 
 
 def _run(model, cache, ids):
-    with torch.no_grad():
-        return model(input_ids=ids, **cache_kwarg(model, cache), use_cache=True).logits
+    with attention_on_codes(model):
+        with torch.no_grad():
+            return model(input_ids=ids, **cache_kwarg(model, cache), use_cache=True).logits
 
 
 def _assert_same_state(a: CompressedCache, b: CompressedCache):
@@ -95,9 +97,10 @@ def test_lazy_open_token_access(model, codecs, tmp_path):
 
 def test_generate_then_resume_is_identical(model, codecs, tmp_path):
     ids = _ids(20)
-    reference = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                               past_key_values=CompressedCache.for_model(model, *codecs, 4, 8, encode_batch=4),
-                               max_new_tokens=50, output_scores=True, return_dict_in_generate=True)
+    with attention_on_codes(model):
+        reference = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                   past_key_values=CompressedCache.for_model(model, *codecs, 4, 8, encode_batch=4),
+                                   max_new_tokens=50, output_scores=True, return_dict_in_generate=True)
     first = generate_persistent(model, ids, tmp_path / "g", *codecs, recent_tokens=8, encode_batch=4,
                                 max_new_tokens=25, checkpoint_every=7)
     assert torch.equal(first[0], reference.sequences[0, :45])
@@ -195,8 +198,9 @@ def test_crash_during_generation_then_resume(model, codecs, tmp_path):
     cache = CompressedCache.for_model(model, *codecs, 4, 8, encode_batch=4)
     store = PersistentCache.create(tmp_path / "g", model, *codecs, recent_tokens=8, encode_batch=4)
     writer = CacheWriter(store, cache, checkpoint_every=16)
-    model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **cache_kwarg(model, cache), do_sample=False,
-                   max_new_tokens=60, stopping_criteria=[writer])
+    with attention_on_codes(model):
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **cache_kwarg(model, cache),
+                       do_sample=False, max_new_tokens=60, stopping_criteria=[writer])
     shutil.copytree(tmp_path / "g", tmp_path / "crashed")  # the files as a killed process leaves them
     store.close()
     with warnings.catch_warnings():

@@ -15,6 +15,7 @@ from fibquant.codecs.rvq import RVQCodec
 from fibquant.kv.cache import CompressedCache, CompressedLayer
 from fibquant.kv.layered import Fp16Codec, HeadwiseCodec, LayerwiseCompressedCache
 from fibquant.kv.persist.store import PersistentCache
+from fibquant.kv.attention.switch import attention_on_codes
 
 torch.set_num_threads(1)
 FIELDS = ("sink_keys", "sink_values", "recent_keys", "recent_values")
@@ -37,8 +38,9 @@ def _ids(n, seed=0):
 
 
 def _run(model, cache, ids):
-    with torch.no_grad():
-        return model(input_ids=ids, **cache_kwarg(model, cache), use_cache=True).logits
+    with attention_on_codes(model):
+        with torch.no_grad():
+            return model(input_ids=ids, **cache_kwarg(model, cache), use_cache=True).logits
 
 
 def _prefilled(model, codec, tokens=70, chunk=9, seed=0):
@@ -104,7 +106,7 @@ def test_save_append_writer_during_generate(model, codec, tmp_path):
     cache = CompressedCache.for_model(model, codec, codec, sink_tokens=4, recent_tokens=8, encode_batch=4)
     _run(model, cache, ids[:, :19])  # the prompt but its last token, which generate feeds
     writer = cache.save(tmp_path / "w", model, ids[:, :19], append=True, checkpoint_every=5)
-    with torch.no_grad():
+    with torch.no_grad(), attention_on_codes(model):
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **cache_kwarg(model, cache),
                              do_sample=False, max_new_tokens=30, stopping_criteria=[writer])
     with PersistentCache.open(tmp_path / "w") as store:  # before close: every sealed checkpoint is there

@@ -25,6 +25,7 @@ from fibquant.kv.layered import Fp16Codec, HeadwiseCodec, LayerwiseCompressedCac
 from fibquant.kv.persist.store import PersistentCache
 from fibquant.kv.persist.format import SNAPSHOT_FILE, read_snapshot, write_snapshot
 from fibquant.kv.persist.generate import generate_persistent, resume_generate
+from fibquant.kv.attention.switch import attention_on_codes
 
 torch.set_num_threads(1)
 FIELDS = ("sink_keys", "sink_values", "recent_keys", "recent_values")
@@ -43,8 +44,9 @@ def _ids(n, seed=0):
 
 
 def _run(model, cache, ids):
-    with torch.no_grad():
-        return model(input_ids=ids, **cache_kwarg(model, cache), use_cache=True).logits
+    with attention_on_codes(model):
+        with torch.no_grad():
+            return model(input_ids=ids, **cache_kwarg(model, cache), use_cache=True).logits
 
 
 def _fill(model, cache, tokens=70, chunk=9):
@@ -201,10 +203,11 @@ def test_centred_cache_roundtrip(model, centred_codecs, tmp_path):
 
 def test_centred_generate_then_resume_is_identical(model, centred_codecs, tmp_path):
     ids = _ids(20)
-    reference = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                               past_key_values=CompressedCache.for_model(model, *centred_codecs, 4, 8, encode_batch=4,
-                                                                         centre=True),
-                               max_new_tokens=30, output_scores=True, return_dict_in_generate=True)
+    with attention_on_codes(model):
+        reference = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                   past_key_values=CompressedCache.for_model(model, *centred_codecs, 4, 8,
+                                                                             encode_batch=4, centre=True),
+                                   max_new_tokens=30, output_scores=True, return_dict_in_generate=True)
     first = generate_persistent(model, ids, tmp_path / "g", *centred_codecs, recent_tokens=8, encode_batch=4,
                                 max_new_tokens=15, checkpoint_every=5, centre=True)
     assert torch.equal(first[0], reference.sequences[0, :35])

@@ -21,6 +21,7 @@ from bisect import bisect_left, bisect_right
 
 import numpy as np
 
+from fibquant._extras import require
 from fibquant.archive import brute_force_search
 from fibquant.archive.search import key_depth
 from fibquant.eval.timing import Stopwatch, best_of, timed
@@ -134,7 +135,7 @@ def bench_bitpack(stream, config, workdir, rng) -> dict:
 
 
 def bench_zstd(level: int, stream, config, workdir, rng) -> dict:
-    import zstandard
+    zstandard = require("zstandard", "the zstd baseline")
 
     alphabet, symbols = stream["alphabet"], stream["symbols"]
     n, dtype = symbols.shape[0], smallest_dtype(alphabet)
@@ -163,7 +164,7 @@ def bench_zstd(level: int, stream, config, workdir, rng) -> dict:
 
 
 def bench_search_baselines(stream, config, rng) -> list[dict]:
-    import pydivsufsort
+    pydivsufsort = require("pydivsufsort", "the suffix-array baseline")
 
     alphabet = stream["alphabet"]
     rows = {"sorted-keys": {"method": "sorted-keys"}, "suffix-array": {"method": "suffix-array"}}

@@ -29,6 +29,7 @@ import torch
 from fibquant.eval.report import Experiment, figure
 from fibquant.eval.timing import Stopwatch, best_of, timed
 from fibquant.kv.model import cache_kwarg
+from fibquant.kv.attention.switch import attention_on_codes
 
 
 @dataclass(frozen=True)
@@ -62,44 +63,45 @@ def measure_prefix_ttft(model, tokenizer, config: ArchiveKVConfig, workdir: Path
     from fibquant.kv.persist.store import PersistentCache, save_cache
     from fibquant.kv.persist.prefix import prefill_with_prefix
 
-    codec = parse_method(config.method).build(check_model_supported(model)["head_dim"])
-    ids = text_tokens(tokenizer, config.text, config.prefix_tokens + config.suffix_tokens)
-    prefix = ids[: config.prefix_tokens]
+    with attention_on_codes(model):
+        codec = parse_method(config.method).build(check_model_supported(model)["head_dim"])
+        ids = text_tokens(tokenizer, config.text, config.prefix_tokens + config.suffix_tokens)
+        prefix = ids[: config.prefix_tokens]
 
-    def fresh():
-        return CompressedCache.for_model(model, codec, codec, config.sink_tokens, config.recent_tokens)
+        def fresh():
+            return CompressedCache.for_model(model, codec, codec, config.sink_tokens, config.recent_tokens)
 
-    cache = fresh()
-    model(input_ids=prefix[None], **cache_kwarg(model, cache), use_cache=True)
-    path = workdir / "prefix.fqkv"
-    save_s, _ = timed(lambda: save_cache(cache, path, model, prefix, overwrite=True))
-    with PersistentCache.open(path) as store:
-        disk = store.nbytes()
+        cache = fresh()
+        model(input_ids=prefix[None], **cache_kwarg(model, cache), use_cache=True)
+        path = workdir / "prefix.fqkv"
+        save_s, _ = timed(lambda: save_cache(cache, path, model, prefix, overwrite=True))
+        with PersistentCache.open(path) as store:
+            disk = store.nbytes()
 
-    def cold():
-        return model(input_ids=ids[None], **cache_kwarg(model, fresh()), use_cache=True).logits[:, -1]
+        def cold():
+            return model(input_ids=ids[None], **cache_kwarg(model, fresh()), use_cache=True).logits[:, -1]
 
-    def fp():
-        return model(input_ids=ids[None], **cache_kwarg(model, DynamicCache()), use_cache=True).logits[:, -1]
+        def fp():
+            return model(input_ids=ids[None], **cache_kwarg(model, DynamicCache()), use_cache=True).logits[:, -1]
 
-    cold_s, cold_logits = best_of(cold, config.repeats)
-    fp_s, fp_logits = best_of(fp, config.repeats)
-    warm_s, (_, warm_logits, stats) = best_of(lambda: prefill_with_prefix(model, ids, path), config.repeats)
-    config_kv = check_model_supported(model)
-    fp16_bytes = 2 * 2 * config_kv["layers"] * config_kv["kv_heads"] * config_kv["head_dim"] * config.prefix_tokens
-    return {
-        "prompt_tokens": int(ids.shape[0]), "reused_tokens": stats["reused_tokens"],
-        "computed_tokens": stats["computed_tokens"], "codec": repr(codec),
-        "ttft_cold_s": cold_s, "ttft_warm_s": warm_s, "ttft_fp_s": fp_s,
-        "warm_load_s": stats["load_s"], "warm_prefill_s": stats["prefill_s"],
-        "speedup_vs_cold": cold_s / warm_s, "speedup_vs_fp": fp_s / warm_s, "save_s": save_s,
-        "disk_bytes": disk, "disk_total_bytes": sum(disk.values()), "fp16_kv_bytes_of_prefix": fp16_bytes,
-        "warm_vs_fp_max_abs_logit": float((warm_logits - fp_logits).abs().max()),
-        "cold_vs_fp_max_abs_logit": float((cold_logits - fp_logits).abs().max()),
-        "warm_same_argmax_as_fp": bool(warm_logits.argmax() == fp_logits.argmax()),
-        "cold_same_argmax_as_fp": bool(cold_logits.argmax() == fp_logits.argmax()),
-        "path": str(path),
-    }
+        cold_s, cold_logits = best_of(cold, config.repeats)
+        fp_s, fp_logits = best_of(fp, config.repeats)
+        warm_s, (_, warm_logits, stats) = best_of(lambda: prefill_with_prefix(model, ids, path), config.repeats)
+        config_kv = check_model_supported(model)
+        fp16_bytes = 2 * 2 * config_kv["layers"] * config_kv["kv_heads"] * config_kv["head_dim"] * config.prefix_tokens
+        return {
+            "prompt_tokens": int(ids.shape[0]), "reused_tokens": stats["reused_tokens"],
+            "computed_tokens": stats["computed_tokens"], "codec": repr(codec),
+            "ttft_cold_s": cold_s, "ttft_warm_s": warm_s, "ttft_fp_s": fp_s,
+            "warm_load_s": stats["load_s"], "warm_prefill_s": stats["prefill_s"],
+            "speedup_vs_cold": cold_s / warm_s, "speedup_vs_fp": fp_s / warm_s, "save_s": save_s,
+            "disk_bytes": disk, "disk_total_bytes": sum(disk.values()), "fp16_kv_bytes_of_prefix": fp16_bytes,
+            "warm_vs_fp_max_abs_logit": float((warm_logits - fp_logits).abs().max()),
+            "cold_vs_fp_max_abs_logit": float((cold_logits - fp_logits).abs().max()),
+            "warm_same_argmax_as_fp": bool(warm_logits.argmax() == fp_logits.argmax()),
+            "cold_same_argmax_as_fp": bool(cold_logits.argmax() == fp_logits.argmax()),
+            "path": str(path),
+        }
 
 
 def measure_code_search(path, config: ArchiveKVConfig) -> dict:

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from fibquant.eval.timing import Stopwatch
+from fibquant.kv.attention.switch import attention_on_codes
 
 PAPER = {"model": "GPT-2 small", "text": "WikiText-103", "hybrid": "K4/V2 (4 sinks + 32 recent exact)",
          "ratio": 36.0, "perplexity_change_pct": 11.2, "bytes_per_token": 1025}
@@ -209,30 +210,31 @@ def run_study(model, tokenizer, config: StudyConfig = StudyConfig(), progress: b
     from fibquant.eval.perplexity import window_nll
     from fibquant.kv.model import check_model_supported
 
-    info = check_model_supported(model)
-    watch = Stopwatch()
-    keys, values = calibration_states(model, tokenizer, config)
-    bank = RVQBank(keys, values, config)
-    calibration_s = watch.stop()
-    ids = text_tokens(tokenizer, config.text, config.windows * config.context).reshape(config.windows,
-                                                                                     config.context)
-    rows = []
-    for row in study_configs(config):
-        began = Stopwatch()
-        cache = build_cache(row, bank, model, config, info)
-        nll = window_nll(model, ids, cache, config.chunk)
-        result = {**row, **row_bytes(row, bank, config, info), "nll": float(nll.mean()),
-                  "perplexity": math.exp(float(nll.mean())), "predicted_tokens": nll.numel(),
-                  "seconds": began.stop()}
-        rows.append(result)
-        if progress:
-            print(f"{row['name']}: perplexity {result['perplexity']:.3f}, {result['code_bytes_per_token']} B/token "
-                  f"codes ({result['seconds']:.1f} s)", flush=True)
-    base = rows[0]["perplexity"]
-    for row in rows:
-        row["perplexity_change_pct"] = 100.0 * (row["perplexity"] / base - 1.0)
-    return {"config": asdict(config), "calibration_s": calibration_s, "fit_s": bank.fit_s,
-            "model_kv": info, "rows": rows, "paper": PAPER, "verdict": verdict(rows)}
+    with attention_on_codes(model):
+        info = check_model_supported(model)
+        watch = Stopwatch()
+        keys, values = calibration_states(model, tokenizer, config)
+        bank = RVQBank(keys, values, config)
+        calibration_s = watch.stop()
+        ids = text_tokens(tokenizer, config.text, config.windows * config.context).reshape(config.windows,
+                                                                                         config.context)
+        rows = []
+        for row in study_configs(config):
+            began = Stopwatch()
+            cache = build_cache(row, bank, model, config, info)
+            nll = window_nll(model, ids, cache, config.chunk)
+            result = {**row, **row_bytes(row, bank, config, info), "nll": float(nll.mean()),
+                      "perplexity": math.exp(float(nll.mean())), "predicted_tokens": nll.numel(),
+                      "seconds": began.stop()}
+            rows.append(result)
+            if progress:
+                print(f"{row['name']}: perplexity {result['perplexity']:.3f}, {result['code_bytes_per_token']} B/token "
+                      f"codes ({result['seconds']:.1f} s)", flush=True)
+        base = rows[0]["perplexity"]
+        for row in rows:
+            row["perplexity_change_pct"] = 100.0 * (row["perplexity"] / base - 1.0)
+        return {"config": asdict(config), "calibration_s": calibration_s, "fit_s": bank.fit_s,
+                "model_kv": info, "rows": rows, "paper": PAPER, "verdict": verdict(rows)}
 
 
 def verdict(rows: list[dict]) -> dict:

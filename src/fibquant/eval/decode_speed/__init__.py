@@ -42,6 +42,7 @@ the previous count afterwards.
 """
 from __future__ import annotations
 
+from contextlib import ExitStack
 import os
 import platform
 import statistics
@@ -55,8 +56,8 @@ from fibquant.eval.decode_speed.config import (BYTES_COUNTING, DEFAULT_CACHES, S
 from fibquant.eval.decode_speed.steps import Decoding, interleave, paired_ratio
 from fibquant.eval.decode_speed.report import (decode_speed_header, decode_speed_table, decode_speed_targets,
                                                plot_decode_speed)
-from fibquant.eval.decode_speed.ttft import (cpu_clock_name, fresh_cache, fresh_prefill, prefill_fields,
-                                             time_fresh_prefill)
+from fibquant.eval.decode_speed.ttft import (codes_switch, cpu_clock_name, fresh_cache, fresh_prefill,
+                                             prefill_fields, time_fresh_prefill)
 from fibquant.eval.memory import PeakCUDA, PeakRSS, _synchronize, release_free_memory
 from fibquant.eval.report import Experiment
 from fibquant.eval.timing import Stopwatch, timed
@@ -101,11 +102,6 @@ def _prefill(model, ids: torch.Tensor) -> _Prefill:
     cache = DynamicCache(config=model.config)
     seconds, logits = timed(lambda: last_logits(model, ids[None], cache))
     return _Prefill(ids.shape[0], cache, logits.argmax().view(1, 1), seconds)
-
-
-def _restore_attention(model, implementation) -> None:
-    if implementation is not None and getattr(model.config, "_attn_implementation", None) != implementation:
-        model.set_attn_implementation(implementation)
 
 
 def _start_decoding(spec: SpeedCache, prefill: _Prefill, model, codec, config: DecodeSpeedConfig
@@ -160,9 +156,10 @@ def _run_decode(specs, prefill: _Prefill, model, codecs: dict, config: DecodeSpe
     """The decode part at one context: every cache built from the shared prefill, then
     `decode_tokens` interleaved rounds (`steps.interleave`), then each cache's memory alone.
     Returns {cache name: row fields}; a peer that fails is skipped (`skips`)."""
-    attention_before = getattr(model.config, "_attn_implementation", None)
     started: dict[str, tuple[SpeedCache, float, Decoding]] = {}
+    switch = ExitStack()
     try:
+        switch.enter_context(codes_switch(specs, model))
         for spec in specs:
             built = skips.attempt(spec, f"building the decode cache at context {prefill.tokens}",
                                   lambda: _start_decoding(spec, prefill, model, codecs[spec.name], config))
@@ -175,8 +172,8 @@ def _run_decode(specs, prefill: _Prefill, model, codecs: dict, config: DecodeSpe
             del started[name]
             return failed is None  # a peer: dropped and reported; ours and DynamicCache: raise
 
-        # Every cache stays in the model's attention implementation of the last one built ("fibquant"
-        # once one of ours is): it serves plain-tensor caches through transformers' SDPA unchanged.
+        # Every cache runs under fibquant's attention once one of ours is among them: it serves plain-tensor
+        # caches through transformers' SDPA unchanged.
         interleave({name: entry[2] for name, entry in started.items()}, model, decode_tokens, on_error)
         out = {}
         for name, (spec, conversion, decoding) in list(started.items()):
@@ -191,7 +188,7 @@ def _run_decode(specs, prefill: _Prefill, model, codecs: dict, config: DecodeSpe
         return out
     finally:
         started.clear()
-        _restore_attention(model, attention_before)
+        switch.close()
 
 
 def _run_prefills(specs, model, ids, chunk, codecs: dict, config: DecodeSpeedConfig, part: str,
@@ -496,13 +493,10 @@ def _warmup(specs, model, head_dim, config, token_ids, skipped, progress, codecs
                 chunk = max(1, min(config.chunk_tokens, tokens // 2))
                 time_fresh_prefill(spec, model, ids, chunk, codecs[spec.name], quiet, "chunked")
             if prefill is not None:
-                attention_before = getattr(model.config, "_attn_implementation", None)
-                try:
+                with codes_switch([spec], model):
                     decoding = _start_decoding(spec, prefill, model, codecs[spec.name], config)[1]
                     for _ in range(2):
                         decoding.step(model)
-                finally:
-                    _restore_attention(model, attention_before)
         except Exception as exc:
             if spec.kind != "quantized":
                 raise

@@ -96,14 +96,20 @@ def _one_prefill(spec, model, ids, chunk: Optional[int], codec, config) -> dict:
 
 
 def fresh_prefill(spec: SpeedCache, model, ids, chunk: Optional[int], codec, config: DecodeSpeedConfig) -> dict:
-    """One timed fresh prefill of `ids` [T] with `spec`'s cache (chunk None: one forward); the
-    model's attention implementation is restored afterwards (ours switch it to "fibquant")."""
-    attention_before = getattr(model.config, "_attn_implementation", None)
-    try:
+    """One timed fresh prefill of `ids` [T] with `spec`'s cache (chunk None: one forward); ours run inside
+    `attention_on_codes(model)`, which restores the model's attention implementation afterwards."""
+    with codes_switch([spec], model):
         return _one_prefill(spec, model, ids, chunk, codec, config)
-    finally:
-        if attention_before is not None and getattr(model.config, "_attn_implementation", None) != attention_before:
-            model.set_attn_implementation(attention_before)
+
+
+def codes_switch(specs, model):
+    """`attention_on_codes(model)` when one of `specs` is ours (the other caches run under it as SDPA serves
+    them), else a context that changes nothing."""
+    from contextlib import nullcontext
+
+    from fibquant.kv.attention.switch import attention_on_codes
+
+    return attention_on_codes(model) if any(spec.kind == "compressed" for spec in specs) else nullcontext()
 
 
 def prefill_fields(runs: list[dict], ids, chunk: Optional[int], prefix: str) -> dict:

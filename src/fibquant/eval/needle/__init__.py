@@ -31,10 +31,12 @@ import torch
 from fibquant.codecs.registry import codec_classes, is_reference, reference_method
 from fibquant.eval.report import Experiment
 from fibquant.eval.timing import Stopwatch, timed
+from fibquant.kv.build import build_cache
 from fibquant.kv.model import last_logits
 from fibquant.peers import peer_specs
 from fibquant.eval.needle.trials import (  # noqa: F401  (the task's vocabulary, re-exported)
     ANSWER_PREFIX, INSTRUCTION, MARKER, NEEDLE, QUESTION, RATIO_TARGET, TASKS, NeedleConfig, NeedleTrial, boundaries, build_trial, extract_answer, haystack_tokens, make_key, max_positions, template_parts, token_ids)
+from fibquant.kv.attention.switch import attention_on_codes
 
 NEEDLE_CACHES = (
     "fp",
@@ -76,51 +78,52 @@ def run_needle(model, tokenizer, specs, config: NeedleConfig = NeedleConfig(), p
 
     from fibquant.kv.model import check_model_supported, describe_model
 
-    dim = check_model_supported(model)["head_dim"]
-    positions = max_positions(model)
-    ruler = config.task != "passkey"
-    if ruler:  # RULER places its needles itself: one cell per sample
-        from fibquant.eval.needle.ruler import RULER_MIN_NEW_TOKENS, ruler_correct, ruler_trials
+    with attention_on_codes(model):
+        dim = check_model_supported(model)["head_dim"]
+        positions = max_positions(model)
+        ruler = config.task != "passkey"
+        if ruler:  # RULER places its needles itself: one cell per sample
+            from fibquant.eval.needle.ruler import RULER_MIN_NEW_TOKENS, ruler_correct, ruler_trials
 
-        made = {length: ruler_trials(tokenizer, config, length, positions) for length in config.lengths}
-        cells = [(t.length, t.depth, t.rep) for length in config.lengths for t in made[length]]
-        max_new_tokens = max(config.max_new_tokens, RULER_MIN_NEW_TOKENS)
-    else:
-        for length in config.lengths:  # fail before any prefill when a length cannot fit
-            build_trial(tokenizer, config, length, config.depths[0], 0, positions)
-        cells = [(n, d, r) for n in config.lengths for r in range(config.keys_per_cell) for d in config.depths]
-        max_new_tokens = config.max_new_tokens
-    trials, timing = [], {"prefill_s": 0.0, "caches_s": 0.0}
-    bar = tqdm(total=len(cells) * len(specs), desc="needle", disable=not progress)
-    for length, depth, rep in cells:
-        trial = made[length][rep] if ruler else build_trial(tokenizer, config, length, depth, rep, positions)
-        seconds, source = timed(lambda: prefill(model, trial.prefill_ids))
-        timing["prefill_s"] += seconds
-        for spec in specs:
-            bar.set_postfix_str(f"L={length} d={depth:g} {spec.spec}")
-            with Stopwatch() as watch:
-                cache = spec.build(model, config.sink_tokens, config.recent_tokens, config.attention, prefill=source)
-                text = answer(model, tokenizer, cache, trial.question_ids, max_new_tokens)
-            timing["caches_s"] += watch.seconds
-            trials.append({"cache": spec.spec, "length": length, "depth": depth, "rep": rep, "key": trial.key,
-                           "needle_start": trial.needle_start, "haystack_tokens": int(trial.prefill_ids.shape[0]),
-                           "answer": text,
-                           "correct": ruler_correct(text, trial.key) if ruler else extract_answer(text) == trial.key})
-            bar.update(1)
-        del source
-    bar.close()
-    rows = summarise(trials, specs, config, dim)
-    return {
-        "experiment": "needle in a haystack (passkey retrieval) with each cache compressing the haystack",
-        "model": describe_model(model), "text": config.text, "config": {
-            "lengths": list(config.lengths), "depths": list(config.depths), "keys_per_cell": config.keys_per_cell,
-            "seed": config.seed, "sink_tokens": config.sink_tokens, "recent_tokens": config.recent_tokens,
-            "max_new_tokens": config.max_new_tokens, "attention": config.attention,
-            "max_position_embeddings": positions, "task": config.task},
-        "needle": "RULER niah_single_1 (lm-eval)" if ruler else NEEDLE,
-        "question": "RULER's template" if ruler else QUESTION.strip(),
-        "answer_prefix": "RULER's gen_prefix" if ruler else ANSWER_PREFIX, "timing": timing, "rows": rows, "trials": trials,
-    }
+            made = {length: ruler_trials(tokenizer, config, length, positions) for length in config.lengths}
+            cells = [(t.length, t.depth, t.rep) for length in config.lengths for t in made[length]]
+            max_new_tokens = max(config.max_new_tokens, RULER_MIN_NEW_TOKENS)
+        else:
+            for length in config.lengths:  # fail before any prefill when a length cannot fit
+                build_trial(tokenizer, config, length, config.depths[0], 0, positions)
+            cells = [(n, d, r) for n in config.lengths for r in range(config.keys_per_cell) for d in config.depths]
+            max_new_tokens = config.max_new_tokens
+        trials, timing = [], {"prefill_s": 0.0, "caches_s": 0.0}
+        bar = tqdm(total=len(cells) * len(specs), desc="needle", disable=not progress)
+        for length, depth, rep in cells:
+            trial = made[length][rep] if ruler else build_trial(tokenizer, config, length, depth, rep, positions)
+            seconds, source = timed(lambda: prefill(model, trial.prefill_ids))
+            timing["prefill_s"] += seconds
+            for spec in specs:
+                bar.set_postfix_str(f"L={length} d={depth:g} {spec.spec}")
+                with Stopwatch() as watch:
+                    cache = build_cache(spec, model, config.sink_tokens, config.recent_tokens, config.attention, prefill=source)
+                    text = answer(model, tokenizer, cache, trial.question_ids, max_new_tokens)
+                timing["caches_s"] += watch.seconds
+                trials.append({"cache": spec.spec, "length": length, "depth": depth, "rep": rep, "key": trial.key,
+                               "needle_start": trial.needle_start, "haystack_tokens": int(trial.prefill_ids.shape[0]),
+                               "answer": text,
+                               "correct": ruler_correct(text, trial.key) if ruler else extract_answer(text) == trial.key})
+                bar.update(1)
+            del source
+        bar.close()
+        rows = summarise(trials, specs, config, dim)
+        return {
+            "experiment": "needle in a haystack (passkey retrieval) with each cache compressing the haystack",
+            "model": describe_model(model), "text": config.text, "config": {
+                "lengths": list(config.lengths), "depths": list(config.depths), "keys_per_cell": config.keys_per_cell,
+                "seed": config.seed, "sink_tokens": config.sink_tokens, "recent_tokens": config.recent_tokens,
+                "max_new_tokens": config.max_new_tokens, "attention": config.attention,
+                "max_position_embeddings": positions, "task": config.task},
+            "needle": "RULER niah_single_1 (lm-eval)" if ruler else NEEDLE,
+            "question": "RULER's template" if ruler else QUESTION.strip(),
+            "answer_prefix": "RULER's gen_prefix" if ruler else ANSWER_PREFIX, "timing": timing, "rows": rows, "trials": trials,
+        }
 
 
 def summarise(trials: list[dict], specs, config: NeedleConfig, dim: int) -> list[dict]:
@@ -220,7 +223,7 @@ def run(config: NeedleConfig = NeedleConfig(), caches=None, build_codebooks: boo
 
     model, tokenizer = model_and_tokenizer or load_model()
     dim = check_model_supported(model)["head_dim"]
-    specs, skipped = split_available(parse_cache_specs(list(caches or NEEDLE_CACHES)), dim, build_codebooks)
+    specs, skipped = split_available(parse_cache_specs(list(caches or NEEDLE_CACHES), model), dim, build_codebooks)
     if not specs or not specs[0].is_fp:
         specs = [s for s in specs if not s.is_fp]
         specs.insert(0, parse_cache_specs(reference_method().spec)[0])

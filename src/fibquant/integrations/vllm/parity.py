@@ -70,6 +70,7 @@ def transformers_nll(model, spans: list[list[int]], spec: str | None, chunk: int
 
     from fibquant.eval.perplexity import window_nll
     from fibquant.integrations.vllm.config import VllmCacheConfig
+    from fibquant.kv.attention.switch import attention_on_codes
     from fibquant.kv.cache import CompressedCache
 
     out = []
@@ -80,7 +81,7 @@ def transformers_nll(model, spans: list[list[int]], spec: str | None, chunk: int
             key, value = VllmCacheConfig.parse(spec).codecs(model.config.head_dim)
             cache = CompressedCache.for_model(model, key, value, sink_tokens=sink_tokens, recent_tokens=recent_tokens,
                                               encode_batch=1)
-        with torch.no_grad():
+        with torch.no_grad(), attention_on_codes(model):
             out.append(float(window_nll(model, torch.tensor([ids]), cache, chunk).double().mean()))
     return out
 

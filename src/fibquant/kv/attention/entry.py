@@ -119,16 +119,6 @@ def use_coded_attention(model) -> None:
                          f"implementation {model.config._attn_implementation!r}")
 
 
-def try_use_coded_attention(model) -> bool:
-    """`use_coded_attention`, or False with a one-time warning (the cache then decodes)."""
-    try:
-        use_coded_attention(model)
-    except ValueError as exc:
-        _warn_once(f"model:{type(model).__name__}", f"{exc}; the CompressedCache falls back to attention='decode'")
-        return False
-    return True
-
-
 # --------------------------------------------------------------------- one codec role
 def _scores_from_codes(codec: Codec, queries: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
     """queries float32 [B, H, Q, D] (already scaled) . decoded codes [B, H, M, C] -> [B, H, Q, M]."""
@@ -407,11 +397,15 @@ def _exact_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Te
     """Attention over float columns with each row's log-sum-exp: queries [B, Hq, t, D], keys/values
     [B, Hq, L, D|Dv], bias additive float32 [B|1, Hq|1, t, L] or None (then t == L, causal)
     -> (out [B, Hq, t, Dv] normalised over these columns, lse [B, Hq, t]; -inf for a row that sees
-    none of them, its out 0). SDPA's fused CPU kernel where it exists, else the same in torch."""
+    none of them, its out 0). SDPA's fused CPU kernel where it exists, else the same in torch; also the
+    torch form when autograd records a bias that requires grad (the fused kernel has no gradient for its
+    mask: an MLA model's rotary scores are such a bias outside `torch.no_grad()`)."""
     if keys.shape[-2] == 0:
         shape = queries.shape[:-1]
         return (queries.new_zeros(*shape, values.shape[-1]), queries.new_full(shape, float("-inf")))
-    if queries.device.type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
+    mask_grad = bias is not None and bias.requires_grad and torch.is_grad_enabled()
+    if (queries.device.type == "cpu" and not mask_grad
+            and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             queries, keys, values, 0.0, bias is None, attn_mask=bias, scale=scaling)
         if bias is not None:  # the kernel gives lse 0 to a row with every column masked

@@ -14,7 +14,8 @@ rotary key codes), the weights sum latent codes, and W_UV maps the result back o
 
 `enable(model)` switches every such attention module of `model` (found by its `expand_kv` and
 `kv_b_proj`): its `expand_kv` passes a `CodedKV` through unexpanded (plain tensors as before, so
-other caches are unaffected) and fibquant's attention function serves it with `attend_latent`.
+other caches are unaffected) and fibquant's attention function serves it with `attend_latent`;
+`disable` undoes it (`fibquant.kv.attention.switch.attention_on_codes` calls both).
 """
 from __future__ import annotations
 
@@ -32,18 +33,37 @@ def _mla_modules(model) -> list:
             and all(isinstance(getattr(module, name, None), int) for name in _ATTRIBUTES)]
 
 
-def enable(model) -> bool:
-    """Let fibquant's attention function attend on the latent codes of every MLA module of `model`;
-    False (nothing changed) when the model has none in the form this module knows."""
-    modules = _mla_modules(model)
-    for module in modules:
-        if getattr(module, "coded_attention", None) is attend_latent:
+def enable(model) -> list:
+    """Let fibquant's attention function attend on the latent codes of every MLA module of `model`; returns
+    the modules it switched (`disable` puts them back), empty when the model has none in the form this module
+    knows or they already read codes."""
+    switched = []
+    for module in _mla_modules(model):
+        if reads_codes(module):
             continue
         expand = module.expand_kv
         module.expand_kv = (lambda latent, rotary, expand=expand:
                             (latent, rotary) if isinstance(latent, CodedKV) else expand(latent, rotary))
         module.coded_attention = attend_latent
-    return bool(modules)
+        switched.append(module)
+    return switched
+
+
+def disable(modules) -> None:
+    """Undo `enable` on the modules it returned."""
+    for module in modules:
+        del module.expand_kv  # the instance attribute: the class's own expand_kv again
+        del module.coded_attention
+
+
+def latent_modules(model) -> list:
+    """The MLA attention modules of `model` in the form this module knows (empty: none)."""
+    return _mla_modules(model)
+
+
+def reads_codes(module) -> bool:
+    """Whether `module` passes a coded latent to fibquant's attention (between `enable` and `disable`)."""
+    return getattr(module, "coded_attention", None) is attend_latent
 
 
 def attend_latent(module, query: torch.Tensor, kv: CodedKV, attention_mask, scaling: float, **options) -> torch.Tensor:

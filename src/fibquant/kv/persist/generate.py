@@ -18,6 +18,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from fibquant.kv.cache import CompressedCache
 from fibquant.kv.model import cache_kwarg
 from fibquant.kv.persist.store import PersistentCache
+from fibquant.kv.attention.switch import attention_on_codes
 
 
 _BATCH_ONE = ("CacheWriter saves batch-1 generation only (got batch {batch}): a saved cache holds one token-id "
@@ -60,14 +61,15 @@ class CacheWriter(StoppingCriteria):
 
 
 def _generate(model, ids: torch.Tensor, cache: CompressedCache, writer: CacheWriter, **generate_kwargs):
-    criteria = StoppingCriteriaList(generate_kwargs.pop("stopping_criteria", None) or [])
-    criteria.append(writer)
-    generate_kwargs.setdefault("do_sample", False)
-    try:
-        return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **cache_kwarg(model, cache),
-                              stopping_criteria=criteria, **generate_kwargs)
-    finally:
-        writer.close()
+    with attention_on_codes(model):
+        criteria = StoppingCriteriaList(generate_kwargs.pop("stopping_criteria", None) or [])
+        criteria.append(writer)
+        generate_kwargs.setdefault("do_sample", False)
+        try:
+            return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **cache_kwarg(model, cache),
+                                  stopping_criteria=criteria, **generate_kwargs)
+        finally:
+            writer.close()
 
 
 def generate_persistent(model, input_ids, path, key_codec, value_codec, *, sink_tokens: int = 4,

@@ -19,6 +19,7 @@ import torch
 
 from fibquant.kv.model import cache_kwarg
 from fibquant.kv.persist.store import MANIFEST_FILE, PersistentCache
+from fibquant.kv.attention.switch import attention_on_codes
 
 
 def common_prefix_length(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -53,22 +54,23 @@ def prefill_with_prefix(model, ids, path, attention: Optional[str] = None, chunk
     Returns (cache, logits of the last prompt token [1, vocab], stats) where stats holds
     reused tokens, computed tokens, load_s (open + rebuild) and prefill_s. At least one
     token is always computed (to produce logits); `chunk` feeds the rest in pieces."""
-    ids = torch.as_tensor(ids).reshape(-1)
-    if ids.shape[0] == 0:
-        raise ValueError("empty prompt")
-    start = time.perf_counter()
-    with PersistentCache.open(path, model=model) as store:
-        stored = store.token_ids()[: store.num_tokens]
-        reuse = min(common_prefix_length(stored, ids), ids.shape[0] - 1)
-        cache = store.to_cache(model, attention)
-    if cache.get_seq_length() > reuse:
-        cache.crop(reuse)
-    loaded = time.perf_counter()
-    rest = ids[reuse:][None]
-    step = rest.shape[1] if chunk is None else chunk
-    for s in range(0, rest.shape[1], step):
-        logits = model(input_ids=rest[:, s:s + step], **cache_kwarg(model, cache), use_cache=True).logits[:, -1]
-    done = time.perf_counter()
-    stats = {"reused_tokens": reuse, "computed_tokens": int(rest.shape[1]), "load_s": loaded - start,
-             "prefill_s": done - loaded, "ttft_s": done - start}
-    return cache, logits, stats
+    with attention_on_codes(model):
+        ids = torch.as_tensor(ids).reshape(-1)
+        if ids.shape[0] == 0:
+            raise ValueError("empty prompt")
+        start = time.perf_counter()
+        with PersistentCache.open(path, model=model) as store:
+            stored = store.token_ids()[: store.num_tokens]
+            reuse = min(common_prefix_length(stored, ids), ids.shape[0] - 1)
+            cache = store.to_cache(model, attention)
+        if cache.get_seq_length() > reuse:
+            cache.crop(reuse)
+        loaded = time.perf_counter()
+        rest = ids[reuse:][None]
+        step = rest.shape[1] if chunk is None else chunk
+        for s in range(0, rest.shape[1], step):
+            logits = model(input_ids=rest[:, s:s + step], **cache_kwarg(model, cache), use_cache=True).logits[:, -1]
+        done = time.perf_counter()
+        stats = {"reused_tokens": reuse, "computed_tokens": int(rest.shape[1]), "load_s": loaded - start,
+                 "prefill_s": done - loaded, "ttft_s": done - start}
+        return cache, logits, stats

@@ -225,7 +225,8 @@ class PersistentCacheReader:
         """A `CompressedCache` holding exactly the stored state (codes as codes, windows exact,
         a centred cache's means); a `LayerwiseCompressedCache` for per-layer codecs.
 
-        With `model`, the attention is set up as `CompressedCache.for_model` does ("codes" by default)."""
+        With `model`, the attention is chosen as `CompressedCache.for_model` does ("codes" by default: run the
+        model inside `fibquant.attention_on_codes(model)`)."""
         m = self.manifest
         key_codec, value_codec = self.codecs
         attention = attention or ("codes" if model is not None else "decode")
@@ -234,11 +235,11 @@ class PersistentCacheReader:
             from fibquant.kv.model import check_model_supported
 
             if model is not None:
-                from fibquant.kv.attention.entry import try_use_coded_attention
+                from fibquant.kv.attention.switch import codes_or_decode
 
-                check_model_supported(model, key_codec, value_codec)
-                if attention == "codes" and not try_use_coded_attention(model):
-                    attention = "decode"
+                info = check_model_supported(model, key_codec, value_codec)
+                if attention == "codes":
+                    attention = codes_or_decode(model, info["latent"])[0]
             cache = LayerwiseCompressedCache(*self.layer_codecs, m.sink_tokens, m.recent_tokens, attention,
                                              m.encode_batch)
             cache.centre = m.centre
