@@ -19,9 +19,6 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 PACKAGE_DIRS = {"fibquant", "codebook", "codecs", "archive", "peers", "kv", "eval", "integrations", "cli"}
 FILE_SUFFIXES = {"py", "md", "sh", "json", "toml", "txt", "safetensors", "gguf", "png"}
 TOP_DIRS = {"src", "tests", "benchmarks", "tools", "docs", "results", ".ci"}
-# Names of the one-line API that lands with its own change (CompressedCache.for_model(model, spec),
-# attention_on_codes, choose_code). The lead removes this allow-list when both changes are merged.
-NOT_LANDED_YET = {"fibquant.attention_on_codes", "fibquant.choose_code"}
 
 CODE = re.compile(r"```.*?```|`[^`\n]+`", re.S)
 # a path with a folder, or a bare source file name (outputs such as peers.json are not checked)
@@ -106,7 +103,7 @@ def test_every_module_and_imported_name_exists(page):
     names = set(DOTTED.findall(_code(text)))
     for module, imported in FROM_IMPORT.findall(text):
         names |= {f"{module}.{name}" for name in re.split(r"[,\s]+", imported) if name}
-    missing = sorted(n for n in names if n not in NOT_LANDED_YET and not _resolves(n))
+    missing = sorted(n for n in names if not _resolves(n))
     assert missing == [], f"{page.name} names modules or attributes that do not exist: {missing}"
 
 

@@ -59,8 +59,6 @@ def test_readme_own_model_example_runs_on_a_local_directory(tmp_path, capsys):
     """The README's example, run as written on a tiny random-weight Llama saved to a directory."""
     import fibquant
 
-    if not hasattr(fibquant, "attention_on_codes"):  # lands with the one-line API; the lead removes this at merge
-        pytest.skip("fibquant.attention_on_codes is not in this tree yet")
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
     from tokenizers import Tokenizer, models, pre_tokenizers
