@@ -39,7 +39,26 @@ def render_codes(data: dict) -> str:
     return "\n".join(lines)
 
 
-TABLES = {"codes": ("results/codes.json", render_codes)}
+GPU_SHAPES = ((8192, 1), (32768, 1), (32768, 16), (131072, 16))
+
+
+def render_gpu(data: dict) -> str:
+    """results/gpu/decode_attention.json -> per-layer decode attention on an H200, ratios to bf16 SDPA."""
+    rows = {(r["context"], r["batch"], r["variant"]): r for r in data["rows"]}
+    lines = ["| context × batch | bf16 SDPA | FibQuant 4-bit | 4-bit paged | FibQuant 2-bit | 2-bit paged |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for m, b in GPU_SHAPES:
+        if (m, b, "sdpa-bf16") not in rows:
+            continue
+        cells = [f"{rows[(m, b, 'sdpa-bf16')]['ms']:.3f} ms"]
+        for variant in ("fibquant:b=4-fused", "fibquant:b=4-paged", "fibquant:b=2-fused", "fibquant:b=2-paged"):
+            row = rows.get((m, b, variant))
+            cells.append("—" if row is None else f"{row['ms_vs_sdpa']:.1f}×")
+        lines.append(f"| {m // 1024}k × {b} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+TABLES = {"codes": ("results/codes.json", render_codes), "gpu": ("results/gpu/decode_attention.json", render_gpu)}
 MARKED = re.compile(r"(<!-- table:(?P<name>[a-z_-]+) -->\n)(?P<body>.*?)(<!-- /table:(?P=name) -->)", re.S)
 
 
