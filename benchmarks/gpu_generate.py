@@ -33,8 +33,9 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, LogitsProcessor, LogitsProcessorList
 
+import fibquant
 from fibquant.kv.accounting import cache_nbytes
-from fibquant.kv.specs import parse_cache_spec
+from fibquant.kv.model import cache_kwarg
 
 
 def llama_config(args) -> LlamaConfig:
@@ -54,7 +55,7 @@ def build_model(config: LlamaConfig, device: torch.device) -> LlamaForCausalLM:
 
 
 def make_cache(spec: str, model):
-    return DynamicCache() if spec == "fp" else parse_cache_spec(spec).build(model)
+    return DynamicCache() if spec == "fp" else fibquant.CompressedCache.for_model(model, spec)
 
 
 class TokenClock(LogitsProcessor):
@@ -84,8 +85,8 @@ def timed_generate(model, prompt, spec: str, new_tokens: int, device) -> tuple:
         torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     start = time.perf_counter()
-    with torch.no_grad():
-        model.generate(prompt, past_key_values=cache, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+    with torch.no_grad(), fibquant.attention_on_codes(model):
+        model.generate(prompt, **cache_kwarg(model, cache), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                        do_sample=False, pad_token_id=0, logits_processor=LogitsProcessorList([clock]))
     decode_peak = torch.cuda.max_memory_allocated(device) - before if device.type == "cuda" else 0
     prefill_peak = clock.prefill_peak - before if device.type == "cuda" else 0
@@ -109,8 +110,9 @@ def profile_prefill(model, prompt, spec: str, device, rows: int = 15) -> str:
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     cache = make_cache(spec, model)
-    with profile(activities=activities, profile_memory=True) as prof, torch.no_grad():
-        model.generate(prompt, past_key_values=cache, max_new_tokens=1, do_sample=False, pad_token_id=0)
+    with profile(activities=activities, profile_memory=True) as prof, torch.no_grad(), \
+            fibquant.attention_on_codes(model):
+        model.generate(prompt, **cache_kwarg(model, cache), max_new_tokens=1, do_sample=False, pad_token_id=0)
     by = "self_cuda_memory_usage" if device.type == "cuda" else "self_cpu_memory_usage"
     time_key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
     table = prof.key_averages()
