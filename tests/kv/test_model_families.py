@@ -24,27 +24,24 @@ from __future__ import annotations
 import re
 
 import pytest
-import transformers
-from packaging.version import Version
+from transformers.models.falcon.modeling_falcon import FalconForCausalLM
+from transformers.models.gptj.modeling_gptj import GPTJForCausalLM
 
 from fibquant.eval.model_reach import FAMILIES, LOGITS_RTOL, probe
 
 ON_CODES = "codes"
-NO_INTERFACE = "does not dispatch attention through transformers' AttentionInterface"
-TESTED_TRANSFORMERS = Version("5.25")  # the release the expectations below are checked on (Makefile's venv)
 EXPECTED = {name: (ON_CODES, None) for name in FAMILIES}
 
 
-def _falcon_dispatches() -> bool:
-    from transformers.models.falcon.modeling_falcon import FalconForCausalLM
-
-    return FalconForCausalLM._can_set_attn_implementation()
+def _dispatches(model_class) -> bool:
+    return model_class._can_set_attn_implementation()
 
 
-# Falcon computed attention itself (F.scaled_dot_product_attention / alibi), not through transformers'
-# AttentionInterface, until transformers 5.25 (5.24: no attention function can be swapped in).
-if not _falcon_dispatches():
-    EXPECTED["Falcon"] = ("decode fallback", "AttentionInterface")
+# Falcon and GPT-J computed attention themselves, not through transformers' AttentionInterface, in earlier
+# releases (Falcon until 5.25; both in 5.17, the lent GPU's image): no attention function can be swapped in.
+for _name, _class in (("Falcon", FalconForCausalLM), ("GPT-J", GPTJForCausalLM)):
+    if not _dispatches(_class):
+        EXPECTED[_name] = ("decode fallback", "AttentionInterface")
 # Layers that are not attention (gated delta-net, Mamba): refused by for_model, before any prefill.
 EXPECTED["Qwen3-Next"] = ("refused", "layer types .*linear_attention")
 EXPECTED["Jamba"] = ("refused", "layer types .*linear_attention")
@@ -70,10 +67,6 @@ def test_family(name):
     result = probe(name)
     status, reason = EXPECTED[name]
     summary = f"{name}: {result['status']} at stage {result['stage']!r}: {result['reason']}"
-    if status == ON_CODES and result["status"] == "decode fallback" and NO_INTERFACE in result["reason"] and \
-            Version(transformers.__version__) < TESTED_TRANSFORMERS:
-        pytest.skip(f"transformers {transformers.__version__}'s {name} does not dispatch attention through "
-                    f"AttentionInterface ({TESTED_TRANSFORMERS} does); the cache falls back to decode")
     assert result["status"] == status, summary
     if status == ON_CODES:
         assert result["fallback_warnings"] == [] and result["warned_keys"] == [], summary
