@@ -75,3 +75,42 @@ def test_own_model_example_runs_with_the_extra_blocked(tmp_path):
     done = _python(example)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().startswith("ok ") and done.stdout.strip().endswith("[]"), done.stdout
+
+
+def test_every_reach_family_runs_on_codes_with_the_extra_blocked():
+    """The own-model example's calls on the tiny random config of every family of the model-reach table
+    (docs/models.md), MLA included: a cache from a spec, a prompt past the exact window under the switch,
+    a generate; the families the table refuses raise ValueError in for_model."""
+    code = BLOCK + textwrap.dedent("""
+        import torch
+        import fibquant
+        from fibquant.eval.model_reach import FAMILIES
+
+        results = {}
+        for name, family in FAMILIES.items():
+            model = family.build(0)
+            try:
+                cache = fibquant.CompressedCache.for_model(model, "fibquant:b=4")
+            except ValueError:
+                results[name] = "refused"
+                continue
+            inputs = torch.randint(3, model.config.get_text_config().vocab_size, (1, 96))
+            with torch.no_grad(), fibquant.attention_on_codes(model):
+                out = model.generate(inputs, past_key_values=cache, max_new_tokens=2, min_new_tokens=2,
+                                     do_sample=False, pad_token_id=0)
+            assert out.shape == (1, 98), (name, out.shape)
+            coded = any(getattr(layer, "num_coded", 0) > 0 for layer in cache.layers)
+            window = getattr(model.config.get_text_config(), "sliding_window", None)
+            # every layer a sliding window shorter than the prompt: the window is held exact, nothing to code
+            results[name] = "coded" if coded else "window" if window and window < 96 else "no codes"
+        import sys
+        print(results)
+        print(sorted(m for m, v in sys.modules.items() if v is not None and m.split('.')[0] in BLOCKED))
+    """)
+    done = _python(code)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results_line, modules_line = done.stdout.strip().splitlines()[-2:]
+    results = eval(results_line)  # a dict literal printed by the child
+    assert modules_line == "[]"
+    assert {name for name, status in results.items() if status == "refused"} == {"Qwen3-Next", "Jamba", "Mamba"}
+    assert [name for name, status in results.items() if status == "no codes"] == []
