@@ -53,6 +53,10 @@ import torch  # noqa: E402
 from fibquant.codecs.bitpack import float16_to_bytes, pack_bits  # noqa: E402
 from fibquant.codecs.fibquant import FibQuantCodec  # noqa: E402
 import fibquant.kv.attention.kernels as ck  # noqa: E402
+from fibquant.paths import results_dir  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_summary import write_rows  # noqa: E402
 
 CODECS = {"fibquant:b=4": 4.0, "fibquant:b=2": 2.0, "fibquant:b=3": 3.0}  # name -> FibQuantCodec.for_rate bits
 
@@ -231,11 +235,7 @@ def main(argv=None) -> int:
             rows += measure_shape(args, device, gen, b, m)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    out_dir = Path(args.out or os.environ.get("FIBQUANT_RESULTS_DIR") or "results")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "gpu_decode_attention.json"
-    path.write_text(json.dumps({"info": info, "rows": rows}, indent=2))
-    print(f"wrote {path}")
+    write_rows(results_dir(args.out) / "gpu_decode_attention.json", info, rows)
     return 0
 
 

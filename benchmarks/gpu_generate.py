@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -34,6 +33,10 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, LogitsProcessor, LogitsProcessorList
 
 import fibquant
+from fibquant.paths import results_dir
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_summary import write_rows  # noqa: E402
 from fibquant.kv.accounting import cache_nbytes
 from fibquant.kv.model import cache_kwarg
 
@@ -163,11 +166,7 @@ def main(argv=None) -> int:
               f" MiB (prefill +{row['prefill_peak_bytes'] / 2**20:.0f}, decode +{row['decode_peak_bytes'] / 2**20:.0f})  cache {row['cache_bytes'] / 2**20:.1f} MiB ({row['cache_vs_fp']:.3f}x)")
     if args.profile:
         print(profile_prefill(model, prompt, args.profile, device))
-    out_dir = Path(args.out or os.environ.get("FIBQUANT_RESULTS_DIR") or "results")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "gpu_generate.json"
-    path.write_text(json.dumps({"info": info, "rows": rows}, indent=2))
-    print(f"wrote {path}")
+    write_rows(results_dir(args.out) / "gpu_generate.json", info, rows)
     return 0
 
 

@@ -20,6 +20,13 @@ TARGET_SHAPE = (32768, 16)
 PEAK_TARGET = 0.05
 
 
+def write_rows(path: Path, info: dict, rows: list[dict]) -> None:
+    """A benchmark's {"info", "rows"} JSON at `path` (folders created)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"info": info, "rows": rows}, indent=2))
+    print(f"wrote {path}")
+
+
 def test_counts(log: Path) -> dict:
     """Pytest's final counts ({'passed': n, 'failed': n, ...}) from its log, or {} without one."""
     if not log.exists():
