@@ -4,7 +4,7 @@ dense SDPA over the same sequences' bf16 and fp32 keys/values, calls interleaved
 Usage: .venv/bin/python benchmarks/paged_decode_step.py [--batch 4] [--contexts 1024 4096]
        [--bits 4 2] [--repeats 30] [--block 128] [--dtype bfloat16|float32] [--tables] [--out results/]
 
---tables adds each rate once more with `paged.GATHER_DECODE` off (4-bit roles read through lookup
+--tables adds each rate once more with the option `gather_decode` off (4-bit roles read through lookup
 tables / histograms instead of the default's decode-then-dot gathers), interleaved: the paired ratio.
 
 Issue 18 asks for decode attention on codes per layer step <= bf16's. Inside vLLM the bf16 step is
@@ -32,8 +32,8 @@ import torch
 
 from fibquant import FibQuantCodec
 from fibquant.eval.report import write_json
-from fibquant.kv.attention import paged
 from fibquant.kv.attention.paged import paged_decode_attention
+from fibquant.kv.options import AttentionOptions
 from fibquant.paths import results_dir
 
 Q_HEADS, KV_HEADS, DIM, SINKS, RECENT = 9, 3, 64, 4, 32
@@ -71,17 +71,6 @@ def dense_step(dtype: torch.dtype, batch: int, context: int, generator: torch.Ge
     return lambda: torch.nn.functional.scaled_dot_product_attention(query, keys, values, enable_gqa=True)
 
 
-def _tables(step):
-    """`step` with the kernel's gather path off (lookup tables / histograms for every role)."""
-    def run():
-        saved, paged.GATHER_DECODE = paged.GATHER_DECODE, False
-        try:
-            return step()
-        finally:
-            paged.GATHER_DECODE = saved
-    return run
-
-
 def measure(batch: int, context: int, bits: list[float], repeats: int, block: int = 128,
             dtype: torch.dtype = torch.bfloat16, tables: bool = False) -> list[dict]:
     generator = torch.Generator().manual_seed(context)
@@ -92,8 +81,9 @@ def measure(batch: int, context: int, bits: list[float], repeats: int, block: in
         case = paged_case(batch, context, codec, generator, block, dtype)
         query = torch.randn(batch, Q_HEADS, DIM, generator=generator).to(dtype)
         variants[f"fibquant:b={b:g} paged"] = lambda case=case, query=query: paged_decode_attention(query, **case)
-        if tables:
-            variants[f"fibquant:b={b:g} paged (tables)"] = _tables(variants[f"fibquant:b={b:g} paged"])
+        if tables:  # the kernel's gather path off (lookup tables / histograms for every role)
+            variants[f"fibquant:b={b:g} paged (tables)"] = lambda case=case, query=query: paged_decode_attention(
+                query, **case, options=AttentionOptions(gather_decode=False))
     times = {name: [] for name in variants}
     for name, step in variants.items():  # warm-up: numba compiles, tables allocate
         step()

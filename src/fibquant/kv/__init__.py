@@ -7,6 +7,7 @@
                            and per-layer rate allocation
     accounting             the bytes a cache or codec holds
     model                  model loading and the support checks
+    options                `AttentionOptions`: the paths attention on codes takes (no module switches)
     layered, roundtrip     per-head codecs; the peers' float round-trip cache
 """
 # Wires persistence into CompressedCache.save / load (see fibquant.kv.cache.register_persistence).

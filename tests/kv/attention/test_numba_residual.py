@@ -59,7 +59,7 @@ def test_residual_step_equals_torch_path_and_spec(monkeypatch, residual_calls, p
     if masked:
         mask = ragged_float_mask(batch, heads * groups, kv.length, generator)
         bias = mask
-    fast, slow = fast_and_torch_paths(monkeypatch, query, kv, mask, 0.125)
+    fast, slow = fast_and_torch_paths(query, kv, mask, 0.125)
     assert residual_calls, "the residual kernel did not run"
     assert fast.shape == (batch, 1, heads * groups, DIM) and fast.dtype == query.dtype
     torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-5)
@@ -74,7 +74,7 @@ def test_residual_step_with_sinks_centring_and_window(monkeypatch, residual_call
                          torch.randn(2, 3, 1, DIM, generator=generator) + 1.0)
     query = torch.randn(2, 9, 1, DIM, generator=generator)
     sinks = torch.randn(9, generator=generator)
-    check_sinks_and_sliding_window(monkeypatch, query, kv, sinks)
+    check_sinks_and_sliding_window(query, kv, sinks)
     assert len(residual_calls) == 2
 
 

@@ -79,7 +79,7 @@ def test_shell_step_equals_torch_path_and_spec(monkeypatch, shell_calls, pair, g
     mask = None
     if masked:
         mask = ragged_float_mask(batch, heads * groups, kv.length, generator)
-    fast, slow = fast_and_torch_paths(monkeypatch, query, kv, mask, 0.125)
+    fast, slow = fast_and_torch_paths(query, kv, mask, 0.125)
     assert shell_calls, "the shell kernel did not run"
     assert fast.shape == (batch, 1, heads * groups, DIM) and fast.dtype == query.dtype
     torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-5)
@@ -98,7 +98,7 @@ def test_shell_step_lengths_sinks_centring_window(monkeypatch, shell_calls, past
     assert kv.num_coded > 0 and kv.num_sink == 4
     query = torch.randn(2, 9, 1, DIM, generator=generator)
     sinks = torch.randn(9, generator=generator)
-    check_sinks_and_sliding_window(monkeypatch, query, kv, sinks, window=max(2, kv.length - 10))
+    check_sinks_and_sliding_window(query, kv, sinks, window=max(2, kv.length - 10))
     assert len(shell_calls) == 2
 
 
@@ -133,7 +133,7 @@ def test_shell_step_d128(monkeypatch, shell_calls, groups):
         kv, _ = layer.update(torch.randn(1, 2, 1, 128, generator=generator),
                              torch.randn(1, 2, 1, 128, generator=generator))
         query = torch.randn(1, 2 * groups, 1, 128, generator=generator)
-        fast, slow = fast_and_torch_paths(monkeypatch, query, kv, None, 0.09)
+        fast, slow = fast_and_torch_paths(query, kv, None, 0.09)
         torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-5)
     assert len(shell_calls) == 2
 
