@@ -193,7 +193,7 @@ def test_mc_command_builds_the_config(monkeypatch):
     monkeypatch.setattr(realdata, "run_experiment", lambda *args, **kwargs: calls.append((args, kwargs)))
     monkeypatch.setattr(realdata, "apply_threads", lambda args: None)
     monkeypatch.setattr(fibquant.kv.model, "load_model", lambda name=None: ("model", "tokenizer"))
-    args = build_parser().parse_args(["eval", "multiple-choice", "--limit", "0", "--bits", "4", "--methods", "int:b=4",
+    args = build_parser().parse_args(["eval", "multiple-choice", "--limit", "0", "--bits", "4", "--caches", "int:b=4",
                                       "--no-small-window", "--no-progress"])
     assert args.func(args) == 0
     (name, config, out), resources = calls[0]

@@ -43,7 +43,6 @@ import torch
 from fibquant.codecs.registry import codec_classes
 from fibquant.codecs.rotation import ROTATION_SEED_PARAM
 from fibquant.eval.report import Experiment, figure, format_table, target
-from fibquant._moved import forward
 from fibquant.paths import results_dir
 from fibquant.peers import PEERS, peer_specs
 
@@ -601,11 +600,3 @@ class PeersExperiment(Experiment):
 EXPERIMENT = PeersExperiment(name="peers", stem="peers", config=PeersConfig, run=run, table=peers_tables,
                              plot=plot_overview, targets=peers_checks, header=peers_header, table_suffix=".md")
 
-
-# This module's name held the peer registry before it moved to `fibquant.peers`: names found there
-# but not here still resolve, for one release, with a DeprecationWarning.
-__getattr__, _registry_names = forward(__name__, "fibquant.peers")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_registry_names()))

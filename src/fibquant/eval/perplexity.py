@@ -11,7 +11,7 @@ window (positions >= context/2, where most of the context is compressed). The fp
 uses a DynamicCache with the same windows and chunking. Several windows run as one batch.
 
 A method is any `fibquant.kv.specs` spec: keys and values may use different codecs
-('fibquant:b=4/fibquant:b=2'), and a peer ('quanto:b=2', 'kakeya-e8:q=2', ...; see
+('fibquant:b=4/fibquant:b=2'), and a peer ('quanto-rt:b=2', 'kakeya-e8:q=2', ...; see
 `fibquant.peers`) runs in a `RoundTripCache` with the same exact window, its bytes counted
 from its own format.
 """
@@ -61,7 +61,7 @@ class PerplexityConfig:
 
 
 def as_cache_spec(method):
-    """A `cache_specs.CacheSpec` from a Method, a spec string or a CacheSpec."""
+    """A `fibquant.kv.specs.CacheSpec` from a Method, a spec string or a CacheSpec."""
     from fibquant.kv.specs import CacheSpec, from_method, parse_cache_spec
 
     if isinstance(method, CacheSpec):

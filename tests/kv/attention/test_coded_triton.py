@@ -2,7 +2,7 @@
 
 Without a GPU the kernels run on CPU tensors in Triton's interpreter: TRITON_INTERPRET=1 is set
 only while this module imports fibquant.kv.attention.triton_kernels (triton reads it when `triton.language` is
-first imported and when a kernel is decorated; coded_triton keeps it set during its own launches),
+first imported and when a kernel is decorated; triton_kernels keeps it set during its own launches),
 then restored, so the other test modules in the same pytest process see the environment they had.
 With a CUDA GPU the same tests run the compiled kernels on CUDA tensors.
 Interpreter cases are kept small (the file runs in under a minute on two cores).

@@ -176,7 +176,7 @@ def run_archive_kv(model, tokenizer, config: ArchiveKVConfig, workdir=None, part
                    search_sizes=(100_000, 1_000_000)) -> dict:
     """The parts of `fibquant eval archive-kv` asked for (see PARTS and the module docstrings of
     eval/archive/store.py and eval/archive/study.py)."""
-    from fibquant.eval import archive_store
+    from fibquant.eval.archive import store as archive_store
 
     check_parts(parts)
     payload = {"config": asdict(config), "threads": torch.get_num_threads(), "parts": list(parts),

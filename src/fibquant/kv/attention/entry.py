@@ -6,7 +6,7 @@ keys/values that `cache.update` returned. In "codes" mode `CompressedLayer.updat
 new tokens) and `coded_attention_forward`, registered as "fibquant", attends to it:
 
 - keys: for FibQuant/TurboQuant, q . x_hat_i = nu_i * (q @ Pi^T) . u_hat_i, so each query is
-  rotated once and scored against every code row by `coded_kernels.coded_scores` (a per-query
+  rotated once and scored against every code row by `kernels.coded_scores` (a per-query
   lookup table of block dot products), never un-rotating or decoding a key;
 - values: sum_i p_i x_hat_i = (sum_i p_i nu_i u_hat_i) @ Pi: the weighted sum is accumulated
   in the rotated domain (`coded_weighted_sum`) and un-rotated once per query;

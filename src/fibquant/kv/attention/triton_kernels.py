@@ -408,7 +408,7 @@ def _check_bad(bad: torch.Tensor | None, n_codewords: tuple[int, ...], index_bit
 
 
 def scores(queries: torch.Tensor, codes: torch.Tensor, codewords: torch.Tensor, index_bits: int) -> torch.Tensor:
-    """coded_scores on Triton (inputs already validated by coded_kernels): -> float32 [B, H, Q, M]."""
+    """coded_scores on Triton (inputs already validated by `kernels`): -> float32 [B, H, Q, M]."""
     n_b, n_h, n_q, dim = queries.shape
     n_tokens = codes.shape[2]
     out = torch.empty(n_b, n_h, n_q, n_tokens, dtype=torch.float32, device=queries.device)
@@ -434,7 +434,7 @@ def scores(queries: torch.Tensor, codes: torch.Tensor, codewords: torch.Tensor, 
 
 def weighted_sum(weights: torch.Tensor, codes: torch.Tensor, codewords: torch.Tensor, index_bits: int,
                  dim: int, splits: int | None = None) -> torch.Tensor:
-    """coded_weighted_sum on Triton (inputs validated by coded_kernels): -> float32 [B, H, Q, dim]."""
+    """coded_weighted_sum on Triton (inputs validated by `kernels`): -> float32 [B, H, Q, dim]."""
     n_b, n_h, n_q, n_tokens = weights.shape
     if n_tokens == 0 or n_b * n_h * n_q == 0:
         return torch.zeros(n_b, n_h, n_q, dim, dtype=torch.float32, device=weights.device)
@@ -464,7 +464,7 @@ def decode_attention(queries: torch.Tensor, key_codes: torch.Tensor, value_codes
                      key_codewords: torch.Tensor, value_codewords: torch.Tensor, key_bits: int, value_bits: int,
                      bias: torch.Tensor | None, value_dim: int,
                      splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """coded_decode_attention on Triton (inputs validated by coded_kernels)
+    """coded_decode_attention on Triton (inputs validated by `kernels`)
     -> (out float32 [B, Hq, Q, Dv] rotated, normalised over the coded columns; lse float32 [B, Hq, Q])."""
     n_b, q_heads, n_q, dim = queries.shape
     kv_heads, n_tokens = key_codes.shape[1], key_codes.shape[2]
@@ -538,7 +538,7 @@ def paged_decode_attention(queries: torch.Tensor, pages: torch.Tensor, block_tab
                            value_codewords: torch.Tensor, key_bits: int, value_bits: int, key_bytes: int,
                            key_code_size: int, value_code_size: int, value_dim: int, max_tokens: int,
                            splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """coded_decode_attention_paged on Triton (inputs validated by coded_kernels): queries [R, Hq, Q, D],
+    """coded_decode_attention_paged on Triton (inputs validated by `kernels`): queries [R, Hq, Q, D],
     pages uint8 [num_blocks, Hkv, block_size, slot_bytes] (any strides, a slot's bytes contiguous),
     block_tables int [R, max_blocks], starts/stops int32 [R] (coded positions [start, stop) of each request),
     max_tokens >= every stop - start (only sizes the split count)
