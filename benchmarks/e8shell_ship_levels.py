@@ -31,7 +31,7 @@ from fibquant.source import canonicalize, haar_rotation, sample_sphere
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lattice_probe import ShellCode, ShellTable  # noqa: E402
 
-from fibquant.codecs.registry import parse_method  # noqa: E402
+from fibquant.codecs.registry import parse_codec_spec  # noqa: E402
 
 REFIT_STEPS = 30
 TRAIN_SEED, TEST_SEED = 424_242, 987_654
@@ -72,7 +72,7 @@ def refit(shells: tuple, radii: tuple, dim: int) -> tuple[tuple, tuple, str]:
 
 def baseline_mse(spec: str, dim: int) -> float:
     vectors = sample_sphere(4096, dim, seed=TEST_SEED)
-    codec = parse_method(spec).build(dim)
+    codec = parse_codec_spec(spec).build(dim)
     return float(((codec.roundtrip(vectors).double() - vectors.double()) ** 2).sum(1).mean())
 
 

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from fibquant.codecs.registry import parse_method
+from fibquant.codecs.registry import parse_codec_spec
 from fibquant.eval.report import format_table, write_json
 from fibquant.paths import results_dir
 
@@ -41,7 +41,7 @@ def main(argv=None) -> int:
     rows = []
     for bits in args.bits:
         specs = [f"turboquant:b={bits}", f"e8shell:b={bits}", f"e8shell:b={bits},nc=1"]
-        codecs = {spec: parse_method(spec).build(64) for spec in specs}
+        codecs = {spec: parse_codec_spec(spec).build(64) for spec in specs}
         codes = {spec: codec.encode(x) for spec, codec in codecs.items()}  # warm-up: numba compiles, tables
         enc = {spec: [] for spec in specs}
         dec = {spec: [] for spec in specs}

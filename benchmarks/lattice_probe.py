@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from fibquant.codebook.e8shell import orbit_size, shell_leaders, shell_size, sigma3  # noqa: F401 (re-exported)
-from fibquant.codecs.registry import parse_method
+from fibquant.codecs.registry import parse_codec_spec
 from fibquant.eval.report import format_table, write_json
 from fibquant.paths import results_dir
 from fibquant.source import canonicalize, haar_rotation, sample_sphere
@@ -326,7 +326,7 @@ def unit_blocks(vectors: torch.Tensor) -> np.ndarray:
 
 
 def baseline(spec: str, vectors: torch.Tensor) -> dict:
-    method = parse_method(spec)
+    method = parse_codec_spec(spec)
     codec = method.build(64)
     codec.encode(vectors[:2])
     start = time.perf_counter()

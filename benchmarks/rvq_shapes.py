@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from fibquant.codecs.registry import parse_method
+from fibquant.codecs.registry import parse_codec_spec
 from fibquant.eval.report import format_table, write_json
 from fibquant.paths import results_dir
 from fibquant.source import sample_sphere
@@ -29,7 +29,7 @@ TEST_SEED = 987_654  # not a seed of any codebook construction
 
 
 def measure(spec: str, vectors: torch.Tensor) -> dict:
-    method = parse_method(spec)
+    method = parse_codec_spec(spec)
     codec = method.build(vectors.shape[1])
     start = time.process_time()
     codec.encode(vectors[:2])  # loads or builds the codebook / stages

@@ -4,7 +4,7 @@ Public names, by area (each imported lazily from its module, so `import fibquant
 and the heavy framework glue — transformers, model files — loads only when used):
 
 - codecs: `Codec`, `FibQuantCodec`, `TurboQuantCodec`, `IntCodec`, `LowRankCodec`, `RVQCodec`,
-  `IdentityCodec`; `parse_method` (spec strings such as "fibquant:b=2", `.build(dim)`), `load_codec`;
+  `IdentityCodec`; `parse_codec_spec` (spec strings such as "fibquant:b=2", `.build(dim)`), `load_codec`;
   codebooks `build_codebook`, `load_codebook`
 - caches: `CompressedCache`, `parse_cache_spec` ("fibquant:b=4/fibquant:b=2", peers, "@decode"),
   `use_coded_attention`, `attend_codes`, `cache_nbytes`, `load_model`, `check_model_supported`, `cache_kwarg`
@@ -29,7 +29,7 @@ _AREAS = {
         "fibquant.codecs.lowrank": ("LowRankCodec",),
         "fibquant.codecs.rvq": ("RVQCodec",),
         "fibquant.codecs.identity": ("IdentityCodec",),
-        "fibquant.codecs.registry": ("parse_method", "load_codec"),
+        "fibquant.codecs.registry": ("parse_codec_spec", "load_codec"),
         "fibquant.codebook": ("build_codebook", "load_codebook"),
     },
     "caches": {

@@ -83,9 +83,9 @@ def test_our_caches_come_from_the_codec_registry():
     spec = parse_cache_name("int:b=4@decode")
     assert (spec.kind, spec.family, spec.bits, spec.attention) == ("compressed", "int", 4, "decode")
     assert spec.label == "INT 4b (decode)" and parse_cache_name("fibquant:b=4").label == "FibQuant 4b (codes)"
-    assert spec.method().spec == "int:b=4"
+    assert spec.codec_spec().spec == "int:b=4"
     with pytest.raises(ValueError, match="not one of our compressed caches"):
-        parse_cache_name("hqq:b=4").method()
+        parse_cache_name("hqq:b=4").codec_spec()
     with pytest.raises(ValueError):
         DecodeSpeedConfig(decode_tokens=0)
 

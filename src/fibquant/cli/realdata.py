@@ -138,7 +138,7 @@ def run_mc_command(args) -> int:
     if args.limit < 0:
         raise ValueError(f"--limit must be >= 0 (0 = all examples), got {args.limit}")
     config = MultipleChoiceConfig(task=args.task, limit=args.limit or None, bits=tuple(args.bits),
-                                  methods=tuple(args.caches), sink_tokens=args.sink_tokens,
+                                  caches=tuple(args.caches), sink_tokens=args.sink_tokens,
                                   recent_tokens=args.recent_tokens, seed=args.seed,
                                   small_window=None if args.no_small_window else tuple(args.small_window))
     apply_threads(args)

@@ -132,7 +132,7 @@ class PlotStyle:
 @dataclass(frozen=True)
 class SpecParam:
     """One spec-string parameter: `key` as written ("b" in "int:b=4"), `name` as a keyword
-    (Method(..., bits=4), from_spec(dim, bits=4)), `kind` int or float."""
+    (CodecSpec(..., bits=4), from_spec(dim, bits=4)), `kind` int or float."""
 
     key: str
     name: str

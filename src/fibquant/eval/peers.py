@@ -186,7 +186,7 @@ def takes_rotation_seed(side) -> bool:
 def rotation_variant(spec, seed: int):
     """`spec` with every side that takes a rotation seed at rotation `seed` (a CacheSpec), or None when
     no side takes one (fp, a peer, a spec fixing r= itself): such a spec runs once."""
-    from fibquant.codecs.registry import Method
+    from fibquant.codecs.registry import CodecSpec
     from fibquant.kv.specs import Side
 
     if spec.is_fp or not (takes_rotation_seed(spec.key) or takes_rotation_seed(spec.value)):
@@ -195,7 +195,7 @@ def rotation_variant(spec, seed: int):
     def seeded(side):
         if not takes_rotation_seed(side):
             return side
-        return Side(Method(side.quantizer.family, **side.quantizer.kwargs, **{ROTATION_SEED_PARAM: seed}))
+        return Side(CodecSpec(side.quantizer.family, **side.quantizer.kwargs, **{ROTATION_SEED_PARAM: seed}))
 
     return dataclasses.replace(spec, key=seeded(spec.key), value=seeded(spec.value))
 

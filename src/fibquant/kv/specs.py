@@ -29,18 +29,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from fibquant.codecs.registry import Method, parse_method, reference_method
+from fibquant.codecs.registry import CodecSpec, parse_codec_spec, reference_codec_spec
 from fibquant.peers import PeerSpec, build_peer, is_peer, parse_peer, unavailable_reason
 
 
 @dataclass(frozen=True)
 class Side:
-    """The quantizer of one role: one of our codec methods or a peer."""
+    """The quantizer of one role: one of our codec specs or a peer."""
 
-    quantizer: Union[Method, PeerSpec]
+    quantizer: Union[CodecSpec, PeerSpec]
 
     def __post_init__(self) -> None:
-        if isinstance(self.quantizer, Method) and (self.quantizer.reference or self.quantizer.calibrated):
+        if isinstance(self.quantizer, CodecSpec) and (self.quantizer.reference or self.quantizer.calibrated):
             raise ValueError(f"{self.quantizer.spec}: a cache side needs a stand-alone codec (a calibration-free "
                              f"registered codec) or a peer; write 'fp' alone for the uncompressed cache")
 
@@ -74,7 +74,7 @@ class Side:
 
 
 def _parse_side(text: str) -> Side:
-    return Side(parse_peer(text) if is_peer(text) else parse_method(text))
+    return Side(parse_peer(text) if is_peer(text) else parse_codec_spec(text))
 
 
 def _fibquant_bits(side: "Side") -> Optional[float]:
@@ -150,14 +150,14 @@ class CacheSpec:
     @property
     def spec(self) -> str:
         if self.is_fp:
-            return reference_method().spec
+            return reference_codec_spec().spec
         return (self.key.spec if self.symmetric else f"{self.key.spec}/{self.value.spec}") + self.options
 
     @property
     def family(self) -> str:
         """fp, a codec family, a peer family, or 'kv' for different key and value quantizers."""
         if self.is_fp:
-            return reference_method().family
+            return reference_codec_spec().family
         if not self.symmetric:
             return "kv"
         return self.key.quantizer.family
@@ -168,7 +168,7 @@ class CacheSpec:
 
     def label(self, dim: int = 64) -> str:
         if self.is_fp:
-            return reference_method().label(dim)
+            return reference_codec_spec().label(dim)
         text = self.key.label(dim) if self.symmetric else f"K {self.key.label(dim)} / V {self.value.label(dim)}"
         return (text + (" centred" if self.centre else "") + (f" alloc={self.alloc}" if self.alloc else "")
                 + (" (decode)" if self.decode else "") + (f" heavy={self.heavy.text}" if self.heavy else ""))
@@ -317,7 +317,7 @@ def parse_cache_spec(text: str) -> CacheSpec:
         parsed = parse_cache_spec(base)
         return CacheSpec(parsed.key, parsed.value, **_parse_options(option_items, text))
     parts = text.split("/")
-    if len(parts) == 1 and not is_peer(text) and parse_method(text).reference:
+    if len(parts) == 1 and not is_peer(text) and parse_codec_spec(text).reference:
         return CacheSpec()
     if len(parts) > 2:
         raise ValueError(f"cache spec {text!r} has more than one '/': write KEY/VALUE")
@@ -333,8 +333,8 @@ def parse_cache_specs(texts) -> list[CacheSpec]:
     return [parse_cache_spec(t) for t in texts]
 
 
-def from_method(method: Method) -> CacheSpec:
-    """The symmetric cache spec of a `fibquant.codecs.registry.Method` (the reference, fp, stays fp)."""
+def from_codec_spec(method: CodecSpec) -> CacheSpec:
+    """The symmetric cache spec of a `fibquant.codecs.registry.CodecSpec` (the reference, fp, stays fp)."""
     return CacheSpec() if method.reference else CacheSpec(Side(method), Side(method))
 
 

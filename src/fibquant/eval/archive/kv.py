@@ -56,13 +56,13 @@ def measure_prefix_ttft(model, tokenizer, config: ArchiveKVConfig, workdir: Path
     from transformers import DynamicCache
 
     from fibquant.eval.kv_report import text_tokens
-    from fibquant.codecs.registry import parse_method
+    from fibquant.codecs.registry import parse_codec_spec
     from fibquant.kv.cache import CompressedCache
     from fibquant.kv.model import check_model_supported
     from fibquant.kv.persist.store import PersistentCache, save_cache
     from fibquant.kv.persist.prefix import prefill_with_prefix
 
-    codec = parse_method(config.method).build(check_model_supported(model)["head_dim"])
+    codec = parse_codec_spec(config.method).build(check_model_supported(model)["head_dim"])
     ids = text_tokens(tokenizer, config.text, config.prefix_tokens + config.suffix_tokens)
     prefix = ids[: config.prefix_tokens]
 

@@ -155,14 +155,14 @@ def build_cache(row: dict, bank: RVQBank, model, config: StudyConfig, info: dict
     """The cache of one study row (a DynamicCache for fp), attention on decoded codes."""
     from transformers import DynamicCache
 
-    from fibquant.codecs.registry import parse_method
+    from fibquant.codecs.registry import parse_codec_spec
     from fibquant.kv.cache import CompressedCache
     from fibquant.kv.layered import LayerwiseCompressedCache
 
     if row["kind"] == "fp":
         return DynamicCache()
     if row["kind"] == "fibquant":
-        codec = parse_method(row["spec"]).build(info["head_dim"])
+        codec = parse_codec_spec(row["spec"]).build(info["head_dim"])
         return CompressedCache.for_model(model, codec, codec, config.sink_tokens, config.recent_tokens,
                                          attention="decode")
     codecs = []
@@ -177,14 +177,14 @@ def build_cache(row: dict, bank: RVQBank, model, config: StudyConfig, info: dict
 def row_bytes(row: dict, bank: RVQBank, config: StudyConfig, info: dict) -> dict:
     """Bytes per token (marginal codes; with the fp16 exact window at 1024 and 8192 tokens) and
     the codebook side information, for one study row."""
-    from fibquant.codecs.registry import parse_method
+    from fibquant.codecs.registry import parse_codec_spec
 
     L, H, D = info["layers"], info["kv_heads"], info["head_dim"]
     fp16 = 2 * L * H * D * 2
     if row["kind"] == "fp":
         sizes, books = (2 * D, 2 * D), 0
     elif row["kind"] == "fibquant":
-        size = parse_method(row["spec"]).build(D).code_size
+        size = parse_codec_spec(row["spec"]).build(D).code_size
         sizes, books = (size, size), 0  # universal: identified by (d, k, N, seed), shipped with the package
     else:
         sizes = tuple(math.ceil(row[f"{r}_depth"] * math.ceil(math.log2(config.n_codewords)) / 8)

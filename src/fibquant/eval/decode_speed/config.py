@@ -44,16 +44,16 @@ class SpeedCache:
             return "DynamicCache"
         bits = f"{self.bits:g}b"
         if self.kind == "compressed":
-            return f"{self.method().style.name} {bits} ({self.attention})"
+            return f"{self.codec_spec().style.name} {bits} ({self.attention})"
         return f"QuantizedCache {self.family} {bits}"
 
-    def method(self):
-        """The registered codec method of one of ours (`fibquant.codecs.registry.Method`)."""
-        from fibquant.codecs.registry import parse_method
+    def codec_spec(self):
+        """The codec spec of one of ours (`fibquant.codecs.registry.CodecSpec`)."""
+        from fibquant.codecs.registry import parse_codec_spec
 
         if self.kind != "compressed":
             raise ValueError(f"{self.name} is not one of our compressed caches")
-        return parse_method(self.name.removesuffix(DECODE_OPTION))
+        return parse_codec_spec(self.name.removesuffix(DECODE_OPTION))
 
 
 def our_families() -> tuple[str, ...]:

@@ -112,9 +112,9 @@ class VllmCacheConfig:
 
 @functools.lru_cache(maxsize=None)
 def _codec(spec: str, head_dim: int):
-    from fibquant.codecs.registry import parse_method
+    from fibquant.codecs.registry import parse_codec_spec
 
-    return parse_method(spec).build(head_dim)
+    return parse_codec_spec(spec).build(head_dim)
 
 
 def active_config() -> VllmCacheConfig | None:
