@@ -6,7 +6,7 @@ from fibquant.kv.model import load_model
 from fibquant.eval.kv_report import text_tokens
 from fibquant.eval.needle import prefill
 from fibquant.codecs.fibquant import FibQuantCodec
-from fibquant.codebook.search import nearest_codeword
+from fibquant.codebook.nearest import nearest_codeword
 
 model, tok = load_model()
 ids = text_tokens(tok, "emma", 2048)

@@ -1,7 +1,7 @@
 """One decode step's attention on E8 shell codes alone, compact vs decomposed tables, against FibQuant (same bytes).
 
 A `CompressedLayer` ("codes", window 4 + 32) per cache: FibQuant.for_rate(b), FibQuant-E8 b through the step's
-own tables (at b <= 2 the compact ones, `codebook.e8shell.compact_point_tables`) and FibQuant-E8 b forced onto
+own tables (at b <= 2 the compact ones, `codebook.e8shell_tables.compact_point_tables`) and FibQuant-E8 b forced onto
 the decomposed tables (`point_tables`, the step before the compact ones; set through the step's plan cache),
 keys and values of --tokens Gaussian tokens, 1 batch row, --heads KV heads with 3 query heads each (SmolLM2);
 `attend_codes` for one query token, the three in turn within each of --repeats rounds, a 16 MB array summed
@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 import fibquant.kv.attention.numba_shells as numba_shells
-from fibquant.codebook.e8shell import point_tables
+from fibquant.codebook.e8shell_tables import point_tables
 from fibquant.codecs.e8shell import E8ShellCodec
 from fibquant.codecs.fibquant import FibQuantCodec
 from fibquant.kv.attention import attend_codes

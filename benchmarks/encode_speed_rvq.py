@@ -21,7 +21,7 @@ import time
 import torch
 
 from fibquant.codecs.fibquant import FibQuantCodec
-from fibquant.codecs.residual import ResidualFibQuantCodec
+from fibquant.codecs.fibrvq import FibRVQCodec
 from fibquant.codecs.turboquant import TurboQuantCodec
 from fibquant.eval.report import write_json
 from fibquant.paths import results_dir
@@ -49,7 +49,7 @@ def main(argv=None) -> int:
     for bits in (int(b) for b in args.rates.split(",")):
         codecs = {"TurboQuant": TurboQuantCodec(args.dim, bits), "FibQuant": FibQuantCodec.for_rate(args.dim, bits)}
         for beam in (int(w) for w in args.beams.split(",")):
-            codecs[f"FibQuant-RVQ w={beam}"] = ResidualFibQuantCodec(args.dim, stages=bits, beam=beam)
+            codecs[f"FibQuant-RVQ w={beam}"] = FibRVQCodec(args.dim, stages=bits, beam=beam)
         codes = {name: c.encode(x) for name, c in codecs.items()}  # warm-up (tables, numba compile)
         for c, code in zip(codecs.values(), codes.values()):
             c.decode(code)

@@ -47,7 +47,7 @@ from fibquant.codebook.e8shell import orbit_size, shell_leaders, shell_size, sig
 from fibquant.codecs.registry import parse_codec_spec
 from fibquant.eval.report import format_table, write_json
 from fibquant.paths import results_dir
-from fibquant.source import canonicalize, haar_rotation, sample_sphere
+from fibquant.canonical import canonicalize, haar_rotation, sample_sphere
 
 TEST_SEED = 987_654     # rvq_shapes.py's test vectors (no codebook construction uses it)
 TRAIN_SEED = 424_242    # the shell codes' radii are fitted on these, never on the test vectors

@@ -1,4 +1,4 @@
-"""Probe: is the loss of the needle at >= 10x in the needle's own tokens? A heavy tier (fibquant.kv.tier)
+"""Probe: is the loss of the needle at >= 10x in the needle's own tokens? A heavy tier (fibquant.kv.heavy)
 whose score is an oracle (the needle's token rows) against the same tier chosen by a calibration-free score.
 
 Usage: PYTHONPATH=src .venv/bin/python benchmarks/needle_oracle.py [--length 2048] [--seed 0]
@@ -16,7 +16,7 @@ import torch
 from fibquant.eval.needle import (NEEDLE, NeedleConfig, answer, build_trial, extract_answer, max_positions, prefill,
                                   token_ids)
 from fibquant.eval.report import write_json
-from fibquant.kv import tier
+from fibquant.kv import heavy
 from fibquant.kv.model import load_model
 from fibquant.kv.specs import parse_cache_spec
 

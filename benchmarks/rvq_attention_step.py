@@ -22,7 +22,7 @@ import time
 import torch
 
 from fibquant.codecs.fibquant import FibQuantCodec
-from fibquant.codecs.residual import ResidualFibQuantCodec
+from fibquant.codecs.fibrvq import FibRVQCodec
 from fibquant.eval.report import write_json
 from fibquant.kv.attention import attend_codes
 from fibquant.kv.cache import CompressedLayer
@@ -42,7 +42,7 @@ def main(argv=None) -> int:
     dim, rows = 64, []
     gen = torch.Generator().manual_seed(0)
     for bits in (int(b) for b in args.rates.split(",")):
-        codecs = {"FibQuant": FibQuantCodec.for_rate(dim, bits), "FibQuant-RVQ": ResidualFibQuantCodec(dim, stages=bits)}
+        codecs = {"FibQuant": FibQuantCodec.for_rate(dim, bits), "FibQuant-RVQ": FibRVQCodec(dim, stages=bits)}
         steps = {}
         for name, codec in codecs.items():
             layer = CompressedLayer(codec, codec, 4, 32, attention="codes")

@@ -18,7 +18,7 @@ from fibquant.codebook.residual import ResidualSpec, block_mse, load_residual
 from fibquant.codebook.residual_numba import fast_beam_search
 from fibquant.eval.report import write_json
 from fibquant.paths import results_dir
-from fibquant.source import sample_blocks
+from fibquant.canonical import sample_blocks
 
 
 def main(argv=None) -> int:

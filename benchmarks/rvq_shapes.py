@@ -18,7 +18,7 @@ import torch
 from fibquant.codecs.registry import parse_codec_spec
 from fibquant.eval.report import format_table, write_json
 from fibquant.paths import results_dir
-from fibquant.source import sample_sphere
+from fibquant.canonical import sample_sphere
 
 DEFAULT_SPECS = (
     "turboquant:b=2", "fibquant:b=2", "fibrvq:b=2", "fibrvq:k=16,s=4,n=256",

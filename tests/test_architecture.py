@@ -10,7 +10,7 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src"
 # Lowest first. A module may import its own layer and any layer below, never one above.
 LAYERS = (
-    ("fibquant._json", "fibquant._numba", "fibquant.paths", "fibquant.source", "fibquant.data"),
+    ("fibquant._json", "fibquant._numba", "fibquant.paths", "fibquant.canonical", "fibquant.data"),
     ("fibquant.codebook",),
     ("fibquant.codecs",),
     ("fibquant.archive", "fibquant.peers"),

@@ -128,7 +128,7 @@ def test_codebooks_load_lazily(monkeypatch):
 
 
 def test_shared_tensors_count_state_per_device_and_parts():
-    from fibquant.kv.layered import HeadwiseCodec
+    from fibquant.kv.headwise import HeadwiseCodec
     from fibquant.kv.accounting import codec_state_nbytes
 
     lowrank = _fitted("lowrank")

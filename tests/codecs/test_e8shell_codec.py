@@ -49,7 +49,7 @@ def test_encode_equals_the_leader_scan_at_3_and_4_bits(bits, nc):
 def test_d128_levels_round_trip_within_bounds(bits, bound):
     """d = 128 (the d = 64 shells, radii refitted on the canonical source in R^128): measured MSE per unit
     vector 0.1236 / 0.0854 / 0.0221 at 1.75 / 2 / 3 bits (FibQuant 0.1331 / 0.0960 / 0.0255), fresh vectors here."""
-    from fibquant.source import sample_sphere
+    from fibquant.canonical import sample_sphere
 
     codec = E8ShellCodec(128, bits)
     u = sample_sphere(2048, 128, seed=4242)

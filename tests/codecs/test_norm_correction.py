@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from fibquant.codebook.fast_search import numba_available
+from fibquant.codebook.numba_search import numba_available
 from fibquant.codecs import norm_correction
 from fibquant.codecs.fibquant import FibQuantCodec
 from fibquant.codecs.registry import parse_codec_spec
-from fibquant.source import sample_sphere
+from fibquant.canonical import sample_sphere
 
 pytestmark = pytest.mark.skipif(not numba_available(), reason="numba is not installed")
 

@@ -6,7 +6,7 @@ import torch
 
 from fibquant.codecs.base import config_matches
 from fibquant.codecs.registry import load_codec, parse_codec_spec
-from fibquant.source import haar_rotation
+from fibquant.canonical import haar_rotation
 
 FAMILIES = ("fibquant:b=2", "turboquant:b=2", "fibrvq:b=2", "e8shell:b=2,nc=1")
 
@@ -37,11 +37,11 @@ def test_rotation_seed_changes_only_the_rotation(spec, tmp_path):
 def test_rotation_seed_rejects_bad_values(bad):
     from fibquant.codecs.e8shell import E8ShellCodec
     from fibquant.codecs.fibquant import FibQuantCodec
-    from fibquant.codecs.residual import ResidualFibQuantCodec
+    from fibquant.codecs.fibrvq import FibRVQCodec
     from fibquant.codecs.turboquant import TurboQuantCodec
 
     for build in (lambda: FibQuantCodec(64, 4, 256, rotation_seed=bad), lambda: TurboQuantCodec(64, 2, rotation_seed=bad),
-                  lambda: ResidualFibQuantCodec(64, rotation_seed=bad), lambda: E8ShellCodec(64, 2, rotation_seed=bad)):
+                  lambda: FibRVQCodec(64, rotation_seed=bad), lambda: E8ShellCodec(64, 2, rotation_seed=bad)):
         with pytest.raises(ValueError, match="rotation_seed"):
             build()
     if not isinstance(bad, str):

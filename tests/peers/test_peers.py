@@ -19,7 +19,7 @@ from fibquant.peers.nexus import nexus_block_points, nexus_bytes
 from fibquant.eval.perplexity import PerplexityConfig, make_cache, window_nll
 from fibquant.kv.cache import CompressedCache
 from fibquant.kv.accounting import cache_nbytes
-from fibquant.kv.roundtrip import RoundTripCache, RoundTripLayer
+from fibquant.kv.roundtrip_cache import RoundTripCache, RoundTripLayer
 
 DIM = 16
 

@@ -35,7 +35,7 @@ from fibquant.codecs.base import Codec, PlotStyle, read_codec_file
 REGISTRY = (
     "fibquant.codecs.identity.IdentityCodec",
     "fibquant.codecs.fibquant.FibQuantCodec",
-    "fibquant.codecs.residual.ResidualFibQuantCodec",
+    "fibquant.codecs.fibrvq.FibRVQCodec",
     "fibquant.codecs.e8shell.E8ShellCodec",
     "fibquant.codecs.turboquant.TurboQuantCodec",
     "fibquant.codecs.integer.IntCodec",

@@ -42,10 +42,10 @@ through `update` calls it when a layer first has tokens to encode and every laye
 (`num_layers`, from the model with `for_model`) holds tokens; until then tokens stay exact
 (a layer that had to wait encodes its backlog as soon as the codecs are chosen).
 
-A heavy tier (`tier=`, a `fibquant.kv.tier.HeavyTier`): each layer is a `TieredLayer` that also
+A heavy tier (`tier=`, a `fibquant.kv.heavy.HeavyTier`): each layer is a `TieredLayer` that also
 stores a fixed fraction of its coded tokens per KV head (the highest by a score of the tokens
 themselves, e.g. key norm) at a second, higher rate, as a second fixed-size code stream with an int32
-index; reads patch those rows in, and attention runs on the decoded floats (see `fibquant.kv.tier`).
+index; reads patch those rows in, and attention runs on the decoded floats (see `fibquant.kv.heavy`).
 
 Two ways to read the coded part (`attention=`):
 
@@ -190,10 +190,10 @@ class CompressedCache(Cache):
         self.sliding_exact = sliding_exact
         self.layer_windows = _check_layer_windows(layer_windows)
         if tier is not None:
-            from fibquant.kv.tier import HeavyTier
+            from fibquant.kv.heavy import HeavyTier
 
             if not isinstance(tier, HeavyTier):
-                raise ValueError(f"tier must be a fibquant.kv.tier.HeavyTier, got {type(tier).__name__}")
+                raise ValueError(f"tier must be a fibquant.kv.heavy.HeavyTier, got {type(tier).__name__}")
             if centre:
                 raise ValueError("a heavy tier does not combine with centre=True")
             if self.layer_windows is not None:
@@ -242,7 +242,7 @@ class CompressedCache(Cache):
             layer = CompressedSlidingLayer(key, value, window, self.recent_tokens, self.attention, self.encode_batch,
                                            self.centre, exact_window=self.sliding_exact)
         elif self.tier is not None:
-            from fibquant.kv.tier import TieredLayer
+            from fibquant.kv.heavy import TieredLayer
 
             layer = TieredLayer(key, value, self.sink_tokens, self.recent_tokens, self.tier, self.attention,
                                 self.encode_batch)

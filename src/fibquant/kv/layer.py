@@ -284,7 +284,7 @@ class CompressedLayer(CacheLayerMixin):
     def _store_codes(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Encode tokens leaving the window ([B, H, n, D]; centred here when the layer centres) and
         append their code rows, `ENCODE_CHUNK_ROWS` vectors per encode call (each row is encoded on its
-        own: the codes do not depend on the split). A tiered layer (`fibquant.kv.tier`) overrides this."""
+        own: the codes do not depend on the split). A tiered layer (`fibquant.kv.heavy`) overrides this."""
         n = keys.shape[-2]
         # the code rows' long-lived storage first, below the encode's transient buffers (CodeBuffer.reserve)
         self.key_buffer.reserve(n)

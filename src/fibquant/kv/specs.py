@@ -12,12 +12,12 @@ per-head mean (`CompressedCache(centre=True)`); `@alloc=SIGNAL` (FibQuant `b=` r
 chooses one rate per layer and role from the cached tokens themselves (`fibquant.kv.allocation`:
 mse, attn, attn-keys, ends, uniform) with the base rate's bytes as each role's average budget, e.g.
 `fibquant:b=1.5/fibquant:b=1@centre@alloc=mse`; `@heavy=F[:SCORE[:RATE]]` adds a second, higher-rate
-tier for the fraction F of coded tokens per layer and KV head with the highest SCORE (`fibquant.kv.tier`:
+tier for the fraction F of coded tokens per layer and KV head with the highest SCORE (`fibquant.kv.heavy`:
 knorm, vnorm, kerr, kverr; default knorm) at RATE (FibQuant bits, 'fp' for fp16, or KEY/VALUE, e.g.
 `fibquant:b=1.5/fibquant:b=1@heavy=0.02:knorm:4`; default 4), its rows and index counted in the bytes. Without options a spec means what it always did.
 
 Our codecs on both sides give a `CompressedCache` (codes stored, attention on the codes); a peer on
-either side gives a `RoundTripCache` (`fibquant.kv.roundtrip`) with the same exact window (sinks +
+either side gives a `RoundTripCache` (`fibquant.kv.roundtrip_cache`) with the same exact window (sinks +
 recent tokens), so every cache compresses the same positions and only the quantizer differs.
 
 Bytes are counted per stored vector from each side's format (`bytes_per_vector`): our codecs'
@@ -104,7 +104,7 @@ class CacheSpec:
     centre: bool = False
     alloc: Optional[str] = None
     decode: bool = False
-    heavy: Optional[object] = None  # a fibquant.kv.tier.HeavySpec
+    heavy: Optional[object] = None  # a fibquant.kv.heavy.HeavySpec
 
     def __post_init__(self) -> None:
         if (self.key is None) != (self.value is None):
@@ -114,10 +114,10 @@ class CacheSpec:
             raise ValueError("@centre, @alloc, @decode and @heavy apply to our codecs on both sides (a "
                              "CompressedCache), not to fp or a peer")
         if self.heavy is not None:
-            from fibquant.kv.tier import HeavySpec
+            from fibquant.kv.heavy import HeavySpec
 
             if not isinstance(self.heavy, HeavySpec):
-                raise ValueError(f"heavy must be a fibquant.kv.tier.HeavySpec, got {type(self.heavy).__name__}")
+                raise ValueError(f"heavy must be a fibquant.kv.heavy.HeavySpec, got {type(self.heavy).__name__}")
             if self.centre:
                 raise ValueError("@heavy does not combine with @centre")
         if self.alloc is not None:
@@ -274,7 +274,7 @@ class CacheSpec:
                                               model=model, centre=centre, allocate=allocate, tier=tier)
         if centre:
             raise ValueError(f"{self.spec}: centring applies to our codecs (CompressedCache), not to a peer")
-        from fibquant.kv.roundtrip import RoundTripCache
+        from fibquant.kv.roundtrip_cache import RoundTripCache
 
         def as_roundtrip(quantizer):
             if hasattr(quantizer, "encode"):  # one of our codecs
@@ -297,7 +297,7 @@ def _parse_options(items: list[str], text: str) -> dict:
         elif name == "decode" and not eq and "decode" not in options:
             options["decode"] = True
         elif name == "heavy" and eq and value.strip() and "heavy" not in options:
-            from fibquant.kv.tier import HeavySpec
+            from fibquant.kv.heavy import HeavySpec
 
             options["heavy"] = HeavySpec.parse(value.strip())
         else:

@@ -5,7 +5,7 @@ Each peer is one *vector quantizer side* (keys or values): a round trip
 the absolute position of x's first token, for peers that undo RoPE) and the bytes its stored
 format spends per D-dimensional vector, every stored bit counted at a fixed rate (indices at
 their fixed-rate size, norms, scales). None of these packages exposes byte codes we could
-store, so the caches hold their round trips (`fibquant.kv.roundtrip.RoundTripCache`, with
+store, so the caches hold their round trips (`fibquant.kv.roundtrip_cache.RoundTripCache`, with
 the same exact window as `CompressedCache`) and the bytes are derived from each package's own
 documented format (`bytes_note`).
 

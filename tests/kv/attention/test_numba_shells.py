@@ -1,6 +1,6 @@
 """The E8 shell-code decode step (kv/attention/numba_shells.py: per-query tables over the compact tables' halves
 at b <= 2, each block decoded in the kernel above) against the torch path on decoded floats and the spec (decode
-every code, one softmax), to float32 tolerance; the block decoders (codebook/e8shell.py `point_py` through
+every code, one softmax), to float32 tolerance; the block decoders (codebook/e8shell_tables.py `point_py` through
 `point_tables`, `compact_point_py` through `compact_point_tables`) equal to `unrank` exactly, and the compact
 tables' words naming each point's halves."""
 from __future__ import annotations
@@ -13,11 +13,12 @@ import torch
 from _kv_helpers import check_sinks_and_sliding_window, ragged_float_mask, decode_all_attention, fast_and_torch_paths, filled_coded_layer
 
 import fibquant.kv.attention.numba_shells as numba_shells
-from fibquant.codebook.e8shell import (COMPACT_MAX_POINTS, CompactPointTables, ShellPointTables, compact_point_tables,
-                                      decode_points, point_tables, shell_size, shell_tables, unrank)
+from fibquant.codebook.e8shell import shell_size, shell_tables, unrank
+from fibquant.codebook.e8shell_tables import (COMPACT_MAX_POINTS, CompactPointTables, ShellPointTables,
+                                              compact_point_tables, decode_points, point_tables)
 from fibquant.codecs.e8shell import E8ShellCodec, shipped_levels
 from fibquant.codecs.fibquant import FibQuantCodec
-from fibquant.codecs.residual import ResidualFibQuantCodec
+from fibquant.codecs.fibrvq import FibRVQCodec
 from fibquant.kv.attention import attend_codes
 from fibquant.kv.cache import CompressedLayer
 
@@ -142,7 +143,7 @@ def test_shell_step_d128(monkeypatch, shell_calls, groups):
 def test_what_the_shell_kernel_does_not_take(monkeypatch, shell_calls):
     """One role not a shell code, > 8 query heads per KV head, a prefill chunk: other paths (still = the spec)."""
     assert numba_shells.shell_plan(FibQuantCodec(DIM, 4, 256)) is None
-    assert numba_shells.shell_plan(ResidualFibQuantCodec(DIM, stages=2)) is None
+    assert numba_shells.shell_plan(FibRVQCodec(DIM, stages=2)) is None
     mixed = CompressedLayer(E8ShellCodec(DIM, 2), FibQuantCodec(DIM, 4, 256), 4, 8, attention="codes")
     generator = torch.Generator().manual_seed(1)
     for chunk in (20, 1):

@@ -7,7 +7,7 @@ exact, every older token read back from its codes) with a cache built from:
 - the universal FibQuant codebook (no calibration) at a few rates;
 - learned RVQ, 256 codewords per stage, depth 1-4, fitted on `calibration_text` (another
   novel): "pooled" = one codebook set per role for every layer and KV head, "per head" = one
-  per (layer, KV head) (`kv/layered.py`: HeadwiseCodec in a LayerwiseCompressedCache);
+  per (layer, KV head) (`kv/headwise.py`: HeadwiseCodec in a LayerwiseCompressedCache);
 - K-only / V-only: one role per-head RVQ, the other kept as fp16 (`Fp16Codec`);
 - hybrids K{a}/V{b}: keys at depth a, values at depth b.
 
@@ -110,7 +110,7 @@ class RVQBank:
     def codecs(self, role: str, depth: int, kind: str) -> list:
         """One codec per layer for `role` at `depth` stages; kind 'pooled' or 'head'."""
         from fibquant.codecs.rvq import RVQCodec
-        from fibquant.kv.layered import HeadwiseCodec
+        from fibquant.kv.headwise import HeadwiseCodec
 
         if kind == "pooled":
             return [RVQCodec(self.pooled[role][:depth])] * self.layers
@@ -123,7 +123,7 @@ class RVQBank:
 
 
 def _fp16_codecs(layers: int, dim: int) -> list:
-    from fibquant.kv.layered import Fp16Codec
+    from fibquant.kv.headwise import Fp16Codec
 
     return [Fp16Codec(dim)] * layers
 
@@ -157,7 +157,7 @@ def build_cache(row: dict, bank: RVQBank, model, config: StudyConfig, info: dict
 
     from fibquant.codecs.registry import parse_codec_spec
     from fibquant.kv.cache import CompressedCache
-    from fibquant.kv.layered import LayerwiseCompressedCache
+    from fibquant.kv.headwise import LayerwiseCompressedCache
 
     if row["kind"] == "fp":
         return DynamicCache()

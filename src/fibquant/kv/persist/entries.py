@@ -181,7 +181,7 @@ def _tensors_sha256(tensors: dict) -> str:
 def codec_mismatch(entry: "Entry", codec: Codec) -> Optional[str]:
     """Why `codec` (a role codec of a cache) is not the codec of a manifest entry, or None when
     it is: same family and config, and the same decoding state (per KV head for a per-head entry)."""
-    from fibquant.kv.layered import HeadwiseCodec
+    from fibquant.kv.headwise import HeadwiseCodec
 
     specs = entry_specs(entry)
     codecs = list(codec.codecs) if isinstance(codec, HeadwiseCodec) else [codec]
@@ -227,7 +227,7 @@ def _read_codec_file(cls, path: Path, expected: str) -> Codec:
 
 # ---------------------------------------------------------------------------- codec entries
 def entry_from_codec(codec: Codec, root: Path, written: dict) -> Entry:
-    from fibquant.kv.layered import HeadwiseCodec
+    from fibquant.kv.headwise import HeadwiseCodec
 
     if isinstance(codec, HeadwiseCodec):
         return [CodecEntry.from_codec(c, root, written) for c in codec.codecs]
@@ -275,7 +275,7 @@ class CodecBuilder:
 
     def entry(self, entry: Entry) -> Codec:
         if isinstance(entry, list):
-            from fibquant.kv.layered import HeadwiseCodec
+            from fibquant.kv.headwise import HeadwiseCodec
 
             return HeadwiseCodec([self.spec(spec) for spec in entry])
         return self.spec(entry)
@@ -283,7 +283,7 @@ class CodecBuilder:
 
 def plain_codecs(codec: Codec) -> list[Codec]:
     """The codecs a role codec is made of (the heads of a `HeadwiseCodec`, else itself)."""
-    from fibquant.kv.layered import HeadwiseCodec
+    from fibquant.kv.headwise import HeadwiseCodec
 
     return list(codec.codecs) if isinstance(codec, HeadwiseCodec) else [codec]
 

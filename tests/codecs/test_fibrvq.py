@@ -17,8 +17,8 @@ import torch
 from fibquant.codebook import residual as R
 from fibquant.codecs.fibquant import FibQuantCodec
 from fibquant.codecs.registry import parse_codec_spec
-from fibquant.codecs.residual import ResidualFibQuantCodec
-from fibquant.source import sample_blocks, sample_sphere
+from fibquant.codecs.fibrvq import FibRVQCodec
+from fibquant.canonical import sample_blocks, sample_sphere
 
 
 def _random_stages(stages=3, n=8, k=4, seed=0):
@@ -46,7 +46,7 @@ def test_exhaustive_search_prefers_the_lowest_flat_index_on_ties():
 
 
 def test_beam_on_shipped_stages_within_documented_bound_of_exhaustive():
-    codec = ResidualFibQuantCodec.from_spec(64, bits=2)
+    codec = FibRVQCodec.from_spec(64, bits=2)
     stages = codec.codebook
     x = sample_blocks(192, 64, 8, seed=77)
     reference = R.exhaustive_search(x, stages)
@@ -66,7 +66,7 @@ def test_exhaustive_search_refuses_huge_products():
 
 @pytest.mark.parametrize("bits,size", [(1, 10), (2, 18), (3, 26), (4, 34)])
 def test_rate_accounting(bits, size):
-    codec = ResidualFibQuantCodec.from_spec(64, bits=bits)
+    codec = FibRVQCodec.from_spec(64, bits=bits)
     assert codec.code_size == size  # 2-byte norm + (64/8) * bits * 8 index bits
     assert codec.bits_per_coordinate == bits
     assert codec.stored_bits_per_coordinate == pytest.approx(bits + 0.25)
@@ -76,7 +76,7 @@ def test_rate_accounting(bits, size):
 
 
 def test_round_trip_shapes_and_unpacked_layout():
-    codec = ResidualFibQuantCodec(64, stages=2)
+    codec = FibRVQCodec(64, stages=2)
     x = torch.randn(3, 5, 64, generator=torch.Generator().manual_seed(2)) * 3
     codes = codec.encode(x)
     assert codes.shape == (3, 5, 18) and codes.dtype == torch.uint8
@@ -98,24 +98,24 @@ def test_bad_specs_and_configs():
         with pytest.raises(ValueError, match=match):
             parse_codec_spec(text)
     with pytest.raises(ValueError, match="divide"):
-        ResidualFibQuantCodec(64, k=6)
+        FibRVQCodec(64, k=6)
     # b= with k=: b * k / 8 stages of 256 (the same bytes as b= alone)
     for text, shape in (("fibrvq:b=2,k=8", (8, 2)), ("fibrvq:b=2,k=16", (16, 4)), ("fibrvq:b=4,k=16", (16, 8))):
         codec = parse_codec_spec(text).build(64)
         assert (codec.k, codec.stages, codec.n_codewords) == (*shape, 256)
         assert codec.code_size == parse_codec_spec(text.split(",")[0]).build(64).code_size
     with pytest.raises(ValueError, match="beam"):
-        ResidualFibQuantCodec(64, beam=0)
+        FibRVQCodec(64, beam=0)
     with pytest.raises(ValueError, match="stages"):
-        ResidualFibQuantCodec(64, stages=0)
+        FibRVQCodec(64, stages=0)
     with pytest.raises(ValueError, match="norm_correction"):
-        ResidualFibQuantCodec(64, norm_correction=1)
+        FibRVQCodec(64, norm_correction=1)
     with pytest.raises(ValueError, match="beam"):
         R.beam_search(torch.zeros(2, 8), torch.zeros(2, 4, 8), 0)
     with pytest.raises(ValueError, match="blocks"):
         R.beam_search(torch.zeros(2, 4), torch.zeros(2, 4, 8), 2)
     with pytest.raises(ValueError, match="fp16"):
-        ResidualFibQuantCodec(64).encode(torch.full((1, 64), 1e5))
+        FibRVQCodec(64).encode(torch.full((1, 64), 1e5))
 
 
 def test_missing_codebook_is_reported_not_built(tmp_path, monkeypatch):
@@ -127,7 +127,7 @@ def test_missing_codebook_is_reported_not_built(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("codec", [FibQuantCodec.for_rate(64, 2, norm_correction=True),
-                                   ResidualFibQuantCodec(64, stages=2, norm_correction=True)],
+                                   FibRVQCodec(64, stages=2, norm_correction=True)],
                          ids=["fibquant", "fibrvq"])
 def test_norm_correction_keeps_the_norm_at_zero_extra_bytes(codec):
     plain = type(codec)(**{**codec.config.__dict__, "norm_correction": False})
@@ -189,11 +189,11 @@ def test_a_4bit_fibquant_file_saved_without_norm_correction_keeps_it_off(tmp_pat
 def test_save_load_round_trip(tmp_path):
     from fibquant.codecs.registry import load_codec
 
-    codec = ResidualFibQuantCodec(64, stages=2, beam=8, norm_correction=True)
+    codec = FibRVQCodec(64, stages=2, beam=8, norm_correction=True)
     codec.save(tmp_path / "c.safetensors")
     again = load_codec(tmp_path / "c.safetensors")
     x = torch.randn(10, 64, generator=torch.Generator().manual_seed(4))
-    assert isinstance(again, ResidualFibQuantCodec) and again.config == codec.config
+    assert isinstance(again, FibRVQCodec) and again.config == codec.config
     assert torch.equal(again.encode(x), codec.encode(x))
 
 
@@ -218,7 +218,7 @@ def test_shipped_stages_match_their_build_record(k, stages):
     book, meta = store.read_file(path)
     assert book.shape == (stages, 256, k) and meta["recipe"] == R.RECIPE
     u = sample_sphere(160, 64, seed=4343)
-    codec = ResidualFibQuantCodec(64, k=k, stages=stages)  # beam 16, the construction's
+    codec = FibRVQCodec(64, k=k, stages=stages)  # beam 16, the construction's
     fresh = float(((codec.roundtrip(u) - u) ** 2).sum(1).mean())
     assert fresh < 1.06 * float(meta["total_mse"]), (fresh, meta["total_mse"])
 
@@ -232,7 +232,7 @@ def test_compressed_cache_round_trip_with_decode_fallback():
 
     model = tiny_llama(head_dim=64)
     ids = torch.randint(0, 97, (1, 24), generator=torch.Generator().manual_seed(6))
-    codec = ResidualFibQuantCodec(64, stages=2)
+    codec = FibRVQCodec(64, stages=2)
     cache, dynamic = CompressedCache(codec, codec, sink_tokens=2, recent_tokens=4), DynamicCache()
     with torch.no_grad():
         model(ids, **cache_kwarg(model, dynamic), use_cache=True)
