@@ -104,7 +104,7 @@ def corrected_norm_bytes(x: np.ndarray, index: np.ndarray, sq_norms64: np.ndarra
     if n and float(hi32.max()) >= FP16_MAX:
         return None
     # numpy's float32 -> float16 rounding equals torch's (round to nearest even; checked once for every float32
-    # in [0, FP16_MAX], sampled by tests/codebook/test_search_numba.py::test_numpy_fp16_norm_bytes_match_torch)
+    # in [0, FP16_MAX], sampled by tests/codebook/test_search_kernels.py::test_numpy_fp16_norm_bytes_match_torch)
     lo16, hi16 = lo32.astype(np.float16).view(np.uint16), hi32.astype(np.float16).view(np.uint16)
     if not np.array_equal(lo16, hi16):
         return None
