@@ -108,3 +108,20 @@ def ragged_float_mask(batch, query_heads, length, generator):
     mask = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
     mask[0] += torch.randn(mask[0].shape, generator=generator)
     return mask
+
+
+def edit_manifest(path, edit) -> dict:
+    """Apply `edit(manifest dict)` to a saved cache's manifest.json and re-sign its field checksums
+    (a deliberate edit, e.g. making an older-format file); returns the edited dict."""
+    import json
+    from pathlib import Path
+
+    from fibquant.archive.metadata import with_checksums
+
+    file = Path(path) / "manifest.json"
+    data = json.loads(file.read_text())
+    data.pop("checksums", None)
+    edit(data)
+    data = with_checksums(data) if data.get("version", 0) >= 4 else data
+    file.write_text(json.dumps(data))
+    return data
