@@ -226,6 +226,9 @@ class PersistentCacheReader:
         a centred cache's means); a `LayerwiseCompressedCache` for per-layer codecs.
 
         With `model`, the attention is set up as `CompressedCache.for_model` does ("codes" by default)."""
+        if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {device!r}: CUDA is not available here (torch {torch.__version__}); "
+                             "load on 'cpu'")
         m = self.manifest
         key_codec, value_codec = self.codecs
         attention = attention or ("codes" if model is not None else "decode")
