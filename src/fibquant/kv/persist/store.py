@@ -137,12 +137,12 @@ class PersistentCache(PersistentCacheReader):
         if mode not in ("r", "a"):
             raise ValueError(f"mode must be 'r' or 'a', got {mode!r}")
         path = Path(path)
-        if path.is_file():
-            raise ValueError(f"{path} is a file, not a saved KV cache (a directory)")
-        if not path.exists():
-            raise ValueError(f"{path}: no saved KV cache here (no such directory)")
-        lock = WriterLock.acquire(path) if mode == "a" else None
+        lock = WriterLock.acquire(path) if mode == "a" and path.parent.is_dir() else None
         try:
+            if path.is_file():
+                raise ValueError(f"{path} is a file, not a saved KV cache (a directory)")
+            if not path.exists():
+                raise ValueError(f"{path}: no saved KV cache here (no such directory)")
             return cls._open(path, mode, model, durable, lock)
         except BaseException:
             if lock is not None:
