@@ -54,7 +54,7 @@ import torch
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 FP16_MAX = float(torch.finfo(torch.float16).max)
 FORMAT_NAME = "fibquant-codec"
-CHUNK_ROWS = 1 << 16  # rows encoded / decoded per step of a large batch (bounded working memory)
+CHUNK_ROWS = 1 << 14  # rows encoded / decoded per step of a large batch (bounded working memory)
 T = TypeVar("T")
 
 
