@@ -486,7 +486,10 @@ class Archive:
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
-        self.close(discard=exc_type is not None and self._building is not None)
+        # An exception discards a new archive that replaces another (the old one stays) or holds
+        # nothing sealed yet; sealed symbols of a new file are kept, as a crash would keep them.
+        self.close(discard=exc_type is not None and self._building is not None
+                   and (not self._lock_only or self._sealed == 0))
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"{len(self)} symbols"

@@ -273,7 +273,9 @@ class CodeArchive:
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
-        self.close(discard=exc_type is not None and self._building is not None)
+        # As `Archive`: discard a replacement, or a new archive with nothing sealed.
+        self.close(discard=exc_type is not None and self._building is not None
+                   and (self._building != self.path or self.indices._sealed == 0))  # noqa: SLF001
 
 
 def write_layout(path: Path, layout: CodeLayout, durable: bool = False) -> None:
