@@ -191,6 +191,9 @@ class Codec(ABC):
     fibquant_code: ClassVar[bool] = False
     spec_params: ClassVar[tuple[SpecParam, ...]] = ()
     style: ClassVar[Optional[PlotStyle]] = None
+    # decode refuses codes that decode to NaN/Inf (corrupt norm or scale bytes); False for a codec
+    # whose codes may hold infinities by design (the saturating fp16 codec of the K/V studies)
+    finite_decode: ClassVar[bool] = True
 
     config: Any = None
     dim: int
@@ -369,7 +372,7 @@ class Codec(ABC):
 
     def _checked_decode(self, flat: torch.Tensor) -> torch.Tensor:
         x = self._decode_flat(flat)
-        if not _all_finite(x):
+        if self.finite_decode and not _all_finite(x):
             raise ValueError(f"{type(self).__name__}.decode: codes decode to NaN/Inf (a stored norm or scale is "
                              "not a finite number: corrupt codes)")
         return x
