@@ -3,14 +3,12 @@ and leaves nothing behind; `cache info` verifies the payload and reports a recov
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from _kv_helpers import tiny_llama
+from _kv_helpers import held_by_another_process, tiny_llama
 from fibquant.archive import Archive
 from fibquant.cli import main
 from fibquant.codecs.fibquant import FibQuantCodec
@@ -19,7 +17,6 @@ from fibquant.kv.cache import CompressedCache
 from fibquant.kv.model import cache_kwarg
 from fibquant.kv.persist.store import save_cache
 
-SRC = Path(__file__).resolve().parents[2] / "src"
 UNWRITABLE = "/proc/fibquant-out"  # /proc takes no new files, even for root
 
 
@@ -116,20 +113,12 @@ def test_archive_pack_refuses_while_another_process_writes(tmp_path, capsys):
     source.write_bytes(b"hello world")
     assert main(["archive", "pack", str(source), str(target)]) == 0
     before = target.read_bytes()
-    holder = subprocess.Popen(
-        [sys.executable, "-c", f"import sys; sys.path[:0] = [{str(SRC)!r}]\nfrom fibquant.archive import Archive\n"
-         f"a = Archive.open({str(target)!r}, 'a')\nprint('locked', flush=True)\nsys.stdin.read()\na.close()"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "locked"
+    with held_by_another_process(f"from fibquant.archive import Archive\ns = Archive.open({str(target)!r}, 'a')"):
         capsys.readouterr()
         err = _one_line_error(capsys, ["archive", "pack", str(source), str(target), "--overwrite"])
         assert f"{target} is being written by another process" in err
         with Archive.open(target) as reader:  # readers are not blocked
             assert len(reader) == len(b"hello world")
-    finally:
-        holder.stdin.close()
-        holder.wait(timeout=60)
     assert target.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt", "out.fqa"]
 
@@ -149,3 +138,15 @@ def test_archive_overwrite_replaces_only_when_complete(tmp_path):
         archive.append([7])
     with Archive.open(target) as archive:
         assert archive.read().tolist() == [7]
+
+
+@pytest.mark.parametrize("argv", [["cache", "generate", "{c}"], ["cache", "save", "{c}", "--prompt", "hi", "--overwrite"]])
+def test_a_second_cache_writer_is_refused_before_the_model_loads(saved, tmp_path, capsys, argv):
+    import shutil
+
+    path = tmp_path / "c"
+    shutil.copytree(saved, path)
+    opening = f"from fibquant.kv.persist.store import PersistentCache\ns = PersistentCache.open({str(path)!r}, 'a')"
+    with held_by_another_process(opening):
+        err = _one_line_error(capsys, [arg.format(c=path) for arg in argv])
+        assert f"{path} is being written by another process" in err

@@ -26,6 +26,8 @@ def _prompt_ids(args, tokenizer):
 
 def _check_save(args) -> None:
     """Every argument of `cache save` checked before the model loads."""
+    from fibquant.archive.writer import WriterLock
+
     if (args.prompt is None) == (args.text is None):
         raise ValueError("give the prompt with --prompt STRING or --text NOVEL (with --tokens N), not both")
     if args.prompt is not None and not args.prompt.strip():
@@ -34,6 +36,7 @@ def _check_save(args) -> None:
     if args.sink_tokens < 0 or args.recent_tokens < 0:
         raise ValueError("--sink-tokens and --recent-tokens must be >= 0")
     check_output(args.output, args.overwrite)
+    WriterLock.acquire(args.output).release()  # another writer at work: refused before the model loads
 
 
 def _save(args) -> int:
@@ -75,6 +78,7 @@ def _info(args) -> int:
 def _generate(args) -> int:
     from pathlib import Path
 
+    from fibquant.archive.writer import WriterLock
     from fibquant.kv.persist.store import PersistentCache
 
     check_positive(max_new_tokens=args.max_new_tokens, checkpoint_every=args.checkpoint_every)
@@ -84,6 +88,7 @@ def _generate(args) -> int:
         with PersistentCache.open(args.cache) as store:  # the folder and its manifest, before the model loads
             stored = len(store.tokens)
         check_folder_writable(Path(args.cache))
+        WriterLock.acquire(args.cache).release()  # another writer at work: refused before the model loads
         return _resume(args, stored)
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _kv_helpers import edit_manifest, tiny_llama
+from _kv_helpers import edit_manifest, held_by_another_process, tiny_llama
 from fibquant.archive import RecoveryWarning
 from fibquant.archive.writer import StoreLockedError
 from fibquant.codecs.fibquant import FibQuantCodec
@@ -147,22 +147,14 @@ def test_a_second_writer_is_refused_and_readers_are_not(model, reference, tmp_pa
     path = tmp_path / "c"
     shutil.copytree(reference[0], path)
     before = digest(path)
-    holder = subprocess.Popen(
-        [sys.executable, "-c", f"import sys; sys.path[:0] = [{str(SRC)!r}]\n"
-         "from fibquant.kv.persist.store import PersistentCache\n"
-         f"store = PersistentCache.open({str(path)!r}, 'a')\nprint('locked', flush=True)\nsys.stdin.read()\nstore.close()"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "locked"
+    opening = f"from fibquant.kv.persist.store import PersistentCache\ns = PersistentCache.open({str(path)!r}, 'a')"
+    with held_by_another_process(opening):
         for write in (lambda: PersistentCache.open(path, "a"), lambda: resume_generate(model, path, max_new_tokens=3),
                       lambda: _generate(model, path, overwrite=True)):
             with pytest.raises(StoreLockedError, match=f"{path}.* is being written by another process"):
                 write()
         with PersistentCache.open(path) as reader:  # readers take no lock
             assert torch.equal(reader.token_ids(), reference[1])
-    finally:
-        holder.stdin.close()
-        holder.wait(timeout=60)
     assert digest(path) == before  # the refused writers changed nothing
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]  # the lock file went with its holder
     with PersistentCache.open(path, "a"):  # free again
