@@ -3,7 +3,6 @@ and leaves nothing behind; `cache info` verifies the payload and reports a recov
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 import torch
