@@ -1,6 +1,7 @@
 """Shared helpers for the KV-cache tests: a tiny random Llama and a process-wide real model."""
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import pytest
@@ -106,3 +107,39 @@ def ragged_float_mask(batch, query_heads, length, generator):
     mask = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
     mask[0] += torch.randn(mask[0].shape, generator=generator)
     return mask
+
+
+def edit_manifest(path, edit) -> dict:
+    """Apply `edit(manifest dict)` to a saved cache's manifest.json and re-sign its field checksums
+    (a deliberate edit, e.g. making an older-format file); returns the edited dict."""
+    import json
+    from pathlib import Path
+
+    from fibquant.archive.metadata import with_checksums
+
+    file = Path(path) / "manifest.json"
+    data = json.loads(file.read_text())
+    data.pop("checksums", None)
+    edit(data)
+    data = with_checksums(data) if data.get("version", 0) >= 4 else data
+    file.write_text(json.dumps(data))
+    return data
+
+
+@contextlib.contextmanager
+def held_by_another_process(opening: str):
+    """A child process runs `opening` (Python that opens a store for writing as `s`, e.g.
+    "s = PersistentCache.open(path, 'a')" after its imports) and holds it until the block ends."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    code = f"import sys\nsys.path[:0] = [{src!r}]\n{opening}\nprint('locked', flush=True)\nsys.stdin.read()\ns.close()"
+    holder = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        yield holder
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)

@@ -28,6 +28,7 @@ from .floatmap import FloatMapCoder
 from .format import (HEADER_SIZE, RECORD_HEADER_SIZE, ArchiveCorruptError, ArchiveError, Header, RecoveryWarning,
                      pack_record, scan_records, unpack_header)
 from .payload import PayloadCoder, as_symbols
+from .writer import WriterLock, check_new_store
 
 DEFAULT_VARIANT = "exact"
 TARGET_BLOCK_BYTES = 8192  # a block costs one CRC on first touch; ~8 KB keeps that ~1 us
@@ -61,6 +62,9 @@ class Archive:
         self._counts: list[int] = []
         self._crcs: list[int] = []
         self._starts: list[int] = []
+        self._lock: WriterLock | None = None  # held while writable (unless the caller locks an enclosing store)
+        self._building: Path | None = None  # a new archive's file: in place, or aside until close() publishes it
+        self._lock_only = True  # _building is the path itself: nothing to publish
         self._verified = bytearray()
         self._sealed = 0
         self._uniform = True  # every block but the last is full: block = i // block_symbols
@@ -78,42 +82,62 @@ class Archive:
     # ---------------------------------------------------------------- creation
     @classmethod
     def create(cls, path, alphabet_size: int, *, variant: str = DEFAULT_VARIANT, r: float | None = None,
-               block_symbols: int | None = None, overwrite: bool = False, durable: bool = False) -> "Archive":
+               block_symbols: int | None = None, overwrite: bool = False, durable: bool = False,
+               lock: bool = True) -> "Archive":
         """New empty archive for symbols in [0, alphabet_size).
 
         variant "exact" (default: radix keys, bit-tight, platform independent) or "float"
         (the paper's 2-D map, float64 anchors; r defaults below the disc bound, r > r*(N) is
-        refused). durable=True fsyncs after every sealed block."""
+        refused). durable=True fsyncs after every sealed block. The writer lock is taken
+        (`fibquant.archive.writer`) and held until `close()`. A new file grows in place (a crash
+        leaves a recoverable prefix); an exception inside `with` deletes it. With overwrite, the
+        new file is built under a temporary name and replaces the old one at `close()`, once
+        complete. lock=False: the caller locks an enclosing store (a code archive, a saved cache);
+        the file is written in place."""
         coder = make_coder(variant, alphabet_size, r)
         if block_symbols is None:
             # A multiple of 8 segments: bit-packed keys then end each block on a byte boundary.
             block_symbols = coder.segment * max(8, TARGET_BLOCK_BYTES // coder.segment_bytes // 8 * 8)
         header = Header(coder.variant, coder.alphabet_size, coder.r, coder.segment, block_symbols)
         path = Path(path)
-        if path.exists() and not overwrite:
-            raise ArchiveError(f"{path} exists (pass overwrite=True to replace it)")
+        writer = WriterLock.acquire(path) if lock else None
         try:
-            handle = open(path, "w+b")
-        except OSError as exc:
-            raise ArchiveError(f"cannot create archive {path}: {exc.strerror}") from None
+            check_new_store(path, overwrite, "file")
+            building = writer.building() if writer is not None and path.exists() else path
+            try:
+                handle = open(building, "w+b")
+            except OSError as exc:
+                raise ArchiveError(f"cannot create archive {path}: {exc.strerror}") from None
+        except BaseException:
+            if writer is not None:
+                writer.release()
+            raise
         handle.write(header.pack())
         handle.flush()
         if durable:
             os.fsync(handle.fileno())
-        return cls(path, header, coder, handle, True, durable)
+        archive = cls(path, header, coder, handle, True, durable)
+        archive._lock, archive._building = writer, (building if writer is not None else None)
+        archive._lock_only = building == path
+        return archive
 
     @classmethod
-    def open(cls, path, mode: str = "r", *, durable: bool = False) -> "Archive":
+    def open(cls, path, mode: str = "r", *, durable: bool = False, lock: bool = True) -> "Archive":
         """Open an archive for reading ("r") or reading and appending ("a").
 
         An unsealed tail left by a crash is dropped with a RecoveryWarning (and cut off the
-        file in mode "a"); every other inconsistency raises ArchiveCorruptError."""
+        file in mode "a"); every other inconsistency raises ArchiveCorruptError. Mode "a" takes
+        the writer lock first (StoreLockedError while another process writes it; lock=False:
+        the caller locks an enclosing store); reading takes none."""
         if mode not in ("r", "a"):
             raise ArchiveError(f"mode must be 'r' or 'a', got {mode!r}")
         path = Path(path)
+        writer = WriterLock.acquire(path) if mode == "a" and lock else None
         try:
             handle = open(path, "rb" if mode == "r" else "r+b")
-        except (FileNotFoundError, IsADirectoryError) as exc:
+        except (FileNotFoundError, IsADirectoryError, PermissionError) as exc:
+            if writer is not None:
+                writer.release()
             raise ArchiveError(f"cannot open archive {path}: {exc.strerror}") from None
         try:
             size = os.fstat(handle.fileno()).st_size
@@ -127,7 +151,10 @@ class Archive:
             index = scan_records(archive._map, size, header.block_symbols)
         except BaseException:
             handle.close()
+            if writer is not None:
+                writer.release()
             raise
+        archive._lock = writer
         if index.dropped_tail:
             warnings.warn(f"{path}: dropped an unsealed tail of {index.dropped_tail} bytes "
                           f"(an interrupted write); {len(index.counts)} sealed blocks recovered",
@@ -398,6 +425,18 @@ class Archive:
         return coder.suffix_points(self.read(history, stop), depth)[start - history:]
 
     # ------------------------------------------------------------------- misc
+    def verify(self) -> int:
+        """Check every sealed block's checksum and payload now (reads verify the blocks they touch
+        on first use); ArchiveCorruptError naming the first bad block. Returns the blocks checked."""
+        if self.closed:
+            raise ArchiveError("archive is closed")
+        if self._mapped < self._end:
+            self._remap(self._end)
+        for block in range(len(self._counts)):
+            if not self._verified[block]:
+                self._verify(block)
+        return len(self._counts)
+
     def info(self) -> dict:
         """Header and size figures; `bits_per_symbol` is None for an empty archive (no rate to state)."""
         file_bytes = self._end
@@ -410,25 +449,47 @@ class Archive:
             "bits_per_symbol": 8.0 * file_bytes / n if n else None,
         }
 
-    def close(self) -> None:
-        """Seal the partial last block (if writable) and release the file."""
+    def close(self, discard: bool = False) -> None:
+        """Seal the partial last block (if writable), put a new archive in place (discard=True:
+        delete it instead) and release the file and the writer lock."""
         if self.closed:
             return
+        done = False
         try:
-            if self._writable and self._pending:
+            if self._writable and self._pending and not discard:
                 self._write_blocks(np.array(self._pending, dtype=np.int64))
                 self._pending.clear()
+            done = True
         finally:
             self._map = None
             self._handle.close()
             self._writable = False
             self.closed = True
+            self._finish(done and not discard)
+
+    def _finish(self, publish: bool) -> None:
+        """Publish or discard a new archive's temporary file; release the writer lock."""
+        try:
+            if self._building is not None:
+                if publish:
+                    if not self._lock_only:
+                        self._lock.publish(self._building, self._durable)
+                else:
+                    self._lock.discard(self._building)
+        finally:
+            self._building = None
+            if self._lock is not None:
+                self._lock.release()
+                self._lock = None
 
     def __enter__(self) -> "Archive":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        # An exception discards a new archive that replaces another (the old one stays) or holds
+        # nothing sealed yet; sealed symbols of a new file are kept, as a crash would keep them.
+        self.close(discard=exc_type is not None and self._building is not None
+                   and (not self._lock_only or self._sealed == 0))
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"{len(self)} symbols"

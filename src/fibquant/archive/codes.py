@@ -27,23 +27,11 @@ import torch
 from ..codecs.layout import CodeLayout
 from .archive import Archive
 from .format import ArchiveError
+from .metadata import CHECKSUMS, check_fields, read_json, with_checksums
+from .writer import WriterLock, check_new_store, fsync_directory  # noqa: F401 - fsync_directory re-exported
 from .search_numba import kernels
 
 NORM_ALPHABET = 1 << 16
-
-
-def fsync_directory(path: Path) -> None:
-    """fsync a directory, so that the files created in it survive a power loss (POSIX only)."""
-    try:
-        handle = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(handle)
-    except OSError:  # some file systems refuse fsync on a directory
-        pass
-    finally:
-        os.close(handle)
 
 
 def as_codes(codes) -> np.ndarray:
@@ -66,6 +54,8 @@ class CodeArchive:
         self._code_size = layout.code_size
         self._byte_indices = layout.index_bits == 8 and layout.n_codewords == 256 and layout.norm_bytes in (0, 2)
         self._row_index = None
+        self._lock: WriterLock | None = None  # held by a writer (append, create)
+        self._building: Path | None = None  # a new archive's temporary directory, published by close()
 
     @classmethod
     def for_codec(cls, path, codec, *, overwrite: bool = False, durable: bool = False) -> "CodeArchive":
@@ -73,41 +63,67 @@ class CodeArchive:
         return cls.create(path, CodeLayout.from_codec(codec), overwrite=overwrite, durable=durable)
 
     @classmethod
-    def create(cls, path, layout: CodeLayout, *, overwrite: bool = False, durable: bool = False) -> "CodeArchive":
+    def create(cls, path, layout: CodeLayout, *, overwrite: bool = False, durable: bool = False,
+               lock: bool = True) -> "CodeArchive":
         """New empty code archive. durable=True fsyncs layout.json and the directory now, and
-        both archives after every sealed block (hence at `close`, which seals the last one)."""
+        both archives after every sealed block (hence at `close`, which seals the last one).
+        The writer lock is held until `close()` (`fibquant.archive.writer`); a new archive grows
+        in place (an exception inside `with` deletes it), one that overwrites is built aside and
+        replaces the old one at `close()`. lock=False: the caller locks an enclosing store and
+        the directory is written in place."""
         if not isinstance(layout, CodeLayout):
             raise ArchiveError(f"layout must be a CodeLayout (use CodeArchive.for_codec for a codec), "
                                f"got {type(layout).__name__}")
         path = Path(path)
-        if path.exists() and not overwrite:
-            raise ArchiveError(f"{path} exists (pass overwrite=True to replace it)")
-        path.mkdir(parents=True, exist_ok=True)
-        with open(path / "layout.json", "w") as handle:
-            handle.write(json.dumps(asdict(layout)))
-            handle.flush()
-            if durable:
-                os.fsync(handle.fileno())
-        indices = Archive.create(path / "indices.fqa", layout.n_codewords, overwrite=True, durable=durable)
-        norms = Archive.create(path / "norms.fqa", NORM_ALPHABET, overwrite=True, durable=durable) \
-            if layout.norm_bytes else None
+        writer = WriterLock.acquire(path) if lock else None
+        building = None
+        try:
+            check_new_store(path, overwrite, "directory")
+            building = writer.building() if writer is not None and path.exists() else path
+            building.mkdir(parents=True, exist_ok=True)
+            write_layout(building, layout, durable)
+            indices = Archive.create(building / "indices.fqa", layout.n_codewords, overwrite=True, durable=durable,
+                                     lock=False)
+            norms = Archive.create(building / "norms.fqa", NORM_ALPHABET, overwrite=True, durable=durable,
+                                   lock=False) if layout.norm_bytes else None
+        except BaseException:
+            if writer is not None:
+                if building is not None and building.exists():
+                    writer.discard(building)
+                writer.release()
+            raise
         if durable:
-            fsync_directory(path)
-        return cls(path, layout, indices, norms)
+            fsync_directory(building)
+        archive = cls(path, layout, indices, norms)
+        archive._lock, archive._building = writer, (building if writer is not None else None)
+        return archive
 
     @classmethod
-    def open(cls, path, mode: str = "r", *, durable: bool = False) -> "CodeArchive":
-        """Open for reading ("r") or appending ("a"; durable=True: fsync every sealed block)."""
+    def open(cls, path, mode: str = "r", *, durable: bool = False, lock: bool = True) -> "CodeArchive":
+        """Open for reading ("r") or appending ("a"; durable=True: fsync every sealed block; the
+        writer lock is taken, StoreLockedError while another process writes)."""
         path = Path(path)
+        writer = WriterLock.acquire(path) if mode == "a" and lock else None
         try:
-            layout = CodeLayout(**json.loads((path / "layout.json").read_text()))
-        except (OSError, ValueError, TypeError) as exc:
-            raise ArchiveError(f"{path}: not a code archive ({exc})") from None
-        indices = Archive.open(path / "indices.fqa", mode, durable=durable)
+            archive = cls._open(path, mode, durable)
+        except BaseException:
+            if writer is not None:
+                writer.release()
+            raise
+        archive._lock = writer
+        return archive
+
+    @classmethod
+    def _open(cls, path: Path, mode: str, durable: bool) -> "CodeArchive":
+        try:
+            layout = read_layout(path)
+        except FileNotFoundError as exc:
+            raise ArchiveError(f"{path}: not a code archive ({exc.strerror}: layout.json)") from None
+        indices = Archive.open(path / "indices.fqa", mode, durable=durable, lock=False)
         norms = None
         try:
             if layout.norm_bytes:
-                norms = Archive.open(path / "norms.fqa", mode, durable=durable)
+                norms = Archive.open(path / "norms.fqa", mode, durable=durable, lock=False)
             vectors = len(norms) if norms is not None else len(indices) // layout.n_blocks
             if len(indices) != vectors * layout.n_blocks:
                 # Archives seal blocks independently: a crash can leave the indices mid-vector
@@ -129,7 +145,9 @@ class CodeArchive:
             self.norms.append(norms)
 
     def __len__(self) -> int:
-        return len(self.norms) if self.norms is not None else len(self.indices) // self.layout.n_blocks
+        """Whole vectors present in both streams (after a crash one may hold more than the other)."""
+        whole = len(self.indices) // self.layout.n_blocks
+        return whole if self.norms is None else min(whole, len(self.norms))
 
     def codes(self, start: int = 0, stop: int | None = None) -> np.ndarray:
         """Codes of vectors [start, stop): uint8 [m, code_size], as the codec produced them."""
@@ -229,13 +247,54 @@ class CodeArchive:
         indices, norms = self._split_queries(rows)
         return index.find(indices, norms, n, stride, offsets, stop, use_numba)
 
-    def close(self) -> None:
-        self.indices.close()
-        if self.norms is not None:
-            self.norms.close()
+    def close(self, discard: bool = False) -> None:
+        """Seal both streams, put a new archive in place (discard=True: delete it) and release the lock."""
+        done = False
+        try:
+            self.indices.close(discard)
+            if self.norms is not None:
+                self.norms.close(discard)
+            done = True
+        finally:
+            try:
+                if self._building is not None:
+                    if done and not discard:
+                        if self._building != self.path:
+                            self._lock.publish(self._building, self.indices._durable)  # noqa: SLF001
+                    else:
+                        self._lock.discard(self._building)
+            finally:
+                self._building = None
+                if self._lock is not None:
+                    self._lock.release()
+                    self._lock = None
 
     def __enter__(self) -> "CodeArchive":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        # As `Archive`: discard a replacement, or a new archive with nothing sealed.
+        self.close(discard=exc_type is not None and self._building is not None
+                   and (self._building != self.path or self.indices._sealed == 0))  # noqa: SLF001
+
+
+def write_layout(path: Path, layout: CodeLayout, durable: bool = False) -> None:
+    """`path`/layout.json: the layout's fields and their checksums (`fibquant.archive.metadata`)."""
+    with open(path / "layout.json", "w") as handle:
+        handle.write(json.dumps(with_checksums(asdict(layout)), sort_keys=True))
+        handle.flush()
+        if durable:
+            os.fsync(handle.fileno())
+
+
+def read_layout(path: Path) -> CodeLayout:
+    """The `CodeLayout` in `path`/layout.json, its checksums verified (files written before they
+    existed carry none and are read as they are); ArchiveError when corrupt; FileNotFoundError passed on."""
+    where = path / "layout.json"
+    data = read_json(where)
+    if CHECKSUMS in data:
+        data = check_fields(data, where)
+    try:
+        return CodeLayout(**data)
+    except (TypeError, ValueError) as exc:
+        raise ArchiveError(f"{where}: corrupt layout ({exc})") from None

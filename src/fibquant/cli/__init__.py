@@ -59,6 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # bad input: a clear message, no traceback
         print(f"fibquant: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # a file or folder that cannot be read or written
+        where = f": {exc.filename}" if exc.filename else ""
+        print(f"fibquant: error: {exc.strerror or exc}{where}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -13,7 +13,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
+import sys
+import tempfile
+import warnings
+from pathlib import Path
 
 from ._threads import add_threads_argument, apply_threads  # noqa: F401 - re-exported
 
@@ -82,3 +87,62 @@ def run_experiment(name: str, config, out_dir=None, **resources) -> dict:
     from fibquant.eval.report import get_experiment
 
     return get_experiment(name).main(config, out_dir, **resources)
+
+
+def check_folder_writable(folder, create: bool = False) -> None:
+    """ValueError (before any long work) unless `folder` is a folder this process can write in;
+    create=True: a missing folder is fine when its nearest existing parent is writable."""
+    folder = Path(folder)
+    probe = folder
+    while create and not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        raise ValueError(f"{probe} is a file, not a folder")
+    if not probe.exists():
+        raise ValueError(f"the folder {folder} does not exist")
+    try:
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as exc:
+        raise ValueError(f"cannot write in the folder {probe} ({exc.strerror})") from None
+
+
+def check_output(path, overwrite: bool, kind: str = "directory") -> None:
+    """A new store at `path`: its folder must exist and be writable; `path` must not exist unless
+    overwrite (and then be of `kind`, "directory" or "file"). Checked before any long work."""
+    path = Path(path)
+    check_folder_writable(path.parent)
+    if path.exists():
+        if path.is_dir() != (kind == "directory"):
+            raise ValueError(f"{path} is a {'folder' if path.is_dir() else 'file'}, not a "
+                             f"{'saved cache folder' if kind == 'directory' else 'file'}: refusing to replace it")
+        if not overwrite:
+            raise ValueError(f"{path} exists (pass --overwrite to replace it)")
+
+
+def check_positive(**values) -> None:
+    """ValueError naming the first flag (--max-new-tokens for max_new_tokens) whose value is not >= 1."""
+    for name, value in values.items():
+        if value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+
+
+@contextlib.contextmanager
+def recovery_notices():
+    """Every RecoveryWarning raised inside (a store recovered from a crash) printed once, as one
+    'fibquant: warning: ...' line on stderr; other warnings pass on."""
+    from fibquant.archive import RecoveryWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", RecoveryWarning)
+        try:
+            yield
+        finally:
+            shown = set()
+            for warning in caught:
+                text = str(warning.message)
+                if not issubclass(warning.category, RecoveryWarning):
+                    warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+                elif text not in shown:
+                    shown.add(text)
+                    print(f"fibquant: warning: {' '.join(text.split())}", file=sys.stderr)

@@ -1,14 +1,13 @@
 """`fibquant archive pack|get|search|info` and `fibquant eval archive-bench [--quick]`."""
 from __future__ import annotations
 
-import sys
-import warnings
 from pathlib import Path
 
 import numpy as np
 
 from .. import _json as strict_json
-from ._common import add_threads_argument, apply_threads, run_experiment
+from ._common import (add_threads_argument, apply_threads, check_folder_writable, check_output,
+                      recovery_notices, run_experiment)
 
 
 def _read_symbols(path: Path, input_format: str) -> tuple[np.ndarray, int]:
@@ -26,9 +25,12 @@ def _read_symbols(path: Path, input_format: str) -> tuple[np.ndarray, int]:
 def _pack(args) -> int:
     from fibquant.archive import Archive
 
+    if args.alphabet is not None and args.alphabet < 2:
+        raise ValueError(f"--alphabet must be at least 2 (the number of distinct symbols), got {args.alphabet}")
+    check_output(args.output, args.overwrite, kind="file")
     symbols, alphabet = _read_symbols(Path(args.input), args.input_format)
-    alphabet = alphabet if args.alphabet is None else args.alphabet
-    with Archive.create(args.output, max(2, alphabet), variant=args.variant, overwrite=args.overwrite) as archive:
+    alphabet = max(2, alphabet) if args.alphabet is None else args.alphabet
+    with Archive.create(args.output, alphabet, variant=args.variant, overwrite=args.overwrite) as archive:
         archive.append(symbols)
     with Archive.open(args.output) as archive:
         _print_info(archive.info())
@@ -37,17 +39,10 @@ def _pack(args) -> int:
 
 def _open(path):
     """Archive.open(path) for reading; a recovered torn tail (RecoveryWarning) is one stderr line."""
-    from fibquant.archive import Archive, RecoveryWarning
+    from fibquant.archive import Archive
 
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", RecoveryWarning)
-        archive = Archive.open(path)
-    for warning in caught:
-        if issubclass(warning.category, RecoveryWarning):
-            print(f"fibquant: warning: {warning.message}", file=sys.stderr)
-        else:
-            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
-    return archive
+    with recovery_notices():
+        return Archive.open(path)
 
 
 def _parse_range(text: str) -> slice | int:
@@ -151,7 +146,9 @@ def eval_out_dir(out) -> Path:
 def _eval(args) -> int:
     from fibquant.eval.archive.bench import config_for
 
+    out = eval_out_dir(args.out)
+    check_folder_writable(out, create=True)  # before the benchmark runs, not after
     config = config_for(args.quick)
     apply_threads(args)
-    run_experiment("archive-bench", config, eval_out_dir(args.out))
+    run_experiment("archive-bench", config, out)
     return 0

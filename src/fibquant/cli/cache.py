@@ -6,19 +6,37 @@ import sys
 
 from .. import _json as strict_json
 from ._common import (add_list_argument, add_model_argument, add_out_argument, add_text_argument,
-                      add_threads_argument, apply_threads)
+                      add_threads_argument, apply_threads, check_folder_writable, check_output, check_positive,
+                      recovery_notices)
 
 
 def _prompt_ids(args, tokenizer):
     import torch
 
+    if args.prompt is not None:
+        ids = tokenizer(args.prompt, return_tensors="pt").input_ids[0]
+    else:
+        from fibquant.eval.kv_report import text_tokens
+
+        ids = text_tokens(tokenizer, args.text, args.tokens).to(torch.long)
+    if ids.shape[0] == 0:
+        raise ValueError("the prompt gives no tokens")
+    return ids
+
+
+def _check_save(args) -> None:
+    """Every argument of `cache save` checked before the model loads."""
+    from fibquant.archive.writer import WriterLock
+
     if (args.prompt is None) == (args.text is None):
         raise ValueError("give the prompt with --prompt STRING or --text NOVEL (with --tokens N), not both")
-    if args.prompt is not None:
-        return tokenizer(args.prompt, return_tensors="pt").input_ids[0]
-    from fibquant.eval.kv_report import text_tokens
-
-    return text_tokens(tokenizer, args.text, args.tokens).to(torch.long)
+    if args.prompt is not None and not args.prompt.strip():
+        raise ValueError("--prompt is empty: give the text to start from")
+    check_positive(max_new_tokens=args.max_new_tokens, checkpoint_every=args.checkpoint_every, tokens=args.tokens)
+    if args.sink_tokens < 0 or args.recent_tokens < 0:
+        raise ValueError("--sink-tokens and --recent-tokens must be >= 0")
+    check_output(args.output, args.overwrite)
+    WriterLock.acquire(args.output).release()  # another writer at work: refused before the model loads
 
 
 def _save(args) -> int:
@@ -26,33 +44,55 @@ def _save(args) -> int:
     from fibquant.kv.model import load_model
     from fibquant.kv.persist.generate import generate_persistent
 
+    _check_save(args)
+    method = parse_codec_spec(args.method)
     apply_threads(args)
     model, tokenizer = load_model(args.model)
     head_dim = model.config.head_dim if getattr(model.config, "head_dim", None) else \
         model.config.hidden_size // model.config.num_attention_heads
-    codec = parse_codec_spec(args.method).build(head_dim)
+    codec = method.build(head_dim)
     ids = _prompt_ids(args, tokenizer)
     out = generate_persistent(model, ids, args.output, codec, codec, sink_tokens=args.sink_tokens,
                               recent_tokens=args.recent_tokens, max_new_tokens=args.max_new_tokens,
                               overwrite=args.overwrite, checkpoint_every=args.checkpoint_every,
                               centre=args.centre)
     print(tokenizer.decode(out[0, ids.shape[0]:]))
-    return _info_of(args.output)
+    return _info_of(args.output, verify=False)
 
 
-def _info_of(path) -> int:
+def _info_of(path, verify: bool = True) -> int:
     from fibquant.kv.persist.store import PersistentCache
 
-    with PersistentCache.open(path) as store:
-        print(strict_json.dumps(store.info(), indent=1))
+    with recovery_notices(), PersistentCache.open(path) as store:
+        info = store.info()
+        if verify:
+            info["verified_blocks"] = store.verify()
+        print(strict_json.dumps(info, indent=1))
     return 0
 
 
 def _info(args) -> int:
-    return _info_of(args.cache)
+    return _info_of(args.cache, verify=args.verify)
 
 
 def _generate(args) -> int:
+    from pathlib import Path
+
+    from fibquant.archive.writer import WriterLock
+    from fibquant.kv.persist.store import PersistentCache
+
+    check_positive(max_new_tokens=args.max_new_tokens, checkpoint_every=args.checkpoint_every)
+    if args.prompt is not None and not args.prompt.strip():
+        raise ValueError("--prompt is empty: leave it out to continue the saved text")
+    with recovery_notices():
+        with PersistentCache.open(args.cache) as store:  # the folder and its manifest, before the model loads
+            stored = len(store.tokens)
+        check_folder_writable(Path(args.cache))
+        WriterLock.acquire(args.cache).release()  # another writer at work: refused before the model loads
+        return _resume(args, stored)
+
+
+def _resume(args, stored: int) -> int:
     from fibquant.kv.model import load_model
     from fibquant.kv.persist.generate import resume_generate
 
@@ -60,11 +100,7 @@ def _generate(args) -> int:
     model, tokenizer = load_model(args.model)
     extra = None if args.prompt is None else tokenizer(args.prompt, add_special_tokens=False,
                                                        return_tensors="pt").input_ids[0]
-    before = None
-    from fibquant.kv.persist.store import PersistentCache
-
-    with PersistentCache.open(args.cache) as store:
-        before = len(store.tokens) + (0 if extra is None else extra.shape[0])
+    before = stored + (0 if extra is None else extra.shape[0])
     out = resume_generate(model, args.cache, extra, max_new_tokens=args.max_new_tokens,
                           checkpoint_every=args.checkpoint_every)
     print(tokenizer.decode(out[0, before:]))
@@ -93,6 +129,8 @@ def register(subparsers) -> None:
     save.set_defaults(func=_save)
     info = sub.add_parser("info", help="manifest, sizes and recovered length of a saved cache")
     info.add_argument("cache")
+    info.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
+                      help="check the checksum of every stored block (default; --no-verify: headers only)")
     info.set_defaults(func=_info)
     generate = sub.add_parser("generate", help="continue generating from a saved cache (appends to it)")
     generate.add_argument("cache")
@@ -137,6 +175,11 @@ def _eval(args: argparse.Namespace) -> int:
     study = StudyConfig(windows=args.study_windows, context=args.study_context,
                         calibration_tokens=args.study_calibration_tokens, groups=tuple(g.replace("-", " ") for g in args.study_groups))
     parts, sizes = tuple(args.parts), tuple(args.search_sizes)
+    from pathlib import Path
+
+    from fibquant.paths import results_root
+
+    check_folder_writable(Path(args.out) if args.out else results_root(), create=True)  # before the long run
     apply_threads(args)
     main_archive_kv(config, args.out, parts=parts, study=study, search_sizes=sizes, name=args.name)
     return 0

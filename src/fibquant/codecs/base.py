@@ -54,6 +54,7 @@ import torch
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 FP16_MAX = float(torch.finfo(torch.float16).max)
 FORMAT_NAME = "fibquant-codec"
+CHUNK_ROWS = 1 << 14  # rows encoded / decoded per step of a large batch (bounded working memory)
 T = TypeVar("T")
 
 
@@ -191,6 +192,9 @@ class Codec(ABC):
     fibquant_code: ClassVar[bool] = False
     spec_params: ClassVar[tuple[SpecParam, ...]] = ()
     style: ClassVar[Optional[PlotStyle]] = None
+    # decode refuses codes that decode to NaN/Inf (corrupt norm or scale bytes); False for a codec
+    # whose codes may hold infinities by design (the saturating fp16 codec of the K/V studies)
+    finite_decode: ClassVar[bool] = True
 
     config: Any = None
     dim: int
@@ -322,13 +326,21 @@ class Codec(ABC):
     def _decode_flat(self, codes: torch.Tensor) -> torch.Tensor: ...
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
-        """float [..., dim] (fp16/bf16/fp32/fp64, any device) -> uint8 [..., code_size]."""
+        """float [..., dim] (fp16/bf16/fp32/fp64, any device) -> uint8 [..., code_size]. Large
+        batches are encoded `CHUNK_ROWS` rows at a time: the codec's working memory stays that
+        of one chunk (peak about the input plus the codes)."""
         self.check_input(x)
         lead = x.shape[:-1]
-        flat = x.reshape(-1, self.dim).to(torch.float32)
-        if flat.shape[0] == 0:
-            return torch.empty(*lead, self.code_size, dtype=torch.uint8, device=x.device)
-        return self._encode_flat(flat).reshape(*lead, self.code_size)
+        flat = x.reshape(-1, self.dim)
+        n = flat.shape[0]
+        if n <= CHUNK_ROWS:
+            if n == 0:
+                return torch.empty(*lead, self.code_size, dtype=torch.uint8, device=x.device)
+            return self._encode_flat(flat.to(torch.float32)).reshape(*lead, self.code_size)
+        out = torch.empty(n, self.code_size, dtype=torch.uint8, device=x.device)
+        for start in range(0, n, CHUNK_ROWS):
+            out[start:start + CHUNK_ROWS] = self._encode_flat(flat[start:start + CHUNK_ROWS].to(torch.float32))
+        return out.reshape(*lead, self.code_size)
 
     def encode_parts(self, parts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Several float tensors [..., dim] in one encode call: uint8 [..., code_size] per part, the codes
@@ -343,13 +355,28 @@ class Codec(ABC):
         return _split_codes(self.encode(flat), parts, self.code_size)
 
     def decode(self, codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """uint8 [..., code_size] -> `dtype` [..., dim] on the codes' device."""
+        """uint8 [..., code_size] -> `dtype` [..., dim] on the codes' device, `CHUNK_ROWS` rows at a
+        time. ValueError for codes that decode to NaN/Inf (a stored norm or scale that is not a
+        finite number: corrupt or foreign bytes)."""
         self.check_codes(codes)
         lead = codes.shape[:-1]
         flat = codes.reshape(-1, self.code_size)
-        if flat.shape[0] == 0:
-            return torch.empty(*lead, self.dim, dtype=dtype, device=codes.device)
-        return self._decode_flat(flat).reshape(*lead, self.dim).to(dtype)
+        n = flat.shape[0]
+        if n <= CHUNK_ROWS:
+            if n == 0:
+                return torch.empty(*lead, self.dim, dtype=dtype, device=codes.device)
+            return self._checked_decode(flat).reshape(*lead, self.dim).to(dtype)
+        out = torch.empty(n, self.dim, dtype=dtype, device=codes.device)
+        for start in range(0, n, CHUNK_ROWS):
+            out[start:start + CHUNK_ROWS] = self._checked_decode(flat[start:start + CHUNK_ROWS])
+        return out.reshape(*lead, self.dim)
+
+    def _checked_decode(self, flat: torch.Tensor) -> torch.Tensor:
+        x = self._decode_flat(flat)
+        if self.finite_decode and not _all_finite(x):
+            raise ValueError(f"{type(self).__name__}.decode: codes decode to NaN/Inf (a stored norm or scale is "
+                             "not a finite number: corrupt codes)")
+        return x
 
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
         """decode(encode(x)) in x's dtype."""

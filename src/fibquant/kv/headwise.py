@@ -41,6 +41,8 @@ class Fp16Codec(IdentityCodec):
     studies always did. A saved cache records it as "fp": it loads back as an `IdentityCodec`
     (identical decoding; only a later out-of-range encode raises there)."""
 
+    finite_decode = False  # +-inf codes are its saturation, not corruption
+
     def _encode_flat(self, x: torch.Tensor) -> torch.Tensor:
         return float16_to_bytes(x).reshape(x.shape[0], self.code_size)
 

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from _kv_helpers import tiny_llama
+from _kv_helpers import edit_manifest, tiny_llama
 from fibquant.codecs.fibquant import FibQuantCodec
 from fibquant.codecs.integer import IntCodec
 from fibquant.kv.cache import CompressedCache
@@ -16,6 +16,7 @@ from fibquant.kv.model import cache_kwarg
 from fibquant.kv.persist.fingerprint import TOLERANCE, tensor_fingerprint, tensor_mismatch
 from fibquant.kv.persist.model_identity import (identity_summary, model_identity, model_mismatch, model_sha256,
                                                 weight_tolerance)
+from fibquant.kv.persist.format import FORMAT_VERSION
 from fibquant.kv.persist.store import PersistentCache
 
 torch.set_num_threads(1)
@@ -57,7 +58,7 @@ def _one_ulp(direction):
 def test_every_weight_one_ulp_off_still_opens(model, saved, direction):
     path, cache = saved
     manifest = json.loads((path / "manifest.json").read_text())
-    assert manifest["version"] == 3 and manifest["model_fingerprint"] == model_identity(model)
+    assert manifest["version"] == FORMAT_VERSION and manifest["model_fingerprint"] == model_identity(model)
     shifted = _edited(model, _one_ulp(direction))
     assert all(not torch.equal(a, b) for a, b in zip(model.parameters(), shifted.parameters()))
     assert model_sha256(shifted) != model_sha256(model)  # the version-1/2 hash would refuse it
@@ -101,16 +102,13 @@ def test_version_2_manifest_keeps_its_exact_hash(model, saved, tmp_path):
     import shutil
 
     shutil.copytree(saved[0], tmp_path / "c")
-    manifest = json.loads((tmp_path / "c/manifest.json").read_text())
-    manifest["model_fingerprint"] = model_sha256(model)
-    (tmp_path / "c/manifest.json").write_text(json.dumps(manifest))
+    edit_manifest(tmp_path / "c", lambda m: m.update(model_fingerprint=model_sha256(model)))
     assert CompressedCache.load(tmp_path / "c", model).get_seq_length() == 40
     with pytest.raises(ValueError, match="version-1/2 file: exact bits"):
         CompressedCache.load(tmp_path / "c", _edited(model, _one_ulp(float("inf"))))
     with PersistentCache.open(tmp_path / "c") as store:
         assert store.info()["fingerprint"] == f"sha256 {model_sha256(model)[:16]} (version 1-2: exact)"
-    manifest["model_fingerprint"] = 3
-    (tmp_path / "c/manifest.json").write_text(json.dumps(manifest))
+    edit_manifest(tmp_path / "c", lambda m: m.update(model_fingerprint=3))
     with pytest.raises(ValueError, match="model_fingerprint must be"):
         PersistentCache.open(tmp_path / "c")
 
@@ -177,10 +175,7 @@ def test_identity_saved_before_the_later_config_keys_still_opens(model, saved, t
     from fibquant.kv.persist.model_identity import LATER_CONFIG_KEYS
 
     shutil.copytree(saved[0], tmp_path / "c")
-    manifest = json.loads((tmp_path / "c/manifest.json").read_text())
-    for key in LATER_CONFIG_KEYS:
-        manifest["model_fingerprint"]["config"].pop(key)
-    (tmp_path / "c/manifest.json").write_text(json.dumps(manifest))
+    edit_manifest(tmp_path / "c", lambda m: [m["model_fingerprint"]["config"].pop(key) for key in LATER_CONFIG_KEYS])
     rope = dict(model.config.rope_parameters, rope_theta=500000.0)
     assert CompressedCache.load(tmp_path / "c", _with_config(model, rope_parameters=rope)).get_seq_length() == 40
     with pytest.raises(ValueError, match="config num_hidden_layers 3, saved 2"):  # the original keys still count

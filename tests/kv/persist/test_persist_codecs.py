@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from _kv_helpers import tiny_llama
+from _kv_helpers import edit_manifest, tiny_llama
 from fibquant.kv.model import cache_kwarg
 from fibquant.archive import RecoveryWarning
 from fibquant.codecs.fibquant import FibQuantCodec
@@ -23,7 +23,7 @@ from fibquant.codecs.rvq import RVQCodec
 from fibquant.kv.cache import CompressedCache
 from fibquant.kv.headwise import Fp16Codec, HeadwiseCodec, LayerwiseCompressedCache
 from fibquant.kv.persist.store import PersistentCache
-from fibquant.kv.persist.format import SNAPSHOT_FILE, read_snapshot, write_snapshot
+from fibquant.kv.persist.format import FORMAT_VERSION, SNAPSHOT_FILE, read_snapshot, write_snapshot
 from fibquant.kv.persist.generate import generate_persistent, resume_generate
 from fibquant.kv.attention.switch import attention_on_codes
 
@@ -90,7 +90,7 @@ def test_calibrated_per_layer_per_head_roundtrip(model, tmp_path):
     files = sorted(p.name for p in (tmp_path / "c/codecs").iterdir())
     assert len(files) == 5 and sum(f.startswith("rvq-") for f in files) == 3  # 3 RVQ + 2 low-rank, once each
     manifest = json.loads((tmp_path / "c/manifest.json").read_text())
-    assert manifest["version"] == 3 and manifest["streams"]["keys"]["layout"] is None
+    assert manifest["version"] == FORMAT_VERSION and manifest["streams"]["keys"]["layout"] is None
     loaded = CompressedCache.load(tmp_path / "c", model, attention="decode")
     assert isinstance(loaded, LayerwiseCompressedCache)
     assert isinstance(loaded.layers[0].key_codec, HeadwiseCodec) and type(loaded.layers[0].value_codec) is IdentityCodec
@@ -148,9 +148,7 @@ def test_codec_file_errors(model, tmp_path):
                               ("config", lambda m: m["key_codecs"][1]["config"].update(stages=3), "config")):
         bad = tmp_path / f"m-{name}"
         shutil.copytree(tmp_path / "c", bad)
-        data = json.loads(json.dumps(manifest))
-        edit(data)
-        (bad / "manifest.json").write_text(json.dumps(data))
+        edit_manifest(bad, edit)
         with pytest.raises(ValueError, match=match):
             CompressedCache.load(bad, model)
 
@@ -333,7 +331,7 @@ def test_last_bit_rotation_difference_still_opens(model, tmp_path, monkeypatch):
 
     cache = _fibquant_saved(model, tmp_path / "c")
     manifest = json.loads((tmp_path / "c/manifest.json").read_text())
-    assert manifest["version"] == 3 and "state_sha256" not in manifest["key_codec"]
+    assert manifest["version"] == FORMAT_VERSION and "state_sha256" not in manifest["key_codec"]
     saved_hash = codec_state_sha256(FibQuantCodec(64, 4, 256))
     _rotation_one_ulp_up(monkeypatch)
     assert codec_state_sha256(FibQuantCodec(64, 4, 256)) != saved_hash  # a float hash would refuse it
@@ -373,9 +371,7 @@ def test_other_codec_state_is_refused(model, tmp_path, monkeypatch):
         with pytest.raises(ValueError, match="codewords differs by"):
             CompressedCache.load(tmp_path / "c", model)
     # A manifest naming another rotation seed than the state it was saved with: refused.
-    edited = json.loads(json.dumps(manifest))
-    edited["key_codec"]["config"]["rotation_seed"] = 1
-    manifest_path.write_text(json.dumps(edited))
+    edit_manifest(tmp_path / "c", lambda m: m["key_codec"]["config"].update(rotation_seed=1))
     with pytest.raises(ValueError, match="rotation differs by"):
         CompressedCache.load(tmp_path / "c", model)
     manifest_path.write_text(json.dumps(manifest))
@@ -394,13 +390,12 @@ def test_version_2_state_hash_still_checked(model, tmp_path, monkeypatch):
     from fibquant.kv.persist.entries import codec_state_sha256
 
     _fibquant_saved(model, tmp_path / "c")
-    path = tmp_path / "c/manifest.json"
-    manifest = json.loads(path.read_text())
-    manifest["version"] = 2
-    for role, codec in (("key_codec", FibQuantCodec(64, 4, 256)), ("value_codec", IntCodec(64, 4))):
-        del manifest[role]["state_fingerprint"]
-        manifest[role]["state_sha256"] = codec_state_sha256(codec)
-    path.write_text(json.dumps(manifest))
+    def version_2(manifest):
+        manifest["version"] = 2
+        for role, codec in (("key_codec", FibQuantCodec(64, 4, 256)), ("value_codec", IntCodec(64, 4))):
+            del manifest[role]["state_fingerprint"]
+            manifest[role]["state_sha256"] = codec_state_sha256(codec)
+    edit_manifest(tmp_path / "c", version_2)
     assert CompressedCache.load(tmp_path / "c", model).get_seq_length() == 40
     _rotation_one_ulp_up(monkeypatch)
     with pytest.raises(ValueError, match="version-1/2 file: exact bits"):

@@ -35,14 +35,16 @@ import numpy as np
 import torch
 
 from fibquant.archive import Archive, CodeArchive, CodeLayout, RecoveryWarning
-from fibquant.archive.codes import fsync_directory
+from fibquant.archive.codes import read_layout
+from fibquant.archive.writer import fsync_directory
 from fibquant.archive.format import ArchiveError
 
 FORMAT_NAME = "fibquant-kv-cache"
 # 2: registry codec specs, codec files, centring means; 3: codec state and model weights as
-# fingerprints compared with a tolerance, not sha256s of their floats (1 and 2 still read)
-FORMAT_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
+# fingerprints compared with a tolerance, not sha256s of their floats; 4: a checksum per manifest
+# field, verified on open (1-3 still read, unchecked)
+FORMAT_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
 SNAPSHOT_FILE = "exact.safetensors"
 MANIFEST_FILE = "manifest.json"
 TOKENS_FILE = "tokens.fqa"
@@ -56,7 +58,7 @@ def truncate_archive(path: Path, n_symbols: int, durable: bool = False) -> None:
     `Archive.truncate` (cut at the record, its leading symbols re-appended, sealed)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RecoveryWarning)  # reported by the caller
-        archive = Archive.open(path, "a", durable=durable)
+        archive = Archive.open(path, "a", durable=durable, lock=False)
     with archive:
         archive.truncate(n_symbols)
 
@@ -73,11 +75,9 @@ def _stream_files(layout: Optional[CodeLayout], code_size: int) -> tuple[list[st
 def stored_layout(path: Path) -> Optional[CodeLayout]:
     """The layout of the code stream directory `path` (layout.json of a `CodeArchive`), None for a byte stream."""
     try:
-        return CodeLayout(**json.loads((path / "layout.json").read_text()))
+        return read_layout(path)
     except FileNotFoundError:
         return None
-    except (ValueError, TypeError) as exc:
-        raise ValueError(f"{path}: corrupt layout.json ({exc})") from None
 
 
 class CodeStream:
@@ -100,10 +100,10 @@ class CodeStream:
         if layout is not None:
             if layout.code_size != code_size:
                 raise ValueError(f"codec code_size {code_size} does not match its layout {layout}")
-            codes = CodeArchive.create(path, layout, durable=durable)
+            codes = CodeArchive.create(path, layout, durable=durable, lock=False)
             return cls(path, code_size, layout, [a for a in (codes.indices, codes.norms) if a is not None])
         path.mkdir(parents=True)
-        archive = Archive.create(path / "bytes.fqa", 256, durable=durable)
+        archive = Archive.create(path / "bytes.fqa", 256, durable=durable, lock=False)
         if durable:
             fsync_directory(path)
         return cls(path, code_size, None, [archive])
@@ -119,7 +119,7 @@ class CodeStream:
         archives = []
         try:
             for name in names:
-                archives.append(Archive.open(path / name, mode, durable=durable))
+                archives.append(Archive.open(path / name, mode, durable=durable, lock=False))
         except BaseException:
             for archive in archives:
                 archive.close()
@@ -159,6 +159,10 @@ class CodeStream:
 
     def nbytes(self) -> int:
         return sum(a.info()["file_bytes"] for a in self.archives)
+
+    def verify(self) -> int:
+        """`Archive.verify` of every file of the stream: blocks checked."""
+        return sum(archive.verify() for archive in self.archives)
 
     def close(self) -> None:
         for archive in self.archives:
@@ -237,6 +241,6 @@ def write_json_atomic(path: Path, data: dict, durable: bool = False) -> None:
 
 def open_tokens(path: Path, mode: str, durable: bool = False) -> Archive:
     try:
-        return Archive.open(path, mode, durable=durable)
+        return Archive.open(path, mode, durable=durable, lock=False)
     except ArchiveError as exc:
         raise ValueError(f"{path}: token archive unreadable ({exc})") from None

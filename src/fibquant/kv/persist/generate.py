@@ -5,7 +5,8 @@
 
 `CacheWriter` is a transformers `StoppingCriteria` that never stops: generate calls it after
 every forward pass with the ids so far, and it appends the code rows that left the exact
-window and the new token ids, and checkpoints every `checkpoint_every` tokens.
+window and the new token ids, and checkpoints after the prefill (a crash then keeps the
+prompt; a new store appears on disk there) and every `checkpoint_every` tokens.
 """
 from __future__ import annotations
 
@@ -26,12 +27,16 @@ _BATCH_ONE = ("CacheWriter saves batch-1 generation only (got batch {batch}): a 
               "token ids via PersistentCache.create(..., batch=B) + append_from/checkpoint")
 
 
+def _check_every(checkpoint_every) -> None:
+    if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) or checkpoint_every < 1:
+        raise ValueError(f"checkpoint_every must be a positive integer, got {checkpoint_every!r}")
+
+
 class CacheWriter(StoppingCriteria):
     """Appends `cache` to `store` after every generation step; checkpoints every `checkpoint_every` tokens."""
 
     def __init__(self, store: PersistentCache, cache: CompressedCache, checkpoint_every: int = 64):
-        if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) or checkpoint_every < 1:
-            raise ValueError(f"checkpoint_every must be a positive integer, got {checkpoint_every!r}")
+        _check_every(checkpoint_every)
         if store.manifest.batch != 1:
             raise ValueError(_BATCH_ONE.format(batch=store.manifest.batch))
         self.store, self.cache, self.checkpoint_every = store, cache, checkpoint_every
@@ -45,7 +50,7 @@ class CacheWriter(StoppingCriteria):
             raise ValueError(_BATCH_ONE.format(batch=input_ids.shape[0] if input_ids.ndim == 2 else "?"))
         self.store.append_from(self.cache, input_ids[0])
         length = self.cache.get_seq_length()
-        if length - self._last >= self.checkpoint_every:
+        if self.steps == 0 or length - self._last >= self.checkpoint_every:
             self.store.checkpoint(self.cache)
             self._last = length
         self.steps += 1
@@ -84,6 +89,9 @@ def generate_persistent(model, input_ids, path, key_codec, value_codec, *, sink_
     ids = ids[None] if ids.ndim == 1 else ids
     if ids.ndim != 2 or ids.shape[0] != 1:
         raise ValueError(f"input_ids must be [T] or [1, T], got shape {tuple(ids.shape)}")
+    if ids.shape[1] == 0:
+        raise ValueError("input_ids is empty: the prompt needs at least one token")
+    _check_every(checkpoint_every)
     cache = CompressedCache.for_model(model, key_codec, value_codec, sink_tokens, recent_tokens,
                                       encode_batch=encode_batch, centre=centre)
     store = PersistentCache.create(path, model, key_codec, value_codec, sink_tokens=sink_tokens,

@@ -34,10 +34,11 @@ def find_prefix(root, ids) -> tuple[Optional[Path], int]:
     """(saved cache under `root` whose stored KV shares the longest prefix with `ids`, its length).
 
     Every subdirectory holding a saved cache is opened lazily (manifest and token ids only);
+    hidden ones (a store being built or replaced: `.NAME.tmp-PID`, `.NAME.old-PID`) are skipped.
     (None, 0) when none shares a token."""
     best, best_n = None, 0
     for path in sorted(Path(root).iterdir()):
-        if not (path / MANIFEST_FILE).is_file():
+        if path.name.startswith(".") or not (path / MANIFEST_FILE).is_file():
             continue
         with PersistentCache.open(path) as store:
             stored = store.token_ids()[: store.num_tokens]

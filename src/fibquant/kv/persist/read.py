@@ -227,6 +227,9 @@ class PersistentCacheReader:
 
         With `model`, the attention is chosen as `CompressedCache.for_model` does ("codes" by default: run the
         model inside `fibquant.attention_on_codes(model)`)."""
+        if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {device!r}: CUDA is not available here (torch {torch.__version__}); "
+                             "load on 'cpu'")
         m = self.manifest
         key_codec, value_codec = self.codecs
         attention = attention or ("codes" if model is not None else "decode")

@@ -2,15 +2,18 @@
 of the store, and the exact part (sinks + recent window, a centred cache's means) recovered at open."""
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Optional, Union
 
 import torch
 
+from fibquant.archive.metadata import check_fields, with_checksums
 from fibquant.codecs.layout import CodeLayout
 from fibquant.kv.persist.entries import Entry, entry_from_json, entry_specs, entry_to_json
-from fibquant.kv.persist.format import FORMAT_NAME, FORMAT_VERSION, READABLE_VERSIONS, SNAPSHOT_FILE, stored_layout
+from fibquant.kv.persist.format import (FORMAT_NAME, FORMAT_VERSION, MANIFEST_FILE, READABLE_VERSIONS, SNAPSHOT_FILE,
+                                        TOKENS_FILE, stored_layout)
 
 _DTYPES = {str(d): d for d in (torch.float16, torch.bfloat16, torch.float32, torch.float64)}
 ROLES = ("keys", "values")
@@ -85,15 +88,19 @@ class CacheManifest:
             elif f.name in ("key_codecs", "value_codecs") and value is not None:
                 value = [entry_to_json(entry) for entry in value]
             data[f.name] = value
-        return data
+        return with_checksums(data)
 
     @classmethod
-    def from_json(cls, data: dict) -> "CacheManifest":
+    def from_json(cls, data: dict, where: str = MANIFEST_FILE) -> "CacheManifest":
+        """The manifest of a manifest.json object; since version 4 every field must match its
+        checksum (ValueError naming the fields that do not)."""
         if data.get("format") != FORMAT_NAME:
             raise ValueError(f"not a saved fibquant KV cache (format {data.get('format')!r})")
         if data.get("version") not in READABLE_VERSIONS:
             raise ValueError(f"unknown saved-cache format version {data.get('version')!r} "
                              f"(this reader knows {READABLE_VERSIONS})")
+        if data["version"] >= 4:
+            data = check_fields(data, where)
         names = {f.name for f in fields(cls)}
         body = {k: v for k, v in data.items() if k in names}
         for role in ("key_codec", "value_codec"):
@@ -185,3 +192,71 @@ def snapshot_coded(path: Path) -> Optional[int]:
             return int((handle.metadata() or {})["coded"])
     except Exception:  # noqa: BLE001 - absent or unreadable: rewrite it
         return None
+
+
+def read_manifest(path: Path) -> CacheManifest:
+    """The checked manifest of the saved cache `path`; ValueError naming the file and the problem."""
+    from fibquant.archive.metadata import read_json
+
+    where = path / MANIFEST_FILE
+    try:
+        return CacheManifest.from_json(read_json(where), where)
+    except FileNotFoundError:
+        raise ValueError(f"{path}: no saved KV cache here (missing {MANIFEST_FILE})") from None
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"{path}: corrupt {MANIFEST_FILE} ({type(exc).__name__}: {exc})") from None
+    except ValueError as exc:
+        text = str(exc)
+        raise ValueError(text if str(path) in text else f"{where}: {text}") from None
+
+
+def recover(path: Path, manifest: CacheManifest, formats: dict, mode: str) -> tuple[Optional[ExactState], list]:
+    """(the recovered exact state or None, notes on what was dropped), reading only: the code
+    streams' whole tokens, the snapshot and the token ids. Mode "a" refuses (ValueError) a store
+    whose recovery would drop codes for want of their snapshot: a damaged store, not a crash."""
+    from fibquant.archive import RecoveryWarning
+    from fibquant.archive.format import ArchiveError
+    from fibquant.kv.persist.format import CodeStream, open_tokens, read_snapshot
+
+    notes = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", RecoveryWarning)
+        streams = []
+        try:
+            for role in ROLES:
+                streams.append(CodeStream.open(path / role, *formats[role], "r"))
+            tokens = open_tokens(path / TOKENS_FILE, "r")
+        except ArchiveError as exc:
+            raise ValueError(f"{path}: corrupt code stream ({exc})") from None
+        finally:
+            key_rows, value_rows = (stream.sealed_rows() for stream in streams) if len(streams) == 2 else (0, 0)
+            for stream in streams:
+                stream.close()
+    notes += [str(w.message) for w in caught if issubclass(w.category, RecoveryWarning)]
+    n_tokens = len(tokens)
+    tokens.close()
+    rows = manifest.rows_per_token
+    coded = min(key_rows, value_rows) // rows
+    state = None
+    if (path / SNAPSHOT_FILE).exists():
+        snapshot = ExactState(*read_snapshot(path / SNAPSHOT_FILE, manifest.layers))
+        if snapshot.has_means and not manifest.centre:
+            raise ValueError(f"{path}: the snapshot holds centring means but the manifest's cache is not centred")
+        if manifest.centre and not snapshot.has_means and coded:
+            notes.append(f"codes of {coded} tokens were written after the last checkpoint without the "
+                         "layers' means: dropped")
+            coded = 0
+        state = recover_state(snapshot, coded, notes)
+    elif coded:
+        if mode == "a":
+            raise ValueError(f"{path}: {SNAPSHOT_FILE} is missing: the {coded} coded tokens are unusable without "
+                             "it; refusing to cut them (restore the file, or open read-only)")
+        notes.append(f"no exact-window snapshot: {coded} coded tokens unusable without their sinks")
+    # No token id at all: a cache saved without ids (any batch size), whose KV stands alone.
+    if state is not None and 0 < n_tokens < state.length:
+        notes.append(f"token ids end at {n_tokens}, the KV at {state.length}: cut to {n_tokens}")
+        state = state.cut(n_tokens)
+    coded = state.coded if state is not None else 0
+    if key_rows != coded * rows or value_rows != coded * rows:
+        notes.append(f"code streams hold {key_rows}/{value_rows} rows, {coded} whole tokens kept")
+    return state, notes

@@ -16,8 +16,6 @@ ids beyond it are kept, so `resume_generate` recomputes the lost tokens.
 """
 from __future__ import annotations
 
-import json
-import shutil
 import warnings
 from pathlib import Path
 from typing import Optional
@@ -26,24 +24,31 @@ import torch
 
 from fibquant.archive import Archive, RecoveryWarning
 from fibquant.archive.format import ArchiveError
+from fibquant.archive.writer import WriterLock, check_new_store
 from fibquant.kv.cache import CompressedCache
 from fibquant.kv.model import check_model_supported
 from fibquant.kv.persist.entries import (CodecBuilder, codec_mismatch, entry_from_codec, entry_summary,
                                         stream_format)
 from fibquant.kv.persist.format import (MANIFEST_FILE, SNAPSHOT_FILE, TOKENS_FILE, CodeStream, open_tokens,
-                                        read_snapshot, write_json_atomic, write_snapshot)
+                                        write_json_atomic, write_snapshot)
 from fibquant.kv.persist.model_identity import identity_summary, model_identity, model_mismatch
 from fibquant.kv.persist.read import PersistentCacheReader
-from fibquant.kv.persist.state import (CacheManifest, ExactState, parse_stream_format, recover_state,
-                                       snapshot_coded)
+from fibquant.kv.persist.state import (CacheManifest, ExactState, parse_stream_format, read_manifest,
+                                       recover as _recover, snapshot_coded)
 
 
 class PersistentCache(PersistentCacheReader):
     """A saved `CompressedCache` directory; see the module docstring. Build with create/open;
-    the reads (`layer_kv`, `kv`, `token`, `find`, `to_cache`) are in `PersistentCacheReader`."""
+    the reads (`layer_kv`, `kv`, `token`, `find`, `to_cache`) are in `PersistentCacheReader`.
+
+    A writer (create, open in mode "a") holds the store's writer lock until `close`
+    (`fibquant.archive.writer`: a second writer gets StoreLockedError, readers are not blocked).
+    A new store is built under a temporary name and appears at `path` with its first checkpoint
+    (an overwritten one is replaced then); closed before any checkpoint, it is deleted."""
 
     def __init__(self, path: Path, manifest: CacheManifest, keys: CodeStream, values: CodeStream, tokens: Archive,
-                 state: Optional[ExactState], writable: bool, durable: bool):
+                 state: Optional[ExactState], writable: bool, durable: bool, *, root: Optional[Path] = None,
+                 lock: Optional[WriterLock] = None):
         self.path, self.manifest, self.writable, self.durable = path, manifest, writable, durable
         self.key_stream, self.value_stream, self.tokens = keys, values, tokens
         self._state = state
@@ -53,6 +58,8 @@ class PersistentCache(PersistentCacheReader):
         self._fast = None
         self._codec_checks: dict = {}  # (role, layer) -> the codec object verified for it
         self._codec_hashed: dict = {}  # (id(entry), id(codec)) -> (codec, entry), compared once
+        self._root = root or path  # where the files are: a new store's temporary directory until published
+        self._lock = lock
         self.closed = False
 
     # ------------------------------------------------------------------ create / open
@@ -65,9 +72,8 @@ class PersistentCache(PersistentCacheReader):
 
         key_codecs / value_codecs: one codec per layer (a `LayerwiseCompressedCache`), else None.
         Calibrated codecs are written under codecs/ (safetensors, `Codec.save`). centre: the
-        cache subtracts per-(layer, head) means (`CompressedCache(centre=True)`)."""
-        from fibquant.kv.model import describe_model
-
+        cache subtracts per-(layer, head) means (`CompressedCache(centre=True)`). The store is
+        built aside and appears at `path` with its first `checkpoint` (see the class docstring)."""
         info = check_model_supported(model, key_codec, value_codec)
         if any(window is not None for window in info["windows"]):
             raise ValueError("saving caches of sliding-window / hybrid models is not supported: a sliding layer "
@@ -75,32 +81,47 @@ class PersistentCache(PersistentCacheReader):
         if (key_codecs is None) != (value_codecs is None):
             raise ValueError("pass per-layer codecs for both roles (key_codecs and value_codecs) or neither")
         path = Path(path)
-        if path.exists():
-            if not overwrite:
-                raise ValueError(f"{path} exists (pass overwrite=True to replace it)")
-            shutil.rmtree(path)
+        check_new_store(path, overwrite, "directory")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = WriterLock.acquire(path)
+        root = None
+        try:
+            check_new_store(path, overwrite, "directory")
+            root = lock.building()
+            root.mkdir()
+            store = cls._build(path, root, model, info, key_codec, value_codec, key_codecs, value_codecs, durable,
+                               lock, (sink_tokens, recent_tokens, encode_batch, batch, dtype, centre))
+        except BaseException:
+            if root is not None:
+                lock.discard(root)
+            lock.release()
+            raise
+        return store
+
+    @classmethod
+    def _build(cls, path, root, model, info, key_codec, value_codec, key_codecs, value_codecs, durable, lock,
+               window) -> "PersistentCache":
+        """The files of a new store in `root` (its temporary directory)."""
+        from fibquant.kv.model import describe_model
+
+        sink_tokens, recent_tokens, encode_batch, batch, dtype, centre = window
         config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") \
             else model.config
-        path.mkdir(parents=True)
-        try:  # the codec files go next to the manifest: a refused codec leaves no directory behind
-            written: dict = {}
-            per_layer = None if key_codecs is None else \
-                [[entry_from_codec(c, path, written) for c in codecs] for codecs in (key_codecs, value_codecs)]
-            streams = {role: stream_format([codec] + list(codecs or ())) for role, codec, codecs in
-                       (("keys", key_codec, key_codecs), ("values", value_codec, value_codecs))}
-            manifest = CacheManifest(model_identity(model), entry_from_codec(key_codec, path, written),
-                                     entry_from_codec(value_codec, path, written), sink_tokens, recent_tokens,
-                                     encode_batch, info["layers"], batch, info["kv_heads"], str(dtype),
-                                     int(config.vocab_size), describe_model(model),
-                                     *(per_layer or (None, None)), bool(centre), streams)
-        except BaseException:
-            shutil.rmtree(path)
-            raise
-        write_json_atomic(path / MANIFEST_FILE, manifest.to_json(), durable=durable)
-        keys, values = (CodeStream.create(path / role, *parse_stream_format(streams[role], role)[::-1],
+        written: dict = {}
+        per_layer = None if key_codecs is None else \
+            [[entry_from_codec(c, root, written) for c in codecs] for codecs in (key_codecs, value_codecs)]
+        streams = {role: stream_format([codec] + list(codecs or ())) for role, codec, codecs in
+                   (("keys", key_codec, key_codecs), ("values", value_codec, value_codecs))}
+        manifest = CacheManifest(model_identity(model), entry_from_codec(key_codec, root, written),
+                                 entry_from_codec(value_codec, root, written), sink_tokens, recent_tokens,
+                                 encode_batch, info["layers"], batch, info["kv_heads"], str(dtype),
+                                 int(config.vocab_size), describe_model(model),
+                                 *(per_layer or (None, None)), bool(centre), streams)
+        write_json_atomic(root / MANIFEST_FILE, manifest.to_json(), durable=durable)
+        keys, values = (CodeStream.create(root / role, *parse_stream_format(streams[role], role)[::-1],
                                           durable=durable) for role in ("keys", "values"))
-        tokens = Archive.create(path / TOKENS_FILE, manifest.vocab_size, durable=durable)
-        store = cls(path, manifest, keys, values, tokens, None, True, durable)
+        tokens = Archive.create(root / TOKENS_FILE, manifest.vocab_size, durable=durable, lock=False)
+        store = cls(path, manifest, keys, values, tokens, None, True, durable, root=root, lock=lock)
         store._codecs = (key_codec, value_codec)
         store._layer_codecs = None if key_codecs is None else (list(key_codecs), list(value_codecs))
         return store
@@ -109,71 +130,46 @@ class PersistentCache(PersistentCacheReader):
     def open(cls, path, mode: str = "r", *, model=None, durable: bool = False) -> "PersistentCache":
         """Open lazily: the manifest, the archives' record headers and the small snapshot are
         read; no code is decoded. With `model`, it must be the saved model (`model_mismatch`: config,
-        parameter names/shapes/dtypes exactly, weights within a tolerance; ValueError otherwise).
-        A torn tail is recovered with a RecoveryWarning (and cut off the files in mode "a")."""
+        parameter names/shapes/dtypes exactly, weights within a tolerance; its layers and KV heads
+        those of the manifest; ValueError otherwise). A torn tail is recovered with a
+        RecoveryWarning; in mode "a" (the writer lock taken first) it is then cut off the files,
+        only once every check has passed: a refused open changes no byte."""
         if mode not in ("r", "a"):
             raise ValueError(f"mode must be 'r' or 'a', got {mode!r}")
         path = Path(path)
+        lock = WriterLock.acquire(path) if mode == "a" and path.parent.is_dir() else None
         try:
-            manifest = CacheManifest.from_json(json.loads((path / MANIFEST_FILE).read_text()))
-        except FileNotFoundError:
-            raise ValueError(f"{path}: no saved KV cache here (missing {MANIFEST_FILE})") from None
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise ValueError(f"{path}: corrupt {MANIFEST_FILE} ({type(exc).__name__}: {exc})") from None
-        problem = model_mismatch(manifest.model_fingerprint, model) if model is not None else None
-        if problem is not None:
-            raise ValueError(f"{path} was saved with another model ({manifest.model_name!r}; {problem}): its "
-                             "keys/values are meaningless for this one")
+            if path.is_file():
+                raise ValueError(f"{path} is a file, not a saved KV cache (a directory)")
+            if not path.exists():
+                raise ValueError(f"{path}: no saved KV cache here (no such directory)")
+            return cls._open(path, mode, model, durable, lock)
+        except BaseException:
+            if lock is not None:
+                lock.release()
+            raise
+
+    @classmethod
+    def _open(cls, path: Path, mode: str, model, durable: bool, lock) -> "PersistentCache":
+        manifest = read_manifest(path)
         builder = CodecBuilder(path)
+        if model is not None:
+            check_same_model(path, manifest, model, builder)
         entries = {"keys": manifest.key_codec, "values": manifest.value_codec}
         formats = {role: manifest.stream(role, path, lambda r: builder.entry(entries[r]).code_size)[::-1]
                    for role in entries}  # (layout, code_size) of each stream
-        notes = []
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", RecoveryWarning)
-            try:
-                keys = CodeStream.open(path / "keys", *formats["keys"], "r")
-                values = CodeStream.open(path / "values", *formats["values"], "r")
-                tokens = open_tokens(path / TOKENS_FILE, "r")
-            except ArchiveError as exc:
-                raise ValueError(f"{path}: corrupt code stream ({exc})") from None
-        notes += [str(w.message) for w in caught if issubclass(w.category, RecoveryWarning)]
-        rows = manifest.rows_per_token
-        key_rows, value_rows = keys.sealed_rows(), values.sealed_rows()
-        coded = min(key_rows, value_rows) // rows
-        n_tokens = len(tokens)
-        for stream in (keys, values):
-            stream.close()
-        tokens.close()
-        state = None
-        if (path / SNAPSHOT_FILE).exists():
-            snapshot = ExactState(*read_snapshot(path / SNAPSHOT_FILE, manifest.layers))
-            if snapshot.has_means and not manifest.centre:
-                raise ValueError(f"{path}: the snapshot holds centring means but the manifest's cache is not centred")
-            if manifest.centre and not snapshot.has_means and coded:
-                notes.append(f"codes of {coded} tokens were written after the last checkpoint without the "
-                             "layers' means: dropped")
-                coded = 0
-            state = recover_state(snapshot, coded, notes)
-        elif coded:
-            notes.append(f"no exact-window snapshot: {coded} coded tokens unusable without their sinks")
-        # No token id at all: a cache saved without ids (any batch size), whose KV stands alone.
-        if state is not None and 0 < n_tokens < state.length:
-            notes.append(f"token ids end at {n_tokens}, the KV at {state.length}: cut to {n_tokens}")
-            state = state.cut(n_tokens)
-        coded = state.coded if state is not None else 0
-        if key_rows != coded * rows or value_rows != coded * rows:
-            notes.append(f"code streams hold {key_rows}/{value_rows} rows, {coded} whole tokens kept")
+        state, notes = _recover(path, manifest, formats, mode)
         if notes:
             warnings.warn(f"{path}: recovered {state.length if state else 0} tokens of KV: " + "; ".join(notes),
-                          RecoveryWarning, stacklevel=2)
-        open_rows = coded * rows if mode == "a" else None
+                          RecoveryWarning, stacklevel=3)
+        # Every check has passed: only now may mode "a" cut the files back to the recovered state.
+        open_rows = (state.coded if state is not None else 0) * manifest.rows_per_token if mode == "a" else None
         with warnings.catch_warnings():  # reported above, once
             warnings.simplefilter("ignore", RecoveryWarning)
             keys = CodeStream.open(path / "keys", *formats["keys"], mode, open_rows, durable=durable)
             values = CodeStream.open(path / "values", *formats["values"], mode, open_rows, durable=durable)
             tokens = open_tokens(path / TOKENS_FILE, mode, durable)
-        store = cls(path, manifest, keys, values, tokens, state, mode == "a", durable)
+        store = cls(path, manifest, keys, values, tokens, state, mode == "a", durable, lock=lock)
         store._builder = builder
         if mode == "a" and state is not None and (state.coded != snapshot_coded(path) or notes):
             write_snapshot(path / SNAPSHOT_FILE, state.layers, state.coded)  # the recovered state, consistent
@@ -240,20 +236,26 @@ class PersistentCache(PersistentCacheReader):
 
     def checkpoint(self, cache: CompressedCache) -> None:
         """Seal every stream, then atomically replace the exact-window snapshot: after this a
-        crash loses nothing of `cache`."""
+        crash loses nothing of `cache`. A new store's first checkpoint puts it at its path."""
         self._check_writable()
         layers = self._check_cache(cache)
         if not layers:
             return
         self.append_from(cache)
-        self.key_stream, self.value_stream = (_reseal(stream, self.durable) for stream in (self.key_stream,
-                                                                                         self.value_stream))
-        self.tokens.close()
-        self.tokens = Archive.open(self.path / TOKENS_FILE, "a", durable=self.durable)
+        for archive in (self.key_stream, self.value_stream, self.tokens):
+            archive.close()  # sealed (fsynced when durable)
         state = ExactState([{name: getattr(layer, name) for name in
                              ("sink_keys", "sink_values", "recent_keys", "recent_values", "key_mean", "value_mean")
                              if getattr(layer, name) is not None} for layer in layers], self._coded)
-        write_snapshot(self.path / SNAPSHOT_FILE, state.layers, state.coded, durable=self.durable)
+        write_snapshot(self._root / SNAPSHOT_FILE, state.layers, state.coded, durable=self.durable)
+        if self._root != self.path:
+            self._lock.publish(self._root, self.durable)
+            self._root = self.path
+        self.key_stream, self.value_stream = (CodeStream.open(self._root / role, stream.layout, stream.code_size,
+                                                              "a", durable=self.durable)
+                                              for role, stream in (("keys", self.key_stream),
+                                                                   ("values", self.value_stream)))
+        self.tokens = open_tokens(self._root / TOKENS_FILE, "a", self.durable)
         self._state = ExactState([{k: v.detach().cpu().clone() for k, v in d.items()} for d in state.layers],
                                  state.coded)
 
@@ -263,10 +265,19 @@ class PersistentCache(PersistentCacheReader):
 
     def nbytes(self) -> dict:
         """Bytes on disk: code streams, tokens, snapshot."""
-        snapshot = self.path / SNAPSHOT_FILE
+        snapshot = self._root / SNAPSHOT_FILE
         return {"keys": self.key_stream.nbytes(), "values": self.value_stream.nbytes(),
                 "tokens": self.tokens.info()["file_bytes"],
                 "exact": snapshot.stat().st_size if snapshot.exists() else 0}
+
+    def verify(self) -> int:
+        """Check the checksum of every block of the code streams and token ids now (reads check
+        only the blocks they touch; the manifest and snapshot were checked at open). ValueError
+        naming the first corrupt block; returns the blocks checked."""
+        try:
+            return sum(archive.verify() for archive in (self.key_stream, self.value_stream, self.tokens))
+        except ArchiveError as exc:
+            raise ValueError(f"{self.path}: corrupt payload ({exc})") from None
 
     def info(self) -> dict:
         m = self.manifest
@@ -278,12 +289,21 @@ class PersistentCache(PersistentCacheReader):
                 "coded_tokens": self.num_coded, "token_ids": len(self.tokens), "bytes": self.nbytes()}
 
     def close(self) -> None:
+        """Seal the streams and release the writer lock; a new store never checkpointed is deleted."""
         if self.closed:
             return
-        for stream in (self.key_stream, self.value_stream):
-            stream.close()
-        self.tokens.close()
         self.closed = True
+        try:
+            for archive in (self.key_stream, self.value_stream, self.tokens):
+                archive.close()
+        finally:
+            try:
+                if self._root != self.path:
+                    self._lock.discard(self._root)
+            finally:
+                if self._lock is not None:
+                    self._lock.release()
+                    self._lock = None
 
     def __enter__(self) -> "PersistentCache":
         return self
@@ -292,10 +312,17 @@ class PersistentCache(PersistentCacheReader):
         self.close()
 
 
-def _reseal(stream: CodeStream, durable: bool = False) -> CodeStream:
-    """Close (sealing the partial last block; fsynced when durable) and reopen for appending."""
-    stream.close()
-    return CodeStream.open(stream.path, stream.layout, stream.code_size, "a", durable=durable)
+def check_same_model(path: Path, manifest: CacheManifest, model, builder: CodecBuilder) -> None:
+    """ValueError unless `model` is the saved model (`model_mismatch`) with the manifest's layers and
+    KV heads, and the saved codecs fit it: every check an append needs, made before any repair."""
+    problem = model_mismatch(manifest.model_fingerprint, model)
+    if problem is not None:
+        raise ValueError(f"{path} was saved with another model ({manifest.model_name!r}; {problem}): its "
+                         "keys/values are meaningless for this one")
+    info = check_model_supported(model, builder.entry(manifest.key_codec), builder.entry(manifest.value_codec))
+    if (info["layers"], info["kv_heads"]) != (manifest.layers, manifest.kv_heads):
+        raise ValueError(f"{path}: the manifest says {manifest.layers} layers x {manifest.kv_heads} KV heads, the "
+                         f"model has {info['layers']} x {info['kv_heads']}")
 
 
 def save_cache(cache: CompressedCache, path, model, token_ids=None, *, overwrite: bool = False,
