@@ -12,6 +12,7 @@ from fibquant.archive import Archive
 from fibquant.cli import main
 from fibquant.codecs.fibquant import FibQuantCodec
 from fibquant.codecs.integer import IntCodec
+from fibquant.kv.attention.switch import attention_on_codes
 from fibquant.kv.cache import CompressedCache
 from fibquant.kv.model import cache_kwarg
 from fibquant.kv.persist.store import save_cache
@@ -25,7 +26,7 @@ def saved(tmp_path_factory):
     model = tiny_llama(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
     cache = CompressedCache.for_model(model, FibQuantCodec.for_rate(64, 2.0), IntCodec(64, 4), 4, 8, encode_batch=4)
     ids = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
+    with torch.no_grad(), attention_on_codes(model):
         model(input_ids=ids, **cache_kwarg(model, cache), use_cache=True)
     path = tmp_path_factory.mktemp("saved") / "c"
     save_cache(cache, path, model, ids)

@@ -53,9 +53,9 @@ import resource, sys
 sys.path[:0] = [{src!r}]
 import torch
 torch.set_num_threads(1)
-from fibquant.codecs.registry import parse_method
+from fibquant.codecs.registry import parse_codec_spec
 spec, n, what = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-codec = parse_method(spec).build(64)
+codec = parse_codec_spec(spec).build(64)
 step = 1 << 14
 if what == "decode":
     data = torch.cat([codec.encode(torch.randn(min(step, n - s), 64)) for s in range(0, n, step)])
