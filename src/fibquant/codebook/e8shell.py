@@ -48,7 +48,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from .._numba import numba_available, run_split
+from .._numba import njit_cached, numba_available, run_split
 
 BLOCK = 8               # the code's block length (E8 is 8-dimensional)
 TIE = 1e-10             # squared distances within TIE of the smallest are ties (lowest index wins)
@@ -806,17 +806,15 @@ def _kernels():
             if _KERNELS is None:
                 if not numba_available():
                     raise RuntimeError("E8 shell codes need numba (a fibquant dependency), which does not import")
-                import numba
-
                 global _distinct, _point_index, _sort8, _sort_abs, _read_block
-                _distinct = numba.njit(nogil=True, cache=True)(_distinct_py)
-                _sort8 = numba.njit(nogil=True, cache=True)(_sort8_py)
-                _sort_abs = numba.njit(nogil=True, cache=True)(_sort_abs_py)
-                _read_block = numba.njit(nogil=True, cache=True)(_read_block_py)
-                _point_index = numba.njit(nogil=True, cache=True)(_point_index_py)
-                _KERNELS = (numba.njit(nogil=True, cache=True)(_search_py),
-                            numba.njit(nogil=True, cache=True)(_unrank_py),
-                            numba.njit(nogil=True, cache=True)(_lattice_search_py))
+                _distinct = njit_cached(nogil=True)(_distinct_py)
+                _sort8 = njit_cached(nogil=True)(_sort8_py)
+                _sort_abs = njit_cached(nogil=True)(_sort_abs_py)
+                _read_block = njit_cached(nogil=True)(_read_block_py)
+                _point_index = njit_cached(nogil=True)(_point_index_py)
+                _KERNELS = (njit_cached(nogil=True)(_search_py),
+                            njit_cached(nogil=True)(_unrank_py),
+                            njit_cached(nogil=True)(_lattice_search_py))
     return _KERNELS
 
 
@@ -1051,12 +1049,11 @@ def decode_points(index: np.ndarray, tables) -> np.ndarray:
         raise ValueError(f"E8 shell index out of range [0, {tables.count})")
     if _DECODE_POINTS is None:
         _kernels()
-        import numba
         with _LOCK:
-            _point = numba.njit(nogil=True, cache=True)(point_py)
-            _DECODE_POINTS = numba.njit(nogil=True, cache=True)(_decode_points_py)
-            _compact_point = numba.njit(nogil=True, cache=True)(compact_point_py)
-            _DECODE_COMPACT = numba.njit(nogil=True, cache=True)(_decode_compact_py)
+            _point = njit_cached(nogil=True)(point_py)
+            _DECODE_POINTS = njit_cached(nogil=True)(_decode_points_py)
+            _compact_point = njit_cached(nogil=True)(compact_point_py)
+            _DECODE_COMPACT = njit_cached(nogil=True)(_decode_compact_py)
     out = np.empty(index.shape[0] * BLOCK, np.float32)
     kernel = _DECODE_COMPACT if isinstance(tables, CompactPointTables) else _DECODE_POINTS
     kernel(index, *tables.args(), out, 0, index.shape[0])
