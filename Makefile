@@ -63,7 +63,7 @@ $(VLLM_STAMP): pyproject.toml Makefile
 # machine spinning OpenMP threads make every small kernel launch slow.
 test-vllm: $(VLLM_STAMP)
 	OMP_NUM_THREADS=1 $(VLLM_VENV)/bin/python -m pytest -q tests/integrations/test_vllm.py tests/integrations/test_hf_export.py \
-		tests/integrations/test_vllm_budget.py tests/integrations/test_vllm_server.py \
+		tests/integrations/test_vllm_budget.py tests/integrations/test_vllm_server.py tests/integrations/test_vllm_tensor_parallel.py \
 		tests/integrations/test_vllm_serving_benchmark.py tests/integrations/test_vllm_parity_benchmark.py \
 		tests/kv/attention/test_paged_decode.py tests/kv/attention/test_permutes.py
 

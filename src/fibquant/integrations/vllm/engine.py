@@ -58,6 +58,7 @@ class EngineSettings:
     recent_tokens: int = DEFAULT_RECENT_TOKENS  # exact last tokens before each forward (FibQuant cache only)
     enable_prefix_caching: bool = False  # vLLM's prefix caching (full blocks shared between sequences)
     block_size: int | None = None        # vLLM's KV block size in tokens (None: vLLM's default)
+    tensor_parallel_size: int = 1        # workers, each with its share of the KV heads (and its own pages)
 
     def __post_init__(self) -> None:
         if self.chunk_tokens < 1 or self.max_model_len < 2 or self.kv_cache_gib <= 0:
@@ -117,6 +118,8 @@ def _engine(settings: EngineSettings):
         extra["attention_backend"] = "CUSTOM"
     if settings.block_size is not None:
         extra["block_size"] = settings.block_size
+    if settings.tensor_parallel_size > 1:
+        extra["tensor_parallel_size"] = settings.tensor_parallel_size
     return LLM(model=settings.model_dir, dtype=settings.dtype, enforce_eager=True,
                max_model_len=settings.max_model_len, enable_chunked_prefill=True,
                max_num_batched_tokens=settings.chunk_tokens, max_num_seqs=settings.max_num_seqs,
