@@ -40,8 +40,8 @@ as in transformers (`attend_codes(softcap=, sinks=)`). Not supported (a clear No
 engine start): ALiBi, sliding windows (vLLM frees a sliding layer's blocks as the window moves, which
 this backend does not follow yet), encoder / cross attention, fp8 `kv_cache_dtype` (the codes are
 the cache dtype) and pipeline parallelism > 1 (`_engine_refusals`; tensor parallelism is served: each
-worker codes its own KV heads). Prefix caching is served: shared full blocks hold their codes (no deferred code in a full block), and the exact window of a hit
-comes from a boundary snapshot (`window`) or, for blocks filled in the same forward, from that
+worker codes its own KV heads). Prefix caching is served: shared full blocks hold their codes (no
+deferred code in a full block), and the exact window of a hit comes from a boundary snapshot (`window`) or, for blocks filled in the same forward, from that
 forward's own tokens (`_WindowPlan.in_forward`).
 """
 from __future__ import annotations
