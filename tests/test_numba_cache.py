@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
+import sys
 
 import pytest
 
@@ -39,10 +40,11 @@ def files(tmp_path):
 def test_dependency_change_recompiles(files):
     assert _numba.tracking_cache_supported(), f"numba {numba.__version__}: its caching API moved; njit_tracking " \
                                               "falls back to plain cache=True (stale kernels possible)"
-    track = _numba.njit_tracking("int64(int64)", depends_on=[files / "dep.py"])
+    track = _numba.njit_tracking("int64(int64)", depends_on=[files / "dep.py"], cache_dir=files / "cache")
     first = _kernel(files, track)
     assert first(5) == 12 and first.stats.cache_misses and not first.stats.cache_hits
-    assert list((files / "__pycache__").glob("kern.twice_py-*.nbi")), "nothing was written to the disk cache"
+    assert list((files / "cache").glob("*/kern.twice_py-*.nbi")), "nothing was written to the disk cache"
+    assert not (files / "__pycache__").exists(), "the kernel cache was written beside the sources"
     again = _kernel(files, track)  # a new dispatcher, as in a new process: loads from disk
     assert again(5) == 12 and again.stats.cache_hits and not again.stats.cache_misses
 
@@ -59,14 +61,46 @@ def test_dependency_change_recompiles(files):
 
 
 def test_lazy_dispatcher_compiles_on_first_call(files):
-    lazy = _kernel(files, _numba.njit_tracking(depends_on=[files / "dep.py"]))
+    lazy = _kernel(files, _numba.njit_tracking(depends_on=[files / "dep.py"], cache_dir=files / "cache"))
     assert lazy(2) == 6 and lazy.stats.cache_misses
-    assert _kernel(files, _numba.njit_tracking(depends_on=[files / "dep.py"]))(2) == 6
+    assert _kernel(files, _numba.njit_tracking(depends_on=[files / "dep.py"], cache_dir=files / "cache"))(2) == 6
+
+
+def test_default_cache_dir_is_per_numba_version_outside_the_sources(files, monkeypatch):
+    """Two environments with different numba versions (the project's venv, vLLM's) each keep their own
+    entries: a directory per numba version and interpreter under the user cache, none beside the sources."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(files / "user-cache"))
+    monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
+    monkeypatch.setattr(numba.config, "CACHE_DIR", "")
+    root = _numba.kernel_cache_dir()
+    assert root.parent == files / "user-cache" / "fibquant"
+    assert numba.__version__ in root.name and sys.implementation.cache_tag in root.name
+    kernel = _kernel(files, _numba.njit_cached("int64(int64)"))
+    assert kernel(1) == 4 and kernel.stats.cache_misses
+    assert list(root.glob("*/kern.twice_py-*.nbi")) and not (files / "__pycache__").exists()
+    again = _kernel(files, _numba.njit_cached("int64(int64)"))
+    assert again(1) == 4 and again.stats.cache_hits and not again.stats.cache_misses
+
+
+def test_numba_cache_dir_set_by_the_user_wins(files, monkeypatch):
+    monkeypatch.setattr(numba.config, "CACHE_DIR", str(files / "theirs"))
+    kernel = _kernel(files, _numba.njit_cached("int64(int64)", cache_dir=files / "ours"))
+    assert kernel(1) == 4
+    assert list((files / "theirs").glob("*/kern.twice_py-*.nbi")) and not (files / "ours").exists()
+
+
+def test_unwritable_cache_dir_falls_back_to_numba_locators(files):
+    blocker = files / "not-a-dir"
+    blocker.write_text("a file where the cache directory would be")
+    kernel = _kernel(files, _numba.njit_cached("int64(int64)", cache_dir=blocker / "cache"))
+    assert kernel(1) == 4
+    assert list((files / "__pycache__").glob("kern.twice_py-*.nbi"))  # numba's own: beside the sources
 
 
 def test_stamp_follows_dependency_content(files):
     dep = files / "dep.py"
-    stamp = lambda: _kernel(files, _numba.njit_tracking(depends_on=[dep]))._cache._impl.locator.get_source_stamp()
+    stamp = lambda: _kernel(files, _numba.njit_tracking(depends_on=[dep], cache_dir=files / "cache")
+                            )._cache._impl.locator.get_source_stamp()
     before = stamp()
     dep.write_text(dep.read_text() + "# a comment changes the bytes\n")
     assert stamp() != before
@@ -76,7 +110,7 @@ def test_stamp_follows_dependency_content(files):
 def test_falls_back_to_plain_cache(files, monkeypatch):
     """With numba's private API not as expected: numba's own cache=True, still compiled and cached."""
     monkeypatch.setattr(_numba, "_TRACKING_OK", False)
-    kernel = _kernel(files, _numba.njit_tracking("int64(int64)", depends_on=[files / "dep.py"]))
+    kernel = _kernel(files, _numba.njit_tracking("int64(int64)", depends_on=[files / "dep.py"], cache_dir=files / "c"))
     assert kernel(1) == 4
     assert type(kernel._cache) is numba.core.caching.FunctionCache
 

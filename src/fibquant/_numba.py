@@ -23,15 +23,25 @@ stale compiled version after those files change. Here the cache's source stamp i
 stamp plus a sha256 of the dependency files (`sources_digest`): a different content makes the
 saved index stale, and numba compiles and overwrites it. The hook is numba's per-function cache
 object (`numba.core.caching.FunctionCache`, its `_impl_class` and the impl's `_locator`), private
-API read from numba 0.68; when it is not as expected the kernel falls back to plain `cache=True`
-(numba's behaviour: only the function's own file is tracked) and `tracking_cache_supported()` says
-False (tests/test_numba_cache.py checks it is True with the installed numba).
+API read from numba 0.68 (and 0.65, vLLM's); when it is not as expected the kernel falls back to plain
+`cache=True` (numba's behaviour: only the function's own file is tracked, saved beside the sources) and
+`tracking_cache_supported()` says False (tests/test_numba_cache.py checks it is True with the installed numba).
+
+Where the cache lives: `kernel_cache_dir()`, one directory per numba version and Python
+(`$XDG_CACHE_HOME` or `~/.cache`, then `fibquant/numba-<numba version>-<cache tag>`), outside the source
+tree: two environments with different numba versions (a project venv and vLLM's) would otherwise
+overwrite each other's index files beside the sources and recompile on every start. Inside it, numba's
+layout: one sub-directory per source folder (its name and a hash of its path). `NUMBA_CACHE_DIR`, when
+the user sets it, wins (numba's own locator); when the directory cannot be written, numba's own
+locators (beside the sources, then its user-wide directory). `njit_cached(signature, **options)` is the
+same cache for a kernel that inlines nothing from other files (`depends_on=()`).
 """
 from __future__ import annotations
 
 import functools
 import hashlib
 import os
+import sys
 import threading
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -125,12 +135,45 @@ class _StampedLocator:
         return getattr(self._inner, name)
 
 
+def kernel_cache_dir() -> Path:
+    """The kernels' disk cache for this numba and Python: `$XDG_CACHE_HOME` (else ~/.cache) /
+    fibquant / numba-<numba version>-<interpreter cache tag> (read, never set, from the environment)."""
+    import numba
+
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "fibquant" / f"numba-{numba.__version__}-{sys.implementation.cache_tag}"
+
+
 @functools.lru_cache(maxsize=None)
-def _tracking_cache_class(dependencies: str):
-    """A numba FunctionCache class whose locator stamps with `dependencies` (a digest)."""
+def _locator_class(root: str):
+    """A numba cache locator putting a source folder's kernels under `root` (as numba's
+    UserProvidedCacheLocator does under NUMBA_CACHE_DIR): root / <folder name>_<sha1 of its path>."""
+    from numba.core import caching
+
+    class FibquantCacheLocator(caching._SourceFileBackedLocatorMixin, caching._CacheLocator):
+        def __init__(self, py_func, py_file):
+            self._py_file = py_file
+            self._lineno = py_func.__code__.co_firstlineno
+            self._cache_path = os.path.join(root, self.get_suitable_cache_subpath(py_file))
+
+        def get_cache_path(self):
+            return self._cache_path
+
+    return FibquantCacheLocator
+
+
+@functools.lru_cache(maxsize=None)
+def _tracking_cache_class(dependencies: str, root: str):
+    """A numba FunctionCache class whose locator stamps with `dependencies` (a digest) and saves under
+    `root` (after NUMBA_CACHE_DIR's locator, when set; numba's own locators when `root` is not writable)."""
     from numba.core.caching import CompileResultCacheImpl, FunctionCache
 
+    defaults = list(CompileResultCacheImpl._locator_classes)
+    user = defaults[:1]  # UserProvidedCacheLocator: NUMBA_CACHE_DIR (it returns None when unset)
+
     class _Impl(CompileResultCacheImpl):
+        _locator_classes = user + [_locator_class(root)] + defaults[1:]
+
         def __init__(self, py_func):
             super().__init__(py_func)
             self._locator = _StampedLocator(self._locator, dependencies)
@@ -156,23 +199,41 @@ def tracking_cache_supported() -> bool:
                             and isinstance(getattr(caching.FunctionCache, "_impl_class", None), type)
                             and issubclass(caching.FunctionCache._impl_class, caching.CompileResultCacheImpl)
                             and isinstance(getattr(caching.CacheImpl, "locator", None), property)
-                            and callable(getattr(caching, "IndexDataCacheFile", None)))
+                            and callable(getattr(caching, "IndexDataCacheFile", None))
+                            and _locators_as_expected(caching))
         except Exception:  # ImportError or an attribute numba renamed
             _TRACKING_OK = False
     return _TRACKING_OK
 
 
-def njit_tracking(signature=None, *, depends_on: Sequence, **options) -> Callable:
+def _locators_as_expected(caching) -> bool:
+    """numba's locator list starts with NUMBA_CACHE_DIR's and its base classes are where read from."""
+    classes = getattr(caching.CompileResultCacheImpl, "_locator_classes", None)
+    return (isinstance(classes, list) and bool(classes)
+            and classes[0] is getattr(caching, "UserProvidedCacheLocator", None)
+            and isinstance(getattr(caching, "_CacheLocator", None), type)
+            and isinstance(getattr(caching, "_SourceFileBackedLocatorMixin", None), type))
+
+
+def njit_cached(signature=None, *, cache_dir=None, **options) -> Callable:
+    """`numba.njit(signature, cache=True, **options)` with its disk cache in `kernel_cache_dir()` (or
+    `cache_dir`): for a kernel whose compiled code comes from its own file only."""
+    return njit_tracking(signature, depends_on=(), cache_dir=cache_dir, **options)
+
+
+def njit_tracking(signature=None, *, depends_on: Sequence, cache_dir=None, **options) -> Callable:
     """A decorator: `numba.njit(signature, cache=True, **options)` whose disk cache is also keyed on
-    the contents of the files `depends_on` (see the module docstring); with a signature the function
-    is compiled (or loaded from the cache) at once and further compilation disabled, as numba does."""
+    the contents of the files `depends_on` and lives in `cache_dir` (default `kernel_cache_dir()`; see
+    the module docstring); with a signature the function is compiled (or loaded from the cache) at
+    once and further compilation disabled, as numba does."""
     import numba
 
     def wrap(py_func):
         tracked = None
         if tracking_cache_supported():
             try:
-                cache = _tracking_cache_class(sources_digest(depends_on))(py_func)
+                root = os.fspath(cache_dir if cache_dir is not None else kernel_cache_dir())
+                cache = _tracking_cache_class(sources_digest(depends_on), root)(py_func)
             except Exception:  # no writable cache location, or numba's internals moved: plain cache=True
                 cache = None
             if cache is not None:

@@ -234,7 +234,7 @@ def test_unsupported_model_features_are_refused(monkeypatch):
 @needs_vllm
 @pytest.mark.parametrize("cache, parallel, match", [({"enable_prefix_caching": True}, {}, None),
                                                     ({"enable_prefix_caching": False},
-                                                     {"tensor_parallel_size": 2}, "tensor_parallel_size=2")])
+                                                     {"pipeline_parallel_size": 2}, "pipeline_parallel_size=2")])
 def test_engine_features_not_supported_are_refused_at_engine_start(monkeypatch, cache, parallel, match):
     """The layers are built at engine start inside vLLM's config context: the refusal names the option."""
     monkeypatch.setenv(ENV_VAR, "fibquant:b=4")

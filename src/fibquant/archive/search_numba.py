@@ -153,27 +153,26 @@ def kernels():
         return _KERNELS or None
     with _LOCK:
         if _KERNELS is None:
-            from .._numba import numba_available
+            from .._numba import njit_cached, numba_available
 
             if not numba_available():
                 _KERNELS = ()
                 return None
-            import numba
             import numpy
 
             np = numpy
-            jit = dict(cache=True, nogil=True)
-            _bound = numba.njit("int64(uint64[:, ::1], uint64[::1], boolean, int64, int64)", **jit)(_bound_py)
-            _plan = numba.njit("int64(uint64[::1], uint64[:, ::1], uint64[:, :, ::1], int64[::1], int64[::1], "
-                               "int64[::1])", **jit)(_plan_py)
-            _scan = numba.njit("int64(int64[::1], uint64[:, ::1], uint64[:, :, ::1], int64, int64[::1], int64, "
-                               "int64[::1], int64[::1], int64[::1], int64[::1], int64[::1])", **jit)(_scan_py)
+            jit = dict(nogil=True)
+            _bound = njit_cached("int64(uint64[:, ::1], uint64[::1], boolean, int64, int64)", **jit)(_bound_py)
+            _plan = njit_cached("int64(uint64[::1], uint64[:, ::1], uint64[:, :, ::1], int64[::1], int64[::1], "
+                                "int64[::1])", **jit)(_plan_py)
+            _scan = njit_cached("int64(int64[::1], uint64[:, ::1], uint64[:, :, ::1], int64, int64[::1], int64, "
+                                "int64[::1], int64[::1], int64[::1], int64[::1], int64[::1])", **jit)(_scan_py)
             _KERNELS = (
-                numba.njit("int64(int64[:, ::1], int64[::1], boolean, int64, int64, uint64[:, ::1])",
-                           **jit)(_values_py),
-                numba.njit("int64(uint8[:, ::1], int64, int64, int64, uint64[:, ::1])", **jit)(_values_of_codes_py),
-                numba.njit("Tuple((int64[::1], int64[::1]))(uint64[::1], uint64[:, ::1], int64[::1], "
-                           "uint64[:, ::1], "
-                           "uint64[:, :, ::1], int64, int64[::1], int64)", **jit)(_find_py),
+                njit_cached("int64(int64[:, ::1], int64[::1], boolean, int64, int64, uint64[:, ::1])",
+                            **jit)(_values_py),
+                njit_cached("int64(uint8[:, ::1], int64, int64, int64, uint64[:, ::1])", **jit)(_values_of_codes_py),
+                njit_cached("Tuple((int64[::1], int64[::1]))(uint64[::1], uint64[:, ::1], int64[::1], "
+                            "uint64[:, ::1], "
+                            "uint64[:, :, ::1], int64, int64[::1], int64)", **jit)(_find_py),
             )
     return _KERNELS or None

@@ -29,7 +29,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from .._numba import numba_available, run_split
+from .._numba import njit_cached, numba_available, run_split
 
 BLOCK = 8               # the code's block length (E8 is 8-dimensional)
 TIE = 1e-10             # squared distances within TIE of the smallest are ties (lowest index wins)
@@ -387,14 +387,12 @@ def _kernels():
             if _KERNELS is None:
                 if not numba_available():
                     raise RuntimeError("E8 shell codes need numba (a fibquant dependency), which does not import")
-                import numba
-
-                _distinct = numba.njit(nogil=True, cache=True)(_distinct_py)
-                _sort8 = numba.njit(nogil=True, cache=True)(_sort8_py)
-                _sort_abs = numba.njit(nogil=True, cache=True)(_sort_abs_py)
-                _read_block = numba.njit(nogil=True, cache=True)(_read_block_py)
-                _point_index = numba.njit(nogil=True, cache=True)(_point_index_py)
-                _KERNELS = numba.njit(nogil=True, cache=True)(_unrank_py)
+                _distinct = njit_cached(nogil=True)(_distinct_py)
+                _sort8 = njit_cached(nogil=True)(_sort8_py)
+                _sort_abs = njit_cached(nogil=True)(_sort_abs_py)
+                _read_block = njit_cached(nogil=True)(_read_block_py)
+                _point_index = njit_cached(nogil=True)(_point_index_py)
+                _KERNELS = njit_cached(nogil=True)(_unrank_py)
     return _KERNELS
 
 

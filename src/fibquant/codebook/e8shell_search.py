@@ -25,7 +25,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from .._numba import run_split
+from .._numba import njit_cached, run_split
 from . import e8shell
 from .e8shell import _MIN_BLOCKS_PER_THREAD, BLOCK, TIE, ShellTables
 
@@ -439,12 +439,10 @@ def _kernels():
         with _LOCK:
             if _KERNELS is None:
                 e8shell._kernels()
-                import numba
-
                 _distinct, _point_index = e8shell._distinct, e8shell._point_index
                 _sort8, _sort_abs, _read_block = e8shell._sort8, e8shell._sort_abs, e8shell._read_block
-                _KERNELS = (numba.njit(nogil=True, cache=True)(_search_py),
-                            numba.njit(nogil=True, cache=True)(_lattice_search_py))
+                _KERNELS = (njit_cached(nogil=True)(_search_py),
+                            njit_cached(nogil=True)(_lattice_search_py))
     return _KERNELS
 
 

@@ -14,7 +14,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from .._numba import numba_available
+from .._numba import njit_cached, numba_available
 from .e8shell import BLOCK, ShellLevels, shell_tables
 
 _LOCK = threading.Lock()
@@ -189,12 +189,11 @@ def decode_points(index: np.ndarray, tables) -> np.ndarray:
     if _DECODE_POINTS is None:
         if not numba_available():
             raise RuntimeError("E8 shell codes need numba (a fibquant dependency), which does not import")
-        import numba
         with _LOCK:
-            _point = numba.njit(nogil=True, cache=True)(point_py)
-            _DECODE_POINTS = numba.njit(nogil=True, cache=True)(_decode_points_py)
-            _compact_point = numba.njit(nogil=True, cache=True)(compact_point_py)
-            _DECODE_COMPACT = numba.njit(nogil=True, cache=True)(_decode_compact_py)
+            _point = njit_cached(nogil=True)(point_py)
+            _DECODE_POINTS = njit_cached(nogil=True)(_decode_points_py)
+            _compact_point = njit_cached(nogil=True)(compact_point_py)
+            _DECODE_COMPACT = njit_cached(nogil=True)(_decode_compact_py)
     out = np.empty(index.shape[0] * BLOCK, np.float32)
     kernel = _DECODE_COMPACT if isinstance(tables, CompactPointTables) else _DECODE_POINTS
     kernel(index, *tables.args(), out, 0, index.shape[0])

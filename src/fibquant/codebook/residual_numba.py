@@ -17,8 +17,8 @@
   near, break as the reference breaks them. Unflagged blocks keep the same sets at every stage as
   the reference (their order inside a set only matters at exact ties, which would be flagged).
 
-numba compiles the kernel on first use (cache=True: once per machine). Rows are split over threads
-with `fibquant._numba.run_split` when torch.get_num_threads() > 1.
+numba compiles the kernel on first use (cached on disk, `fibquant._numba.njit_cached`: once per machine).
+Rows are split over threads with `fibquant._numba.run_split` when torch.get_num_threads() > 1.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ import threading
 import numpy as np
 import torch
 
-from .._numba import numba_available, run_split
+from .._numba import njit_cached, numba_available, run_split
 from .residual import beam_search, check_stages
 
 TIE_REL = 1e-12
@@ -194,16 +194,15 @@ def _kernel():
     if _KERNEL is None:
         with _LOCK:
             if _KERNEL is None:
-                import numba
                 _np = np
-                jit = {"nogil": True, "cache": True, "fastmath": True}  # float32 screens: the slack covers any order
-                _dots = numba.njit("void(float32[:, ::1], float32[::1], float32[::1])", **jit)(_dots_py)
-                _screen = numba.njit("void(float32[::1], float32[::1], float32[:, :, :, ::1], int64[::1], int64, "
-                                     "float32[::1])", **jit)(_screen_py)
-                _min = numba.njit("float32(float32[::1])", **jit)(_min_py)
+                jit = {"nogil": True, "fastmath": True}  # float32 screens: the slack covers any order
+                _dots = njit_cached("void(float32[:, ::1], float32[::1], float32[::1])", **jit)(_dots_py)
+                _screen = njit_cached("void(float32[::1], float32[::1], float32[:, :, :, ::1], int64[::1], int64, "
+                                      "float32[::1])", **jit)(_screen_py)
+                _min = njit_cached("float32(float32[::1])", **jit)(_min_py)
                 signature = "int64(float64[:, ::1], float64[:, :, ::1], float32[:, :, ::1], float64[:, ::1], " \
                             "float32[:, ::1], float32[:, :, :, ::1], int64, int64[:, ::1], uint8[::1], int64, int64)"
-                _KERNEL = numba.njit(signature, nogil=True, cache=True)(_beam_py)
+                _KERNEL = njit_cached(signature, nogil=True)(_beam_py)
     return _KERNEL
 
 

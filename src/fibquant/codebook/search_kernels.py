@@ -984,69 +984,70 @@ def compile_kernels():
     cache) on first call; `numba_search._kernels` calls it once, under a lock."""
     global np, _consider, _finish, _brute_block, _screen, _pack_row, _min, _count_below, _scores, _bits_min
     global _settle, _range_scores, _cell, _far_block, _row_cells, _scan4, _count_bits_below, _heavy4
-    import numba
     import numpy
 
+    from .._numba import njit_cached
+
     np = numpy
-    jit = dict(cache=True, nogil=True)
-    _consider = numba.njit("Tuple((float64, int64, float64))(float64, int64, float64, float64, int64)",
-                           inline="always", **jit)(_consider_py)
-    _finish = numba.njit("int64(float64, int64, float64, float64[::1], int64[:, ::1], int8[:, ::1], "
-                         "int64, int64)", inline="always", **jit)(_finish_py)
-    _cell = numba.njit("int64(float32, float32[::1], float64, float64, int64)", inline="always", **jit)(_cell_py)
-    _brute_block = numba.njit("Tuple((float64, int64, float64))(float64[::1], float64[:, ::1], float64[::1])",
-                              **jit)(_brute_block_py)
-    _min = numba.njit("float32(float32[::1])", fastmath=True, **jit)(_min_py)
-    _count_below = numba.njit("Tuple((int64, int64))(float32[::1], float64)", fastmath=True, **jit)(_count_below_py)
-    _settle = numba.njit("int64(float64[::1], float64[:, ::1], float32[::1], float64, int64[:, ::1], int8[:, ::1], "
-                         "int64, int64)", **jit)(_settle_py)
-    _screen = numba.njit("float32(float32[::1], float32[:, ::1], float32[::1])", fastmath=True,
-                         **jit)(_screen_py)
-    _scores = numba.njit("void(float32[::1], float32, float32[:, ::1], float32[::1], float32[::1])", fastmath=True,
-                         **jit)(_scores_py)
-    _range_scores = numba.njit("float32(float32[::1], float32, float32[::1], uint64, uint64, float32[::1], float32[::1])",
-                               fastmath=True, **jit)(_range_scores_py)
-    _bits_min = numba.njit("int32(int32[::1])", fastmath=True, **jit)(_bits_min_py)
-    _pack_row = numba.njit("void(int64[:, ::1], int64, int64, uint8[:, ::1], int64)", **jit)(_pack_row_py)
-    _far_block = numba.njit("int64(float64, float64, float64, float64, int64, float64[:, ::1], float32[:, ::1], "
-                            "float64[::1], float32[::1], float64[::1], float32[::1], int64[:, ::1], int8[:, ::1], "
-                            "int64, int64)", **jit)(_far_block_py)
-    _row_cells = numba.njit("void(float32[:, ::1], int64, float32[::1], int32[::1])", fastmath=True,
-                            **jit)(_row_cells_py)
-    _scan4 = numba.njit("void(float32, float32, float32, float32, float32[::1], float32[::1])", fastmath=True,
-                        **jit)(_scan4_py)
-    _count_bits_below = numba.njit("Tuple((int64, int64))(int32[::1], int32)", fastmath=True,
-                                   **jit)(_count_bits_below_py)
-    _heavy4 = numba.njit("int64(float32, float32, float32, float32, float32[::1], float64[:, ::1], int64, float32[::1], "
-                         "float32[::1], int64[:, ::1], int8[:, ::1], int64, int64)", **jit)(_heavy4_py)
+    jit = dict(nogil=True)
+    _consider = njit_cached("Tuple((float64, int64, float64))(float64, int64, float64, float64, int64)",
+                            inline="always", **jit)(_consider_py)
+    _finish = njit_cached("int64(float64, int64, float64, float64[::1], int64[:, ::1], int8[:, ::1], "
+                          "int64, int64)", inline="always", **jit)(_finish_py)
+    _cell = njit_cached("int64(float32, float32[::1], float64, float64, int64)", inline="always", **jit)(_cell_py)
+    _brute_block = njit_cached("Tuple((float64, int64, float64))(float64[::1], float64[:, ::1], float64[::1])",
+                               **jit)(_brute_block_py)
+    _min = njit_cached("float32(float32[::1])", fastmath=True, **jit)(_min_py)
+    _count_below = njit_cached("Tuple((int64, int64))(float32[::1], float64)", fastmath=True, **jit)(_count_below_py)
+    _settle = njit_cached("int64(float64[::1], float64[:, ::1], float32[::1], float64, int64[:, ::1], int8[:, ::1], "
+                          "int64, int64)", **jit)(_settle_py)
+    _screen = njit_cached("float32(float32[::1], float32[:, ::1], float32[::1])", fastmath=True,
+                          **jit)(_screen_py)
+    _scores = njit_cached("void(float32[::1], float32, float32[:, ::1], float32[::1], float32[::1])", fastmath=True,
+                          **jit)(_scores_py)
+    _range_scores = njit_cached("float32(float32[::1], float32, float32[::1], uint64, uint64, float32[::1], float32[::1])",
+                                fastmath=True, **jit)(_range_scores_py)
+    _bits_min = njit_cached("int32(int32[::1])", fastmath=True, **jit)(_bits_min_py)
+    _pack_row = njit_cached("void(int64[:, ::1], int64, int64, uint8[:, ::1], int64)", **jit)(_pack_row_py)
+    _far_block = njit_cached("int64(float64, float64, float64, float64, int64, float64[:, ::1], float32[:, ::1], "
+                             "float64[::1], float32[::1], float64[::1], float32[::1], int64[:, ::1], int8[:, ::1], "
+                             "int64, int64)", **jit)(_far_block_py)
+    _row_cells = njit_cached("void(float32[:, ::1], int64, float32[::1], int32[::1])", fastmath=True,
+                             **jit)(_row_cells_py)
+    _scan4 = njit_cached("void(float32, float32, float32, float32, float32[::1], float32[::1])", fastmath=True,
+                         **jit)(_scan4_py)
+    _count_bits_below = njit_cached("Tuple((int64, int64))(int32[::1], int32)", fastmath=True,
+                                    **jit)(_count_bits_below_py)
+    _heavy4 = njit_cached("int64(float32, float32, float32, float32, float32[::1], float64[:, ::1], int64, float32[::1], "
+                          "float32[::1], int64[:, ::1], int8[:, ::1], int64, int64)", **jit)(_heavy4_py)
     u = "float32[:, ::1]"
     out = "int64[:, ::1], int8[:, ::1], uint8[:, ::1], int64, int64, int64, int64"
     return {
-        "grid": numba.njit(f"int64({u}, int64, float32[::1], int64, int64[::1], int32[::1], boolean[::1], "
-                           f"float64[:, ::1], float64[:, ::1], {out})", **jit)(_grid_py),
-        "grid2": numba.njit(f"int64({u}, int64, float32[::1], int64, int16[:, ::1], int16[::1], float64, float64, "
-                            f"int64, float64, float64, int64, boolean[::1], "
-                            f"float64[:, ::1], float64[:, ::1], float32[:, ::1], {out})", **jit)(_grid2_py),
-        "grid4": numba.njit(f"int64({u}, int64, float32[::1], int64, int64[::1], int32[::1], boolean[::1], "
-                            f"float64[:, ::1], float64[:, ::1], float32[:, ::1], float32[::1], {out})", **jit)(_grid4_py),
-        "tree": numba.njit(f"int64({u}, int64, float64[:, ::1], float64[:, ::1], int64[:, ::1], "
-                           f"int64[:, ::1], float64[:, ::1], int64[::1], float64[:, ::1], {out})",
-                           **jit)(_tree_py),
-        "scalar": numba.njit(f"int64({u}, int64, float64[::1], int64[::1], float64[:, ::1], {out})",
-                             **jit)(_scalar_py),
-        "scalar_rows": numba.njit(f"int64({u}, int64, float32[::1], float32[::1], float32[::1], int64[::1], {out})",
-                                  **jit)(_scalar_rows_py),
-        "walk": numba.njit(f"int64({u}, int64, float64, float64, int64[::1], int64, int16[:, ::1], int64[::1], "
-                           f"int16[::1], "
-                           f"float32[::1], float64[:, ::1], int64, boolean[::1], float64, float64[:, ::1], {out})",
-                           **jit)(_walk_py),
-        "cluster": numba.njit(f"int64({u}, int64, float32[:, ::1], float32[::1], float64[:, ::1], float64[::1], "
-                              f"int64[::1], float32[::1], float32[::1], float64[:, ::1], int64[::1], float64[:, ::1], float64, {out})",
-                              **jit)(_cluster_py),
-        "brute": numba.njit(f"int64({u}, int64, float32[:, ::1], float64[:, ::1], {out})", **jit)(_brute_py),
-        "scan": numba.njit(f"int64({u}, int64, float32[:, ::1], float32[::1], float64[:, ::1], float64, {out})",
-                           **jit)(_scan_py),
-        "verify": numba.njit(f"int64({u}, int64, float32[:, ::1], int64, float64[:, ::1], float64, {out})",
-                             **jit)(_verify_py),
-        "pack": numba.njit("int64(int64[:, ::1], int64, uint8[:, ::1], int64, int64[::1])", **jit)(_pack_py),
+        "grid": njit_cached(f"int64({u}, int64, float32[::1], int64, int64[::1], int32[::1], boolean[::1], "
+                            f"float64[:, ::1], float64[:, ::1], {out})", **jit)(_grid_py),
+        "grid2": njit_cached(f"int64({u}, int64, float32[::1], int64, int16[:, ::1], int16[::1], float64, float64, "
+                             f"int64, float64, float64, int64, boolean[::1], "
+                             f"float64[:, ::1], float64[:, ::1], float32[:, ::1], {out})", **jit)(_grid2_py),
+        "grid4": njit_cached(f"int64({u}, int64, float32[::1], int64, int64[::1], int32[::1], boolean[::1], "
+                             f"float64[:, ::1], float64[:, ::1], float32[:, ::1], float32[::1], {out})", **jit)(_grid4_py),
+        "tree": njit_cached(f"int64({u}, int64, float64[:, ::1], float64[:, ::1], int64[:, ::1], "
+                            f"int64[:, ::1], float64[:, ::1], int64[::1], float64[:, ::1], {out})",
+                            **jit)(_tree_py),
+        "scalar": njit_cached(f"int64({u}, int64, float64[::1], int64[::1], float64[:, ::1], {out})",
+                              **jit)(_scalar_py),
+        "scalar_rows": njit_cached(f"int64({u}, int64, float32[::1], float32[::1], float32[::1], int64[::1], {out})",
+                                   **jit)(_scalar_rows_py),
+        "walk": njit_cached(f"int64({u}, int64, float64, float64, int64[::1], int64, int16[:, ::1], int64[::1], "
+                            f"int16[::1], "
+                            f"float32[::1], float64[:, ::1], int64, boolean[::1], float64, float64[:, ::1], {out})",
+                            **jit)(_walk_py),
+        "cluster": njit_cached(f"int64({u}, int64, float32[:, ::1], float32[::1], float64[:, ::1], float64[::1], "
+                               f"int64[::1], float32[::1], float32[::1], float64[:, ::1], int64[::1], float64[:, ::1], float64, {out})",
+                               **jit)(_cluster_py),
+        "brute": njit_cached(f"int64({u}, int64, float32[:, ::1], float64[:, ::1], {out})", **jit)(_brute_py),
+        "scan": njit_cached(f"int64({u}, int64, float32[:, ::1], float32[::1], float64[:, ::1], float64, {out})",
+                            **jit)(_scan_py),
+        "verify": njit_cached(f"int64({u}, int64, float32[:, ::1], int64, float64[:, ::1], float64, {out})",
+                              **jit)(_verify_py),
+        "pack": njit_cached("int64(int64[:, ::1], int64, uint8[:, ::1], int64, int64[::1])", **jit)(_pack_py),
     }

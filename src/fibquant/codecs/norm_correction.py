@@ -24,6 +24,7 @@ import threading
 import numpy as np
 import torch
 
+from .._numba import njit_cached
 from .base import FP16_MAX
 from .bitpack import float16_to_bytes
 
@@ -82,11 +83,9 @@ def _kernel():
     if _KERNEL is None:
         with _LOCK:
             if _KERNEL is None:
-                import numba
-
-                _KERNEL = numba.njit("int64(float32[:, ::1], int64[:, ::1], float64[::1], float64, float32[::1], "
-                                     "float32[::1])", cache=True, nogil=True,
-                                     fastmath={"reassoc", "contract"})(_bounds_py)
+                _KERNEL = njit_cached("int64(float32[:, ::1], int64[:, ::1], float64[::1], float64, float32[::1], "
+                                      "float32[::1])", nogil=True,
+                                      fastmath={"reassoc", "contract"})(_bounds_py)
     return _KERNEL
 
 

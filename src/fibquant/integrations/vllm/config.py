@@ -12,8 +12,12 @@ attention also reads exactly (attention sinks); `FIBQUANT_VLLM_RECENT_TOKENS` (d
 transformers cache's `recent_tokens`; 0 turns it off): the last tokens before each forward that
 attention reads exactly. `FIBQUANT_VLLM_ATTENTION` (default empty: the tuned paths): the attention options,
 `NAME=VALUE,...` of `fibquant.kv.options.AttentionOptions` (e.g. `defer_codes=off,gather_decode=values`). Both
-windows live in a side store beside the pages (`window`); its bytes
-(`window_bytes`) are taken off the KV budget by the engine (`engine.EngineSettings`).
+windows live in a side store beside the pages (`window`); its bytes (`window_bytes`) are taken off the KV
+budget by vLLM's worker (`budget`).
+
+A spec is checked when the plugin loads, before vLLM loads a model (`check_rates`: its codecs must
+build for some common head dimension), and again for the model's own head dimension when its
+attention layers are built; every error is one line naming the variable.
 """
 from __future__ import annotations
 
@@ -33,6 +37,8 @@ RECENT_ENV_VAR = "FIBQUANT_VLLM_RECENT_TOKENS"
 ATTENTION_ENV_VAR = "FIBQUANT_VLLM_ATTENTION"
 DEFAULT_SINK_TOKENS = 4
 DEFAULT_RECENT_TOKENS = 32
+# Head dimensions a spec is checked against before any model is known (`check_rates`).
+COMMON_HEAD_DIMS = (64, 80, 96, 112, 128, 160, 192, 256)
 # Decode steps whose new tokens' codes are written in one batched encode (`deferred.DeferredCodes`),
 # capped by the recent window (those tokens are read exactly until they leave it).
 DEFERRED_STEPS = 16
@@ -83,8 +89,28 @@ class VllmCacheConfig:
         return self.cache.value.spec
 
     def codecs(self, head_dim: int):
-        """(key codec, value codec) for `head_dim`, shared by every layer of the process."""
-        return _codec(self.key_spec, head_dim), _codec(self.value_spec, head_dim)
+        """(key codec, value codec) for `head_dim`, shared by every layer of the process (ValueError,
+        one line naming the variable, when a side has no codec for that head dimension)."""
+        try:
+            return _codec(self.key_spec, head_dim), _codec(self.value_spec, head_dim)
+        except ValueError as exc:
+            raise ValueError(f"{ENV_VAR}={self.cache.spec!r}: no codec for head dimension {head_dim}: "
+                             f"{_one_line(exc)}") from exc
+
+    def check_rates(self, head_dims: tuple[int, ...] = COMMON_HEAD_DIMS) -> None:
+        """ValueError (one line naming the variable) unless both sides build for at least one of
+        `head_dims`: the check a spec's numbers get before vLLM has loaded a model (a rate no codec
+        reaches, such as fibquant:b=99 or b=0, fails here rather than in a worker)."""
+        errors = {}
+        for dim in head_dims:
+            try:
+                _codec(self.key_spec, dim), _codec(self.value_spec, dim)
+                return
+            except ValueError as exc:
+                errors[dim] = _one_line(exc)
+        reason = errors.get(128) or next(iter(errors.values()))
+        raise ValueError(f"{ENV_VAR}={self.cache.spec!r}: no codec for any head dimension in {list(head_dims)}: "
+                         f"{reason}")
 
     def slot_bytes(self, head_dim: int) -> int:
         """Bytes of one token of one KV head in a page: key code, value code, padded to an even
@@ -108,6 +134,10 @@ class VllmCacheConfig:
         `deferred.DeferredCodes`)."""
         tokens = (self.sink_tokens + self.recent_tokens) * (2 if prefix_caching else 1) + self.deferred_steps
         return tokens * kv_heads * head_dim * 2 * element_bytes * layers * sequences
+
+
+def _one_line(exc: Exception) -> str:
+    return " ".join(str(exc).split())
 
 
 @functools.lru_cache(maxsize=None)

@@ -40,8 +40,8 @@ RESULT_MARK = "FIBQUANT_RESULT "
 @dataclass(frozen=True)
 class EngineSettings:
     """What the engine is started with. `kv_cache_gib` is the KV budget (vLLM's kv_cache_memory_bytes,
-    any fraction of a GiB); with a FibQuant cache the exact-window side stores (`window_bytes`) are
-    taken off it, so the pages and the window together fit the same budget as bf16's pages.
+    any fraction of a GiB); with a FibQuant cache the plugin's worker takes the exact-window side stores
+    (`window_bytes`) off it (`budget`), so the pages and the window together fit the same budget as bf16's pages.
     `chunk_tokens` caps the tokens of one forward (chunked prefill), which is also what decides how
     many earlier tokens a prompt token sees through codes."""
 
@@ -58,6 +58,7 @@ class EngineSettings:
     recent_tokens: int = DEFAULT_RECENT_TOKENS  # exact last tokens before each forward (FibQuant cache only)
     enable_prefix_caching: bool = False  # vLLM's prefix caching (full blocks shared between sequences)
     block_size: int | None = None        # vLLM's KV block size in tokens (None: vLLM's default)
+    tensor_parallel_size: int = 1        # workers, each with its share of the KV heads (and its own pages)
 
     def __post_init__(self) -> None:
         if self.chunk_tokens < 1 or self.max_model_len < 2 or self.kv_cache_gib <= 0:
@@ -94,7 +95,8 @@ def run_task(settings: EngineSettings, task: dict, timeout: float = 1800.0, pyth
 
 def window_bytes(settings: EngineSettings) -> int:
     """Bytes of the exact-window side stores of a FibQuant engine at their bound (0 without one): every
-    layer keeps (sinks + recent) keys and values per schedulable sequence (`window.ExactWindow`)."""
+    layer keeps (sinks + recent) keys and values per schedulable sequence (`window.ExactWindow`); what
+    the worker takes off the budget (`budget.worker_split`), read here from the model's config.json."""
     if not settings.cache_spec:
         return 0
     with open(os.path.join(settings.model_dir, "config.json")) as handle:
@@ -111,15 +113,13 @@ def window_bytes(settings: EngineSettings) -> int:
 def _engine(settings: EngineSettings):
     from vllm import LLM
 
-    budget = int(settings.kv_cache_gib * 2 ** 30)
-    extra = {"kv_cache_memory_bytes": budget - window_bytes(settings)}
-    if extra["kv_cache_memory_bytes"] <= 0:
-        raise ValueError(f"the exact windows of {settings.max_num_seqs} sequences ({window_bytes(settings)} bytes) "
-                         f"do not fit the KV budget of {settings.kv_cache_gib:g} GiB")
+    extra = {"kv_cache_memory_bytes": int(settings.kv_cache_gib * 2 ** 30)}  # the window comes out of it (`budget`)
     if settings.device == "cuda" and settings.cache_spec:
         extra["attention_backend"] = "CUSTOM"
     if settings.block_size is not None:
         extra["block_size"] = settings.block_size
+    if settings.tensor_parallel_size > 1:
+        extra["tensor_parallel_size"] = settings.tensor_parallel_size
     return LLM(model=settings.model_dir, dtype=settings.dtype, enforce_eager=True,
                max_model_len=settings.max_model_len, enable_chunked_prefill=True,
                max_num_batched_tokens=settings.chunk_tokens, max_num_seqs=settings.max_num_seqs,
