@@ -31,7 +31,7 @@ import torch
 from fibquant.codebook import CodebookSpec, build_codebook, recipe_v2, recipe_v3, save_codebook
 from fibquant.codebook.lloyd import assign_exact
 from fibquant.codebook.store import SHIPPED_DIR, read_file
-from fibquant.source import sample_blocks
+from fibquant.canonical import sample_blocks
 
 DEFAULT_CONFIGS = ["64:2:128", "64:2:256", "64:4:256", "64:8:256", "64:16:256", "64:32:256", "64:4:1024",
                    "64:4:4096", "64:64:4096", "128:2:256", "128:4:256", "128:8:256",

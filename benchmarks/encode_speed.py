@@ -1,6 +1,6 @@
 """Micro-benchmark of FibQuantCodec.encode on the CPU: the torch path ("old": GridSearch for k = 2,
 chunked matmul search otherwise, torch bit packing) against the numba path ("new":
-codebook/fast_search.py, search + packing in numba; the norm and rotation are torch in both).
+codebook/numba_search.py, search + packing in numba; the norm and rotation are torch in both).
 
 Batches x [n, 64] of Gaussian vectors, n in --sizes, for every shipped d = 64 codebook. Timed on ONE
 torch thread (torch.set_num_threads(1); the numba path then runs single-threaded too), old and new
@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from fibquant.codebook.search import nearest_codeword_reference
+from fibquant.codebook.nearest import nearest_codeword_reference
 from fibquant.codecs.bitpack import pack_bits
 from fibquant.codecs.fibquant import FibQuantCodec
 from fibquant.codecs.turboquant import TurboQuantCodec
@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         "threads": torch.get_num_threads(), "dim": DIM, "repeats": args.repeats, "statistic": "median",
         "timing": "interleaved (old, new in turn per repeat); *_us_per_vector: thread CPU time, *_wall_*: wall",
         "old_path": "torch: GridSearch (k=2) / chunked matmul search, pack_bits",
-        "new_path": "numba: codebook/fast_search.py NumbaSearch.encode (grid / k-d tree / screened full scan)",
+        "new_path": "numba: codebook/numba_search.py NumbaSearch.encode (grid / k-d tree / screened full scan)",
         "torch": torch.__version__, "numba": numba.__version__, "machine": platform.machine(),
         "cpu_count": os.cpu_count(), "load_average": os.getloadavg(),
     }

@@ -8,7 +8,7 @@ Usage: OMP_NUM_THREADS=1 .venv-vllm/bin/python benchmarks/vllm_layer_step.py [--
 
 --immediate adds each cache once more with its codes written every forward (no deferred writes),
 to show what the batched encode of `integrations/vllm/deferred.py` saves. --gather runs each cache
-once per setting of the paged kernel's `paged.GATHER_DECODE` (on: decode-then-dot gathers for both
+once per setting of the attention option `gather_decode` (on: decode-then-dot gathers for both
 4-bit roles; keys / values: for that role only; off: lookup tables / histograms everywhere; default:
 the module's own setting only); with "off" among them each other setting gets its paired ratio to it.
 
@@ -96,7 +96,7 @@ class DenseBf16:
         return call
 
 
-_GATHER = {"on": True, "off": False, "keys": "keys", "values": "values"}  # --gather -> paged.GATHER_DECODE
+_GATHER = {"on": True, "off": False, "keys": "keys", "values": "values"}  # --gather -> AttentionOptions.gather_decode
 
 
 class Plugin:
@@ -104,23 +104,19 @@ class Plugin:
 
     def __init__(self, case: _Case, spec: str, defer: bool = True, gather=None) -> None:
         from fibquant.integrations.vllm import backend
-        from fibquant.integrations.vllm.config import ENV_VAR, active_config
+        from fibquant.integrations.vllm.config import ATTENTION_ENV_VAR, ENV_VAR, active_config
 
         os.environ[ENV_VAR] = spec
         self.name = spec + ("" if defer else " (immediate writes)") + ("" if gather is None else f" (gather {gather})")
         self.case, self.meta, self.gather = case, backend.FibQuantMetadata, gather
-        saved, backend.DEFER_CODES = backend.DEFER_CODES, defer
+        options = [f"defer_codes={defer}"] + ([] if gather is None else [f"gather_decode={_GATHER[gather]}"])
+        os.environ[ATTENTION_ENV_VAR] = ",".join(options)  # read once, by the impl's constructor
         try:
             self.impl = backend.FibQuantAttentionImpl(Q_HEADS, DIM, DIM ** -0.5, KV_HEADS)
         finally:
-            backend.DEFER_CODES = saved
+            del os.environ[ATTENTION_ENV_VAR]
         slot = active_config().slot_bytes(DIM)
         self.cache = torch.zeros(case.blocks, BLOCK, KV_HEADS, slot // 2, dtype=torch.bfloat16).transpose(1, 2)
-
-    def _switch(self) -> None:
-        from fibquant.kv.attention import paged
-        if self.gather is not None:
-            paged.GATHER_DECODE = _GATHER[self.gather]
 
     def prepare(self, query, key, value, slots, starts: list[int], lengths: list[int]):
         n = query.shape[0]
@@ -128,7 +124,6 @@ class Plugin:
         # The forward's window plan is built by the engine's first layer and kept on the metadata for
         # the other layers (30 in SmolLM2), like vLLM's scheduler metadata: built here, untimed.
         self.impl._window_plan(meta, self.impl._pages(self.cache))
-        self._switch()  # a module switch read at each kernel call: set before the timed call
         return lambda: self.impl.forward(None, query, key, value, self.cache, meta,
                                          torch.empty(n, Q_HEADS * DIM, dtype=torch.bfloat16))
 
@@ -147,7 +142,6 @@ def measure(args) -> list[dict]:
                 runner.ops.cpu_attn_reshape_and_cache(key.view(-1, KV_HEADS, DIM), value.view(-1, KV_HEADS, DIM),
                                                       runner.key_cache, runner.value_cache, slots, runner.isa)
             else:
-                runner._switch()
                 meta = runner.meta(args.context, [0, args.context], [args.context], case.tables[b:b + 1], slots)
                 runner.impl.forward(None, query, key, value, runner.cache, meta,
                                     torch.empty(args.context, Q_HEADS * DIM, dtype=torch.bfloat16))
@@ -196,9 +190,9 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--caches", nargs="+", default=["fibquant:b=4", "fibquant:b=2"])
     parser.add_argument("--immediate", action="store_true",
-                        help="also each cache with every forward's codes written at once (backend.DEFER_CODES off)")
+                        help="also each cache with every forward's codes written at once (option defer_codes off)")
     parser.add_argument("--gather", nargs="+", choices=sorted(_GATHER), default=None,
-                        help="run each cache once per paged.GATHER_DECODE setting (default: the module's own)")
+                        help="run each cache once per gather_decode option (default: the tuned one)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.batch < 1 or args.context < 1 or args.steps < 4:

@@ -72,26 +72,24 @@ def filled_coded_layer(key_codec, value_codec, batch, heads, past, sinks=4, rece
     return layer, generator
 
 
-def fast_and_torch_paths(monkeypatch, *args, **kwargs):
+def fast_and_torch_paths(*args, **kwargs):
     """attend_codes(*args, **kwargs) with the numba decode kernels, then with them off (the torch path)."""
-    import fibquant.kv.attention.entry as attention
     from fibquant.kv.attention import attend_codes
+    from fibquant.kv.options import AttentionOptions
 
     fast = attend_codes(*args, **kwargs)
-    with monkeypatch.context() as patch:
-        patch.setattr(attention, "NUMBA_DECODE", False)
-        slow = attend_codes(*args, **kwargs)
+    slow = attend_codes(*args, **kwargs, options=AttentionOptions(numba_decode=False))
     return fast, slow
 
 
-def check_sinks_and_sliding_window(monkeypatch, query, kv, sinks, scale=0.1, window=None):
+def check_sinks_and_sliding_window(query, kv, sinks, scale=0.1, window=None):
     """The numba step equals the torch path and the spec (`decode_all_attention`) with learned sink logits
     `sinks` [query heads], then with a sliding window (default: 10 tokens short of the row)."""
-    fast, slow = fast_and_torch_paths(monkeypatch, query, kv, None, scale, sinks=sinks)
+    fast, slow = fast_and_torch_paths(query, kv, None, scale, sinks=sinks)
     torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(fast, decode_all_attention(query, kv, None, scale, sinks), rtol=1e-4, atol=1e-5)
     window = kv.length - 10 if window is None else window
-    fast, slow = fast_and_torch_paths(monkeypatch, query, kv, None, scale, window=window)
+    fast, slow = fast_and_torch_paths(query, kv, None, scale, window=window)
     blocked = torch.arange(kv.length) <= kv.length - 1 - window
     bias = torch.zeros(kv.length).masked_fill_(blocked, float("-inf"))[None, None, None]
     torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-5)

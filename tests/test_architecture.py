@@ -3,8 +3,6 @@ layers or stays in its own, and no set of modules imports itself in a circle."""
 from __future__ import annotations
 
 import ast
-import importlib
-import warnings
 from pathlib import Path
 
 import pytest
@@ -12,7 +10,7 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src"
 # Lowest first. A module may import its own layer and any layer below, never one above.
 LAYERS = (
-    ("fibquant._json", "fibquant._extras", "fibquant._numba", "fibquant._moved", "fibquant.paths", "fibquant.source", "fibquant.data"),
+    ("fibquant._json", "fibquant._extras", "fibquant._numba", "fibquant.paths", "fibquant.canonical", "fibquant.data"),
     ("fibquant.codebook",),
     ("fibquant.codecs",),
     ("fibquant.archive", "fibquant.peers"),
@@ -112,31 +110,3 @@ def test_the_checks_can_fail():
     assert layer_of("fibquant.kv.cache") > layer_of("fibquant.codecs.base")
     assert layer_of("fibquant.cli.archive") > layer_of("fibquant.eval.report")
 
-
-OLD_NAMES = {
-    "fibquant.eval.methods": ("fibquant.codecs.registry", "parse_method"),
-    "fibquant.eval.cache_specs": ("fibquant.kv.specs", "parse_cache_specs"),
-    "fibquant.eval.peers": ("fibquant.peers", "parse_peer"),
-    "fibquant.eval.allocation": ("fibquant.kv.allocation", "RateAllocator"),
-    "fibquant.eval.ruler": ("fibquant.eval.needle.ruler", "ruler_trials"),
-    "fibquant.kv.coded_kernels": ("fibquant.kv.attention.kernels", "coded_scores"),
-    "fibquant.kv.prefix": ("fibquant.kv.persist.prefix", "prefill_with_prefix"),
-    "fibquant.kv.persist_generate": ("fibquant.kv.persist.generate", "generate_persistent"),
-    "fibquant.kv.memory": ("fibquant.kv.accounting", "cache_nbytes"),
-    "fibquant.eval.canonical": ("fibquant.eval.canonical_source", "CanonicalConfig"),
-    "fibquant.eval.peers_report": ("fibquant.eval.peers", "PeersConfig"),
-}
-
-
-@pytest.mark.parametrize("old", sorted(OLD_NAMES))
-def test_old_module_names_still_work_with_a_warning(old):
-    new, name = OLD_NAMES[old]
-    stub = importlib.import_module(old)
-    with pytest.warns(DeprecationWarning, match=new.replace(".", r"\.")):
-        value = getattr(stub, name)
-    assert value is getattr(importlib.import_module(new), name)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        assert name in dir(stub)
-    with pytest.warns(DeprecationWarning), pytest.raises(AttributeError):
-        getattr(stub, "no_such_name_here")

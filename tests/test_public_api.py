@@ -28,7 +28,7 @@ def test_areas_cover_the_persistence_api_the_readme_advertises():
             "prefill_with_prefix"} <= areas["persistence"]
     assert {"CompressedCache", "attention_on_codes", "choose_code", "parse_cache_spec", "build_cache",
             "AttentionNotOnCodes"} <= areas["caches"]
-    assert {"E8ShellCodec", "ResidualFibQuantCodec"} <= areas["codecs"]
+    assert {"E8ShellCodec", "FibRVQCodec"} <= areas["codecs"]
 
 
 def _imported_names(text: str) -> set[tuple[str, str]]:

@@ -3,8 +3,8 @@
 Public names, by area (each imported lazily from its module, so `import fibquant` stays cheap
 and the heavy framework glue — transformers, model files — loads only when used):
 
-- codecs: `Codec`, `FibQuantCodec`, `E8ShellCodec`, `ResidualFibQuantCodec`, `TurboQuantCodec`, `IntCodec`,
-  `LowRankCodec`, `RVQCodec`, `IdentityCodec`; `parse_method` (spec strings such as "fibquant:b=2", `.build(dim)`), `load_codec`;
+- codecs: `Codec`, `FibQuantCodec`, `E8ShellCodec`, `FibRVQCodec`, `TurboQuantCodec`, `IntCodec`,
+  `LowRankCodec`, `RVQCodec`, `IdentityCodec`; `parse_codec_spec` (spec strings such as "fibquant:b=2", `.build(dim)`), `load_codec`;
   codebooks `build_codebook`, `load_codebook`
 - caches: `CompressedCache` (`CompressedCache.for_model(model, "e8shell:b=2,nc=1")`), `attention_on_codes`
   (the explicit, reversible switch of a model to attention on codes; `AttentionNotOnCodes` without it),
@@ -32,9 +32,9 @@ _AREAS = {
         "fibquant.codecs.lowrank": ("LowRankCodec",),
         "fibquant.codecs.rvq": ("RVQCodec",),
         "fibquant.codecs.e8shell": ("E8ShellCodec",),
-        "fibquant.codecs.residual": ("ResidualFibQuantCodec",),
+        "fibquant.codecs.fibrvq": ("FibRVQCodec",),
         "fibquant.codecs.identity": ("IdentityCodec",),
-        "fibquant.codecs.registry": ("parse_method", "load_codec"),
+        "fibquant.codecs.registry": ("parse_codec_spec", "load_codec"),
         "fibquant.codebook": ("build_codebook", "load_codebook"),
     },
     "caches": {

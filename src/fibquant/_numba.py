@@ -1,7 +1,7 @@
 """What the numba CPU paths share: whether numba imports, splitting a kernel's work over threads, and
 a disk cache that tracks the files a kernel inlines.
 
-Used by `fibquant.codebook.fast_search` (nearest-codeword search) and `fibquant.kv.attention.kernels`
+Used by `fibquant.codebook.numba_search` (nearest-codeword search) and `fibquant.kv.attention.kernels`
 (attention on codes); it sits below both so that neither imports the other. numba itself is imported
 here only by `numba_available()` (on its first call) and by `njit_tracking` (when a kernel is compiled).
 

@@ -28,13 +28,6 @@ def test_spec_lists_take_both_separators_everywhere(argv):
     assert spaced == semicolons == mixed == ["fp", "int:b=4"]
 
 
-@pytest.mark.parametrize("argv", SPEC_COMMANDS, ids=" ".join)
-def test_methods_is_a_deprecated_alias_of_caches(argv, capsys):
-    args = build_parser().parse_args([*argv, "--methods", "fp;int:b=4"])
-    assert args.caches == ["fp", "int:b=4"] and not hasattr(args, "methods")
-    assert "--methods is spelled --caches now" in capsys.readouterr().err
-
-
 def test_empty_spec_list_is_an_argument_error(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["eval", "needle", "--caches", ";"])
@@ -107,16 +100,10 @@ def test_unknown_archive_kv_part_fails_before_loading_the_model(capsys):
     assert "unknown parts ['nope']" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("old, new", [("rd", "rate-distortion"), ("speed", "decode-speed"), ("mc", "multiple-choice"),
-                                      ("canonical", "canonical-source"), ("archive", "archive-bench")])
-def test_renamed_experiments_answer_to_their_old_names_with_a_warning(old, new, capsys):
-    from fibquant.eval.report import EXPERIMENTS, get_experiment
-
-    assert new in EXPERIMENTS and get_experiment(new).name == new
-    assert main(["eval", old, "--threads", "0"]) == 2  # parsed as the experiment (then refused: threads 0)
-    assert f"fibquant eval {old} is spelled fibquant eval {new} now" in capsys.readouterr().err
-    assert main(["eval", new, "--threads", "0"]) == 2
-    assert "is spelled" not in capsys.readouterr().err
+def test_old_experiment_names_are_gone(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["eval", "rd"])
+    assert "invalid choice" in capsys.readouterr().err
 
 
 def test_experiment_name_module_stem_and_benchmark_agree():

@@ -12,7 +12,7 @@ from fibquant.codebook import (CONSTRUCTION_VERSION, CodebookSpec, build_codeboo
 from fibquant.codebook.construct import companded_radii, initial_codebook, roberts_alphas
 from fibquant.codebook.lloyd import assign
 from fibquant.codebook.store import SHIPPED_DIR
-from fibquant.source import companded_radius_law, sample_blocks
+from fibquant.canonical import companded_radius_law, sample_blocks
 
 SHIPPED_BUDGET_BYTES = 4 * 1024 * 1024  # d = 64 (v2, 1.2 MB) and d = 128 (v3, 2.1 MB)
 

@@ -9,11 +9,11 @@ import torch
 from fibquant.codebook import (CONSTRUCTION_VERSION, LEGACY_VERSIONS, CodebookSpec, build_codebook,
                                find_codebook_file, load_codebook, read_codebook, recipe_v2, recipe_v3,
                                save_codebook)
-from fibquant.codebook.fast_search import numba_available
+from fibquant.codebook.numba_search import numba_available
 from fibquant.codebook.lloyd import assign_exact, assign_reference
-from fibquant.codebook.search import nearest_codeword_reference
+from fibquant.codebook.nearest import nearest_codeword_reference
 from fibquant.codebook.store import SHIPPED_DIR, read_file
-from fibquant.source import sample_blocks
+from fibquant.canonical import sample_blocks
 
 # The shipped d = 64 codebooks, bit for bit: every measured d = 64 figure depends on them.
 SHIPPED_V2_SHA256 = {

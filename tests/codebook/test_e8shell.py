@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fibquant.codebook.e8shell import (ShellLevels, codebook_points, exhaustive_search, lattice_pass, orbit_size,
-                                       shell_leaders, shell_search, shell_size, shell_tables, sigma3, unrank,
-                                       uses_lattice)
+from fibquant.codebook.e8shell import (ShellLevels, codebook_points, exhaustive_search, orbit_size, shell_leaders,
+                                       shell_size, shell_tables, sigma3, unrank)
+from fibquant.codebook.e8shell_search import lattice_pass, shell_search, uses_lattice
 from fibquant.codecs.e8shell import shipped_levels
 
 # a small code with the origin, an integer-only and mixed shells and one shell at two radii
@@ -97,7 +97,7 @@ def test_leader_search_breaks_ties_as_the_reference(grid, step):
 def _blocks_at_every_scale(n: int, seed: int) -> np.ndarray:
     """8-blocks of rotated unit vectors (the codec's input), Gaussian blocks from tiny to large, heavy-tailed
     ones (Student t, 2 degrees of freedom: outlier channels as in real keys), zeros and one-hot blocks."""
-    from fibquant.source import sample_sphere
+    from fibquant.canonical import sample_sphere
 
     rng = np.random.default_rng(seed)
     parts = [sample_sphere(n // 8, 64, seed=seed).numpy().reshape(-1, 8)]

@@ -11,11 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fibquant.codebook import load_codebook
-from fibquant.codebook.fast_search import NumbaSearch, build_delaunay, choose_method, numba_available
-from fibquant.codebook.search import nearest_codeword_reference
+from fibquant.codebook.numba_search import NumbaSearch, build_delaunay, choose_method, numba_available
+from fibquant.codebook.nearest import nearest_codeword_reference
 from fibquant.codecs.bitpack import pack_bits
 from fibquant.codecs.fibquant import FibQuantCodec, choose_block
-from fibquant.source import sample_sphere
+from fibquant.canonical import sample_sphere
 
 pytestmark = pytest.mark.skipif(not numba_available(), reason="numba is not installed")
 

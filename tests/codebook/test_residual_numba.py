@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from fibquant._numba import numba_available
 from fibquant.codebook import residual as R
 from fibquant.codebook.residual_numba import fast_beam_search
-from fibquant.codecs.residual import ResidualFibQuantCodec
-from fibquant.source import sample_blocks, sample_sphere
+from fibquant.codecs.fibrvq import FibRVQCodec
+from fibquant.canonical import sample_blocks, sample_sphere
 
 pytestmark = pytest.mark.skipif(not numba_available(), reason="numba is not installed")
 
@@ -102,7 +102,7 @@ def test_empty_input_and_bad_arguments():
 
 @pytest.mark.parametrize("bits", [1, 2, 3])
 def test_codec_codes_equal_the_torch_path(bits):
-    codec = ResidualFibQuantCodec.from_spec(64, bits=bits)
+    codec = FibRVQCodec.from_spec(64, bits=bits)
     x = sample_sphere(64, 64, seed=31) * 3.0
     fast = codec.encode(x)
     codec.fast_search = False

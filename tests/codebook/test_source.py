@@ -7,7 +7,7 @@ import pytest
 import torch
 from scipy import stats
 
-from fibquant.source import (block_radii, canonicalize, haar_rotation, log_block_density, radius_law,
+from fibquant.canonical import (block_radii, canonicalize, haar_rotation, log_block_density, radius_law,
                              sample_blocks, sample_sphere)
 
 KS_ALPHA = 1e-3  # a true null fails one KS test with probability 0.001

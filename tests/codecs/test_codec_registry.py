@@ -10,7 +10,7 @@ from _kv_helpers import tiny_llama
 from fibquant.codecs.base import Codec, PlotStyle
 from fibquant.codecs.bitpack import bytes_to_float16, float16_to_bytes, pack_bits, unpack_bits
 from fibquant.codecs import registry as methods
-from fibquant.codecs.registry import Method, codec_classes, load_codec, parse_method
+from fibquant.codecs.registry import CodecSpec, codec_classes, load_codec, parse_codec_spec
 
 # Spec strings and the labels results show: fixed, so that figures stay reproducible.
 SPECS = {
@@ -28,23 +28,23 @@ SPECS = {
 
 @pytest.mark.parametrize("spec", SPECS)
 def test_spec_strings_and_labels_are_stable(spec):
-    method = parse_method(spec)
+    method = parse_codec_spec(spec)
     assert method.spec == spec and method.label(64) == SPECS[spec]
-    assert parse_method(method.spec) == method and hash(parse_method(spec)) == hash(method)
+    assert parse_codec_spec(method.spec) == method and hash(parse_codec_spec(spec)) == hash(method)
     assert method.calibrated == (method.family in ("lowrank", "rvq"))
     assert method.reference == (spec == "fp")
 
 
 def test_keyword_construction_matches_parsing():
-    assert Method("int", bits=4) == parse_method("int:b=4")
-    assert Method("fibquant", k=64, n=4096) == parse_method("fibquant:k=64,n=4096")
-    assert Method("rvq", stages=2, n=256).param("stages") == 2 and Method("fp").param("bits") is None
+    assert CodecSpec("int", bits=4) == parse_codec_spec("int:b=4")
+    assert CodecSpec("fibquant", k=64, n=4096) == parse_codec_spec("fibquant:k=64,n=4096")
+    assert CodecSpec("rvq", stages=2, n=256).param("stages") == 2 and CodecSpec("fp").param("bits") is None
     for bad, match in (("turboquant:b=2.5", "integer"), ("fibquant:b=2,k=4", "not both"), ("fp:b=2", "no parameters"),
                        ("int:b=x", "bad number"), ("zip", "unknown method family")):
         with pytest.raises(ValueError, match=match):
-            parse_method(bad)
+            parse_codec_spec(bad)
     with pytest.raises(ValueError, match="takes no parameter"):
-        Method("int", rank=3)
+        CodecSpec("int", rank=3)
 
 
 def test_registry_entries_are_complete():
@@ -69,7 +69,7 @@ def test_rvq_and_every_codec_are_exported():
 def _fitted(family: str, dim: int = 16) -> Codec:
     """A calibrated codec fitted on 300 synthetic anisotropic vectors [300, dim]."""
     samples = torch.randn(300, dim, generator=torch.Generator().manual_seed(5)) * torch.linspace(0.2, 3, dim)
-    return parse_method({"lowrank": "lowrank:r=4", "rvq": "rvq:s=2,n=8"}[family]).fit(samples)
+    return parse_codec_spec({"lowrank": "lowrank:r=4", "rvq": "rvq:s=2,n=8"}[family]).fit(samples)
 
 
 @pytest.mark.parametrize("family", ["lowrank", "rvq"])
@@ -88,7 +88,7 @@ def test_calibrated_codec_save_load_round_trip_is_exact(family, tmp_path):
 
 def test_calibration_free_codecs_save_their_config(tmp_path):
     for spec in ("fp", "turboquant:b=2", "int:b=3", "fibquant:k=2,n=16"):
-        codec = parse_method(spec).build(16)
+        codec = parse_codec_spec(spec).build(16)
         codec.save(tmp_path / "c.safetensors")
         loaded = load_codec(tmp_path / "c.safetensors")
         assert type(loaded) is type(codec) and loaded.config == codec.config
@@ -128,7 +128,7 @@ def test_codebooks_load_lazily(monkeypatch):
 
 
 def test_shared_tensors_count_state_per_device_and_parts():
-    from fibquant.kv.layered import HeadwiseCodec
+    from fibquant.kv.headwise import HeadwiseCodec
     from fibquant.kv.accounting import codec_state_nbytes
 
     lowrank = _fitted("lowrank")
@@ -203,11 +203,11 @@ def test_one_registry_line_reaches_every_experiment(toy_registered, monkeypatch,
     from fibquant.eval.multiple_choice import CacheSetting
     from fibquant.eval.perplexity import PerplexityConfig, make_cache, plot_perplexity, window_nll
 
-    method = parse_method("toysign")
+    method = parse_codec_spec("toysign")
     assert method.spec == "toysign" and isinstance(method.build(16), ToySignCodec)
     generator = torch.Generator().manual_seed(0)
     captured = CapturedAttention(*(torch.randn(2, h, 24, 16, generator=generator) for h in (4, 2, 2)), 0.25)
-    rows = [evaluate_method(parse_method(s), captured, torch.arange(24)) for s in ("fp", "int:b=4", "toysign")]
+    rows = [evaluate_method(parse_codec_spec(s), captured, torch.arange(24)) for s in ("fp", "int:b=4", "toysign")]
     assert rows[2]["family"] == "toysign" and rows[2]["label"] == "toy sign" and 0 < rows[2]["cosine"] < 1
     assert "toy sign" in _legend_of(plot_frontier, monkeypatch, rows, tmp_path / "f.png", "t")
     config = PerplexityConfig(tokens=32, context=32, chunk=8, sink_tokens=1, recent_tokens=2, attention="decode")

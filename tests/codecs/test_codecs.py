@@ -36,10 +36,10 @@ from hypothesis import strategies as st
 from fibquant import FibQuantCodec, IntCodec, TurboQuantCodec
 from fibquant.codecs import IdentityCodec, LowRankCodec, RVQCodec
 from fibquant.codecs.e8shell import E8ShellCodec
-from fibquant.codecs.residual import ResidualFibQuantCodec
+from fibquant.codecs.fibrvq import FibRVQCodec
 from fibquant.codebook import lloyd_max_table, nearest_codeword, nearest_codeword_reference, nearest_level
 from fibquant.codecs.fibquant import choose_block
-from fibquant.source import sample_sphere
+from fibquant.canonical import sample_sphere
 
 FOR_RATE_TABLE_64 = {0.1875: (64, 4096), 0.25: (32, 256), 0.5: (16, 256), 1: (8, 256), 1.5: (8, 4096),
                      2: (4, 256), 2.5: (4, 1024), 3: (4, 4096), 3.5: (2, 128), 4: (2, 256)}
@@ -62,7 +62,7 @@ CODECS = {
     "fib_d64_rate1": lambda: FibQuantCodec.for_rate(64, 1),  # shipped k=8, N=256
     "fib_d16_k2_n16": lambda: FibQuantCodec(16, 2, 16),
     "fib_d32_k4_n6": lambda: FibQuantCodec(32, 4, 6),
-    "fibrvq_d64_b2": lambda: ResidualFibQuantCodec.from_spec(64, bits=2),  # shipped k=8, 2 x 256
+    "fibrvq_d64_b2": lambda: FibRVQCodec.from_spec(64, bits=2),  # shipped k=8, 2 x 256
     "e8shell_b2": lambda: E8ShellCodec(64, 2),
     "e8shell_b3_nc": lambda: E8ShellCodec(64, 3, norm_correction=True),
     "e8shell_b4": lambda: E8ShellCodec(64, 4),
@@ -283,7 +283,7 @@ def test_fast_search_property(k, n, m, chunk):
 
 @pytest.mark.parametrize("dim,k,n", [(64, 2, 64), (32, 3, 50), (16, 4, 40)])
 def test_grid_search_matches_reference(dim, k, n):
-    from fibquant.codebook.grid_search import GRID_CELLS, GridSearch
+    from fibquant.codebook.box_grid import GRID_CELLS, GridSearch
     gen = torch.Generator().manual_seed(dim + k + n)
     codewords = torch.randn(n, k, generator=gen) * (1.0 / math.sqrt(dim))
     grid = GridSearch(codewords, dim, GRID_CELLS[k], max_candidates=16)

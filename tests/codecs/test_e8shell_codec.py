@@ -15,7 +15,7 @@ from fibquant.codebook.e8shell import shell_tables, unrank
 from fibquant.codecs.bitpack import bytes_to_float16, unpack_bits
 from fibquant.codecs.e8shell import E8ShellCodec, shipped_levels
 from fibquant.codecs.layout import CodeLayout
-from fibquant.codecs.registry import parse_method
+from fibquant.codecs.registry import parse_codec_spec
 
 
 def _rows(n=200, seed=0):
@@ -51,7 +51,7 @@ def test_encode_equals_the_leader_scan_at_3_and_4_bits(bits, nc):
 def test_d128_levels_round_trip_within_bounds(bits, bound):
     """d = 128 (the d = 64 shells, radii refitted on the canonical source in R^128): measured MSE per unit
     vector 0.1236 / 0.0854 / 0.0221 at 1.75 / 2 / 3 bits (FibQuant 0.1331 / 0.0960 / 0.0255), fresh vectors here."""
-    from fibquant.source import sample_sphere
+    from fibquant.canonical import sample_sphere
 
     codec = E8ShellCodec(128, bits)
     u = sample_sphere(2048, 128, seed=4242)
@@ -67,7 +67,7 @@ def test_rates_layout_and_shipped_levels():
         codec = E8ShellCodec(64, bits)
         assert codec.code_size == size and codec.bits_per_coordinate == bits
         assert codec.tables.count <= 2 ** (8 * bits) and codec.tables.count > 2 ** (8 * bits - 1)
-        assert parse_method(f"e8shell:b={bits}").build(64).code_size == size
+        assert parse_codec_spec(f"e8shell:b={bits}").build(64).code_size == size
         layout = CodeLayout.from_codec(codec)
         codes = codec.encode(_rows(20)).numpy()
         index, norms = layout.split(codes)
@@ -95,18 +95,18 @@ def test_norm_correction_keeps_the_input_norm_and_the_indices():
 
 
 def test_rotation_draws_and_spec_strings():
-    method = parse_method("e8shell:b=3,nc=1,r=2")
+    method = parse_codec_spec("e8shell:b=3,nc=1,r=2")
     codec = method.build(64)
     assert (codec.bits, codec.norm_correction, codec.rotation_seed) == (3, True, 2)
     assert method.label(64) == "FibQuant-E8 b=3 (shell code,nc,r=2)"
     x = _rows(20)
     assert not torch.equal(codec.encode(x), E8ShellCodec(64, 3, True).encode(x))
-    assert parse_method("e8shell:b=1.75,nc=1").label(64) == "FibQuant-E8 b=1.75 (shell code,nc)"
+    assert parse_codec_spec("e8shell:b=1.75,nc=1").label(64) == "FibQuant-E8 b=1.75 (shell code,nc)"
     for spec, match in (("e8shell", "needs b="), ("e8shell:b=1.25", "one of"), ("e8shell:b=2,nc=2", "nc= must")):
         with pytest.raises(ValueError, match=match):
-            parse_method(spec)
-    assert parse_method("e8shell:b=2").unavailable_reason(256) is not None
-    assert parse_method("e8shell:b=2").unavailable_reason(64) is None
+            parse_codec_spec(spec)
+    assert parse_codec_spec("e8shell:b=2").unavailable_reason(256) is not None
+    assert parse_codec_spec("e8shell:b=2").unavailable_reason(64) is None
 
 
 def test_bad_configurations_and_codes():

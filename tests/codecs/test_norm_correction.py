@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from fibquant.codebook.fast_search import numba_available
+from fibquant.codebook.numba_search import numba_available
 from fibquant.codecs import norm_correction
 from fibquant.codecs.fibquant import FibQuantCodec
-from fibquant.codecs.registry import parse_method
-from fibquant.source import sample_sphere
+from fibquant.codecs.registry import parse_codec_spec
+from fibquant.canonical import sample_sphere
 
 pytestmark = pytest.mark.skipif(not numba_available(), reason="numba is not installed")
 
@@ -86,7 +86,7 @@ def test_clamp_and_range_end_make_the_fast_path_decline():
 
 @pytest.mark.parametrize("spec", ["fibquant:b=4", "fibquant:b=2", "fibquant:b=3", "turboquant:b=2", "int:b=4"])
 def test_encode_parts_equals_encode_of_the_rows_concatenated(spec):
-    codec = parse_method(spec).build(64)
+    codec = parse_codec_spec(spec).build(64)
     gen = torch.Generator().manual_seed(1)
     window = torch.randn(1, 3, 40, 64, generator=gen)
     keys, values = window[..., 5:21, :], torch.randn(1, 3, 40, 64, generator=gen)[..., :16, :]  # strided views
@@ -109,7 +109,7 @@ def test_half_precision_parts_give_the_codes_of_encode(spec, dtype):
     """bf16 / fp16 parts (vLLM's K and V: [N, Hk, D] views with row strides) widen straight into the float32
     working block: the codes of `encode` of the parts concatenated, as the vLLM backend used to call it,
     and of the float32 parts; a non-finite half-precision value is rejected as `encode` rejects it."""
-    codec = parse_method(spec).build(64)
+    codec = parse_codec_spec(spec).build(64)
     gen = torch.Generator().manual_seed(7)
     qkv = torch.randn(37, 3 * 3 * 64, generator=gen).to(dtype)  # one fused row per token, as a projection gives
     keys, values = qkv[:, 192:384].view(37, 3, 64), qkv[:, 384:].view(37, 3, 64)
@@ -127,7 +127,7 @@ def test_half_precision_parts_give_the_codes_of_encode(spec, dtype):
 
 
 def test_encode_parts_rejects_what_encode_rejects():
-    codec = parse_method("fibquant:b=4").build(64)
+    codec = parse_codec_spec("fibquant:b=4").build(64)
     good = torch.randn(2, 64)
     bad = good.clone()
     bad[1, 3] = float("nan")
@@ -148,7 +148,7 @@ def test_encode_parts_reuses_its_working_arrays_and_keeps_the_codes(spec):
     `encode`'s codes, and the codes of one call are not overwritten by the next."""
     import fibquant.codecs.fibquant as fibquant_module
 
-    codec = parse_method(spec).build(64)
+    codec = parse_codec_spec(spec).build(64)
     gen = torch.Generator().manual_seed(5)
     kept = []
     for rows in (1, 17, 300, 4097, fibquant_module.ENCODE_SCRATCH_ROWS + 5, 33):

@@ -71,11 +71,10 @@ def test_cache_names_parse_and_reject():
             parse_cache_name(bad)
 
 
-@pytest.mark.parametrize("old, new", [("dynamic", "fp"), ("fibquant4", "fibquant:b=4"), ("int4-old", "int:b=4@decode"),
-                                      ("quanto2", "quanto:b=2"), ("hqq4", "hqq:b=4")])
-def test_earlier_cache_names_still_parse_with_a_warning(old, new):
-    with pytest.warns(DeprecationWarning, match=re.escape(repr(new))):
-        assert parse_cache_name(old) == parse_cache_name(new)
+@pytest.mark.parametrize("old", ["dynamic", "fibquant4", "int4-old", "quanto2"])
+def test_earlier_cache_names_are_refused(old):
+    with pytest.raises(ValueError):
+        parse_cache_name(old)
 
 
 def test_our_caches_come_from_the_codec_registry():
@@ -84,9 +83,9 @@ def test_our_caches_come_from_the_codec_registry():
     spec = parse_cache_name("int:b=4@decode")
     assert (spec.kind, spec.family, spec.bits, spec.attention) == ("compressed", "int", 4, "decode")
     assert spec.label == "INT 4b (decode)" and parse_cache_name("fibquant:b=4").label == "FibQuant 4b (codes)"
-    assert spec.method().spec == "int:b=4"
+    assert spec.codec_spec().spec == "int:b=4"
     with pytest.raises(ValueError, match="not one of our compressed caches"):
-        parse_cache_name("hqq:b=4").method()
+        parse_cache_name("hqq:b=4").codec_spec()
     with pytest.raises(ValueError):
         DecodeSpeedConfig(decode_tokens=0)
 

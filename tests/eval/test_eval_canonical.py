@@ -9,7 +9,7 @@ from scipy import stats
 
 from fibquant.eval.canonical_source import (CanonicalConfig, cached_states, canonical_ks, ks_statistic, run_canonical,
                                      save_canonical, uniform_floor, unit_rows)
-from fibquant.source import block_radii, haar_rotation, sample_sphere
+from fibquant.canonical import block_radii, haar_rotation, sample_sphere
 
 
 def test_ks_statistic_is_small_on_exact_beta_samples_and_large_otherwise():

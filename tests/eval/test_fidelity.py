@@ -13,7 +13,7 @@ from fibquant.codecs.integer import IntCodec
 from fibquant.eval.capture import CapturedAttention, attention_modules, capture_attention
 from fibquant.eval.fidelity import (CalibrationBank, FidelityConfig, causal_attention, compare_frontiers,
                                     evaluate_method, exact_window_mask, output_cosine, pareto_front, run_fidelity)
-from fibquant.codecs.registry import Method, parse_method
+from fibquant.codecs.registry import CodecSpec, parse_codec_spec
 
 
 def loop_attention(q, k, v, k_hat, v_hat, scaling, positions, sinks, recent):
@@ -79,8 +79,8 @@ def _random_capture(tokens=32, seed=0):
 def test_cosine_is_one_for_fp_and_improves_with_bits_and_window():
     captured = _random_capture()
     positions = torch.arange(32)
-    assert evaluate_method(Method("fp"), captured, positions)["cosine"] == pytest.approx(1.0, abs=1e-6)
-    cosines = [evaluate_method(Method("int", bits=b), captured, positions)["cosine"] for b in (2, 4, 8)]
+    assert evaluate_method(CodecSpec("fp"), captured, positions)["cosine"] == pytest.approx(1.0, abs=1e-6)
+    cosines = [evaluate_method(CodecSpec("int", bits=b), captured, positions)["cosine"] for b in (2, 4, 8)]
     assert cosines[0] < cosines[1] < cosines[2] <= 1.0 + 1e-6
     codec = IntCodec(16, 2)
     k_hat, v_hat = codec.roundtrip(captured.keys), codec.roundtrip(captured.values)
@@ -88,7 +88,7 @@ def test_cosine_is_one_for_fp_and_improves_with_bits_and_window():
     window = output_cosine(captured, k_hat, v_hat, positions, sink_tokens=2, recent_tokens=8).mean()
     full = output_cosine(captured, k_hat, v_hat, positions, sink_tokens=0, recent_tokens=32).mean()
     assert no_window < window < 1.0 and float(full) == pytest.approx(1.0, abs=1e-6)
-    row = evaluate_method(Method("int", bits=4), captured, positions)
+    row = evaluate_method(CodecSpec("int", bits=4), captured, positions)
     assert row["compression_ratio"] == pytest.approx(32 / IntCodec(16, 4).code_size)
 
 
@@ -96,16 +96,16 @@ def test_calibrated_rvq_per_head_improves_with_stages():
     captured, calibration = _random_capture(tokens=64, seed=0), _random_capture(tokens=64, seed=1)
     bank = CalibrationBank(calibration)
     positions = torch.arange(64)
-    rows = [evaluate_method(Method("rvq", stages=s, n=8), captured, positions, bank=bank) for s in (1, 3)]
+    rows = [evaluate_method(CodecSpec("rvq", stages=s, n=8), captured, positions, bank=bank) for s in (1, 3)]
     assert rows[0]["code_bytes_per_vector"] == 1 and rows[1]["code_bytes_per_vector"] == 2  # 3 and 9 bits
     assert rows[0]["cosine"] < rows[1]["cosine"] < 1.0
-    assert bank.codec("key", Method("rvq", stages=3, n=8), 1, 1) is bank.codec("key", Method("rvq", stages=3, n=8), 1, 1)
+    assert bank.codec("key", CodecSpec("rvq", stages=3, n=8), 1, 1) is bank.codec("key", CodecSpec("rvq", stages=3, n=8), 1, 1)
 
 
 def test_rows_name_the_cache_as_the_speed_rows_do():
     """A row carries `cache` (the spec string of --caches) and `label` (the human name), as `eval speed`'s."""
-    row = evaluate_method(parse_method("int:b=4"), _random_capture(), torch.arange(4))
-    assert row["cache"] == "int:b=4" and row["label"] == parse_method("int:b=4").label(16)
+    row = evaluate_method(parse_codec_spec("int:b=4"), _random_capture(), torch.arange(4))
+    assert row["cache"] == "int:b=4" and row["label"] == parse_codec_spec("int:b=4").label(16)
     assert not set(row) & {"method", "spec"}
 
 
@@ -122,25 +122,25 @@ def test_frontier_logic():
 
 
 def test_method_specs_and_bad_input():
-    assert parse_method("fibquant:k=64,n=4096") == Method("fibquant", k=64, n=4096)
-    assert parse_method("turboquant:b=3").spec == "turboquant:b=3"
-    assert parse_method("lowrank:r=8").label() == "low-rank r=8"
-    assert parse_method("rvq:s=2,n=256") == Method("rvq", stages=2, n=256)
-    assert parse_method("rvq:s=2,n=256").calibrated
+    assert parse_codec_spec("fibquant:k=64,n=4096") == CodecSpec("fibquant", k=64, n=4096)
+    assert parse_codec_spec("turboquant:b=3").spec == "turboquant:b=3"
+    assert parse_codec_spec("lowrank:r=8").label() == "low-rank r=8"
+    assert parse_codec_spec("rvq:s=2,n=256") == CodecSpec("rvq", stages=2, n=256)
+    assert parse_codec_spec("rvq:s=2,n=256").calibrated
     with pytest.raises(ValueError, match="needs s="):
-        parse_method("rvq:n=256")
+        parse_codec_spec("rvq:n=256")
     with pytest.raises(ValueError, match="unknown method family"):
-        parse_method("pq:b=2")
+        parse_codec_spec("pq:b=2")
     with pytest.raises(ValueError, match="bad method parameter"):
-        parse_method("int:bits=4")
+        parse_codec_spec("int:bits=4")
     with pytest.raises(ValueError, match="needs r="):
-        parse_method("lowrank")
+        parse_codec_spec("lowrank")
     with pytest.raises(ValueError, match="must differ"):
         FidelityConfig(text="emma", calibration_text="emma")
     with pytest.raises(ValueError, match="covers the whole"):
         FidelityConfig(tokens=32, sink_tokens=4, recent_tokens=28)
     with pytest.raises(ValueError, match="needs a calibration"):
-        evaluate_method(Method("lowrank", rank=2), _random_capture(), torch.arange(4))
+        evaluate_method(CodecSpec("lowrank", rank=2), _random_capture(), torch.arange(4))
     with pytest.raises(ValueError, match="one sequence"):
         capture_attention(tiny_llama(), torch.zeros(2, 5, dtype=torch.long))
 
@@ -148,7 +148,7 @@ def test_method_specs_and_bad_input():
 @pytest.mark.model
 def test_fidelity_on_real_model_short(request):
     model, tokenizer = real_model(request)
-    methods = [Method("fp"), Method("int", bits=8), Method("int", bits=2), Method("lowrank", rank=8)]
+    methods = [CodecSpec("fp"), CodecSpec("int", bits=8), CodecSpec("int", bits=2), CodecSpec("lowrank", rank=8)]
     result = run_fidelity(model, tokenizer, methods, FidelityConfig(tokens=96, layers=(0, 15)), progress=False)
     cosine = {r["cache"]: r["cosine"] for r in result["rows"]}
     assert cosine["fp"] == pytest.approx(1.0, abs=1e-5)
@@ -216,5 +216,5 @@ def test_fidelity_command_runs_the_registered_experiment(monkeypatch):
                                       "--caches", "fp int:b=4"])
     assert args.func(args) == 0
     (name, config, out), resources = calls[0]
-    assert name == "fidelity" and out is None and resources == {"methods": ["fp", "int:b=4"], "build_codebooks": False}
+    assert name == "fidelity" and out is None and resources == {"caches": ["fp", "int:b=4"], "build_codebooks": False}
     assert config == FidelityConfig(tokens=64, layers=(0, 15), sink_tokens=2)

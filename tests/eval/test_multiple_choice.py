@@ -81,7 +81,7 @@ def test_cache_setting_validation():
         CacheSetting("lowrank:r=8")
     with pytest.raises(ValueError, match="recent_tokens must be a non-negative"):
         CacheSetting("fibquant:b=2", recent_tokens=-3)
-    settings = default_settings(bits=(4, 2), small_window=(0, 4), methods=["turboquant:b=2"])
+    settings = default_settings(bits=(4, 2), small_window=(0, 4), caches=["turboquant:b=2"])
     assert [(s.method, s.sink_tokens, s.recent_tokens) for s in settings] == [
         ("fp", 4, 32), ("fibquant:b=4", 4, 32), ("fibquant:b=2", 4, 32), ("turboquant:b=2", 4, 32),
         ("fibquant:b=4", 0, 4), ("fibquant:b=2", 0, 4), ("turboquant:b=2", 0, 4)]
@@ -170,7 +170,7 @@ def test_mc_experiment_runs_from_its_config_and_reports(tmp_path, capsys):
     from fibquant.eval.multiple_choice import EXPERIMENT, MultipleChoiceConfig
 
     examples = [_example(["aa", "bbb", "c"], i % 3, f"question {i} is ") for i in range(5)]
-    config = MultipleChoiceConfig(task="toy", limit=3, bits=(), methods=("int:b=4",), sink_tokens=0,
+    config = MultipleChoiceConfig(task="toy", limit=3, bits=(), caches=("int:b=4",), sink_tokens=0,
                                   recent_tokens=0, small_window=None)
     payload = EXPERIMENT.main(config, tmp_path, model_and_tokenizer=(tiny_llama(), CharTokenizer()),
                               progress=False, examples=examples)
@@ -193,12 +193,12 @@ def test_mc_command_builds_the_config(monkeypatch):
     monkeypatch.setattr(realdata, "run_experiment", lambda *args, **kwargs: calls.append((args, kwargs)))
     monkeypatch.setattr(realdata, "apply_threads", lambda args: None)
     monkeypatch.setattr(fibquant.kv.model, "load_model", lambda name=None: ("model", "tokenizer"))
-    args = build_parser().parse_args(["eval", "multiple-choice", "--limit", "0", "--bits", "4", "--methods", "int:b=4",
+    args = build_parser().parse_args(["eval", "multiple-choice", "--limit", "0", "--bits", "4", "--caches", "int:b=4",
                                       "--no-small-window", "--no-progress"])
     assert args.func(args) == 0
     (name, config, out), resources = calls[0]
     assert name == "multiple-choice" and resources == {"model_and_tokenizer": ("model", "tokenizer"), "progress": False}
-    assert config == MultipleChoiceConfig(limit=None, bits=(4.0,), methods=("int:b=4",), small_window=None)
+    assert config == MultipleChoiceConfig(limit=None, bits=(4.0,), caches=("int:b=4",), small_window=None)
     args = build_parser().parse_args(["eval", "multiple-choice", "--limit", "-1"])
     with pytest.raises(ValueError, match="--limit must be >= 0"):
         args.func(args)

@@ -10,7 +10,7 @@ from transformers import DynamicCache
 
 from fibquant.kv.model import cache_kwarg
 from fibquant.codecs.integer import IntCodec
-from fibquant.codecs.registry import Method
+from fibquant.codecs.registry import CodecSpec
 from fibquant.eval.perplexity import (PerplexityConfig, perplexity_targets, run_perplexity, window_nll,
                                      window_stats)
 from fibquant.kv.cache import CompressedCache
@@ -88,7 +88,7 @@ def test_real_model_compressed_generation_and_short_perplexity(request):
     assert cache.used_nbytes() == expected and cache.bytes_per_token() == expected / tokens
     assert cache.nbytes() >= expected  # plus the reserved capacity of the code buffers
     config = PerplexityConfig(tokens=192, context=192, chunk=32, batch_size=1)
-    methods = [Method("fp"), Method("int", bits=8), Method("int", bits=2)]
+    methods = [CodecSpec("fp"), CodecSpec("int", bits=8), CodecSpec("int", bits=2)]
     rows = {r["cache"]: r for r in run_perplexity(model, tokenizer, methods, config, progress=False)["rows"]}
     fp = rows["fp"]["perplexity"]
     assert math.isfinite(fp) and 1.0 < fp < 200.0
@@ -119,7 +119,7 @@ def test_real_model_perplexity_codes_path_equals_decode_path(request):
     apart slightly: measured 1.7e-3 relative for FibQuant 2-bit on these 256 tokens.
     """
     model, tokenizer = real_model(request)
-    methods = [Method("fibquant", bits=2), Method("turboquant", bits=4)]
+    methods = [CodecSpec("fibquant", bits=2), CodecSpec("turboquant", bits=4)]
     results = {}
     for mode in ("decode", "codes"):
         config = PerplexityConfig(tokens=256, context=256, chunk=32, batch_size=1, attention=mode)
@@ -172,5 +172,5 @@ def test_perplexity_command_runs_the_registered_experiment(monkeypatch):
                                       "--caches", "fp;int:b=4/int:b=2", "--build-codebooks"])
     assert args.func(args) == 0
     (name, config, out), resources = calls[0]
-    assert name == "perplexity" and resources == {"methods": ["fp", "int:b=4/int:b=2"], "build_codebooks": True}
+    assert name == "perplexity" and resources == {"caches": ["fp", "int:b=4/int:b=2"], "build_codebooks": True}
     assert config == PerplexityConfig(tokens=256, context=128, centre=True)

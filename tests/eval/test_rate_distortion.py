@@ -8,7 +8,7 @@ from fibquant.codecs.fibquant import choose_block
 from fibquant.eval.rate_distortion import (FOR_RATE_GRID, RDConfig, fibquant_grid, format_report, unit_mse,
                                            write_outputs)
 from _rd_helpers import rd_report as _report
-from fibquant.source import sample_sphere
+from fibquant.canonical import sample_sphere
 
 
 def test_quick_grid_is_the_for_rate_table_and_full_grid_adds_block_sizes():

@@ -13,6 +13,7 @@ from unittest import mock
 import pytest
 
 from fibquant.integrations.vllm import ENV_VAR, VllmCacheConfig, active_config, register
+from fibquant.integrations.vllm.config import ATTENTION_ENV_VAR
 
 
 def _interpreted_triton_kernels():
@@ -97,6 +98,21 @@ def test_window_defaults_and_bytes(monkeypatch):
     assert VllmCacheConfig.parse("fibquant:b=4", 4, 8).deferred_steps == 8  # capped by the recent window
     with pytest.raises(ValueError, match="FIBQUANT_VLLM_RECENT_TOKENS"):
         VllmCacheConfig.parse("fibquant:b=4", 4, -1)
+
+
+def test_attention_options_come_from_one_variable(monkeypatch):
+    from fibquant.kv.options import AttentionOptions
+
+    monkeypatch.setenv(ENV_VAR, "fibquant:b=4")
+    monkeypatch.delenv(ATTENTION_ENV_VAR, raising=False)
+    assert active_config().options == AttentionOptions()
+    monkeypatch.setenv(ATTENTION_ENV_VAR, "defer_codes=off,gather_decode=keys")
+    config = active_config()
+    assert config.options == AttentionOptions(defer_codes=False, gather_decode="keys")
+    assert config.deferred_steps == 0  # every forward writes its own codes
+    monkeypatch.setenv(ATTENTION_ENV_VAR, "lean=off")
+    with pytest.raises(ValueError, match=ATTENTION_ENV_VAR):
+        active_config()
 
 
 def test_parity_row_pools_spans_by_their_tokens():
@@ -259,7 +275,7 @@ def test_paged_codes_attention_equals_decoded_reference(monkeypatch, spec, sink_
     window), the other earlier tokens decoded from their codes, the own chunk exact (causal); with
     logit soft-capping (Gemma 2) and learned sink logits (gpt-oss) applied as transformers' eager
     attention does. On CPU the decodes go through the paged numba kernel (codes read in place through
-    the block tables), or, with a soft-cap or PAGED_NUMBA_DECODE off ("gathered"), the gathered
+    the block tables), or, with a soft-cap or paged_numba_decode off ("gathered"), the gathered
     path padded to the longer context; the chunk through the gathered path. A bf16 or float32 model's
     exact window is read in place from the window slabs; an fp16 one's is gathered first ("fp16")."""
     from fibquant.integrations.vllm import backend, window
@@ -270,7 +286,7 @@ def test_paged_codes_attention_equals_decoded_reference(monkeypatch, spec, sink_
     real_slabs = window.ExactWindow.slabs
     monkeypatch.setattr(window.ExactWindow, "slabs", lambda self, *a: in_place.append(1) or real_slabs(self, *a))
     if extras == "gathered":
-        monkeypatch.setattr(backend, "PAGED_NUMBA_DECODE", False)
+        monkeypatch.setenv(ATTENTION_ENV_VAR, "paged_numba_decode=off")
     _check_paged_scenario(monkeypatch, spec, sink_tokens, token_major, extras, recent)
     if "softcap" in extras or extras == "gathered":
         assert calls == []
@@ -295,7 +311,7 @@ needs_interpreter = pytest.mark.skipif(
                           ("fibquant:b=3", 0, 0, False, ""),
                           ("fibquant:b=4", 3, 8, True, "softcap")])
 def test_paged_kernel_path_equals_decoded_reference(monkeypatch, spec, sink_tokens, recent, token_major, extras):
-    """The same scenario with PAGED_CODED_BACKEND="triton" (what CUDA pages get under "auto"; here the
+    """The same scenario with paged_coded_backend="triton" (what CUDA pages get under "auto"; here the
     kernel runs in Triton's interpreter): the coded tokens are read in place by coded_decode_attention_paged
     (the 6-token chunk and the batched decodes: 2 calls, no gathered copy of the codes), merged with
     the exact part; with a soft-cap the gathered path runs instead (the kernel has no soft-cap)."""
@@ -307,7 +323,7 @@ def test_paged_kernel_path_equals_decoded_reference(monkeypatch, spec, sink_toke
                         lambda *a, **k: calls.append(k["backend"]) or real_kernel(*a, **k))
     monkeypatch.setattr(backend.FibQuantAttentionImpl, "_context_codes",
                         lambda self, *a: gathers.append(1) or real_gather(self, *a))
-    monkeypatch.setattr(backend, "PAGED_CODED_BACKEND", "triton")
+    monkeypatch.setenv(ATTENTION_ENV_VAR, "paged_coded_backend=triton")
     _check_paged_scenario(monkeypatch, spec, sink_tokens, token_major, extras, recent)
     if "softcap" in extras:
         assert calls == [] and len(gathers) >= 1
@@ -401,12 +417,12 @@ def test_chunk_kernel_runs_in_a_bare_process():
 def test_first_prefill_chunks_attend_causally(monkeypatch, kernel):
     """A forward of first prefill chunks (nothing before them) in a bf16 model: each request's output
     is causal attention over its own tokens (within bf16 rounding of float32 SDPA), through vLLM's CPU
-    kernel (`chunk`, once per request) with CHUNK_KERNEL on, through SDPA with it off."""
+    kernel (`chunk`, once per request) with `chunk_kernel` on, through SDPA with it off."""
     import torch
 
     from fibquant.integrations.vllm import backend, chunk
 
-    monkeypatch.setattr(backend, "CHUNK_KERNEL", kernel)
+    monkeypatch.setenv(ATTENTION_ENV_VAR, f"chunk_kernel={kernel}")
     calls = []
     real = chunk.causal_attention
     monkeypatch.setattr(chunk, "causal_attention", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
@@ -572,7 +588,7 @@ def test_deferred_code_writes_equal_immediate_ones(monkeypatch, lean):
 
     from fibquant.integrations.vllm import backend
 
-    monkeypatch.setattr(backend, "LEAN_DECODE", lean)
+    monkeypatch.setenv(ATTENTION_ENV_VAR, f"lean_decode={lean}")
     leans = []
     real_lean = backend.FibQuantAttentionImpl._lean_decode
     monkeypatch.setattr(backend.FibQuantAttentionImpl, "_lean_decode",
@@ -591,7 +607,7 @@ def test_deferred_code_writes_equal_immediate_ones(monkeypatch, lean):
     monkeypatch.setenv("FIBQUANT_VLLM_RECENT_TOKENS", "8")
     heads, kv_heads, dim, block = 4, 2, 64, 8
     deferred = backend.FibQuantAttentionImpl(heads, dim, dim ** -0.5, kv_heads)
-    monkeypatch.setattr(backend, "DEFER_CODES", False)
+    monkeypatch.setenv(ATTENTION_ENV_VAR, f"lean_decode={lean},defer_codes=off")
     immediate = backend.FibQuantAttentionImpl(heads, dim, dim ** -0.5, kv_heads)
     assert deferred.deferred.steps == 8 and immediate.deferred.steps == 0
     slot = VllmCacheConfig.parse("fibquant:b=4/fibquant:b=2").slot_bytes(dim)

@@ -132,7 +132,7 @@ def test_cache_nbytes_sums_layers_and_beats_dynamic_cache():
 
 
 def test_cache_nbytes_counts_a_roundtrip_cache_in_its_format():
-    from fibquant.kv.roundtrip import RoundTripCache
+    from fibquant.kv.roundtrip_cache import RoundTripCache
 
     cache = RoundTripCache(lambda x, start: x, lambda x, start: x, sink_tokens=2, recent_tokens=3)
     cache.update(torch.zeros(1, 2, 10, DIM), torch.zeros(1, 2, 10, DIM), 0)

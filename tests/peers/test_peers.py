@@ -20,7 +20,7 @@ from fibquant.eval.perplexity import PerplexityConfig, make_cache, window_nll
 from fibquant.kv.build import build_cache
 from fibquant.kv.cache import CompressedCache
 from fibquant.kv.accounting import cache_nbytes
-from fibquant.kv.roundtrip import RoundTripCache, RoundTripLayer
+from fibquant.kv.roundtrip_cache import RoundTripCache, RoundTripLayer
 
 DIM = 16
 
@@ -219,13 +219,13 @@ def test_peer_cache_refuses_centring():
         build_cache("quanto-rt:b=4", model, 2, 4, centre=True)
 
 
-def test_native_names_read_as_the_round_trip_for_one_release():
-    # quanto:b=B names transformers' QuantizedCache (eval decode-speed); where a round trip is meant it is
-    # read as quanto-rt:b=B, with a warning naming the new spelling.
-    with pytest.warns(DeprecationWarning, match="'quanto-rt'"):
-        assert parse_peer("quanto:b=2") == parse_peer("quanto-rt:b=2")
-    with pytest.warns(DeprecationWarning, match="'hqq-rt'"):
-        assert parse_cache_spec("hqq:b=4").spec == "hqq-rt:b=4"
+def test_native_names_are_refused_where_a_round_trip_is_meant():
+    # quanto:b=B names transformers' QuantizedCache (eval decode-speed); where a round trip is meant the
+    # error names its spelling, quanto-rt:b=B.
+    with pytest.raises(ValueError, match="'quanto-rt'"):
+        parse_peer("quanto:b=2")
+    with pytest.raises(ValueError, match="'hqq-rt'"):
+        parse_cache_spec("hqq:b=4")
     assert {"quanto", "hqq"} <= set(native_families()) and native_families()["hqq"] == "hqq-rt"
 
 

@@ -12,7 +12,6 @@ import argparse
 import importlib
 import sys
 
-from fibquant.cli._common import warn_renamed_experiment
 
 # Modules contributing commands; each owns its own arguments.
 _COMMAND_MODULES = (
@@ -55,7 +54,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    warn_renamed_experiment(args)
     try:
         return int(args.func(args) or 0)
     except ValueError as exc:  # bad input: a clear message, no traceback

@@ -2,7 +2,7 @@
 
 - `--caches`: cache specs (`fibquant.kv.specs`), separated by spaces or ';' (both accepted:
   `--caches fp int:b=4` and `--caches 'fp;int:b=4'`; specs themselves may contain ','); every
-  command spells it so (`--methods`, its earlier name, still works for one release, with a warning);
+  command spells it so;
 - lists of numbers or names (`--layers`, `--lengths`, `--parts`, ...): separated by spaces,
   ',' or ';' (`--layers 0 7 15` and `--layers 0,7,15` alike);
 - `--out`: the results folder (default `$FIBQUANT_RESULTS_DIR`, else ./results; fibquant.paths);
@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import argparse
 import re
-import sys
 
 from ._threads import add_threads_argument, apply_threads  # noqa: F401 - re-exported
 
-DEPRECATED_FLAGS = {"--methods": "--caches"}  # old flag -> its current spelling
 OUT_HELP = "results folder (default $FIBQUANT_RESULTS_DIR or ./results)"
 
 
@@ -40,9 +38,6 @@ class _ListAction(argparse.Action):
         super().__init__(*args, **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        if option_string in DEPRECATED_FLAGS:
-            print(f"warning: {option_string} is spelled {DEPRECATED_FLAGS[option_string]} now "
-                  f"(the old flag goes in the next release)", file=sys.stderr)
         items = [item for value in values for item in self.split(value)]
         if not items:
             parser.error(f"{option_string} needs at least one value")
@@ -53,29 +48,10 @@ class _ListAction(argparse.Action):
         setattr(namespace, self.dest, converted)
 
 
-def add_eval_parser(eval_subparsers, name: str, **kwargs) -> argparse.ArgumentParser:
-    """`fibquant eval <name>`, the experiment's registered name (`fibquant.eval.report.EXPERIMENTS`),
-    also answering to its earlier name (`RENAMED`) for one release."""
-    from fibquant.eval.report import RENAMED
-
-    aliases = [old for old, new in RENAMED.items() if new == name]
-    return eval_subparsers.add_parser(name, aliases=aliases, **kwargs)
-
-
-def warn_renamed_experiment(args) -> None:
-    """One stderr line when `args` came from an experiment's earlier name."""
-    from fibquant.eval.report import RENAMED
-
-    used = getattr(args, "experiment", None)
-    if used in RENAMED:
-        print(f"warning: fibquant eval {used} is spelled fibquant eval {RENAMED[used]} now "
-              f"(the old name goes in the next release)", file=sys.stderr)
-
-
 def add_specs_argument(parser: argparse.ArgumentParser, default=None, help: str = "cache specs") -> None:
-    """`--caches SPEC [SPEC ...]` (alias `--methods`, deprecated), specs separated by spaces or ';';
+    """`--caches SPEC [SPEC ...]`, specs separated by spaces or ';';
     parsed into a list of strings at `args.caches`."""
-    parser.add_argument("--caches", *DEPRECATED_FLAGS, dest="caches", nargs="+", action=_ListAction,
+    parser.add_argument("--caches", dest="caches", nargs="+", action=_ListAction,
                         default=default, metavar="SPEC", help=f"{help} (separated by spaces or ';')")
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import _json as strict_json
-from ._common import add_eval_parser, add_threads_argument, apply_threads, run_experiment
+from ._common import add_threads_argument, apply_threads, run_experiment
 
 
 def _read_symbols(path: Path, input_format: str) -> tuple[np.ndarray, int]:
@@ -133,7 +133,7 @@ def register(subparsers) -> None:
 
 
 def register_eval(eval_subparsers) -> None:
-    parser = add_eval_parser(eval_subparsers, "archive-bench", help="fractal archive benchmark (table, JSON, plot)")
+    parser = eval_subparsers.add_parser("archive-bench", help="fractal archive benchmark (table, JSON, plot)")
     parser.add_argument("--quick", action="store_true", help="10^5 symbols per stream")
     parser.add_argument("--out", default=None,
                         help="output folder (default $FIBQUANT_RESULTS_DIR/archive, else ./results/archive)")

@@ -22,7 +22,7 @@ def _prompt_ids(args, tokenizer):
 
 
 def _save(args) -> int:
-    from fibquant.codecs.registry import parse_method
+    from fibquant.codecs.registry import parse_codec_spec
     from fibquant.kv.model import load_model
     from fibquant.kv.persist.generate import generate_persistent
 
@@ -30,7 +30,7 @@ def _save(args) -> int:
     model, tokenizer = load_model(args.model)
     head_dim = model.config.head_dim if getattr(model.config, "head_dim", None) else \
         model.config.hidden_size // model.config.num_attention_heads
-    codec = parse_method(args.method).build(head_dim)
+    codec = parse_codec_spec(args.method).build(head_dim)
     ids = _prompt_ids(args, tokenizer)
     out = generate_persistent(model, ids, args.output, codec, codec, sink_tokens=args.sink_tokens,
                               recent_tokens=args.recent_tokens, max_new_tokens=args.max_new_tokens,

@@ -4,13 +4,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from ._common import (add_eval_parser, add_list_argument, add_out_argument, add_threads_argument, apply_threads,
+from ._common import (add_list_argument, add_out_argument, add_threads_argument, apply_threads,
                       run_experiment)
 
 
 def register_eval(eval_subparsers) -> None:
-    parser = add_eval_parser(
-        eval_subparsers, "rate-distortion", help="rate-distortion of FibQuant vs TurboQuant vs INT on the canonical source")
+    parser = eval_subparsers.add_parser(
+        "rate-distortion", help="rate-distortion of FibQuant vs TurboQuant vs INT on the canonical source")
     add_arguments(parser)
     parser.set_defaults(func=run)
 

@@ -71,7 +71,7 @@ def _fidelity(args: argparse.Namespace) -> int:
                             layers=layers, query_stride=args.query_stride, sink_tokens=args.sink_tokens,
                             recent_tokens=args.recent_tokens, centre=args.centre)
     apply_threads(args)
-    run_experiment("fidelity", config, args.out, methods=args.caches, build_codebooks=args.build_codebooks)
+    run_experiment("fidelity", config, args.out, caches=args.caches, build_codebooks=args.build_codebooks)
     return 0
 
 
@@ -81,5 +81,5 @@ def _perplexity(args: argparse.Namespace) -> int:
     config = PerplexityConfig(text=args.text, tokens=args.tokens, context=args.context, chunk=args.chunk,
                               batch_size=args.batch_size, attention=args.attention, centre=args.centre)
     apply_threads(args)
-    run_experiment("perplexity", config, args.out, methods=args.caches, build_codebooks=args.build_codebooks)
+    run_experiment("perplexity", config, args.out, caches=args.caches, build_codebooks=args.build_codebooks)
     return 0

@@ -8,7 +8,7 @@ import argparse
 import functools
 import sys
 
-from ._common import (add_eval_parser, add_list_argument, add_model_argument, add_out_argument, add_specs_argument, add_text_argument,
+from ._common import (add_list_argument, add_model_argument, add_out_argument, add_specs_argument, add_text_argument,
                       add_threads_argument, apply_threads, run_experiment)
 
 
@@ -75,12 +75,12 @@ def _list(args) -> int:
 # --------------------------------------------------------------------------- eval
 
 def register_eval(eval_subparsers) -> None:
-    canonical = add_eval_parser(
-        eval_subparsers, "canonical-source", help="the canonical source on real KV: KS test of k-block radii, rotated vs not")
+    canonical = eval_subparsers.add_parser(
+        "canonical-source", help="the canonical source on real KV: KS test of k-block radii, rotated vs not")
     add_canonical_arguments(canonical)
     canonical.set_defaults(func=run_canonical_command)
-    mc = add_eval_parser(
-        eval_subparsers, "multiple-choice", help="multiple-choice acc / acc_norm, fp vs compressed caches")
+    mc = eval_subparsers.add_parser(
+        "multiple-choice", help="multiple-choice acc / acc_norm, fp vs compressed caches")
     add_mc_arguments(mc)
     mc.set_defaults(func=run_mc_command)
 
@@ -138,7 +138,7 @@ def run_mc_command(args) -> int:
     if args.limit < 0:
         raise ValueError(f"--limit must be >= 0 (0 = all examples), got {args.limit}")
     config = MultipleChoiceConfig(task=args.task, limit=args.limit or None, bits=tuple(args.bits),
-                                  methods=tuple(args.caches), sink_tokens=args.sink_tokens,
+                                  caches=tuple(args.caches), sink_tokens=args.sink_tokens,
                                   recent_tokens=args.recent_tokens, seed=args.seed,
                                   small_window=None if args.no_small_window else tuple(args.small_window))
     apply_threads(args)

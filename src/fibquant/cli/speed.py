@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import argparse
 
-from ._common import (add_eval_parser, add_list_argument, add_model_argument, add_out_argument, add_specs_argument, add_text_argument,
+from ._common import (add_list_argument, add_model_argument, add_out_argument, add_specs_argument, add_text_argument,
                       apply_threads, run_experiment)
 
 TIMING_THREADS = 1  # --threads default of this command (not half the cores: timings are per thread)
 
 
 def register_eval(eval_subparsers) -> None:
-    parser = add_eval_parser(
-        eval_subparsers, "decode-speed", help="time to first token, decode speed and memory: DynamicCache vs CompressedCache vs "
+    parser = eval_subparsers.add_parser(
+        "decode-speed", help="time to first token, decode speed and memory: DynamicCache vs CompressedCache vs "
                       "QuantizedCache")
     add_speed_arguments(parser)
     parser.set_defaults(func=run_speed_command)

@@ -33,11 +33,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..source import check_dim_block
+from ..canonical import check_dim_block
 from . import store
 from . import recipe_v2, recipe_v3
 from .scalar import lloyd_max_table
-from .search import nearest_codeword, nearest_codeword_reference, nearest_level
+from .nearest import nearest_codeword, nearest_codeword_reference, nearest_level
 
 CONSTRUCTION_VERSION = recipe_v3.VERSION  # v1: first recipe (3 restarts, fixed budget), never shipped
 LEGACY_VERSIONS = (recipe_v2.VERSION,)     # looked up before the current version, never built by default

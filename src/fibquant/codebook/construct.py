@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from scipy import special
 
-from ..source import check_dim_block, companded_radius_law
+from ..canonical import check_dim_block, companded_radius_law
 
 GOLDEN = (1 + math.sqrt(5)) / 2
 RADIUS_ALPHA_K3 = math.sqrt(2) - 1  # irrational rotation for the k = 3 radius sequence

@@ -8,7 +8,7 @@ the same inputs give bit-identical outputs. (`lloyd` is the v2 recipe's and RVQ'
 
 For the v3 recipe (`recipe_v3.py`): `assign_exact` returns the index of the plain reference
 `nearest_codeword_reference` (float64 distances, lowest index among equals) through the numba search
-(`fast_search.NumbaSearch`: k-d tree for k <= TREE_MAX_K, float32 BLAS screen + float64 check
+(`numba_search.NumbaSearch`: k-d tree for k <= TREE_MAX_K, float32 BLAS screen + float64 check
 otherwise), or through `assign_reference` (the reference itself, chunked) without numba; both give
 the same indices, so a v3 codebook does not depend on the path, the thread count or float32 ties.
 `cell_statistics` is one Lloyd accumulation: per-codeword counts and float64 sums.
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .search import nearest_codeword, nearest_codeword_reference
+from .nearest import nearest_codeword, nearest_codeword_reference
 
 REFERENCE_CHUNK_ELEMENTS = 1 << 22  # float64 differences per chunk of the reference assignment
 
@@ -53,7 +53,7 @@ def assign_exact(samples: torch.Tensor, codewords: torch.Tensor, *, use_numba: b
 
     The numba search when numba imports (use_numba=None) or when asked (True); else the reference.
     """
-    from .fast_search import TREE_MAX_K, NumbaSearch, numba_available
+    from .numba_search import TREE_MAX_K, NumbaSearch, numba_available
     if use_numba is None:
         use_numba = numba_available()
     if not use_numba:

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from ..source import sample_blocks
+from ..canonical import sample_blocks
 from .construct import initial_codebook
 from .lloyd import lloyd
 

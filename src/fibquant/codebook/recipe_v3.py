@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from ..source import sample_blocks
+from ..canonical import sample_blocks
 from .construct import initial_codebook
 from .lloyd import assign_exact, cell_statistics, move_codewords
 
@@ -65,7 +65,7 @@ WORK_PER_SECOND = 1e10           # rough single-core rate, only for that decisio
 
 def sample_cost(k: int, n_codewords: int) -> float:
     """Multiply-add equivalents to assign one k-block to the nearest of N codewords."""
-    from .fast_search import TREE_MAX_K
+    from .numba_search import TREE_MAX_K
     if k <= TREE_MAX_K:
         return TREE_SAMPLE_COST * (k + 24) * math.ceil(math.log2(n_codewords))
     return n_codewords * (k + 24)

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..source import check_dim_block, sample_blocks
+from ..canonical import check_dim_block, sample_blocks
 from . import store
 
 RECIPE = "r1"

@@ -210,7 +210,7 @@ def _kernel():
 def beam_tables(stages: torch.Tensor) -> tuple:
     """The kernel's tables of stages [S, N, k]: (float64 [S, k, N], float32 [S, k, N], ||c||^2 float64
     [S, N] (torch's, bit for bit), float32 [S, N], Gram float32 [S, S, N, N]) as numpy arrays. ~S^2 N^2 k
-    operations: build once per codebook (`ResidualFibQuantCodec` caches them) and pass to
+    operations: build once per codebook (`FibRVQCodec` caches them) and pass to
     `fast_beam_search`, whose per-call cost is then the search alone (a decode step encodes a few rows)."""
     book = stages.detach().to(device="cpu", dtype=torch.float64)
     sq = (book ** 2).sum(-1).contiguous()  # the reference's ||c||^2, bit for bit

@@ -8,9 +8,9 @@ from .fibquant import FibQuantCodec
 from .identity import IdentityCodec
 from .integer import IntCodec
 from .lowrank import LowRankCodec
-from .residual import ResidualFibQuantCodec
+from .fibrvq import FibRVQCodec
 from .rvq import RVQCodec
 from .turboquant import TurboQuantCodec
 
-__all__ = ["Codec", "E8ShellCodec", "FibQuantCodec", "IdentityCodec", "IntCodec", "LowRankCodec", "RVQCodec", "ResidualFibQuantCodec",
+__all__ = ["Codec", "E8ShellCodec", "FibQuantCodec", "IdentityCodec", "IntCodec", "LowRankCodec", "RVQCodec", "FibRVQCodec",
            "TurboQuantCodec"]

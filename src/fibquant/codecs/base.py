@@ -106,7 +106,7 @@ class RotatedShells:
     x_hat = nu * concat_j(point(idx_j)) @ forward.T, point(i) the shell code's i-th 8-d point (too many
     points for per-query tables: kv/attention/numba_shells.py decodes each block through `tables`).
 
-    forward: float32 [dim, dim] (Pi^T, u = x @ forward); tables: `codebook.e8shell.CompactPointTables` (at most
+    forward: float32 [dim, dim] (Pi^T, u = x @ forward); tables: `codebook.e8shell_tables.CompactPointTables` (at most
     2^16 points) or `ShellPointTables` (numpy, CPU).
     """
 
@@ -133,7 +133,7 @@ class PlotStyle:
 @dataclass(frozen=True)
 class SpecParam:
     """One spec-string parameter: `key` as written ("b" in "int:b=4"), `name` as a keyword
-    (Method(..., bits=4), from_spec(dim, bits=4)), `kind` int or float."""
+    (CodecSpec(..., bits=4), from_spec(dim, bits=4)), `kind` int or float."""
 
     key: str
     name: str

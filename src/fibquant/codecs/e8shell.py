@@ -20,7 +20,7 @@ stored norm. A zero vector stores 0 and decodes to zero.
 
 Attention on codes: no single rotated codebook or stages (2^(8 b) points per block); `rotated_shells` gives
 the one-token decode step (kv/attention/numba_shells.py) the rotation and the decode tables (at b <= 2 every
-point as 8 int8, `codebook.e8shell.compact_point_tables`; above, the decomposed `point_tables`), so it reads
+point as 8 int8, `codebook.e8shell_tables.compact_point_tables`; above, the decomposed `point_tables`), so it reads
 these codes directly; prefill chunks decode them to floats
 (`kv/attention/entry.py`'s generic path).
 """
@@ -32,8 +32,9 @@ import numpy as np
 import torch
 
 from .._numba import numba_available
-from ..codebook.e8shell import (BLOCK, COMPACT_MAX_POINTS, ShellLevels, codebook_points, compact_point_tables,
-                                exhaustive_search, point_tables, shell_search, shell_tables, unrank)
+from ..codebook.e8shell import BLOCK, ShellLevels, codebook_points, exhaustive_search, shell_tables, unrank
+from ..codebook.e8shell_search import shell_search
+from ..codebook.e8shell_tables import COMPACT_MAX_POINTS, compact_point_tables, point_tables
 from ..codebook.e8shell_shipped import SHIPPED_LEVELS
 from .base import Codec, PlotStyle, RotatedShells, SpecParam
 from .bitpack import pack_bits, packed_size, unpack_bits

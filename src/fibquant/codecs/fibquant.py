@@ -45,9 +45,9 @@ import numpy as np
 import torch
 
 from ..codebook import CodebookSpec, load_codebook
-from ..codebook.fast_search import NumbaSearch, numba_available
-from ..codebook.grid_search import GridSearch, default_cells
-from ..codebook.search import nearest_codeword
+from ..codebook.numba_search import NumbaSearch, numba_available
+from ..codebook.box_grid import GridSearch, default_cells
+from ..codebook.nearest import nearest_codeword
 from .base import FP16_MAX, Codec, PlotStyle, RotatedCodebook, SpecParam, _split_codes
 from .bitpack import pack_bits, packed_size, unpack_bits
 from .layout import CodeLayout
@@ -150,7 +150,7 @@ class FibQuantCodec(Codec):
     spec_params = (SpecParam("b", "bits", float), SpecParam("k", "k"), SpecParam("n", "n"), SpecParam("nc", "nc"),
                    SpecParam("r", "rotation_seed"))
     style = PlotStyle("FibQuant", "C3", "o", frontier="frontier; dots: other k, N")
-    # CPU encode through the numba search (codebook/fast_search.py) when numba imports; False: the
+    # CPU encode through the numba search (codebook/numba_search.py) when numba imports; False: the
     # torch path (`search_method`), which CUDA tensors always take. Both give the reference's codes.
     fast_search = True
     # Norm correction from the numba encode's indices through codecs/norm_correction.py's numba path
@@ -263,8 +263,8 @@ class FibQuantCodec(Codec):
 
     def block_indices(self, u: torch.Tensor) -> torch.Tensor:
         """Rotated unit rows u [n, dim] -> nearest-codeword indices [n, dim/k] (int64), exact: the
-        reference search's (codebook/fast_search.py on the CPU with numba; on the torch path the grid
-        prunes candidates provably, see codebook/grid_search.py, and the float32 matmul can differ
+        reference search's (codebook/numba_search.py on the CPU with numba; on the torch path the grid
+        prunes candidates provably, see codebook/box_grid.py, and the float32 matmul can differ
         from the reference at float32 near ties)."""
         fast = self._numba_search(u.device)
         if fast is not None:

@@ -35,7 +35,7 @@ from fibquant.codecs.base import Codec, PlotStyle, read_codec_file
 REGISTRY = (
     "fibquant.codecs.identity.IdentityCodec",
     "fibquant.codecs.fibquant.FibQuantCodec",
-    "fibquant.codecs.residual.ResidualFibQuantCodec",
+    "fibquant.codecs.fibrvq.FibRVQCodec",
     "fibquant.codecs.e8shell.E8ShellCodec",
     "fibquant.codecs.turboquant.TurboQuantCodec",
     "fibquant.codecs.integer.IntCodec",
@@ -76,14 +76,14 @@ def is_reference(family: str) -> bool:
     return cls is not None and cls.reference
 
 
-def reference_method() -> "Method":
-    """The Method of the registered uncompressed reference (spec "fp")."""
-    return Method(next(family for family, cls in codec_classes().items() if cls.reference))
+def reference_codec_spec() -> "CodecSpec":
+    """The CodecSpec of the registered uncompressed reference (spec "fp")."""
+    return CodecSpec(next(family for family, cls in codec_classes().items() if cls.reference))
 
 
 @dataclass(frozen=True, init=False)
-class Method:
-    """One registered codec family and its spec parameters, e.g. Method("fibquant", bits=2).
+class CodecSpec:
+    """One registered codec family and its spec parameters, e.g. CodecSpec("fibquant", bits=2).
 
     params: ((keyword, value), ...) in the order the family's `spec_params` declare them.
     Validated on construction (ValueError for an unknown family, parameter or missing value).
@@ -154,7 +154,7 @@ class Method:
         return self.codec_class.spec_unavailable(dim, **self.kwargs)
 
 
-def parse_method(text: str) -> Method:
+def parse_codec_spec(text: str) -> CodecSpec:
     """Parse a spec string such as 'fibquant:k=64,n=4096' (see the module docstring)."""
     family, _, params = text.strip().partition(":")
     cls = codec_class(family.strip().lower())
@@ -169,13 +169,13 @@ def parse_method(text: str) -> Method:
             values[by_key[key.strip()].name] = float(raw)
         except ValueError as exc:
             raise ValueError(f"bad number {raw!r} in method {text!r}") from exc
-    return Method(cls.family, **values)
+    return CodecSpec(cls.family, **values)
 
 
-def parse_methods(texts: list[str] | str) -> list[Method]:
+def parse_codec_specs(texts: list[str] | str) -> list[CodecSpec]:
     if isinstance(texts, str):
         texts = [t for t in texts.split(";") if t.strip()]
-    return [parse_method(t) for t in texts]
+    return [parse_codec_spec(t) for t in texts]
 
 
 def load_codec(path: str | Path) -> Codec:
@@ -184,7 +184,7 @@ def load_codec(path: str | Path) -> Codec:
     return codec_class(family).load(path)
 
 
-def split_ready(methods: list[Method], dim: int, build_codebooks: bool) -> tuple[list[Method], list[str]]:
+def split_ready(methods: list[CodecSpec], dim: int, build_codebooks: bool) -> tuple[list[CodecSpec], list[str]]:
     """Methods whose assets are shipped or cached (all when `build_codebooks`), and notes on the rest.
 
     Building a large FibQuant codebook (e.g. k=64, N=4096) takes long on a small CPU; the

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..source import haar_rotation
+from ..canonical import haar_rotation
 from .base import FP16_MAX, DeviceState
 from .bitpack import bytes_to_float16, float16_to_bytes
 

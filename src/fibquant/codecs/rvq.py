@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ..codebook.lloyd import lloyd
-from ..codebook.search import nearest_codeword
+from ..codebook.nearest import nearest_codeword
 from .base import Codec, PlotStyle, SpecParam
 from .bitpack import pack_bits, packed_size, unpack_bits
 

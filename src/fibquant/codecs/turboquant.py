@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..codebook import load_codebook
-from ..codebook.search import nearest_level
+from ..codebook.nearest import nearest_level
 from .base import Codec, PlotStyle, RotatedCodebook, SpecParam
 from .bitpack import pack_bits, packed_size, unpack_bits
 from .layout import CodeLayout

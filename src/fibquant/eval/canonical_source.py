@@ -6,7 +6,7 @@ are taken, all KV heads and positions pooled: X [heads * tokens, head_dim]. Two 
 the unit vectors are compared against the spherical-Beta law of Theorem 1:
 
     unrotated: u = x / ||x||
-    rotated:   u = Pi x / ||x||   (one shared Haar-random Pi, `fibquant.source.haar_rotation`)
+    rotated:   u = Pi x / ||x||   (one shared Haar-random Pi, `fibquant.canonical.haar_rotation`)
 
 For each block size k the squared radii ||y||^2 of the d/k consecutive k-blocks of every u
 are compared with Beta(k/2, (d-k)/2) by the one-sample Kolmogorov-Smirnov statistic
@@ -22,7 +22,7 @@ import torch
 from scipy import stats
 
 from fibquant.kv.model import cache_kwarg
-from fibquant.source import block_radii, canonicalize, haar_rotation, radius_law, sample_sphere
+from fibquant.canonical import block_radii, canonicalize, haar_rotation, radius_law, sample_sphere
 from fibquant.eval.report import Experiment
 
 

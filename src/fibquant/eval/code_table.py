@@ -42,7 +42,7 @@ def candidate_pairs() -> list[tuple[str, str]]:
 def measure(model, tokenizer, text: str = "emma", tokens: int = 512, query_stride: int = 4,
             pairs: list[tuple[str, str]] | None = None) -> list[dict]:
     """One row per (key spec, value spec) pair: bytes per vector and attention error on `text`."""
-    from fibquant.codecs.registry import parse_method
+    from fibquant.codecs.registry import parse_codec_spec
     from fibquant.eval.capture import capture_attention
     from fibquant.eval.fidelity import exact_outputs, output_cosine, reconstruct
     from fibquant.eval.kv_report import text_tokens
@@ -56,7 +56,7 @@ def measure(model, tokenizer, text: str = "emma", tokens: int = 512, query_strid
     for key_spec, value_spec in pairs or candidate_pairs():
         for spec in (key_spec, value_spec):
             if spec not in codecs:
-                codec = codecs[spec] = parse_method(spec).build(dim)
+                codec = codecs[spec] = parse_codec_spec(spec).build(dim)
                 keys_hat[spec] = reconstruct(captured.keys, lambda layer, head: codec, shared=True)
                 values_hat[spec] = reconstruct(captured.values, lambda layer, head: codec, shared=True)
         cosine = output_cosine(captured, keys_hat[key_spec], values_hat[value_spec], positions, reference=reference)

@@ -11,12 +11,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from fibquant.eval.fidelity import FidelityConfig, plot_frontier, run_fidelity
-from fibquant.codecs.registry import is_reference, parse_methods
+from fibquant.codecs.registry import is_reference, parse_codec_specs
 from fibquant.eval.perplexity import PerplexityConfig, run_perplexity
 from fibquant.eval.report import Experiment
 from fibquant.eval.timing import Stopwatch
 
-DEMO_METHODS = ("fp", "fibquant:b=4", "fibquant:b=2", "fibquant:b=0.5", "turboquant:b=4", "turboquant:b=2",
+DEMO_CACHES = ("fp", "fibquant:b=4", "fibquant:b=2", "fibquant:b=0.5", "turboquant:b=4", "turboquant:b=2",
                 "int:b=4", "int:b=2")
 
 DEMO_COLUMNS = [
@@ -43,7 +43,7 @@ class DemoConfig:
     chunk: int = 32
     sink_tokens: int = 4      # exact window of the perplexity runs
     recent_tokens: int = 32
-    methods: tuple[str, ...] = DEMO_METHODS
+    caches: tuple[str, ...] = DEMO_CACHES
 
 
 def describe_text(name: str) -> str:
@@ -80,29 +80,29 @@ def merge_rows(fidelity: dict, perplexity: dict) -> list[dict]:
 
 
 def run(config: DemoConfig = DemoConfig(), model_and_tokenizer=None) -> dict:
-    """The fidelity and perplexity experiments on the demo's methods; one payload with both."""
+    """The fidelity and perplexity experiments on the demo's caches; one payload with both."""
     from fibquant.kv.model import load_model
 
     watch = Stopwatch()
-    methods = parse_methods(list(config.methods))
+    specs = parse_codec_specs(list(config.caches))
     if model_and_tokenizer is None:
         print("loading the default model ...", flush=True)
     model, tokenizer = model_and_tokenizer or load_model()
-    fidelity = run_fidelity(model, tokenizer, methods,
+    fidelity = run_fidelity(model, tokenizer, specs,
                             FidelityConfig(text=config.text, tokens=config.fidelity_tokens,
                                            query_stride=config.fidelity_query_stride))
-    perplexity = run_perplexity(model, tokenizer, methods,
+    perplexity = run_perplexity(model, tokenizer, specs,
                                 PerplexityConfig(text=config.text, tokens=config.perplexity_tokens,
                                                  context=config.context, chunk=config.chunk,
                                                  sink_tokens=config.sink_tokens,
                                                  recent_tokens=config.recent_tokens))
-    return {"demo": demo_header(config, perplexity), "config": asdict(config) | {"methods": list(config.methods)},
+    return {"demo": demo_header(config, perplexity), "config": asdict(config) | {"caches": list(config.caches)},
             "rows": merge_rows(fidelity, perplexity), "fidelity": fidelity, "perplexity": perplexity,
             "seconds": watch.seconds}
 
 
 def plot_demo(payload: dict, path) -> None:
-    """The fidelity frontier (attention cosine vs compression) of the demo's methods."""
+    """The fidelity frontier (attention cosine vs compression) of the demo's caches."""
     fidelity, config = payload["fidelity"], payload["config"]
     plot_frontier(fidelity["rows"], path, f"{fidelity['model']}\n{config['text']}, {config['fidelity_tokens']} "
                                           f"tokens: attention cosine vs compression (demo)")

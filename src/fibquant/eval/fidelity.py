@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from fibquant.codecs.base import Codec
 from fibquant.eval.capture import CapturedAttention, capture_attention
-from fibquant.codecs.registry import Method, codec_classes, is_reference, plot_style
+from fibquant.codecs.registry import CodecSpec, codec_classes, is_reference, plot_style
 from fibquant.peers import PEERS, PeerSpec, build_peer, peer_specs
 from fibquant.eval.report import Experiment, figure, format_table, target
 
@@ -133,7 +133,7 @@ class CalibrationBank:
     calibration: CapturedAttention
     _cache: dict = field(default_factory=dict)
 
-    def codec(self, kind: str, method: Method, layer: int, head: int) -> Codec:
+    def codec(self, kind: str, method: CodecSpec, layer: int, head: int) -> Codec:
         """`method` fitted on the calibration keys (kind "key") or values [T, D] of (layer, head), once."""
         key = (kind, method.spec, layer, head)
         if key not in self._cache:
@@ -154,10 +154,10 @@ def peer_reconstruct(spec: PeerSpec, captured: CapturedAttention, model=None) ->
     return peer_roundtrip(key_q, captured.keys), peer_roundtrip(value_q, captured.values), key_q.bytes_per_vector
 
 
-def evaluate_method(method: Method | PeerSpec, captured: CapturedAttention, positions: torch.Tensor,
+def evaluate_method(method: CodecSpec | PeerSpec, captured: CapturedAttention, positions: torch.Tensor,
                     bank: CalibrationBank | None = None, sink_tokens: int = 0, recent_tokens: int = 0,
                     reference: list[torch.Tensor] | None = None, model=None, centre: bool = False) -> dict:
-    """One row of the frontier: rate, ratio and attention cosine of `method` (a Method, or a peer of
+    """One row of the frontier: rate, ratio and attention cosine of `method` (a CodecSpec, or a peer of
     `fibquant.peers`, whose bytes are its format's fixed-rate size) on `captured`."""
     dim = captured.keys.shape[-1]
     if isinstance(method, PeerSpec):
@@ -200,7 +200,7 @@ def evaluate_method(method: Method | PeerSpec, captured: CapturedAttention, posi
     }
 
 
-def run_fidelity(model, tokenizer, methods: list[Method | PeerSpec], config: FidelityConfig = FidelityConfig(),
+def run_fidelity(model, tokenizer, caches: list[CodecSpec | PeerSpec], config: FidelityConfig = FidelityConfig(),
                  progress: bool = True) -> dict:
     """Capture the evaluation (and, if needed, calibration) spans and score every method."""
     from fibquant.eval.kv_report import text_tokens
@@ -210,13 +210,13 @@ def run_fidelity(model, tokenizer, methods: list[Method | PeerSpec], config: Fid
     layers = None if config.layers is None else list(config.layers)
     captured = capture_attention(model, ids, layers)
     bank = None
-    if any(getattr(m, "calibrated", False) for m in methods):
+    if any(getattr(m, "calibrated", False) for m in caches):
         calibration_ids = text_tokens(tokenizer, config.calibration_text, config.tokens, config.offset)
         bank = CalibrationBank(capture_attention(model, calibration_ids, layers))
     positions = torch.arange(0, config.tokens, config.query_stride)
     reference = exact_outputs(captured, positions)
     rows = []
-    for method in tqdm(methods, desc="attention fidelity", disable=not progress):
+    for method in tqdm(caches, desc="attention fidelity", disable=not progress):
         rows.append(evaluate_method(method, captured, positions, bank, config.sink_tokens, config.recent_tokens,
                                     reference, model, centre=config.centre))
     return {
@@ -324,7 +324,7 @@ def fidelity_targets(payload: dict) -> list[dict]:
     return out
 
 
-FIDELITY_METHODS = (
+FIDELITY_CACHES = (
     "fp",
     # FibQuant over (k, N): k = d = 64 and k = d/2 = 32 included.
     "fibquant:k=64,n=256", "fibquant:k=64,n=1024", "fibquant:k=64,n=4096",
@@ -345,13 +345,13 @@ FIDELITY_COLUMNS = [("label", "method", ""), ("bits_per_coordinate", "bits/coord
                     ("cosine", "attn cosine", ".4f"), ("cosine_worst_layer", "worst layer", ".4f")]
 
 
-def run(config: FidelityConfig = FidelityConfig(), methods: list[str] | None = None, build_codebooks: bool = False,
+def run(config: FidelityConfig = FidelityConfig(), caches: list[str] | None = None, build_codebooks: bool = False,
         model_and_tokenizer=None, progress: bool = True) -> dict:
-    """Run experiment 2 on `methods` (default FIDELITY_METHODS; unavailable ones and peers whose package is
+    """Run experiment 2 on `caches` (default FIDELITY_CACHES; unavailable ones and peers whose package is
     missing are skipped with a note) with the default model unless given; the payload with its targets."""
     from fibquant.peers import is_peer, parse_peer, unavailable_reason
 
-    specs = list(methods or FIDELITY_METHODS)
+    specs = list(caches or FIDELITY_CACHES)
     peers = [parse_peer(s) for s in specs if is_peer(s)]
     model, tokenizer, ready, skipped = prepare_run([s for s in specs if not is_peer(s)], build_codebooks,
                                                    model_and_tokenizer)
@@ -404,10 +404,10 @@ def prepare_run(specs: list[str], build_codebooks: bool, model_and_tokenizer=Non
 
     Returns (model, tokenizer, ready methods, skip notes).
     """
-    from fibquant.codecs.registry import parse_methods, split_ready
+    from fibquant.codecs.registry import parse_codec_specs, split_ready
     from fibquant.kv.model import check_model_supported, load_model
 
     model, tokenizer = model_and_tokenizer or load_model()
     dim = check_model_supported(model)["head_dim"]
-    ready, skipped = split_ready(parse_methods(list(specs)), dim, build_codebooks)
+    ready, skipped = split_ready(parse_codec_specs(list(specs)), dim, build_codebooks)
     return model, tokenizer, ready, skipped

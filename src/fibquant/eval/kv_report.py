@@ -1,14 +1,7 @@
-"""Tokenised text spans for the KV experiments, and the older home of the report helpers.
-
-`format_table`, `write_json`, `save_report` and `results_dir` live in `fibquant.eval.report`
-and `fibquant.paths`; they are re-exported here for the modules that still import them from here.
-"""
+"""Tokenised text spans for the KV experiments."""
 from __future__ import annotations
 
 import torch
-
-from fibquant.eval.report import format_table, save_report, write_json  # noqa: F401 - re-exports
-from fibquant.paths import RESULTS_ENV, results_dir  # noqa: F401 - re-exports
 
 
 def text_tokens(tokenizer, text_name: str, count: int, offset: int = 0) -> torch.Tensor:

@@ -225,11 +225,11 @@ class CacheSetting:
 
     @property
     def parsed(self):
-        from fibquant.codecs.registry import parse_method
+        from fibquant.codecs.registry import parse_codec_spec
 
         if not isinstance(self.method, str):
             raise ValueError(f"method must be a spec string such as 'fibquant:b=2', got {self.method!r}")
-        return parse_method(self.method)
+        return parse_codec_spec(self.method)
 
     @property
     def is_fp(self) -> bool:
@@ -260,14 +260,14 @@ class CacheSetting:
 
 def default_settings(bits: Sequence[float] = (4, 2), sink_tokens: int = 4, recent_tokens: int = 32,
                      small_window: tuple[int, int] | None = (0, 0),
-                     methods: Sequence[str] = ()) -> list[CacheSetting]:
-    """fp, then FibQuant at each rate in `bits` plus the extra `methods` (baseline specs such as
+                     caches: Sequence[str] = ()) -> list[CacheSetting]:
+    """fp, then FibQuant at each rate in `bits` plus the extra `caches` (baseline specs such as
     "turboquant:b=2"), with the standard window and again with the small window.
 
     BIG-bench questions are short (~30 tokens), so the standard 4 + 32 window keeps almost all
     of them exact; `small_window` = (sink, recent) makes compression actually matter.
     """
-    specs = [f"fibquant:b={b:g}" for b in bits] + list(methods)
+    specs = [f"fibquant:b={b:g}" for b in bits] + list(caches)
     settings = [CacheSetting("fp")] + [CacheSetting(spec, sink_tokens, recent_tokens) for spec in specs]
     if small_window is not None and tuple(small_window) != (sink_tokens, recent_tokens):
         settings += [CacheSetting(spec, *small_window) for spec in specs]
@@ -356,12 +356,12 @@ def plot_multiple_choice(payload: dict, path) -> None:
 @dataclass(frozen=True)
 class MultipleChoiceConfig:
     """A seeded sample of `limit` examples of `task` (None: all; see `select_examples`), scored with
-    fp and the `default_settings(bits, sink_tokens, recent_tokens, small_window, methods)`."""
+    fp and the `default_settings(bits, sink_tokens, recent_tokens, small_window, caches)`."""
 
     task: str = "goal_step_wikihow"
     limit: int | None = 200
     bits: tuple[float, ...] = (4, 2)
-    methods: tuple[str, ...] = ()
+    caches: tuple[str, ...] = ()
     sink_tokens: int = 4
     recent_tokens: int = 32
     small_window: tuple[int, int] | None = (0, 0)
@@ -375,7 +375,7 @@ def run(config: MultipleChoiceConfig = MultipleChoiceConfig(), model_and_tokeniz
 
     model, tokenizer = model_and_tokenizer or load_model()
     settings = default_settings(config.bits, config.sink_tokens, config.recent_tokens, config.small_window,
-                                config.methods)
+                                config.caches)
     return run_multiple_choice(model, tokenizer, config.task, config.limit, settings, config.seed, progress, examples)
 
 

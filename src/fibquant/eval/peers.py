@@ -43,7 +43,6 @@ import torch
 from fibquant.codecs.registry import codec_classes
 from fibquant.codecs.rotation import ROTATION_SEED_PARAM
 from fibquant.eval.report import Experiment, figure, format_table, target
-from fibquant._moved import forward
 from fibquant.paths import results_dir
 from fibquant.peers import PEERS, peer_specs
 
@@ -187,7 +186,7 @@ def takes_rotation_seed(side) -> bool:
 def rotation_variant(spec, seed: int):
     """`spec` with every side that takes a rotation seed at rotation `seed` (a CacheSpec), or None when
     no side takes one (fp, a peer, a spec fixing r= itself): such a spec runs once."""
-    from fibquant.codecs.registry import Method
+    from fibquant.codecs.registry import CodecSpec
     from fibquant.kv.specs import Side
 
     if spec.is_fp or not (takes_rotation_seed(spec.key) or takes_rotation_seed(spec.value)):
@@ -196,7 +195,7 @@ def rotation_variant(spec, seed: int):
     def seeded(side):
         if not takes_rotation_seed(side):
             return side
-        return Side(Method(side.quantizer.family, **side.quantizer.kwargs, **{ROTATION_SEED_PARAM: seed}))
+        return Side(CodecSpec(side.quantizer.family, **side.quantizer.kwargs, **{ROTATION_SEED_PARAM: seed}))
 
     return dataclasses.replace(spec, key=seeded(spec.key), value=seeded(spec.value))
 
@@ -601,11 +600,3 @@ class PeersExperiment(Experiment):
 EXPERIMENT = PeersExperiment(name="peers", stem="peers", config=PeersConfig, run=run, table=peers_tables,
                              plot=plot_overview, targets=peers_checks, header=peers_header, table_suffix=".md")
 
-
-# This module's name held the peer registry before it moved to `fibquant.peers`: names found there
-# but not here still resolve, for one release, with a DeprecationWarning.
-__getattr__, _registry_names = forward(__name__, "fibquant.peers")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_registry_names()))

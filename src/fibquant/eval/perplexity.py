@@ -11,7 +11,7 @@ window (positions >= context/2, where most of the context is compressed). The fp
 uses a DynamicCache with the same windows and chunking. Several windows run as one batch.
 
 A method is any `fibquant.kv.specs` spec: keys and values may use different codecs
-('fibquant:b=4/fibquant:b=2'), and a peer ('quanto:b=2', 'kakeya-e8:q=2', ...; see
+('fibquant:b=4/fibquant:b=2'), and a peer ('quanto-rt:b=2', 'kakeya-e8:q=2', ...; see
 `fibquant.peers`) runs in a `RoundTripCache` with the same exact window, its bytes counted
 from its own format.
 """
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from fibquant.codecs.registry import Method, codec_classes, is_reference, plot_style
+from fibquant.codecs.registry import CodecSpec, codec_classes, is_reference, plot_style
 from fibquant.eval.report import Experiment, figure, target
 from fibquant.kv.accounting import cache_nbytes
 from fibquant.kv.build import build_cache
@@ -63,22 +63,22 @@ class PerplexityConfig:
 
 
 def as_cache_spec(method):
-    """A `cache_specs.CacheSpec` from a Method, a spec string or a CacheSpec."""
-    from fibquant.kv.specs import CacheSpec, from_method, parse_cache_spec
+    """A `fibquant.kv.specs.CacheSpec` from a CodecSpec, a spec string or a CacheSpec."""
+    from fibquant.kv.specs import CacheSpec, from_codec_spec, parse_cache_spec
 
     if isinstance(method, CacheSpec):
         return method
     if isinstance(method, str):
         return parse_cache_spec(method)
-    if isinstance(method, Method):
+    if isinstance(method, CodecSpec):
         if method.calibrated:
             raise ValueError(f"{method.spec}: calibrated methods are not supported in the perplexity loop")
-        return from_method(method)
-    raise ValueError(f"expected a Method, CacheSpec or spec string, got {type(method).__name__}")
+        return from_codec_spec(method)
+    raise ValueError(f"expected a CodecSpec, CacheSpec or spec string, got {type(method).__name__}")
 
 
 def make_cache(method, model, config: PerplexityConfig, quantizers: tuple | None = None):
-    """A fresh cache for `method` (Method, CacheSpec or spec string such as 'fibquant:b=4/fibquant:b=2'):
+    """A fresh cache for `method` (CodecSpec, CacheSpec or spec string such as 'fibquant:b=4/fibquant:b=2'):
     DynamicCache for fp, CompressedCache for our codecs, RoundTripCache when a peer is involved.
     `quantizers`: the (key, value) codecs of `cache_factory`, built here when None."""
     spec = as_cache_spec(method)
@@ -127,10 +127,10 @@ def window_nll(model, ids: torch.Tensor, cache, chunk: int) -> torch.Tensor:
     return window_stats(model, ids, [cache], chunk)[0]["nll"]
 
 
-def run_perplexity(model, tokenizer, methods: list, config: PerplexityConfig = PerplexityConfig(),
+def run_perplexity(model, tokenizer, caches: list, config: PerplexityConfig = PerplexityConfig(),
                    progress: bool = True) -> dict:
     """Perplexity (all tokens and second half), KL divergence of the next-token distribution from
-    the uncompressed model's and top-1 agreement with it, of each method (Method, CacheSpec or spec
+    the uncompressed model's and top-1 agreement with it, of each method (CodecSpec, CacheSpec or spec
     string: keys and values may differ, peers allowed); same windows for all, run in step."""
     from transformers import DynamicCache
 
@@ -143,7 +143,7 @@ def run_perplexity(model, tokenizer, methods: list, config: PerplexityConfig = P
         batches = list(torch.split(windows, config.batch_size))
         head_dim = check_model_supported(model)["head_dim"]
         half = config.context // 2
-        specs = [as_cache_spec(method) for method in methods]
+        specs = [as_cache_spec(method) for method in caches]
         factories = [cache_factory(spec, model, config) for spec in specs]
         # The uncompressed model's distribution: an fp row's own cache where there is one, else a DynamicCache.
         fp_index = next((i for i, spec in enumerate(specs) if spec.is_fp), None)
@@ -242,7 +242,7 @@ def plot_perplexity(rows: list[dict], path, title: str) -> None:
         ax.legend(fontsize=8)
 
 
-PERPLEXITY_METHODS = (
+PERPLEXITY_CACHES = (
     "fp",
     "fibquant:b=4", "fibquant:b=3.5", "fibquant:b=3", "fibquant:b=2.5", "fibquant:b=2", "fibquant:b=1",
     "fibquant:b=0.5",
@@ -268,16 +268,16 @@ PERPLEXITY_COLUMNS = [
 ]
 
 
-def run(config: PerplexityConfig = PerplexityConfig(), methods: list[str] | None = None,
+def run(config: PerplexityConfig = PerplexityConfig(), caches: list[str] | None = None,
         build_codebooks: bool = False, model_and_tokenizer=None, progress: bool = True) -> dict:
-    """Run experiment 3 on `methods` (default PERPLEXITY_METHODS; unavailable ones skipped with a note)
+    """Run experiment 3 on `caches` (default PERPLEXITY_CACHES; unavailable ones skipped with a note)
     with the default model unless given; the payload with its targets."""
     from fibquant.kv.specs import parse_cache_specs, split_available
     from fibquant.kv.model import load_model
 
     model, tokenizer = model_and_tokenizer or load_model()
     head_dim = check_model_supported(model)["head_dim"]
-    ready, skipped = split_available(parse_cache_specs(list(methods or PERPLEXITY_METHODS), model), head_dim, build_codebooks)
+    ready, skipped = split_available(parse_cache_specs(list(caches or PERPLEXITY_CACHES), model), head_dim, build_codebooks)
     payload = run_perplexity(model, tokenizer, ready, config, progress)
     payload["skipped"] = skipped
     payload["targets"] = perplexity_targets(payload["rows"])

@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 from fibquant.codebook import load_codebook
 from fibquant.codecs import FibQuantCodec, IntCodec, TurboQuantCodec
 from fibquant.codecs.fibquant import MAX_SEARCH_CODEWORDS, choose_block
-from fibquant.source import sample_sphere
+from fibquant.canonical import sample_sphere
 from fibquant.eval.report import Experiment, figure, format_table, format_targets
 from fibquant.eval.timing import Stopwatch, rate
 

@@ -62,9 +62,6 @@ EXPERIMENTS: dict[str, str] = {
     "archive-bench": "fibquant.eval.archive.bench",
     "peers": "fibquant.eval.peers",
 }
-# Earlier names of experiments (`fibquant eval rate-distortion`, ...): still accepted for one release, with a warning.
-RENAMED: dict[str, str] = {"rd": "rate-distortion", "canonical": "canonical-source", "mc": "multiple-choice",
-                           "speed": "decode-speed", "archive": "archive-bench"}
 
 
 # --------------------------------------------------------------------------- tables

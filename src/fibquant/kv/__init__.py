@@ -7,7 +7,10 @@
                            and per-layer rate allocation
     accounting             the bytes a cache or codec holds
     model                  model loading and the support checks
-    layered, roundtrip     per-head codecs; the peers' float round-trip cache
+    options                `AttentionOptions`: the paths attention on codes takes (no module switches)
+    headwise               per-head (and per-layer) codecs fitted per head
+    roundtrip_cache        the peers' float round-trip cache
+    heavy                  heavy tokens kept at a second, higher rate (`@heavy=`)
 """
 # Wires persistence into CompressedCache.save / load (see fibquant.kv.cache.register_persistence).
 import fibquant.kv.persist  # noqa: F401

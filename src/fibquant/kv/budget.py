@@ -94,9 +94,9 @@ def code_table() -> dict:
 @functools.lru_cache(maxsize=None)
 def _code_size(spec: str, dim: int) -> Optional[int]:
     """Bytes of one vector of `spec` at `dim`, None when the code is not shipped (or cannot be) at that size."""
-    from fibquant.codecs.registry import parse_method
+    from fibquant.codecs.registry import parse_codec_spec
 
-    method = parse_method(spec)
+    method = parse_codec_spec(spec)
     try:
         if method.unavailable_reason(dim) is not None:
             return None

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from fibquant.codecs.base import Codec
+from fibquant.kv.options import DEFAULT_OPTIONS, AttentionOptions
 
 MIN_GROWTH = 64      # code rows added at least when a buffer grows
 GROWTH_FRACTION = 16  # ... and at least capacity / 16: copies stay amortised O(1), reserve <= 6.25 %
@@ -248,6 +249,8 @@ class CodedKV:
     # [B, H, m] (key, value; decoded once per row): the fused CPU decode kernel reads them instead of
     # converting six tensors and decoding every norm per layer and step. None: it converts the tensors.
     arrays: Optional[tuple] = field(default=None, repr=False, compare=False)
+    # the paths attention takes (the cache's `options`; `fibquant.kv.options`)
+    options: AttentionOptions = field(default=DEFAULT_OPTIONS, repr=False, compare=False)
 
     @classmethod
     def of_tensors(cls, keys: torch.Tensor, values: torch.Tensor) -> "CodedKV":

@@ -2,7 +2,7 @@
 
     fp                      a `DynamicCache` (a copy of the prefill)
     our codecs, both sides  a `CompressedCache` (`for_model`, or `from_cache` with a prefill)
-    a peer on either side   a `RoundTripCache` with the same exact window (`fibquant.kv.roundtrip`)
+    a peer on either side   a `RoundTripCache` with the same exact window (`fibquant.kv.roundtrip_cache`)
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def build_cache(spec: Union[str, CacheSpec], model, sink_tokens: int = 4, recent
         return CompressedCache.from_cache(prefill, key, value, sink_tokens, recent_tokens, model=model, **options)
     if centre:
         raise ValueError(f"{spec.spec}: centring applies to our codecs (CompressedCache), not to a peer")
-    from fibquant.kv.roundtrip import RoundTripCache
+    from fibquant.kv.roundtrip_cache import RoundTripCache
 
     def as_roundtrip(quantizer):
         if hasattr(quantizer, "encode"):  # one of our codecs

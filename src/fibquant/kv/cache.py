@@ -42,10 +42,10 @@ through `update` calls it when a layer first has tokens to encode and every laye
 (`num_layers`, from the model with `for_model`) holds tokens; until then tokens stay exact
 (a layer that had to wait encodes its backlog as soon as the codecs are chosen).
 
-A heavy tier (`tier=`, a `fibquant.kv.tier.HeavyTier`): each layer is a `TieredLayer` that also
+A heavy tier (`tier=`, a `fibquant.kv.heavy.HeavyTier`): each layer is a `TieredLayer` that also
 stores a fixed fraction of its coded tokens per KV head (the highest by a score of the tokens
 themselves, e.g. key norm) at a second, higher rate, as a second fixed-size code stream with an int32
-index; reads patch those rows in, and attention runs on the decoded floats (see `fibquant.kv.tier`).
+index; reads patch those rows in, and attention runs on the decoded floats (see `fibquant.kv.heavy`).
 
 Two ways to read the coded part (`attention=`):
 
@@ -70,6 +70,7 @@ from fibquant.kv.buffer import CodeBuffer, CodedKV
 from fibquant.kv.layer import ATTENTION_MODES, CompressedLayer, CompressedSlidingLayer, _check_attention
 from fibquant.kv.accounting import _per_token, codec_state_nbytes, dynamic_cache_bytes_per_token, dynamic_cache_nbytes
 from fibquant.kv.model import check_model_supported
+from fibquant.kv.options import DEFAULT_OPTIONS, AttentionOptions
 
 # The persistence package registers its save function, store and writer classes here on import
 # (`fibquant.kv`'s __init__ imports it), so `save` / `load` work without a cache -> persist import.
@@ -171,7 +172,8 @@ class CompressedCache(Cache):
     `for_model` reads them from the model's config (`layer_types`). With it the layers are
     created up front (transformers builds a hybrid model's masks from them), else lazily on
     first update. sliding_exact: keep the whole window of sliding layers exact instead of coding
-    its older tokens. Pass it to a forward pass or to `model.generate` as `**cache_kwarg(model, cache)`
+    its older tokens. options: the paths attention on codes takes (`fibquant.kv.options.AttentionOptions`,
+    default the tuned ones). Pass it to a forward pass or to `model.generate` as `**cache_kwarg(model, cache)`
     (fibquant.kv.model: `cache=` on transformers >= 5.24, else `past_key_values=`).
     """
 
@@ -179,7 +181,7 @@ class CompressedCache(Cache):
                  sink_tokens: int = 4, recent_tokens: int = 32, attention: str = "decode", encode_batch: int = 16,
                  centre: bool = False, allocate: Optional[Callable] = None, num_layers: Optional[int] = None,
                  layer_windows: Optional[Sequence[Optional[int]]] = None, sliding_exact: bool = False,
-                 tier=None):
+                 tier=None, options: Optional[AttentionOptions] = None):
         key_codec, key_codecs = _codec_list(key_codec, "key_codec")
         value_codec, value_codecs = _codec_list(value_codec, "value_codec")
         if (key_codecs is None) != (value_codecs is None) or (key_codecs is not None
@@ -217,15 +219,16 @@ class CompressedCache(Cache):
         self.sliding_exact = sliding_exact
         self.layer_windows = _check_layer_windows(layer_windows)
         if tier is not None:
-            from fibquant.kv.tier import HeavyTier
+            from fibquant.kv.heavy import HeavyTier
 
             if not isinstance(tier, HeavyTier):
-                raise ValueError(f"tier must be a fibquant.kv.tier.HeavyTier, got {type(tier).__name__}")
+                raise ValueError(f"tier must be a fibquant.kv.heavy.HeavyTier, got {type(tier).__name__}")
             if centre:
                 raise ValueError("a heavy tier does not combine with centre=True")
             if self.layer_windows is not None:
                 raise ValueError("a heavy tier applies to full-attention layers only (this model has sliding ones)")
         self.tier = tier
+        self._options = DEFAULT_OPTIONS
         if self.layer_windows is not None:
             for name, count in (("num_layers", num_layers), ("per-layer codecs", len(key_codecs or ()) or None)):
                 if count is not None and count != len(self.layer_windows):
@@ -235,6 +238,21 @@ class CompressedCache(Cache):
         if self.layer_windows is not None:
             for _ in self.layer_windows:
                 self.layers.append(self._new_layer())
+        if options is not None:
+            self.options = options
+
+    @property
+    def options(self) -> AttentionOptions:
+        """The paths attention on codes takes (`fibquant.kv.options`); setting it applies to every layer."""
+        return self._options
+
+    @options.setter
+    def options(self, options: AttentionOptions) -> None:
+        if not isinstance(options, AttentionOptions):
+            raise ValueError(f"options must be a fibquant.kv.options.AttentionOptions, got {type(options).__name__}")
+        self._options = options
+        for layer in self.layers:
+            layer.options = options
 
     def layer_codecs(self, index: int) -> tuple[Codec, Codec]:
         """(key codec, value codec) of layer `index`."""
@@ -254,7 +272,7 @@ class CompressedCache(Cache):
             layer = CompressedSlidingLayer(key, value, window, self.recent_tokens, self.attention, self.encode_batch,
                                            self.centre, exact_window=self.sliding_exact)
         elif self.tier is not None:
-            from fibquant.kv.tier import TieredLayer
+            from fibquant.kv.heavy import TieredLayer
 
             layer = TieredLayer(key, value, self.sink_tokens, self.recent_tokens, self.tier, self.attention,
                                 self.encode_batch)
@@ -263,6 +281,7 @@ class CompressedCache(Cache):
                                     self.encode_batch, self.centre)
         if pending:
             layer.resolver = self._resolve_allocation
+        layer.options = self.options
         return layer
 
     # ----------------------------------------------------------------- per-layer allocation

@@ -8,6 +8,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from fibquant.codecs.base import Codec
 from fibquant.kv.buffer import CodeBuffer, CodedKV, WindowBuffer, _array_of, _decode_centred, _owned
+from fibquant.kv.options import DEFAULT_OPTIONS
 
 _FLOAT_FIELDS = ("sink_keys", "sink_values", "recent_keys", "recent_values")
 WINDOW_MIN_RESERVE = 16  # rows a window buffer reserves beyond recent_tokens at least
@@ -57,6 +58,7 @@ class CompressedLayer(CacheLayerMixin):
         # step with the same ones skips the checks (reset by batch edits, which change [B, H]).
         self._checked = None
         self._sink_arrays = None  # (sink_keys, sink_values, their numpy views) for `snapshot`
+        self.options = DEFAULT_OPTIONS  # the paths attention takes (the cache sets its own: `_new_layer`)
 
     # The recent window lives in two `WindowBuffer`s (rows written in place, no concatenation per
     # step); recent_keys / recent_values read and set it as tensors [B, H, r, D] (a view of the live rows).
@@ -180,7 +182,7 @@ class CompressedLayer(CacheLayerMixin):
         (with numpy views of the stored parts when they are all float32 / uint8 CPU tensors)."""
         return CodedKV(self.sink_keys, self.sink_values, self.key_codes, self.value_codes, self.recent_keys,
                        self.recent_values, key_states, value_states, self.key_codec, self.value_codec,
-                       self.key_mean, self.value_mean, self._arrays())
+                       self.key_mean, self.value_mean, self._arrays(), self.options)
 
     def _arrays(self) -> Optional[tuple]:
         """numpy views of (sink_keys, sink_values, key_codes, value_codes, recent_keys, recent_values) and
@@ -282,7 +284,7 @@ class CompressedLayer(CacheLayerMixin):
     def _store_codes(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Encode tokens leaving the window ([B, H, n, D]; centred here when the layer centres) and
         append their code rows, `ENCODE_CHUNK_ROWS` vectors per encode call (each row is encoded on its
-        own: the codes do not depend on the split). A tiered layer (`fibquant.kv.tier`) overrides this."""
+        own: the codes do not depend on the split). A tiered layer (`fibquant.kv.heavy`) overrides this."""
         n = keys.shape[-2]
         # the code rows' long-lived storage first, below the encode's transient buffers (CodeBuffer.reserve)
         self.key_buffer.reserve(n)

@@ -12,7 +12,7 @@ per-head mean (`CompressedCache(centre=True)`); `@alloc=SIGNAL` (FibQuant `b=` r
 chooses one rate per layer and role from the cached tokens themselves (`fibquant.kv.allocation`:
 mse, attn, attn-keys, ends, uniform) with the base rate's bytes as each role's average budget, e.g.
 `fibquant:b=1.5/fibquant:b=1@centre@alloc=mse`; `@heavy=F[:SCORE[:RATE]]` adds a second, higher-rate
-tier for the fraction F of coded tokens per layer and KV head with the highest SCORE (`fibquant.kv.tier`:
+tier for the fraction F of coded tokens per layer and KV head with the highest SCORE (`fibquant.kv.heavy`:
 knorm, vnorm, kerr, kverr; default knorm) at RATE (FibQuant bits, 'fp' for fp16, or KEY/VALUE, e.g.
 `fibquant:b=1.5/fibquant:b=1@heavy=0.02:knorm:4`; default 4), its rows and index counted in the bytes. Without options a spec means what it always did.
 
@@ -20,7 +20,7 @@ A budget (`ratio=6`, `bytes=4000`, optionally `,context=N` and `,keys=finer`; `f
 for the best shipped code whose cache on the model fits it: `parse_cache_spec(text, model)` resolves it.
 
 Our codecs on both sides give a `CompressedCache` (codes stored, attention on the codes); a peer on
-either side gives a `RoundTripCache` (`fibquant.kv.roundtrip`) with the same exact window (sinks +
+either side gives a `RoundTripCache` (`fibquant.kv.roundtrip_cache`) with the same exact window (sinks +
 recent tokens), so every cache compresses the same positions and only the quantizer differs.
 
 Bytes are counted per stored vector from each side's format (`bytes_per_vector`): our codecs'
@@ -32,19 +32,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from fibquant.codecs.registry import Method, parse_method, reference_method
+from fibquant.codecs.registry import CodecSpec, parse_codec_spec, reference_codec_spec
 from fibquant.kv.budget import choose, is_budget, parse_budget
 from fibquant.peers import PeerSpec, build_peer, is_peer, parse_peer, unavailable_reason
 
 
 @dataclass(frozen=True)
 class Side:
-    """The quantizer of one role: one of our codec methods or a peer."""
+    """The quantizer of one role: one of our codec specs or a peer."""
 
-    quantizer: Union[Method, PeerSpec]
+    quantizer: Union[CodecSpec, PeerSpec]
 
     def __post_init__(self) -> None:
-        if isinstance(self.quantizer, Method) and (self.quantizer.reference or self.quantizer.calibrated):
+        if isinstance(self.quantizer, CodecSpec) and (self.quantizer.reference or self.quantizer.calibrated):
             raise ValueError(f"{self.quantizer.spec}: a cache side needs a stand-alone codec (a calibration-free "
                              f"registered codec) or a peer; write 'fp' alone for the uncompressed cache")
 
@@ -78,7 +78,7 @@ class Side:
 
 
 def _parse_side(text: str) -> Side:
-    return Side(parse_peer(text) if is_peer(text) else parse_method(text))
+    return Side(parse_peer(text) if is_peer(text) else parse_codec_spec(text))
 
 
 def _fibquant_bits(side: "Side") -> Optional[float]:
@@ -108,7 +108,7 @@ class CacheSpec:
     centre: bool = False
     alloc: Optional[str] = None
     decode: bool = False
-    heavy: Optional[object] = None  # a fibquant.kv.tier.HeavySpec
+    heavy: Optional[object] = None  # a fibquant.kv.heavy.HeavySpec
 
     def __post_init__(self) -> None:
         if (self.key is None) != (self.value is None):
@@ -118,10 +118,10 @@ class CacheSpec:
             raise ValueError("@centre, @alloc, @decode and @heavy apply to our codecs on both sides (a "
                              "CompressedCache), not to fp or a peer")
         if self.heavy is not None:
-            from fibquant.kv.tier import HeavySpec
+            from fibquant.kv.heavy import HeavySpec
 
             if not isinstance(self.heavy, HeavySpec):
-                raise ValueError(f"heavy must be a fibquant.kv.tier.HeavySpec, got {type(self.heavy).__name__}")
+                raise ValueError(f"heavy must be a fibquant.kv.heavy.HeavySpec, got {type(self.heavy).__name__}")
             if self.centre:
                 raise ValueError("@heavy does not combine with @centre")
         if self.alloc is not None:
@@ -154,14 +154,14 @@ class CacheSpec:
     @property
     def spec(self) -> str:
         if self.is_fp:
-            return reference_method().spec
+            return reference_codec_spec().spec
         return (self.key.spec if self.symmetric else f"{self.key.spec}/{self.value.spec}") + self.options
 
     @property
     def family(self) -> str:
         """fp, a codec family, a peer family, or 'kv' for different key and value quantizers."""
         if self.is_fp:
-            return reference_method().family
+            return reference_codec_spec().family
         if not self.symmetric:
             return "kv"
         return self.key.quantizer.family
@@ -172,7 +172,7 @@ class CacheSpec:
 
     def label(self, dim: int = 64) -> str:
         if self.is_fp:
-            return reference_method().label(dim)
+            return reference_codec_spec().label(dim)
         text = self.key.label(dim) if self.symmetric else f"K {self.key.label(dim)} / V {self.value.label(dim)}"
         return (text + (" centred" if self.centre else "") + (f" alloc={self.alloc}" if self.alloc else "")
                 + (" (decode)" if self.decode else "") + (f" heavy={self.heavy.text}" if self.heavy else ""))
@@ -274,7 +274,7 @@ def _parse_options(items: list[str], text: str) -> dict:
         elif name == "decode" and not eq and "decode" not in options:
             options["decode"] = True
         elif name == "heavy" and eq and value.strip() and "heavy" not in options:
-            from fibquant.kv.tier import HeavySpec
+            from fibquant.kv.heavy import HeavySpec
 
             options["heavy"] = HeavySpec.parse(value.strip())
         else:
@@ -301,7 +301,7 @@ def parse_cache_spec(text: str, model=None) -> CacheSpec:
         parsed = parse_cache_spec(base)
         return CacheSpec(parsed.key, parsed.value, **_parse_options(option_items, text))
     parts = text.split("/")
-    if len(parts) == 1 and not is_peer(text) and parse_method(text).reference:
+    if len(parts) == 1 and not is_peer(text) and parse_codec_spec(text).reference:
         return CacheSpec()
     if len(parts) > 2:
         raise ValueError(f"cache spec {text!r} has more than one '/': write KEY/VALUE")
@@ -317,8 +317,8 @@ def parse_cache_specs(texts, model=None) -> list[CacheSpec]:
     return [parse_cache_spec(t, model) for t in texts]
 
 
-def from_method(method: Method) -> CacheSpec:
-    """The symmetric cache spec of a `fibquant.codecs.registry.Method` (the reference, fp, stays fp)."""
+def from_codec_spec(method: CodecSpec) -> CacheSpec:
+    """The symmetric cache spec of a `fibquant.codecs.registry.CodecSpec` (the reference, fp, stays fp)."""
     return CacheSpec() if method.reference else CacheSpec(Side(method), Side(method))
 
 

@@ -5,7 +5,7 @@ Each peer is one *vector quantizer side* (keys or values): a round trip
 the absolute position of x's first token, for peers that undo RoPE) and the bytes its stored
 format spends per D-dimensional vector, every stored bit counted at a fixed rate (indices at
 their fixed-rate size, norms, scales). None of these packages exposes byte codes we could
-store, so the caches hold their round trips (`fibquant.kv.roundtrip.RoundTripCache`, with
+store, so the caches hold their round trips (`fibquant.kv.roundtrip_cache.RoundTripCache`, with
 the same exact window as `CompressedCache`) and the bytes are derived from each package's own
 documented format (`bytes_note`).
 
@@ -16,7 +16,6 @@ and one line in `REGISTRY` below. Its spec strings, default rows, plot style, in
 from __future__ import annotations
 
 import importlib
-import warnings
 from dataclasses import dataclass, field
 from functools import lru_cache
 from collections.abc import Mapping
@@ -136,15 +135,11 @@ def native_families() -> dict[str, str]:
 
 
 def _family_name(text: str) -> str:
-    """The family of a peer spec; a native name (quanto, hqq) where a round trip is meant is read
-    as that round trip for one release, with a DeprecationWarning."""
+    """The family of a peer spec; ValueError for a native name (quanto, hqq) where a round trip is meant."""
     family = text.strip().partition(":")[0].strip().lower()
     if family in native_families():
-        new = native_families()[family]
-        warnings.warn(f"{family!r} names transformers' QuantizedCache (measured by `eval decode-speed`); its float "
-                      f"round trip under fibquant's exact window is now spelled {new!r}: read as {new!r} for "
-                      f"one release", DeprecationWarning, stacklevel=3)
-        return new
+        raise ValueError(f"{family!r} names transformers' QuantizedCache (measured by `eval decode-speed`); its "
+                         f"float round trip under fibquant's exact window is spelled {native_families()[family]!r}")
     return family
 
 

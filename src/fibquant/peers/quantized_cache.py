@@ -9,7 +9,7 @@ Two spellings, two things measured:
   float residual of `residual_length` tokens), what `eval decode-speed` times (`PeerFamily.native`).
 
 Both quantize per-token groups of 64 elements (transformers' default `q_group_size`). In quality
-experiments `quanto:b=B` / `hqq:b=B` are read as the round trip for one release, with a warning.
+experiments `quanto:b=B` / `hqq:b=B` are refused with the round trip's spelling.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Without a GPU the kernels run on CPU tensors in Triton's interpreter: TRITON_INTERPRET=1 is set
 only while this module imports fibquant.kv.attention.triton_kernels (triton reads it when `triton.language` is
-first imported and when a kernel is decorated; coded_triton keeps it set during its own launches),
+first imported and when a kernel is decorated; triton_kernels keeps it set during its own launches),
 then restored, so the other test modules in the same pytest process see the environment they had.
 With a CUDA GPU the same tests run the compiled kernels on CUDA tensors.
 Interpreter cases are kept small (the file runs in under a minute on two cores).
@@ -55,6 +55,7 @@ from fibquant.kv.attention.kernels import (attention_with_lse, coded_decode_atte
                                        coded_decode_attention_reference, coded_scores, coded_scores_reference,
                                        coded_weighted_sum, coded_weighted_sum_reference, merge_lse)
 from fibquant.kv.attention.reference import _decoded_rotated  # noqa: E402
+from fibquant.kv.options import AttentionOptions  # noqa: E402
 
 SCORE_ATOL = 1e-4   # max abs error of scores (norms <= 2, unit-scale codewords, Gaussian queries)
 OUT_RTOL = 1e-4     # max abs error of outputs relative to the largest output magnitude
@@ -574,7 +575,7 @@ def test_decode_at_8k_allocates_no_full_context_float_kv():
 
 @pytest.mark.parametrize("tokens", [1, 18])
 def test_attend_codes_wired_to_the_fused_kernel(monkeypatch, tokens):
-    """kv/attention/entry.py with FUSED_CODED_BACKEND="triton" (what CUDA tensors get under "auto"): the
+    """kv/attention/entry.py with fused_backend="triton" (what CUDA tensors get under "auto"): the
     coded columns go through coded_decode_attention, merged with the exact ones by log-sum-exp; equal
     to the numba / torch path with a padding mask, a fully masked row, sinks and centred codes."""
     import fibquant.kv.attention.entry as attention
@@ -592,15 +593,14 @@ def test_attend_codes_wired_to_the_fused_kernel(monkeypatch, tokens):
     allowed[1, :, :, :6] = False
     allowed[1, :, 0, :] = False
     sinks = torch.randn(4, generator=gen).to(DEVICE)
-    monkeypatch.setattr(attention, "FUSED_CODED_BACKEND", "off")
-    expected = attention.attend_codes(query, kv, allowed, 0.125, sinks=sinks)
+    expected = attention.attend_codes(query, kv, allowed, 0.125, sinks=sinks,
+                                      options=AttentionOptions(fused_backend="off"))
     calls = []
     real = attention.coded_decode_attention
     monkeypatch.setattr(attention, "coded_decode_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
-    monkeypatch.setattr(attention, "FUSED_CODED_BACKEND", "triton")
     # CUDA tensors never take the one-token numba step (CPU only): so that CPU tensors in the interpreter
     # take the CUDA path too, it is off for this call (`expected` above came through it for tokens=1).
-    monkeypatch.setattr(attention, "NUMBA_DECODE", False)
-    got = attention.attend_codes(query, kv, allowed, 0.125, sinks=sinks)
+    got = attention.attend_codes(query, kv, allowed, 0.125, sinks=sinks,
+                                 options=AttentionOptions(fused_backend="triton", numba_decode=False))
     assert calls and torch.isfinite(got).all()
     assert_out_close(got, expected)

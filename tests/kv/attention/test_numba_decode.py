@@ -58,7 +58,7 @@ def test_fused_step_equals_torch_path_and_spec(monkeypatch, fused_calls, pair, g
             mask = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
             mask[0] += torch.randn(mask[0].shape, generator=generator)  # a finite bias too
         bias = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf")) if mask_kind == "bool" else mask
-    fast, slow = fast_and_torch_paths(monkeypatch, query, kv, mask, 0.125)
+    fast, slow = fast_and_torch_paths(query, kv, mask, 0.125)
     assert fused_calls, "the fused path did not run"
     assert fast.shape == (batch, 1, heads * groups, DIM) and fast.dtype == query.dtype
     torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-5)
@@ -73,12 +73,12 @@ def test_fused_step_with_sinks_centring_and_window(monkeypatch, fused_calls, pai
                          torch.randn(2, 3, 1, DIM, generator=generator) + 1.0)
     query = torch.randn(2, 9, 1, DIM, generator=generator)
     sinks = torch.randn(9, generator=generator)
-    fast, slow = fast_and_torch_paths(monkeypatch, query, kv, None, 0.1, sinks=sinks)
+    fast, slow = fast_and_torch_paths(query, kv, None, 0.1, sinks=sinks)
     torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(fast, decode_all_attention(query, kv, None, 0.1, sinks), rtol=1e-4, atol=1e-5)
     # a sliding window (mask None): the oldest columns blocked
     window = kv.length - 10
-    fast, slow = fast_and_torch_paths(monkeypatch, query, kv, None, 0.1, window=window)
+    fast, slow = fast_and_torch_paths(query, kv, None, 0.1, window=window)
     blocked = torch.arange(kv.length) <= kv.length - 1 - window
     bias = torch.zeros(kv.length).masked_fill_(blocked, float("-inf"))[None, None, None]
     torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-5)
@@ -94,7 +94,7 @@ def test_fused_step_fully_masked_row_and_dtype(monkeypatch, fused_calls):
     out = attend_codes(torch.randn(2, 4, 1, DIM, generator=generator), kv, mask, 0.125)
     assert fused_calls and torch.isfinite(out).all() and torch.equal(out[0], torch.zeros_like(out[0]))
     query = torch.randn(2, 4, 1, DIM, generator=generator).to(torch.bfloat16)
-    fast, slow = fast_and_torch_paths(monkeypatch, query, kv, None, 0.125)
+    fast, slow = fast_and_torch_paths(query, kv, None, 0.125)
     assert fast.dtype == torch.bfloat16
     torch.testing.assert_close(fast, slow, rtol=1e-2, atol=1e-2)
 

@@ -11,7 +11,7 @@ from _kv_helpers import check_sinks_and_sliding_window, ragged_float_mask, decod
 import fibquant.kv.attention.numba_residual as numba_residual
 from fibquant.codecs.fibquant import FibQuantCodec
 from fibquant.codecs.integer import IntCodec
-from fibquant.codecs.residual import ResidualFibQuantCodec
+from fibquant.codecs.fibrvq import FibRVQCodec
 from fibquant.kv.attention import attend_codes
 from fibquant.kv.cache import CompressedLayer
 
@@ -19,11 +19,11 @@ pytest.importorskip("numba")
 
 DIM = 64
 PAIRS = {
-    "rvq 2/2": lambda: (ResidualFibQuantCodec(DIM, stages=2), ResidualFibQuantCodec(DIM, stages=2)),
-    "rvq 4/1": lambda: (ResidualFibQuantCodec(DIM, stages=4), ResidualFibQuantCodec(DIM, stages=1)),
-    "rvq 3 / fibquant k4": lambda: (ResidualFibQuantCodec(DIM, stages=3), FibQuantCodec(DIM, 4, 256)),
-    "fibquant k2 / rvq 2": lambda: (FibQuantCodec(DIM, 2, 256), ResidualFibQuantCodec(DIM, stages=2)),
-    "rvq k16 4 / rvq 2": lambda: (ResidualFibQuantCodec(DIM, k=16, stages=4), ResidualFibQuantCodec(DIM, stages=2)),
+    "rvq 2/2": lambda: (FibRVQCodec(DIM, stages=2), FibRVQCodec(DIM, stages=2)),
+    "rvq 4/1": lambda: (FibRVQCodec(DIM, stages=4), FibRVQCodec(DIM, stages=1)),
+    "rvq 3 / fibquant k4": lambda: (FibRVQCodec(DIM, stages=3), FibQuantCodec(DIM, 4, 256)),
+    "fibquant k2 / rvq 2": lambda: (FibQuantCodec(DIM, 2, 256), FibRVQCodec(DIM, stages=2)),
+    "rvq k16 4 / rvq 2": lambda: (FibRVQCodec(DIM, k=16, stages=4), FibRVQCodec(DIM, stages=2)),
 }
 
 
@@ -59,7 +59,7 @@ def test_residual_step_equals_torch_path_and_spec(monkeypatch, residual_calls, p
     if masked:
         mask = ragged_float_mask(batch, heads * groups, kv.length, generator)
         bias = mask
-    fast, slow = fast_and_torch_paths(monkeypatch, query, kv, mask, 0.125)
+    fast, slow = fast_and_torch_paths(query, kv, mask, 0.125)
     assert residual_calls, "the residual kernel did not run"
     assert fast.shape == (batch, 1, heads * groups, DIM) and fast.dtype == query.dtype
     torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-5)
@@ -74,7 +74,7 @@ def test_residual_step_with_sinks_centring_and_window(monkeypatch, residual_call
                          torch.randn(2, 3, 1, DIM, generator=generator) + 1.0)
     query = torch.randn(2, 9, 1, DIM, generator=generator)
     sinks = torch.randn(9, generator=generator)
-    check_sinks_and_sliding_window(monkeypatch, query, kv, sinks)
+    check_sinks_and_sliding_window(query, kv, sinks)
     assert len(residual_calls) == 2
 
 
@@ -84,7 +84,7 @@ def test_what_the_residual_kernel_does_not_take(monkeypatch, residual_calls):
     and a prefill chunk take the torch path (still equal to the spec)."""
     assert numba_residual.residual_plan(FibQuantCodec(DIM, 4, 256))[2].shape[0] == 1
     assert numba_residual.residual_plan(IntCodec(DIM, 4)) is None
-    small = ResidualFibQuantCodec(DIM, 8, 2, 16)
+    small = FibRVQCodec(DIM, 8, 2, 16)
     small._codebook = torch.randn(2, 16, 8)  # N = 16 stages (not built: the plan only reads their shape)
     assert numba_residual.residual_plan(small) is None
     layer, generator = layer_of("rvq 2/2", 1, 1, past=30)
@@ -103,7 +103,7 @@ def test_what_the_residual_kernel_does_not_take(monkeypatch, residual_calls):
 
 def test_stage_layout_matches_the_codec():
     """rotated_stages: decoding a code by hand from its stages and rotation gives the codec's decode."""
-    codec = ResidualFibQuantCodec(DIM, stages=3)
+    codec = FibRVQCodec(DIM, stages=3)
     x = torch.randn(5, DIM, generator=torch.Generator().manual_seed(3))
     codes = codec.encode(x)
     staged = codec.rotated_stages(torch.device("cpu"))

@@ -1,6 +1,6 @@
 """The E8 shell-code decode step (kv/attention/numba_shells.py: per-query tables over the compact tables' halves
 at b <= 2, each block decoded in the kernel above) against the torch path on decoded floats and the spec (decode
-every code, one softmax), to float32 tolerance; the block decoders (codebook/e8shell.py `point_py` through
+every code, one softmax), to float32 tolerance; the block decoders (codebook/e8shell_tables.py `point_py` through
 `point_tables`, `compact_point_py` through `compact_point_tables`) equal to `unrank` exactly, and the compact
 tables' words naming each point's halves."""
 from __future__ import annotations
@@ -13,11 +13,12 @@ import torch
 from _kv_helpers import check_sinks_and_sliding_window, ragged_float_mask, decode_all_attention, fast_and_torch_paths, filled_coded_layer
 
 import fibquant.kv.attention.numba_shells as numba_shells
-from fibquant.codebook.e8shell import (COMPACT_MAX_POINTS, CompactPointTables, ShellPointTables, compact_point_tables,
-                                      decode_points, point_tables, shell_size, shell_tables, unrank)
+from fibquant.codebook.e8shell import shell_size, shell_tables, unrank
+from fibquant.codebook.e8shell_tables import (COMPACT_MAX_POINTS, CompactPointTables, ShellPointTables,
+                                              compact_point_tables, decode_points, point_tables)
 from fibquant.codecs.e8shell import E8ShellCodec, shipped_levels
 from fibquant.codecs.fibquant import FibQuantCodec
-from fibquant.codecs.residual import ResidualFibQuantCodec
+from fibquant.codecs.fibrvq import FibRVQCodec
 from fibquant.kv.attention import attend_codes
 from fibquant.kv.cache import CompressedLayer
 
@@ -79,7 +80,7 @@ def test_shell_step_equals_torch_path_and_spec(monkeypatch, shell_calls, pair, g
     mask = None
     if masked:
         mask = ragged_float_mask(batch, heads * groups, kv.length, generator)
-    fast, slow = fast_and_torch_paths(monkeypatch, query, kv, mask, 0.125)
+    fast, slow = fast_and_torch_paths(query, kv, mask, 0.125)
     assert shell_calls, "the shell kernel did not run"
     assert fast.shape == (batch, 1, heads * groups, DIM) and fast.dtype == query.dtype
     torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-5)
@@ -98,7 +99,7 @@ def test_shell_step_lengths_sinks_centring_window(monkeypatch, shell_calls, past
     assert kv.num_coded > 0 and kv.num_sink == 4
     query = torch.randn(2, 9, 1, DIM, generator=generator)
     sinks = torch.randn(9, generator=generator)
-    check_sinks_and_sliding_window(monkeypatch, query, kv, sinks, window=max(2, kv.length - 10))
+    check_sinks_and_sliding_window(query, kv, sinks, window=max(2, kv.length - 10))
     assert len(shell_calls) == 2
 
 
@@ -133,7 +134,7 @@ def test_shell_step_d128(monkeypatch, shell_calls, groups):
         kv, _ = layer.update(torch.randn(1, 2, 1, 128, generator=generator),
                              torch.randn(1, 2, 1, 128, generator=generator))
         query = torch.randn(1, 2 * groups, 1, 128, generator=generator)
-        fast, slow = fast_and_torch_paths(monkeypatch, query, kv, None, 0.09)
+        fast, slow = fast_and_torch_paths(query, kv, None, 0.09)
         torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-5)
     assert len(shell_calls) == 2
 
@@ -142,7 +143,7 @@ def test_shell_step_d128(monkeypatch, shell_calls, groups):
 def test_what_the_shell_kernel_does_not_take(monkeypatch, shell_calls):
     """One role not a shell code, > 8 query heads per KV head, a prefill chunk: other paths (still = the spec)."""
     assert numba_shells.shell_plan(FibQuantCodec(DIM, 4, 256)) is None
-    assert numba_shells.shell_plan(ResidualFibQuantCodec(DIM, stages=2)) is None
+    assert numba_shells.shell_plan(FibRVQCodec(DIM, stages=2)) is None
     mixed = CompressedLayer(E8ShellCodec(DIM, 2), FibQuantCodec(DIM, 4, 256), 4, 8, attention="codes")
     generator = torch.Generator().manual_seed(1)
     for chunk in (20, 1):

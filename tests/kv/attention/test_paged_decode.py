@@ -10,6 +10,7 @@ from fibquant.codecs.fibquant import FibQuantCodec
 from fibquant.codecs.turboquant import TurboQuantCodec
 from fibquant.kv.attention import paged
 from fibquant.kv.attention.paged import paged_decode_attention, paged_decode_attention_reference
+from fibquant.kv.options import AttentionOptions
 
 pytest.importorskip("numba")
 
@@ -68,11 +69,10 @@ def test_paged_decode_equals_reference(pair, token_major):
 
 
 @pytest.fixture(params=[True, "keys", "values", False], ids=["gather", "gather-keys", "gather-values", "tables"])
-def gather(request, monkeypatch):
-    """Every decode path of the kernel's 4-bit roles: decode-then-dot (gathers) for both, keys or values
-    only, and lookup tables / histograms."""
-    monkeypatch.setattr(paged, "GATHER_DECODE", request.param)
-    return request.param
+def gather(request):
+    """Options for every decode path of the kernel's 4-bit roles: decode-then-dot (gathers) for both, keys
+    or values only, and lookup tables / histograms."""
+    return AttentionOptions(gather_decode=request.param)
 
 
 @pytest.mark.parametrize("pair", ["fibquant 4/4 bit (8-bit indices)", "fibquant 4/2 bit", "fibquant 4-bit d=128",
@@ -83,7 +83,7 @@ def test_paged_decode_gather_and_table_paths_equal_reference(pair, heads, gather
     coded ranges over scattered pages, sink logits: both paths equal the reference to float rounding."""
     case = _scenario(pair, heads=heads, seed=6)
     sinks = torch.randn(heads, generator=torch.Generator().manual_seed(7))
-    torch.testing.assert_close(paged_decode_attention(**case, sinks=sinks),
+    torch.testing.assert_close(paged_decode_attention(**case, sinks=sinks, options=gather),
                                paged_decode_attention_reference(**case, sinks=sinks), rtol=1e-4, atol=1e-5)
 
 
@@ -97,7 +97,7 @@ def test_paged_decode_in_register_path_equals_reference(pair, heads, block, gath
     sums the dot products in another order than torch)."""
     case = _scenario(pair, heads=heads, block=block, seed=9)
     sinks = torch.randn(heads, generator=torch.Generator().manual_seed(10))
-    torch.testing.assert_close(paged_decode_attention(**case, sinks=sinks),
+    torch.testing.assert_close(paged_decode_attention(**case, sinks=sinks, options=gather),
                                paged_decode_attention_reference(**case, sinks=sinks), rtol=1e-4, atol=1e-5)
 
 
@@ -111,14 +111,12 @@ def test_paged_decode_in_register_path_equals_reference(pair, heads, block, gath
     ("fibquant 4/2 bit", "keys", True), ("fibquant 4/2 bit", "values", False),
     ("turboquant 4/2 (byte tables)", "values", False), ("turboquant 3 (3-bit fields)", True, False),
     ("turboquant 4/2 (byte tables)", True, True)])  # TurboQuant at 4 bits: the same k = 1, N = 16 codes
-def test_paged_decode_gather_switch_reaches_the_kernel(pair, setting, gathered, monkeypatch):
-    """`paged.GATHER_DECODE` changes how the 4-bit FibQuant roles it names are summed (outputs differ in
+def test_paged_decode_gather_switch_reaches_the_kernel(pair, setting, gathered):
+    """`AttentionOptions.gather_decode` changes how the 4-bit FibQuant roles it names are summed (outputs differ in
     float rounding, within 1e-5 of each other) and nothing else (other codes: bitwise the same)."""
     case = _scenario(pair, seed=8)
-    monkeypatch.setattr(paged, "GATHER_DECODE", setting)
-    on = paged_decode_attention(**case)
-    monkeypatch.setattr(paged, "GATHER_DECODE", False)
-    off = paged_decode_attention(**case)
+    on = paged_decode_attention(**case, options=AttentionOptions(gather_decode=setting))
+    off = paged_decode_attention(**case, options=AttentionOptions(gather_decode=False))
     assert torch.equal(on, off) is not gathered
     torch.testing.assert_close(on, off, rtol=1e-5, atol=1e-5)
 

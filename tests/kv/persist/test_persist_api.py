@@ -1,5 +1,5 @@
 """CompressedCache.save/load, token(layer, head, i), append=True writers, in-place code search,
-ranged archive reads, and per-layer / per-head codecs (kv/layered.py)."""
+ranged archive reads, and per-layer / per-head codecs (kv/headwise.py)."""
 from __future__ import annotations
 
 import numpy as np
@@ -13,7 +13,7 @@ from fibquant.codecs.fibquant import FibQuantCodec
 from fibquant.codecs.integer import IntCodec
 from fibquant.codecs.rvq import RVQCodec
 from fibquant.kv.cache import CompressedCache, CompressedLayer
-from fibquant.kv.layered import Fp16Codec, HeadwiseCodec, LayerwiseCompressedCache
+from fibquant.kv.headwise import Fp16Codec, HeadwiseCodec, LayerwiseCompressedCache
 from fibquant.kv.persist.store import PersistentCache
 from fibquant.kv.attention.switch import attention_on_codes
 

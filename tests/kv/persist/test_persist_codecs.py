@@ -21,7 +21,7 @@ from fibquant.codecs.integer import IntCodec
 from fibquant.codecs.lowrank import LowRankCodec
 from fibquant.codecs.rvq import RVQCodec
 from fibquant.kv.cache import CompressedCache
-from fibquant.kv.layered import Fp16Codec, HeadwiseCodec, LayerwiseCompressedCache
+from fibquant.kv.headwise import Fp16Codec, HeadwiseCodec, LayerwiseCompressedCache
 from fibquant.kv.persist.store import PersistentCache
 from fibquant.kv.persist.format import SNAPSHOT_FILE, read_snapshot, write_snapshot
 from fibquant.kv.persist.generate import generate_persistent, resume_generate

@@ -62,7 +62,7 @@ def test_real_model_calibrated_per_head_roundtrip(model_tok, tmp_path):
     decoded K/V and the same next-token logits, bit for bit."""
     from fibquant.codecs.lowrank import LowRankCodec
     from fibquant.codecs.rvq import RVQCodec
-    from fibquant.kv.layered import HeadwiseCodec, LayerwiseCompressedCache
+    from fibquant.kv.headwise import HeadwiseCodec, LayerwiseCompressedCache
 
     model, tokenizer = model_tok
     config = model.config

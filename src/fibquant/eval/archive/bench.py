@@ -207,7 +207,7 @@ def run(config: BenchConfig = BenchConfig(), variants: tuple[str, ...] = ("exact
         progress: bool = True) -> dict:
     """Run every method on every stream; the payload (config, targets, machine, results, target_check).
 
-    The baselines live in `archive_baselines`; `EXPERIMENT.report` writes archive_bench.json/.md/.png."""
+    The baselines live in `baselines`; `EXPERIMENT.report` writes archive_bench.json/.md/.png."""
     rng = np.random.default_rng(config.seed + 1)
     load_start = os.getloadavg()[0]  # timings are best-of-repeats, but a loaded machine still shows
     streams = make_streams(config)

@@ -57,14 +57,14 @@ def measure_prefix_ttft(model, tokenizer, config: ArchiveKVConfig, workdir: Path
     from transformers import DynamicCache
 
     from fibquant.eval.kv_report import text_tokens
-    from fibquant.codecs.registry import parse_method
+    from fibquant.codecs.registry import parse_codec_spec
     from fibquant.kv.cache import CompressedCache
     from fibquant.kv.model import check_model_supported
     from fibquant.kv.persist.store import PersistentCache, save_cache
     from fibquant.kv.persist.prefix import prefill_with_prefix
 
     with attention_on_codes(model):
-        codec = parse_method(config.method).build(check_model_supported(model)["head_dim"])
+        codec = parse_codec_spec(config.method).build(check_model_supported(model)["head_dim"])
         ids = text_tokens(tokenizer, config.text, config.prefix_tokens + config.suffix_tokens)
         prefix = ids[: config.prefix_tokens]
 
@@ -178,7 +178,7 @@ def run_archive_kv(model, tokenizer, config: ArchiveKVConfig, workdir=None, part
                    search_sizes=(100_000, 1_000_000)) -> dict:
     """The parts of `fibquant eval archive-kv` asked for (see PARTS and the module docstrings of
     eval/archive/store.py and eval/archive/study.py)."""
-    from fibquant.eval import archive_store
+    from fibquant.eval.archive import store as archive_store
 
     check_parts(parts)
     payload = {"config": asdict(config), "threads": torch.get_num_threads(), "parts": list(parts),

@@ -42,14 +42,14 @@ def measure_store(model, tokens: int = 8192, method: str = "fibquant:b=2", reads
                   opens: int = 9, seed: int = 0, workdir=None, warm_passes: int = 3) -> dict:
     from transformers import DynamicCache
 
-    from fibquant.codecs.registry import parse_method
+    from fibquant.codecs.registry import parse_codec_spec
     from fibquant.kv.cache import CompressedCache
     from fibquant.kv.model import check_model_supported
     from fibquant.kv.persist.store import PersistentCache
 
     info = check_model_supported(model)
     L, H, D = info["layers"], info["kv_heads"], info["head_dim"]
-    codec = parse_method(method).build(D)
+    codec = parse_codec_spec(method).build(D)
     generator = torch.Generator().manual_seed(seed)
     source = DynamicCache()
     for layer in range(L):
@@ -158,11 +158,11 @@ def layer0_value_codes(model, tokenizer, count: int, head: int = 0, method: str 
     """(codes uint8 [count, code_size], token ids [count], codec) of layer-0 values of one KV head
     over the first `count` tokens of the Austen novels (concatenated)."""
     from fibquant.data.text import TEXTS, load_text
-    from fibquant.codecs.registry import parse_method
+    from fibquant.codecs.registry import parse_codec_spec
     from fibquant.kv.model import check_model_supported
 
     info = check_model_supported(model)
-    codec = parse_method(method).build(info["head_dim"])
+    codec = parse_codec_spec(method).build(info["head_dim"])
     pieces, total = [], 0
     for name, source in TEXTS.items():
         if source.author != "Jane Austen" or total >= count:

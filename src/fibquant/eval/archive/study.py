@@ -7,7 +7,7 @@ exact, every older token read back from its codes) with a cache built from:
 - the universal FibQuant codebook (no calibration) at a few rates;
 - learned RVQ, 256 codewords per stage, depth 1-4, fitted on `calibration_text` (another
   novel): "pooled" = one codebook set per role for every layer and KV head, "per head" = one
-  per (layer, KV head) (`kv/layered.py`: HeadwiseCodec in a LayerwiseCompressedCache);
+  per (layer, KV head) (`kv/headwise.py`: HeadwiseCodec in a LayerwiseCompressedCache);
 - K-only / V-only: one role per-head RVQ, the other kept as fp16 (`Fp16Codec`);
 - hybrids K{a}/V{b}: keys at depth a, values at depth b.
 
@@ -111,7 +111,7 @@ class RVQBank:
     def codecs(self, role: str, depth: int, kind: str) -> list:
         """One codec per layer for `role` at `depth` stages; kind 'pooled' or 'head'."""
         from fibquant.codecs.rvq import RVQCodec
-        from fibquant.kv.layered import HeadwiseCodec
+        from fibquant.kv.headwise import HeadwiseCodec
 
         if kind == "pooled":
             return [RVQCodec(self.pooled[role][:depth])] * self.layers
@@ -124,7 +124,7 @@ class RVQBank:
 
 
 def _fp16_codecs(layers: int, dim: int) -> list:
-    from fibquant.kv.layered import Fp16Codec
+    from fibquant.kv.headwise import Fp16Codec
 
     return [Fp16Codec(dim)] * layers
 
@@ -156,14 +156,14 @@ def build_cache(row: dict, bank: RVQBank, model, config: StudyConfig, info: dict
     """The cache of one study row (a DynamicCache for fp), attention on decoded codes."""
     from transformers import DynamicCache
 
-    from fibquant.codecs.registry import parse_method
+    from fibquant.codecs.registry import parse_codec_spec
     from fibquant.kv.cache import CompressedCache
-    from fibquant.kv.layered import LayerwiseCompressedCache
+    from fibquant.kv.headwise import LayerwiseCompressedCache
 
     if row["kind"] == "fp":
         return DynamicCache()
     if row["kind"] == "fibquant":
-        codec = parse_method(row["spec"]).build(info["head_dim"])
+        codec = parse_codec_spec(row["spec"]).build(info["head_dim"])
         return CompressedCache.for_model(model, codec, codec, config.sink_tokens, config.recent_tokens,
                                          attention="decode")
     codecs = []
@@ -178,14 +178,14 @@ def build_cache(row: dict, bank: RVQBank, model, config: StudyConfig, info: dict
 def row_bytes(row: dict, bank: RVQBank, config: StudyConfig, info: dict) -> dict:
     """Bytes per token (marginal codes; with the fp16 exact window at 1024 and 8192 tokens) and
     the codebook side information, for one study row."""
-    from fibquant.codecs.registry import parse_method
+    from fibquant.codecs.registry import parse_codec_spec
 
     L, H, D = info["layers"], info["kv_heads"], info["head_dim"]
     fp16 = 2 * L * H * D * 2
     if row["kind"] == "fp":
         sizes, books = (2 * D, 2 * D), 0
     elif row["kind"] == "fibquant":
-        size = parse_method(row["spec"]).build(D).code_size
+        size = parse_codec_spec(row["spec"]).build(D).code_size
         sizes, books = (size, size), 0  # universal: identified by (d, k, N, seed), shipped with the package
     else:
         sizes = tuple(math.ceil(row[f"{r}_depth"] * math.ceil(math.log2(config.n_codewords)) / 8)

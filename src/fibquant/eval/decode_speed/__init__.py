@@ -363,7 +363,7 @@ def _run_decode_speed(config, model_and_tokenizer, token_ids, progress) -> dict:
             skipped.append({"cache": spec.name, "reason": reason})
             print(f"skipping {spec.name}: {reason}", file=sys.stderr, flush=True)
     # One codec per cache of ours, built before any clock starts (codebook and rotation are per model).
-    codecs = {spec.name: spec.method().build(head_dim) if spec.kind == "compressed" else None for spec in specs}
+    codecs = {spec.name: spec.codec_spec().build(head_dim) if spec.kind == "compressed" else None for spec in specs}
 
     if config.warmup:
         _warmup(specs, model, head_dim, config, token_ids, skipped, progress, codecs)

@@ -8,14 +8,12 @@ Caches are named in the one cache-spec grammar (`fibquant.kv.specs`):
     fibquant:b=4@decode     the same cache through the decode path (attention='decode')
     quanto:b=4, hqq:b=2     transformers' own QuantizedCache with that backend (`PeerFamily.native`)
 
-The names of earlier releases (`dynamic`, `fibquant4`, `fibquant4-old`, `quanto4`) still parse for
-one release, with a DeprecationWarning. Torch-free at import (the CLI reads `DEFAULT_CACHES` for its
+Torch-free at import (the CLI reads `DEFAULT_CACHES` for its
 help text).
 """
 from __future__ import annotations
 
 import re
-import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -46,16 +44,16 @@ class SpeedCache:
             return "DynamicCache"
         bits = f"{self.bits:g}b"
         if self.kind == "compressed":
-            return f"{self.method().style.name} {bits} ({self.attention})"
+            return f"{self.codec_spec().style.name} {bits} ({self.attention})"
         return f"QuantizedCache {self.family} {bits}"
 
-    def method(self):
-        """The registered codec method of one of ours (`fibquant.codecs.registry.Method`)."""
-        from fibquant.codecs.registry import parse_method
+    def codec_spec(self):
+        """The codec spec of one of ours (`fibquant.codecs.registry.CodecSpec`)."""
+        from fibquant.codecs.registry import parse_codec_spec
 
         if self.kind != "compressed":
             raise ValueError(f"{self.name} is not one of our compressed caches")
-        return parse_method(self.name.removesuffix(DECODE_OPTION))
+        return parse_codec_spec(self.name.removesuffix(DECODE_OPTION))
 
 
 def our_families() -> tuple[str, ...]:
@@ -66,32 +64,11 @@ def our_families() -> tuple[str, ...]:
                  if not cls.calibrated and not cls.reference and any(p.name == "bits" for p in cls.spec_params))
 
 
-def _legacy_spelling(text: str) -> Optional[str]:
-    """The current spelling of an earlier release's name (`dynamic`, `fibquant4`, `int4-old`,
-    `quanto2`), or None when `text` is not one."""
-    if text == "dynamic":
-        return "fp"
-    match = re.fullmatch(r"([a-z][a-z_]*?)(\d+)(-old)?", text)
-    if match is None:
-        return None
-    family, bits, old = match.groups()
-    from fibquant.peers import native_families
-
-    if family not in our_families() and (family not in native_families() or old):
-        return None
-    return f"{family}:b={bits}" + (DECODE_OPTION if old else "")
-
-
 def parse_cache_name(name: str) -> SpeedCache:
     """`name` in the cache-spec grammar (module docstring) -> SpeedCache; ValueError otherwise."""
     from fibquant.peers import native_families, parse_peer
 
     text = name.strip().lower()
-    legacy = _legacy_spelling(text)
-    if legacy is not None:
-        warnings.warn(f"cache name {name!r} is spelled {legacy!r} now (the old name goes in the next release)",
-                      DeprecationWarning, stacklevel=2)
-        text = legacy
     base = text.removesuffix(DECODE_OPTION)
     family = base.partition(":")[0].strip()
     hint = f"expected fp, ours as fibquant:b=4 (optionally {DECODE_OPTION}) or a QuantizedCache quanto:b=4 / hqq:b=2"
@@ -170,10 +147,8 @@ class DecodeSpeedConfig:
             raise ValueError("no caches to run")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
-        with warnings.catch_warnings():  # said once, by specs()
-            warnings.simplefilter("ignore", DeprecationWarning)
-            for name in self.caches:
-                parse_cache_name(name)  # raises ValueError on a bad name
+        for name in self.caches:
+            parse_cache_name(name)  # raises ValueError on a bad name
 
     def specs(self) -> list[SpeedCache]:
         """Parsed caches, DynamicCache first (always run: it is the reference of every ratio)."""

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from fibquant.codecs.registry import codec_classes, is_reference, reference_method
+from fibquant.codecs.registry import codec_classes, is_reference, reference_codec_spec
 from fibquant.eval.report import Experiment
 from fibquant.eval.timing import Stopwatch, timed
 from fibquant.kv.build import build_cache
@@ -226,7 +226,7 @@ def run(config: NeedleConfig = NeedleConfig(), caches=None, build_codebooks: boo
     specs, skipped = split_available(parse_cache_specs(list(caches or NEEDLE_CACHES), model), dim, build_codebooks)
     if not specs or not specs[0].is_fp:
         specs = [s for s in specs if not s.is_fp]
-        specs.insert(0, parse_cache_specs(reference_method().spec)[0])
+        specs.insert(0, parse_cache_specs(reference_codec_spec().spec)[0])
     payload = run_needle(model, tokenizer, specs, config, progress)
     payload["skipped"], payload["peer_versions"] = skipped, package_versions()
     payload["targets"] = needle_targets(payload["rows"])

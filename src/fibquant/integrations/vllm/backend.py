@@ -22,13 +22,13 @@ codes are the same as written at once (tested bitwise).
 
 Decode requests of a step attend in one call per layer (per exact-window size: one in a steady
 state). On CPU pages that is the paged numba kernel (`fibquant.kv.attention.paged`,
-`PAGED_NUMBA_DECODE`): each sequence's codes read in place through its block-table row, for exactly
+`AttentionOptions.paged_numba_decode`): each sequence's codes read in place through its block-table row, for exactly
 its own coded range, no gathered copy, no padding. With a soft-cap (or the switch off) they take the
 gathered path, padded to the longest context and masked. Prefill chunks take the gathered path; a
 first chunk (nothing before it) is plain causal attention, run by vLLM's own CPU kernel (`chunk`, one
 call per chunk, written straight into vLLM's output rows: `_first_chunk`).
 
-On CUDA (when triton imports; `PAGED_CODED_BACKEND`) the coded tokens go through the paged fused
+On CUDA (when triton imports; `AttentionOptions.paged_coded_backend`) the coded tokens go through the paged fused
 kernel instead (`fibquant.kv.attention.kernels.coded_decode_attention_paged`): it reads each request's
 codes in place through its block-table row, for exactly its own length (no gathered copy, no
 padding mask), and its (out, log-sum-exp) is merged exactly with the exact part (the window + the
@@ -70,26 +70,7 @@ from fibquant.kv.attention.kernels import attention_with_lse, coded_decode_atten
 from fibquant.kv.attention.paged import paged_decode_attention, paged_kernel, paged_plans, run_paged_kernel
 from fibquant.kv.buffer import CodedKV
 
-# The coded tokens through the paged Triton kernel (codes read in place through the block tables):
-# "auto" = for CUDA pages when triton imports; "triton" forces it (CPU pages need TRITON_INTERPRET=1 set
-# before triton is first imported, as tests/integrations/test_vllm.py does); "off" = always the gathered path.
-PAGED_CODED_BACKEND = "auto"
 EXACT_ROWS_PER_BLOCK = 2048  # query rows (query heads x tokens) of the paged path's exact part scored at once
-# Batches of one-token steps on CPU pages through the paged numba kernel (`kv.attention.paged`: codes read
-# in place through the block tables, no padding); False: the gathered, padded path of `attend_codes`.
-PAGED_NUMBA_DECODE = True
-# Decode tokens of sequences with a whole exact window: codes written in one batched encode every
-# `VllmCacheConfig.deferred_steps` forwards (`deferred`; CPU pages); False: every forward encodes its own.
-DEFER_CODES = True
-# A steady decode step (every request one new token with a whole exact window, all writes deferred) on
-# CPU pages takes `_lean_decode`: the per-step facts come from the forward's `_WindowPlan`, the arrays
-# the kernel reads are kept between calls; False: the general per-request path (the same kernel call).
-LEAN_DECODE = True
-# A first prefill chunk (nothing coded, nothing exact before it) attends among its own tokens through vLLM's
-# CPU attention kernel, the one vLLM's bf16 backend runs (`chunk`; ~0.7x torch SDPA's time at 1,024 tokens),
-# where it serves the dtype and head size; False: torch's scaled_dot_product_attention.
-CHUNK_KERNEL = True
-
 
 def _config():
     config = active_config()
@@ -283,7 +264,8 @@ class FibQuantAttentionImpl(AttentionImpl):
         sequences = _max_num_seqs()
         self.window = ExactWindow(config.sink_tokens, config.recent_tokens, max_entries=sequences,
                                   snapshots=sequences if self.prefix_caching else 0)
-        self.deferred = DeferredCodes(config.deferred_steps if DEFER_CODES else 0)
+        self.options = config.options  # the paths taken (`fibquant.kv.options`; FIBQUANT_VLLM_ATTENTION)
+        self.deferred = DeferredCodes(config.deferred_steps)
         self._paged_plans = paged_plans(self.key_codec, self.value_codec, self.num_heads, self.num_kv_heads)
         self._host_pages = None  # (kv_cache, its pages as a numpy view), kept while vLLM passes the same cache
 
@@ -373,17 +355,18 @@ class FibQuantAttentionImpl(AttentionImpl):
         return rows[..., : self.key_bytes], rows[..., self.key_bytes: self.key_bytes + self.value_bytes]
 
     def _paged(self, pages: torch.Tensor) -> bool:
-        """Whether the coded tokens go through the paged Triton kernel (PAGED_CODED_BACKEND; no soft-cap)."""
-        if PAGED_CODED_BACKEND == "off" or self.softcap is not None:
+        """Whether the coded tokens go through the paged Triton kernel (`paged_coded_backend`; no soft-cap)."""
+        backend = self.options.paged_coded_backend
+        if backend == "off" or self.softcap is not None:
             return False
-        if PAGED_CODED_BACKEND == "auto" and (pages.device.type != "cuda" or not triton_available()):
+        if backend == "auto" and (pages.device.type != "cuda" or not triton_available()):
             return False
         return all(codec.rotated_codebook(pages.device) is not None for codec in (self.key_codec, self.value_codec))
 
     def _numba_paged(self, pages: torch.Tensor) -> bool:
         """Whether a batch of one-token steps goes through the paged numba kernel (`kv.attention.paged`):
-        CPU pages, no soft-cap, codecs the kernel serves, PAGED_NUMBA_DECODE on."""
-        return (PAGED_NUMBA_DECODE and self._paged_plans is not None and self.softcap is None
+        CPU pages, no soft-cap, codecs the kernel serves, `paged_numba_decode` on."""
+        return (self.options.paged_numba_decode and self._paged_plans is not None and self.softcap is None
                 and pages.device.type == "cpu")
 
     def _attend_paged(self, pages, tables, skip: int, stops: list[int], query, key, value,
@@ -399,7 +382,7 @@ class FibQuantAttentionImpl(AttentionImpl):
         coded_out, coded_lse = coded_decode_attention_paged(
             q @ key_book.forward, pages, tables, stops, key_book.codewords, value_book.codewords,
             key_book.index_bits, value_book.index_bits, self.key_bytes, context_starts=skip,
-            value_dim=self.value_codec.dim, backend="auto" if PAGED_CODED_BACKEND == "auto" else "triton")
+            value_dim=self.value_codec.dim, backend="auto" if self.options.paged_coded_backend == "auto" else "triton")
         coded_out = coded_out @ value_book.forward.T
         exact_keys, exact_values = key.transpose(1, 2), value.transpose(1, 2)      # [R, Hk, T, D]
         if exact:
@@ -430,7 +413,7 @@ class FibQuantAttentionImpl(AttentionImpl):
         """A first prefill chunk (nothing coded or exact before it): query [T, Hq, D], key / value [T, Hk, D]
         attend causally among themselves through vLLM's CPU kernel (`chunk`), written straight into
         vLLM's output rows `out` [T, Hq * D] (no copy). False (nothing done) where the kernel does not
-        serve them (CHUNK_KERNEL off, a soft-cap or sink logits, other dtypes or head sizes, a
+        serve them (`chunk_kernel` off, a soft-cap or sink logits, other dtypes or head sizes, a
         non-contiguous output): `_attend` then does it."""
         if not (self._chunk_kernel_serves(query, key, value) and out.dtype == query.dtype and out.is_contiguous()):
             return False
@@ -438,9 +421,9 @@ class FibQuantAttentionImpl(AttentionImpl):
         return True
 
     def _chunk_kernel_serves(self, query, key, value) -> bool:
-        """Whether vLLM's CPU kernel (`chunk`) runs a first chunk of these tensors: CHUNK_KERNEL on, no
+        """Whether vLLM's CPU kernel (`chunk`) runs a first chunk of these tensors: `chunk_kernel` on, no
         soft-cap or sink logits, one dtype, and a kernel for that dtype and head size on their device."""
-        return CHUNK_KERNEL and self.softcap is None and self.logit_sinks is None \
+        return self.options.chunk_kernel and self.softcap is None and self.logit_sinks is None \
             and query.dtype == key.dtype == value.dtype and chunk.available(query.dtype, self.head_size, query.device)
 
     def _attend(self, pages, tables, skip: int, stops: list[int], query, key, value, mask=None,
@@ -478,7 +461,7 @@ class FibQuantAttentionImpl(AttentionImpl):
         window_keys, window_values = window if window is not None else (empty, empty)
         kv = CodedKV(sink_keys=window_keys, sink_values=window_values, key_codes=key_codes, value_codes=value_codes,
                      recent_keys=empty, recent_values=empty, new_keys=new_keys, new_values=new_values,
-                     key_codec=self.key_codec, value_codec=self.value_codec)
+                     key_codec=self.key_codec, value_codec=self.value_codec, options=self.options)
         return attend_codes(query.transpose(1, 2), kv, mask, self.scale, **options).reshape(count, tokens, -1)
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -640,7 +623,7 @@ class FibQuantAttentionImpl(AttentionImpl):
         past shorter than the window, a prefix-cache run, a block-filling write under prefix caching,
         nothing coded, tables off the host)."""
         num_reqs = len(pasts)
-        if not LEAN_DECODE or not self.deferred.steps or not self.window.size or not num_reqs or count != num_reqs \
+        if not self.options.lean_decode or not self.deferred.steps or not self.window.size or not num_reqs or count != num_reqs \
                 or starts != list(range(num_reqs + 1)) or in_forward or tables.device.type != "cpu" or slots.min() < 0:
             return None
         counts = [self.window.counts(past) for past in pasts]  # (sinks, recent) held exact per sequence
@@ -676,7 +659,8 @@ class FibQuantAttentionImpl(AttentionImpl):
             if not self._numba_paged(pages):
                 return False
             cached = self._host_pages = (kv_cache, pages.numpy())
-        if (self.kv_sharing_target_layer_name is not None or self.logit_sinks is not None or not PAGED_NUMBA_DECODE
+        if (self.kv_sharing_target_layer_name is not None or self.logit_sinks is not None
+                or not self.options.paged_numba_decode
                 or self.softcap is not None or dtype not in (torch.bfloat16, torch.float32)
                 or not (key.dtype == value.dtype == output.dtype == dtype) or not output.is_contiguous()):
             return False
@@ -704,7 +688,7 @@ class FibQuantAttentionImpl(AttentionImpl):
                                step.tables, step.starts, step.stops, 0, self.key_bytes, exact_keys, exact_values,
                                rows, keys[:, :, None], values[:, :, None], out,
                                step.longest, exact_count=step.size,
-                               record_slots=step.window_slots if fused else None)
+                               record_slots=step.window_slots if fused else None, options=self.options)
         if bad:
             raise ValueError(f"paged codes hold {bad} invalid index(es) or block id(s) outside the pages")
         # tensors only when flushed; step.slots: never written
@@ -772,7 +756,7 @@ class FibQuantAttentionImpl(AttentionImpl):
                                          self.key_codec, self.value_codec, exact_keys, exact_values,
                                          keys[lines].unsqueeze(2), values[lines].unsqueeze(2), self.scale,
                                          key_offset=0, value_offset=self.key_bytes, sinks=self.logit_sinks,
-                                         plans=self._paged_plans, out=target, exact_rows=rows)
+                                         plans=self._paged_plans, out=target, exact_rows=rows, options=self.options)
             if target is None:
                 flat_out[lines] = out.reshape(len(requests), -1).to(flat_out.dtype)
             return

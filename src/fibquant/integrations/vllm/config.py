@@ -10,7 +10,9 @@ codebook (FibQuant, TurboQuant) are attended on their codes, others are decoded 
 `FIBQUANT_VLLM_SINK_TOKENS` (default 4, 0 turns them off): the first tokens of each sequence that
 attention also reads exactly (attention sinks); `FIBQUANT_VLLM_RECENT_TOKENS` (default 32, as the
 transformers cache's `recent_tokens`; 0 turns it off): the last tokens before each forward that
-attention reads exactly. Both live in a side store beside the pages (`window`); its bytes
+attention reads exactly. `FIBQUANT_VLLM_ATTENTION` (default empty: the tuned paths): the attention options,
+`NAME=VALUE,...` of `fibquant.kv.options.AttentionOptions` (e.g. `defer_codes=off,gather_decode=values`). Both
+windows live in a side store beside the pages (`window`); its bytes
 (`window_bytes`) are taken off the KV budget by the engine (`engine.EngineSettings`).
 """
 from __future__ import annotations
@@ -20,12 +22,15 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from fibquant.kv.options import DEFAULT_OPTIONS, AttentionOptions
+
 if TYPE_CHECKING:
     from fibquant.kv.specs import CacheSpec
 
 ENV_VAR = "FIBQUANT_VLLM_CACHE"
 SINKS_ENV_VAR = "FIBQUANT_VLLM_SINK_TOKENS"
 RECENT_ENV_VAR = "FIBQUANT_VLLM_RECENT_TOKENS"
+ATTENTION_ENV_VAR = "FIBQUANT_VLLM_ATTENTION"
 DEFAULT_SINK_TOKENS = 4
 DEFAULT_RECENT_TOKENS = 32
 # Decode steps whose new tokens' codes are written in one batched encode (`deferred.DeferredCodes`),
@@ -35,18 +40,21 @@ DEFERRED_STEPS = 16
 
 @dataclass(frozen=True)
 class VllmCacheConfig:
-    """A cache spec of our own codecs (`fibquant.kv.specs`) and the exact window: sink and recent
-    tokens (validated on construction)."""
+    """A cache spec of our own codecs (`fibquant.kv.specs`), the exact window (sink and recent tokens)
+    and the attention options (validated on construction)."""
 
     cache: "CacheSpec"
     sink_tokens: int = DEFAULT_SINK_TOKENS
     recent_tokens: int = DEFAULT_RECENT_TOKENS
+    options: AttentionOptions = DEFAULT_OPTIONS
 
     def __post_init__(self) -> None:
         for name, value, var in (("sink", self.sink_tokens, SINKS_ENV_VAR),
                                  ("recent", self.recent_tokens, RECENT_ENV_VAR)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{var}: {name} tokens must be an integer >= 0, got {value!r}")
+        if not isinstance(self.options, AttentionOptions):
+            raise ValueError(f"options must be a fibquant.kv.options.AttentionOptions, got {self.options!r}")
         if self.cache.is_fp or self.cache.uses_peer:
             raise ValueError(f"{ENV_VAR}={self.cache.spec!r}: the pages need one of our calibration-free codecs "
                              "on both sides, e.g. fibquant:b=4 or turboquant:b=3")
@@ -55,8 +63,8 @@ class VllmCacheConfig:
                              "vLLM pages hold one codec per role for every layer, uncentred")
 
     @classmethod
-    def parse(cls, text: str, sink_tokens: int = DEFAULT_SINK_TOKENS,
-              recent_tokens: int = DEFAULT_RECENT_TOKENS) -> "VllmCacheConfig":
+    def parse(cls, text: str, sink_tokens: int = DEFAULT_SINK_TOKENS, recent_tokens: int = DEFAULT_RECENT_TOKENS,
+              options: AttentionOptions = DEFAULT_OPTIONS) -> "VllmCacheConfig":
         """SPEC or KEY_SPEC/VALUE_SPEC, as every cache spec of the project."""
         from fibquant.kv.specs import parse_cache_spec
 
@@ -64,7 +72,7 @@ class VllmCacheConfig:
             cache = parse_cache_spec(text)
         except ValueError as exc:
             raise ValueError(f"{ENV_VAR}={text!r}: {exc}") from exc
-        return cls(cache, sink_tokens, recent_tokens)
+        return cls(cache, sink_tokens, recent_tokens, options)
 
     @property
     def key_spec(self) -> str:
@@ -87,9 +95,9 @@ class VllmCacheConfig:
 
     @property
     def deferred_steps(self) -> int:
-        """Decode steps whose codes wait for one batched encode (0: written at once): DEFERRED_STEPS,
-        at most the recent window, which reads those tokens exactly meanwhile (`deferred`)."""
-        return min(DEFERRED_STEPS, self.recent_tokens)
+        """Decode steps whose codes wait for one batched encode (0: written at once, or `defer_codes` off):
+        DEFERRED_STEPS, at most the recent window, which reads those tokens exactly meanwhile (`deferred`)."""
+        return min(DEFERRED_STEPS, self.recent_tokens) if self.options.defer_codes else 0
 
     def window_bytes(self, head_dim: int, kv_heads: int, layers: int, sequences: int, element_bytes: int = 2,
                      prefix_caching: bool = False) -> int:
@@ -104,13 +112,14 @@ class VllmCacheConfig:
 
 @functools.lru_cache(maxsize=None)
 def _codec(spec: str, head_dim: int):
-    from fibquant.codecs.registry import parse_method
+    from fibquant.codecs.registry import parse_codec_spec
 
-    return parse_method(spec).build(head_dim)
+    return parse_codec_spec(spec).build(head_dim)
 
 
 def active_config() -> VllmCacheConfig | None:
-    """The config named by `FIBQUANT_VLLM_CACHE`, or None when the switch is off."""
+    """The config named by `FIBQUANT_VLLM_CACHE` (with the window and attention options of the other
+    variables), or None when the switch is off. The one place the plugin reads the environment."""
     text = os.environ.get(ENV_VAR, "").strip()
     if not text:
         return None
@@ -120,4 +129,9 @@ def active_config() -> VllmCacheConfig | None:
         if not value.isdigit():
             raise ValueError(f"{var}={value!r}: expected an integer >= 0")
         counts.append(int(value))
-    return VllmCacheConfig.parse(text, *counts)
+    options = os.environ.get(ATTENTION_ENV_VAR, "")
+    try:
+        parsed = AttentionOptions.parse(options)
+    except ValueError as exc:
+        raise ValueError(f"{ATTENTION_ENV_VAR}={options!r}: {exc}") from exc
+    return VllmCacheConfig.parse(text, *counts, parsed)

@@ -6,7 +6,7 @@ keys/values that `cache.update` returned. In "codes" mode `CompressedLayer.updat
 new tokens) and `coded_attention_forward`, registered as "fibquant", attends to it:
 
 - keys: for FibQuant/TurboQuant, q . x_hat_i = nu_i * (q @ Pi^T) . u_hat_i, so each query is
-  rotated once and scored against every code row by `coded_kernels.coded_scores` (a per-query
+  rotated once and scored against every code row by `kernels.coded_scores` (a per-query
   lookup table of block dot products), never un-rotating or decoding a key;
 - values: sum_i p_i x_hat_i = (sum_i p_i nu_i u_hat_i) @ Pi: the weighted sum is accumulated
   in the rotated domain (`coded_weighted_sum`) and un-rotated once per query;
@@ -48,6 +48,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from fibquant._numba import run_split
 from fibquant.codecs.base import Codec
 from fibquant.kv.buffer import CodedKV
+from fibquant.kv.options import AttentionOptions
 from fibquant.kv.attention.host_arrays import code_rows, f32, rows32
 from fibquant.kv.attention.kernels import (_MIN_WORK_PER_THREAD, attention_with_lse, coded_decode_attention,
                                        coded_scores, coded_weighted_sum, merge_lse, triton_available)
@@ -57,13 +58,6 @@ QUERY_ROWS_PER_BLOCK = 2048      # query rows (query heads x tokens) per KV head
 # Chunks of at least this many query tokens (prefill) attend to their exact columns through SDPA
 # and merge with the coded columns by log-sum-exp; shorter ones (decode) use one joint softmax.
 SPLIT_MIN_TOKENS = 16
-# The coded columns through one fused kernel (kv/attention/triton_kernels.py: scores, online softmax and value
-# sums on chip, with the log-sum-exp): "auto" = for CUDA tensors when triton imports; "triton"
-# forces it (CPU tensors need TRITON_INTERPRET=1, as the tests do); "off" never.
-FUSED_CODED_BACKEND = "auto"
-# One-token steps (decode) on the CPU through one fused numba kernel per layer
-# (kv/attention/numba_decode.py) when numba imports; False: the torch ops + two kernels below.
-NUMBA_DECODE = True
 # One-token steps on the CPU for code families the fused kernel cannot read (no single rotated codebook),
 # tried in order: (module, plans function, step function). plans(query, kv) -> plans or None (this step
 # cannot serve it); step(query, kv, bias, scaling, sinks, plans) -> out [B, 1, Hq, Dv]. A new family of
@@ -160,15 +154,17 @@ def _bias_block(mask: torch.Tensor | None, rows: slice, length: int, past: int, 
 
 def attend_codes(query: torch.Tensor, kv: CodedKV, attention_mask: torch.Tensor | None,
                  scaling: float, softcap: float | None = None, sinks: torch.Tensor | None = None,
-                 window: int | None = None) -> torch.Tensor:
+                 window: int | None = None, options: AttentionOptions | None = None) -> torch.Tensor:
     """Attention of query [B, Hq, T, D] over a `CodedKV` -> [B, T, Hq, Dv] in query's dtype.
 
     attention_mask: None (plain causal, as SDPA's skipped mask; `window` limits it to a sliding
     window), bool [B, 1|Hq, T, L] (True = attend) or additive float of that shape. softcap: scores
     become tanh(s / softcap) * softcap before the mask. sinks: [Hq] logits, one extra softmax
     column per query head that takes weight but has no value (gpt-oss). Fully masked query rows
-    give zeros.
+    give zeros. options: the paths taken (`fibquant.kv.options.AttentionOptions`; default `kv.options`,
+    the cache's).
     """
+    options = kv.options if options is None else options
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be a positive number, got {softcap!r}")
     if sinks is not None and (not isinstance(sinks, torch.Tensor) or sinks.numel() != query.shape[1]):
@@ -178,19 +174,19 @@ def attend_codes(query: torch.Tensor, kv: CodedKV, attention_mask: torch.Tensor 
     heads = kv.new_keys.shape[1]
     if q_heads % heads:
         raise ValueError(f"{q_heads} query heads are not a multiple of {heads} KV heads")
-    if tokens == 1 and softcap is None:
+    if tokens == 1 and softcap is None and options.numba_decode:
         plans = _decode_plans(query, kv)
         if plans is not None:
             return _attend_decode_numba(query, kv, attention_mask, scaling, sinks, window, plans)
-        if NUMBA_DECODE:  # codes without one rotated codebook: the registered one-token steps
-            for plans_of, step in _one_token_steps():
-                staged = plans_of(query, kv)
-                if staged is not None:
-                    bias = None if attention_mask is None and window is None else _bias_block(
-                        attention_mask, slice(0, 1), kv.length, kv.length - 1, query.device, window)
-                    return step(query, kv, bias, scaling, sinks, staged)
-    if softcap is None and (tokens >= SPLIT_MIN_TOKENS or _fused(kv, query.device)):
-        return _attend_split(query, kv, attention_mask, scaling, sinks, window)
+        # codes without one rotated codebook: the registered one-token steps
+        for plans_of, step in _one_token_steps():
+            staged = plans_of(query, kv)
+            if staged is not None:
+                bias = None if attention_mask is None and window is None else _bias_block(
+                    attention_mask, slice(0, 1), kv.length, kv.length - 1, query.device, window)
+                return step(query, kv, bias, scaling, sinks, staged)
+    if softcap is None and (tokens >= SPLIT_MIN_TOKENS or _fused(kv, query.device, options.fused_backend)):
+        return _attend_split(query, kv, attention_mask, scaling, sinks, window, options.fused_backend)
     groups = q_heads // heads
     length, n_sink, coded = kv.length, kv.num_sink, kv.num_coded
     past = length - tokens
@@ -289,7 +285,7 @@ def _decode_plans(query: torch.Tensor, kv: CodedKV):
     """(key plan, value plan, lanes, scratch sizes) when this one-token step can run the fused numba
     kernel, else None. The last answer is kept for its (key codec, value codec, query groups)."""
     global _KERNEL, _LAST_PLANS
-    if not NUMBA_DECODE or query.device.type != "cpu" or not kv.key_codes.shape[-2] or (
+    if query.device.type != "cpu" or not kv.key_codes.shape[-2] or (
             query.requires_grad and torch.is_grad_enabled()):
         return None
     groups = query.shape[1] // kv.new_keys.shape[1]
@@ -418,7 +414,8 @@ def _exact_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Te
     return attention_with_lse(queries * scaling, keys, values, bias)
 
 
-def _attend_split(query: torch.Tensor, kv: CodedKV, attention_mask, scaling: float, sinks, window) -> torch.Tensor:
+def _attend_split(query: torch.Tensor, kv: CodedKV, attention_mask, scaling: float, sinks, window,
+                  backend: str = "auto") -> torch.Tensor:
     """`attend_codes` for a prefill chunk: exact columns through SDPA, coded ones through the code
     kernels, merged by log-sum-exp (same result as the joint softmax to float rounding)."""
     batch, q_heads, tokens, dim = query.shape
@@ -466,31 +463,31 @@ def _attend_split(query: torch.Tensor, kv: CodedKV, attention_mask, scaling: flo
             exact_bias = torch.cat([bias[..., :n_sink], bias[..., n_sink + coded:]], dim=-1) if coded else bias
             parts = [_exact_attention(block, exact_keys, exact_values, exact_bias.contiguous(), scaling)]
             if coded:
-                parts.append(_coded_part(block, kv, bias[..., n_sink:n_sink + coded], scaling, groups))
+                parts.append(_coded_part(block, kv, bias[..., n_sink:n_sink + coded], scaling, groups, backend))
         if sink_logits is not None:  # a column with a logit and no value
             parts.append((out.new_zeros(batch, q_heads, width, value_dim), sink_logits.expand(batch, q_heads, width)))
         out[:, :, rows] = merge_lse(parts)[0]
     return out.transpose(1, 2).contiguous().to(query.dtype)
 
 
-def _fused(kv: CodedKV, device: torch.device) -> bool:
-    """Whether the coded columns of `kv` go through the fused Triton kernel (FUSED_CODED_BACKEND)."""
-    if FUSED_CODED_BACKEND == "off" or not kv.num_coded:
+def _fused(kv: CodedKV, device: torch.device, backend: str) -> bool:
+    """Whether the coded columns of `kv` go through the fused Triton kernel (`AttentionOptions.fused_backend`)."""
+    if backend == "off" or not kv.num_coded:
         return False
-    if FUSED_CODED_BACKEND == "auto" and (device.type != "cuda" or not triton_available()):
+    if backend == "auto" and (device.type != "cuda" or not triton_available()):
         return False
     return all(codec.rotated_codebook(device) is not None for codec in (kv.key_codec, kv.value_codec))
 
 
 def _coded_part_fused(block: torch.Tensor, kv: CodedKV, bias: torch.Tensor, scaling: float,
-                      groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+                      groups: int, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     """`_coded_part` through `coded_decode_attention` (one fused kernel; GQA without repeated keys)."""
     keys, values = kv.key_codec.rotated_codebook(block.device), kv.value_codec.rotated_codebook(block.device)
     scaled = block * scaling
     out, lse = coded_decode_attention(scaled @ keys.forward, kv.key_codes, kv.value_codes, keys.codewords,
                                       values.codewords, keys.index_bits, values.index_bits,
                                       bias=bias.contiguous(), value_dim=kv.value_codec.dim,
-                                      backend="auto" if FUSED_CODED_BACKEND == "auto" else "triton")
+                                      backend="auto" if backend == "auto" else "triton")
     out = out @ values.forward.T
     if kv.key_mean is not None:  # every coded score shifts by q . mu of its KV head
         lse = lse + (scaled * kv.key_mean.repeat_interleave(groups, 1).unsqueeze(2)).sum(-1)
@@ -500,11 +497,11 @@ def _coded_part_fused(block: torch.Tensor, kv: CodedKV, bias: torch.Tensor, scal
 
 
 def _coded_part(block: torch.Tensor, kv: CodedKV, bias: torch.Tensor, scaling: float,
-                groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+                groups: int, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """(out [B, Hq, t, Dv] normalised over the coded columns, lse [B, Hq, t]) of query block
     [B, Hq, t, D] (unscaled) with additive bias [B|1, Hq|1, t, M] over the coded columns."""
-    if _fused(kv, block.device):
-        return _coded_part_fused(block, kv, bias, scaling, groups)
+    if _fused(kv, block.device, backend):
+        return _coded_part_fused(block, kv, bias, scaling, groups, backend)
     batch, q_heads, width, dim = block.shape
     heads = q_heads // groups
     rows = (block * scaling).reshape(batch, heads, groups * width, dim)

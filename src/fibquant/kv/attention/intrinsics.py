@@ -809,7 +809,7 @@ _HALVES = None
 
 def _build_halves():
     """(halves_scores, halves_hist, halves_build, halves_contract): one code row's blocks through the
-    per-query tables over the 4-d halves of E8 shell points (`codebook.e8shell.CompactPointTables`, the b <= 2
+    per-query tables over the 4-d halves of E8 shell points (`codebook.e8shell_tables.CompactPointTables`, the b <= 2
     step of `numba_shells`), 4 query lanes in one <4 x float> register per table entry (numba's scalar code read
     and multiplied the 4 lanes one by one), and the tables' build / contraction the same way.
 

@@ -7,7 +7,7 @@ change to any of those files a kernel elsewhere could load a stale compiled vers
 keys every one of them on the contents of all of `KERNEL_SOURCES` (`fibquant._numba.njit_tracking`):
 a change to any kernel source recompiles every kernel once (the scores kernel alone: 40 s on the
 loaded 2-core machine, 2026-12-03), never a stale one. A new kernel file joins `KERNEL_SOURCES`; a kernel
-inlining code from outside this folder keys on that file too (`numba_shells`: codebook/e8shell.py's block
+inlining code from outside this folder keys on that file too (`numba_shells`: codebook/e8shell_tables.py's block
 decoder, `njit_tracking(depends_on=...)`).
 """
 from __future__ import annotations

@@ -47,7 +47,7 @@ So `torch.set_num_threads(1)` gives a single-threaded kernel. numba is imported 
 compiled kernels are cached on disk by numba, keyed on every kernel source (`jit`), ~5 s to compile the first time.
 
 Backends (`backend=`): "auto" picks numba for CPU tensors (torch when numba is missing), the
-Triton kernels of `coded_triton` for CUDA tensors when triton imports (`pip install
+Triton kernels of `triton_kernels` for CUDA tensors when triton imports (`pip install
 'fibquant[gpu]'`), else the torch reference with a one-time warning; "torch" is the reference on
 any device; "numba" needs CPU tensors; "triton" needs CUDA tensors, or CPU tensors when
 TRITON_INTERPRET=1 was set before triton was first imported (Triton's interpreter: how the tests
@@ -60,9 +60,9 @@ and log-sum-exp per query row; `merge_lse` merges it exactly with the exact colu
 (`attention_with_lse`). Its paged variant (`coded_decode_attention_paged`) reads vLLM's pages in
 place through the block tables (the plugin's backend on CUDA). See docs/gpu.md.
 
-Modules: `coded_reference` (argument checks and the torch reference), `coded_numba` (the kernels),
-`coded_numba_tables` (their jitted helpers), `coded_intrinsics` (the vector intrinsics),
-`coded_triton` (the GPU kernels, imported on first use); this module picks the backend and splits
+Modules: `reference` (argument checks and the torch reference), `numba_kernels` (the kernels),
+`numba_tables` (their jitted helpers), `intrinsics` (the vector intrinsics),
+`triton_kernels` (the GPU kernels, imported on first use); this module picks the backend and splits
 the work over threads.
 """
 from __future__ import annotations
@@ -149,16 +149,16 @@ def _triton_probe():
     global _TRITON
     if _TRITON is None:
         try:
-            import fibquant.kv.attention.triton_kernels as coded_triton
+            import fibquant.kv.attention.triton_kernels as triton_kernels
         except Exception as exc:  # ImportError, or a broken triton install
             _TRITON = (None, f"{type(exc).__name__}: {exc}")
         else:
-            _TRITON = (coded_triton, "")
+            _TRITON = (triton_kernels, "")
     return _TRITON
 
 
 def triton_available() -> bool:
-    """Whether triton imports (and with it the kernels of `coded_triton`)."""
+    """Whether triton imports (and with it the kernels of `triton_kernels`)."""
     return _triton_probe()[0] is not None
 
 

@@ -95,6 +95,7 @@ def attend_latent(module, query: torch.Tensor, kv: CodedKV, attention_mask, scal
     if mask is not None:
         bias = bias + mask
     latent = CodedKV(kv.sink_keys, kv.sink_keys, kv.key_codes, kv.key_codes, kv.recent_keys, kv.recent_keys,
-                     kv.new_keys, kv.new_keys, kv.key_codec, kv.key_codec, kv.key_mean, kv.key_mean)
+                     kv.new_keys, kv.new_keys, kv.key_codec, kv.key_codec, kv.key_mean, kv.key_mean,
+                     options=kv.options)
     mixed = attend_codes(latent_queries, latent, bias, scaling)  # [B, T, H, rank] = sum_i p_i c_i
     return torch.einsum("bthr,hvr->bthv", mixed.to(torch.float32), up_values).to(query.dtype)

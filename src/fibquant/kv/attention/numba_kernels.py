@@ -5,10 +5,10 @@ from __future__ import annotations
 
 # The kernels are plain Python functions compiled by `compile_kernels()` on first use. It also
 # binds the module globals they call (`np`, the jitted helpers `_decode_norms` ... `_contract`
-# of `coded_numba_tables` and the vector intrinsics `_lut_sum`, `_hist_add` of `coded_intrinsics`),
+# of `numba_tables` and the vector intrinsics `_lut_sum`, `_hist_add` of `intrinsics`),
 # so numba and llvmlite load only when a kernel first runs.
 #
-# Work unit: (b, h, tile of L queries), L = `lanes` in {4, 8, 16} (`coded_kernels._lanes`). The tables are
+# Work unit: (b, h, tile of L queries), L = `lanes` in {4, 8, 16} (`kernels._lanes`). The tables are
 # float32 [., ., L] flattened, the L query lanes contiguous: one L-wide vector load (scores) or
 # read-modify-write (weighted sum) per token and position, kept in a vector register by the
 # intrinsics (numba's scalar code would keep L scalar chains: without fastmath LLVM does not merge

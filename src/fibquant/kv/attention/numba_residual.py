@@ -1,6 +1,6 @@
 """The fused numba decode step (kv/attention/numba_decode.py) for residual codes: one lookup table per stage.
 
-A residual code (FibQuant-RVQ, codecs/residual.py) stores per k-block j of the rotated unit vector S
+A residual code (FibQuant-RVQ, codecs/fibrvq.py) stores per k-block j of the rotated unit vector S
 indices, one per stage: u_hat_j = C_1[i_j1] + ... + C_S[i_jS]. So for a rotated query q,
 
     q . u_hat = sum_j sum_s q_j . C_s[i_js]

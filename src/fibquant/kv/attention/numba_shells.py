@@ -7,7 +7,7 @@ domain (un-rotated once per query row)
     q . x_hat_i = nu_i (q @ forward) . u_hat_i           (the G query rows of the KV head: G dot products)
     sum_i p_i x_hat_i = (sum_i p_i nu_i u_hat_i) @ forward.T
 
-At <= 16 index bits (b <= 2, `codebook.e8shell.CompactPointTables`) every point is s_g (+-h_a, +-h_b), two
+At <= 16 index bits (b <= 2, `codebook.e8shell_tables.CompactPointTables`) every point is s_g (+-h_a, +-h_b), two
 4-d halves of at most 541 (up to sign) and its level's scale, named by one 32-bit word per index: so the
 scores come from per-query tables of (quarter of the query row) . h over the halves (built per KV head, 4
 query rows per entry), two reads per block, and the value sums from a histogram over the halves contracted
@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fibquant.codebook.e8shell import BAD_WORD_BIT, CompactPointTables, ShellPointTables
+from fibquant.codebook.e8shell_tables import BAD_WORD_BIT, CompactPointTables, ShellPointTables
 from fibquant.kv.attention.host_arrays import code_rows, f32, rows32
 
 _PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -412,7 +412,7 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_codes, value
 
 def compile_shell_kernel():
     """The shell-code decode-step dispatcher (numba, disk-cached as `jit.kernel_jit`, keyed also on
-    codebook/e8shell.py, whose `point_py` it inlines), after binding numba_decode's helpers."""
+    codebook/e8shell_tables.py, whose `point_py` it inlines), after binding numba_decode's helpers."""
     global _KERNEL, _point, _norms, _softmax_row, _add_key_mean, _add_bias, _exact_scores, _exact_values
     global _code_scores, _code_values, _row_indices, _row_words, _code_scores_compact, _code_values_compact
     global _scores_table, _hist_contract, _halves_scores, _halves_hist, _halves_build, _halves_contract
@@ -422,7 +422,7 @@ def compile_shell_kernel():
     with _LOCK:
         if _KERNEL is not None:
             return _KERNEL
-        import fibquant.codebook.e8shell as e8shell
+        import fibquant.codebook.e8shell_tables as e8shell_tables
         import fibquant.kv.attention.numba_decode as numba_decode
         from fibquant.kv.attention.intrinsics import _build_halves
         from fibquant.kv.attention.jit import KERNEL_SOURCES
@@ -431,12 +431,12 @@ def compile_shell_kernel():
         numba_decode.compile_decode_kernel()  # binds its helpers
         for name in ("_norms", "_softmax_row", "_add_key_mean", "_add_bias", "_exact_scores", "_exact_values"):
             globals()[name] = getattr(numba_decode, name)
-        sources = (*KERNEL_SOURCES, Path(e8shell.__file__).resolve())
+        sources = (*KERNEL_SOURCES, Path(e8shell_tables.__file__).resolve())
 
         def jit(*signature, **options):
             return njit_tracking(*signature, depends_on=sources, nogil=True, **options)
 
-        _point, _row_indices = jit()(e8shell.point_py), jit()(_row_indices_py)
+        _point, _row_indices = jit()(e8shell_tables.point_py), jit()(_row_indices_py)
         _row_words = jit(inline="always")(_row_words_py)
         fast = jit(fastmath={"contract", "reassoc", "nsz"})  # float sums in any order
         _code_scores, _code_values = fast(_code_scores_py), fast(_code_values_py)

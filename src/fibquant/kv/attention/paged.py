@@ -24,25 +24,14 @@ from fibquant.codecs.base import Codec
 from fibquant.kv.attention.host_arrays import f32
 from fibquant.kv.attention.kernels import _MIN_WORK_PER_THREAD
 from fibquant.kv.attention.reference import gather_paged_codes
+from fibquant.kv.options import DEFAULT_OPTIONS, AttentionOptions
 
 _KERNELS: dict = {}  # (bf16 inputs, bf16 out) -> the compiled kernel
 _scratch = None  # entry._scratch, imported on first use (entry pulls in transformers)
 _DUMMY_SINKS = np.zeros(1, dtype=np.float32)
-# Decode-then-dot (vector gathers from the codebook) for roles whose codes allow it (FibQuant at 4 bits:
-# `numba_paged._gather_ok`): True (both roles), "keys", "values", or False (the lookup tables /
-# histograms everywhere; the tests run every setting). Default True: in the vLLM layer step at 4 bits
-# (benchmarks/vllm_layer_step.py --gather, 2026-12-03, paired per step) at load 1.2-1.5 both roles
-# gathered took 0.88-0.91x the time of the table path, values only 0.93-0.94x (keys only: 0.94-0.99x at
-# load 6; kernel
-# alone: 0.86 / 0.87 / 0.98); at load 5.6-6.3 values only did best (0.88-0.90 against 0.91-0.97). Keys
-# gain least: 3 query heads already share each 4-lane table entry, and the gathers cost per token
-# (~10 cycles per 8 codewords on this Intel Xeon). The same switch governs the in-register decode of
-# 4-bit codes of 16 scalar codewords (`numba_paged._perm_ok`: fibquant:k=1,n=16, turboquant:b=4; one
-# vpermps per 16 coordinates): 1.6-1.8x bf16's layer step against 7.3x through their byte tables
-# (benchmarks/vllm_layer_step.py, 2026-12-03, branch perm18).
-GATHER_DECODE = True
-# numba_paged.GATHER_KEYS / GATHER_VALUES (not imported here: numba_paged's import is kept lazy)
-_GATHER_FLAGS = {True: 16 | 32, "keys": 16, "values": 32, False: 0}
+# the kernel's flag bits for decode-then-dot on keys / values (numba_paged.GATHER_KEYS / GATHER_VALUES, not
+# imported here: numba_paged's import is kept lazy); `AttentionOptions.gather_decode` chooses them
+_GATHER_KEYS, _GATHER_VALUES = 16, 32
 _ARANGE = np.arange(0, dtype=np.int64)
 _NO_RECORD = np.full(0, -1, dtype=np.int64)
 
@@ -125,7 +114,7 @@ def paged_decode_attention(query: torch.Tensor, pages: torch.Tensor, tables: tor
                            exact_values: torch.Tensor, new_keys: torch.Tensor, new_values: torch.Tensor,
                            scaling: float, *, key_offset: int = 0, value_offset: int | None = None,
                            sinks: torch.Tensor | None = None, plans=None, out: torch.Tensor | None = None,
-                           exact_rows=None) -> torch.Tensor:
+                           exact_rows=None, options: AttentionOptions = DEFAULT_OPTIONS) -> torch.Tensor:
     """One decode step of B sequences -> out [B, Hq, Dv] (float32, or `out` filled in place).
 
     query        [B, Hq, D] (unscaled, unrotated; any float dtype, any strides)
@@ -141,6 +130,7 @@ def paged_decode_attention(query: torch.Tensor, pages: torch.Tensor, tables: tor
     plans        `paged_plans(...)` for these codecs and heads (computed when None; raises when the
                  kernel cannot serve them)
     out          optional float32 or bfloat16 [B, Hq, Dv], any strides (e.g. a view of the layer's output)
+    options      `AttentionOptions`: its `gather_decode` picks decode-then-dot or lookup tables per role
 
     When the query and the four exact parts are all bfloat16 the kernel reads their bits in place (no
     float32 copies); a bf16 `out` gets the float32 result rounded to nearest even, as `.to(bfloat16)`.
@@ -205,7 +195,7 @@ def paged_decode_attention(query: torch.Tensor, pages: torch.Tensor, tables: tor
     bad = run_paged_kernel(paged_kernel(bits_in, bits_out), plans, _host(query, bits_in), scaling, pages.numpy(),
                            tables.numpy(), np.array(starts, dtype=np.int64), np.array(stops, dtype=np.int64),
                            key_offset, value_offset, exact_k, exact_v, rows_np, new_k, new_v, _host(out, bits_out),
-                           longest, sinks_np, flags, exact_count=count)
+                           longest, sinks_np, flags, exact_count=count, options=options)
     if bad:
         raise ValueError(f"paged codes hold {bad} invalid index(es) or block id(s) outside the pages")
     return out
@@ -224,7 +214,7 @@ def paged_kernel(bits_in: bool, bits_out: bool):
 def run_paged_kernel(kernel, plans: PagedPlan, query, scaling: float, pages, tables, starts, stops, key_offset: int,
                      value_offset: int, exact_keys, exact_values, exact_rows, new_keys, new_values, out,
                      longest: int, sinks=_DUMMY_SINKS, flags: int = 0, exact_count: int | None = None,
-                     record_slots=None) -> int:
+                     record_slots=None, options: AttentionOptions = DEFAULT_OPTIONS) -> int:
     """The paged kernel on numpy arrays exactly as it takes them (`paged_decode_attention` checks and
     converts; a caller that keeps these arrays between calls, e.g. a serving backend per step and
     layer, saves that work): query [B, Hq, D], pages uint8 [blocks, Hkv, bs, slot], tables int32
@@ -251,9 +241,14 @@ def run_paged_kernel(kernel, plans: PagedPlan, query, scaling: float, pages, tab
             exact_values, exact_rows, exact_keys.shape[2] if exact_count is None else int(exact_count),
             _no_record(batch) if record_slots is None else record_slots, new_keys,
             new_values, sinks, out,
-            flags | _GATHER_FLAGS[GATHER_DECODE], *plans.scalars)
+            flags | _gather_flags(options), *plans.scalars)
     return run_split(kernel, args, batch * kv_heads, longest * (keys[4] + values[4]), _MIN_WORK_PER_THREAD,
                      "fibquant-paged", per_thread=lambda t: _scratch(t, sizes, lanes, longest))
+
+
+def _gather_flags(options: AttentionOptions) -> int:
+    keys, values = options.gathers
+    return (_GATHER_KEYS if keys else 0) | (_GATHER_VALUES if values else 0)
 
 
 def paged_decode_attention_reference(query: torch.Tensor, pages: torch.Tensor, tables: torch.Tensor,

@@ -267,7 +267,7 @@ def coded_decode_attention_reference(queries: torch.Tensor, key_codes: torch.Ten
                                      key_codewords: torch.Tensor, value_codewords: torch.Tensor,
                                      key_bits: int, value_bits: int, bias: Optional[torch.Tensor] = None,
                                      *, value_dim: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The spec of `coded_kernels.coded_decode_attention`: decode both code sets in the rotated
+    """The spec of `kernels.coded_decode_attention`: decode both code sets in the rotated
     domain, then `attention_with_lse` (any device).
 
     queries float32 [B, Hq, Q, D] rotated by the key codec (q @ forward) and already scaled;
@@ -365,7 +365,7 @@ def coded_decode_attention_paged_reference(queries: torch.Tensor, pages: torch.T
                                            context_lens, key_codewords: torch.Tensor, value_codewords: torch.Tensor,
                                            key_bits: int, value_bits: int, key_bytes: int, *, context_starts=None,
                                            value_dim: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The spec of `coded_kernels.coded_decode_attention_paged`: per request, gather its coded rows
+    """The spec of `kernels.coded_decode_attention_paged`: per request, gather its coded rows
     through the block table (`gather_paged_codes`), then `coded_decode_attention_reference`."""
     key_size, value_size, value_dim, _, starts, stops = _validate_paged(
         queries, pages, block_tables, context_lens, context_starts, key_codewords, value_codewords, key_bits,

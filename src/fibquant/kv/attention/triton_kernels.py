@@ -426,7 +426,7 @@ def _check_bad(bad: torch.Tensor | None, n_codewords: tuple[int, ...], index_bit
 
 
 def scores(queries: torch.Tensor, codes: torch.Tensor, codewords: torch.Tensor, index_bits: int) -> torch.Tensor:
-    """coded_scores on Triton (inputs already validated by coded_kernels): -> float32 [B, H, Q, M]."""
+    """coded_scores on Triton (inputs already validated by `kernels`): -> float32 [B, H, Q, M]."""
     n_b, n_h, n_q, dim = queries.shape
     n_tokens = codes.shape[2]
     out = torch.empty(n_b, n_h, n_q, n_tokens, dtype=torch.float32, device=queries.device)
@@ -452,7 +452,7 @@ def scores(queries: torch.Tensor, codes: torch.Tensor, codewords: torch.Tensor, 
 
 def weighted_sum(weights: torch.Tensor, codes: torch.Tensor, codewords: torch.Tensor, index_bits: int,
                  dim: int, splits: int | None = None) -> torch.Tensor:
-    """coded_weighted_sum on Triton (inputs validated by coded_kernels): -> float32 [B, H, Q, dim]."""
+    """coded_weighted_sum on Triton (inputs validated by `kernels`): -> float32 [B, H, Q, dim]."""
     n_b, n_h, n_q, n_tokens = weights.shape
     if n_tokens == 0 or n_b * n_h * n_q == 0:
         return torch.zeros(n_b, n_h, n_q, dim, dtype=torch.float32, device=weights.device)

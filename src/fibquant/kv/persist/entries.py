@@ -1,6 +1,6 @@
 """Codec identity in a saved cache's manifest (docs/persistent-cache.md).
 
-`CodecSpec` names one registered codec (`fibquant.codecs.registry` registry): its family and its
+`CodecEntry` names one registered codec (`fibquant.codecs.registry` registry): its family and its
 config fields (seeds included), compared exactly, and a fingerprint of the float state that
 defines its decoding (codebook, rotation, learned tensors), compared with a tolerance
 (`fibquant.kv.persist.fingerprint`: another CPU may compute the rotation's last bits otherwise).
@@ -8,7 +8,7 @@ A calibrated codec (RVQ, low-rank) is also written with its own `Codec.save` as
 `codecs/<family>-<sha256[:16]>.safetensors` next to the manifest, whose sha256 the spec keeps
 (a file's bytes are lossless: compared exactly).
 
-A role (keys, values) is described by a *codec entry*: a `CodecSpec`, or a list of them, one
+A role (keys, values) is described by a *codec entry*: a `CodecEntry`, or a list of them, one
 per KV head (a `HeadwiseCodec`). A `LayerwiseCompressedCache` adds one entry per layer.
 
 Version-1 manifests wrote the parameters of the three families they supported as flat fields
@@ -46,7 +46,7 @@ def _registry() -> dict:
 
 
 @dataclass(frozen=True)
-class CodecSpec:
+class CodecEntry:
     """What rebuilds a codec: family, config, a fingerprint of its decoding state (version 3; a
     sha256 of it in versions 1-2), and for a calibrated codec its safetensors file (relative to the
     cache directory) and that file's sha256."""
@@ -74,7 +74,7 @@ class CodecSpec:
             raise ValueError(f"codec file {self.file!r} must lie inside the cache directory")
 
     @classmethod
-    def from_codec(cls, codec: Codec, root: Optional[Path] = None, written: Optional[dict] = None) -> "CodecSpec":
+    def from_codec(cls, codec: Codec, root: Optional[Path] = None, written: Optional[dict] = None) -> "CodecEntry":
         """The spec of a registered codec; a calibrated one is saved under `root`/codecs, once per
         content: `written` maps each codec's content key (and id) to the spec already made."""
         if written is not None and id(codec) in written:
@@ -149,7 +149,7 @@ class CodecSpec:
         return None
 
 
-Entry = Union[CodecSpec, list]  # a CodecSpec, or one CodecSpec per KV head
+Entry = Union[CodecEntry, list]  # a CodecEntry, or one CodecEntry per KV head
 
 
 def codec_state_sha256(codec: Codec) -> str:
@@ -181,7 +181,7 @@ def _tensors_sha256(tensors: dict) -> str:
 def codec_mismatch(entry: "Entry", codec: Codec) -> Optional[str]:
     """Why `codec` (a role codec of a cache) is not the codec of a manifest entry, or None when
     it is: same family and config, and the same decoding state (per KV head for a per-head entry)."""
-    from fibquant.kv.layered import HeadwiseCodec
+    from fibquant.kv.headwise import HeadwiseCodec
 
     specs = entry_specs(entry)
     codecs = list(codec.codecs) if isinstance(codec, HeadwiseCodec) else [codec]
@@ -227,11 +227,11 @@ def _read_codec_file(cls, path: Path, expected: str) -> Codec:
 
 # ---------------------------------------------------------------------------- codec entries
 def entry_from_codec(codec: Codec, root: Path, written: dict) -> Entry:
-    from fibquant.kv.layered import HeadwiseCodec
+    from fibquant.kv.headwise import HeadwiseCodec
 
     if isinstance(codec, HeadwiseCodec):
-        return [CodecSpec.from_codec(c, root, written) for c in codec.codecs]
-    return CodecSpec.from_codec(codec, root, written)
+        return [CodecEntry.from_codec(c, root, written) for c in codec.codecs]
+    return CodecEntry.from_codec(codec, root, written)
 
 
 def entry_to_json(entry: Entry):
@@ -240,7 +240,7 @@ def entry_to_json(entry: Entry):
 
 def entry_summary(entry: Entry):
     """`entry_to_json` with each state fingerprint shortened to its label and tolerance (cache info)."""
-    def short(spec: CodecSpec) -> dict:
+    def short(spec: CodecEntry) -> dict:
         data = spec.to_json()
         if "state_fingerprint" in data:
             data["state_fingerprint"] = f"{fingerprint_label(data['state_fingerprint'])} (within {TOLERANCE:g} of the rms)"
@@ -253,11 +253,11 @@ def entry_from_json(data) -> Entry:
     if isinstance(data, list):
         if not data:
             raise ValueError("a per-head codec entry lists no codec")
-        return [CodecSpec(**item) for item in data]
-    return CodecSpec(**data)
+        return [CodecEntry(**item) for item in data]
+    return CodecEntry(**data)
 
 
-def entry_specs(entry: Entry) -> list[CodecSpec]:
+def entry_specs(entry: Entry) -> list[CodecEntry]:
     return list(entry) if isinstance(entry, list) else [entry]
 
 
@@ -267,7 +267,7 @@ class CodecBuilder:
     def __init__(self, root: Optional[Path]):
         self.root, self._built = root, {}
 
-    def spec(self, spec: CodecSpec) -> Codec:
+    def spec(self, spec: CodecEntry) -> Codec:
         key = repr(sorted(spec.to_json().items()))
         if key not in self._built:
             self._built[key] = spec.build(self.root)
@@ -275,7 +275,7 @@ class CodecBuilder:
 
     def entry(self, entry: Entry) -> Codec:
         if isinstance(entry, list):
-            from fibquant.kv.layered import HeadwiseCodec
+            from fibquant.kv.headwise import HeadwiseCodec
 
             return HeadwiseCodec([self.spec(spec) for spec in entry])
         return self.spec(entry)
@@ -283,7 +283,7 @@ class CodecBuilder:
 
 def plain_codecs(codec: Codec) -> list[Codec]:
     """The codecs a role codec is made of (the heads of a `HeadwiseCodec`, else itself)."""
-    from fibquant.kv.layered import HeadwiseCodec
+    from fibquant.kv.headwise import HeadwiseCodec
 
     return list(codec.codecs) if isinstance(codec, HeadwiseCodec) else [codec]
 

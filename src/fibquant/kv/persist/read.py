@@ -45,7 +45,7 @@ class PersistentCacheReader:
 
     def _uniform(self) -> bool:
         """One plain codec per role for every layer and head, no means: rows of all layers decode at once."""
-        from fibquant.kv.layered import HeadwiseCodec
+        from fibquant.kv.headwise import HeadwiseCodec
 
         return self.manifest.key_codecs is None and not self.manifest.centre and \
             not any(isinstance(codec, HeadwiseCodec) for codec in self.codecs)
@@ -231,7 +231,7 @@ class PersistentCacheReader:
         key_codec, value_codec = self.codecs
         attention = attention or ("codes" if model is not None else "decode")
         if m.key_codecs is not None:
-            from fibquant.kv.layered import LayerwiseCompressedCache
+            from fibquant.kv.headwise import LayerwiseCompressedCache
             from fibquant.kv.model import check_model_supported
 
             if model is not None:

@@ -20,7 +20,7 @@ ROLES = ("keys", "values")
 class CacheManifest:
     """Everything fixed for the life of a saved cache (manifest.json).
 
-    key_codec / value_codec: the cache's codec entry per role (a `CodecSpec`, or a list of them,
+    key_codec / value_codec: the cache's codec entry per role (a `CodecEntry`, or a list of them,
     one per KV head). key_codecs / value_codecs: one entry per layer for a
     `LayerwiseCompressedCache`, else None. streams: {"keys"|"values": {"code_size", "layout"}}
     (None in version-1 manifests: the stream directories say). centre: the cache subtracts
@@ -72,7 +72,7 @@ class CacheManifest:
         return self.layers * self.batch * self.kv_heads
 
     def specs(self) -> list:
-        """Every `CodecSpec` of the manifest (role codecs and per-layer codecs)."""
+        """Every `CodecEntry` of the manifest (role codecs and per-layer codecs)."""
         entries = [self.key_codec, self.value_codec] + (self.key_codecs or []) + (self.value_codecs or [])
         return [spec for entry in entries for spec in entry_specs(entry)]
 

@@ -1,4 +1,4 @@
-"""numba kernels of the exact nearest-codeword search (see `fast_search`, which builds their tables,
+"""numba kernels of the exact nearest-codeword search (see `numba_search`, which builds their tables,
 threads them and resolves the blocks they flag).
 
 Every kernel searches the blocks of rows [start, stop) of u [n, dim] (float32, k-blocks of each row)
@@ -13,7 +13,7 @@ block's index is the reference's.
 With bits > 0 each row's indices are also bit-packed into codes[row, head:] (= `pack_bits`).
 
 Methods: `scalar` (k = 1: the cell of each coordinate among the sorted codewords' midpoints; `scalar_rows` for
-N <= 32 counts a row's cells vectorised and flags a coordinate outside its cell's proof interval), `grid` (candidate lists of the box of a block, `grid_search.GridSearch`, stored compactly:
+N <= 32 counts a row's cells vectorised and flags a coordinate outside its cell's proof interval), `grid` (candidate lists of the box of a block, `box_grid.GridSearch`, stored compactly:
 box b's list is candidates[offsets[b]:offsets[b + 1]]), `tree` (a k-d
 tree with per-node bounding boxes, depth-first, nearer child first), `walk` (a walk over the
 codebook's Delaunay graph to the certified Voronoi cell holding the block, `_walk_py`), `brute` (all
@@ -27,10 +27,10 @@ from __future__ import annotations
 TIE_REL = 1e-12      # best and second best closer than this (relative): flagged for the reference
 PRUNE_REL = 1e-9     # a node / box is skipped only when its bound exceeds best * (1 + PRUNE_REL)
 SCREEN_ULPS = 8      # float32 screening slack: (2k + SCREEN_ULPS) float32 epsilons, relative
-GRID_OUTER = 1.5     # = grid_search.OUTER: the grid's boxes cover [-GRID_OUTER, GRID_OUTER]^k
+GRID_OUTER = 1.5     # = box_grid.OUTER: the grid's boxes cover [-GRID_OUTER, GRID_OUTER]^k
 STACK = 128          # tree search stack (depth of a tree over <= 2^20 codewords is far below)
 WALK_STEPS = 64      # Delaunay walk: after this many moves the block takes the full search
-WALK_CHUNK = 4       # = fast_search.WALK_CHUNK: the walk's lists are padded to multiples of this
+WALK_CHUNK = 4       # = numba_search.WALK_CHUNK: the walk's lists are padded to multiples of this
 CLUSTER_REL = 1e-7   # cluster search: a cluster is skipped when its bound exceeds r (1 + this) + CLUSTER_ABS (1 + ||x||^2)
 CLUSTER_ABS = 1e-9
 WALK_SLACK = 1e-9    # Delaunay walk: slacks within +-WALK_SLACK (1 + ||x||^2 + max ||c||^2) use distances
@@ -156,7 +156,7 @@ def _grid2_py(u, k, edges, cells, padded, sure, lo, fscale, fine, olo, oscale, o
     and the fold of `_consider` as selects (candidates ascend, so a later equal distance never wins: the
     lowest index among equals, as the reference). The same boxes, float64 distances (the same sum
     order) and tie flags as `_grid_py`, so the same indices and flags; heavy boxes and blocks beyond the
-    boxes take `_far_block`. First, a block in a sure box (`fast_search.sure_table`: the fine boxes of
+    boxes take `_far_block`. First, a block in a sure box (`numba_search.sure_table`: the fine boxes of
     [lo, hi]^2, box floor((x - lo) * fscale) per axis, whose one codeword is the nearest of all their
     points by a margin) takes that codeword, unflagged: what the search would find. A block beyond [lo, hi]^2 looks up the
     coarser outer table sure[fine^2:] of [olo, -olo]^2 (ofine x ofine boxes, box floor((x - olo) * oscale)): the
@@ -483,7 +483,7 @@ def _scalar_rows_py(u, k, mids32, safe_lo, safe_hi, order, index, flags, codes, 
     """k = 1 with up to SCALAR_ROW_MAX midpoints, vectorised over a row. pos = #{mids < x} is counted on float32
     comparisons against mids32 (each midpoint rounded down to float32: for a float32 x, x > mid exactly when
     x > mids32; NaN counts 0), the index is order[pos], and a coordinate outside its cell's proof interval
-    [safe_lo[pos], safe_hi[pos]] (`fast_search.scalar_safe_cells`: inside it the sorted codeword pos is strictly
+    [safe_lo[pos], safe_hi[pos]] (`numba_search.scalar_safe_cells`: inside it the sorted codeword pos is strictly
     the reference's nearest; NaN and inf are outside) is flagged for the reference. The flags are a superset
     of `_scalar_py`'s near ties; the indices after the reference are the same."""
     d = u.shape[1]
@@ -513,7 +513,7 @@ def _scalar_rows_py(u, k, mids32, safe_lo, safe_hi, order, index, flags, codes, 
 
 def _walk_py(u, k, origin, scale, lut, cells, guess, offsets, nbr, reach, table, n_real, certified, size2, cw_t,
              index, flags, codes, head, bits, start, stop):
-    """Delaunay walk (`fast_search.build_delaunay`, `walk_lists`, `walk_guess`): start at the nearest
+    """Delaunay walk (`numba_search.build_delaunay`, `walk_lists`, `walk_guess`): start at the nearest
     of the codewords `guess` holds for the block's box of a coarse grid (per axis: bin floor((v -
     origin) * scale), clamped, mapped to a cell by lut); while the block x is on the far side of a
     Delaunay face of the current codeword v (a neighbour w nearer: slack g(w) - g(v) < 0, g(c) =
@@ -637,7 +637,7 @@ def _walk_py(u, k, origin, scale, lut, cells, guess, offsets, nbr, reach, table,
 
 def _cluster_py(u, k, centres_t, csq32, sep, rho, offsets, flat32, sq32, pts_t, ids, cw_t, cmax, index, flags, codes, head, bits,
                 start, stop):
-    """Exact search over codewords grouped in clusters (`fast_search.build_clusters`: G centres, each
+    """Exact search over codewords grouped in clusters (`numba_search.build_clusters`: G centres, each
     codeword in the cluster of its nearest centre; codewords in cluster order, so a cluster is a
     slice [offsets[g], offsets[g + 1]) of the tables): float32 squared distances (`_scores`'s
     arithmetic) of the block x to the centres, then to the codewords of its nearest centre's cluster
@@ -981,7 +981,7 @@ def _pack_py(index, bits, codes, head, rows):
 
 def compile_kernels():
     """{"scalar", "grid", "tree", "walk", "brute", "verify", "pack"} numba dispatchers, compiled (or loaded from numba's
-    cache) on first call; `fast_search._kernels` calls it once, under a lock."""
+    cache) on first call; `numba_search._kernels` calls it once, under a lock."""
     global np, _consider, _finish, _brute_block, _screen, _pack_row, _min, _count_below, _scores, _bits_min
     global _settle, _range_scores, _cell, _far_block, _row_cells, _scan4, _count_bits_below, _heavy4
     import numba

@@ -1,4 +1,4 @@
-"""Exact nearest-codeword search and index packing on the CPU with numba (`search_numba` kernels).
+"""Exact nearest-codeword search and index packing on the CPU with numba (`search_kernels` kernels).
 
 `NumbaSearch(codewords, dim)` picks a method for the codebook [N, k] (`choose_method`):
 
@@ -16,7 +16,7 @@
   than the margin); neighbour lists sorted by face distance, so a scan stops at the first face too
   far to matter (`walk_lists`). ~17 codewords looked at per block at N = 4096, against the k-d
   tree's ~100s; build ~1-3 s (Qhull dominates);
-- `grid` (k = 2, 3 with N <= 1024, k = 4 with N <= 256): the candidate lists of `grid_search.GridSearch`, further pruned
+- `grid` (k = 2, 3 with N <= 1024, k = 4 with N <= 256): the candidate lists of `box_grid.GridSearch`, further pruned
   by `prune_dominated`; at k = 2 and 4 branch-free kernels (`grid2`, `grid4`: k = 2 lists padded to one
   width with a far sentinel codeword, the fold as selects; heavy boxes and far blocks through the float32
   screen, at k = 4 a row's boxes first and the heavy-box screen vectorised over `scan4_table`), and at k = 2
@@ -52,8 +52,8 @@ import numpy as np
 import torch
 
 from .._numba import numba_available, run_split  # noqa: F401  (numba_available: re-exported)
-from .grid_search import GRID_CELLS, OUTER, GridSearch
-from .search import DEFAULT_CHUNK_ELEMENTS, nearest_codeword_reference
+from .box_grid import GRID_CELLS, OUTER, GridSearch
+from .nearest import DEFAULT_CHUNK_ELEMENTS, nearest_codeword_reference
 
 TREE_MAX_K = 4        # k-d tree pruning pays up to here (k = 8, N = 256: the full scan is ~4x faster)
 TREE_LEAF = 8         # codewords per tree leaf
@@ -67,7 +67,7 @@ _MIN_BLOCKS_PER_THREAD = 4096
 CLUSTER_G = 64           # clusters of the opt-in "cluster" search (NumbaSearch(..., method="cluster"), k = 8 measured)
 CLUSTER_MIN_SEP = 1e-6   # centres closer than this (relative) give no half-space bound
 WALK = {4: (16, 4096)}   # k -> (start-grid cells per axis, largest N): the Delaunay walk ("walk")
-WALK_CHUNK = 4           # the walk scans its lists this many entries at a time (= search_numba.WALK_CHUNK)
+WALK_CHUNK = 4           # the walk scans its lists this many entries at a time (= search_kernels.WALK_CHUNK)
 WALK_STARTS = 1          # start candidates per box of the walk's grid (the nearest to the block is taken)
 WALK_BINS = 2048         # the walk's start grid: bins per axis of the cell lookup table
 WALK_MARGIN = 1e-10      # certified: unlisted codewords farther by > this * (1 + max ||c||^2) (squared)
@@ -96,7 +96,7 @@ def _kernels() -> dict:
     if _KERNELS is None:
         with _LOCK:
             if _KERNELS is None:
-                from .search_numba import compile_kernels
+                from .search_kernels import compile_kernels
                 _KERNELS = compile_kernels()
     return _KERNELS
 
@@ -190,7 +190,7 @@ def build_tree(points: np.ndarray, leaf: int = TREE_LEAF) -> tuple[np.ndarray, .
 
 
 def build_delaunay(points: np.ndarray, margin: float = WALK_MARGIN) -> tuple[np.ndarray, ...]:
-    """Tables of the Delaunay walk (`search_numba._walk_py`) over codewords points [N, k] (k >= 2).
+    """Tables of the Delaunay walk (`search_kernels._walk_py`) over codewords points [N, k] (k >= 2).
 
     The codewords and 2^k far points (dummies: the corners of a cube, each coordinate stretched by a
     fixed random factor in [1, 1.5] so that they are not cospherical; every codeword's Voronoi cell
@@ -329,7 +329,7 @@ def walk_guess(codewords: torch.Tensor, dim: int, cells: int,
 
 
 def build_clusters(points: np.ndarray, n_clusters: int) -> tuple[np.ndarray, ...]:
-    """The cluster search's tables (`search_numba._cluster_py`) over codewords points [N, k]: k-means
+    """The cluster search's tables (`search_kernels._cluster_py`) over codewords points [N, k]: k-means
     centres (scipy kmeans2, k-means++ seeded with 0: deterministic), each codeword in the cluster of
     its nearest centre (float64, ties to the lower centre). Returns (centres [G, k], sep [G, G] =
     ||mu_g - mu_h|| (0 where below CLUSTER_MIN_SEP (1 + max ||mu||): no half-space bound there), rho [G]

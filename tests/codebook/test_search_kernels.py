@@ -1,4 +1,4 @@
-"""The numba encode path (codebook/fast_search.py, search_numba.py): codes bit-identical to the
+"""The numba encode path (codebook/numba_search.py, search_kernels.py): codes bit-identical to the
 reference search (the spec) and to the torch path, on random and adversarial data."""
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fibquant.codebook.fast_search import NumbaSearch, build_tree, choose_method, numba_available
-from fibquant.codebook.search import nearest_codeword_reference
+from fibquant.codebook.numba_search import NumbaSearch, build_tree, choose_method, numba_available
+from fibquant.codebook.nearest import nearest_codeword_reference
 from fibquant.codecs.bitpack import pack_bits
 from fibquant.codecs.fibquant import FibQuantCodec
-from fibquant.source import sample_sphere
+from fibquant.canonical import sample_sphere
 
 pytestmark = pytest.mark.skipif(not numba_available(), reason="numba is not installed")
 
@@ -139,7 +139,7 @@ def test_scalar_safe_cells_hold_the_reference_index(n, seed, spread, duplicates)
     every cell's interval, one float32 step inside them and at random inside have the cell's codeword as the
     reference's index; codewords with an equal neighbour get an empty interval; the kernel's indices (flagged
     ones decided by the reference) equal the reference's on those points and on hard blocks (ties, NaN, inf)."""
-    from fibquant.codebook.fast_search import scalar_safe_cells
+    from fibquant.codebook.numba_search import scalar_safe_cells
 
     codewords = random_codebook(1, n, seed, duplicates=duplicates) * spread
     sorted64, order = torch.sort(codewords[:, 0].to(torch.float64), stable=True)
@@ -164,7 +164,7 @@ def test_scalar_safe_cells_hold_the_reference_index(n, seed, spread, duplicates)
 
 def test_four_bit_packing_of_an_odd_count_equals_pack_bits():
     """`_pack_row` at 4 bits (two indices a byte) equals `pack_bits`, an odd count's last index in a low nibble."""
-    from fibquant.codebook.fast_search import _kernels
+    from fibquant.codebook.numba_search import _kernels
 
     index = torch.randint(0, 16, (5, 7), generator=torch.Generator().manual_seed(3))
     codes = np.zeros((5, 2 + 4), dtype=np.uint8)
@@ -204,8 +204,8 @@ def test_search_property(k, n, m, method, seed):
 
 
 def test_grid_constants_and_far_out_blocks():
-    from fibquant.codebook import grid_search, search_numba
-    assert search_numba.GRID_OUTER == grid_search.OUTER
+    from fibquant.codebook import box_grid, search_kernels
+    assert search_kernels.GRID_OUTER == box_grid.OUTER
     codewords = random_codebook(2, 64, seed=5)
     blocks = torch.tensor([[3.0, -2.0], [1.6, 0.0], [-1.5, 1.5], [40.0, 40.0]])
     assert torch.equal(NumbaSearch(codewords, 64, "grid").indices(blocks).reshape(-1),
@@ -293,7 +293,7 @@ def test_specialised_grid_kernels_equal_the_generic_one(k, n):
     and codes, and after the flagged blocks go to the reference, the reference's indices (ties included)."""
     import numpy as np
 
-    from fibquant.codebook.fast_search import _kernels
+    from fibquant.codebook.numba_search import _kernels
     codewords = (FibQuantCodec(64, k, n).codebook.codewords if n == 256
                  else random_codebook(k, n, seed=k + n, duplicates=True))
     search = NumbaSearch(codewords, 64, "grid")
@@ -342,12 +342,12 @@ def test_grid4_heavy_boxes_and_row_cells_match_the_reference(seed, spread):
 @pytest.mark.parametrize("n", [256, 128, 64])
 @pytest.mark.parametrize("table", ["inner", "outer"])
 def test_sure_boxes_hold_the_reference_index(n, table):
-    """grid2's sure boxes (`fast_search.sure_table`; the inner table over the grid's inner cells, the outer one
+    """grid2's sure boxes (`numba_search.sure_table`; the inner table over the grid's inner cells, the outer one
     over [-1, 1]^2 for blocks beyond it): at float32 blocks inside sure boxes, on their
     corners and one float32 step beside them, mapped to a box as the kernel maps them, the table's
     codeword is the reference's index; the kernel's indices equal the reference's there. Shipped
     codebooks: most boxes are sure; with duplicate codewords the boxes around a duplicate are not."""
-    from fibquant.codebook.fast_search import OUTER_SURE, SURE_SPLIT
+    from fibquant.codebook.numba_search import OUTER_SURE, SURE_SPLIT
 
     codewords = (FibQuantCodec(64, 2, n).codebook.codewords if n != 64
                  else random_codebook(2, n, seed=7, duplicates=True))
@@ -389,19 +389,19 @@ def test_sure_boxes_hold_the_reference_index(n, table):
 def test_sure_table_from_the_coarser_one_equals_the_direct_one(monkeypatch, n):
     """`sure_table` above SURE_DIRECT boxes per axis refines the table at half the boxes (only the boxes of unsure
     coarse boxes computed): bit for bit the table computed directly at every corner; cached per codebook."""
-    from fibquant.codebook import fast_search
+    from fibquant.codebook import numba_search
 
     codewords = (FibQuantCodec(64, 2, n).codebook.codewords if n != 64
                  else random_codebook(2, n, seed=7, duplicates=True)).to(torch.float64)
     search = NumbaSearch(codewords.float(), 64, "grid")
     lo, hi = float(search.edges[0]), float(search.edges[-1])
     fine = (len(search.edges) - 1) * 8
-    assert fine > fast_search.SURE_DIRECT  # refined from the table at fine / 2
-    refined = fast_search._sure_table(codewords, lo, hi, fine)
-    monkeypatch.setattr(fast_search, "SURE_DIRECT", 10 ** 9)
-    direct = fast_search._sure_table(codewords, lo, hi, fine)
+    assert fine > numba_search.SURE_DIRECT  # refined from the table at fine / 2
+    refined = numba_search._sure_table(codewords, lo, hi, fine)
+    monkeypatch.setattr(numba_search, "SURE_DIRECT", 10 ** 9)
+    direct = numba_search._sure_table(codewords, lo, hi, fine)
     assert torch.equal(refined, direct) and float((direct >= 0).float().mean()) > 0.5
-    assert fast_search.sure_table(codewords, lo, hi, fine) is fast_search.sure_table(codewords.clone(), lo, hi, fine)
+    assert numba_search.sure_table(codewords, lo, hi, fine) is numba_search.sure_table(codewords.clone(), lo, hi, fine)
 
 
 @pytest.mark.parametrize("bits", [4, 2])

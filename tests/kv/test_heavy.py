@@ -1,4 +1,4 @@
-"""The heavy-token tier (fibquant.kv.tier): selection, storage, bytes, reads, the @heavy spec option, bad input."""
+"""The heavy-token tier (fibquant.kv.heavy): selection, storage, bytes, reads, the @heavy spec option, bad input."""
 from __future__ import annotations
 
 import math
@@ -15,7 +15,7 @@ from fibquant.kv.build import build_cache
 from fibquant.kv.cache import CompressedCache
 from fibquant.kv.model import cache_kwarg
 from fibquant.kv.specs import parse_cache_spec
-from fibquant.kv.tier import INDEX_BYTES, SCORES, HeavySpec, HeavyTier, TieredLayer, patched_decode, register_score
+from fibquant.kv.heavy import INDEX_BYTES, SCORES, HeavySpec, HeavyTier, TieredLayer, patched_decode, register_score
 
 DIM = 16
 

@@ -19,7 +19,7 @@ import math
 import torch
 from scipy import special
 
-from .search import nearest_codeword
+from .nearest import nearest_codeword
 
 OUTER = 1.5          # blocks of unit vectors lie in [-1, 1]^k; margin for rounding
 TAIL_PROB = 1e-3     # R is the (1 - TAIL_PROB) quantile of one coordinate

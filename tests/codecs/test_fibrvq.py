@@ -16,9 +16,9 @@ import torch
 
 from fibquant.codebook import residual as R
 from fibquant.codecs.fibquant import FibQuantCodec
-from fibquant.codecs.registry import parse_method
-from fibquant.codecs.residual import ResidualFibQuantCodec
-from fibquant.source import sample_blocks, sample_sphere
+from fibquant.codecs.registry import parse_codec_spec
+from fibquant.codecs.fibrvq import FibRVQCodec
+from fibquant.canonical import sample_blocks, sample_sphere
 
 
 def _random_stages(stages=3, n=8, k=4, seed=0):
@@ -46,7 +46,7 @@ def test_exhaustive_search_prefers_the_lowest_flat_index_on_ties():
 
 
 def test_beam_on_shipped_stages_within_documented_bound_of_exhaustive():
-    codec = ResidualFibQuantCodec.from_spec(64, bits=2)
+    codec = FibRVQCodec.from_spec(64, bits=2)
     stages = codec.codebook
     x = sample_blocks(192, 64, 8, seed=77)
     reference = R.exhaustive_search(x, stages)
@@ -66,17 +66,17 @@ def test_exhaustive_search_refuses_huge_products():
 
 @pytest.mark.parametrize("bits,size", [(1, 10), (2, 18), (3, 26), (4, 34)])
 def test_rate_accounting(bits, size):
-    codec = ResidualFibQuantCodec.from_spec(64, bits=bits)
+    codec = FibRVQCodec.from_spec(64, bits=bits)
     assert codec.code_size == size  # 2-byte norm + (64/8) * bits * 8 index bits
     assert codec.bits_per_coordinate == bits
     assert codec.stored_bits_per_coordinate == pytest.approx(bits + 0.25)
     layout = codec.code_layout
     assert layout.code_size == size and layout.n_blocks == 8 * bits and layout.n_codewords == 256
-    assert parse_method(f"fibrvq:b={bits}").build(64).code_size == size
+    assert parse_codec_spec(f"fibrvq:b={bits}").build(64).code_size == size
 
 
 def test_round_trip_shapes_and_unpacked_layout():
-    codec = ResidualFibQuantCodec(64, stages=2)
+    codec = FibRVQCodec(64, stages=2)
     x = torch.randn(3, 5, 64, generator=torch.Generator().manual_seed(2)) * 3
     codes = codec.encode(x)
     assert codes.shape == (3, 5, 18) and codes.dtype == torch.uint8
@@ -96,38 +96,38 @@ def test_bad_specs_and_configs():
                         ("fibrvq:b=2,k=12", "multiple of 8"), ("fibrvq:b=3,k=24", "<= 8 stages"),
                         ("fibrvq:b=2,nc=2", "nc="), ("fibrvq:b=2.5", "integer")):
         with pytest.raises(ValueError, match=match):
-            parse_method(text)
+            parse_codec_spec(text)
     with pytest.raises(ValueError, match="divide"):
-        ResidualFibQuantCodec(64, k=6)
+        FibRVQCodec(64, k=6)
     # b= with k=: b * k / 8 stages of 256 (the same bytes as b= alone)
     for text, shape in (("fibrvq:b=2,k=8", (8, 2)), ("fibrvq:b=2,k=16", (16, 4)), ("fibrvq:b=4,k=16", (16, 8))):
-        codec = parse_method(text).build(64)
+        codec = parse_codec_spec(text).build(64)
         assert (codec.k, codec.stages, codec.n_codewords) == (*shape, 256)
-        assert codec.code_size == parse_method(text.split(",")[0]).build(64).code_size
+        assert codec.code_size == parse_codec_spec(text.split(",")[0]).build(64).code_size
     with pytest.raises(ValueError, match="beam"):
-        ResidualFibQuantCodec(64, beam=0)
+        FibRVQCodec(64, beam=0)
     with pytest.raises(ValueError, match="stages"):
-        ResidualFibQuantCodec(64, stages=0)
+        FibRVQCodec(64, stages=0)
     with pytest.raises(ValueError, match="norm_correction"):
-        ResidualFibQuantCodec(64, norm_correction=1)
+        FibRVQCodec(64, norm_correction=1)
     with pytest.raises(ValueError, match="beam"):
         R.beam_search(torch.zeros(2, 8), torch.zeros(2, 4, 8), 0)
     with pytest.raises(ValueError, match="blocks"):
         R.beam_search(torch.zeros(2, 4), torch.zeros(2, 4, 8), 2)
     with pytest.raises(ValueError, match="fp16"):
-        ResidualFibQuantCodec(64).encode(torch.full((1, 64), 1e5))
+        FibRVQCodec(64).encode(torch.full((1, 64), 1e5))
 
 
 def test_missing_codebook_is_reported_not_built(tmp_path, monkeypatch):
     monkeypatch.setenv("FIBQUANT_CACHE_DIR", str(tmp_path))
-    method = parse_method("fibrvq:k=4,s=2,n=16")
+    method = parse_codec_spec("fibrvq:k=4,s=2,n=16")
     assert "neither shipped nor cached" in method.unavailable_reason(32)
     with pytest.raises(FileNotFoundError):
         R.load_residual(R.ResidualSpec(32, 4, 2, 16), build=False)
 
 
 @pytest.mark.parametrize("codec", [FibQuantCodec.for_rate(64, 2, norm_correction=True),
-                                   ResidualFibQuantCodec(64, stages=2, norm_correction=True)],
+                                   FibRVQCodec(64, stages=2, norm_correction=True)],
                          ids=["fibquant", "fibrvq"])
 def test_norm_correction_keeps_the_norm_at_zero_extra_bytes(codec):
     plain = type(codec)(**{**codec.config.__dict__, "norm_correction": False})
@@ -146,27 +146,27 @@ def test_norm_correction_keeps_the_norm_at_zero_extra_bytes(codec):
 
 
 def test_norm_correction_spec_strings():
-    codec = parse_method("fibquant:b=2,nc=1").build(64)
-    assert codec.norm_correction and codec.code_size == 18 and "nc" in parse_method("fibquant:b=2,nc=1").label(64)
-    assert not parse_method("fibquant:b=2").build(64).norm_correction
+    codec = parse_codec_spec("fibquant:b=2,nc=1").build(64)
+    assert codec.norm_correction and codec.code_size == 18 and "nc" in parse_codec_spec("fibquant:b=2,nc=1").label(64)
+    assert not parse_codec_spec("fibquant:b=2").build(64).norm_correction
     with pytest.raises(ValueError, match="nc="):
-        parse_method("fibquant:b=2,nc=3")
-    assert parse_method("fibrvq:b=3,nc=1,w=4").build(64).beam == 4
+        parse_codec_spec("fibquant:b=2,nc=3")
+    assert parse_codec_spec("fibrvq:b=3,nc=1,w=4").build(64).beam == 4
 
 
 @pytest.mark.parametrize("dim", [64, 128])
 def test_norm_correction_default_is_per_rate_and_only_where_nc_is_not_given(dim):
     # A spec without nc= takes the per-rate default (on at 4 bits only); nc=0 / nc=1 mean what they said.
-    built = {text: parse_method(text).build(dim) for text in
+    built = {text: parse_codec_spec(text).build(dim) for text in
              ("fibquant:b=4", "fibquant:k=2,n=256", "fibquant:b=4,nc=0", "fibquant:b=4,nc=1")}
     assert built["fibquant:b=4"].norm_correction and built["fibquant:k=2,n=256"].norm_correction
     assert not built["fibquant:b=4,nc=0"].norm_correction and built["fibquant:b=4,nc=1"].norm_correction
     for bits in (1, 1.5, 2, 2.5, 3, 3.5):
-        assert not parse_method(f"fibquant:b={bits}").build(dim).norm_correction, bits
-    assert parse_method("fibquant:b=2,nc=1").build(dim).norm_correction
+        assert not parse_codec_spec(f"fibquant:b={bits}").build(dim).norm_correction, bits
+    assert parse_codec_spec("fibquant:b=2,nc=1").build(dim).norm_correction
     # Labels say what runs.
-    assert "nc" in parse_method("fibquant:b=4").label(dim) and "nc" not in parse_method("fibquant:b=4,nc=0").label(dim)
-    assert "nc" not in parse_method("fibquant:b=2").label(dim)
+    assert "nc" in parse_codec_spec("fibquant:b=4").label(dim) and "nc" not in parse_codec_spec("fibquant:b=4,nc=0").label(dim)
+    assert "nc" not in parse_codec_spec("fibquant:b=2").label(dim)
     # The Python constructors and the config keep their off default (saved configs keep their meaning).
     assert not FibQuantCodec.for_rate(dim, 4).norm_correction and not FibQuantCodec(dim, 2, 256).norm_correction
     x = torch.randn(64, dim, generator=torch.Generator().manual_seed(5))
@@ -189,11 +189,11 @@ def test_a_4bit_fibquant_file_saved_without_norm_correction_keeps_it_off(tmp_pat
 def test_save_load_round_trip(tmp_path):
     from fibquant.codecs.registry import load_codec
 
-    codec = ResidualFibQuantCodec(64, stages=2, beam=8, norm_correction=True)
+    codec = FibRVQCodec(64, stages=2, beam=8, norm_correction=True)
     codec.save(tmp_path / "c.safetensors")
     again = load_codec(tmp_path / "c.safetensors")
     x = torch.randn(10, 64, generator=torch.Generator().manual_seed(4))
-    assert isinstance(again, ResidualFibQuantCodec) and again.config == codec.config
+    assert isinstance(again, FibRVQCodec) and again.config == codec.config
     assert torch.equal(again.encode(x), codec.encode(x))
 
 
@@ -218,7 +218,7 @@ def test_shipped_stages_match_their_build_record(k, stages):
     book, meta = store.read_file(path)
     assert book.shape == (stages, 256, k) and meta["recipe"] == R.RECIPE
     u = sample_sphere(160, 64, seed=4343)
-    codec = ResidualFibQuantCodec(64, k=k, stages=stages)  # beam 16, the construction's
+    codec = FibRVQCodec(64, k=k, stages=stages)  # beam 16, the construction's
     fresh = float(((codec.roundtrip(u) - u) ** 2).sum(1).mean())
     assert fresh < 1.06 * float(meta["total_mse"]), (fresh, meta["total_mse"])
 
@@ -232,7 +232,7 @@ def test_compressed_cache_round_trip_with_decode_fallback():
 
     model = tiny_llama(head_dim=64)
     ids = torch.randint(0, 97, (1, 24), generator=torch.Generator().manual_seed(6))
-    codec = ResidualFibQuantCodec(64, stages=2)
+    codec = FibRVQCodec(64, stages=2)
     cache, dynamic = CompressedCache(codec, codec, sink_tokens=2, recent_tokens=4), DynamicCache()
     with torch.no_grad():
         model(ids, **cache_kwarg(model, dynamic), use_cache=True)

@@ -42,7 +42,7 @@ RATE_STAGES = {1: 1, 2: 2, 3: 3, 4: 4}  # b -> stages at k = 8, N = 256
 
 
 @dataclass(frozen=True)
-class ResidualFibQuantConfig:
+class FibRVQConfig:
     dim: int
     k: int = DEFAULT_K
     stages: int = 2
@@ -73,7 +73,7 @@ class ResidualFibQuantConfig:
         return self.dim // self.k
 
 
-class ResidualFibQuantCodec(Codec):
+class FibRVQCodec(Codec):
     """Universal residual vector quantizer: float [..., dim] <-> uint8 [..., code_size].
 
     Spec strings: "fibrvq:b=2" (k = 8, N = 256, b stages), "fibrvq:b=2,k=16" (b * k / 8 stages of 256),
@@ -89,7 +89,7 @@ class ResidualFibQuantCodec(Codec):
     def __init__(self, dim: int, k: int = DEFAULT_K, stages: int = 2, n_codewords: int = DEFAULT_N,
                  beam: int = DEFAULT_BEAM, norm_correction: bool = False, seed: int = 0,
                  rotation_seed: int | None = None):
-        super().__init__(ResidualFibQuantConfig(dim, k, stages, n_codewords, beam, norm_correction, seed,
+        super().__init__(FibRVQConfig(dim, k, stages, n_codewords, beam, norm_correction, seed,
                                                 rotation_seed))
         self.k, self.stages, self.n_codewords, self.beam = k, stages, n_codewords, beam
         self.norm_correction, self.seed, self.rotation_seed = norm_correction, seed, rotation_seed
@@ -135,7 +135,7 @@ class ResidualFibQuantCodec(Codec):
 
     @classmethod
     def from_spec(cls, dim: int, bits=None, k=None, stages=None, n=None, beam=None,
-                  nc=None, rotation_seed=None) -> "ResidualFibQuantCodec":
+                  nc=None, rotation_seed=None) -> "FibRVQCodec":
         k, stages, n = cls._shape_of(dim, bits, k, stages, n)
         return cls(dim, k, stages, n, DEFAULT_BEAM if beam is None else beam, bool(nc), rotation_seed=rotation_seed)
 
@@ -185,7 +185,7 @@ class ResidualFibQuantCodec(Codec):
     # ------------------------------------------------------------------ coding
     def block_indices(self, u: torch.Tensor, exhaustive: bool = False) -> torch.Tensor:
         """Rotated unit rows u [n, dim] -> indices [n, dim/k, S] (int64): the beam search (numba's
-        `fast_beam_search` when `fast_search`, else torch's `beam_search`: the same indices), or with
+        `fast_beam_search` when `numba_search`, else torch's `beam_search`: the same indices), or with
         `exhaustive` the reference search over all N^S sums (small N^S only)."""
         blocks = u.reshape(-1, self.k)
         stages = self._stages(u.device)
@@ -241,7 +241,7 @@ class ResidualFibQuantCodec(Codec):
         return self._rotation.unrotate_scale(u_hat, codes[:, :NORM_BYTES])
 
     def __repr__(self) -> str:
-        return (f"ResidualFibQuantCodec(dim={self.dim}, k={self.k}, stages={self.stages}, N={self.n_codewords}, "
+        return (f"FibRVQCodec(dim={self.dim}, k={self.k}, stages={self.stages}, N={self.n_codewords}, "
                 f"beam={self.beam}, norm_correction={self.norm_correction}, rotation_seed={self.rotation_seed}, "
                 f"code_size={self.code_size}B)")
 

@@ -92,9 +92,9 @@ def _rate_codec(text: str, dim: int) -> Codec:
         from fibquant.codecs.identity import IdentityCodec
 
         return IdentityCodec(dim)
-    from fibquant.codecs.registry import parse_method
+    from fibquant.codecs.registry import parse_codec_spec
 
-    return parse_method(f"fibquant:b={text}").build(dim)
+    return parse_codec_spec(f"fibquant:b={text}").build(dim)
 
 
 @dataclass(frozen=True)
