@@ -314,7 +314,7 @@ def compile_decode_kernel():
     global _exact_part_scores, _exact_part_values, _row_weights, _write_out
     if _KERNEL is not None:
         return _KERNEL
-    from fibquant.kv.attention import numba_epilogue
+    import fibquant.kv.attention.numba_epilogue as numba_epilogue
     from fibquant.kv.attention.jit import kernel_jit
 
     import fibquant.kv.attention.numba_kernels as numba_kernels
