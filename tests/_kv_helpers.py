@@ -41,20 +41,17 @@ def real_model(request):
         return _load_real_model()
 
 
-def decode_all_attention(query, kv, bias, scaling, sinks=None):
-    """The spec of a decode step on codes: decode every code, repeat KV heads, one softmax (+ sink
-    column) over the row; bias additive [B|1, 1|Hq, 1, L] or None. Returns [B, T, Hq, Dv]."""
+def decode_all_attention(query, kv, bias, scaling, sinks=None, softcap=None):
+    """The spec of a decode step on codes: decode every code, repeat KV heads, the reference epilogue
+    (`reference.epilogue_weights`: soft-cap, bias, one softmax with a sink column) over the row; bias
+    additive [B|1, 1|Hq, 1, L] or None. Returns [B, T, Hq, Dv]."""
+    from fibquant.kv.attention.reference import epilogue_weights
+
     keys, values = (t.to(torch.float32) for t in kv.materialize())
     groups = query.shape[1] // keys.shape[1]
     keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
     scores = query.to(torch.float32) @ keys.transpose(-1, -2) * scaling
-    if bias is not None:
-        scores = scores + bias
-    if sinks is not None:
-        scores = torch.cat([scores, sinks.reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)], dim=-1)
-    weights = torch.softmax(scores, -1).nan_to_num(0.0)
-    if sinks is not None:
-        weights = weights[..., :-1]
+    weights = epilogue_weights(scores, bias, softcap, None if sinks is None else sinks.to(torch.float32))
     return (weights @ values).transpose(1, 2)
 
 

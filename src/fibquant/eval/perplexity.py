@@ -277,7 +277,7 @@ def run(config: PerplexityConfig = PerplexityConfig(), caches: list[str] | None 
 
     model, tokenizer = model_and_tokenizer or load_model()
     head_dim = check_model_supported(model)["head_dim"]
-    ready, skipped = split_available(parse_cache_specs(list(caches or PERPLEXITY_CACHES)), head_dim, build_codebooks)
+    ready, skipped = split_available(parse_cache_specs(list(caches or PERPLEXITY_CACHES), model), head_dim, build_codebooks)
     payload = run_perplexity(model, tokenizer, ready, config, progress)
     payload["skipped"] = skipped
     payload["targets"] = perplexity_targets(payload["rows"])

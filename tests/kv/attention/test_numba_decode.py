@@ -9,7 +9,7 @@ from fibquant.codecs.fibquant import FibQuantCodec
 from fibquant.codecs.integer import IntCodec
 from fibquant.codecs.turboquant import TurboQuantCodec
 import fibquant.kv.attention.entry as attention
-from fibquant.kv.attention import attend_codes
+from fibquant.kv.attention import attend_codes, numba_epilogue
 from fibquant.kv.cache import CompressedLayer
 
 pytest.importorskip("numba")
@@ -100,13 +100,12 @@ def test_fused_step_fully_masked_row_and_dtype(monkeypatch, fused_calls):
 
 
 def test_fused_step_falls_back_cleanly(monkeypatch, fused_calls):
-    """softcap, an INT codec (no rotated codebook), many query heads per KV head and autograd
-    take the torch path; the results still match the spec."""
+    """an INT codec (no rotated codebook), many query heads per KV head and autograd take the torch
+    path; the results still match the spec."""
     monkeypatch.setattr(attention, "_warned", set())
     layer, generator = layer_of("fibquant k2/k4 (8-bit indices)", 1, 2, past=40)
     kv, _ = layer.update(torch.randn(1, 2, 1, DIM, generator=generator), torch.randn(1, 2, 1, DIM, generator=generator))
     query = torch.randn(1, 4, 1, DIM, generator=generator)
-    attend_codes(query, kv, None, 0.125, softcap=30.0)
     wide = torch.randn(1, 18, 1, DIM, generator=generator)  # 9 query heads per KV head
     torch.testing.assert_close(attend_codes(wide, kv, None, 0.125), decode_all_attention(wide, kv, None, 0.125), rtol=1e-4, atol=1e-5)
     attend_codes(query.clone().requires_grad_(True), kv, None, 0.125)
@@ -171,14 +170,14 @@ def test_vectorised_exp_is_within_a_few_ulp_and_masked_columns_give_zero():
     x = np.concatenate([np.linspace(-90.0, 0.0, 200001, dtype=np.float32),
                         np.array([-np.inf, -1e30, 0.0], dtype=np.float32)])
     row, top = x + np.float32(3.5), np.float32(3.5)
-    total = numba_decode._exp_sum(row, row.size, top, np.empty(row.size, np.int32))
+    total = numba_epilogue._exp_sum(row, row.size, top, np.empty(row.size, np.int32))
     expected = np.exp(x.astype(np.float64))
     assert np.all(row[-3:-1] == 0.0) and row[-1] == 1.0
     assert np.all(row[x < -87.34] == 0.0)
     keep = x >= -87.0
     assert np.max(np.abs(row[keep] - expected[keep]) / expected[keep]) < 4e-7
     assert abs(total - row.astype(np.float64).sum()) <= 1e-5 * total
-    assert numba_decode._row_max(row, row.size, np.float32(-np.inf)) == 1.0
+    assert numba_epilogue._row_max(row, row.size, np.float32(-np.inf)) == 1.0
 
 
 def test_row_max_equals_numpy_for_every_tail_length_and_masked_rows():
@@ -193,6 +192,6 @@ def test_row_max_equals_numpy_for_every_tail_length_and_masked_rows():
             row[generator.integers(0, n)] = -np.inf
         for top in (np.float32(-np.inf), np.float32(0.25)):
             expected = max(float(top), float(row[:n].max())) if n else float(top)
-            assert numba_decode._row_max(row, n, top) == expected
+            assert numba_epilogue._row_max(row, n, top) == expected
     masked = np.full(9, -np.inf, dtype=np.float32)
-    assert numba_decode._row_max(masked, 9, np.float32(-np.inf)) == -np.inf
+    assert numba_epilogue._row_max(masked, 9, np.float32(-np.inf)) == -np.inf

@@ -50,6 +50,7 @@ from fibquant.codecs.base import Codec
 from fibquant.kv.buffer import CodedKV
 from fibquant.kv.options import AttentionOptions
 from fibquant.kv.attention.host_arrays import code_rows, f32, rows32
+from fibquant.kv.attention.numba_epilogue import Epilogue, step_arrays
 from fibquant.kv.attention.kernels import (_MIN_WORK_PER_THREAD, attention_with_lse, coded_decode_attention,
                                        coded_scores, coded_weighted_sum, merge_lse, triton_available)
 
@@ -60,8 +61,8 @@ QUERY_ROWS_PER_BLOCK = 2048      # query rows (query heads x tokens) per KV head
 SPLIT_MIN_TOKENS = 16
 # One-token steps on the CPU for code families the fused kernel cannot read (no single rotated codebook),
 # tried in order: (module, plans function, step function). plans(query, kv) -> plans or None (this step
-# cannot serve it); step(query, kv, bias, scaling, sinks, plans) -> out [B, 1, Hq, Dv]. A new family of
-# codes registers its module here.
+# cannot serve it); step(query, kv, epilogue, plans) -> out [B, 1, Hq, Dv] (`numba_epilogue.Epilogue`: scaling,
+# softcap, bias, sinks). A new family of codes registers its module here.
 ONE_TOKEN_STEPS = (
     ("fibquant.kv.attention.numba_residual", "residual_decode_plans", "attend_decode_residual"),  # RVQ stages
     ("fibquant.kv.attention.numba_shells", "shell_decode_plans", "attend_decode_shells"),  # E8 shell codes
@@ -174,17 +175,10 @@ def attend_codes(query: torch.Tensor, kv: CodedKV, attention_mask: torch.Tensor 
     heads = kv.new_keys.shape[1]
     if q_heads % heads:
         raise ValueError(f"{q_heads} query heads are not a multiple of {heads} KV heads")
-    if tokens == 1 and softcap is None and options.numba_decode:
-        plans = _decode_plans(query, kv)
-        if plans is not None:
-            return _attend_decode_numba(query, kv, attention_mask, scaling, sinks, window, plans)
-        # codes without one rotated codebook: the registered one-token steps
-        for plans_of, step in _one_token_steps():
-            staged = plans_of(query, kv)
-            if staged is not None:
-                bias = None if attention_mask is None and window is None else _bias_block(
-                    attention_mask, slice(0, 1), kv.length, kv.length - 1, query.device, window)
-                return step(query, kv, bias, scaling, sinks, staged)
+    if tokens == 1 and options.numba_decode:
+        out = _attend_one_token(query, kv, attention_mask, window, Epilogue(scaling, softcap, None, sinks))
+        if out is not None:
+            return out
     if softcap is None and (tokens >= SPLIT_MIN_TOKENS or _fused(kv, query.device, options.fused_backend)):
         return _attend_split(query, kv, attention_mask, scaling, sinks, window, options.fused_backend)
     groups = q_heads // heads
@@ -241,6 +235,27 @@ def attend_codes(query: torch.Tensor, kv: CodedKV, attention_mask: torch.Tensor 
 
 
 # --------------------------------------------------------------------- the fused one-token step (CPU)
+def _attend_one_token(query: torch.Tensor, kv: CodedKV, attention_mask, window, epilogue: Epilogue):
+    """A one-token step through the fused numba kernel or a registered step of `ONE_TOKEN_STEPS`; None when
+    none of them serves these codes (the torch path then runs)."""
+    plans = _decode_plans(query, kv)
+    staged = None
+    if plans is None:  # codes without one rotated codebook: the registered one-token steps
+        for plans_of, step in _one_token_steps():
+            staged = plans_of(query, kv)
+            if staged is not None:
+                break
+        if staged is None:
+            return None
+    if attention_mask is not None or window is not None:
+        length = kv.length
+        epilogue = epilogue._replace(bias=_bias_block(attention_mask, slice(0, 1), length, length - 1,
+                                                      query.device, window))
+    if plans is not None:
+        return _attend_decode_numba(query, kv, epilogue, plans)
+    return step(query, kv, epilogue, staged)
+
+
 def _one_token_steps():
     """ONE_TOKEN_STEPS' (plans, step) functions (modules imported on first use; the functions looked up
     at each call, so a module's current binding is the one run)."""
@@ -251,7 +266,6 @@ def _one_token_steps():
 
 
 _PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-_DUMMY = None
 
 
 def _codec_plan(codec: Codec):
@@ -335,30 +349,13 @@ def _scratch(slot: int, sizes: tuple, lanes: int, tokens: int) -> list:
     return arrays
 
 
-def _attend_decode_numba(query: torch.Tensor, kv: CodedKV, attention_mask, scaling: float, sinks, window,
-                         plans) -> torch.Tensor:
+def _attend_decode_numba(query: torch.Tensor, kv: CodedKV, epilogue: Epilogue, plans) -> torch.Tensor:
     """`attend_codes` for one query token on the CPU: one call of the fused kernel (same result to
     float32 rounding; see kv/attention/numba_decode.py). Reads `kv.arrays` (numpy views the layer
     keeps) when set, else converts the tensors."""
-    global _DUMMY
     keys, values, lanes, sizes = plans
     batch, q_heads = query.shape[:2]
-    if _DUMMY is None:
-        _DUMMY = (np.zeros((1, 1, 1), dtype=np.float32), np.zeros(1, dtype=np.float32))
-    flags = 0
-    key_mean = value_mean = bias_np = _DUMMY[0]
-    sinks_np = _DUMMY[1]
-    if kv.key_mean is not None:
-        key_mean, flags = f32(kv.key_mean), flags | 1
-    if kv.value_mean is not None:
-        value_mean, flags = f32(kv.value_mean), flags | 2
-    if attention_mask is not None or window is not None:
-        length = kv.length
-        bias = _bias_block(attention_mask, slice(0, 1), length, length - 1, query.device, window)
-        if bias is not None:
-            bias_np, flags = f32(bias[:, :, 0]), flags | 4
-    if sinks is not None:
-        sinks_np, flags = f32(sinks.reshape(-1)), flags | 8
+    key_mean, value_mean, bias_np, sinks_np, flags = step_arrays(kv, epilogue)
     value_dim = values[1].shape[0]
     out_np = np.empty((batch, 1, q_heads, value_dim), dtype=np.float32)  # the [B, T, Hq, Dv] result
     if query.dtype is torch.float32 and not query.requires_grad and query.stride(-1) == 1:
@@ -368,16 +365,16 @@ def _attend_decode_numba(query: torch.Tensor, kv: CodedKV, attention_mask, scali
     else:
         query_np = f32(query[:, :, 0])
     arrays = kv.arrays
-    key_norms = value_norms = _DUMMY[0]
+    key_norms = value_norms = key_mean[:0]  # bit 4 clear: not read
     if arrays is None:
         arrays = (rows32(kv.sink_keys), rows32(kv.sink_values), code_rows(kv.key_codes),
                   code_rows(kv.value_codes), rows32(kv.recent_keys), rows32(kv.recent_values))
     elif len(arrays) == 8:  # the code rows' norms, decoded once when they were stored
         arrays, (key_norms, value_norms), flags = arrays[:6], arrays[6:], flags | 16
     sink_k, sink_v, key_codes, value_codes, recent_k, recent_v = arrays
-    args = (query_np, float(scaling), keys[0], values[1], keys[2], values[2], key_codes, value_codes,
+    args = (query_np, float(epilogue.scaling), keys[0], values[1], keys[2], values[2], key_codes, value_codes,
             sink_k, sink_v, recent_k, recent_v, rows32(kv.new_keys), rows32(kv.new_values), key_mean, value_mean,
-            bias_np, sinks_np, out_np[:, 0], flags, keys[3], values[3], keys[4], values[4], keys[5], values[5],
+            bias_np, sinks_np, epilogue.cap, out_np[:, 0], flags, keys[3], values[3], keys[4], values[4], keys[5], values[5],
             lanes, key_norms, value_norms)
     coded = key_codes.shape[2]
     bad = run_split(_KERNEL, args, batch * key_codes.shape[1], coded * (keys[4] + values[4]), _MIN_WORK_PER_THREAD,

@@ -7,11 +7,10 @@ does with ~20 torch ops and two kernel calls:
 1. the queries scaled and rotated by the key codec (q @ forward), laid out as the L = 4 / 8
    lanes of the lookup table of `numba_kernels` (one tile: G <= L);
 2. the coded scores through that table (`_lut_sum`, the same intrinsic as `coded_scores`), plus
-   q . mu for centred keys; the exact columns (sinks, recent window, the new token) as float dot
-   products; the additive bias (padding / sliding mask) over the columns in their true order
-   [sinks | coded | recent, new];
-3. one softmax over every column of the row (and a learned sink logit, which takes weight but has
-   no value): max, exp, sum;
+   q . mu for centred keys;
+3. the shared epilogue (`numba_epilogue`): the exact columns (sinks, recent window, the new token) as
+   float dot products, soft-capping, the additive bias (padding / sliding mask), one softmax over every
+   column of the row (and a learned sink logit, which takes weight but has no value);
 4. the value sums: the coded part as the weighted histogram of `coded_weighted_sum`
    (`_hist_add`, spread and contracted with the codewords by `_contract_clear`, which leaves the
    histogram zero for the next unit: it is cleared once per call), un-rotated once (@ forward.T), plus
@@ -28,10 +27,9 @@ np = None
 _count_invalid = _safe_fields = None
 _build_table = _bytes_table = _spread_bytes = _contract_clear = None
 _lut_sum = _hist_add = None
-_score_tokens = _hist_tokens = _exact_scores = _exact_values = None
-_row_max = _exp_sum = _norms = None
-_query_table = _softmax_row = _unrotate_add = _role_fields = _add_key_mean = _add_bias = None
-_as_f32 = None  # intrinsics._build_bf16: float32 as is, uint16 read as bf16 bits
+_score_tokens = _hist_tokens = _norms = None
+_query_table = _unrotate_add = _role_fields = _add_key_mean = None
+_exact_part_scores = _exact_part_values = _row_weights = _write_out = None  # numba_epilogue's
 
 
 def _score_tokens_py(table1, lut, rows, res, nq, norms, mode, lanes, bits, n_blocks, n_pos, n_codewords,
@@ -120,93 +118,6 @@ def _hist_tokens_py(hist1, hist, rows, wts, nq, norms, mode, lanes, bits, n_bloc
             _hist_add(hist1, rows, i, n_blocks, bits, 1, n_blocks, n_codewords, safe, 4, 8, wts, 0, nq, norms[i])
 
 
-def _exact_scores_py(keys, b, h, count, start, scores, query, groups, row):
-    """scores[t, start + e] = query[t] . keys[b, h, e] for the first `count` keys e of one exact part
-    (float32 or bf16 bits, any strides; numba_paged compiles it for C arrays, where the conversion is
-    one contiguous, vectorised pass): each key row converted once into the float32 scratch `row`
-    [>= D], then G dot products over contiguous arrays (compiled with reassociation, so LLVM vectorises
-    the sums; a loop over e innermost would read the keys with stride D and stay scalar: ~2x slower)."""
-    dim = query.shape[1]
-    for e in range(count):
-        for d in range(dim):
-            row[d] = _as_f32(keys[b, h, e, d])
-        for t in range(groups):
-            s = np.float32(0.0)
-            for d in range(dim):
-                s += query[t, d] * row[d]
-            scores[t, start + e] = s
-
-
-def _exact_values_py(values, b, h, count, start, weights, result, groups, rows):
-    """result[t] += sum_e weights[t, start + e] * values[b, h, e] for the first `count` values e of one
-    exact part (float32 or bf16 bits, any strides; C arrays in numba_paged), e ascending, over the part
-    first converted into the contiguous float32 scratch `rows` [>= count * Dv], so the axpys vectorise."""
-    dim = values.shape[3]
-    for e in range(count):
-        for d in range(dim):
-            rows[e * dim + d] = _as_f32(values[b, h, e, d])
-    for e in range(count):
-        for t in range(groups):
-            w = weights[t, start + e]
-            if w != 0.0:
-                o = e * dim
-                for d in range(dim):
-                    result[t, d] += w * rows[o + d]
-
-
-# Cephes' expf: exp(x) = 2^n * exp(r), n = round(x / ln 2), r = x - n ln 2 (ln 2 split in two for
-# an exact product), exp(r) by a degree-7 polynomial on |r| <= ln 2 / 2: about 1 ulp from libm's
-# expf. Written as straight-line float / int arithmetic over an array, so LLVM vectorises it
-# (numba calls the scalar libm expf otherwise: ~20 cycles per score, the largest per-token cost).
-_EXP_LOG2E = 1.44269504088896341
-_EXP_C1 = 0.693359375
-_EXP_C2 = -2.12194440e-4
-_EXP_LO = -87.33654  # below: 0 (exp underflows; -inf, a masked column, gives exactly 0)
-
-
-def _row_max_py(row, n, top):
-    """max(top, row[0..n)) (no NaN among the scores). Four independent running maxima: LLVM does not
-    vectorise this reduction, so one chain would wait on each compare (~4x slower at 8000 columns)."""
-    m0 = top
-    m1 = top
-    m2 = top
-    m3 = top
-    i = 0
-    while i + 4 <= n:
-        m0 = max(m0, row[i])
-        m1 = max(m1, row[i + 1])
-        m2 = max(m2, row[i + 2])
-        m3 = max(m3, row[i + 3])
-        i += 4
-    while i < n:
-        m0 = max(m0, row[i])
-        i += 1
-    return max(max(m0, m1), max(m2, m3))
-
-
-def _exp_sum_py(row, n, top, bits):
-    """row[i] = exp(row[i] - top) in place for i < n; returns their sum. bits: int32 scratch [>= n]."""
-    for i in range(n):
-        x = row[i] - top
-        keep = x >= np.float32(_EXP_LO)
-        x = x if keep else np.float32(0.0)
-        k = np.floor(x * np.float32(_EXP_LOG2E) + np.float32(0.5))
-        r = x - k * np.float32(_EXP_C1)
-        r = r - k * np.float32(_EXP_C2)
-        z = r * r
-        p = ((((np.float32(1.9875691500e-4) * r + np.float32(1.3981999507e-3)) * r + np.float32(8.3334519073e-3))
-              * r + np.float32(4.1665795894e-2)) * r + np.float32(1.6666665459e-1)) * r + np.float32(5.0000001201e-1)
-        row[i] = (p * z + r + np.float32(1.0)) if keep else np.float32(0.0)
-        bits[i] = (np.int32(k) + np.int32(127)) << np.int32(23)
-    scale = bits[:n].view(np.float32)
-    s = np.float32(0.0)
-    for i in range(n):
-        e = row[i] * scale[i]
-        row[i] = e
-        s += e
-    return s
-
-
 def _norms_py(rows, norms, bits):
     """norms[i] = the fp16 norm of code row i (its two little-endian bytes), bit-exact like
     numba_tables._decode_norms but branch-free. Three passes: the strided one only copies the halves
@@ -261,27 +172,6 @@ def _query_table_py(scaled, groups, key_forward, rotated, qmat, key_blocks, kk, 
                 qmat[c, j * lanes + t] = rotated[j * kk + c]
 
 
-def _softmax_row_py(coded_row, n_tokens, exact_row, n_exact, sink_logit, ibits):
-    """One softmax over a row's coded and exact columns (and a sink logit, -inf for none), in place,
-    unnormalised; returns (peak, sum of the coded weights, sum of all weights). Every column masked: zeros."""
-    top = _row_max(coded_row, n_tokens, np.float32(-np.inf))
-    for e in range(n_exact):
-        if exact_row[e] > top:
-            top = exact_row[e]
-    if sink_logit > top:
-        top = sink_logit
-    if top == -np.inf:
-        top = np.float32(0.0)
-    coded_sum = _exp_sum(coded_row, n_tokens, top, ibits)
-    s = coded_sum
-    for e in range(n_exact):
-        exact_row[e] = np.exp(exact_row[e] - top)
-        s += exact_row[e]
-    if sink_logit != -np.inf:
-        s += np.float32(np.exp(sink_logit - top))
-    return top, coded_sum, s
-
-
 def _unrotate_add_py(acc, t, value_blocks, vk, lanes, value_inverse, unrot, result):
     """result[t, d] += sum_e acc_t[e] * value_inverse[e, d] (acc_t: lane t of the contracted histogram)."""
     for j in range(value_blocks):
@@ -304,28 +194,15 @@ def _add_key_mean_py(coded, groups, n_tokens, scaled, key_mean, b, h, dim):
             coded[t, i] += shift
 
 
-def _add_bias_py(coded, exact, groups, n_sink, n_tokens, n_exact, bias, b, h):
-    """Add the step's bias [B|1, Hq|1, L] to the scores; its columns are [sinks | coded | recent, new]."""
-    bb = b if bias.shape[0] > 1 else 0
-    for t in range(groups):
-        hb = h * groups + t if bias.shape[1] > 1 else 0
-        for e in range(n_sink):
-            exact[t, e] += bias[bb, hb, e]
-        for i in range(n_tokens):
-            coded[t, i] += bias[bb, hb, n_sink + i]
-        for e in range(n_sink, n_exact):
-            exact[t, e] += bias[bb, hb, n_tokens + e]
-
-
 def _decode_step_py(query, scaling, key_forward, value_inverse, key_codewords, value_codewords, key_codes,
                     value_codes, sink_keys, sink_values, recent_keys, recent_values, new_keys, new_values,
-                    key_mean, value_mean, bias, sinks, out, flags, key_bits, value_bits, key_blocks, value_blocks,
-                    key_mode, value_mode, lanes, key_norms, value_norms, table1, lut, hist1, hist, coded, norms, ibits,
+                    key_mean, value_mean, bias, sinks, softcap, out, flags, key_bits, value_bits, key_blocks,
+                    value_blocks, key_mode, value_mode, lanes, key_norms, value_norms, table1, lut, hist1, hist, coded, norms, ibits,
                     unit_start, unit_stop):
     """out[b, h*G + t] for units [unit_start, unit_stop) of (b, KV head h); returns the count of
     invalid indices (>= N) seen. query [B, Hq, D] (unscaled, unrotated), the exact parts [B, H, n, D],
     codes [B, H, M, C], means [B, H, D] (read when flags bit 0 / 1), bias [B|1, Hq|1, L] (bit 2),
-    sinks [Hq] (bit 3), out [B, Hq, Dv] float32; key_norms / value_norms [B, H, M] float32 (bit 4): the
+    sinks [Hq] (bit 3), softcap: c of tanh(s / c) * c (0: none), out [B, Hq, Dv] float32; key_norms / value_norms [B, H, M] float32 (bit 4): the
     code rows' fp16 norms already decoded (`CodeBuffer.norms_array`), else they are decoded here.
     Scratch (reused across calls, sized by `scratch_sizes`): table1, lut (key tables), hist1, hist (value
     histograms), coded [lanes, >= M], norms [>= M], ibits (int32 [>= M])."""
@@ -351,7 +228,6 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_codewords, v
     scaled = np.empty((groups, dim), dtype=np.float32)
     rotated = np.empty(dim, dtype=np.float32)
     exact = np.empty((groups, n_exact), dtype=np.float32)
-    peak = np.empty(groups, dtype=np.float32)
     total = np.empty(groups, dtype=np.float32)
     coded_total = np.empty(groups, dtype=np.float32)
     result = np.empty((groups, value_dim), dtype=np.float32)
@@ -385,16 +261,10 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_codewords, v
                           k_pos, kn, k_safe, k_safe_bytes, k_word)
             if has_key_mean:
                 _add_key_mean(coded, groups, n_tokens, scaled, key_mean, b, h, dim)
-        # --- exact scores: columns [sinks, recent, new]
-        _exact_scores(sink_keys, b, h, sink_keys.shape[2], 0, exact, scaled, groups, key_row)
-        _exact_scores(recent_keys, b, h, recent_keys.shape[2], n_sink, exact, scaled, groups, key_row)
-        _exact_scores(new_keys, b, h, new_keys.shape[2], n_sink + n_recent, exact, scaled, groups, key_row)
-        if has_bias:
-            _add_bias(coded, exact, groups, n_sink, n_tokens, n_exact, bias, b, h)
-        # --- one softmax over the row (and the sink logit)
-        for t in range(groups):
-            sink_logit = np.float32(sinks[h * groups + t]) if has_sinks else np.float32(-np.inf)
-            peak[t], coded_total[t], total[t] = _softmax_row(coded[t], n_tokens, exact[t], n_exact, sink_logit, ibits)
+        # --- the epilogue (numba_epilogue): exact scores, soft-cap, bias, one softmax with the sink logit
+        _exact_part_scores(sink_keys, recent_keys, new_keys, b, h, exact, scaled, groups, key_row)
+        _row_weights(coded, exact, groups, n_tokens, n_exact, n_sink, softcap, bias, has_bias, sinks, has_sinks,
+                     b, h, coded_total, total, ibits)
         # --- value sums
         for t in range(groups):
             for d in range(value_dim):
@@ -420,13 +290,8 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_codewords, v
                 if has_value_mean:
                     for d in range(value_dim):
                         result[t, d] += coded_total[t] * value_mean[b, h, d]
-        _exact_values(sink_values, b, h, sink_values.shape[2], 0, exact, result, groups, exact_rows)
-        _exact_values(recent_values, b, h, recent_values.shape[2], n_sink, exact, result, groups, exact_rows)
-        _exact_values(new_values, b, h, new_values.shape[2], n_sink + n_recent, exact, result, groups, exact_rows)
-        for t in range(groups):
-            scale = np.float32(1.0) / total[t] if total[t] > 0 else np.float32(0.0)
-            for d in range(value_dim):
-                out[b, h * groups + t, d] = result[t, d] * scale
+        _exact_part_values(sink_values, recent_values, new_values, b, h, exact, result, groups, exact_rows)
+        _write_out(result, total, out, b, h, groups)
     return bad
 
 
@@ -444,12 +309,12 @@ def scratch_sizes(key_codewords: int, key_blocks: int, key_bits: int, key_mode: 
 def compile_decode_kernel():
     """The fused decode-step dispatcher (numba, disk-cached: `jit.kernel_jit`); binds the helpers of numba_kernels first."""
     global _KERNEL, np, _count_invalid, _safe_fields, _build_table, _bytes_table, _spread_bytes
-    global _contract_clear, _lut_sum, _hist_add, _score_tokens, _hist_tokens, _exact_scores, _exact_values
-    global _row_max, _exp_sum, _norms, _query_table, _softmax_row, _unrotate_add, _role_fields
-    global _add_key_mean, _add_bias, _as_f32
+    global _contract_clear, _lut_sum, _hist_add, _score_tokens, _hist_tokens
+    global _norms, _query_table, _unrotate_add, _role_fields, _add_key_mean
+    global _exact_part_scores, _exact_part_values, _row_weights, _write_out
     if _KERNEL is not None:
         return _KERNEL
-    from fibquant.kv.attention.intrinsics import _build_bf16
+    import fibquant.kv.attention.numba_epilogue as numba_epilogue
     from fibquant.kv.attention.jit import kernel_jit
 
     import fibquant.kv.attention.numba_kernels as numba_kernels
@@ -457,30 +322,24 @@ def compile_decode_kernel():
 
     _kernels()  # binds numba_kernels's globals (numpy, helpers, intrinsics)
     np = numba_kernels.np
-    _as_f32 = _build_bf16()[0]
+    numba_epilogue.bind_epilogue()
+    _exact_part_scores, _exact_part_values = numba_epilogue._exact_part_scores, numba_epilogue._exact_part_values
+    _row_weights, _write_out = numba_epilogue._row_weights, numba_epilogue._write_out
     _count_invalid, _safe_fields = numba_kernels._count_invalid, numba_kernels._safe_fields
     _build_table, _bytes_table = numba_kernels._build_table, numba_kernels._bytes_table
     _spread_bytes, _contract_clear = numba_kernels._spread_bytes, numba_kernels._contract_clear
     _lut_sum, _hist_add = numba_kernels._lut_sum, numba_kernels._hist_add
     helper = kernel_jit(nogil=True)
     _score_tokens, _hist_tokens = helper(_score_tokens_py), helper(_hist_tokens_py)
-    # reassociation for the exact dot products (no 'nnan' / 'ninf': exact keys may hold any float)
-    _exact_scores = kernel_jit(nogil=True, fastmath={"reassoc", "nsz", "contract"})(_exact_scores_py)
-    _exact_values = helper(_exact_values_py)
-    # Reassociation (and no NaN among the scores, for the max) lets LLVM vectorise these reductions;
-    # no 'ninf': masked scores are -inf.
-    _row_max = kernel_jit(nogil=True, fastmath={"nnan", "nsz", "reassoc"})(_row_max_py)
-    _exp_sum = kernel_jit(nogil=True, fastmath={"nsz", "reassoc", "contract"})(_exp_sum_py)
     _norms = helper(_norms_py)
     _query_table, _unrotate_add = helper(_query_table_py), helper(_unrotate_add_py)
     _role_fields = helper(_role_fields_py)
-    _add_key_mean, _add_bias = helper(_add_key_mean_py), helper(_add_bias_py)
-    _softmax_row = helper(_softmax_row_py)  # binds _row_max / _exp_sum above: compiled after them
+    _add_key_mean = helper(_add_key_mean_py)
     f32 = "float32[:, :, :, :]"  # the exact parts: views of the window buffers (last dimension contiguous)
     signature = (f"int64(float32[:, :, ::1], float32, float32[:, ::1], float32[:, ::1], float32[:, ::1], "
                  f"float32[:, ::1], uint8[:, :, :, :], uint8[:, :, :, :], {f32}, {f32}, {f32}, {f32}, {f32}, {f32}, "
-                 "float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[::1], float32[:, :, ::1], "
-                 "int64, int64, int64, int64, int64, int64, int64, int64, float32[:, :, :], float32[:, :, :], "
+                 "float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[::1], float32, "
+                 "float32[:, :, ::1], int64, int64, int64, int64, int64, int64, int64, int64, float32[:, :, :], float32[:, :, :], "
                  "float32[::1], float32[::1], float32[::1], "
                  "float32[::1], float32[:, ::1], float32[::1], int32[::1], int64, int64)")
     _KERNEL = kernel_jit(signature, nogil=True)(_decode_step_py)

@@ -34,7 +34,7 @@ _score_tokens = _hist_tokens = None
 _norms = None
 _as_f32 = _from_f32 = None
 _exact_scores = _exact_values = _contract_dot = _rotate_rows = None
-_row_max = _exp_sum = _softmax_exact = None
+_softmax_row = None
 _g_scores = _g_values = _gather_scores = _gather_values = _gather_ok = None
 _p_scores = _p_values = _perm_scores = _perm_values = _perm_ok = None
 # flags bits: decode-then-dot for the keys / values when their codes allow it (vector gathers: `_gather_ok`;
@@ -163,23 +163,6 @@ def _perm_values_py(codewords, rows, wts, acc, a0, groups, blocks):
         _p_values(codewords, rows, n, 8, 2, wts, acc, a0)
     else:
         _p_values(codewords, rows, n, 8, 1, wts, acc, a0)
-
-
-def _softmax_exact_py(coded_row, n_tokens, exact_row, n_exact, sink_logit, ibits):
-    """numba_decode's `_softmax_row` (one softmax over a row's coded and exact columns and a sink
-    logit, in place, unnormalised; returns the sum of all weights) with the exact columns' exp
-    vectorised too (`_exp_sum`, Cephes' expf, ~1 ulp from libm's; 37 scalar libm calls per row cost
-    ~0.7 us per (sequence, KV head) unit at G = 3)."""
-    top = _row_max(coded_row, n_tokens, np.float32(-np.inf))
-    top = _row_max(exact_row, n_exact, top)
-    if sink_logit > top:
-        top = sink_logit
-    if top == -np.inf:
-        top = np.float32(0.0)
-    s = _exp_sum(coded_row, n_tokens, top, ibits) + _exp_sum(exact_row, n_exact, top, ibits)
-    if sink_logit != -np.inf:
-        s += np.float32(np.exp(sink_logit - top))
-    return s
 
 
 def _paged_step_py(query, scaling, key_forward, value_inverse, key_codewords, value_codewords, pages, tables,
@@ -314,7 +297,7 @@ def _paged_step_py(query, scaling, key_forward, value_inverse, key_codewords, va
         # --- one softmax over the row (and the sink logit)
         for t in range(groups):
             sink_logit = np.float32(sinks[h * groups + t]) if has_sinks else np.float32(-np.inf)
-            total[o + t] = _softmax_exact(coded[t], n_tokens, exact[t], n_exact, sink_logit, ibits)
+            total[o + t] = _softmax_row(coded[t], n_tokens, exact[t], n_exact, sink_logit, ibits)[1]
         # --- coded value sums, block by block (left in the rotated basis: un-rotated in pass 3)
         if n_tokens:
             if value_mode == 0 and not v_direct:
@@ -384,13 +367,14 @@ def compile_paged_kernel(inputs: str = "float32", output: str = "float32"):
     global _score_tokens, _hist_tokens, _norms
     global _as_f32, _from_f32, _exact_scores, _exact_values
     global _contract_dot, _rotate_rows, _g_scores, _g_values, _gather_scores, _gather_values, _gather_ok
-    global _p_scores, _p_values, _perm_scores, _perm_values, _perm_ok, _row_max, _exp_sum, _softmax_exact
+    global _p_scores, _p_values, _perm_scores, _perm_values, _perm_ok, _softmax_row
     kernel = _KERNELS.get((inputs, output))
     if kernel is not None:
         return kernel
     if inputs not in ("float32", "uint16") or output not in ("float32", "uint16"):
         raise ValueError(f"paged kernel dtypes are float32 or uint16 (bf16 bits), got {inputs} / {output}")
     import fibquant.kv.attention.numba_decode as numba_decode
+    import fibquant.kv.attention.numba_epilogue as numba_epilogue
     from fibquant.kv.attention.intrinsics import _build_bf16, _build_gathers, _build_permutes
     from fibquant.kv.attention.jit import kernel_jit
 
@@ -403,10 +387,9 @@ def compile_paged_kernel(inputs: str = "float32", output: str = "float32"):
     _score_tokens, _hist_tokens = numba_decode._score_tokens, numba_decode._hist_tokens
     _norms = numba_decode._norms
     # the exact window's columns, read in place (float32 or bf16 bits, C arrays: vectorised conversion)
-    _exact_scores = kernel_jit(nogil=True, fastmath={"reassoc", "nsz", "contract"})(numba_decode._exact_scores_py)
-    _exact_values = kernel_jit(nogil=True)(numba_decode._exact_values_py)
-    _row_max, _exp_sum = numba_decode._row_max, numba_decode._exp_sum
-    _softmax_exact = kernel_jit(nogil=True)(_softmax_exact_py)
+    _exact_scores = kernel_jit(nogil=True, fastmath={"reassoc", "nsz", "contract"})(numba_epilogue._exact_scores_py)
+    _exact_values = kernel_jit(nogil=True)(numba_epilogue._exact_values_py)
+    _softmax_row = numba_epilogue._softmax_row  # the shared epilogue's (bound by numba_decode's compile)
     _rotate_rows = kernel_jit(nogil=True)(_rotate_rows_py)
     _contract_dot = kernel_jit(nogil=True)(_contract_dot_py)
     _g_scores, _g_values = _build_gathers()

@@ -28,15 +28,16 @@ import numpy as np
 import torch
 
 from fibquant.kv.attention.host_arrays import code_rows, f32, rows32
+from fibquant.kv.attention.numba_epilogue import step_arrays
 
 _PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _KERNEL = None
 _LOCK = threading.Lock()
 MAX_GROUPS = 8  # query heads per KV head (the table's lanes: 4 or 8)
 
-_build_table = _contract = _lut_sum = _hist_add = _norms = _query_table = _softmax_row = None
-_add_key_mean = _add_bias = None
-_unrotate_add = _exact_scores = _exact_values = _safe_fields = None
+_build_table = _contract = _lut_sum = _hist_add = _norms = _query_table = None
+_add_key_mean = _unrotate_add = _safe_fields = None
+_exact_part_scores = _exact_part_values = _row_weights = _write_out = None  # numba_epilogue's
 
 
 def _staged_table_py(stages, qmat, blocks, lanes, tmp, table1):
@@ -122,7 +123,7 @@ def _hist_rows_py(hist1, rows, wts, nq, norms, positions, safe_bytes, lanes):
 
 def _decode_step_py(query, scaling, key_forward, value_inverse, key_stages, value_stages, key_codes,
                     value_codes, sink_keys, sink_values, recent_keys, recent_values, new_keys, new_values,
-                    key_mean, value_mean, bias, sinks, out, flags, key_blocks, value_blocks, lanes,
+                    key_mean, value_mean, bias, sinks, softcap, out, flags, key_blocks, value_blocks, lanes,
                     unit_start, unit_stop):
     """out[b, h*G + t] for units [unit_start, unit_stop) of (b, KV head h), as numba_decode's step, with
     key_stages / value_stages [S, 256, k] float32 (S = 1: a plain 8-bit codebook) and codes of
@@ -156,12 +157,11 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_stages, valu
     scaled = np.empty((groups, dim), dtype=np.float32)
     rotated = np.empty(dim, dtype=np.float32)
     exact = np.empty((groups, n_exact), dtype=np.float32)
-    peak = np.empty(groups, dtype=np.float32)
     total = np.empty(groups, dtype=np.float32)
     coded_total = np.empty(groups, dtype=np.float32)
     result = np.empty((groups, value_dim), dtype=np.float32)
     unrot = np.empty(value_dim, dtype=np.float32)
-    key_row = np.empty(dim, dtype=np.float32)  # scratch of numba_decode's _exact_scores / _exact_values
+    key_row = np.empty(dim, dtype=np.float32)  # scratch of numba_epilogue's exact parts
     exact_rows = np.empty(max(n_sink, n_recent, n_new) * value_dim, dtype=np.float32)
     for unit in range(unit_start, unit_stop):
         b = unit // n_h
@@ -178,16 +178,10 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_stages, valu
             _score_rows(table1, key_rows, coded, groups, norms, k_pos, k_safe, lanes)
             if has_key_mean:
                 _add_key_mean(coded, groups, n_tokens, scaled, key_mean, b, h, dim)
-        # --- exact scores: columns [sinks, recent, new]
-        _exact_scores(sink_keys, b, h, sink_keys.shape[2], 0, exact, scaled, groups, key_row)
-        _exact_scores(recent_keys, b, h, recent_keys.shape[2], n_sink, exact, scaled, groups, key_row)
-        _exact_scores(new_keys, b, h, new_keys.shape[2], n_sink + n_recent, exact, scaled, groups, key_row)
-        if has_bias:
-            _add_bias(coded, exact, groups, n_sink, n_tokens, n_exact, bias, b, h)
-        # --- one softmax over the row (and the sink logit)
-        for t in range(groups):
-            sink_logit = np.float32(sinks[h * groups + t]) if has_sinks else np.float32(-np.inf)
-            peak[t], coded_total[t], total[t] = _softmax_row(coded[t], n_tokens, exact[t], n_exact, sink_logit, ibits)
+        # --- the epilogue (numba_epilogue): exact scores, soft-cap, bias, one softmax with the sink logit
+        _exact_part_scores(sink_keys, recent_keys, new_keys, b, h, exact, scaled, groups, key_row)
+        _row_weights(coded, exact, groups, n_tokens, n_exact, n_sink, softcap, bias, has_bias, sinks, has_sinks,
+                     b, h, coded_total, total, ibits)
         # --- value sums: the histogram of each position's indices, contracted with its stage
         for t in range(groups):
             for d in range(value_dim):
@@ -203,21 +197,17 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_stages, valu
                 if has_value_mean:
                     for d in range(value_dim):
                         result[t, d] += coded_total[t] * value_mean[b, h, d]
-        _exact_values(sink_values, b, h, sink_values.shape[2], 0, exact, result, groups, exact_rows)
-        _exact_values(recent_values, b, h, recent_values.shape[2], n_sink, exact, result, groups, exact_rows)
-        _exact_values(new_values, b, h, new_values.shape[2], n_sink + n_recent, exact, result, groups, exact_rows)
-        for t in range(groups):
-            scale = np.float32(1.0) / total[t] if total[t] > 0 else np.float32(0.0)
-            for d in range(value_dim):
-                out[b, h * groups + t, d] = result[t, d] * scale
+        _exact_part_values(sink_values, recent_values, new_values, b, h, exact, result, groups, exact_rows)
+        _write_out(result, total, out, b, h, groups)
     return 0
 
 
 def compile_residual_kernel():
     """The residual decode-step dispatcher (numba, disk-cached: `jit.kernel_jit`), after binding numba_decode's helpers."""
-    global _KERNEL, _build_table, _contract, _lut_sum, _hist_add, _norms, _query_table, _softmax_row
-    global _unrotate_add, _exact_scores, _exact_values, _safe_fields, _staged_table, _staged_contract
-    global _score_rows, _hist_rows, _add_key_mean, _add_bias
+    global _KERNEL, _build_table, _contract, _lut_sum, _hist_add, _norms, _query_table
+    global _unrotate_add, _safe_fields, _staged_table, _staged_contract
+    global _score_rows, _hist_rows, _add_key_mean
+    global _exact_part_scores, _exact_part_values, _row_weights, _write_out
     if _KERNEL is not None:
         return _KERNEL
     with _LOCK:
@@ -231,8 +221,8 @@ def compile_residual_kernel():
 
         _contract = numba_kernels._contract  # the plain contraction (numba_decode binds the clearing one)
         for name in ("_build_table", "_lut_sum", "_hist_add", "_norms", "_query_table",
-                     "_softmax_row", "_unrotate_add", "_exact_scores", "_exact_values", "_safe_fields",
-                     "_add_key_mean", "_add_bias"):
+                     "_unrotate_add", "_safe_fields", "_add_key_mean", "_exact_part_scores",
+                     "_exact_part_values", "_row_weights", "_write_out"):
             globals()[name] = getattr(numba_decode, name)
         helper = kernel_jit(nogil=True)
         fast = kernel_jit(nogil=True, fastmath={"contract", "reassoc", "nsz"})  # float sums: any order
@@ -242,7 +232,7 @@ def compile_residual_kernel():
         signature = (f"int64(float32[:, :, ::1], float32, float32[:, ::1], float32[:, ::1], float32[:, :, ::1], "
                      f"float32[:, :, ::1], uint8[:, :, :, :], uint8[:, :, :, :], {rows4d}, {rows4d}, {rows4d}, "
                      f"{rows4d}, {rows4d}, {rows4d}, float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[::1], "
-                     "float32[:, :, ::1], int64, int64, int64, int64, int64, int64)")
+                     "float32, float32[:, :, ::1], int64, int64, int64, int64, int64, int64)")
         _KERNEL = kernel_jit(signature, nogil=True)(_decode_step_py)
     return _KERNEL
 
@@ -298,11 +288,10 @@ def residual_decode_plans(query: torch.Tensor, kv):
     return keys, values
 
 
-def attend_decode_residual(query: torch.Tensor, kv, bias: torch.Tensor | None, scaling: float, sinks,
-                           plans) -> torch.Tensor:
+def attend_decode_residual(query: torch.Tensor, kv, epilogue, plans) -> torch.Tensor:
     """`attend_codes` for one query token on the CPU through the residual kernel (as
-    `entry._attend_decode_numba`; bias: the step's additive float32 [B|1, Hq|1, 1, L] from
-    `entry._bias_block`, or None): out [B, 1, Hq, Dv] in query's dtype."""
+    `entry._attend_decode_numba`; epilogue: `numba_epilogue.Epilogue`, its bias from `entry._bias_block`):
+    out [B, 1, Hq, Dv] in query's dtype."""
     from fibquant._numba import run_split
     from fibquant.kv.attention.kernels import _MIN_WORK_PER_THREAD
 
@@ -311,25 +300,14 @@ def attend_decode_residual(query: torch.Tensor, kv, bias: torch.Tensor | None, s
     batch, q_heads = query.shape[:2]
     heads = kv.new_keys.shape[1]
     coded = kv.key_codes.shape[-2]
-    dummy3, dummy1 = np.zeros((1, 1, 1), dtype=np.float32), np.zeros(1, dtype=np.float32)
-    flags = 0
-    key_mean = value_mean = bias_np = dummy3
-    sinks_np = dummy1
-    if kv.key_mean is not None:
-        key_mean, flags = f32(kv.key_mean), flags | 1
-    if kv.value_mean is not None:
-        value_mean, flags = f32(kv.value_mean), flags | 2
-    if bias is not None:
-        bias_np, flags = f32(bias[:, :, 0]), flags | 4
-    if sinks is not None:
-        sinks_np, flags = f32(sinks.reshape(-1)), flags | 8
+    key_mean, value_mean, bias_np, sinks_np, flags = step_arrays(kv, epilogue)
     value_dim = values[1].shape[0]
     out = torch.empty(batch, q_heads, value_dim, dtype=torch.float32)
     lanes = 4 if q_heads // heads <= 4 else 8
-    args = (f32(query.view(batch, q_heads, -1) if query.is_contiguous() else query[:, :, 0]), float(scaling),
+    args = (f32(query.view(batch, q_heads, -1) if query.is_contiguous() else query[:, :, 0]), float(epilogue.scaling),
             keys[0], values[1], keys[2], values[2], code_rows(kv.key_codes), code_rows(kv.value_codes),
             rows32(kv.sink_keys), rows32(kv.sink_values), rows32(kv.recent_keys), rows32(kv.recent_values),
-            rows32(kv.new_keys), rows32(kv.new_values), key_mean, value_mean, bias_np, sinks_np, out.numpy(), flags,
+            rows32(kv.new_keys), rows32(kv.new_values), key_mean, value_mean, bias_np, sinks_np, epilogue.cap, out.numpy(), flags,
             keys[3], values[3], lanes)
     work = coded * (keys[3] * keys[2].shape[0] + values[3] * values[2].shape[0])
     run_split(kernel, args, batch * heads, work, _MIN_WORK_PER_THREAD, "fibquant-decode-rvq")

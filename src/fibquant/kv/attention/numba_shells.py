@@ -30,13 +30,15 @@ import torch
 
 from fibquant.codebook.e8shell_tables import BAD_WORD_BIT, CompactPointTables, ShellPointTables
 from fibquant.kv.attention.host_arrays import code_rows, f32, rows32
+from fibquant.kv.attention.numba_epilogue import step_arrays
 
 _PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _KERNEL = None
 _LOCK = threading.Lock()
 MAX_GROUPS = 8  # query heads per KV head
 
-_point = _norms = _softmax_row = _add_key_mean = _add_bias = _exact_scores = _exact_values = None
+_point = _norms = _add_key_mean = None
+_exact_part_scores = _exact_part_values = _row_weights = _write_out = None  # numba_epilogue's
 _code_scores = _code_values = _row_indices = _row_words = _code_scores_compact = _code_values_compact = None
 _scores_table = _hist_contract = _halves_scores = _halves_hist = _halves_build = _halves_contract = None
 _code_scores_halves = _code_values_halves = None
@@ -298,7 +300,7 @@ def _code_values_halves_py(rows, weights, groups, norms, acc, ibits, words, halv
 
 
 def _decode_step_py(query, scaling, key_forward, value_inverse, key_codes, value_codes, sink_keys, sink_values,
-                    recent_keys, recent_values, new_keys, new_values, key_mean, value_mean, bias, sinks, out, flags,
+                    recent_keys, recent_values, new_keys, new_values, key_mean, value_mean, bias, sinks, softcap, out, flags,
                     key_norms, value_norms,
                     k_ibits, k_count, k_bucket, k_bshift, k_orbits, k_orbit_vals, k_comps, k_words, k_halves,
                     k_scales32, v_ibits, v_count, v_bucket, v_bshift, v_orbits, v_orbit_vals, v_comps, v_words,
@@ -363,16 +365,10 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_codes, value
                                     k_bucket, k_bshift, k_orbits, k_orbit_vals, k_comps, signs)
             if has_key_mean:
                 _add_key_mean(coded, groups, n_tokens, scaled, key_mean, b, h, dim)
-        # --- exact scores: columns [sinks, recent, new]
-        _exact_scores(sink_keys, b, h, sink_keys.shape[2], 0, exact, scaled, groups, key_row)
-        _exact_scores(recent_keys, b, h, recent_keys.shape[2], n_sink, exact, scaled, groups, key_row)
-        _exact_scores(new_keys, b, h, new_keys.shape[2], n_sink + n_recent, exact, scaled, groups, key_row)
-        if has_bias:
-            _add_bias(coded, exact, groups, n_sink, n_tokens, n_exact, bias, b, h)
-        # --- one softmax over the row (and the sink logit)
-        for t in range(groups):
-            sink_logit = np.float32(sinks[h * groups + t]) if has_sinks else np.float32(-np.inf)
-            _, coded_total[t], total[t] = _softmax_row(coded[t], n_tokens, exact[t], n_exact, sink_logit, ibits)
+        # --- the epilogue (numba_epilogue): exact scores, soft-cap, bias, one softmax with the sink logit
+        _exact_part_scores(sink_keys, recent_keys, new_keys, b, h, exact, scaled, groups, key_row)
+        _row_weights(coded, exact, groups, n_tokens, n_exact, n_sink, softcap, bias, has_bias, sinks, has_sinks,
+                     b, h, coded_total, total, ibits)
         # --- value sums: each value row decoded once, accumulated in the rotated domain, un-rotated once
         for t in range(groups):
             for d in range(value_dim):
@@ -400,20 +396,15 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_codes, value
                 if has_value_mean:
                     for d in range(value_dim):
                         result[t, d] += coded_total[t] * value_mean[b, h, d]
-        _exact_values(sink_values, b, h, sink_values.shape[2], 0, exact, result, groups, exact_rows)
-        _exact_values(recent_values, b, h, recent_values.shape[2], n_sink, exact, result, groups, exact_rows)
-        _exact_values(new_values, b, h, new_values.shape[2], n_sink + n_recent, exact, result, groups, exact_rows)
-        for t in range(groups):
-            scale = np.float32(1.0) / total[t] if total[t] > 0 else np.float32(0.0)
-            for d in range(value_dim):
-                out[b, h * groups + t, d] = result[t, d] * scale
+        _exact_part_values(sink_values, recent_values, new_values, b, h, exact, result, groups, exact_rows)
+        _write_out(result, total, out, b, h, groups)
     return bad
 
 
 def compile_shell_kernel():
     """The shell-code decode-step dispatcher (numba, disk-cached as `jit.kernel_jit`, keyed also on
     codebook/e8shell_tables.py, whose `point_py` it inlines), after binding numba_decode's helpers."""
-    global _KERNEL, _point, _norms, _softmax_row, _add_key_mean, _add_bias, _exact_scores, _exact_values
+    global _KERNEL, _point, _norms, _add_key_mean, _exact_part_scores, _exact_part_values, _row_weights, _write_out
     global _code_scores, _code_values, _row_indices, _row_words, _code_scores_compact, _code_values_compact
     global _scores_table, _hist_contract, _halves_scores, _halves_hist, _halves_build, _halves_contract
     global _code_scores_halves, _code_values_halves
@@ -429,7 +420,8 @@ def compile_shell_kernel():
         from fibquant._numba import njit_tracking
 
         numba_decode.compile_decode_kernel()  # binds its helpers
-        for name in ("_norms", "_softmax_row", "_add_key_mean", "_add_bias", "_exact_scores", "_exact_values"):
+        for name in ("_norms", "_add_key_mean", "_exact_part_scores", "_exact_part_values", "_row_weights",
+                     "_write_out"):
             globals()[name] = getattr(numba_decode, name)
         sources = (*KERNEL_SOURCES, Path(e8shell_tables.__file__).resolve())
 
@@ -450,8 +442,9 @@ def compile_shell_kernel():
                 "float32[:, ::1], float32[::1]")
         signature = (f"int64(float32[:, :, ::1], float32, float32[:, ::1], float32[:, ::1], uint8[:, :, :, :], "
                      f"uint8[:, :, :, :], {rows4d}, {rows4d}, {rows4d}, {rows4d}, {rows4d}, {rows4d}, "
-                     "float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[::1], float32[:, :, ::1], "
-                     f"int64, float32[:, :, :], float32[:, :, :], {role}, {role}, uint8[:, ::1], int64, int64)")
+                     "float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[::1], float32, "
+                     f"float32[:, :, ::1], int64, float32[:, :, :], float32[:, :, :], {role}, {role}, uint8[:, ::1], "
+                     "int64, int64)")
         _KERNEL = jit(signature, fastmath={"contract", "reassoc", "nsz"})(_decode_step_py)
     return _KERNEL
 
@@ -532,11 +525,9 @@ def shell_decode_plans(query: torch.Tensor, kv):
     return keys, values
 
 
-def attend_decode_shells(query: torch.Tensor, kv, bias: torch.Tensor | None, scaling: float, sinks,
-                         plans) -> torch.Tensor:
+def attend_decode_shells(query: torch.Tensor, kv, epilogue, plans) -> torch.Tensor:
     """`attend_codes` for one query token on the CPU through the shell kernel (as `entry._attend_decode_numba`;
-    bias: the step's additive float32 [B|1, Hq|1, 1, L] from `entry._bias_block`, or None): out [B, 1, Hq, Dv]
-    in query's dtype. ValueError when a code holds an index beyond its code's points."""
+    epilogue: `numba_epilogue.Epilogue`, its bias from `entry._bias_block`): out [B, 1, Hq, Dv] in query's dtype. ValueError when a code holds an index beyond its code's points."""
     from fibquant._numba import run_split
     from fibquant.kv.attention.kernels import _MIN_WORK_PER_THREAD
 
@@ -544,18 +535,8 @@ def attend_decode_shells(query: torch.Tensor, kv, bias: torch.Tensor | None, sca
     keys, values = plans
     batch, q_heads = query.shape[:2]
     heads = kv.new_keys.shape[1]
-    dummy3, dummy1 = np.zeros((1, 1, 1), dtype=np.float32), np.zeros(1, dtype=np.float32)
-    flags = 0
-    key_mean = value_mean = bias_np = key_norms = value_norms = dummy3
-    sinks_np = dummy1
-    if kv.key_mean is not None:
-        key_mean, flags = f32(kv.key_mean), flags | 1
-    if kv.value_mean is not None:
-        value_mean, flags = f32(kv.value_mean), flags | 2
-    if bias is not None:
-        bias_np, flags = f32(bias[:, :, 0]), flags | 4
-    if sinks is not None:
-        sinks_np, flags = f32(sinks.reshape(-1)), flags | 8
+    key_mean, value_mean, bias_np, sinks_np, flags = step_arrays(kv, epilogue)
+    key_norms = value_norms = key_mean[:0]  # bit 4 clear: not read
     arrays = kv.arrays
     if arrays is None:
         arrays = (rows32(kv.sink_keys), rows32(kv.sink_values), code_rows(kv.key_codes), code_rows(kv.value_codes),
@@ -571,8 +552,8 @@ def attend_decode_shells(query: torch.Tensor, kv, bias: torch.Tensor | None, sca
         query_np = f32(query[:, :, 0])
     kt, vt = keys[3], values[3]
     signs = next((tables.signs for tables in (kt, vt) if isinstance(tables, ShellPointTables)), _NO_SIGNS)
-    args = (query_np, float(scaling), keys[0], values[1], key_codes, value_codes, sink_k, sink_v, recent_k, recent_v,
-            rows32(kv.new_keys), rows32(kv.new_values), key_mean, value_mean, bias_np, sinks_np, out.numpy(), flags,
+    args = (query_np, float(epilogue.scaling), keys[0], values[1], key_codes, value_codes, sink_k, sink_v, recent_k, recent_v,
+            rows32(kv.new_keys), rows32(kv.new_values), key_mean, value_mean, bias_np, sinks_np, epilogue.cap, out.numpy(), flags,
             key_norms, value_norms, keys[2], *_role_args(kt, keys[5]), values[2], *_role_args(vt, values[5]), signs)
     coded = key_codes.shape[2]
     bad = run_split(kernel, args, batch * heads, coded * 2 * query.shape[-1], _MIN_WORK_PER_THREAD,

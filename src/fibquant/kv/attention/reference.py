@@ -3,8 +3,9 @@
 
 Besides the two drop-ins (`coded_scores_reference`, `coded_weighted_sum_reference`) this module
 holds the spec of the fused decode attention (`coded_decode_attention_reference`, the Triton
-kernel's spec), dense attention that also returns the log-sum-exp (`attention_with_lse`), and the
-exact merge of attention parts over disjoint column sets (`merge_lse`).
+kernel's spec), the epilogue every fast path applies to a row of scores (`epilogue_weights`: soft-capping,
+bias, softmax with learned sinks), dense attention that also returns the log-sum-exp (`attention_with_lse`),
+and the exact merge of attention parts over disjoint column sets (`merge_lse`).
 """
 from __future__ import annotations
 
@@ -205,6 +206,22 @@ def _validate_decode(queries, key_codes, value_codes, key_codewords, value_codew
     _check_code_size("value_codes", value_size, "Dv", value_dim, k_value, value_bits, " (pass value_dim when Dv != D)")
     _check_bias(bias, batch, q_heads, n_q, mk, key_codes.device)
     return key_blocks, value_blocks, q_heads // hk, value_dim
+
+
+def epilogue_weights(scores: torch.Tensor, bias: Optional[torch.Tensor] = None, softcap: Optional[float] = None,
+                     sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The spec of the attention epilogue every fast path shares (`numba_epilogue`): scores [..., Hq, t, L]
+    (scaled) -> softmax weights of the same shape. softcap: tanh(s / softcap) * softcap first (Gemma 2);
+    bias: additive, broadcast over the scores (-inf masks a column); sinks [Hq]: one more logit per query
+    head in the softmax, with no value (its weight dropped). A row with every column masked: zeros."""
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if bias is not None:
+        scores = scores + bias
+    if sinks is None:
+        return torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    column = sinks.to(scores.dtype).reshape(-1, 1, 1).expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
 
 
 def attention_with_lse(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
