@@ -65,8 +65,8 @@ def test_switch_off_registers_nothing(monkeypatch):
                                               (" fibquant:b=4 / turboquant:b=2 ", "fibquant:b=4", "turboquant:b=2")])
 def test_config_parses_key_and_value_specs(monkeypatch, text, key, value):
     monkeypatch.setenv(ENV_VAR, text)
-    config = active_config()
-    assert (config.key_spec, config.value_spec) == (key, value)
+    spec = active_config().spec_for(64)
+    assert (spec.key.spec, spec.value.spec) == (key, value)
 
 
 @pytest.mark.parametrize("text", ["fp", "lowrank:r=8", "fibquant:b=4/", "a/b/c", "nonsense:b=1", "fibquant:q=4",

@@ -95,3 +95,31 @@ def test_worker_budget_is_untouched_with_the_switch_off(monkeypatch):
     monkeypatch.setattr("importlib.import_module", lambda name: module)
     count_window_in_budget(lambda: None, classes=("fake.Worker",))
     assert worker().determine_available_memory() == 2 ** 28
+
+
+@pytest.mark.parametrize("ratio", [4, 6, 8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_a_ratio_budget_serves_the_best_shipped_code_within_it(ratio, head_dim):
+    """FIBQUANT_VLLM_CACHE=ratio=R: per head dimension, the code `choose_code` picks for one full-attention
+    layer (the ratio does not depend on the layer and head counts); its pages plus the window fit the ratio."""
+    from fibquant.kv.budget import Budget, cache_bytes_per_token, choose_in_layout, head_layout
+
+    config = VllmCacheConfig.parse(f"ratio={ratio}")
+    config.check_rates()
+    spec = config.spec_for(head_dim)
+    layout = head_layout(head_dim)
+    assert spec.spec == choose_in_layout(layout, Budget(ratio=ratio), 4, 32, 16)
+    key, value = config.codecs(head_dim)
+    per_token = cache_bytes_per_token(layout, key.code_size, value.code_size, 4096, 4, 32, 16)
+    assert 2 * head_dim * 2 / per_token >= ratio
+    split = split_budget(config, 1 << 26, head_dim, 2, 4, 8)
+    assert split.spec == spec.spec
+
+
+@pytest.mark.parametrize("text, message", [("bytes=100", "ratio=R"), ("ratio=40", "no shipped code fits"),
+                                           ("ratio=0.5", "ratio must be > 1"), ("ratio=6,keys=coarser", "keys=finer")])
+def test_a_bad_budget_fails_before_any_model_in_one_line(monkeypatch, text, message):
+    monkeypatch.setenv(ENV_VAR, text)
+    with pytest.raises(ValueError, match=message) as caught:
+        active_config().check_rates()
+    assert str(caught.value).startswith(f"{ENV_VAR}=") and "\n" not in str(caught.value)

@@ -142,11 +142,24 @@ def reference_bytes_per_token(layout: dict) -> float:
     return len(layout["windows"]) * layout["heads"] * (layout["key_dim"] + layout["value_dim"]) * REFERENCE_ELEMENT_BYTES
 
 
+def head_layout(head_dim: int) -> dict:
+    """The layout of one full-attention layer with one KV head of `head_dim` in a 16-bit dtype: what a ratio
+    budget needs where the model is not known yet (a ratio does not depend on the layer and head counts when
+    every layer is full attention; the vLLM switch)."""
+    return {"windows": [None], "heads": 1, "key_dim": head_dim, "value_dim": head_dim,
+            "element_bytes": REFERENCE_ELEMENT_BYTES}
+
+
 def candidates(model, budget: Budget, sink_tokens: int = 4, recent_tokens: int = 32,
                encode_batch: int = 16) -> list[dict]:
     """The table's rows of the budget's kind (keys finer or one code) shipped at the model's sizes, each with
     its `bytes_per_token` on this model at the budget's context and whether it `fits`."""
-    layout = model_layout(model)
+    return layout_candidates(model_layout(model), budget, sink_tokens, recent_tokens, encode_batch)
+
+
+def layout_candidates(layout: dict, budget: Budget, sink_tokens: int = 4, recent_tokens: int = 32,
+                      encode_batch: int = 16) -> list[dict]:
+    """`candidates` for a `model_layout` / `head_layout` dict."""
     limit = budget.bytes_per_token or reference_bytes_per_token(layout) / budget.ratio
     rows = []
     for row in code_table()["rows"]:
@@ -172,7 +185,13 @@ def choose_code(model, ratio: Optional[float] = None, bytes_per_token: Optional[
 
 def choose(model, budget: Budget, sink_tokens: int = 4, recent_tokens: int = 32, encode_batch: int = 16) -> str:
     """`choose_code` for a `Budget`."""
-    rows = candidates(model, budget, sink_tokens, recent_tokens, encode_batch)
+    return choose_in_layout(model_layout(model), budget, sink_tokens, recent_tokens, encode_batch)
+
+
+def choose_in_layout(layout: dict, budget: Budget, sink_tokens: int = 4, recent_tokens: int = 32,
+                     encode_batch: int = 16) -> str:
+    """`choose` for a `model_layout` / `head_layout` dict."""
+    rows = layout_candidates(layout, budget, sink_tokens, recent_tokens, encode_batch)
     fitting = [row for row in rows if row["fits"]]
     if not fitting:
         smallest = min((row["bytes_per_token"] for row in rows), default=None)

@@ -101,3 +101,33 @@ def test_softcap_runs_through_every_one_token_step(monkeypatch, family):
         torch.testing.assert_close(fast, decode_all_attention(query, kv, bias, 0.125, sink, cap), rtol=1e-4,
                                    atol=1e-5)
     assert len(calls) == 2
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_one_token_steps_with_more_exact_than_coded_columns_keep_the_heap_whole(family):
+    """More exact columns (4 sinks + 32 recent + the new token) than coded ones: the softmax's vectorised exps
+    of the exact row once wrote past a scratch sized for the coded tokens and corrupted the heap (glibc then
+    aborts the process). Run in a child process, 20 steps, each equal to the torch path."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = f"""
+import torch
+import test_epilogue as t
+from _kv_helpers import fast_and_torch_paths, filled_coded_layer
+codecs, module, name = t.FAMILIES[{family!r}]
+layer, generator = filled_coded_layer(*codecs(), 1, 2, 40, sinks=4, recent=32)
+for _ in range(20):
+    kv, _ = layer.update(torch.randn(1, 2, 1, t.DIM, generator=generator), torch.randn(1, 2, 1, t.DIM, generator=generator))
+    assert 0 < kv.num_coded < kv.length - kv.num_coded, (kv.num_coded, kv.length)
+    fast, slow = fast_and_torch_paths(torch.randn(1, 6, 1, t.DIM, generator=generator), kv, None, 0.125)
+    torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-5)
+print("ok")
+"""
+    here = Path(__file__).resolve().parent
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(here), str(here.parents[1]), str(here.parents[2] / "src")]),
+               MALLOC_CHECK_="3", OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]

@@ -60,7 +60,7 @@ def split_budget(config: VllmCacheConfig, budget: int, head_dim: int, kv_heads: 
     per_token = layers * kv_heads * config.slot_bytes(head_dim)
     bf16_per_token = layers * kv_heads * head_dim * 2 * element_bytes
     key, value = config.codecs(head_dim)
-    return BudgetSplit(config.cache.spec, budget, window, pages, pages // (per_token * block) * block,
+    return BudgetSplit(config.spec_for(head_dim).spec, budget, window, pages, pages // (per_token * block) * block,
                        budget // (bf16_per_token * block) * block, key.code_size * 8 / head_dim,
                        value.code_size * 8 / head_dim, sequences)
 

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 from fibquant.kv.options import DEFAULT_OPTIONS, AttentionOptions
 
 if TYPE_CHECKING:
+    from fibquant.kv.budget import Budget
     from fibquant.kv.specs import CacheSpec
 
 ENV_VAR = "FIBQUANT_VLLM_CACHE"
@@ -46,21 +47,29 @@ DEFERRED_STEPS = 16
 
 @dataclass(frozen=True)
 class VllmCacheConfig:
-    """A cache spec of our own codecs (`fibquant.kv.specs`), the exact window (sink and recent tokens)
-    and the attention options (validated on construction)."""
+    """A cache spec of our own codecs (`fibquant.kv.specs`) or a ratio budget (`fibquant.kv.budget`: the best
+    shipped code within it, chosen per head dimension), the exact window (sink and recent tokens) and the
+    attention options (validated on construction)."""
 
-    cache: "CacheSpec"
+    cache: "CacheSpec | Budget"
     sink_tokens: int = DEFAULT_SINK_TOKENS
     recent_tokens: int = DEFAULT_RECENT_TOKENS
     options: AttentionOptions = DEFAULT_OPTIONS
 
     def __post_init__(self) -> None:
+        from fibquant.kv.budget import Budget
+
         for name, value, var in (("sink", self.sink_tokens, SINKS_ENV_VAR),
                                  ("recent", self.recent_tokens, RECENT_ENV_VAR)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{var}: {name} tokens must be an integer >= 0, got {value!r}")
         if not isinstance(self.options, AttentionOptions):
             raise ValueError(f"options must be a fibquant.kv.options.AttentionOptions, got {self.options!r}")
+        if isinstance(self.cache, Budget):
+            if self.cache.bytes_per_token is not None:
+                raise ValueError(f"{ENV_VAR}={self.cache.spec!r}: a bytes= budget depends on the model's layers and "
+                                 "heads; the vLLM switch takes ratio=R (a ratio against bf16 pages)")
+            return
         if self.cache.is_fp or self.cache.uses_peer:
             raise ValueError(f"{ENV_VAR}={self.cache.spec!r}: the pages need one of our calibration-free codecs "
                              "on both sides, e.g. fibquant:b=4 or turboquant:b=3")
@@ -71,31 +80,45 @@ class VllmCacheConfig:
     @classmethod
     def parse(cls, text: str, sink_tokens: int = DEFAULT_SINK_TOKENS, recent_tokens: int = DEFAULT_RECENT_TOKENS,
               options: AttentionOptions = DEFAULT_OPTIONS) -> "VllmCacheConfig":
-        """SPEC or KEY_SPEC/VALUE_SPEC, as every cache spec of the project."""
+        """SPEC or KEY_SPEC/VALUE_SPEC, as every cache spec of the project, or a budget `ratio=R[,context=N]`."""
+        from fibquant.kv.budget import is_budget, parse_budget
         from fibquant.kv.specs import parse_cache_spec
 
         try:
-            cache = parse_cache_spec(text)
+            cache = parse_budget(text) if is_budget(text) else parse_cache_spec(text)
         except ValueError as exc:
             raise ValueError(f"{ENV_VAR}={text!r}: {exc}") from exc
         return cls(cache, sink_tokens, recent_tokens, options)
 
-    @property
-    def key_spec(self) -> str:
-        return self.cache.key.spec
-
-    @property
-    def value_spec(self) -> str:
-        return self.cache.value.spec
+    def spec_for(self, head_dim: int) -> "CacheSpec":
+        """The cache spec served at `head_dim`: the spec itself, or the budget's choice (ValueError, one line
+        naming the variable, when no shipped code fits)."""
+        try:
+            return self._spec_for(head_dim)
+        except ValueError as exc:
+            raise ValueError(f"{ENV_VAR}={self.cache.spec!r}: {_one_line(exc)}") from exc
 
     def codecs(self, head_dim: int):
         """(key codec, value codec) for `head_dim`, shared by every layer of the process (ValueError,
         one line naming the variable, when a side has no codec for that head dimension)."""
         try:
-            return _codec(self.key_spec, head_dim), _codec(self.value_spec, head_dim)
+            return self._codecs(head_dim)
         except ValueError as exc:
             raise ValueError(f"{ENV_VAR}={self.cache.spec!r}: no codec for head dimension {head_dim}: "
                              f"{_one_line(exc)}") from exc
+
+    def _spec_for(self, head_dim: int) -> "CacheSpec":
+        from fibquant.kv.budget import Budget, choose_in_layout, head_layout
+        from fibquant.kv.specs import parse_cache_spec
+
+        if not isinstance(self.cache, Budget):
+            return self.cache
+        return parse_cache_spec(choose_in_layout(head_layout(head_dim), self.cache, self.sink_tokens,
+                                                 self.recent_tokens, max(1, self.deferred_steps)))
+
+    def _codecs(self, head_dim: int):
+        spec = self._spec_for(head_dim)
+        return _codec(spec.key.spec, head_dim), _codec(spec.value.spec, head_dim)
 
     def check_rates(self, head_dims: tuple[int, ...] = COMMON_HEAD_DIMS) -> None:
         """ValueError (one line naming the variable) unless both sides build for at least one of
@@ -104,7 +127,7 @@ class VllmCacheConfig:
         errors = {}
         for dim in head_dims:
             try:
-                _codec(self.key_spec, dim), _codec(self.value_spec, dim)
+                self._codecs(dim)
                 return
             except ValueError as exc:
                 errors[dim] = _one_line(exc)

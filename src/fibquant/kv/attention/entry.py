@@ -378,7 +378,7 @@ def _attend_decode_numba(query: torch.Tensor, kv: CodedKV, epilogue: Epilogue, p
             lanes, key_norms, value_norms)
     coded = key_codes.shape[2]
     bad = run_split(_KERNEL, args, batch * key_codes.shape[1], coded * (keys[4] + values[4]), _MIN_WORK_PER_THREAD,
-                    "fibquant-decode", per_thread=lambda t: _scratch(t, sizes, lanes, coded))
+                    "fibquant-decode", per_thread=lambda t: _scratch(t, sizes, lanes, max(coded, kv.length - coded)))
     if bad:
         raise ValueError(f"codes hold {bad} index(es) >= N (index_bits={keys[3]} / {values[3]})")
     out = torch.from_numpy(out_np)

@@ -152,7 +152,7 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_stages, valu
     acc_s = np.empty((vk, value_blocks * lanes), dtype=np.float32)
     coded = np.empty((lanes, max(n_tokens, 1)), dtype=np.float32)
     norms = np.empty(max(n_tokens, 1), dtype=np.float32)
-    ibits = np.empty(max(n_tokens, 1), dtype=np.int32)
+    ibits = np.empty(max(n_tokens, n_exact, 1), dtype=np.int32)  # the softmax's exps: coded and exact columns
 
     scaled = np.empty((groups, dim), dtype=np.float32)
     rotated = np.empty(dim, dtype=np.float32)

@@ -321,7 +321,7 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_codes, value
     has_bias, has_sinks, has_norms = (flags & 4) != 0, (flags & 8) != 0, (flags & 16) != 0
     coded = np.empty((groups, max(n_tokens, 1)), dtype=np.float32)
     norms = np.empty(max(n_tokens, 1), dtype=np.float32)
-    ibits = np.empty(max(n_tokens, 1), dtype=np.int32)
+    ibits = np.empty(max(n_tokens, n_exact, 1), dtype=np.int32)  # the softmax's exps: coded and exact columns
     scaled = np.empty((groups, dim), dtype=np.float32)
     rq = np.empty((groups, dim), dtype=np.float32)
     acc = np.empty((groups, value_dim), dtype=np.float32)

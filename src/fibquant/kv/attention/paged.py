@@ -243,7 +243,8 @@ def run_paged_kernel(kernel, plans: PagedPlan, query, scaling: float, pages, tab
             new_values, sinks, out,
             flags | _gather_flags(options), *plans.scalars)
     return run_split(kernel, args, batch * kv_heads, longest * (keys[4] + values[4]), _MIN_WORK_PER_THREAD,
-                     "fibquant-paged", per_thread=lambda t: _scratch(t, sizes, lanes, longest))
+                     "fibquant-paged",  # token arrays: the coded columns, and the exact ones' exps (ibits)
+                     per_thread=lambda t: _scratch(t, sizes, lanes, max(longest, exact_keys.shape[2] + new_keys.shape[2])))
 
 
 def _gather_flags(options: AttentionOptions) -> int:
