@@ -228,14 +228,14 @@ def _prefix_caching() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _load_kernels(key_codec, value_codec, kv_heads: int) -> None:
+def _load_kernels(key_codec, value_codec, kv_heads: int, paged_numba: bool) -> None:
     """Load the numba kernels a forward runs (from the disk cache, or compiled), once per process and
     codec pair, while the engine starts: the codecs' encode (their nearest-codeword search) and the
     paged decode kernels. Otherwise a restarted server's first request pays for it (about 2 s here)."""
     sample = torch.randn((2, kv_heads, key_codec.dim), generator=torch.Generator().manual_seed(0))
     for codec in {id(key_codec): key_codec, id(value_codec): value_codec}.values():
         codec.encode(sample.to(torch.bfloat16))
-    if PAGED_NUMBA_DECODE:
+    if paged_numba:  # AttentionOptions.paged_numba_decode
         paged_kernel(True, True)
         paged_kernel(False, False)
 
@@ -278,7 +278,7 @@ class FibQuantAttentionImpl(AttentionImpl):
         self.deferred = DeferredCodes(config.deferred_steps)
         self._paged_plans = paged_plans(self.key_codec, self.value_codec, self.num_heads, self.num_kv_heads)
         self._host_pages = None  # (kv_cache, its pages as a numpy view), kept while vLLM passes the same cache
-        _load_kernels(self.key_codec, self.value_codec, self.num_kv_heads)
+        _load_kernels(self.key_codec, self.value_codec, self.num_kv_heads, self.options.paged_numba_decode)
 
     def _pages(self, kv_cache: torch.Tensor) -> torch.Tensor:
         """The layer's cache as bytes, logical [num_blocks, num_kv_heads, block_size, slot_bytes] (any strides)."""
