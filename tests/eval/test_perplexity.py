@@ -8,6 +8,7 @@ import torch
 from _kv_helpers import REAL_PROMPT, real_model, tiny_llama
 from transformers import DynamicCache
 
+from fibquant.kv.attention.switch import attention_on_codes
 from fibquant.kv.model import cache_kwarg
 from fibquant.codecs.integer import IntCodec
 from fibquant.codecs.registry import CodecSpec
@@ -78,8 +79,9 @@ def test_real_model_compressed_generation_and_short_perplexity(request):
     model, tokenizer = real_model(request)
     inputs = tokenizer(REAL_PROMPT, return_tensors="pt")
     cache = CompressedCache.for_model(model, IntCodec(64, 3), IntCodec(64, 3), encode_batch=1)
-    generated = model.generate(**inputs, **cache_kwarg(model, cache), max_new_tokens=8, do_sample=False,
-                               pad_token_id=tokenizer.eos_token_id)
+    with attention_on_codes(model):
+        generated = model.generate(**inputs, **cache_kwarg(model, cache), max_new_tokens=8, do_sample=False,
+                                   pad_token_id=tokenizer.eos_token_id)
     assert generated.shape[1] == inputs.input_ids.shape[1] + 8
     tokens = cache.get_seq_length()
     assert tokens == generated.shape[1] - 1  # the last generated token is never fed back

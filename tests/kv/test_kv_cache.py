@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import DynamicCache, LlamaConfig
 
+from fibquant.kv.attention.switch import attention_on_codes
 from fibquant.kv.model import cache_kwarg
 from fibquant.codecs.integer import IntCodec
 from fibquant.kv.cache import CompressedCache, CompressedLayer
@@ -245,7 +246,8 @@ def test_int8_greedy_generate_equals_uncompressed_on_real_model(request):
     reference = model.generate(**inputs, **kwargs)
     cache = CompressedCache.for_model(model, IntCodec(64, 8), IntCodec(64, 8), sink_tokens=4, recent_tokens=32,
                                       encode_batch=1)
-    compressed = model.generate(**inputs, **cache_kwarg(model, cache), **kwargs)
+    with attention_on_codes(model):
+        compressed = model.generate(**inputs, **cache_kwarg(model, cache), **kwargs)
     assert torch.equal(compressed, reference), tokenizer.decode(compressed[0]) + " | " + tokenizer.decode(reference[0])
     assert cache.layers[0].num_coded > 0
     assert len(cache.layers) == 30

@@ -1,6 +1,8 @@
 """The attention kernels' disk cache follows every kernel source (kv/attention/jit.py), intrinsics included."""
 from __future__ import annotations
 
+import os
+
 import re
 from pathlib import Path
 
@@ -49,7 +51,7 @@ def test_kernel_compiles_caches_and_loads():
 
     scores, _ = _kernels()
     assert scores.signatures and isinstance(scores._cache, fq_numba._tracking_cache_class(
-        fq_numba.sources_digest(jit.KERNEL_SOURCES)))
+        fq_numba.sources_digest(jit.KERNEL_SOURCES), os.fspath(fq_numba.kernel_cache_dir())))
     assert list(Path(scores.stats.cache_path).glob("numba_kernels._scores_py-*.nbi"))
     fresh = jit.kernel_jit(numba_kernels.SIGNATURE, nogil=True)(numba_kernels._scores_py)  # as a new process
     assert fresh.stats.cache_hits and not fresh.stats.cache_misses

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from _kv_helpers import REAL_PROMPT, real_model
+from fibquant.kv.attention.switch import attention_on_codes
 from fibquant.kv.model import cache_kwarg
 from fibquant.codecs.fibquant import FibQuantCodec
 from fibquant.kv.cache import CompressedCache
@@ -25,8 +26,9 @@ def test_real_model_resume_is_identical(model_tok, tmp_path):
     codec = FibQuantCodec.for_rate(64, 2.0)
     ids = tokenizer(REAL_PROMPT, return_tensors="pt").input_ids
     cache = CompressedCache.for_model(model, codec, codec, 4, 32)
-    reference = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **cache_kwarg(model, cache),
-                               do_sample=False, max_new_tokens=40, output_scores=True, return_dict_in_generate=True)
+    with attention_on_codes(model):
+        reference = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **cache_kwarg(model, cache),
+                                   do_sample=False, max_new_tokens=40, output_scores=True, return_dict_in_generate=True)
     first = generate_persistent(model, ids, tmp_path / "c", codec, codec, max_new_tokens=20, checkpoint_every=8)
     assert torch.equal(first[0], reference.sequences[0, : ids.shape[1] + 20])
     with PersistentCache.open(tmp_path / "c", model=model) as store:
