@@ -248,6 +248,9 @@ class CodedKV:
     # [B, H, m] (key, value; decoded once per row): the fused CPU decode kernel reads them instead of
     # converting six tensors and decoding every norm per layer and step. None: it converts the tensors.
     arrays: Optional[tuple] = field(default=None, repr=False, compare=False)
+    # The layer's cold tier (`fibquant.kv.cold.ColdStore`, with recall on): the exact rows of the coded
+    # tokens, of which attention on the codes recalls the top-k per query (`fibquant.kv.attention.recall`).
+    cold: Optional[object] = field(default=None, repr=False, compare=False)
 
     @classmethod
     def of_tensors(cls, keys: torch.Tensor, values: torch.Tensor) -> "CodedKV":

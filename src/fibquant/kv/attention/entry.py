@@ -51,6 +51,7 @@ from fibquant.kv.buffer import CodedKV
 from fibquant.kv.attention.host_arrays import code_rows, f32, rows32
 from fibquant.kv.attention.kernels import (_MIN_WORK_PER_THREAD, attention_with_lse, coded_decode_attention,
                                        coded_scores, coded_weighted_sum, merge_lse, triton_available)
+from fibquant.kv.attention.recall import check_recall, recalled_part
 
 ATTENTION_NAME = "fibquant"
 QUERY_ROWS_PER_BLOCK = 2048      # query rows (query heads x tokens) per KV head scored at once
@@ -178,6 +179,9 @@ def attend_codes(query: torch.Tensor, kv: CodedKV, attention_mask: torch.Tensor 
     heads = kv.new_keys.shape[1]
     if q_heads % heads:
         raise ValueError(f"{q_heads} query heads are not a multiple of {heads} KV heads")
+    if kv.cold is not None and kv.num_coded:  # recall (kv/attention/recall.py): through the split path
+        check_recall(softcap)
+        return _attend_split(query, kv, attention_mask, scaling, sinks, window)
     if tokens == 1 and softcap is None:
         plans = _decode_plans(query, kv)
         if plans is not None:
@@ -475,7 +479,7 @@ def _attend_split(query: torch.Tensor, kv: CodedKV, attention_mask, scaling: flo
 
 def _fused(kv: CodedKV, device: torch.device) -> bool:
     """Whether the coded columns of `kv` go through the fused Triton kernel (FUSED_CODED_BACKEND)."""
-    if FUSED_CODED_BACKEND == "off" or not kv.num_coded:
+    if FUSED_CODED_BACKEND == "off" or not kv.num_coded or kv.cold is not None:
         return False
     if FUSED_CODED_BACKEND == "auto" and (device.type != "cuda" or not triton_available()):
         return False
@@ -511,6 +515,8 @@ def _coded_part(block: torch.Tensor, kv: CodedKV, bias: torch.Tensor, scaling: f
     scores = _scores_from_codes(kv.key_codec, rows, kv.key_codes)
     if kv.key_mean is not None:
         scores = scores + rows @ kv.key_mean.unsqueeze(-1)
+    if kv.cold is not None:  # recall: the top-k coded columns of each query read exactly
+        return recalled_part(rows, scores, bias, kv, groups, width, _values_from_codes)
     shaped = scores.view(batch, heads, groups, width, -1)
     if bias.shape[1] == 1:
         shaped += bias.unsqueeze(1)
