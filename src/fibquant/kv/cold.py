@@ -113,7 +113,7 @@ class _Rows:
     """One role's rows [capacity, B, H, D] in host memory (a tensor) or a memory-mapped file."""
 
     def __init__(self, shape: tuple, dtype: torch.dtype, pinned: bool, path: Optional[str]):
-        self.shape, self.dtype, self.pinned, self.path = shape, dtype, pinned, path
+        self.shape, self.dtype, self.pinned, self.path, self.generation = shape, dtype, pinned, path, 0
         if path is not None:
             open(path, "wb").close()
         self.data = self._allocate(0)
@@ -138,8 +138,14 @@ class _Rows:
             self.data = self._allocate(capacity)
 
     def replace(self, rows: torch.Tensor) -> None:
-        """Set the rows to `rows` [n, B, H, D] (batch edits change B)."""
+        """Set the rows to `rows` [n, B, H, D] (batch edits change B). A disk store writes a new file and
+        unlinks the old one (a file is never shrunk under a mapping: a view taken before stays readable)."""
         self.shape = tuple(rows.shape[1:])
+        if self.path is not None:
+            old, self.generation = self.path, self.generation + 1
+            self.path = f"{old.rsplit('~', 1)[0]}~{self.generation}"
+            open(self.path, "wb").close()
+            os.remove(old)
         self.data = self._allocate(rows.shape[0])
         self.data[:] = rows
 
