@@ -58,30 +58,60 @@ def recalled_part(rows: torch.Tensor, scores: torch.Tensor, bias: torch.Tensor, 
     _add_bias(scores, bias, groups, width)
     k = kv.cold.recall.count(coded)
     if k:
-        chosen, index = pick(scores, k)
-        exact_keys, exact_values = (t.to(torch.float32) for t in kv.cold.fetch(index))
-        spread = index.unsqueeze(2).expand(batch, heads, n_rows, index.shape[-1])
-        exact = torch.full_like(scores, float("-inf")).scatter_(-1, spread, rows @ exact_keys.transpose(-1, -2))
-        biased = torch.zeros_like(scores)
-        _add_bias(biased, bias, groups, width)
-        scores = torch.where(chosen, exact + biased, scores)
-    peak = scores.amax(dim=-1, keepdim=True)
-    peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
+        picked, exact_values = _recall(rows, scores, bias, kv.cold, k, groups, width)
+    peak = scores.amax(dim=-1, keepdim=True).clamp_min_(torch.finfo(scores.dtype).min)  # all masked: finite
     weights = scores.sub_(peak).exp_()
     total = weights.sum(dim=-1, keepdim=True)
     lse = peak + torch.log(total)
     if k:
-        exact_weights = weights.gather(-1, spread) * chosen.gather(-1, spread)
-        weights = weights.masked_fill_(chosen, 0.0)
+        columns, exact_of_row = picked
+        gathered = weights.gather(-1, columns)
+        exact_weights = gathered if exact_of_row is None else gathered * exact_of_row
+        weights.scatter_(-1, columns, gathered - exact_weights)  # picked columns count through exact rows only
     mixed = values_of(kv.value_codec, weights, kv.value_codes)
     if kv.value_mean is not None:  # the mean is added back to coded values only
         mixed += weights.sum(dim=-1, keepdim=True) * kv.value_mean.unsqueeze(-2)
     if k:
-        mixed += exact_weights @ exact_values
+        if exact_values.ndim == 5:  # each row its own exact rows
+            mixed += (exact_weights.unsqueeze(-2) @ exact_values).squeeze(-2)
+        else:
+            mixed += exact_weights @ exact_values
     mixed /= torch.where(total > 0, total, torch.ones_like(total))
     value_dim = mixed.shape[-1]
     return (mixed.view(batch, heads, groups, width, value_dim).reshape(batch, heads * groups, width, value_dim),
             lse.view(batch, heads * groups, width))
+
+
+def _bias_at(bias: torch.Tensor, columns: torch.Tensor, groups: int, width: int) -> torch.Tensor:
+    """The additive bias [B|1, Hq|1, t, M] at `columns` (long [B, H, G*t, j]) -> [B, H, G*t, j]."""
+    batch, heads, n_rows, count = columns.shape
+    shaped = bias.unsqueeze(1) if bias.shape[1] == 1 else bias.view(bias.shape[0], heads, groups, width, -1)
+    shaped = shaped.expand(batch, heads, groups, width, shaped.shape[-1])
+    return shaped.gather(-1, columns.view(batch, heads, groups, width, count)).view(batch, heads, n_rows, count)
+
+
+def _recall(rows: torch.Tensor, scores: torch.Tensor, bias: torch.Tensor, cold, k: int, groups: int, width: int):
+    """Swap each row's top-k coded scores (biased, in `scores`) for exact ones (+ bias), in place. Returns
+    ((columns long [B, H, R, j], exact_of_row: None when every one of a row's `columns` is now exact, else
+    bool [B, H, R, j]: which are), exact values [B, H, R, k, Dv] (a row's own) or [B, H, j, Dv] (shared)).
+
+    A block of few rows (R * k <= M, e.g. a decode step) reads each row's k rows (j = k); a larger block
+    reads the union of its rows' picks once per head (j = the widest union, `pick`)."""
+    batch, heads, n_rows, coded = scores.shape
+    if n_rows * k <= coded:
+        top = scores.topk(k, dim=-1, sorted=False).indices  # [B, H, R, k]
+        keys, values = cold.fetch(top.reshape(batch, heads, n_rows * k))
+        keys = keys.to(torch.float32).view(batch, heads, n_rows, k, -1)
+        exact = (keys @ rows.unsqueeze(-1)).squeeze(-1) + _bias_at(bias, top, groups, width)
+        scores.scatter_(-1, top, exact)
+        return (top, None), values.to(torch.float32).view(batch, heads, n_rows, k, -1)
+    chosen, index = pick(scores, k)
+    keys, values = (t.to(torch.float32) for t in cold.fetch(index))
+    columns = index.unsqueeze(2).expand(batch, heads, n_rows, index.shape[-1])
+    exact = rows @ keys.transpose(-1, -2) + _bias_at(bias, columns, groups, width)
+    exact_of_row = chosen.gather(-1, columns)
+    scores.scatter_(-1, columns, torch.where(exact_of_row, exact, scores.gather(-1, columns)))
+    return (columns, exact_of_row), values
 
 
 def check_recall(softcap: Optional[float]) -> None:
