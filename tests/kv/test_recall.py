@@ -267,3 +267,18 @@ def test_recall_on_disk_through_a_model_and_batch_edits(tmp_path):
     with pytest.raises(ValueError, match="sets recall already"):
         CompressedCache.for_model(model, "fibquant:b=2@recall=4", recall=recall)
     assert math.isfinite(cache.cold_bytes_per_token())
+
+
+@pytest.mark.parametrize("k", [1, 7, 32, 50])
+def test_row_topk_picks_the_columns_of_torch_topk(k):
+    from fibquant.kv.attention.numba_recall import row_topk
+
+    scores = torch.randn(2, 3, 4, 50, generator=torch.Generator().manual_seed(k))
+    scores[0, 0, 0, 10:] = float("-inf")  # fewer visible columns than k: the masked ones fill the rest
+    got = row_topk(scores, k)
+    assert got.shape == (2, 3, 4, k)
+    assert torch.equal(got.sort(-1).values[1:], scores.topk(k, -1).indices.sort(-1).values[1:])
+    chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, got, True)
+    assert bool((chosen.sum(-1) == k).all())  # k distinct columns per row
+    assert torch.equal(scores.masked_fill(~chosen, float("inf")).amin(-1),
+                       scores.topk(k, -1).values[..., -1])  # the k-th largest is the smallest picked

@@ -194,11 +194,12 @@ class ColdStore:
         if index.numel() and int(index.max()) >= self.used:
             raise ValueError(f"cold store holds {self.used} tokens; asked for row {int(index.max())}")
         index = index.to("cpu", torch.long)
-        batch, heads = index.shape[:2]
-        rows_b = torch.arange(batch).view(batch, 1, 1)
-        rows_h = torch.arange(heads).view(1, heads, 1)
-        keys = self.keys.data[index, rows_b, rows_h]
-        values = self.values.data[index, rows_b, rows_h]
+        batch, heads, count = index.shape
+        # row (token t, batch b, head h) of the flat [capacity * B * H, D] rows: (t * B + b) * H + h
+        offsets = (torch.arange(batch).view(batch, 1, 1) * heads + torch.arange(heads).view(1, heads, 1))
+        flat = (index * (batch * heads) + offsets).reshape(-1)
+        keys = self.keys.data.view(-1, self.keys.shape[-1]).index_select(0, flat).view(batch, heads, count, -1)
+        values = self.values.data.view(-1, self.values.shape[-1]).index_select(0, flat).view(batch, heads, count, -1)
         self.rows_read += index.numel()
         self.reads += 1
         if self.device.type != "cpu":

@@ -23,6 +23,8 @@ from typing import Callable, Optional
 
 import torch
 
+from fibquant.kv.attention.numba_recall import row_topk
+
 
 def _add_bias(scores: torch.Tensor, bias: torch.Tensor, groups: int, width: int) -> None:
     """scores [B, H, G*t, M] += bias [B|1, Hq|1, t, M] (in place)."""
@@ -55,7 +57,10 @@ def recalled_part(rows: torch.Tensor, scores: torch.Tensor, bias: torch.Tensor, 
     `CodedKV` (with `kv.cold`); values_of(codec, weights [B, H, R, M], codes) -> [B, H, R, Dv] (the coded
     value sums, `entry._values_from_codes`)."""
     batch, heads, n_rows, coded = scores.shape
-    _add_bias(scores, bias, groups, width)
+    if bias.shape[-2] > 1 or bool(bias.any()):  # a decode step without a mask has a zero bias: nothing to add
+        _add_bias(scores, bias, groups, width)
+    else:
+        bias = None
     k = kv.cold.recall.count(coded)
     if k:
         picked, exact_values = _recall(rows, scores, bias, kv.cold, k, groups, width)
@@ -99,16 +104,20 @@ def _recall(rows: torch.Tensor, scores: torch.Tensor, bias: torch.Tensor, cold, 
     reads the union of its rows' picks once per head (j = the widest union, `pick`)."""
     batch, heads, n_rows, coded = scores.shape
     if n_rows * k <= coded:
-        top = scores.topk(k, dim=-1, sorted=False).indices  # [B, H, R, k]
+        top = row_topk(scores, k)  # [B, H, R, k]
         keys, values = cold.fetch(top.reshape(batch, heads, n_rows * k))
         keys = keys.to(torch.float32).view(batch, heads, n_rows, k, -1)
-        exact = (keys @ rows.unsqueeze(-1)).squeeze(-1) + _bias_at(bias, top, groups, width)
+        exact = (keys @ rows.unsqueeze(-1)).squeeze(-1)
+        if bias is not None:
+            exact += _bias_at(bias, top, groups, width)
         scores.scatter_(-1, top, exact)
         return (top, None), values.to(torch.float32).view(batch, heads, n_rows, k, -1)
     chosen, index = pick(scores, k)
     keys, values = (t.to(torch.float32) for t in cold.fetch(index))
     columns = index.unsqueeze(2).expand(batch, heads, n_rows, index.shape[-1])
-    exact = rows @ keys.transpose(-1, -2) + _bias_at(bias, columns, groups, width)
+    exact = rows @ keys.transpose(-1, -2)
+    if bias is not None:
+        exact += _bias_at(bias, columns, groups, width)
     exact_of_row = chosen.gather(-1, columns)
     scores.scatter_(-1, columns, torch.where(exact_of_row, exact, scores.gather(-1, columns)))
     return (columns, exact_of_row), values
