@@ -282,3 +282,25 @@ def test_row_topk_picks_the_columns_of_torch_topk(k):
     assert bool((chosen.sum(-1) == k).all())  # k distinct columns per row
     assert torch.equal(scores.masked_fill(~chosen, float("inf")).amin(-1),
                        scores.topk(k, -1).values[..., -1])  # the k-th largest is the smallest picked
+
+
+@pytest.mark.parametrize("recall", [Recall(tokens=7), Recall(fraction=1.0), Recall(tokens=0)])
+@pytest.mark.parametrize("centre", [False, True])
+def test_fused_one_token_recall_equals_the_torch_path(monkeypatch, recall, centre):
+    """A decode step with recall through the fused numba kernel (numba_decode) equals the torch split path
+    and the reference, with a padding mask too; the rows it reads are counted."""
+    from _kv_helpers import fast_and_torch_paths
+
+    pytest.importorskip("numba", reason="numba absent: the fused one-token kernel does not run")
+    cache, kv, query, _, _ = _coded_kv(recall, tokens=1, centre=centre)
+    before = kv.cold.rows_read
+    fast, slow = fast_and_torch_paths(monkeypatch, query, kv, None, DIM ** -0.5)
+    torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(fast, recall_reference(query, kv, DIM ** -0.5), rtol=1e-4, atol=1e-5)
+    k = recall.count(kv.num_coded)
+    # the fused step reads k rows per query head (6), the torch path as many again (per-row reads) or the union
+    assert kv.cold.rows_read - before >= 6 * k and (k or kv.cold.rows_read == before)
+    mask = torch.ones(1, 1, 1, kv.length, dtype=torch.bool)
+    mask[..., 4:40] = False  # the first coded tokens hidden: never recalled
+    fast, slow = fast_and_torch_paths(monkeypatch, query, kv, mask, DIM ** -0.5)
+    torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-5)

@@ -206,6 +206,11 @@ class ColdStore:
             keys, values = keys.to(self.device, non_blocking=True), values.to(self.device, non_blocking=True)
         return keys, values
 
+    def count_reads(self, rows: int) -> None:
+        """Count `rows` rows read by a kernel that reads the store's memory itself (the fused decode step)."""
+        self.rows_read += rows
+        self.reads += 1
+
     def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every stored row: keys [B, H, used, Dk], values [B, H, used, Dv] (views, host side)."""
         return (self.keys.data[: self.used].permute(1, 2, 0, 3), self.values.data[: self.used].permute(1, 2, 0, 3))

@@ -51,7 +51,7 @@ from fibquant.kv.buffer import CodedKV
 from fibquant.kv.attention.host_arrays import code_rows, f32, rows32
 from fibquant.kv.attention.kernels import (_MIN_WORK_PER_THREAD, attention_with_lse, coded_decode_attention,
                                        coded_scores, coded_weighted_sum, merge_lse, triton_available)
-from fibquant.kv.attention.recall import check_recall, recalled_part
+from fibquant.kv.attention.recall import check_recall, cold_rows, recalled_part
 
 ATTENTION_NAME = "fibquant"
 QUERY_ROWS_PER_BLOCK = 2048      # query rows (query heads x tokens) per KV head scored at once
@@ -179,8 +179,11 @@ def attend_codes(query: torch.Tensor, kv: CodedKV, attention_mask: torch.Tensor 
     heads = kv.new_keys.shape[1]
     if q_heads % heads:
         raise ValueError(f"{q_heads} query heads are not a multiple of {heads} KV heads")
-    if kv.cold is not None and kv.num_coded:  # recall (kv/attention/recall.py): through the split path
+    if kv.cold is not None and kv.num_coded:  # recall (kv/attention/recall.py)
         check_recall(softcap)
+        plans = _decode_plans(query, kv) if tokens == 1 and cold_rows(kv.cold) is not None else None
+        if plans is not None:  # the fused one-token kernel reads the cold rows itself
+            return _attend_decode_numba(query, kv, attention_mask, scaling, sinks, window, plans)
         return _attend_split(query, kv, attention_mask, scaling, sinks, window)
     if tokens == 1 and softcap is None:
         plans = _decode_plans(query, kv)
@@ -352,7 +355,8 @@ def _attend_decode_numba(query: torch.Tensor, kv: CodedKV, attention_mask, scali
     keys, values, lanes, sizes = plans
     batch, q_heads = query.shape[:2]
     if _DUMMY is None:
-        _DUMMY = (np.zeros((1, 1, 1), dtype=np.float32), np.zeros(1, dtype=np.float32))
+        _DUMMY = (np.zeros((1, 1, 1), dtype=np.float32), np.zeros(1, dtype=np.float32),
+                  np.zeros((1, 1), dtype=np.float32))
     flags = 0
     key_mean = value_mean = bias_np = _DUMMY[0]
     sinks_np = _DUMMY[1]
@@ -383,10 +387,15 @@ def _attend_decode_numba(query: torch.Tensor, kv: CodedKV, attention_mask, scali
     elif len(arrays) == 8:  # the code rows' norms, decoded once when they were stored
         arrays, (key_norms, value_norms), flags = arrays[:6], arrays[6:], flags | 16
     sink_k, sink_v, key_codes, value_codes, recent_k, recent_v = arrays
+    cold_k, cold_v, recall_k = _DUMMY[2], _DUMMY[2], 0
+    if kv.cold is not None:  # recall: each query head's top-k coded tokens from the cold rows
+        (cold_k, cold_v), recall_k = cold_rows(kv.cold), kv.cold.recall.count(key_codes.shape[2])
+        if recall_k:
+            kv.cold.count_reads(batch * q_heads * recall_k)
     args = (query_np, float(scaling), keys[0], values[1], keys[2], values[2], key_codes, value_codes,
             sink_k, sink_v, recent_k, recent_v, rows32(kv.new_keys), rows32(kv.new_values), key_mean, value_mean,
             bias_np, sinks_np, out_np[:, 0], flags, keys[3], values[3], keys[4], values[4], keys[5], values[5],
-            lanes, key_norms, value_norms)
+            lanes, key_norms, value_norms, cold_k, cold_v, recall_k)
     coded = key_codes.shape[2]
     bad = run_split(_KERNEL, args, batch * key_codes.shape[1], coded * (keys[4] + values[4]), _MIN_WORK_PER_THREAD,
                     "fibquant-decode", per_thread=lambda t: _scratch(t, sizes, lanes, coded))

@@ -8,44 +8,56 @@ in no particular order; the tests hold it to torch.topk.
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
-from fibquant._numba import njit_tracking, numba_available
+from fibquant._numba import numba_available
 
 _KERNEL = None
+_topk_row = None  # _topk_row_py, jitted (bound by `_kernel`)
 
 
-def _topk_py(scores, k, out):
-    """out[r] = the columns of the k largest scores[r] (the first of equal ones)."""
-    rows, columns = scores.shape
-    best = scores[0, :k].copy()
-    for r in range(rows):
-        for j in range(k):
-            best[j] = scores[r, j]
-            out[r, j] = j
-        low = 0
-        for j in range(1, k):
-            if best[j] < best[low]:
-                low = j
-        for c in range(k, columns):
-            value = scores[r, c]
-            if value > best[low]:
-                best[low] = value
-                out[r, low] = c
-                low = 0
-                for j in range(1, k):
-                    if best[j] < best[low]:
-                        low = j
+def _topk_row_py(row, n, k, out, best):
+    """out[:k] = the columns of the k largest of row[:n] (the first of equal ones); best: scratch [>= k]."""
+    for j in range(k):
+        best[j] = row[j]
+        out[j] = j
+    low = 0
+    for j in range(1, k):
+        if best[j] < best[low]:
+            low = j
+    for c in range(k, n):
+        value = row[c]
+        if value > best[low]:
+            best[low] = value
+            out[low] = c
+            low = 0
+            for j in range(1, k):
+                if best[j] < best[low]:
+                    low = j
     return 0
 
 
+def _topk_rows_py(scores, k, out):
+    """out[r] = `_topk_row` of scores[r], every row."""
+    best = np.empty(k, dtype=np.float32)
+    for r in range(scores.shape[0]):
+        _topk_row(scores[r], scores.shape[1], k, out[r], best)
+    return 0
+
+
+np = None  # numpy, bound by `_kernel`
+
+
 def _kernel():
-    global _KERNEL
+    global _KERNEL, _topk_row, np
     if _KERNEL is None:
-        _KERNEL = njit_tracking("int64(float32[:, ::1], int64, int64[:, ::1])", depends_on=(Path(__file__),),
-                                nogil=True)(_topk_py)
+        import numpy
+
+        from fibquant.kv.attention.jit import kernel_jit
+
+        np = numpy
+        _topk_row = kernel_jit(nogil=True)(_topk_row_py)
+        _KERNEL = kernel_jit("int64(float32[:, ::1], int64, int64[:, ::1])", nogil=True)(_topk_rows_py)
     return _KERNEL
 
 

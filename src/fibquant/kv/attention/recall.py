@@ -123,6 +123,14 @@ def _recall(rows: torch.Tensor, scores: torch.Tensor, bias: torch.Tensor, cold, 
     return (columns, exact_of_row), values
 
 
+def cold_rows(cold):
+    """(keys, values) of a cold store as float32 numpy arrays [tokens * B * H, D] (the same memory) for the
+    fused one-token kernel (`numba_decode`), or None when its rows are not float32 on the host."""
+    if cold.dtype is not torch.float32 or cold.device.type != "cpu":
+        return None
+    return tuple(rows.data.view(-1, rows.shape[-1]).numpy() for rows in (cold.keys, cold.values))
+
+
 def check_recall(softcap: Optional[float]) -> None:
     if softcap is not None:
         raise ValueError("recall does not implement logit soft-capping (e.g. Gemma 2): build the cache without "
