@@ -304,3 +304,25 @@ def test_fused_one_token_recall_equals_the_torch_path(monkeypatch, recall, centr
     mask[..., 4:40] = False  # the first coded tokens hidden: never recalled
     fast, slow = fast_and_torch_paths(monkeypatch, query, kv, mask, DIM ** -0.5)
     torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-5)
+    per_head = torch.rand(1, 6, 1, kv.length, generator=torch.Generator().manual_seed(3)) > 0.3
+    per_head[..., -1] = True  # every head sees its own token
+    fast, slow = fast_and_torch_paths(monkeypatch, query, kv, per_head, DIM ** -0.5)
+    torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-5)
+    additive = torch.randn(1, 6, 1, kv.length, generator=torch.Generator().manual_seed(4))  # a float bias
+    fast, slow = fast_and_torch_paths(monkeypatch, query, kv, additive, DIM ** -0.5)
+    torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-5)
+
+
+def test_prefill_chunk_recall_with_a_per_head_mask_matches_decode_steps():
+    """A chunk's union reads under a per-head float mask equal the same rows attended one token at a time
+    (each token as its own one-row block, read per row)."""
+    _, kv, query, _, _ = _coded_kv(Recall(tokens=8), tokens=12)
+    additive = torch.randn(1, 6, 12, kv.length, generator=torch.Generator().manual_seed(5))
+    causal = torch.ones(12, kv.length, dtype=torch.bool).tril(kv.length - 12)
+    bias = additive.masked_fill(~causal, float("-inf"))
+    whole = attend_codes(query, kv, bias, DIM ** -0.5)
+    assert kv.cold.recall.count(kv.num_coded) * 12 * 3 > kv.num_coded  # the chunk takes the union reads
+    for t in range(12):
+        step = dataclasses.replace(kv, new_keys=kv.new_keys[..., :t + 1, :], new_values=kv.new_values[..., :t + 1, :])
+        one = attend_codes(query[:, :, t:t + 1], step, bias[:, :, t:t + 1, :kv.length - 11 + t], DIM ** -0.5)
+        torch.testing.assert_close(one[:, 0], whole[:, t], rtol=1e-4, atol=1e-5)

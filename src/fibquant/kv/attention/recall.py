@@ -6,16 +6,18 @@ columns of one query block are served as follows, per KV head:
 1. the coded scores s_i = q . x_hat_i of every coded token come from the code kernels, as without recall;
 2. each query row (one query head at one token) picks its own top-k coded tokens by those scores (after
    the mask: a masked token is never preferred to a visible one); k = `Recall.count(coded tokens)`;
-3. the union of the rows' picks over the block (the query-head group and the block's tokens) is read
-   from the cold store once (`ColdStore.fetch`, counted there); the picked columns of a row get the exact
-   score q . x_i and the exact value x_i, every other coded column keeps its coded score and coded value;
+3. their exact rows are read from the cold store (`ColdStore.fetch`, counted there): each row's own k rows
+   for a block of few rows (a decode step), the union of the rows' picks once per head for a larger block
+   (a prefill chunk); the picked columns of a row get the exact score q . x_i and the exact value x_i,
+   every other coded column keeps its coded score and coded value;
 4. one softmax over the coded columns (exact-picked and coded alike) gives the part's output and its
    log-sum-exp, which `entry._attend_split` merges with the exact window by log-sum-exp: each token is
    counted once, through its exact row or through its codes, never both.
 
 `recall_reference` is the plain torch spec of the whole attention (decoded codes, exact rows swapped in),
-which the tests hold the implementation to. Limits: no soft-capping (ValueError); the one-token numba
-kernel is bypassed when recall is on (the step goes through the torch split path).
+which the tests hold the implementation to. A one-token step on the CPU with float32 cold rows runs the
+same inside the fused numba kernel (`numba_decode`, `cold_rows`); everything else runs here, through
+`entry._attend_split`. Limits: no soft-capping (ValueError).
 """
 from __future__ import annotations
 
