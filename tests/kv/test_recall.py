@@ -326,3 +326,14 @@ def test_prefill_chunk_recall_with_a_per_head_mask_matches_decode_steps():
         step = dataclasses.replace(kv, new_keys=kv.new_keys[..., :t + 1, :], new_values=kv.new_values[..., :t + 1, :])
         one = attend_codes(query[:, :, t:t + 1], step, bias[:, :, t:t + 1, :kv.length - 11 + t], DIM ** -0.5)
         torch.testing.assert_close(one[:, 0], whole[:, t], rtol=1e-4, atol=1e-5)
+
+
+def test_decode_speed_names_a_recall_cache_and_refuses_other_options():
+    from fibquant.eval.decode_speed.config import parse_cache_name
+
+    spec = parse_cache_name("fibquant:b=2@recall=32")
+    assert spec.name == "fibquant:b=2@recall=32" and spec.recall_option() == Recall(tokens=32)
+    assert spec.method().spec == "fibquant:b=2" and "recall=32" in spec.label
+    assert parse_cache_name("fibquant:b=2").recall_option() is None
+    with pytest.raises(ValueError, match="cannot be timed here"):
+        parse_cache_name("fibquant:b=2@recall=32@centre")
