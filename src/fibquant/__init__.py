@@ -9,7 +9,8 @@ and the heavy framework glue — transformers, model files — loads only when u
 - caches: `CompressedCache` (`CompressedCache.for_model(model, "e8shell:b=2,nc=1")`), `attention_on_codes`
   (the explicit, reversible switch of a model to attention on codes; `AttentionNotOnCodes` without it),
   `choose_code` (budget first: the best shipped code for a ratio or bytes per token), `parse_cache_spec`
-  ("fibquant:b=4/fibquant:b=2", "ratio=6", peers, "@decode"), `build_cache` (any spec: fp, ours, a peer),
+  ("fibquant:b=4/fibquant:b=2", "ratio=6", peers, "@decode", "@recall=32"), `Recall` (exact rows recalled
+  from a cold tier: `for_model(model, code, recall=Recall(tokens=32))`), `build_cache` (any spec: fp, ours, a peer),
   `attend_codes`, `cache_nbytes`, `load_model`, `check_model_supported`, `cache_kwarg`
 - persistence: `PersistentCache`, `save_cache`, `load_cache`, `CacheWriter`,
   `generate_persistent`, `resume_generate`, `find_prefix`, `prefill_with_prefix`
@@ -39,6 +40,7 @@ _AREAS = {
     },
     "caches": {
         "fibquant.kv.cache": ("CompressedCache",),
+        "fibquant.kv.cold": ("Recall",),
         "fibquant.kv.specs": ("parse_cache_spec",),
         "fibquant.kv.budget": ("choose_code",),
         "fibquant.kv.build": ("build_cache",),

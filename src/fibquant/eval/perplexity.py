@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from fibquant.codecs.registry import CodecSpec, codec_classes, is_reference, plot_style
 from fibquant.eval.report import Experiment, figure, target
-from fibquant.kv.accounting import cache_nbytes
+from fibquant.kv.accounting import cache_nbytes, cold_nbytes, cold_reads
 from fibquant.kv.build import build_cache
 from fibquant.kv.model import cache_kwarg, check_model_supported
 from fibquant.kv.attention.switch import attention_on_codes
@@ -148,6 +148,7 @@ def run_perplexity(model, tokenizer, caches: list, config: PerplexityConfig = Pe
         # The uncompressed model's distribution: an fp row's own cache where there is one, else a DynamicCache.
         fp_index = next((i for i, spec in enumerate(specs) if spec.is_fp), None)
         sums = [dict(nll=0.0, second=0.0, kl=0.0, top1=0.0, count=0, second_count=0, bytes=None, stored=None,
+                     cold=0.0, cold_rows=0,
                      windows=dict(nll=[], kl=[], top1=[])) for _ in specs]
         bar = tqdm(total=len(batches) * len(specs), desc="perplexity", disable=not progress)
         for batch in batches:
@@ -170,6 +171,8 @@ def run_perplexity(model, tokenizer, caches: list, config: PerplexityConfig = Pe
                 format_bytes = (spec.key_bytes(head_dim), spec.value_bytes(head_dim))
                 total["bytes"] = cache_nbytes(cache, format_bytes) / (batch.shape[0] * config.context)
                 total["stored"] = cache_nbytes(cache, format_bytes, stored=True) / (batch.shape[0] * config.context)
+                total["cold"] = cold_nbytes(cache) / (batch.shape[0] * config.context)  # not hot: apart
+                total["cold_rows"] += cold_reads(cache)["rows"]
                 bar.update(1)
         bar.close()
         rows = []
@@ -184,6 +187,9 @@ def run_perplexity(model, tokenizer, caches: list, config: PerplexityConfig = Pe
                 "peer": spec.uses_peer,
                 "cache_bytes_per_token": total["bytes"],
                 "cache_stored_bytes_per_token": total["stored"],  # without reserved capacity: the peers' count
+                # @recall: the cold tier's exact rows per token (host memory, not in the bytes above) and the
+                # (layer, head, token) rows read from it per predicted token
+                "cold_bytes_per_token": total["cold"], "cold_rows_read_per_token": total["cold_rows"] / count,
                 "perplexity": math.exp(total["nll"] / count),
                 "perplexity_second_half": math.exp(total["second"] / total["second_count"]),
                 "nll": total["nll"] / count, "predicted_tokens": count,
@@ -259,6 +265,7 @@ PERPLEXITY_COLUMNS = [
     ("cache_bytes_per_token", "cache B/token", ".0f"),
     ("cache_stored_bytes_per_token", "stored B/token", ".0f"),
     ("cache_ratio_vs_dynamic", "vs DynamicCache", ".2f"),
+    ("cold_bytes_per_token", "cold B/token", ".0f"),
     ("perplexity", "perplexity", ".3f"),
     ("perplexity_change_pct", "change %", "+.2f"),
     ("perplexity_second_half", "2nd half ppl", ".3f"),

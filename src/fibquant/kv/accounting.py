@@ -1,7 +1,8 @@
 """Memory accounting for KV caches: the bytes a cache or a codec holds.
 
-`cache_nbytes(cache)` is the one count every benchmark uses; the helpers below it count one
-kind of cache each. Storage shared by several tensors is counted once.
+`cache_nbytes(cache)` is the one count every benchmark uses (the hot bytes: codes, exact window, any
+index); `cold_nbytes(cache)` counts a cold tier apart (`fibquant.kv.cold`) and `cold_reads(cache)` what
+was read from it; the helpers below them count one kind of cache each. Storage shared by several tensors is counted once.
 """
 from __future__ import annotations
 
@@ -41,6 +42,20 @@ def cache_nbytes(cache: Cache, format_bytes: Optional[tuple[float, float]] = Non
     if _is_quantized_cache(cache):
         return quantized_cache_nbytes(cache)["total"]
     return dynamic_cache_nbytes(cache)
+
+
+def cold_nbytes(cache: Cache) -> int:
+    """Bytes of a cache's cold tier (`CompressedCache.cold_nbytes`: the exact rows that recall reads, in host
+    memory or on disk), 0 for any cache without one. Never part of `cache_nbytes`, the hot bytes."""
+    count = getattr(cache, "cold_nbytes", None)
+    return count() if callable(count) else 0
+
+
+def cold_reads(cache: Cache) -> dict:
+    """{"rows", "bytes", "calls"} read from a cache's cold tier so far (`CompressedCache.cold_reads`); zeros
+    for a cache without one."""
+    reads = getattr(cache, "cold_reads", None)
+    return reads() if callable(reads) else {"rows": 0, "bytes": 0, "calls": 0}
 
 
 def _is_quantized_cache(cache) -> bool:

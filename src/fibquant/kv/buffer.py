@@ -251,6 +251,9 @@ class CodedKV:
     arrays: Optional[tuple] = field(default=None, repr=False, compare=False)
     # the paths attention takes (the cache's `options`; `fibquant.kv.options`)
     options: AttentionOptions = field(default=DEFAULT_OPTIONS, repr=False, compare=False)
+    # The layer's cold tier (`fibquant.kv.cold.ColdStore`, with recall on): the exact rows of the coded
+    # tokens, of which attention on the codes recalls the top-k per query (`fibquant.kv.attention.recall`).
+    cold: Optional[object] = field(default=None, repr=False, compare=False)
 
     @classmethod
     def of_tensors(cls, keys: torch.Tensor, values: torch.Tensor) -> "CodedKV":

@@ -128,9 +128,9 @@ def _check_window(value, name: str) -> int:
     return value
 
 
-def _resolve_codecs(model, code, value_codec, centre: bool, allocate, tier) -> tuple:
+def _resolve_codecs(model, code, value_codec, centre: bool, allocate, tier, recall=None) -> tuple:
     """(key codec(s), value codec(s), cache options) of `for_model`'s code: a spec or codec objects."""
-    options = {"centre": centre, "allocate": allocate, "tier": tier}
+    options = {"centre": centre, "allocate": allocate, "tier": tier, "recall": recall}
     if isinstance(code, Codec) or isinstance(code, (list, tuple)):
         if value_codec is None:
             sizes = check_model_supported(model)
@@ -149,11 +149,25 @@ def _resolve_codecs(model, code, value_codec, centre: bool, allocate, tier) -> t
     spec = parse_cache_spec(code, model) if isinstance(code, str) else code
     key, value = spec.quantizers(model)
     spec_options = spec.cache_options(model, key.dim, centre)
-    for name in ("allocate", "tier"):
-        if options[name] is not None and spec_options[name] is not None:
+    for name in ("allocate", "tier", "recall"):
+        if options[name] is not None and spec_options.get(name) is not None:
             raise ValueError(f"{spec.spec} sets {name} already: pass it in the spec or as an argument, not both")
-        spec_options[name] = spec_options[name] if spec_options[name] is not None else options[name]
+        spec_options[name] = spec_options.get(name) if spec_options.get(name) is not None else options[name]
     return key, value, spec_options
+
+
+def _check_recall(recall, attention: str, tier):
+    if recall is None:
+        return None
+    from fibquant.kv.cold import Recall
+
+    if not isinstance(recall, Recall):
+        raise ValueError(f"recall must be a fibquant.kv.cold.Recall, got {type(recall).__name__}")
+    if attention != "codes":
+        raise ValueError("recall works with attention on the codes (attention='codes'), not the decode path")
+    if tier is not None:
+        raise ValueError("recall does not combine with a heavy tier")
+    return recall
 
 
 class CompressedCache(Cache):
@@ -172,8 +186,11 @@ class CompressedCache(Cache):
     `for_model` reads them from the model's config (`layer_types`). With it the layers are
     created up front (transformers builds a hybrid model's masks from them), else lazily on
     first update. sliding_exact: keep the whole window of sliding layers exact instead of coding
-    its older tokens. options: the paths attention on codes takes (`fibquant.kv.options.AttentionOptions`,
-    default the tuned ones). Pass it to a forward pass or to `model.generate` as `**cache_kwarg(model, cache)`
+    its older tokens. recall: a `fibquant.kv.cold.Recall` (attention on codes only): the exact rows of
+    the coded tokens go to a cold store, and each query recalls its top-k coded tokens from it, scored
+    exactly (`fibquant.kv.cold`, `fibquant.kv.attention.recall`); full-attention layers only, the
+    store's bytes not counted in `nbytes` (see `cold_nbytes`). options: the paths attention on codes takes
+    (`fibquant.kv.options.AttentionOptions`, default the tuned ones). Pass it to a forward pass or to `model.generate` as `**cache_kwarg(model, cache)`
     (fibquant.kv.model: `cache=` on transformers >= 5.24, else `past_key_values=`).
     """
 
@@ -181,7 +198,7 @@ class CompressedCache(Cache):
                  sink_tokens: int = 4, recent_tokens: int = 32, attention: str = "decode", encode_batch: int = 16,
                  centre: bool = False, allocate: Optional[Callable] = None, num_layers: Optional[int] = None,
                  layer_windows: Optional[Sequence[Optional[int]]] = None, sliding_exact: bool = False,
-                 tier=None, options: Optional[AttentionOptions] = None):
+                 tier=None, recall=None, options: Optional[AttentionOptions] = None):
         key_codec, key_codecs = _codec_list(key_codec, "key_codec")
         value_codec, value_codecs = _codec_list(value_codec, "value_codec")
         if (key_codecs is None) != (value_codecs is None) or (key_codecs is not None
@@ -229,6 +246,7 @@ class CompressedCache(Cache):
                 raise ValueError("a heavy tier applies to full-attention layers only (this model has sliding ones)")
         self.tier = tier
         self._options = DEFAULT_OPTIONS
+        self.recall = _check_recall(recall, self.attention, tier)
         if self.layer_windows is not None:
             for name, count in (("num_layers", num_layers), ("per-layer codecs", len(key_codecs or ()) or None)):
                 if count is not None and count != len(self.layer_windows):
@@ -278,7 +296,7 @@ class CompressedCache(Cache):
                                 self.encode_batch)
         else:
             layer = CompressedLayer(key, value, self.sink_tokens, self.recent_tokens, self.attention,
-                                    self.encode_batch, self.centre)
+                                    self.encode_batch, self.centre, recall=self.recall)
         if pending:
             layer.resolver = self._resolve_allocation
         layer.options = self.options
@@ -327,7 +345,7 @@ class CompressedCache(Cache):
     def for_model(cls, model, code, value_codec=None, sink_tokens: int = 4,
                   recent_tokens: int = 32, attention: str = "codes", encode_batch: int = 16,
                   centre: bool = False, allocate: Optional[Callable] = None,
-                  sliding_exact: bool = False, tier=None) -> "CompressedCache":
+                  sliding_exact: bool = False, tier=None, recall=None) -> "CompressedCache":
         """A cache for `model`, each role's size read from the model; the model itself is not changed.
 
         code: a cache spec (`fibquant.kv.specs`: "e8shell:b=2,nc=1", "fibquant:b=4/fibquant:b=2",
@@ -343,7 +361,7 @@ class CompressedCache(Cache):
         not dispatched through transformers' AttentionInterface, or an MLA module of a form
         `fibquant.kv.attention.mla` does not know) gets attention="decode" with a one-time warning naming why.
         """
-        key_codec, value_codec, options = _resolve_codecs(model, code, value_codec, centre, allocate, tier)
+        key_codec, value_codec, options = _resolve_codecs(model, code, value_codec, centre, allocate, tier, recall)
         first_key, key_codecs = _codec_list(key_codec, "key_codec")
         first_value, value_codecs = _codec_list(value_codec, "value_codec")
         info = check_model_supported(model, first_key, first_value)
@@ -357,6 +375,9 @@ class CompressedCache(Cache):
             from fibquant.kv.attention.switch import codes_or_decode
 
             attention, latent_modules = codes_or_decode(model, info["latent"])
+        if options.get("recall") is not None and (attention != "codes" or info["latent"]):
+            raise ValueError("recall needs attention on the codes of a model with per-head keys and values; this "
+                             f"model runs {'an MLA latent' if info['latent'] else 'attention=' + repr(attention)}")
         cache = cls(key_codec, value_codec, sink_tokens, recent_tokens, attention, encode_batch,
                     num_layers=info["layers"], layer_windows=info["windows"], sliding_exact=sliding_exact, **options)
         if attention == "codes":
@@ -379,7 +400,7 @@ class CompressedCache(Cache):
                    recent_tokens: int = 32, attention: str = "decode", model=None,
                    encode_batch: int = 16, centre: bool = False,
                    allocate: Optional[Callable] = None, sliding_exact: bool = False,
-                   tier=None) -> "CompressedCache":
+                   tier=None, recall=None) -> "CompressedCache":
         """Compress an already computed cache (e.g. a `DynamicCache` after a float prefill).
 
         The result holds what this cache would hold had it seen the same tokens in one update:
@@ -389,11 +410,12 @@ class CompressedCache(Cache):
         """
         if model is not None:
             target = cls.for_model(model, key_codec, value_codec, sink_tokens, recent_tokens, attention,
-                                   encode_batch, centre, allocate, sliding_exact=sliding_exact, tier=tier)
+                                   encode_batch, centre, allocate, sliding_exact=sliding_exact, tier=tier,
+                                   recall=recall)
         else:
             target = cls(key_codec, value_codec, sink_tokens, recent_tokens, attention, encode_batch, centre,
                          allocate=allocate, num_layers=len(cache.layers) if allocate is not None else None,
-                         tier=tier)
+                         tier=tier, recall=recall)
         for index, layer in enumerate(cache.layers):
             keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
             if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor):
@@ -435,6 +457,24 @@ class CompressedCache(Cache):
     def bytes_per_token(self) -> float:
         """used_nbytes / (batch * tokens): all layers, keys and values, window included."""
         return _per_token(self.used_nbytes(), self)
+
+    def cold_nbytes(self) -> int:
+        """Bytes of the cold tier's stored rows (exact keys and values of the coded tokens, host memory or
+        disk; 0 without recall), every layer: not part of `nbytes` / `used_nbytes`, the hot bytes."""
+        return sum(layer.cold_nbytes() for layer in self.layers if hasattr(layer, "cold_nbytes"))
+
+    def cold_bytes_per_token(self) -> float:
+        """cold_nbytes / (batch * tokens)."""
+        return _per_token(self.cold_nbytes(), self)
+
+    def cold_reads(self) -> dict:
+        """Reads from the cold tier so far, every layer: {"rows": (batch, head, token) rows fetched,
+        "bytes": their key + value bytes, "calls": fetch calls (one per layer and attention call)}."""
+        stores = [layer.cold for layer in self.layers if getattr(layer, "cold", None) is not None]
+        rows = sum(store.rows_read for store in stores)
+        per_row = [(store.keys.shape[-1] + store.values.shape[-1]) * store.keys.data.element_size() for store in stores]
+        return {"rows": rows, "bytes": sum(s.rows_read * b for s, b in zip(stores, per_row)),
+                "calls": sum(store.reads for store in stores)}
 
     def shared_nbytes(self) -> int:
         """Bytes of the codecs' shared state (codebooks, rotations), held once for the model."""

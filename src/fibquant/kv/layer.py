@@ -33,7 +33,7 @@ class CompressedLayer(CacheLayerMixin):
     is_croppable = False  # a crop inside the coded part cannot restore the exact recent window
 
     def __init__(self, key_codec: Codec, value_codec: Codec, sink_tokens: int, recent_tokens: int,
-                 attention: str = "decode", encode_batch: int = 1, centre: bool = False):
+                 attention: str = "decode", encode_batch: int = 1, centre: bool = False, recall=None):
         # CacheLayerMixin.__init__ would create float `keys`/`values` slots; this layer has none.
         self.key_codec = key_codec
         self.value_codec = value_codec
@@ -59,6 +59,10 @@ class CompressedLayer(CacheLayerMixin):
         self._checked = None
         self._sink_arrays = None  # (sink_keys, sink_values, their numpy views) for `snapshot`
         self.options = DEFAULT_OPTIONS  # the paths attention takes (the cache sets its own: `_new_layer`)
+        # Query-aware recall (`fibquant.kv.cold.Recall`): the exact rows of the coded tokens in a cold
+        # store (`ColdStore`, created with the layer's tensors), read by attention on the codes.
+        self.recall = recall
+        self.cold = None
 
     # The recent window lives in two `WindowBuffer`s (rows written in place, no concatenation per
     # step); recent_keys / recent_values read and set it as tensors [B, H, r, D] (a view of the live rows).
@@ -138,6 +142,10 @@ class CompressedLayer(CacheLayerMixin):
         return (sum(t.numel() * t.element_size() for t in self._float_tensors())
                 + self.key_buffer.used_nbytes() + self.value_buffer.used_nbytes())
 
+    def cold_nbytes(self) -> int:
+        """Bytes of the stored rows of the cold tier (0 without recall); not part of `nbytes`."""
+        return 0 if self.cold is None else self.cold.used_nbytes()
+
     # ----------------------------------------------------------------- contract
     def lazy_initialization(self, key_states: torch.Tensor, value_states: Optional[torch.Tensor] = None):
         value_states = key_states if value_states is None else value_states
@@ -154,6 +162,9 @@ class CompressedLayer(CacheLayerMixin):
         self.recent_values = empty(self.value_codec.dim, value_states.dtype)
         self.key_buffer = CodeBuffer(batch, heads, self.key_codec.code_size, self.device)
         self.value_buffer = CodeBuffer(batch, heads, self.value_codec.code_size, self.device)
+        if self.recall is not None:
+            self.cold = self.recall.store_for(batch, heads, self.key_codec.dim, self.value_codec.dim, self.dtype,
+                                              self.device)
         self.is_initialized = True
 
     def _check_states(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -182,7 +193,7 @@ class CompressedLayer(CacheLayerMixin):
         (with numpy views of the stored parts when they are all float32 / uint8 CPU tensors)."""
         return CodedKV(self.sink_keys, self.sink_values, self.key_codes, self.value_codes, self.recent_keys,
                        self.recent_values, key_states, value_states, self.key_codec, self.value_codec,
-                       self.key_mean, self.value_mean, self._arrays(), self.options)
+                       self.key_mean, self.value_mean, self._arrays(), self.options, self.cold)
 
     def _arrays(self) -> Optional[tuple]:
         """numpy views of (sink_keys, sink_values, key_codes, value_codes, recent_keys, recent_values) and
@@ -279,6 +290,8 @@ class CompressedLayer(CacheLayerMixin):
         if self.centre and self.key_mean is None:  # fixed once, from the first tokens encoded (e.g. the prefill)
             self.key_mean = keys.to(torch.float32).mean(dim=-2)
             self.value_mean = values.to(torch.float32).mean(dim=-2)
+        if self.cold is not None:  # the exact rows, uncentred, in the cold tier
+            self.cold.append(keys, values)
         self._store_codes(keys, values)
 
     def _store_codes(self, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -387,6 +400,8 @@ class CompressedLayer(CacheLayerMixin):
                 setattr(self, name, _owned(fn(getattr(self, name))))
             self.key_buffer.remap(fn)
             self.value_buffer.remap(fn)
+            if self.cold is not None:
+                self.cold.remap(fn)
             if self.key_mean is not None:  # [B, H, D]: batch edits apply, token edits do not
                 self.key_mean, self.value_mean = fn(self.key_mean), fn(self.value_mean)
 
@@ -415,6 +430,8 @@ class CompressedLayer(CacheLayerMixin):
                 setattr(self, name, _owned(getattr(self, name)[..., :keep, :]))
         self.key_buffer.truncate(keep_coded)
         self.value_buffer.truncate(keep_coded)
+        if self.cold is not None:
+            self.cold.truncate(keep_coded)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         self._apply(lambda t: t.repeat_interleave(repeats, dim=0))

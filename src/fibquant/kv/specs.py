@@ -14,7 +14,11 @@ mse, attn, attn-keys, ends, uniform) with the base rate's bytes as each role's a
 `fibquant:b=1.5/fibquant:b=1@centre@alloc=mse`; `@heavy=F[:SCORE[:RATE]]` adds a second, higher-rate
 tier for the fraction F of coded tokens per layer and KV head with the highest SCORE (`fibquant.kv.heavy`:
 knorm, vnorm, kerr, kverr; default knorm) at RATE (FibQuant bits, 'fp' for fp16, or KEY/VALUE, e.g.
-`fibquant:b=1.5/fibquant:b=1@heavy=0.02:knorm:4`; default 4), its rows and index counted in the bytes. Without options a spec means what it always did.
+`fibquant:b=1.5/fibquant:b=1@heavy=0.02:knorm:4`; default 4), its rows and index counted in the bytes;
+`@recall=K` / `@recall=F` keeps the exact rows of the coded tokens in a cold store and lets each query
+recall its top K coded tokens (or the fraction F of them, written with a '.') exactly
+(`fibquant.kv.cold.Recall`: `@recall=32`, `@recall=0.02`, `@recall=32:disk:fp16`); the cold rows are
+not hot bytes (`cold_bytes`). Without options a spec means what it always did.
 
 A budget (`ratio=6`, `bytes=4000`, optionally `,context=N` and `,keys=finer`; `fibquant.kv.budget`) stands
 for the best shipped code whose cache on the model fits it: `parse_cache_spec(text, model)` resolves it.
@@ -109,14 +113,22 @@ class CacheSpec:
     alloc: Optional[str] = None
     decode: bool = False
     heavy: Optional[object] = None  # a fibquant.kv.heavy.HeavySpec
+    recall: Optional[object] = None  # a fibquant.kv.cold.Recall
 
     def __post_init__(self) -> None:
         if (self.key is None) != (self.value is None):
             raise ValueError("a cache spec has both a key and a value side, or neither (fp)")
-        if (self.centre or self.alloc is not None or self.decode or self.heavy is not None) and (
-                self.is_fp or self.uses_peer):
-            raise ValueError("@centre, @alloc, @decode and @heavy apply to our codecs on both sides (a "
+        if (self.centre or self.alloc is not None or self.decode or self.heavy is not None
+                or self.recall is not None) and (self.is_fp or self.uses_peer):
+            raise ValueError("@centre, @alloc, @decode, @heavy and @recall apply to our codecs on both sides (a "
                              "CompressedCache), not to fp or a peer")
+        if self.recall is not None:
+            from fibquant.kv.cold import Recall
+
+            if not isinstance(self.recall, Recall):
+                raise ValueError(f"recall must be a fibquant.kv.cold.Recall, got {type(self.recall).__name__}")
+            if self.decode or self.heavy is not None:
+                raise ValueError("@recall works on the codes: it does not combine with @decode or @heavy")
         if self.heavy is not None:
             from fibquant.kv.heavy import HeavySpec
 
@@ -141,7 +153,8 @@ class CacheSpec:
     @property
     def options(self) -> str:
         return (("@centre" if self.centre else "") + (f"@alloc={self.alloc}" if self.alloc else "")
-                + ("@decode" if self.decode else "") + (f"@heavy={self.heavy.text}" if self.heavy else ""))
+                + ("@decode" if self.decode else "") + (f"@heavy={self.heavy.text}" if self.heavy else "")
+                + (f"@recall={self.recall.text}" if self.recall else ""))
 
     @property
     def is_fp(self) -> bool:
@@ -175,7 +188,8 @@ class CacheSpec:
             return reference_codec_spec().label(dim)
         text = self.key.label(dim) if self.symmetric else f"K {self.key.label(dim)} / V {self.value.label(dim)}"
         return (text + (" centred" if self.centre else "") + (f" alloc={self.alloc}" if self.alloc else "")
-                + (" (decode)" if self.decode else "") + (f" heavy={self.heavy.text}" if self.heavy else ""))
+                + (" (decode)" if self.decode else "") + (f" heavy={self.heavy.text}" if self.heavy else "")
+                + (f" recall={self.recall.text}" if self.recall else ""))
 
     def allocator(self, dim: int, centre: bool = False, model=None):
         """The `fibquant.kv.allocation.RateAllocator` of an `@alloc` spec (None without one);
@@ -215,6 +229,14 @@ class CacheSpec:
         if self.is_fp:
             return 2.0 * dim
         return self.value.bytes_per_vector(dim) + (self.heavy.extra_bytes(dim)[1] if self.heavy else 0.0)
+
+    def cold_bytes(self, dim: int, model_bytes: int = 2) -> float:
+        """Bytes per token and KV head of the cold tier (@recall): an exact key and value per coded
+        token, at the Recall's dtype or the model's (`model_bytes` per coordinate); 0 without recall."""
+        if self.recall is None:
+            return 0.0
+        size = model_bytes if self.recall.dtype is None else self.recall.dtype.itemsize
+        return 2.0 * dim * size
 
     def bits_per_coordinate(self, dim: int) -> float:
         """Mean of the key and value sides' bits per coordinate (16 for fp)."""
@@ -260,6 +282,8 @@ class CacheSpec:
                    "tier": None if self.heavy is None else self.heavy.build(key_dim)}
         if self.decode:
             options["attention"] = "decode"
+        if self.recall is not None:
+            options["recall"] = self.recall
         return options
 
 
@@ -273,13 +297,17 @@ def _parse_options(items: list[str], text: str) -> dict:
             options["alloc"] = value.strip()
         elif name == "decode" and not eq and "decode" not in options:
             options["decode"] = True
+        elif name == "recall" and eq and value.strip() and "recall" not in options:
+            from fibquant.kv.cold import Recall
+
+            options["recall"] = Recall.parse(value.strip())
         elif name == "heavy" and eq and value.strip() and "heavy" not in options:
             from fibquant.kv.heavy import HeavySpec
 
             options["heavy"] = HeavySpec.parse(value.strip())
         else:
             raise ValueError(f"bad cache spec option {item!r} in {text!r}; expected @centre, @alloc=SIGNAL, "
-                             "@decode or @heavy=F[:SCORE[:RATE]] (each at most once)")
+                             "@decode, @heavy=F[:SCORE[:RATE]] or @recall=K|F[:disk][:fp16] (each at most once)")
     return options
 
 

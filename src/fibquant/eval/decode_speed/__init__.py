@@ -81,7 +81,7 @@ def _build_cache(spec: SpeedCache, prefill, model, codec, config: DecodeSpeedCon
 
         return CompressedCache.from_cache(prefill, codec, codec, sink_tokens=config.sink_tokens,
                                           recent_tokens=config.recent_tokens, attention=spec.attention,
-                                          model=model)
+                                          model=model, recall=spec.recall_option())
     cache = fresh_cache(spec, model, codec, config)
     for index, layer in enumerate(prefill.layers):
         cache.update(layer.keys, layer.values, index)
@@ -148,6 +148,8 @@ def _decode_row(spec: SpeedCache, prefill: _Prefill, model, conversion: float, d
         "peak_rss_added_bytes": monitor.added, "rss_before_decode_bytes": monitor.start,
         "memory_method": monitor.description,
         "generated_tokens": decoding.tokens, "_first_logits": decoding.first_logits,
+        # rows read from the cold tier per timed step (its reads were counted before the memory steps)
+        "cold_rows_read_per_step": (nbytes["cold_rows_read"] / len(step_ms) if spec.recall and step_ms else None),
     }
 
 

@@ -6,6 +6,7 @@ Caches are named in the one cache-spec grammar (`fibquant.kv.specs`):
     fibquant:b=4            a CompressedCache of a registered codec built from `b=` alone (fibquant,
                             turboquant, int), attention on the codes
     fibquant:b=4@decode     the same cache through the decode path (attention='decode')
+    fibquant:b=2@recall=32  the same codes with query-aware recall from a cold tier (`fibquant.kv.cold`)
     quanto:b=4, hqq:b=2     transformers' own QuantizedCache with that backend (`PeerFamily.native`)
 
 Torch-free at import (the CLI reads `DEFAULT_CACHES` for its
@@ -37,6 +38,7 @@ class SpeedCache:
     family: str = "dynamic"          # a registered codec family (ours) | a QuantizedCache backend | dynamic
     bits: Optional[float] = None
     attention: Optional[str] = None  # "codes" | "decode" for ours
+    recall: Optional[str] = None     # ours with @recall: the `fibquant.kv.cold.Recall` text
 
     @property
     def label(self) -> str:
@@ -44,7 +46,8 @@ class SpeedCache:
             return "DynamicCache"
         bits = f"{self.bits:g}b"
         if self.kind == "compressed":
-            return f"{self.codec_spec().style.name} {bits} ({self.attention})"
+            recall = f" recall={self.recall}" if self.recall else ""
+            return f"{self.codec_spec().style.name} {bits} ({self.attention}{recall})"
         return f"QuantizedCache {self.family} {bits}"
 
     def codec_spec(self):
@@ -53,7 +56,15 @@ class SpeedCache:
 
         if self.kind != "compressed":
             raise ValueError(f"{self.name} is not one of our compressed caches")
-        return parse_codec_spec(self.name.removesuffix(DECODE_OPTION))
+        return parse_codec_spec(self.name.partition("@")[0])
+
+    def recall_option(self):
+        """The `fibquant.kv.cold.Recall` of a cache with @recall, else None."""
+        if self.recall is None:
+            return None
+        from fibquant.kv.cold import Recall
+
+        return Recall.parse(self.recall)
 
 
 def our_families() -> tuple[str, ...]:
@@ -88,15 +99,17 @@ def parse_cache_name(name: str) -> SpeedCache:
         raise ValueError(f"unknown cache {name!r} ({exc}); {hint}") from None
     if spec.is_fp and base == text:
         return SpeedCache("fp", "dynamic")
-    if spec.is_fp or not spec.symmetric or spec.uses_peer or spec.options or spec.key.quantizer.family not in our_families():
+    recall = spec.recall.text if spec.recall is not None and spec.options == f"@recall={spec.recall.text}" else None
+    if spec.is_fp or not spec.symmetric or spec.uses_peer or (spec.options and recall is None) \
+            or spec.key.quantizer.family not in our_families():
         raise ValueError(f"cache {name!r} cannot be timed here: {hint} (ours: {', '.join(our_families())})")
     method = spec.key.quantizer
     bits = method.param("bits")
     if bits is None or not 0 < bits <= 8:
         raise ValueError(f"cache {name!r}: the speed run builds ours from b= alone, 0 < b <= 8; {hint}")
     decode = base != text
-    return SpeedCache(method.spec + (DECODE_OPTION if decode else ""), "compressed", method.family, bits,
-                      "decode" if decode else "codes")
+    return SpeedCache(method.spec + (DECODE_OPTION if decode else "") + (f"@recall={recall}" if recall else ""),
+                      "compressed", method.family, bits, "decode" if decode else "codes", recall)
 
 
 # ----------------------------------------------------------------------------- config
@@ -203,7 +216,8 @@ def cache_bytes(spec: SpeedCache, cache) -> dict:
     if spec.kind == "dynamic":
         return {"held": held, "used": held}
     if spec.kind == "compressed":
-        return {"held": held, "used": cache.used_nbytes(), "codec_shared": cache.shared_nbytes()}
+        return {"held": held, "used": cache.used_nbytes(), "codec_shared": cache.shared_nbytes(),
+                "cold": cache.cold_nbytes(), "cold_rows_read": cache.cold_reads()["rows"]}
     parts = quantized_cache_nbytes(cache)
     return {"held": held, "used": held, "quantized": parts["quantized"], "residual": parts["residual"]}
 
@@ -213,6 +227,7 @@ BYTES_COUNTING = {
                "dynamic_fp16_bytes = that / element size * 2, what an fp16 DynamicCache holds",
     "compressed": "CompressedCache.nbytes(): exact sinks + recent window (float32) + code buffers including "
                   "their reserved capacity (grown by 1/16 of their capacity); used = used_nbytes(): only stored code rows; "
+                  "with @recall the cold tier's exact rows (host memory) are bytes_parts.cold, not in held/used; "
                   "the codecs' shared codebook/rotation (codec_shared, once per model) is not included",
     "quantized": "storage of every layer's _quantized_keys/_quantized_values (quanto: packed integer data + "
                  "per-group scale and shift, through the tensor subclass's __tensor_flatten__; hqq: packed "

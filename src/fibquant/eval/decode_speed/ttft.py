@@ -62,7 +62,8 @@ def fresh_cache(spec: SpeedCache, model, codec, config: DecodeSpeedConfig):
         from fibquant.kv.cache import CompressedCache
 
         return CompressedCache.for_model(model, codec, codec, sink_tokens=config.sink_tokens,
-                                         recent_tokens=config.recent_tokens, attention=spec.attention)
+                                         recent_tokens=config.recent_tokens, attention=spec.attention,
+                                         recall=spec.recall_option())
     from transformers import QuantizedCache
 
     return QuantizedCache(spec.family, model.config, nbits=spec.bits, q_group_size=config.q_group_size,

@@ -136,6 +136,9 @@ def summarise(trials: list[dict], specs, config: NeedleConfig, dim: int) -> list
         row = {"cache": spec.spec, "label": spec.label(dim), "family": spec.family,
                "key_bytes": spec.key_bytes(dim), "value_bytes": spec.value_bytes(dim),
                "bits_per_coordinate": spec.bits_per_coordinate(dim), "codes_ratio": spec.codes_ratio(dim),
+               # @recall: exact key + value bytes per coded token and KV head in the cold tier, at 16 bits
+               # (a bf16 / fp16 model's rows; not hot memory, not in codes_ratio)
+               "cold_bytes": spec.cold_bytes(dim),
                "accuracy": sum(t["correct"] for t in mine) / max(len(mine), 1), "trials": len(mine)}
         for length in config.lengths:
             at = [t for t in mine if t["length"] == length]
@@ -185,7 +188,7 @@ def target_checks(payload: dict) -> list[dict]:
 
 def needle_columns(lengths) -> list[tuple[str, str, str]]:
     columns = [("label", "cache", ""), ("key_bytes", "K B/vec", ".4g"), ("value_bytes", "V B/vec", ".4g"),
-               ("codes_ratio", "K+V vs fp16", ".2f")]
+               ("codes_ratio", "K+V vs fp16", ".2f"), ("cold_bytes", "cold B/tok", ".4g")]
     for length in lengths:
         columns += [(f"ratio_{length}", f"ctx {length} ratio", ".2f"), (f"acc_{length}", f"acc {length}", ".2f")]
     return columns + [("accuracy", "acc", ".3f"), ("misses_where_fp_right", "misses vs fp", "d")]

@@ -53,6 +53,7 @@ from fibquant.kv.attention.host_arrays import code_rows, f32, rows32
 from fibquant.kv.attention.numba_epilogue import Epilogue, step_arrays
 from fibquant.kv.attention.kernels import (_MIN_WORK_PER_THREAD, attention_with_lse, coded_decode_attention,
                                        coded_scores, coded_weighted_sum, merge_lse, triton_available)
+from fibquant.kv.attention.recall import check_recall, cold_rows, recalled_part
 
 ATTENTION_NAME = "fibquant"
 QUERY_ROWS_PER_BLOCK = 2048      # query rows (query heads x tokens) per KV head scored at once
@@ -175,6 +176,14 @@ def attend_codes(query: torch.Tensor, kv: CodedKV, attention_mask: torch.Tensor 
     heads = kv.new_keys.shape[1]
     if q_heads % heads:
         raise ValueError(f"{q_heads} query heads are not a multiple of {heads} KV heads")
+    if kv.cold is not None and kv.num_coded:  # recall (kv/attention/recall.py)
+        check_recall(softcap)
+        plans = (_decode_plans(query, kv) if tokens == 1 and options.numba_decode and cold_rows(kv.cold) is not None
+                 else None)
+        if plans is not None:  # the fused one-token kernel reads the cold rows itself
+            epilogue = _with_step_bias(Epilogue(scaling, None, None, sinks), kv, attention_mask, window, query.device)
+            return _attend_decode_numba(query, kv, epilogue, plans)
+        return _attend_split(query, kv, attention_mask, scaling, sinks, window, options.fused_backend)
     if tokens == 1 and options.numba_decode:
         out = _attend_one_token(query, kv, attention_mask, window, Epilogue(scaling, softcap, None, sinks))
         if out is not None:
@@ -247,13 +256,19 @@ def _attend_one_token(query: torch.Tensor, kv: CodedKV, attention_mask, window, 
                 break
         if staged is None:
             return None
-    if attention_mask is not None or window is not None:
-        length = kv.length
-        epilogue = epilogue._replace(bias=_bias_block(attention_mask, slice(0, 1), length, length - 1,
-                                                      query.device, window))
+    epilogue = _with_step_bias(epilogue, kv, attention_mask, window, query.device)
     if plans is not None:
         return _attend_decode_numba(query, kv, epilogue, plans)
     return step(query, kv, epilogue, staged)
+
+
+def _with_step_bias(epilogue: Epilogue, kv: CodedKV, attention_mask, window, device) -> Epilogue:
+    """`epilogue` with a one-token step's additive bias [B|1, Hq|1, 1, L] (`_bias_block`) when a mask or a
+    sliding window applies."""
+    if attention_mask is None and window is None:
+        return epilogue
+    length = kv.length
+    return epilogue._replace(bias=_bias_block(attention_mask, slice(0, 1), length, length - 1, device, window))
 
 
 def _one_token_steps():
@@ -372,10 +387,16 @@ def _attend_decode_numba(query: torch.Tensor, kv: CodedKV, epilogue: Epilogue, p
     elif len(arrays) == 8:  # the code rows' norms, decoded once when they were stored
         arrays, (key_norms, value_norms), flags = arrays[:6], arrays[6:], flags | 16
     sink_k, sink_v, key_codes, value_codes, recent_k, recent_v = arrays
+    cold_k = cold_v = np.zeros((1, 1), dtype=np.float32)
+    recall_k = 0
+    if kv.cold is not None:  # recall: each query head's top-k coded tokens from the cold rows
+        (cold_k, cold_v), recall_k = cold_rows(kv.cold), kv.cold.recall.count(key_codes.shape[2])
+        if recall_k:
+            kv.cold.count_reads(batch * q_heads * recall_k)
     args = (query_np, float(epilogue.scaling), keys[0], values[1], keys[2], values[2], key_codes, value_codes,
             sink_k, sink_v, recent_k, recent_v, rows32(kv.new_keys), rows32(kv.new_values), key_mean, value_mean,
             bias_np, sinks_np, epilogue.cap, out_np[:, 0], flags, keys[3], values[3], keys[4], values[4], keys[5], values[5],
-            lanes, key_norms, value_norms)
+            lanes, key_norms, value_norms, cold_k, cold_v, recall_k)
     coded = key_codes.shape[2]
     bad = run_split(_KERNEL, args, batch * key_codes.shape[1], coded * (keys[4] + values[4]), _MIN_WORK_PER_THREAD,
                     "fibquant-decode", per_thread=lambda t: _scratch(t, sizes, lanes, max(coded, kv.length - coded)))
@@ -469,7 +490,7 @@ def _attend_split(query: torch.Tensor, kv: CodedKV, attention_mask, scaling: flo
 
 def _fused(kv: CodedKV, device: torch.device, backend: str) -> bool:
     """Whether the coded columns of `kv` go through the fused Triton kernel (`AttentionOptions.fused_backend`)."""
-    if backend == "off" or not kv.num_coded:
+    if backend == "off" or not kv.num_coded or kv.cold is not None:
         return False
     if backend == "auto" and (device.type != "cuda" or not triton_available()):
         return False
@@ -505,6 +526,8 @@ def _coded_part(block: torch.Tensor, kv: CodedKV, bias: torch.Tensor, scaling: f
     scores = _scores_from_codes(kv.key_codec, rows, kv.key_codes)
     if kv.key_mean is not None:
         scores = scores + rows @ kv.key_mean.unsqueeze(-1)
+    if kv.cold is not None:  # recall: the top-k coded columns of each query read exactly
+        return recalled_part(rows, scores, bias, kv, groups, width, _values_from_codes)
     shaped = scores.view(batch, heads, groups, width, -1)
     if bias.shape[1] == 1:
         shaped += bias.unsqueeze(1)

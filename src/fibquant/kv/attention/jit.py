@@ -20,7 +20,7 @@ _HERE = Path(__file__).resolve().parent
 # The files whose code ends up in a compiled attention kernel (this one included: it decides the key).
 KERNEL_SOURCES = tuple(_HERE / name for name in ("intrinsics.py", "numba_tables.py", "numba_kernels.py",
                                                  "numba_decode.py", "numba_residual.py", "numba_paged.py",
-                                                 "numba_shells.py", "numba_epilogue.py", "jit.py"))
+                                                 "numba_shells.py", "numba_epilogue.py", "numba_recall.py", "jit.py"))
 
 
 def kernel_jit(signature=None, **options):

@@ -17,6 +17,11 @@ does with ~20 torch ops and two kernel calls:
    (sum of coded weights) * mu for centred values; the exact part as float sums;
 5. out = (coded + exact) / total, a fully masked row gives zeros (as `attend_codes`).
 
+With recall (`recall_k` > 0, `fibquant.kv.attention.recall`): after step 2 each query row takes its top-k
+coded columns (`numba_recall._topk_row`), scores them exactly from the cold tier's rows (`cold_keys` /
+`cold_values` [tokens * B * H, D], row (token * B + b) * H + h), and after step 3 moves their weights from
+the coded value sums (and the coded total of the value mean) to the exact values.
+
 So the per-layer cost of a step is this one call plus the argument conversion, not the torch
 dispatch of ~20 small ops. Results equal `attend_codes`' joint softmax to float32 rounding (the
 order of summation differs). Compiled on first use (cached on disk by numba, keyed on every kernel source: `jit`).
@@ -30,6 +35,7 @@ _lut_sum = _hist_add = None
 _score_tokens = _hist_tokens = _norms = None
 _query_table = _unrotate_add = _role_fields = _add_key_mean = None
 _exact_part_scores = _exact_part_values = _row_weights = _write_out = None  # numba_epilogue's
+_recall_scores = _topk_row = _add_bias = None  # recall (numba_recall's top-k) and numba_epilogue's bias
 
 
 def _score_tokens_py(table1, lut, rows, res, nq, norms, mode, lanes, bits, n_blocks, n_pos, n_codewords,
@@ -194,18 +200,39 @@ def _add_key_mean_py(coded, groups, n_tokens, scaled, key_mean, b, h, dim):
             coded[t, i] += shift
 
 
+def _recall_scores_py(coded, groups, n_tokens, k, picked, best, scaled, cold_keys, bias, has_bias, n_sink, n_b,
+                      n_h, b, h):
+    """Recall: per row t, picked[t] = the top-k of coded[t, :n_tokens] (biased scores); those scores become
+    q . (exact key) + their bias."""
+    dim = scaled.shape[1]
+    bb = b if bias.shape[0] > 1 else 0
+    for t in range(groups):
+        _topk_row(coded[t], n_tokens, k, picked[t], best)
+        hb = h * groups + t if bias.shape[1] > 1 else 0
+        for j in range(k):
+            i = picked[t, j]
+            row = (i * n_b + b) * n_h + h
+            score = np.float32(0.0)
+            for d in range(dim):
+                score += scaled[t, d] * cold_keys[row, d]
+            if has_bias:
+                score += bias[bb, hb, n_sink + i]
+            coded[t, i] = score
+
+
 def _decode_step_py(query, scaling, key_forward, value_inverse, key_codewords, value_codewords, key_codes,
                     value_codes, sink_keys, sink_values, recent_keys, recent_values, new_keys, new_values,
                     key_mean, value_mean, bias, sinks, softcap, out, flags, key_bits, value_bits, key_blocks,
-                    value_blocks, key_mode, value_mode, lanes, key_norms, value_norms, table1, lut, hist1, hist, coded, norms, ibits,
-                    unit_start, unit_stop):
+                    value_blocks, key_mode, value_mode, lanes, key_norms, value_norms, cold_keys, cold_values, recall_k,
+                    table1, lut, hist1, hist, coded, norms, ibits, unit_start, unit_stop):
     """out[b, h*G + t] for units [unit_start, unit_stop) of (b, KV head h); returns the count of
     invalid indices (>= N) seen. query [B, Hq, D] (unscaled, unrotated), the exact parts [B, H, n, D],
     codes [B, H, M, C], means [B, H, D] (read when flags bit 0 / 1), bias [B|1, Hq|1, L] (bit 2),
     sinks [Hq] (bit 3), softcap: c of tanh(s / c) * c (0: none), out [B, Hq, Dv] float32; key_norms / value_norms [B, H, M] float32 (bit 4): the
     code rows' fp16 norms already decoded (`CodeBuffer.norms_array`), else they are decoded here.
     Scratch (reused across calls, sized by `scratch_sizes`): table1, lut (key tables), hist1, hist (value
-    histograms), coded [lanes, >= M], norms [>= M], ibits (int32 [>= M])."""
+    histograms), coded [lanes, >= M], norms [>= M], ibits (int32 [>= M]). recall_k > 0: recall from the
+    cold rows (module docstring)."""
     n_b, n_qh, dim = query.shape
     n_h = key_codes.shape[1]
     groups = n_qh // n_h
@@ -234,6 +261,10 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_codewords, v
     unrot = np.empty(value_dim, dtype=np.float32)
     key_row = np.empty(dim, dtype=np.float32)  # scratch of _exact_scores / _exact_values (exact_rows)
     exact_rows = np.empty(max(n_sink, n_recent, n_new) * value_dim, dtype=np.float32)
+    k = min(recall_k, n_tokens)
+    picked = np.empty((groups, max(k, 1)), dtype=np.int64)
+    picked_w = np.empty((groups, max(k, 1)), dtype=np.float32)
+    best = np.empty(max(k, 1), dtype=np.float32)
     if n_tokens and value_mode != 0:  # the [codeword, block, lane] histogram starts clear; each unit's
         hist1[:vn * value_blocks * lanes] = 0.0  # contraction (`_contract_clear`) leaves it clear again
     bad = 0
@@ -263,8 +294,21 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_codewords, v
                 _add_key_mean(coded, groups, n_tokens, scaled, key_mean, b, h, dim)
         # --- the epilogue (numba_epilogue): exact scores, soft-cap, bias, one softmax with the sink logit
         _exact_part_scores(sink_keys, recent_keys, new_keys, b, h, exact, scaled, groups, key_row)
-        _row_weights(coded, exact, groups, n_tokens, n_exact, n_sink, softcap, bias, has_bias, sinks, has_sinks,
-                     b, h, coded_total, total, ibits)
+        if k > 0:  # recall (no soft-cap: refused with recall): the bias first, then each row's top-k coded
+            if has_bias:  # columns (by biased score) scored exactly, then the softmax
+                _add_bias(coded, exact, groups, n_sink, n_tokens, n_exact, bias, b, h)
+            _recall_scores(coded, groups, n_tokens, k, picked, best, scaled, cold_keys, bias, has_bias,
+                           n_sink, n_b, n_h, b, h)
+            _row_weights(coded, exact, groups, n_tokens, n_exact, n_sink, softcap, bias, False, sinks, has_sinks,
+                         b, h, coded_total, total, ibits)
+            for t in range(groups):
+                for j in range(k):  # recalled columns: their weight leaves the coded sums
+                    picked_w[t, j] = coded[t, picked[t, j]]
+                    coded[t, picked[t, j]] = 0.0
+                    coded_total[t] -= picked_w[t, j]
+        else:
+            _row_weights(coded, exact, groups, n_tokens, n_exact, n_sink, softcap, bias, has_bias, sinks, has_sinks,
+                         b, h, coded_total, total, ibits)
         # --- value sums
         for t in range(groups):
             for d in range(value_dim):
@@ -291,6 +335,11 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_codewords, v
                     for d in range(value_dim):
                         result[t, d] += coded_total[t] * value_mean[b, h, d]
         _exact_part_values(sink_values, recent_values, new_values, b, h, exact, result, groups, exact_rows)
+        for t in range(groups):
+            for j in range(k):
+                row = (picked[t, j] * n_b + b) * n_h + h
+                for d in range(value_dim):
+                    result[t, d] += picked_w[t, j] * cold_values[row, d]
         _write_out(result, total, out, b, h, groups)
     return bad
 
@@ -312,6 +361,7 @@ def compile_decode_kernel():
     global _contract_clear, _lut_sum, _hist_add, _score_tokens, _hist_tokens
     global _norms, _query_table, _unrotate_add, _role_fields, _add_key_mean
     global _exact_part_scores, _exact_part_values, _row_weights, _write_out
+    global _topk_row, _recall_scores, _add_bias
     if _KERNEL is not None:
         return _KERNEL
     import fibquant.kv.attention.numba_epilogue as numba_epilogue
@@ -325,6 +375,7 @@ def compile_decode_kernel():
     numba_epilogue.bind_epilogue()
     _exact_part_scores, _exact_part_values = numba_epilogue._exact_part_scores, numba_epilogue._exact_part_values
     _row_weights, _write_out = numba_epilogue._row_weights, numba_epilogue._write_out
+    _add_bias = numba_epilogue._add_bias
     _count_invalid, _safe_fields = numba_kernels._count_invalid, numba_kernels._safe_fields
     _build_table, _bytes_table = numba_kernels._build_table, numba_kernels._bytes_table
     _spread_bytes, _contract_clear = numba_kernels._spread_bytes, numba_kernels._contract_clear
@@ -335,11 +386,16 @@ def compile_decode_kernel():
     _query_table, _unrotate_add = helper(_query_table_py), helper(_unrotate_add_py)
     _role_fields = helper(_role_fields_py)
     _add_key_mean = helper(_add_key_mean_py)
+    from fibquant.kv.attention.numba_recall import _topk_row_py
+
+    _topk_row = helper(_topk_row_py)
+    _recall_scores = helper(_recall_scores_py)  # binds _topk_row: compiled after it
     f32 = "float32[:, :, :, :]"  # the exact parts: views of the window buffers (last dimension contiguous)
     signature = (f"int64(float32[:, :, ::1], float32, float32[:, ::1], float32[:, ::1], float32[:, ::1], "
                  f"float32[:, ::1], uint8[:, :, :, :], uint8[:, :, :, :], {f32}, {f32}, {f32}, {f32}, {f32}, {f32}, "
                  "float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[::1], float32, "
                  "float32[:, :, ::1], int64, int64, int64, int64, int64, int64, int64, int64, float32[:, :, :], float32[:, :, :], "
+                 "float32[:, ::1], float32[:, ::1], int64, "
                  "float32[::1], float32[::1], float32[::1], "
                  "float32[::1], float32[:, ::1], float32[::1], int32[::1], int64, int64)")
     _KERNEL = kernel_jit(signature, nogil=True)(_decode_step_py)
