@@ -11,7 +11,7 @@ import torch
 from _kv_helpers import tiny_llama
 from transformers import DynamicCache
 
-from fibquant.codecs.registry import parse_method
+from fibquant.codecs.registry import parse_codec_spec
 from fibquant.kv.attention.entry import attend_codes
 from fibquant.kv.attention.recall import pick, recall_reference
 from fibquant.kv.attention.switch import attention_on_codes
@@ -133,7 +133,7 @@ def test_recall_spec_option_and_bad_combinations():
 
 
 def test_cache_rejects_recall_off_codes_or_with_a_tier():
-    codec = parse_method("fibquant:b=2").build(DIM)
+    codec = parse_codec_spec("fibquant:b=2").build(DIM)
     with pytest.raises(ValueError, match="attention on the codes"):
         CompressedCache(codec, codec, attention="decode", recall=Recall(tokens=4))
     with pytest.raises(ValueError, match="must be a fibquant.kv.cold.Recall"):
@@ -143,7 +143,7 @@ def test_cache_rejects_recall_off_codes_or_with_a_tier():
 # ---------------------------------------------------------------------- attention with recall
 def _coded_kv(recall, tokens=1, past=200, groups=3, centre=False, seed=1):
     """A filled layer's CodedKV for `tokens` new tokens, their queries, and the exact data."""
-    codec = parse_method("fibquant:b=2").build(DIM)
+    codec = parse_codec_spec("fibquant:b=2").build(DIM)
     cache = CompressedCache(codec, codec, sink_tokens=4, recent_tokens=8, attention="codes", encode_batch=4,
                             centre=centre, recall=recall)
     gen = torch.Generator().manual_seed(seed)
@@ -294,7 +294,7 @@ def test_fused_one_token_recall_equals_the_torch_path(monkeypatch, recall, centr
     pytest.importorskip("numba", reason="numba absent: the fused one-token kernel does not run")
     cache, kv, query, _, _ = _coded_kv(recall, tokens=1, centre=centre)
     before = kv.cold.rows_read
-    fast, slow = fast_and_torch_paths(monkeypatch, query, kv, None, DIM ** -0.5)
+    fast, slow = fast_and_torch_paths(query, kv, None, DIM ** -0.5)
     torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(fast, recall_reference(query, kv, DIM ** -0.5), rtol=1e-4, atol=1e-5)
     k = recall.count(kv.num_coded)
@@ -302,14 +302,14 @@ def test_fused_one_token_recall_equals_the_torch_path(monkeypatch, recall, centr
     assert kv.cold.rows_read - before >= 6 * k and (k or kv.cold.rows_read == before)
     mask = torch.ones(1, 1, 1, kv.length, dtype=torch.bool)
     mask[..., 4:40] = False  # the first coded tokens hidden: never recalled
-    fast, slow = fast_and_torch_paths(monkeypatch, query, kv, mask, DIM ** -0.5)
+    fast, slow = fast_and_torch_paths(query, kv, mask, DIM ** -0.5)
     torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-5)
     per_head = torch.rand(1, 6, 1, kv.length, generator=torch.Generator().manual_seed(3)) > 0.3
     per_head[..., -1] = True  # every head sees its own token
-    fast, slow = fast_and_torch_paths(monkeypatch, query, kv, per_head, DIM ** -0.5)
+    fast, slow = fast_and_torch_paths(query, kv, per_head, DIM ** -0.5)
     torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-5)
     additive = torch.randn(1, 6, 1, kv.length, generator=torch.Generator().manual_seed(4))  # a float bias
-    fast, slow = fast_and_torch_paths(monkeypatch, query, kv, additive, DIM ** -0.5)
+    fast, slow = fast_and_torch_paths(query, kv, additive, DIM ** -0.5)
     torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-5)
 
 
@@ -333,7 +333,7 @@ def test_decode_speed_names_a_recall_cache_and_refuses_other_options():
 
     spec = parse_cache_name("fibquant:b=2@recall=32")
     assert spec.name == "fibquant:b=2@recall=32" and spec.recall_option() == Recall(tokens=32)
-    assert spec.method().spec == "fibquant:b=2" and "recall=32" in spec.label
+    assert spec.codec_spec().spec == "fibquant:b=2" and "recall=32" in spec.label
     assert parse_cache_name("fibquant:b=2").recall_option() is None
     with pytest.raises(ValueError, match="cannot be timed here"):
         parse_cache_name("fibquant:b=2@recall=32@centre")
