@@ -469,18 +469,11 @@ class Archive:
 
     def _finish(self, publish: bool) -> None:
         """Publish or discard a new archive's temporary file; release the writer lock."""
-        try:
-            if self._building is not None:
-                if publish:
-                    if not self._lock_only:
-                        self._lock.publish(self._building, self._durable)
-                else:
-                    self._lock.discard(self._building)
-        finally:
-            self._building = None
-            if self._lock is not None:
-                self._lock.release()
-                self._lock = None
+        building, lock = self._building, self._lock
+        self._building = self._lock = None
+        if lock is not None:
+            outcome = "discard" if not publish else "keep" if self._lock_only else "publish"
+            lock.finish(building, outcome, self._durable)
 
     def __enter__(self) -> "Archive":
         return self

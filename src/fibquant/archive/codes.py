@@ -256,18 +256,11 @@ class CodeArchive:
                 self.norms.close(discard)
             done = True
         finally:
-            try:
-                if self._building is not None:
-                    if done and not discard:
-                        if self._building != self.path:
-                            self._lock.publish(self._building, self.indices._durable)  # noqa: SLF001
-                    else:
-                        self._lock.discard(self._building)
-            finally:
-                self._building = None
-                if self._lock is not None:
-                    self._lock.release()
-                    self._lock = None
+            building, lock = self._building, self._lock
+            self._building = self._lock = None
+            if lock is not None:
+                outcome = "discard" if not done or discard else "keep" if building == self.path else "publish"
+                lock.finish(building, outcome, self.indices._durable)  # noqa: SLF001
 
     def __enter__(self) -> "CodeArchive":
         return self

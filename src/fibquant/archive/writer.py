@@ -118,6 +118,17 @@ class WriterLock:
         """Remove an unpublished store (a failed create)."""
         _remove(built)
 
+    def finish(self, built: Path | None, outcome: str, durable: bool = False) -> None:
+        """End a writer: `outcome` "publish" (`publish(built)`), "discard" (`discard(built)`) or "keep"
+        (`built` is the target itself, or nothing was built), then `release` (also when that fails)."""
+        try:
+            if built is not None and outcome == "publish":
+                self.publish(built, durable)
+            elif built is not None and outcome == "discard":
+                self.discard(built)
+        finally:
+            self.release()
+
     def release(self) -> None:
         if self._fd is None:
             return
