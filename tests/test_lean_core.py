@@ -1,6 +1,7 @@
 """The core install (no extras) imports none of the `eval` extra's packages and runs the own-model example."""
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
@@ -110,7 +111,7 @@ def test_every_reach_family_runs_on_codes_with_the_extra_blocked():
     done = _python(code)
     assert done.returncode == 0, done.stderr[-3000:]
     results_line, modules_line = done.stdout.strip().splitlines()[-2:]
-    results = eval(results_line)  # a dict literal printed by the child
+    results = ast.literal_eval(results_line)  # a dict literal printed by the child
     assert modules_line == "[]"
     assert {name for name, status in results.items() if status == "refused"} == {"Qwen3-Next", "Jamba", "Mamba"}
     assert [name for name, status in results.items() if status == "no codes"] == []

@@ -178,11 +178,11 @@ def attend_codes(query: torch.Tensor, kv: CodedKV, attention_mask: torch.Tensor 
         raise ValueError(f"{q_heads} query heads are not a multiple of {heads} KV heads")
     if kv.cold is not None and kv.num_coded:  # recall (kv/attention/recall.py)
         check_recall(softcap)
-        plans = (_decode_plans(query, kv) if tokens == 1 and options.numba_decode and cold_rows(kv.cold) is not None
-                 else None)
+        cold = cold_rows(kv.cold) if tokens == 1 and options.numba_decode else None
+        plans = _decode_plans(query, kv) if cold is not None else None
         if plans is not None:  # the fused one-token kernel reads the cold rows itself
             epilogue = _with_step_bias(Epilogue(scaling, None, None, sinks), kv, attention_mask, window, query.device)
-            return _attend_decode_numba(query, kv, epilogue, plans)
+            return _attend_decode_numba(query, kv, epilogue, plans, cold)
         return _attend_split(query, kv, attention_mask, scaling, sinks, window, options.fused_backend)
     if tokens == 1 and options.numba_decode:
         out = _attend_one_token(query, kv, attention_mask, window, Epilogue(scaling, softcap, None, sinks))
@@ -364,10 +364,11 @@ def _scratch(slot: int, sizes: tuple, lanes: int, tokens: int) -> list:
     return arrays
 
 
-def _attend_decode_numba(query: torch.Tensor, kv: CodedKV, epilogue: Epilogue, plans) -> torch.Tensor:
+def _attend_decode_numba(query: torch.Tensor, kv: CodedKV, epilogue: Epilogue, plans, cold=None) -> torch.Tensor:
     """`attend_codes` for one query token on the CPU: one call of the fused kernel (same result to
     float32 rounding; see kv/attention/numba_decode.py). Reads `kv.arrays` (numpy views the layer
-    keeps) when set, else converts the tensors."""
+    keeps) when set, else converts the tensors. cold: the cold store's float32 rows (`recall.cold_rows`)
+    for recall, None without."""
     keys, values, lanes, sizes = plans
     batch, q_heads = query.shape[:2]
     key_mean, value_mean, bias_np, sinks_np, flags = step_arrays(kv, epilogue)
@@ -389,8 +390,8 @@ def _attend_decode_numba(query: torch.Tensor, kv: CodedKV, epilogue: Epilogue, p
     sink_k, sink_v, key_codes, value_codes, recent_k, recent_v = arrays
     cold_k = cold_v = np.zeros((1, 1), dtype=np.float32)
     recall_k = 0
-    if kv.cold is not None:  # recall: each query head's top-k coded tokens from the cold rows
-        (cold_k, cold_v), recall_k = cold_rows(kv.cold), kv.cold.recall.count(key_codes.shape[2])
+    if cold is not None:  # recall: each query head's top-k coded tokens from the cold rows
+        (cold_k, cold_v), recall_k = cold, kv.cold.recall.count(key_codes.shape[2])
         if recall_k:
             kv.cold.count_reads(batch * q_heads * recall_k)
     args = (query_np, float(epilogue.scaling), keys[0], values[1], keys[2], values[2], key_codes, value_codes,
