@@ -145,7 +145,7 @@ def measure_shape(args, device, gen, b: int, m: int) -> list[dict]:
     del keys, values
     for name in args.codecs:
         codec = FibQuantCodec.for_rate(d, CODECS[name])
-        book = codec.rotated_codebook(device)
+        book = codec.reader(device)
         key_codes = random_codes(codec, (b, hkv, m), device, gen)
         value_codes = random_codes(codec, (b, hkv, m), device, gen)
         forward = book.forward

@@ -47,7 +47,7 @@ def tune_shape(args, m: int, b: int, gen) -> list[dict]:
     rows = []
     for name in args.codecs:
         codec = FibQuantCodec.for_rate(d, CODECS[name])
-        book = codec.rotated_codebook(device)
+        book = codec.reader(device)
         kc, vc = random_codes(codec, (b, hkv, m), device, gen), random_codes(codec, (b, hkv, m), device, gen)
         call = (query, kc, vc, book.codewords, book.codewords, book.index_bits, book.index_bits)
         expected = ck.coded_decode_attention_reference(*call)[0]

@@ -159,7 +159,7 @@ def test_compressed_cache_stores_e8shell_codes(attention, monkeypatch):
         cache = CompressedCache.for_model(model, codec, codec, sink_tokens=2, recent_tokens=4, encode_batch=1,
                                           attention=mode)
         with torch.no_grad(), warnings.catch_warnings(), attention_on_codes(model):
-            warnings.simplefilter("ignore", RuntimeWarning)  # "no rotated codebook: decoding" (codes mode)
+            warnings.simplefilter("error", RuntimeWarning)  # no fallback: E8 codes are read by their own reader
             model(ids[:, :20], **cache_kwarg(model, cache), use_cache=True)
             steps = [model(ids[:, 20:27], **cache_kwarg(model, cache), use_cache=True).logits]
             steps += [model(ids[:, t:t + 1], **cache_kwarg(model, cache), use_cache=True).logits for t in range(27, 30)]

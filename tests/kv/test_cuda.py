@@ -46,10 +46,10 @@ def test_coded_kernels_on_cuda_match_cpu(name):
     codec = CODECS[name]()
     generator = torch.Generator().manual_seed(1)
     codes = codec.encode(torch.randn(2, 3, 500, DIM, generator=generator))
-    rotated = codec.rotated_codebook(torch.device("cpu"))
+    rotated = codec.reader(torch.device("cpu"))
     queries = torch.randn(2, 3, 6, DIM, generator=generator)
     weights = torch.rand(2, 3, 6, 500, generator=generator)
-    gpu = codec.rotated_codebook(torch.device("cuda"))
+    gpu = codec.reader(torch.device("cuda"))
     torch.testing.assert_close(coded_scores(queries.cuda(), codes.cuda(), gpu.codewords, gpu.index_bits).cpu(),
                                coded_scores(queries, codes, rotated.codewords, rotated.index_bits),
                                rtol=1e-4, atol=1e-4)

@@ -21,9 +21,9 @@ DIM = 64
 
 @pytest.fixture(autouse=True)
 def fresh_one_time_warnings(monkeypatch):
-    import fibquant.kv.attention.entry as attention
+    from fibquant.kv.attention import notices
 
-    monkeypatch.setattr(attention, "_warned", set())
+    monkeypatch.setattr(notices, "warned", set())
 
 
 def _gemma3(window=64, layers=("sliding_attention", "sliding_attention", "full_attention"), seed=0):

@@ -93,14 +93,14 @@ def test_family(name):
 
 # ----------------------------------------------------------------------------- the probe can fail
 def test_probe_counts_each_familys_fallback_warning():
-    """A codec without a rotated codebook decodes its codes (one warning per process): the probe
+    """A codec without a reader of its own decodes its codes (one warning per process): the probe
     empties fibquant's once-only set, so the second probe counts it again."""
     from fibquant.codecs.integer import IntCodec
 
     for _ in range(2):
         result = probe("Llama", generate=False, codec=lambda dim: IntCodec(dim, 8))
         assert result["status"] == "decode fallback", result
-        assert any("rotated codebook" in text for text in result["fallback_warnings"])
+        assert any("no reader of its own" in text for text in result["fallback_warnings"])
         assert result["logits_rel_codes_vs_decode"] <= LOGITS_RTOL
 
 

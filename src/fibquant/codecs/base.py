@@ -51,6 +51,8 @@ from typing import Any, Callable, ClassVar, Optional, Sequence, TypeVar
 import numpy as np
 import torch
 
+from .reader import CodeReader, DecodedReader
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 FP16_MAX = float(torch.finfo(torch.float16).max)
 FORMAT_NAME = "fibquant-codec"
@@ -65,55 +67,6 @@ def _all_finite(x: torch.Tensor) -> bool:
     if x.is_cpu and not x.requires_grad and x.dtype in (torch.float32, torch.float64):
         return bool(np.isfinite(x.numpy()).all())
     return bool(torch.isfinite(x).all())
-
-
-@dataclass(frozen=True)
-class RotatedCodebook:
-    """What attention on codes needs from a rotate-then-quantize codec (FibQuant, TurboQuant).
-
-    A code row [nu (fp16), idx_0 .. idx_{dim/k-1} (index_bits each)] decodes to
-    x_hat = nu * concat_j(codewords[idx_j]) @ forward.T, so for any query q,
-    q . x_hat = nu * (q @ forward) . concat_j(codewords[idx_j]): rotate the query once, never a key.
-
-    forward: float32 [dim, dim] (Pi^T, u = x @ forward); codewords: float32 [N, k]; both on one device.
-    """
-
-    forward: torch.Tensor
-    codewords: torch.Tensor
-    index_bits: int
-
-
-@dataclass(frozen=True)
-class RotatedStages:
-    """What attention on codes needs from a rotate-then-residual-quantize codec (FibQuant-RVQ).
-
-    A code row [nu (fp16), then per k-block j the S stage indices i_j1 .. i_jS (index_bits each,
-    position j * S + s)] decodes to x_hat = nu * concat_j(sum_s stages[s, i_js]) @ forward.T, so
-    q . x_hat = nu * sum_j sum_s (q @ forward)_j . stages[s, i_js]: one lookup table per stage.
-
-    forward: float32 [dim, dim] (Pi^T, u = x @ forward); stages: float32 [S, N, k]; both on one device.
-    """
-
-    forward: torch.Tensor
-    stages: torch.Tensor
-    index_bits: int
-
-
-@dataclass(frozen=True)
-class RotatedShells:
-    """What attention on codes needs from a rotate-then-shell-code codec (FibQuant-E8).
-
-    A code row [nu (fp16), idx_0 .. idx_{dim/8-1} (index_bits each, byte-aligned)] decodes to
-    x_hat = nu * concat_j(point(idx_j)) @ forward.T, point(i) the shell code's i-th 8-d point (too many
-    points for per-query tables: kv/attention/numba_shells.py decodes each block through `tables`).
-
-    forward: float32 [dim, dim] (Pi^T, u = x @ forward); tables: `codebook.e8shell_tables.CompactPointTables` (at most
-    2^16 points) or `ShellPointTables` (numpy, CPU).
-    """
-
-    forward: torch.Tensor
-    tables: Any
-    index_bits: int
 
 
 @dataclass(frozen=True)
@@ -248,20 +201,11 @@ class Codec(ABC):
                     tensors.extend(part.shared_tensors())
         return tensors
 
-    def rotated_codebook(self, device: torch.device) -> RotatedCodebook | None:
-        """The codec's rotated-domain structure on `device`, or None when it has none (then
-        attention on codes falls back to decoding this codec's codes to floats)."""
-        return None
-
-    def rotated_stages(self, device: torch.device) -> RotatedStages | None:
-        """The rotated-domain stages of a residual codec on `device` (kv/attention/numba_residual.py
-        reads its codes with one table per stage), or None for every other codec."""
-        return None
-
-    def rotated_shells(self, device: torch.device) -> RotatedShells | None:
-        """The rotated-domain shell code of an E8 shell codec (kv/attention/numba_shells.py decodes its
-        blocks in the decode step), or None for every other codec."""
-        return None
+    def reader(self, device: torch.device) -> CodeReader:
+        """How attention on codes reads this codec's code rows on `device` (`fibquant.codecs.reader`). The
+        default decodes them (`DecodedReader`); a family with a structure attention can read without
+        decoding (a rotated codebook, stages, shells) returns its own reader."""
+        return DecodedReader(self)
 
     # ------------------------------------------------------------------ save / load
     def save(self, path: str | Path) -> None:

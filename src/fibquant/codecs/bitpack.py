@@ -112,6 +112,9 @@ def _check_packed_length(nbytes: int, bits: int, count: int) -> None:
         )
 
 
+NORM_BYTES = 2  # a code row's norm nu, stored as IEEE fp16 (`float16_to_bytes`)
+
+
 def float16_to_bytes(values: torch.Tensor) -> torch.Tensor:
     """float tensor [...] -> uint8 [..., 2] holding its IEEE half-precision bytes."""
     return values.to(torch.float16).contiguous().view(torch.uint8).reshape(*values.shape, 2)

@@ -36,11 +36,12 @@ from ..codebook.e8shell import BLOCK, ShellLevels, codebook_points, exhaustive_s
 from ..codebook.e8shell_search import shell_search
 from ..codebook.e8shell_tables import COMPACT_MAX_POINTS, compact_point_tables, point_tables
 from ..codebook.e8shell_shipped import SHIPPED_LEVELS
-from .base import Codec, PlotStyle, RotatedShells, SpecParam
-from .bitpack import pack_bits, packed_size, unpack_bits
+from .base import Codec, PlotStyle, SpecParam
+from .bitpack import NORM_BYTES, pack_bits, packed_size, unpack_bits
+from .reader import ShellsReader
 from .layout import CodeLayout
 from .norm_correction import corrected_norm_bytes, reference_norm_bytes
-from .rotation import NORM_BYTES, RotationState, check_rotation_seed, rotation_seed_of
+from .rotation import RotationState, check_rotation_seed, rotation_seed_of
 
 SUPPORTED_BITS = (1, 1.5, 1.75, 2, 3, 4)  # 8 b index bits per 8-block: 8, 12, 14, 16, 24, 32
 
@@ -151,11 +152,13 @@ class E8ShellCodec(Codec):
         """The levels' search / unrank tables (`codebook.e8shell.ShellTables`, numpy, CPU)."""
         return shell_tables(self.levels)
 
-    def rotated_shells(self, device: torch.device) -> RotatedShells:
-        # <= 16 index bits: every point as 8 int8 (<= 512 KB; one read per block), else the decomposed tables
+    def reader(self, device: torch.device) -> ShellsReader:
+        """The shell points decoded by `_unit_rows`; the one-token kernel's point tables: at <= 16 index bits
+        every point as 8 int8 (<= 512 KB; one read per block), else the decomposed tables."""
         compact = self.tables.count <= COMPACT_MAX_POINTS
         tables = compact_point_tables(self.levels) if compact else point_tables(self.levels)
-        return RotatedShells(self._rotation.forward_matrix(torch.device(device)), tables, self.config.index_bits)
+        return ShellsReader(self.dim, self._rotation.forward_matrix(torch.device(device)), self.config.index_bits,
+                            self._unit_rows, tables, type(self).__name__)
 
     def _sq_radii(self) -> np.ndarray:
         return self.device_state.get("sq_radii64", torch.device("cpu"),
@@ -211,7 +214,8 @@ class E8ShellCodec(Codec):
     def _encode_flat(self, x: torch.Tensor) -> torch.Tensor:
         return self._encode_rows(x, exhaustive=False)
 
-    def _decode_flat(self, codes: torch.Tensor) -> torch.Tensor:
+    def _unit_rows(self, codes: torch.Tensor) -> torch.Tensor:
+        """codes uint8 [n, code_size] -> the shell points u_hat float64 [n, dim] (rotated domain)."""
         n = codes.shape[0]
         index = unpack_bits(codes[:, NORM_BYTES:], self.config.index_bits, self.config.n_blocks)
         try:
@@ -219,8 +223,10 @@ class E8ShellCodec(Codec):
         except ValueError:
             raise ValueError(f"{type(self).__name__}.decode: code holds index >= {self.tables.count} "
                              f"(the code's point count)") from None
-        u_hat = torch.from_numpy(points).reshape(n, self.dim).to(codes.device)
-        return self._rotation.unrotate_scale(u_hat, codes[:, :NORM_BYTES])
+        return torch.from_numpy(points).reshape(n, self.dim).to(codes.device)
+
+    def _decode_flat(self, codes: torch.Tensor) -> torch.Tensor:
+        return self._rotation.unrotate_scale(self._unit_rows(codes), codes[:, :NORM_BYTES])
 
     def __repr__(self) -> str:
         return (f"E8ShellCodec(dim={self.dim}, bits={self.bits}, levels={len(self.levels.shells)}, "

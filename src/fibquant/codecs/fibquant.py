@@ -48,11 +48,12 @@ from ..codebook import CodebookSpec, load_codebook
 from ..codebook.numba_search import NumbaSearch, numba_available
 from ..codebook.box_grid import GridSearch, default_cells
 from ..codebook.nearest import nearest_codeword
-from .base import FP16_MAX, Codec, PlotStyle, RotatedCodebook, SpecParam, _split_codes
-from .bitpack import pack_bits, packed_size, unpack_bits
+from .base import FP16_MAX, Codec, PlotStyle, SpecParam, _split_codes
+from .bitpack import NORM_BYTES, pack_bits, packed_size, unpack_bits
+from .reader import CodebookReader
 from .layout import CodeLayout
 from .norm_correction import corrected_norm_bytes, reference_norm_bytes
-from .rotation import NORM_BYTES, RotationState, check_rotation_seed, rotation_seed_of
+from .rotation import RotationState, check_rotation_seed, rotation_seed_of
 
 MAX_SEARCH_CODEWORDS = 4096  # for_rate never picks more (search cost N*k per block)
 MAX_GRID_CODEWORDS = 1024    # the grid-pruned search's tables cost boxes * N to build
@@ -250,9 +251,10 @@ class FibQuantCodec(Codec):
 
         return self.device_state.get("codewords", device, build)
 
-    def rotated_codebook(self, device: torch.device) -> RotatedCodebook:
-        codewords, _ = self._table(torch.device(device))
-        return RotatedCodebook(self._rotation.forward_matrix(torch.device(device)), codewords, self.config.index_bits)
+    def reader(self, device: torch.device) -> CodebookReader:
+        device = torch.device(device)
+        return CodebookReader(self.dim, self._rotation.forward_matrix(device), self.config.index_bits,
+                              self._table(device)[0], type(self).__name__)
 
     def _numba_search(self, device: torch.device) -> NumbaSearch | None:
         """The numba search tables for CPU tensors, or None where the torch path runs."""
@@ -394,13 +396,7 @@ class FibQuantCodec(Codec):
         return torch.cat([norm_bytes, packed], dim=1), None
 
     def _decode_flat(self, codes: torch.Tensor) -> torch.Tensor:
-        n = codes.shape[0]
-        index = unpack_bits(codes[:, NORM_BYTES:], self.config.index_bits, self.config.n_blocks)
-        # Only a field wider than log2(N) can hold an invalid index (skip the pass otherwise).
-        if self.n_codewords != 1 << self.config.index_bits and int(index.max()) >= self.n_codewords:
-            raise ValueError(f"{type(self).__name__}.decode: code holds index >= N={self.n_codewords}")
-        codewords, _ = self._table(codes.device)
-        u_hat = codewords[index].reshape(n, self.dim)
+        u_hat = self.reader(codes.device).unit_rows(codes)
         return self._rotation.unrotate_scale(u_hat, codes[:, :NORM_BYTES])
 
     @property

@@ -30,10 +30,11 @@ import torch
 
 from ..codebook.residual import MAX_STAGES, ResidualSpec, beam_search, exhaustive_search, index_bits, load_residual
 from ..codebook.residual_numba import beam_tables, fast_beam_search
-from .base import FP16_MAX, Codec, PlotStyle, RotatedStages, SpecParam
-from .bitpack import float16_to_bytes, pack_bits, packed_size, unpack_bits
+from .base import FP16_MAX, Codec, PlotStyle, SpecParam
+from .bitpack import NORM_BYTES, float16_to_bytes, pack_bits, packed_size, unpack_bits
+from .reader import StagesReader
 from .layout import CodeLayout
-from .rotation import NORM_BYTES, RotationState, check_rotation_seed, rotation_seed_of
+from .rotation import RotationState, check_rotation_seed, rotation_seed_of
 
 DEFAULT_K = 8
 DEFAULT_N = 256
@@ -161,9 +162,10 @@ class FibRVQCodec(Codec):
     def _stages(self, device: torch.device) -> torch.Tensor:
         return self.device_state.get("stages", device, lambda d: self.codebook.to(d))
 
-    def rotated_stages(self, device: torch.device) -> RotatedStages:
-        return RotatedStages(self._rotation.forward_matrix(torch.device(device)), self._stages(torch.device(device)),
-                             self.config.index_bits)
+    def reader(self, device: torch.device) -> StagesReader:
+        device = torch.device(device)
+        return StagesReader(self.dim, self._rotation.forward_matrix(device), self.config.index_bits,
+                            self._stages(device), type(self).__name__)
 
     def shared_tensors(self) -> list[torch.Tensor]:
         loaded = [self._codebook] if self._codebook is not None else []
@@ -200,11 +202,7 @@ class FibRVQCodec(Codec):
 
     def _unit_reconstruction(self, index: torch.Tensor, device: torch.device) -> torch.Tensor:
         """indices [n, dim/k, S] -> u_hat [n, dim] float32."""
-        stages = self._stages(device)
-        total = stages[0][index[..., 0]]
-        for j in range(1, self.stages):
-            total = total + stages[j][index[..., j]]
-        return total.reshape(index.shape[0], self.dim)
+        return self.reader(device).stage_sum(index)
 
     def encode_with(self, x: torch.Tensor, exhaustive: bool) -> torch.Tensor:
         """`encode` with the beam (False) or the exhaustive reference search (True)."""
@@ -232,12 +230,7 @@ class FibRVQCodec(Codec):
         return self._encode_rows(x, exhaustive=False)
 
     def _decode_flat(self, codes: torch.Tensor) -> torch.Tensor:
-        n = codes.shape[0]
-        count = self.config.n_blocks * self.stages
-        index = unpack_bits(codes[:, NORM_BYTES:], self.config.index_bits, count)
-        if self.n_codewords != 1 << self.config.index_bits and int(index.max()) >= self.n_codewords:
-            raise ValueError(f"{type(self).__name__}.decode: code holds index >= N={self.n_codewords}")
-        u_hat = self._unit_reconstruction(index.reshape(n, self.config.n_blocks, self.stages), codes.device)
+        u_hat = self.reader(codes.device).unit_rows(codes)
         return self._rotation.unrotate_scale(u_hat, codes[:, :NORM_BYTES])
 
     def __repr__(self) -> str:

@@ -14,7 +14,6 @@ from ..canonical import haar_rotation
 from .base import FP16_MAX, DeviceState
 from .bitpack import bytes_to_float16, float16_to_bytes
 
-NORM_BYTES = 2  # the norm nu is stored as IEEE fp16
 ROTATION_SEED_PARAM = "rotation_seed"  # the spec keyword (key "r") of every codec whose rotation is a seed
 
 

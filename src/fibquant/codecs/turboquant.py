@@ -16,10 +16,11 @@ import torch
 
 from ..codebook import load_codebook
 from ..codebook.nearest import nearest_level
-from .base import Codec, PlotStyle, RotatedCodebook, SpecParam
-from .bitpack import pack_bits, packed_size, unpack_bits
+from .base import Codec, PlotStyle, SpecParam
+from .bitpack import NORM_BYTES, pack_bits, packed_size, unpack_bits
+from .reader import CodebookReader
 from .layout import CodeLayout
-from .rotation import NORM_BYTES, RotationState, check_rotation_seed, rotation_seed_of
+from .rotation import RotationState, check_rotation_seed, rotation_seed_of
 
 SUPPORTED_BITS = (1, 2, 3, 4)
 
@@ -102,9 +103,12 @@ class TurboQuantCodec(Codec):
         """(levels [2^bits], thresholds [2^bits - 1]) on `device`, float32."""
         return self.device_state.get("levels", device, lambda d: (self.levels.to(d), self.thresholds.to(d)))
 
-    def rotated_codebook(self, device: torch.device) -> RotatedCodebook:
-        levels, _ = self._table(torch.device(device))
-        return RotatedCodebook(self._rotation.forward_matrix(torch.device(device)), levels.reshape(-1, 1), self.bits)
+    def reader(self, device: torch.device) -> CodebookReader:
+        """Its levels as a codebook of N = 2^bits one-dimensional codewords."""
+        device = torch.device(device)
+        levels, _ = self._table(device)
+        return CodebookReader(self.dim, self._rotation.forward_matrix(device), self.bits, levels.reshape(-1, 1),
+                              type(self).__name__)
 
     def _encode_flat(self, x: torch.Tensor) -> torch.Tensor:
         norm_bytes, u = self._rotation.normalise_rotate(x, type(self).__name__)
@@ -112,9 +116,8 @@ class TurboQuantCodec(Codec):
         return torch.cat([norm_bytes, pack_bits(nearest_level(u, thresholds), self.bits)], dim=1)
 
     def _decode_flat(self, codes: torch.Tensor) -> torch.Tensor:
-        levels, _ = self._table(codes.device)
-        index = unpack_bits(codes[:, NORM_BYTES:], self.bits, self.dim)
-        return self._rotation.unrotate_scale(levels[index], codes[:, :NORM_BYTES])
+        u_hat = self.reader(codes.device).unit_rows(codes)
+        return self._rotation.unrotate_scale(u_hat, codes[:, :NORM_BYTES])
 
     @property
     def code_layout(self) -> CodeLayout:

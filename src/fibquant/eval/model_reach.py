@@ -20,7 +20,7 @@ runs the same 40-token prompt (prefilled in two chunks, then a few decode steps)
   attention (the switch must not change what other caches compute);
 - `model.generate` in a batch of 2 with left padding, codes vs decode: the same greedy tokens.
 
-fibquant's fallbacks warn once per process (`fibquant.kv.attention.entry._warned`); the probe empties
+fibquant's fallbacks warn once per process (`fibquant.kv.attention.notices.warned`); the probe empties
 that set before a family and puts the previous entries back after, and records every
 RuntimeWarning raised meanwhile, so each family's count is its own.
 
@@ -301,12 +301,11 @@ class _FallbackRecorder:
     """Empties fibquant's once-per-process warning set, records RuntimeWarnings, restores the set."""
 
     def __enter__(self):
-        import fibquant.kv.attention.entry as attention
+        from fibquant.kv.attention import notices
 
-        self._warned = getattr(attention, "_warned", None)
-        self._saved = set(self._warned) if self._warned is not None else None
-        if self._warned is not None:
-            self._warned.clear()
+        self._warned = notices.warned
+        self._saved = set(self._warned)
+        self._warned.clear()
         self._catch = warnings.catch_warnings(record=True)
         self.records = self._catch.__enter__()
         warnings.simplefilter("always")
@@ -318,14 +317,13 @@ class _FallbackRecorder:
         return list(dict.fromkeys(texts))
 
     def keys(self) -> list[str]:
-        return sorted(self._warned) if self._warned is not None else []
+        return sorted(self._warned)
 
     def __exit__(self, *exc):
         self.final_keys = self.keys()
         self._catch.__exit__(*exc)
-        if self._warned is not None:
-            self._warned.clear()
-            self._warned.update(self._saved)
+        self._warned.clear()
+        self._warned.update(self._saved)
         return False
 
 

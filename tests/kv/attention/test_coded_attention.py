@@ -21,9 +21,9 @@ DIM = 64
 
 @pytest.fixture(autouse=True)
 def fresh_one_time_warnings(monkeypatch):
-    import fibquant.kv.attention.entry as attention
+    from fibquant.kv.attention import notices
 
-    monkeypatch.setattr(attention, "_warned", set())
+    monkeypatch.setattr(notices, "warned", set())
 
 
 def tiny_llama64(**overrides):
@@ -88,7 +88,7 @@ def test_attend_codes_matches_decode_reference(pair, tokens, mask_kind):
         allowed[1, :, :, :3] = False  # left padding of the second row
         allowed[1, :, :, 20:23] = False  # and a masked span inside the coded part
         mask = allowed if mask_kind == "bool" else torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
-    with pytest.warns(RuntimeWarning, match="no rotated codebook") if pair == "int fallback" else _no_warning():
+    with pytest.warns(RuntimeWarning, match="no reader of its own") if pair == "int fallback" else _no_warning():
         got = attend_codes(query, kv, mask, DIM ** -0.5)
     want = reference_attention(query, kv, mask, DIM ** -0.5)
     assert got.shape == (2, tokens, 4, DIM)

@@ -50,6 +50,7 @@ from fibquant.codecs.bitpack import float16_to_bytes, pack_bits  # noqa: E402
 from fibquant.codecs.fibquant import FibQuantCodec  # noqa: E402
 from fibquant.codecs.turboquant import TurboQuantCodec  # noqa: E402
 import fibquant.kv.attention.kernels as ck  # noqa: E402
+from fibquant.kv.attention import notices  # noqa: E402
 from fibquant.kv.attention.kernels import (attention_with_lse, coded_decode_attention,  # noqa: E402
                                        coded_decode_attention_paged, coded_decode_attention_paged_reference,
                                        coded_decode_attention_reference, coded_scores, coded_scores_reference,
@@ -122,7 +123,7 @@ def test_real_codecs_match_reference():
     x = torch.randn(1, 2, 80, 64, generator=gen) * torch.exp(torch.randn(1, 2, 80, 1, generator=gen))
     for codec in (FibQuantCodec(64, 4, 256), TurboQuantCodec(64, 3)):
         codes = codec.encode(x).to(DEVICE)
-        book = codec.rotated_codebook(DEVICE)
+        book = codec.reader(DEVICE)
         queries = randn(1, 2, 3, 64, seed=4)
         scores = coded_scores(queries, codes, book.codewords, book.index_bits, backend="triton")
         expected = coded_scores_reference(queries, codes, book.codewords, book.index_bits)
@@ -287,7 +288,7 @@ def _fused_attend(query, kv, scaling):
     a causal chunk): query [B, Hq, T, D] over a CodedKV -> [B, Hq, T, Dv] float32."""
     batch, q_heads, tokens, _ = query.shape
     q = query.to(torch.float32) * scaling
-    key_book, value_book = kv.key_codec.rotated_codebook(q.device), kv.value_codec.rotated_codebook(q.device)
+    key_book, value_book = kv.key_codec.reader(q.device), kv.value_codec.reader(q.device)
     coded_out, coded_lse = coded_decode_attention(q @ key_book.forward, kv.key_codes, kv.value_codes,
                                                   key_book.codewords, value_book.codewords,
                                                   key_book.index_bits, value_book.index_bits, backend="triton")
@@ -441,12 +442,12 @@ def test_auto_dispatch_of_cuda_tensors(monkeypatch):
     cuda = (SimpleNamespace(device=torch.device("cuda")),) * 2
     assert ck._select("auto", cuda, ((128, 8),)) == "triton"
     assert ck._select("auto", cuda, ((128, 8), (64, 3)), fused=True) == "triton"
-    ck._warned.discard("triton-config:head dim 1024 > 512")
+    notices.warned.discard("triton-config:head dim 1024 > 512")
     with pytest.warns(RuntimeWarning, match="cannot serve"):
         assert ck._select("auto", cuda, ((1024, 8),)) == "torch"
     assert ck._select("auto", (SimpleNamespace(device=torch.device("cpu")),), ((64, 8),), fused=True) == "torch"
     monkeypatch.setattr(ck, "_TRITON", (None, "ModuleNotFoundError: no triton"))
-    ck._warned.discard("no-triton")
+    notices.warned.discard("no-triton")
     with pytest.warns(RuntimeWarning, match="not importable"):
         assert ck._select("auto", cuda, ((128, 8),)) == "torch"
     with warnings.catch_warnings():
@@ -465,7 +466,7 @@ def test_auto_falls_back_when_a_kernel_fails_but_explicit_triton_raises(monkeypa
 
     monkeypatch.setattr(coded_triton, "scores", broken)
     monkeypatch.setattr(ck, "_select", lambda *args, **kwargs: "triton")  # as for CUDA tensors under "auto"
-    ck._warned.discard("triton-failed:coded_scores:RuntimeError")
+    notices.warned.discard("triton-failed:coded_scores:RuntimeError")
     with pytest.warns(RuntimeWarning, match="no kernel image"):
         scores = coded_scores(queries, codes, codewords, 8)
     assert torch.equal(scores, coded_scores_reference(queries, codes, codewords, 8))
@@ -476,7 +477,7 @@ def test_auto_falls_back_when_a_kernel_fails_but_explicit_triton_raises(monkeypa
 def test_unservable_config_falls_back_with_one_warning():
     codes, codewords = random_codes((1, 1, 9), 64, 2, 26, 4, seed=61)  # 26-bit fields: beyond a 32-bit window
     queries = randn(1, 1, 2, 64, seed=62)
-    ck._warned.discard("triton-config:index_bits=26 > 25")
+    notices.warned.discard("triton-config:index_bits=26 > 25")
     with pytest.warns(RuntimeWarning, match="cannot serve"):
         scores = coded_scores(queries, codes, codewords, 26, backend="triton")
     assert torch.equal(scores, coded_scores_reference(queries, codes, codewords, 26))

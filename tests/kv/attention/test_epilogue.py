@@ -6,7 +6,6 @@ import pytest
 import torch
 from _kv_helpers import decode_all_attention, fast_and_torch_paths, filled_coded_layer, ragged_float_mask
 
-import fibquant.kv.attention.entry as entry
 from fibquant.codecs.e8shell import E8ShellCodec
 from fibquant.codecs.fibquant import FibQuantCodec
 from fibquant.codecs.fibrvq import FibRVQCodec
@@ -70,7 +69,7 @@ def test_row_weights_equal_the_reference_epilogue(bound, softcap, with_bias, wit
 
 FAMILIES = {  # one pair of codecs per one-token step: the fused kernel, residual stages, E8 shells
     "fused (fibquant / turboquant)": (lambda: (FibQuantCodec(DIM, 2, 256), TurboQuantCodec(DIM, 4)),
-                                      entry, "_attend_decode_numba"),
+                                      "fibquant.kv.attention.codebook_step", "attend_codebook_step"),
     "residual (fibrvq)": (lambda: (FibRVQCodec(DIM, stages=2), FibQuantCodec(DIM, 4, 256)),
                           "fibquant.kv.attention.numba_residual", "attend_decode_residual"),
     "shells (e8shell)": (lambda: (E8ShellCodec(DIM, 2), E8ShellCodec(DIM, 4)),

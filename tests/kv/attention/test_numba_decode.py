@@ -8,7 +8,7 @@ from _kv_helpers import decode_all_attention, fast_and_torch_paths, filled_coded
 from fibquant.codecs.fibquant import FibQuantCodec
 from fibquant.codecs.integer import IntCodec
 from fibquant.codecs.turboquant import TurboQuantCodec
-import fibquant.kv.attention.entry as attention
+from fibquant.kv.attention import codebook_step, notices
 from fibquant.kv.attention import attend_codes, numba_epilogue
 from fibquant.kv.cache import CompressedLayer
 
@@ -31,8 +31,8 @@ def layer_of(pair, batch, heads, past, sinks=4, recent=8, centre=False, seed=0):
 def fused_calls(monkeypatch):
     """Counts calls of the fused kernel path (and checks it ran where expected)."""
     calls = []
-    original = attention._attend_decode_numba
-    monkeypatch.setattr(attention, "_attend_decode_numba", lambda *a: calls.append(1) or original(*a))
+    original = codebook_step.attend_codebook_step
+    monkeypatch.setattr(codebook_step, "attend_codebook_step", lambda *a: calls.append(1) or original(*a))
     return calls
 
 
@@ -100,9 +100,9 @@ def test_fused_step_fully_masked_row_and_dtype(monkeypatch, fused_calls):
 
 
 def test_fused_step_falls_back_cleanly(monkeypatch, fused_calls):
-    """an INT codec (no rotated codebook), many query heads per KV head and autograd take the torch
+    """an INT codec (no reader of its own), many query heads per KV head and autograd take the torch
     path; the results still match the spec."""
-    monkeypatch.setattr(attention, "_warned", set())
+    monkeypatch.setattr(notices, "warned", set())
     layer, generator = layer_of("fibquant k2/k4 (8-bit indices)", 1, 2, past=40)
     kv, _ = layer.update(torch.randn(1, 2, 1, DIM, generator=generator), torch.randn(1, 2, 1, DIM, generator=generator))
     query = torch.randn(1, 4, 1, DIM, generator=generator)
@@ -113,7 +113,7 @@ def test_fused_step_falls_back_cleanly(monkeypatch, fused_calls):
     int_layer = CompressedLayer(IntCodec(DIM, 4), FibQuantCodec(DIM, 2, 256), 2, 4, attention="codes")
     int_layer.update(torch.randn(1, 2, 30, DIM), torch.randn(1, 2, 30, DIM))
     kv, _ = int_layer.update(torch.randn(1, 2, 1, DIM), torch.randn(1, 2, 1, DIM))
-    with pytest.warns(RuntimeWarning, match="no rotated codebook"):
+    with pytest.warns(RuntimeWarning, match="no reader of its own"):
         out = attend_codes(query, kv, None, 0.125)
     assert not fused_calls
     torch.testing.assert_close(out, decode_all_attention(query, kv, None, 0.125), rtol=1e-4, atol=1e-5)

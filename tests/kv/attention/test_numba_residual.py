@@ -12,6 +12,7 @@ import fibquant.kv.attention.numba_residual as numba_residual
 from fibquant.codecs.fibquant import FibQuantCodec
 from fibquant.codecs.integer import IntCodec
 from fibquant.codecs.fibrvq import FibRVQCodec
+from fibquant.codecs.reader import StagesReader
 from fibquant.kv.attention import attend_codes
 from fibquant.kv.cache import CompressedLayer
 
@@ -45,7 +46,6 @@ def residual_calls(monkeypatch):
     return calls
 
 
-@pytest.mark.filterwarnings("ignore:.*rotated codebook")
 @pytest.mark.parametrize("pair", sorted(PAIRS))
 @pytest.mark.parametrize("groups", [1, 3, 6])  # 6 query heads per KV head: 8 lanes
 @pytest.mark.parametrize("masked", [False, True])
@@ -66,7 +66,6 @@ def test_residual_step_equals_torch_path_and_spec(monkeypatch, residual_calls, p
     torch.testing.assert_close(fast, decode_all_attention(query, kv, bias, 0.125), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.filterwarnings("ignore:.*rotated codebook")
 def test_residual_step_with_sinks_centring_and_window(monkeypatch, residual_calls):
     layer, generator = layer_of("rvq 2/2", 2, 3, past=90, centre=True)
     assert layer.key_mean is not None
@@ -78,7 +77,6 @@ def test_residual_step_with_sinks_centring_and_window(monkeypatch, residual_call
     assert len(residual_calls) == 2
 
 
-@pytest.mark.filterwarnings("ignore:.*rotated codebook")
 def test_what_the_residual_kernel_does_not_take(monkeypatch, residual_calls):
     """Plain codecs stay on numba_decode's kernel; an INT role, N != 256, > 8 query heads per KV head
     and a prefill chunk take the torch path (still equal to the spec)."""
@@ -102,13 +100,14 @@ def test_what_the_residual_kernel_does_not_take(monkeypatch, residual_calls):
 
 
 def test_stage_layout_matches_the_codec():
-    """rotated_stages: decoding a code by hand from its stages and rotation gives the codec's decode."""
+    """StagesReader: decoding a code by hand from its stages and rotation gives the codec's decode."""
     codec = FibRVQCodec(DIM, stages=3)
     x = torch.randn(5, DIM, generator=torch.Generator().manual_seed(3))
     codes = codec.encode(x)
-    staged = codec.rotated_stages(torch.device("cpu"))
+    staged = codec.reader(torch.device("cpu"))
+    assert isinstance(staged, StagesReader)
     index = codes[:, 2:].to(torch.int64).reshape(5, DIM // 8, 3)
     u_hat = sum(staged.stages[s][index[..., s]] for s in range(3)).reshape(5, DIM)
     norms = codes[:, :2].contiguous().view(torch.float16).to(torch.float32)
     torch.testing.assert_close(norms * (u_hat @ staged.forward.T), codec.decode(codes), rtol=1e-5, atol=1e-5)
-    assert FibQuantCodec(DIM, 4, 256).rotated_stages(torch.device("cpu")) is None
+    assert not isinstance(FibQuantCodec(DIM, 4, 256).reader(torch.device("cpu")), StagesReader)

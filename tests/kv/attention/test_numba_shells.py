@@ -19,6 +19,7 @@ from fibquant.codebook.e8shell_tables import (COMPACT_MAX_POINTS, CompactPointTa
 from fibquant.codecs.e8shell import E8ShellCodec, shipped_levels
 from fibquant.codecs.fibquant import FibQuantCodec
 from fibquant.codecs.fibrvq import FibRVQCodec
+from fibquant.codecs.reader import ShellsReader
 from fibquant.kv.attention import attend_codes
 from fibquant.kv.cache import CompressedLayer
 
@@ -67,7 +68,6 @@ def test_decoded_blocks_equal_unrank_exactly(bits):
         decode_points(np.array([-1]), ptables)
 
 
-@pytest.mark.filterwarnings("ignore:.*rotated codebook")
 @pytest.mark.parametrize("pair", sorted(PAIRS))
 @pytest.mark.parametrize("groups", [1, 3, 6])  # 6 query heads per KV head
 @pytest.mark.parametrize("masked", [False, True])
@@ -87,7 +87,6 @@ def test_shell_step_equals_torch_path_and_spec(monkeypatch, shell_calls, pair, g
     torch.testing.assert_close(fast, decode_all_attention(query, kv, mask, 0.125), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.filterwarnings("ignore:.*rotated codebook")
 @pytest.mark.parametrize("past", [1, 17, 300])
 def test_shell_step_lengths_sinks_centring_window(monkeypatch, shell_calls, past):
     """Several lengths (one coded row up to a few hundred), learned sinks, centred keys/values, the exact
@@ -103,7 +102,6 @@ def test_shell_step_lengths_sinks_centring_window(monkeypatch, shell_calls, past
     assert len(shell_calls) == 2
 
 
-@pytest.mark.filterwarnings("ignore:.*rotated codebook")
 def test_bad_codes_raise(monkeypatch):
     """An index beyond the code's points (4 bits: 2^31.95 points in 32 bits) is a ValueError, not garbage."""
     layer, generator = filled_coded_layer(*codecs_of("e8 4/2"), 1, 1, past=30)
@@ -113,7 +111,6 @@ def test_bad_codes_raise(monkeypatch):
         attend_codes(torch.randn(1, 2, 1, DIM, generator=generator), kv, None, 0.125)
 
 
-@pytest.mark.filterwarnings("ignore:.*rotated codebook")
 @pytest.mark.parametrize("role", ["keys", "values"])
 def test_bad_compact_codes_raise(shell_calls, role):
     """The compact path (2 bits: 65 520 points in 16 bits) flags index 65 535 in either role."""
@@ -125,7 +122,6 @@ def test_bad_compact_codes_raise(shell_calls, role):
     assert shell_calls
 
 
-@pytest.mark.filterwarnings("ignore:.*rotated codebook")
 @pytest.mark.parametrize("groups", [3, 6])
 def test_shell_step_d128(monkeypatch, shell_calls, groups):
     """d = 128 (16 blocks a row): compact keys (2 bits) with decomposed values (3 bits), and the reverse."""
@@ -139,7 +135,6 @@ def test_shell_step_d128(monkeypatch, shell_calls, groups):
     assert len(shell_calls) == 2
 
 
-@pytest.mark.filterwarnings("ignore:.*rotated codebook")
 def test_what_the_shell_kernel_does_not_take(monkeypatch, shell_calls):
     """One role not a shell code, > 8 query heads per KV head, a prefill chunk: other paths (still = the spec)."""
     assert numba_shells.shell_plan(FibQuantCodec(DIM, 4, 256)) is None
@@ -165,17 +160,18 @@ def test_what_the_shell_kernel_does_not_take(monkeypatch, shell_calls):
 
 @pytest.mark.parametrize("bits", [2, 3])
 def test_shell_layout_matches_the_codec(bits):
-    """rotated_shells: decoding a code by hand from its tables and rotation gives the codec's decode."""
+    """ShellsReader: decoding a code by hand from its tables and rotation gives the codec's decode."""
     codec = E8ShellCodec(DIM, bits, norm_correction=True)
     x = torch.randn(5, DIM, generator=torch.Generator().manual_seed(3))
     codes = codec.encode(x)
-    shells = codec.rotated_shells(torch.device("cpu"))
+    shells = codec.reader(torch.device("cpu"))
+    assert isinstance(shells, ShellsReader)
     raw = codes[:, 2:].to(torch.int64).reshape(5, DIM // 8, shells.index_bits // 8)
     index = (raw << (8 * torch.arange(shells.index_bits // 8))).sum(-1)
     u_hat = torch.from_numpy(decode_points(index.reshape(-1).numpy(), shells.tables)).reshape(5, DIM)
     norms = codes[:, :2].contiguous().view(torch.float16).to(torch.float32)
     torch.testing.assert_close(norms * (u_hat @ shells.forward.T), codec.decode(codes), rtol=1e-5, atol=1e-5)
-    assert FibQuantCodec(DIM, 4, 256).rotated_shells(torch.device("cpu")) is None
+    assert not isinstance(FibQuantCodec(DIM, 4, 256).reader(torch.device("cpu")), ShellsReader)
 
 
 @pytest.mark.parametrize("bits", [1, 1.5, 1.75, 2])
@@ -222,11 +218,11 @@ def test_compact_tables_bad_input():
 
 
 def test_codec_gives_compact_tables_up_to_16_bits():
-    """rotated_shells: the compact tables at b <= 2 (the step's halves tables), the decomposed ones above."""
+    """ShellsReader: the compact tables at b <= 2 (the step's halves tables), the decomposed ones above."""
     for bits in (1, 1.5, 1.75, 2):
-        assert isinstance(E8ShellCodec(DIM, bits).rotated_shells(torch.device("cpu")).tables, CompactPointTables)
+        assert isinstance(E8ShellCodec(DIM, bits).reader(torch.device("cpu")).tables, CompactPointTables)
     for bits in (3, 4):
-        assert isinstance(E8ShellCodec(DIM, bits).rotated_shells(torch.device("cpu")).tables, ShellPointTables)
+        assert isinstance(E8ShellCodec(DIM, bits).reader(torch.device("cpu")).tables, ShellPointTables)
 
 
 @pytest.mark.parametrize("bits,groups,dim", [(2, 3, 64), (1.75, 6, 64), (1, 1, 128), (1.5, 4, 64)])

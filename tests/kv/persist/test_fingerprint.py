@@ -28,7 +28,7 @@ def test_signs_are_fixed_and_balanced():
 def test_ulp_noise_matches_and_other_state_does_not(codec):
     here = state_fingerprint(codec)
     assert fingerprint_mismatch(here, here) is None
-    book = codec.rotated_codebook(torch.device("cpu"))
+    book = codec.reader(torch.device("cpu"))
     for name, tensor in (("rotation", book.forward), ("codewords", book.codewords)):
         for direction in (math.inf, -math.inf):  # every entry one float32 ulp off
             noisy = {**here, "tensors": {**here["tensors"],
@@ -47,7 +47,7 @@ def test_other_codecs_differ():
     turbo = TurboQuantCodec(64, 2)
     here = state_fingerprint(turbo)
     assert "rotation differs" in fingerprint_mismatch(here, state_fingerprint(TurboQuantCodec(64, 2, seed=1)))
-    codewords = turbo.rotated_codebook(torch.device("cpu")).codewords
+    codewords = turbo.reader(torch.device("cpu")).codewords
     assert "codewords differs" in fingerprint_mismatch(here, _with(here, "codewords", codewords * 1.01))
     assert "codewords: " in fingerprint_mismatch(here, _with(here, "codewords", codewords[:-1]))
     assert fingerprint_mismatch(state_fingerprint(IntCodec(64, 4)), state_fingerprint(IntCodec(64, 4))) is None

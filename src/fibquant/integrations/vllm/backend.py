@@ -66,6 +66,7 @@ from fibquant.integrations.vllm import chunk
 from fibquant.integrations.vllm.config import active_config
 from fibquant.integrations.vllm.deferred import DeferredCodes
 from fibquant.integrations.vllm.window import ExactWindow
+from fibquant.codecs.reader import CodebookReader
 from fibquant.kv.attention.entry import attend_codes
 from fibquant.kv.attention.kernels import attention_with_lse, coded_decode_attention_paged, merge_lse, triton_available
 from fibquant.kv.attention.paged import paged_decode_attention, paged_kernel, paged_plans, run_paged_kernel
@@ -372,7 +373,7 @@ class FibQuantAttentionImpl(AttentionImpl):
             return False
         if backend == "auto" and (pages.device.type != "cuda" or not triton_available()):
             return False
-        return all(codec.rotated_codebook(pages.device) is not None for codec in (self.key_codec, self.value_codec))
+        return all(isinstance(codec.reader(pages.device), CodebookReader) for codec in (self.key_codec, self.value_codec))
 
     def _numba_paged(self, pages: torch.Tensor) -> bool:
         """Whether a batch of one-token steps goes through the paged numba kernel (`kv.attention.paged`):
@@ -387,7 +388,7 @@ class FibQuantAttentionImpl(AttentionImpl):
         sink logits."""
         count, tokens = query.shape[:2]
         device = pages.device
-        key_book, value_book = (codec.rotated_codebook(device) for codec in (self.key_codec, self.value_codec))
+        key_book, value_book = (codec.reader(device) for codec in (self.key_codec, self.value_codec))
         q = query.transpose(1, 2).to(torch.float32) * self.scale                    # [R, Hq, T, D]
         exact = 0 if window is None else window[0].shape[2]
         coded_out, coded_lse = coded_decode_attention_paged(

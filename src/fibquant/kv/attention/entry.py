@@ -25,11 +25,11 @@ new tokens) and `coded_attention_forward`, registered as "fibquant", attends to 
   extra logit per query head in the softmax, dropped afterwards) and sliding windows (the
   model's sliding mask, built over the columns a `CompressedSlidingLayer` holds).
 
-Anything else falls back, never silently wrongly: a codec without a rotated codebook (INT,
-low-rank, RVQ) has its codes decoded to floats for that role (one-time warning), except that a
-one-token step on the CPU goes through the steps registered in `ONE_TOKEN_STEPS`: FibQuant-RVQ's residual
-codes with one table per stage (`numba_residual`, `rotated_stages`), FibQuant-E8's shell codes decoded
-block by block in the kernel (`numba_shells`, `rotated_shells`); options the
+Every codec is read through its `CodeReader` (`codecs.reader`; `readers` picks the registered fast path:
+lookup tables for one codebook, a fused one-token step per family on the CPU: one codebook
+(`codebook_step`), FibQuant-RVQ's stages (`numba_residual`), FibQuant-E8's shells (`numba_shells`), all
+finishing in the shared epilogue). A codec with no reader of its own (INT, low-rank, RVQ) has its codes
+decoded to floats for that role (one-time warning). Anything else falls back, never silently wrongly: options the
 path does not implement (`position_bias`, dropout) decode the whole `CodedKV` and run SDPA on
 it (one-time warning); caches other than a `CompressedCache` in "codes" mode are served by
 transformers' SDPA unchanged, except with soft-capping or sinks, which SDPA cannot apply: those
@@ -37,22 +37,17 @@ run through this module's float path.
 """
 from __future__ import annotations
 
-import threading
-import warnings
-import weakref
-
-import numpy as np
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from fibquant._numba import run_split
-from fibquant.codecs.base import Codec
 from fibquant.kv.buffer import CodedKV
 from fibquant.kv.options import AttentionOptions
-from fibquant.kv.attention.host_arrays import code_rows, f32, rows32
-from fibquant.kv.attention.numba_epilogue import Epilogue, step_arrays
-from fibquant.kv.attention.kernels import (_MIN_WORK_PER_THREAD, attention_with_lse, coded_decode_attention,
-                                       coded_scores, coded_weighted_sum, merge_lse, triton_available)
+from fibquant.codecs.reader import CodebookReader
+import fibquant.kv.attention.codebook_step as codebook_step
+from fibquant.kv.attention.numba_epilogue import Epilogue
+from fibquant.kv.attention.kernels import attention_with_lse, coded_decode_attention, merge_lse, triton_available
+from fibquant.kv.attention.notices import warn_once
+from fibquant.kv.attention.readers import one_token_steps, read_scores, read_values
 from fibquant.kv.attention.recall import check_recall, cold_rows, recalled_part
 
 ATTENTION_NAME = "fibquant"
@@ -60,25 +55,8 @@ QUERY_ROWS_PER_BLOCK = 2048      # query rows (query heads x tokens) per KV head
 # Chunks of at least this many query tokens (prefill) attend to their exact columns through SDPA
 # and merge with the coded columns by log-sum-exp; shorter ones (decode) use one joint softmax.
 SPLIT_MIN_TOKENS = 16
-# One-token steps on the CPU for code families the fused kernel cannot read (no single rotated codebook),
-# tried in order: (module, plans function, step function). plans(query, kv) -> plans or None (this step
-# cannot serve it); step(query, kv, epilogue, plans) -> out [B, 1, Hq, Dv] (`numba_epilogue.Epilogue`: scaling,
-# softcap, bias, sinks). A new family of codes registers its module here.
-ONE_TOKEN_STEPS = (
-    ("fibquant.kv.attention.numba_residual", "residual_decode_plans", "attend_decode_residual"),  # RVQ stages
-    ("fibquant.kv.attention.numba_shells", "shell_decode_plans", "attend_decode_shells"),  # E8 shell codes
-)
 _UNSUPPORTED_KWARGS = ("position_bias",)
 _EAGER_KWARGS = ("softcap", "s_aux")  # applied here; SDPA would ignore them
-_warned: set[str] = set()
-
-
-def _warn_once(key: str, message: str) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
-
-
 def register_coded_attention() -> None:
     """Register "fibquant" in transformers' attention and mask registries (idempotent)."""
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
@@ -113,25 +91,6 @@ def use_coded_attention(model) -> None:
     if getattr(model.config, "_attn_implementation", None) != ATTENTION_NAME:
         raise ValueError(f"attention on codes is unsupported: {type(model).__name__} kept attention "
                          f"implementation {model.config._attn_implementation!r}")
-
-
-# --------------------------------------------------------------------- one codec role
-def _scores_from_codes(codec: Codec, queries: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
-    """queries float32 [B, H, Q, D] (already scaled) . decoded codes [B, H, M, C] -> [B, H, Q, M]."""
-    rotated = codec.rotated_codebook(queries.device)
-    if rotated is None:
-        _warn_once(f"codec:{type(codec).__name__}", f"{type(codec).__name__} has no rotated codebook: its codes are "
-                   "decoded to floats for attention (the 'decode' path for this role)")
-        return queries @ codec.decode(codes).transpose(-1, -2)
-    return coded_scores(queries @ rotated.forward, codes, rotated.codewords, rotated.index_bits)
-
-
-def _values_from_codes(codec: Codec, weights: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
-    """weights float32 [B, H, Q, M] x decoded codes [B, H, M, C] -> float32 [B, H, Q, D]."""
-    rotated = codec.rotated_codebook(weights.device)
-    if rotated is None:
-        return weights @ codec.decode(codes)
-    return coded_weighted_sum(weights, codes, rotated.codewords, rotated.index_bits) @ rotated.forward.T
 
 
 # --------------------------------------------------------------------- the attention function
@@ -179,10 +138,10 @@ def attend_codes(query: torch.Tensor, kv: CodedKV, attention_mask: torch.Tensor 
     if kv.cold is not None and kv.num_coded:  # recall (kv/attention/recall.py)
         check_recall(softcap)
         cold = cold_rows(kv.cold) if tokens == 1 and options.numba_decode else None
-        plans = _decode_plans(query, kv) if cold is not None else None
+        plans = codebook_step.codebook_step_plans(query, kv) if cold is not None else None
         if plans is not None:  # the fused one-token kernel reads the cold rows itself
             epilogue = _with_step_bias(Epilogue(scaling, None, None, sinks), kv, attention_mask, window, query.device)
-            return _attend_decode_numba(query, kv, epilogue, plans, cold)
+            return codebook_step.attend_codebook_step(query, kv, epilogue, plans, cold)
         return _attend_split(query, kv, attention_mask, scaling, sinks, window, options.fused_backend)
     if tokens == 1 and options.numba_decode:
         out = _attend_one_token(query, kv, attention_mask, window, Epilogue(scaling, softcap, None, sinks))
@@ -209,7 +168,7 @@ def attend_codes(query: torch.Tensor, kv: CodedKV, attention_mask: torch.Tensor 
         block = queries[:, :, :, rows].reshape(batch, heads, groups * width, dim)
         scores = block @ exact_keys.transpose(-1, -2)
         if coded:
-            coded_scores = _scores_from_codes(kv.key_codec, block, kv.key_codes)
+            coded_scores = read_scores(kv.key_codec, block, kv.key_codes)
             if kv.key_mean is not None:  # centred keys: q . (x_hat + mu) = q . x_hat + q . mu
                 coded_scores = coded_scores + block @ kv.key_mean.unsqueeze(-1)
             scores = torch.cat([scores, coded_scores], dim=-1)
@@ -233,7 +192,7 @@ def attend_codes(query: torch.Tensor, kv: CodedKV, attention_mask: torch.Tensor 
         mixed = weights[..., :n_exact] @ exact_values
         if coded:
             coded_weights = weights[..., n_exact:].contiguous()
-            mixed += _values_from_codes(kv.value_codec, coded_weights, kv.value_codes)
+            mixed += read_values(kv.value_codec, coded_weights, kv.value_codes)
             if kv.value_mean is not None:  # centred values: sum_i p_i mu = (sum_i p_i) mu
                 mixed += coded_weights.sum(-1, keepdim=True) * kv.value_mean.unsqueeze(-2)
         if tokens == width:  # one block (every decode step): no copy into `out`
@@ -245,21 +204,13 @@ def attend_codes(query: torch.Tensor, kv: CodedKV, attention_mask: torch.Tensor 
 
 # --------------------------------------------------------------------- the fused one-token step (CPU)
 def _attend_one_token(query: torch.Tensor, kv: CodedKV, attention_mask, window, epilogue: Epilogue):
-    """A one-token step through the fused numba kernel or a registered step of `ONE_TOKEN_STEPS`; None when
-    none of them serves these codes (the torch path then runs)."""
-    plans = _decode_plans(query, kv)
-    staged = None
-    if plans is None:  # codes without one rotated codebook: the registered one-token steps
-        for plans_of, step in _one_token_steps():
-            staged = plans_of(query, kv)
-            if staged is not None:
-                break
-        if staged is None:
-            return None
-    epilogue = _with_step_bias(epilogue, kv, attention_mask, window, query.device)
-    if plans is not None:
-        return _attend_decode_numba(query, kv, epilogue, plans)
-    return step(query, kv, epilogue, staged)
+    """A one-token step through the first registered step of the key or value reader (`readers.one_token_steps`)
+    that serves these codes; None when none does (the torch path then runs)."""
+    for plans_of, step in one_token_steps(kv.key_codec, kv.value_codec):
+        plans = plans_of(query, kv)
+        if plans is not None:
+            return step(query, kv, _with_step_bias(epilogue, kv, attention_mask, window, query.device), plans)
+    return None
 
 
 def _with_step_bias(epilogue: Epilogue, kv: CodedKV, attention_mask, window, device) -> Epilogue:
@@ -269,142 +220,6 @@ def _with_step_bias(epilogue: Epilogue, kv: CodedKV, attention_mask, window, dev
         return epilogue
     length = kv.length
     return epilogue._replace(bias=_bias_block(attention_mask, slice(0, 1), length, length - 1, device, window))
-
-
-def _one_token_steps():
-    """ONE_TOKEN_STEPS' (plans, step) functions (modules imported on first use; the functions looked up
-    at each call, so a module's current binding is the one run)."""
-    import importlib
-    for name, plans, step in ONE_TOKEN_STEPS:
-        module = importlib.import_module(name)
-        yield getattr(module, plans), getattr(module, step)
-
-
-_PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def _codec_plan(codec: Codec):
-    """(forward, forward.T, codewords as numpy, index_bits, n_blocks, numba mode) of a codec's rotated
-    codebook on the CPU, built once per codec; None when it has none (or one the kernel cannot serve)."""
-    try:
-        plan = _PLANS.get(codec)
-    except TypeError:  # an unhashable codec: no cache
-        plan = None
-    if plan is not None:
-        return plan or None
-    rotated = codec.rotated_codebook(torch.device("cpu"))
-    plan = ()
-    if rotated is not None:
-        codewords = rotated.codewords.detach().to(torch.float32).contiguous()
-        k = codewords.shape[-1]
-        forward = rotated.forward.detach().to(torch.float32).contiguous()
-        if codewords.ndim == 2 and codec.dim % k == 0 and tuple(forward.shape) == (codec.dim, codec.dim) \
-                and (codec.dim // k) * rotated.index_bits <= 8 * (codec.code_size - 2):
-            from fibquant.kv.attention.kernels import _numba_mode
-            plan = (forward.numpy(), forward.T.contiguous().numpy(), codewords.numpy(), rotated.index_bits,
-                    codec.dim // k, _numba_mode(codewords.shape[0], rotated.index_bits), (forward, codewords))
-    try:
-        _PLANS[codec] = plan
-    except TypeError:
-        pass
-    return plan or None
-
-
-def _decode_plans(query: torch.Tensor, kv: CodedKV):
-    """(key plan, value plan, lanes, scratch sizes) when this one-token step can run the fused numba
-    kernel, else None. The last answer is kept for its (key codec, value codec, query groups)."""
-    global _KERNEL, _LAST_PLANS
-    if query.device.type != "cpu" or not kv.key_codes.shape[-2] or (
-            query.requires_grad and torch.is_grad_enabled()):
-        return None
-    groups = query.shape[1] // kv.new_keys.shape[1]
-    last = _LAST_PLANS
-    if last is not None and last[0] is kv.key_codec and last[1] is kv.value_codec and last[2] == groups:
-        return last[3]
-    if _KERNEL is None:
-        from fibquant._numba import numba_available
-        if not numba_available():
-            return None
-        from fibquant.kv.attention.numba_decode import compile_decode_kernel
-        _KERNEL = compile_decode_kernel()
-    keys, values = _codec_plan(kv.key_codec), _codec_plan(kv.value_codec)
-    if keys is None or values is None or groups > 8 or (groups > 4 and 1 in (keys[5], values[5]) and max(
-            keys[3], values[3]) > 25):
-        plans = None
-    else:
-        lanes = 4 if groups <= 4 else 8
-        shape = (keys[2].shape[0], keys[4], keys[3], keys[5], values[2].shape[0], values[4], values[3], values[5],
-                 lanes)
-        from fibquant.kv.attention.numba_decode import scratch_sizes
-        plans = keys, values, lanes, scratch_sizes(*shape)
-    _LAST_PLANS = (kv.key_codec, kv.value_codec, groups, plans)  # holds the codecs: `is` stays meaningful
-    return plans
-
-
-_LAST_PLANS = None
-_KERNEL = None
-_SCRATCH = threading.local()  # per thread: {(slot, sizes, lanes): [table1, lut, hist1, hist, coded, norms, ibits]}
-
-
-def _scratch(slot: int, sizes: tuple, lanes: int, tokens: int) -> list:
-    """The fused kernel's scratch arrays for worker `slot`, reused across layers and steps (no
-    per-call allocation of its ~100-500 KB of tables); the token arrays grow geometrically."""
-    cache = getattr(_SCRATCH, "arrays", None)
-    if cache is None:
-        cache = _SCRATCH.arrays = {}
-    key = (slot, sizes, lanes)
-    arrays = cache.get(key)
-    if arrays is None:
-        arrays = cache[key] = [np.empty(n, dtype=np.float32) for n in sizes] + [
-            np.empty((lanes, 0), dtype=np.float32), np.empty(0, dtype=np.float32), np.empty(0, dtype=np.int32)]
-    if arrays[5].shape[0] < tokens:
-        capacity = max(tokens, 2 * arrays[5].shape[0], 256)
-        arrays[4], arrays[5] = np.empty((lanes, capacity), dtype=np.float32), np.empty(capacity, dtype=np.float32)
-        arrays[6] = np.empty(capacity, dtype=np.int32)
-    return arrays
-
-
-def _attend_decode_numba(query: torch.Tensor, kv: CodedKV, epilogue: Epilogue, plans, cold=None) -> torch.Tensor:
-    """`attend_codes` for one query token on the CPU: one call of the fused kernel (same result to
-    float32 rounding; see kv/attention/numba_decode.py). Reads `kv.arrays` (numpy views the layer
-    keeps) when set, else converts the tensors. cold: the cold store's float32 rows (`recall.cold_rows`)
-    for recall, None without."""
-    keys, values, lanes, sizes = plans
-    batch, q_heads = query.shape[:2]
-    key_mean, value_mean, bias_np, sinks_np, flags = step_arrays(kv, epilogue)
-    value_dim = values[1].shape[0]
-    out_np = np.empty((batch, 1, q_heads, value_dim), dtype=np.float32)  # the [B, T, Hq, Dv] result
-    if query.dtype is torch.float32 and not query.requires_grad and query.stride(-1) == 1:
-        query_np = query.numpy()[:, :, 0]
-        if not query_np.flags.c_contiguous:  # e.g. GPT-2's query, split from a fused qkv, at batch > 1
-            query_np = np.ascontiguousarray(query_np)
-    else:
-        query_np = f32(query[:, :, 0])
-    arrays = kv.arrays
-    key_norms = value_norms = key_mean[:0]  # bit 4 clear: not read
-    if arrays is None:
-        arrays = (rows32(kv.sink_keys), rows32(kv.sink_values), code_rows(kv.key_codes),
-                  code_rows(kv.value_codes), rows32(kv.recent_keys), rows32(kv.recent_values))
-    elif len(arrays) == 8:  # the code rows' norms, decoded once when they were stored
-        arrays, (key_norms, value_norms), flags = arrays[:6], arrays[6:], flags | 16
-    sink_k, sink_v, key_codes, value_codes, recent_k, recent_v = arrays
-    cold_k = cold_v = np.zeros((1, 1), dtype=np.float32)
-    recall_k = 0
-    if cold is not None:  # recall: each query head's top-k coded tokens from the cold rows
-        (cold_k, cold_v), recall_k = cold, kv.cold.recall.count(key_codes.shape[2])
-        if recall_k:
-            kv.cold.count_reads(batch * q_heads * recall_k)
-    args = (query_np, float(epilogue.scaling), keys[0], values[1], keys[2], values[2], key_codes, value_codes,
-            sink_k, sink_v, recent_k, recent_v, rows32(kv.new_keys), rows32(kv.new_values), key_mean, value_mean,
-            bias_np, sinks_np, epilogue.cap, out_np[:, 0], flags, keys[3], values[3], keys[4], values[4], keys[5], values[5],
-            lanes, key_norms, value_norms, cold_k, cold_v, recall_k)
-    coded = key_codes.shape[2]
-    bad = run_split(_KERNEL, args, batch * key_codes.shape[1], coded * (keys[4] + values[4]), _MIN_WORK_PER_THREAD,
-                    "fibquant-decode", per_thread=lambda t: _scratch(t, sizes, lanes, max(coded, kv.length - coded)))
-    if bad:
-        raise ValueError(f"codes hold {bad} index(es) >= N (index_bits={keys[3]} / {values[3]})")
-    out = torch.from_numpy(out_np)
-    return out if query.dtype is torch.float32 else out.to(query.dtype)
 
 
 def _exact_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None,
@@ -495,13 +310,13 @@ def _fused(kv: CodedKV, device: torch.device, backend: str) -> bool:
         return False
     if backend == "auto" and (device.type != "cuda" or not triton_available()):
         return False
-    return all(codec.rotated_codebook(device) is not None for codec in (kv.key_codec, kv.value_codec))
+    return all(isinstance(codec.reader(device), CodebookReader) for codec in (kv.key_codec, kv.value_codec))
 
 
 def _coded_part_fused(block: torch.Tensor, kv: CodedKV, bias: torch.Tensor, scaling: float,
                       groups: int, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     """`_coded_part` through `coded_decode_attention` (one fused kernel; GQA without repeated keys)."""
-    keys, values = kv.key_codec.rotated_codebook(block.device), kv.value_codec.rotated_codebook(block.device)
+    keys, values = kv.key_codec.reader(block.device), kv.value_codec.reader(block.device)
     scaled = block * scaling
     out, lse = coded_decode_attention(scaled @ keys.forward, kv.key_codes, kv.value_codes, keys.codewords,
                                       values.codewords, keys.index_bits, values.index_bits,
@@ -524,11 +339,11 @@ def _coded_part(block: torch.Tensor, kv: CodedKV, bias: torch.Tensor, scaling: f
     batch, q_heads, width, dim = block.shape
     heads = q_heads // groups
     rows = (block * scaling).reshape(batch, heads, groups * width, dim)
-    scores = _scores_from_codes(kv.key_codec, rows, kv.key_codes)
+    scores = read_scores(kv.key_codec, rows, kv.key_codes)
     if kv.key_mean is not None:
         scores = scores + rows @ kv.key_mean.unsqueeze(-1)
     if kv.cold is not None:  # recall: the top-k coded columns of each query read exactly
-        return recalled_part(rows, scores, bias, kv, groups, width, _values_from_codes)
+        return recalled_part(rows, scores, bias, kv, groups, width)
     shaped = scores.view(batch, heads, groups, width, -1)
     if bias.shape[1] == 1:
         shaped += bias.unsqueeze(1)
@@ -541,7 +356,7 @@ def _coded_part(block: torch.Tensor, kv: CodedKV, bias: torch.Tensor, scaling: f
     weights = scores.sub_(peak).exp_()
     total = weights.sum(dim=-1, keepdim=True)
     lse = peak + torch.log(total)
-    mixed = _values_from_codes(kv.value_codec, weights, kv.value_codes)
+    mixed = read_values(kv.value_codec, weights, kv.value_codes)
     if kv.value_mean is not None:
         mixed += total * kv.value_mean.unsqueeze(-2)
     mixed /= torch.where(total > 0, total, torch.ones_like(total))
@@ -573,7 +388,7 @@ def coded_attention_forward(module, query, key, value, attention_mask, dropout: 
             if custom is not None:
                 return custom(module, query, key, attention_mask, scaling, **options), None
             return attend_codes(query, key, attention_mask, scaling, **options), None
-        _warn_once(f"kwargs:{unsupported}", f"attention on codes does not implement {unsupported}: this call "
+        warn_once(f"kwargs:{unsupported}", f"attention on codes does not implement {unsupported}: this call "
                    "decodes the coded part and runs SDPA (the 'decode' path)")
         key, value = key.materialize()
     if eager:

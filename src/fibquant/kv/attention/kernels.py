@@ -68,12 +68,12 @@ the work over threads.
 from __future__ import annotations
 
 import threading
-import warnings
 from typing import Optional
 
 import torch
 
 from fibquant._numba import numba_available, run_split
+from fibquant.kv.attention.notices import warn_once
 from fibquant.kv.attention.numba_kernels import _MODE_BYTES, _MODE_FIELDS
 from fibquant.kv.attention.reference import (BACKENDS, _check_backend, _validate_decode, _validate_paged, _validate_scores,
                               _validate_weighted_sum, attention_with_lse, coded_decode_attention_paged_reference,
@@ -136,13 +136,10 @@ def _lanes(n_queries: int, mode: int, index_bits: int, n_blocks: int) -> int:
 
 
 _TRITON = None  # (module or None, import error text), probed once
-_warned: set[str] = set()
 
 
 def _warn_once(key: str, message: str) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        warnings.warn(message, RuntimeWarning, stacklevel=4)
+    warn_once(key, message, stacklevel=5)
 
 
 def _triton_probe():

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from fibquant.kv.attention.entry import _bias_block, _scores_from_codes, attend_codes
+from fibquant.kv.attention.entry import _bias_block, attend_codes
+from fibquant.kv.attention.readers import read_scores
 from fibquant.kv.buffer import CodedKV
 
 _ATTRIBUTES = ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "num_heads", "kv_lora_rank")
@@ -84,7 +85,7 @@ def attend_latent(module, query: torch.Tensor, kv: CodedKV, attention_mask, scal
     exact_rotary = torch.cat([kv.recent_values, kv.new_values], dim=-2).to(torch.float32)
     parts = [rotary @ kv.sink_values.to(torch.float32).transpose(-1, -2)]
     if kv.num_coded:
-        coded = _scores_from_codes(kv.value_codec, rotary, kv.value_codes)
+        coded = read_scores(kv.value_codec, rotary, kv.value_codes)
         if kv.value_mean is not None:  # centred rotary keys
             coded = coded + rotary @ kv.value_mean.unsqueeze(-1)
         parts.append(coded)

@@ -1,6 +1,6 @@
 """One fused numba kernel for a decode step on codes: one query token, every column of a `CodedKV`.
 
-`decode_step` (see `fibquant.kv.attention._attend_decode_numba`, which prepares the arguments)
+`decode_step` (see `fibquant.kv.attention.codebook_step.attend_codebook_step`, which prepares the arguments)
 does, per unit (b, KV head h) and the G = Hq / Hkv query heads that read it, what `attend_codes`
 does with ~20 torch ops and two kernel calls:
 

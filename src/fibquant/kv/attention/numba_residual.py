@@ -16,7 +16,7 @@ S = 1, so keys and values may mix the two.
 
 `decode_step` is `numba_decode._decode_step_py` with those two changes (same arguments otherwise, the
 scratch allocated per call); `residual_plan(codec)` says whether a codec's codes can be read so,
-`attend_decode_residual` prepares the arguments (as `entry._attend_decode_numba`). Results equal
+`attend_decode_residual` prepares the arguments (as `codebook_step.attend_codebook_step`). Results equal
 `attend_codes` on the decoded floats to float32 rounding (tests/kv/attention/test_numba_residual.py).
 """
 from __future__ import annotations
@@ -27,6 +27,7 @@ import weakref
 import numpy as np
 import torch
 
+from fibquant.codecs.reader import CodebookReader, StagesReader
 from fibquant.kv.attention.host_arrays import code_rows, f32, rows32
 from fibquant.kv.attention.numba_epilogue import step_arrays
 
@@ -242,7 +243,7 @@ _staged_table = _staged_contract = _score_rows = _hist_rows = None
 
 def residual_plan(codec):
     """(forward, forward.T, stages [S, 256, k] as float32 numpy, blocks, (torch tensors kept alive)) for a
-    codec whose codes this kernel reads: a residual codec (`rotated_stages`) or a plain rotated codebook
+    codec whose codes this kernel reads: a residual codec (`StagesReader`) or one codebook (`CodebookReader`)
     with 8-bit indices and N = 256 (S = 1), codes of exactly 2 + blocks * S bytes; else None."""
     try:
         plan = _PLANS.get(codec)
@@ -252,13 +253,12 @@ def residual_plan(codec):
         return plan or None
     plan = ()
     cpu = torch.device("cpu")
-    staged = codec.rotated_stages(cpu)
-    if staged is not None:
-        forward, stages, bits = staged.forward, staged.stages, staged.index_bits
-    else:
-        rotated = codec.rotated_codebook(cpu)
-        forward, stages, bits = (None, None, 0) if rotated is None else (
-            rotated.forward, rotated.codewords[None] if rotated.codewords.ndim == 2 else None, rotated.index_bits)
+    reader = codec.reader(cpu)
+    forward, stages, bits = None, None, 0
+    if isinstance(reader, StagesReader):
+        forward, stages, bits = reader.forward, reader.stages, reader.index_bits
+    elif isinstance(reader, CodebookReader) and reader.codewords.ndim == 2:
+        forward, stages, bits = reader.forward, reader.codewords[None], reader.index_bits
     if stages is not None and bits == 8 and stages.shape[1] == 256 and codec.dim % stages.shape[2] == 0:
         blocks = codec.dim // stages.shape[2]
         forward = forward.detach().to(torch.float32).contiguous()
@@ -290,7 +290,7 @@ def residual_decode_plans(query: torch.Tensor, kv):
 
 def attend_decode_residual(query: torch.Tensor, kv, epilogue, plans) -> torch.Tensor:
     """`attend_codes` for one query token on the CPU through the residual kernel (as
-    `entry._attend_decode_numba`; epilogue: `numba_epilogue.Epilogue`, its bias from `entry._bias_block`):
+    `codebook_step.attend_codebook_step`; epilogue: `numba_epilogue.Epilogue`, its bias from `entry._bias_block`):
     out [B, 1, Hq, Dv] in query's dtype."""
     from fibquant._numba import run_split
     from fibquant.kv.attention.kernels import _MIN_WORK_PER_THREAD

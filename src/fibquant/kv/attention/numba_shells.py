@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from fibquant.codebook.e8shell_tables import BAD_WORD_BIT, CompactPointTables, ShellPointTables
+from fibquant.codecs.reader import ShellsReader
 from fibquant.kv.attention.host_arrays import code_rows, f32, rows32
 from fibquant.kv.attention.numba_epilogue import step_arrays
 
@@ -484,7 +485,7 @@ def _role_args(tables, step) -> tuple:
 def shell_plan(codec):
     """(forward, forward.T, index bits, tables (CompactPointTables at <= 16 index bits, else ShellPointTables),
     (torch tensors kept alive), `step_words` of compact tables else None) for a codec whose codes
-    are E8 shell codes (`rotated_shells`), else None."""
+    are E8 shell codes (`ShellsReader`), else None."""
     try:
         plan = _PLANS.get(codec)
     except TypeError:
@@ -492,8 +493,8 @@ def shell_plan(codec):
     if plan is not None:
         return plan or None
     plan = ()
-    shells = codec.rotated_shells(torch.device("cpu"))
-    if shells is not None:
+    shells = codec.reader(torch.device("cpu"))
+    if isinstance(shells, ShellsReader):
         forward = shells.forward.detach().to(torch.float32).contiguous()
         tables = shells.tables
         if isinstance(tables, CompactPointTables) and (len(tables.words) != 1 << shells.index_bits
@@ -526,7 +527,7 @@ def shell_decode_plans(query: torch.Tensor, kv):
 
 
 def attend_decode_shells(query: torch.Tensor, kv, epilogue, plans) -> torch.Tensor:
-    """`attend_codes` for one query token on the CPU through the shell kernel (as `entry._attend_decode_numba`;
+    """`attend_codes` for one query token on the CPU through the shell kernel (as `codebook_step.attend_codebook_step`;
     epilogue: `numba_epilogue.Epilogue`, its bias from `entry._bias_block`): out [B, 1, Hq, Dv] in query's dtype. ValueError when a code holds an index beyond its code's points."""
     from fibquant._numba import run_split
     from fibquant.kv.attention.kernels import _MIN_WORK_PER_THREAD

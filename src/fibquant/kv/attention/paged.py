@@ -21,13 +21,13 @@ import torch
 
 from fibquant._numba import numba_available, run_split
 from fibquant.codecs.base import Codec
+from fibquant.kv.attention.codebook_step import codec_plan, scratch
 from fibquant.kv.attention.host_arrays import f32
 from fibquant.kv.attention.kernels import _MIN_WORK_PER_THREAD
 from fibquant.kv.attention.reference import gather_paged_codes
 from fibquant.kv.options import DEFAULT_OPTIONS, AttentionOptions
 
 _KERNELS: dict = {}  # (bf16 inputs, bf16 out) -> the compiled kernel
-_scratch = None  # entry._scratch, imported on first use (entry pulls in transformers)
 _DUMMY_SINKS = np.zeros(1, dtype=np.float32)
 # the kernel's flag bits for decode-then-dot on keys / values (numba_paged.GATHER_KEYS / GATHER_VALUES, not
 # imported here: numba_paged's import is kept lazy); `AttentionOptions.gather_decode` chooses them
@@ -46,7 +46,7 @@ def _arange(n: int) -> np.ndarray:
 
 class PagedPlan(NamedTuple):
     """What `paged_decode_attention` needs of the codecs and head counts, computed once per layer."""
-    keys: tuple          # `entry._codec_plan` of the key codec (forward, forward.T, codewords, bits, blocks, mode, ...)
+    keys: tuple          # `codebook_step.codec_plan` of the key codec (forward, forward.T, codewords, bits, blocks, mode, ...)
     values: tuple        # the same for the value codec
     key_size: int        # bytes of a key / value code
     value_size: int
@@ -61,10 +61,9 @@ def paged_plans(key_codec: Codec, value_codec: Codec, q_heads: int, kv_heads: in
     rotated codebooks, G = Hq/Hkv <= 8), else None."""
     if not numba_available() or q_heads % kv_heads:
         return None
-    from fibquant.kv.attention.entry import _codec_plan
     from fibquant.kv.attention.numba_decode import scratch_sizes
 
-    keys, values = _codec_plan(key_codec), _codec_plan(value_codec)
+    keys, values = codec_plan(key_codec), codec_plan(value_codec)
     groups = q_heads // kv_heads
     if keys is None or values is None or groups > 8 or (groups > 4 and 1 in (keys[5], values[5]) and max(
             keys[3], values[3]) > 25):
@@ -226,9 +225,6 @@ def run_paged_kernel(kernel, plans: PagedPlan, query, scaling: float, pages, tab
     written into column record_slots[b] >= 0 of its exact row exact_rows[b] after the kernel has read
     that row (a decode step's window record; the rows must be distinct). Returns the count of invalid
     indices / block ids seen (the caller raises)."""
-    global _scratch
-    if _scratch is None:
-        from fibquant.kv.attention.entry import _scratch
     keys, values, lanes, sizes = plans.keys, plans.values, plans.lanes, plans.sizes
     batch, kv_heads = query.shape[0], pages.shape[1]
     if exact_count is not None and not 0 <= exact_count <= exact_keys.shape[2]:
@@ -244,7 +240,7 @@ def run_paged_kernel(kernel, plans: PagedPlan, query, scaling: float, pages, tab
             flags | _gather_flags(options), *plans.scalars)
     return run_split(kernel, args, batch * kv_heads, longest * (keys[4] + values[4]), _MIN_WORK_PER_THREAD,
                      "fibquant-paged",  # token arrays: the coded columns, and the exact ones' exps (ibits)
-                     per_thread=lambda t: _scratch(t, sizes, lanes, max(longest, exact_keys.shape[2] + new_keys.shape[2])))
+                     per_thread=lambda t: scratch(t, sizes, lanes, max(longest, exact_keys.shape[2] + new_keys.shape[2])))
 
 
 def _gather_flags(options: AttentionOptions) -> int:

@@ -21,11 +21,12 @@ same inside the fused numba kernel (`numba_decode`, `cold_rows`); everything els
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
 from fibquant.kv.attention.numba_recall import row_topk
+from fibquant.kv.attention.readers import read_values
 
 
 def _add_bias(scores: torch.Tensor, bias: torch.Tensor, groups: int, width: int) -> None:
@@ -50,14 +51,14 @@ def pick(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return chosen, order.sort(dim=-1).values
 
 
-def recalled_part(rows: torch.Tensor, scores: torch.Tensor, bias: torch.Tensor, kv, groups: int, width: int,
-                  values_of: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+def recalled_part(rows: torch.Tensor, scores: torch.Tensor, bias: torch.Tensor, kv, groups: int,
+                  width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [B, Hq, t, Dv] normalised over the coded columns, lse [B, Hq, t]) with recall.
 
     rows: scaled queries [B, H, G*t, D] (float32); scores: their coded scores [B, H, G*t, M] (centring
     included, no mask; overwritten); bias: additive [B|1, Hq|1, t, M] over the coded columns; kv: the
-    `CodedKV` (with `kv.cold`); values_of(codec, weights [B, H, R, M], codes) -> [B, H, R, Dv] (the coded
-    value sums, `entry._values_from_codes`)."""
+    `CodedKV` (with `kv.cold`); the coded value sums are read through the value codec's reader
+    (`readers.read_values`)."""
     batch, heads, n_rows, coded = scores.shape
     if bias.shape[-2] > 1 or bool(bias.any()):  # a decode step without a mask has a zero bias: nothing to add
         _add_bias(scores, bias, groups, width)
@@ -75,7 +76,7 @@ def recalled_part(rows: torch.Tensor, scores: torch.Tensor, bias: torch.Tensor, 
         gathered = weights.gather(-1, columns)
         exact_weights = gathered if exact_of_row is None else gathered * exact_of_row
         weights.scatter_(-1, columns, gathered - exact_weights)  # picked columns count through exact rows only
-    mixed = values_of(kv.value_codec, weights, kv.value_codes)
+    mixed = read_values(kv.value_codec, weights, kv.value_codes)
     if kv.value_mean is not None:  # the mean is added back to coded values only
         mixed += weights.sum(dim=-1, keepdim=True) * kv.value_mean.unsqueeze(-2)
     if k:

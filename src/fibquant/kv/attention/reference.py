@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 import torch
 
 from fibquant.codecs.bitpack import MAX_BITS, bytes_to_float16, packed_size, unpack_bits
-from fibquant.codecs.rotation import NORM_BYTES
+from fibquant.codecs.bitpack import NORM_BYTES
 
 BACKENDS = ("auto", "torch", "numba", "triton")
 

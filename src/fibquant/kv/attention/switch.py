@@ -22,7 +22,8 @@ from contextlib import contextmanager
 from typing import Iterator
 
 from fibquant.kv.attention import mla
-from fibquant.kv.attention.entry import ATTENTION_NAME, _warn_once, unsupported_reason, use_coded_attention
+from fibquant.kv.attention.entry import ATTENTION_NAME, unsupported_reason, use_coded_attention
+from fibquant.kv.attention.notices import warn_once
 
 
 class AttentionNotOnCodes(RuntimeError):
@@ -35,7 +36,7 @@ def attention_on_codes(model) -> Iterator[bool]:
     cannot dispatch to an attention function, it runs unchanged and its caches decode). Nests."""
     reason = unsupported_reason(model)
     if reason is not None:
-        _warn_once(f"model:{type(model).__name__}", f"attention on codes is unsupported for this model: {reason}; "
+        warn_once(f"model:{type(model).__name__}", f"attention on codes is unsupported for this model: {reason}; "
                    "the model runs unchanged (a CompressedCache for it decodes its codes)")
         yield False
         return
@@ -70,14 +71,14 @@ def codes_or_decode(model, latent: bool) -> tuple[str, list]:
     one-time warning naming why. Changes nothing in the model."""
     reason = unsupported_reason(model)
     if reason is not None:
-        _warn_once(f"model:{type(model).__name__}", f"attention on codes is unsupported for this model: {reason}; "
+        warn_once(f"model:{type(model).__name__}", f"attention on codes is unsupported for this model: {reason}; "
                    "the CompressedCache falls back to attention='decode'")
         return "decode", []
     if not latent:
         return "codes", []
     modules = mla.latent_modules(model)
     if not modules:
-        _warn_once(f"latent:{type(model).__name__}", f"{type(model).__name__} caches an MLA latent but its attention "
+        warn_once(f"latent:{type(model).__name__}", f"{type(model).__name__} caches an MLA latent but its attention "
                    "modules are not the form fibquant's latent attention knows (expand_kv + kv_b_proj): the "
                    "CompressedCache codes the latent and uses attention='decode'")
         return "decode", []

@@ -29,6 +29,7 @@ from typing import Optional, Union
 import torch
 
 from fibquant.codecs.base import Codec, config_matches
+from fibquant.codecs.reader import CodebookReader
 from fibquant.codecs.layout import CodeLayout
 from fibquant.kv.persist.fingerprint import (TOLERANCE, fingerprint_label, fingerprint_mismatch,
                                              state_fingerprint as fingerprint_of)
@@ -153,14 +154,14 @@ Entry = Union[CodecEntry, list]  # a CodecEntry, or one CodecEntry per KV head
 
 
 def codec_state_sha256(codec: Codec) -> str:
-    """sha256 of what defines a codec's decoding: its registered class, dim, code size, rotated
-    codebook (if any) and, for a calibrated codec, its state tensors (sorted by name). Float bytes:
+    """sha256 of what defines a codec's decoding: its registered class, dim, code size, codebook
+    (a `CodebookReader`'s rotation and codewords, if any) and, for a calibrated codec, its state tensors (sorted by name). Float bytes:
     exact equality on this machine (within a save; the state identity of version-1/2 files)."""
     registered = _registry().get(codec.family)
     name = registered.__name__ if registered is not None and isinstance(codec, registered) else type(codec).__name__
     digest = hashlib.sha256(repr((name, codec.dim, codec.code_size)).encode())
-    book = codec.rotated_codebook(torch.device("cpu"))
-    if book is not None:
+    book = codec.reader(torch.device("cpu"))
+    if isinstance(book, CodebookReader):  # one codebook: its rotation and codewords (as when first written)
         for tensor in (book.forward, book.codewords):
             digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
     if codec.calibrated:

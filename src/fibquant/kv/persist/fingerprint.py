@@ -31,6 +31,8 @@ from typing import Optional
 import numpy as np
 import torch
 
+from fibquant.codecs.reader import CodebookReader
+
 PROJECTIONS = 8
 TOLERANCE = 1e-4  # relative to the tensor's rms
 FLOOR = float(np.finfo(np.float32).tiny)  # an absolute gap always accepted (an all-zero tensor's)
@@ -68,10 +70,11 @@ def tensor_fingerprint(tensor: torch.Tensor) -> dict:
 
 def state_fingerprint(codec) -> dict:
     """{"code_size", "tensors": {name: tensor_fingerprint}} of what decodes `codec`'s codes: its
-    rotated codebook ("rotation" = the forward matrix, "codewords"), if any, and its state tensors."""
+    codebook ("rotation" = the forward matrix, "codewords" of a `CodebookReader`), if any, and its state
+    tensors."""
     tensors = {}
-    book = codec.rotated_codebook(torch.device("cpu"))
-    if book is not None:
+    book = codec.reader(torch.device("cpu"))
+    if isinstance(book, CodebookReader):
         tensors["rotation"], tensors["codewords"] = book.forward, book.codewords
     for name, tensor in codec.state_tensors().items():
         tensors[f"state:{name}"] = tensor

@@ -215,7 +215,7 @@ class PersistentCacheReader:
         for role, (codec, stream) in enumerate(zip(self.codecs, (self.key_stream, self.value_stream))):
             if self.manifest.key_codecs is None and not self.manifest.centre and type(codec) is FibQuantCodec \
                     and stream.layout is not None and stream.layout.norm_bytes == 2:
-                codewords = codec.rotated_codebook(torch.device("cpu")).codewords.double().numpy()
+                codewords = codec.reader(torch.device("cpu")).codewords.double().numpy()
                 inverse = codec._rotation.inverse_matrix(torch.device("cpu")).numpy()  # noqa: SLF001
                 fast[role] = _fibquant_row_decoder(codewords, inverse, stream.layout.n_blocks)
         self._fast = fast
