@@ -18,11 +18,11 @@ code_size = 2 + dim * b / 8: d = 64: 10 / 14 / 16 / 18 / 26 / 34 bytes at b = 1 
 `bits_per_coordinate` = b. Decode: unrank each index to its point, concatenate, apply Pi^T, scale by the
 stored norm. A zero vector stores 0 and decodes to zero.
 
-Attention on codes: no single rotated codebook or stages (2^(8 b) points per block); `rotated_shells` gives
-the one-token decode step (kv/attention/numba_shells.py) the rotation and the decode tables (at b <= 2 every
-point as 8 int8, `codebook.e8shell_tables.compact_point_tables`; above, the decomposed `point_tables`), so it reads
-these codes directly; prefill chunks decode them to floats
-(`kv/attention/entry.py`'s generic path).
+Attention on codes: no single codebook or stages (2^(8 b) points per block); its reader (`ShellsReader`)
+gives the one-token decode step (kv/attention/numba_shells.py) the rotation and the decode tables (at b <= 2
+every point as 8 int8, `codebook.e8shell_tables.compact_point_tables`; above, the decomposed `point_tables`),
+so it reads these codes directly; prefill chunks read the rows in the rotated domain (the reader's torch
+methods: queries rotated once, outputs un-rotated once).
 """
 from __future__ import annotations
 

@@ -16,11 +16,10 @@ code_size = 2 + ceil((dim/k) * S * ceil(log2 N) / 8): d = 64, b = 2: 18 bytes (F
 `bits_per_coordinate` = S * ceil(log2 N) / k. Decode: sum the S codewords of each block, concatenate,
 apply Pi^T, scale by the stored norm. A zero vector stores 0 and decodes to zero.
 
-Attention on codes: this codec has no single rotated codebook (`rotated_codebook` is None) but
-`rotated_stages`: q . (c_1 + c_2) = q . c_1 + q . c_2, so a one-token decode step on the CPU reads
-its codes with one lookup table per stage (kv/attention/numba_residual.py, N = 256). Other paths
-(prefill chunks, CUDA, N != 256) decode its codes to floats for that role (`kv/attention/entry.py`
-warns once).
+Attention on codes: its reader (`StagesReader`) holds the stages: q . (c_1 + c_2) = q . c_1 + q . c_2, so
+a one-token decode step on the CPU reads its codes with one lookup table per stage
+(kv/attention/numba_residual.py, N = 256). Other paths (prefill chunks, CUDA, N != 256) read the rows in
+the rotated domain through the reader's torch methods.
 """
 from __future__ import annotations
 

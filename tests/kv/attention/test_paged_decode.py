@@ -6,7 +6,10 @@ import numpy as np
 import pytest
 import torch
 
+from fibquant.codecs.e8shell import E8ShellCodec
 from fibquant.codecs.fibquant import FibQuantCodec
+from fibquant.codecs.fibrvq import FibRVQCodec
+from fibquant.codecs.integer import IntCodec
 from fibquant.codecs.turboquant import TurboQuantCodec
 from fibquant.kv.attention import paged
 from fibquant.kv.attention.paged import paged_decode_attention, paged_decode_attention_reference
@@ -271,3 +274,23 @@ def test_run_paged_kernel_reads_whole_slabs_to_exact_count(dtype):
         assert torch.equal(slabs[name], expected)
     with pytest.raises(ValueError, match="record_slots"):
         run(exact, np.array([0, exact + 2, 0], dtype=np.int64))  # past the slab's columns
+
+
+READER_PAIRS = {  # codes the paged numba kernel does not read: served through their codecs' readers
+    "e8shell 2/4 bit": lambda: (E8ShellCodec(DIM, 2), E8ShellCodec(DIM, 4)),
+    "fibrvq keys / fibquant values": lambda: (FibRVQCodec(DIM, stages=2), FibQuantCodec(DIM, 4, 256)),
+    "int4 (decoded)": lambda: (IntCodec(DIM, 4), IntCodec(DIM, 4)),
+}
+
+
+@pytest.mark.filterwarnings("ignore:IntCodec has no reader of its own")
+@pytest.mark.parametrize("pair", sorted(READER_PAIRS))
+def test_every_code_family_through_the_paged_step(monkeypatch, pair):
+    """E8 shells, residual stages and a codec with no reader of its own go through `paged_readers` (each
+    sequence's codes gathered and read by its readers), with sinks: equal to the spec."""
+    monkeypatch.setitem(PAIRS, pair, READER_PAIRS[pair])
+    case = _scenario(pair)
+    assert paged.paged_plans(case["key_codec"], case["value_codec"], 6, 2) is None
+    sinks = torch.randn(6, generator=torch.Generator().manual_seed(5))
+    want = paged_decode_attention_reference(**case, sinks=sinks)
+    torch.testing.assert_close(paged_decode_attention(**case, sinks=sinks), want, rtol=1e-4, atol=1e-5)

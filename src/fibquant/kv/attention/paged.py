@@ -24,6 +24,7 @@ from fibquant.codecs.base import Codec
 from fibquant.kv.attention.codebook_step import codec_plan, scratch
 from fibquant.kv.attention.host_arrays import f32
 from fibquant.kv.attention.kernels import _MIN_WORK_PER_THREAD
+from fibquant.kv.attention.paged_readers import paged_by_readers
 from fibquant.kv.attention.reference import gather_paged_codes
 from fibquant.kv.options import DEFAULT_OPTIONS, AttentionOptions
 
@@ -126,8 +127,9 @@ def paged_decode_attention(query: torch.Tensor, pages: torch.Tensor, tables: tor
     exact_rows   optional B ints: exact_keys/values are then [R, Hkv, n, D|Dv] (e.g. the caller's window
                  slabs, read in place: no gathered copy) and sequence b reads row exact_rows[b] of them
     sinks        optional [Hq] learned sink logits (a softmax column with no value)
-    plans        `paged_plans(...)` for these codecs and heads (computed when None; raises when the
-                 kernel cannot serve them)
+    plans        `paged_plans(...)` for these codecs and heads (computed when None; when the kernel cannot
+                 serve them, e.g. FibQuant-E8 or FibQuant-RVQ codes, every sequence goes through its codecs'
+                 readers: `paged_readers.paged_by_readers`)
     out          optional float32 or bfloat16 [B, Hq, Dv], any strides (e.g. a view of the layer's output)
     options      `AttentionOptions`: its `gather_decode` picks decode-then-dot or lookup tables per role
 
@@ -141,8 +143,11 @@ def paged_decode_attention(query: torch.Tensor, pages: torch.Tensor, tables: tor
     kv_heads, block_size = pages.shape[1], pages.shape[2]
     if plans is None:
         plans = paged_plans(key_codec, value_codec, q_heads, kv_heads)
-        if plans is None:
-            raise ValueError("the paged numba kernel cannot serve these codecs / head counts (or numba is missing)")
+        if plans is None:  # codes the paged kernel does not read: each sequence through its codecs' readers
+            return paged_by_readers(query, pages, tables, starts, stops, key_codec, value_codec, exact_keys,
+                                    exact_values, new_keys, new_values, scaling, key_offset=key_offset,
+                                    value_offset=value_offset, sinks=sinks, out=out, exact_rows=exact_rows,
+                                    options=options)
     elif plans.groups * kv_heads != q_heads:
         raise ValueError(f"plans are for {plans.groups} query heads per KV head, not {q_heads} / {kv_heads}")
     keys, values, key_size, value_size = plans.keys, plans.values, plans.key_size, plans.value_size
