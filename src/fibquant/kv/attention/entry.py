@@ -48,6 +48,7 @@ from fibquant.kv.attention.numba_epilogue import Epilogue
 from fibquant.kv.attention.kernels import attention_with_lse, coded_decode_attention, merge_lse, triton_available
 from fibquant.kv.attention.notices import warn_once
 from fibquant.kv.attention.readers import one_token_steps, read_scores, read_values
+from fibquant.kv.attention.reference import epilogue_weights
 from fibquant.kv.attention.recall import check_recall, cold_rows, recalled_part
 
 ATTENTION_NAME = "fibquant"
@@ -161,7 +162,6 @@ def attend_codes(query: torch.Tensor, kv: CodedKV, attention_mask: torch.Tensor 
     step = max(1, QUERY_ROWS_PER_BLOCK // groups)
     if tokens > step:
         out = torch.empty(batch, heads, groups, tokens, value_dim, dtype=torch.float32, device=query.device)
-    sink_logits = None if sinks is None else sinks.to(torch.float32).reshape(1, heads, groups, 1, 1)
     for start in range(0, tokens, step):
         rows = slice(start, min(start + step, tokens))
         width = rows.stop - rows.start
@@ -172,23 +172,12 @@ def attend_codes(query: torch.Tensor, kv: CodedKV, attention_mask: torch.Tensor 
             if kv.key_mean is not None:  # centred keys: q . (x_hat + mu) = q . x_hat + q . mu
                 coded_scores = coded_scores + block @ kv.key_mean.unsqueeze(-1)
             scores = torch.cat([scores, coded_scores], dim=-1)
-        if softcap is not None:
-            scores = torch.tanh(scores / softcap).mul_(softcap)
         bias = _bias_block(attention_mask, rows, length, past, query.device, window)
-        if bias is not None:
-            if coded:
-                bias = torch.cat([bias[..., :n_sink], bias[..., n_sink + coded:], bias[..., n_sink:n_sink + coded]],
-                                 dim=-1)
-            shaped = scores.view(batch, heads, groups, width, length)
-            if bias.shape[1] == 1:
-                shaped += bias.unsqueeze(1)
-            else:
-                shaped += bias.reshape(bias.shape[0], heads, groups, width, length)
-        if sink_logits is None:
-            weights = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # a fully masked row: zeros, not NaN
-        else:  # the sink column shares the normaliser, then is dropped
-            sink_column = sink_logits.expand(batch, heads, groups, width, 1).reshape(batch, heads, groups * width, 1)
-            weights = torch.softmax(torch.cat([scores, sink_column], dim=-1), dim=-1)[..., :-1]
+        if bias is not None and coded:
+            bias = torch.cat([bias[..., :n_sink], bias[..., n_sink + coded:], bias[..., n_sink:n_sink + coded]], dim=-1)
+        # the one epilogue (soft-cap, bias, softmax with the sink logit; a fully masked row: zeros), per query head
+        weights = epilogue_weights(scores.view(batch, q_heads, width, -1), bias, softcap, sinks) \
+            .view(batch, heads, groups * width, -1)
         mixed = weights[..., :n_exact] @ exact_values
         if coded:
             coded_weights = weights[..., n_exact:].contiguous()
