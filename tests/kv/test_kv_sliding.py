@@ -305,8 +305,8 @@ def test_codec_dim_must_match_each_role():
     model = _gemma3(16, ("sliding_attention", "full_attention"))
     with pytest.raises(ValueError, match="head_dim 64 differs from the key codec dim 128"):
         CompressedCache.for_model(model, FibQuantCodec(128, 1, 256), _int8())
-    with pytest.raises(ValueError, match="layer_windows has 2 entries but num_layers says 3"):
-        CompressedCache(_int8(), _int8(), layer_windows=[16, None], num_layers=3, allocate=lambda s: s)
+    with pytest.raises(ValueError, match="layer_windows has 2 entries but per-layer codecs says 3"):
+        CompressedCache([_int8()] * 3, [_int8()] * 3, layer_windows=[16, None])
     with pytest.raises(ValueError, match=r"layer_windows\[0\] must be None"):
         CompressedCache(_int8(), _int8(), layer_windows=[1, None])
 

@@ -17,6 +17,7 @@ from fibquant.kv.attention.recall import pick, recall_reference
 from fibquant.kv.attention.switch import attention_on_codes
 from fibquant.kv.build import build_cache
 from fibquant.kv.cache import CompressedCache
+from fibquant.kv.plan import Centred
 from fibquant.kv.cold import ColdStore, Recall
 from fibquant.kv.model import cache_kwarg
 from fibquant.kv.specs import parse_cache_spec
@@ -145,7 +146,7 @@ def _coded_kv(recall, tokens=1, past=200, groups=3, centre=False, seed=1):
     """A filled layer's CodedKV for `tokens` new tokens, their queries, and the exact data."""
     codec = parse_codec_spec("fibquant:b=2").build(DIM)
     cache = CompressedCache(codec, codec, sink_tokens=4, recent_tokens=8, attention="codes", encode_batch=4,
-                            centre=centre, recall=recall)
+                            layer_plan=Centred() if centre else None, recall=recall)
     gen = torch.Generator().manual_seed(seed)
     old_k, old_v = torch.randn(1, 2, past, DIM, generator=gen), torch.randn(1, 2, past, DIM, generator=gen)
     cache.update(old_k, old_v, 0)

@@ -215,8 +215,8 @@ def test_peer_row_in_the_fidelity_frontier():
 def test_peer_cache_refuses_centring():
     _skip_unless("quanto-rt:b=4")
     model = tiny_llama(head_dim=64, hidden_size=256, num_attention_heads=4)
-    with pytest.raises(ValueError, match="centring"):
-        build_cache("quanto-rt:b=4", model, 2, 4, centre=True)
+    with pytest.raises(ValueError, match="not to fp or a peer"):
+        build_cache("quanto-rt:b=4@centre", model, 2, 4)
 
 
 def test_native_names_are_refused_where_a_round_trip_is_meant():

@@ -43,6 +43,7 @@ def _save(args) -> int:
     from fibquant.codecs.registry import parse_codec_spec
     from fibquant.kv.model import load_model
     from fibquant.kv.persist.generate import generate_persistent
+    from fibquant.kv.plan import Centred
 
     _check_save(args)
     method = parse_codec_spec(args.method)
@@ -55,7 +56,7 @@ def _save(args) -> int:
     out = generate_persistent(model, ids, args.output, codec, codec, sink_tokens=args.sink_tokens,
                               recent_tokens=args.recent_tokens, max_new_tokens=args.max_new_tokens,
                               overwrite=args.overwrite, checkpoint_every=args.checkpoint_every,
-                              centre=args.centre)
+                              layer_plan=Centred() if args.centre else None)
     print(tokenizer.decode(out[0, ids.shape[0]:]))
     return _info_of(args.output, verify=False)
 

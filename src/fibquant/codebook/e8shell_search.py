@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import threading
 from functools import lru_cache
+from typing import NamedTuple
 
 import numpy as np
 
@@ -36,13 +37,43 @@ _LOCK = threading.Lock()
 _distinct = _point_index = _sort8 = _sort_abs = _read_block = None
 
 
-@lru_cache(maxsize=16)
-def lattice_tables(tables: ShellTables) -> tuple[np.ndarray, ...]:
-    """The lattice search's tables, cached per tables object: keys int64 [L] (each doubled leader packed 5 bits
-    per value, position 0 most significant), lv_mid int64 [G] (each level's first half leader), m8 int64 [G]
-    (8 m per level), ml_ptr int64 [M + 2] and ml_lv int64 [G] (the levels of shell m, M the largest shell),
-    sroot float64 [G] (sqrt(2 m)), inv_r float64 [G] (1 / r; 0 at the origin), inv_norm float64 [M + 1]
+class ShellArrays(NamedTuple):
+    """`ShellTables.args()` as one kernel argument (numba passes a named tuple of arrays as one struct)."""
+
+    radii: np.ndarray
+    scale: np.ndarray
+    lv_lo: np.ndarray
+    lv_hi: np.ndarray
+    offsets: np.ndarray
+    lead2: np.ndarray
+    leadf: np.ndarray
+    half: np.ndarray
+    parity: np.ndarray
+    orbit_off: np.ndarray
+    mult: np.ndarray
+    nsign: np.ndarray
+
+
+class LatticeTables(NamedTuple):
+    """The lattice search's own tables: keys int64 [L] (each doubled leader packed 5 bits per value, position 0
+    most significant), lv_mid int64 [G] (each level's first half leader), m8 int64 [G] (8 m per level), ml_ptr
+    int64 [M + 2] and ml_lv int64 [G] (the levels of shell m: ml_lv[ml_ptr[m]:ml_ptr[m + 1]], M the largest
+    shell), sroot float64 [G] (sqrt(2 m)), inv_r float64 [G] (1 / r; 0 at the origin), inv_norm float64 [M + 1]
     (1 / sqrt(8 m), the doubled shell's inverse norm; 0 at m = 0)."""
+
+    keys: np.ndarray
+    lv_mid: np.ndarray
+    m8: np.ndarray
+    ml_ptr: np.ndarray
+    ml_lv: np.ndarray
+    sroot: np.ndarray
+    inv_r: np.ndarray
+    inv_norm: np.ndarray
+
+
+@lru_cache(maxsize=16)
+def lattice_tables(tables: ShellTables) -> LatticeTables:
+    """The lattice search's tables (`LatticeTables`), cached per tables object."""
     if int(tables.lead2.max(initial=0)) > 31:
         raise ValueError("a doubled leader value does not fit the 5-bit leader key (shells m <= 127 only)")
     keys = np.zeros(len(tables.lead2), np.int64)
@@ -58,8 +89,8 @@ def lattice_tables(tables: ShellTables) -> tuple[np.ndarray, ...]:
     inv_r = np.where(m8 > 0, 1.0 / np.where(m8 > 0, tables.radii, 1.0), 0.0)
     inv_norm = 1.0 / np.sqrt(np.maximum(8.0 * np.arange(int(shells.max()) + 1), 1.0))
     inv_norm[0] = 0.0
-    return (np.ascontiguousarray(keys), lv_mid, m8, np.ascontiguousarray(ml_ptr),
-            np.ascontiguousarray(order.astype(np.int64)), sroot, inv_r, inv_norm)
+    return LatticeTables(np.ascontiguousarray(keys), lv_mid, m8, np.ascontiguousarray(ml_ptr),
+                         np.ascontiguousarray(order.astype(np.int64)), sroot, inv_r, inv_norm)
 
 def _search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf, half, parity, orbit_off, mult, nsign,
                index, level, start, stop):
@@ -127,14 +158,10 @@ _NEAR_D = 1e-9              # exact d (and inner products) this close to the bes
 _TIE_D = 1e-12              # ... within this (exact ties), else the block goes to the leader search
 
 
-def _lattice_search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf, half, parity, orbit_off, mult,
-                       nsign, keys, lv_mid, m8, ml_ptr, ml_lv, sroot, inv_r, inv_norm, index, level, done, start,
-                       stop):
+def _lattice_search_py(y_all, shell, lattice, index, level, done, start, stop):
     """Blocks [start, stop) of y_all [n, 8] -> index [n], level [n] and done[b] = 1 where the lattice search
-    settles the block (0: left to the leader search). keys int64 [L] (each doubled leader packed 5 bits per
-    value, position 0 most significant), lv_mid int64 [G] (each level's first half leader), m8 int64 [G]
-    (8 m per level), ml_ptr int64 [M + 2] / ml_lv int64 [G] (the levels of shell m: ml_lv[ml_ptr[m]:ml_ptr[m + 1]]),
-    sroot float64 [G] (sqrt(2 m)), inv_r float64 [G] (1 / r, 0 at the origin), inv_norm float64 [M + 1] (1 / sqrt(8 m)).
+    settles the block (0: left to the leader search). shell: the code's `ShellArrays`; lattice: its
+    `LatticeTables` (`lattice_tables`).
 
     A level's points are r_g s / |s| for s on E8's shell m_g, and d = rho^2 + r^2 - 2 r rho cos(y, s). An
     incumbent D (the E8 point nearest to z = sqrt(2 m) y / rho, m the shell of the level nearest in radius:
@@ -145,7 +172,14 @@ def _lattice_search_py(y_all, radii, scale, lv_lo, lv_hi, offsets, lead2, leadf,
     and the parity). The candidates' leaders then get the scan's exact inner products and d: the block is
     settled when the best d's and inner products tie exactly (_TIE_D) or are apart by more than _NEAR_D
     (then the scan's sequential tie rules pick the lowest level, then the lowest leader, as here); anything
-    else is left to the leader search."""
+    else is left to the leader search.
+
+    It stays one function: a numba nopython kernel whose block loop carries the incumbent, the level bounds,
+    the ball's depth-first walk (its stack of coordinates, |s|^2, <y, s> and parity) and the best and
+    second-best candidates from one phase to the next; split into helpers, each phase would pass that state in
+    and out by arguments, and keeping it in one loop's locals is what lets LLVM hold it in registers."""
+    radii, scale, lv_lo, lv_hi, offsets, lead2, leadf, half, parity, orbit_off, mult, nsign = shell
+    keys, lv_mid, m8, ml_ptr, ml_lv, sroot, inv_r, inv_norm = lattice
     n_lv = radii.shape[0]
     max_m = ml_ptr.shape[0] - 2
     a = np.empty(8)
@@ -491,6 +525,6 @@ def lattice_pass(blocks: np.ndarray, tables: ShellTables) -> tuple[np.ndarray, n
     [n], done uint8 [n]); index and level hold the code where done = 1, garbage where 0."""
     n = blocks.shape[0]
     index, level, done = np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n, np.uint8)
-    run_split(_kernels()[1], (blocks, *tables.args(), *lattice_tables(tables), index, level, done), n, 64,
+    run_split(_kernels()[1], (blocks, ShellArrays(*tables.args()), lattice_tables(tables), index, level, done), n, 64,
               _MIN_BLOCKS_PER_THREAD, "fibquant-e8shell")
     return index, level, done

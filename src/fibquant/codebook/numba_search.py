@@ -516,93 +516,118 @@ class NumbaSearch:
         cw = codewords.detach().to("cpu", torch.float32).contiguous()
         self.n_codewords, self.k = cw.shape
         self.method = method or choose_method(self.k, self.n_codewords)
-        if self.method not in ("scalar", "grid", "walk", "cluster", "tree", "brute"):
+        builders = {"scalar": self._scalar_tables, "grid": self._grid_tables, "walk": self._walk_tables,
+                    "cluster": self._cluster_tables, "tree": self._tree_tables, "brute": self._brute_tables}
+        if self.method not in builders:
             raise ValueError(f"unknown search method {self.method!r}")
         # Tables are tensor attributes (counted with the codec's device state); kernels get numpy views.
         self.codewords = cw
         self.codewords_t64 = cw.T.to(torch.float64).contiguous()          # [k, N]
-        row_kernel = None  # (kernel name, its tables) where a faster row kernel than the method's own serves
-        if self.method == "scalar":
-            if self.k != 1:
-                raise ValueError(f"the scalar search needs k=1, not k={self.k}")
-            sorted64, order = torch.sort(self.codewords_t64[0], stable=True)  # equal codewords: lowest index first
-            self.order = order.contiguous()
-            self.mids = ((sorted64[:-1] + sorted64[1:]) * 0.5).contiguous()  # exact: float32 sums in float64
-            tables = (self.mids, self.order, self.codewords_t64)
-            if len(self.mids) <= SCALAR_ROW_MAX:  # the row-vectorised kernel `scalar_rows`
-                mids32 = self.mids.to(torch.float32)  # each midpoint rounded down to float32 (see the kernel)
-                above = mids32.to(torch.float64) > self.mids
-                mids32[above] = torch.nextafter(mids32[above], torch.tensor(-math.inf))
-                self.mids32 = mids32.contiguous()
-                self.safe_lo, self.safe_hi = scalar_safe_cells(sorted64)
-                row_kernel = ("scalar_rows", _kernel_args(1, (self.mids32, self.safe_lo, self.safe_hi, self.order)))
-        elif self.method == "grid":
-            if self.k not in GRID:
-                raise ValueError(f"no grid for k={self.k}")
-            cells = GRID[self.k][0]
-            grid = GridSearch(cw, dim, cells)
-            self.edges, self.heavy = grid.inner_edges, grid.heavy
-            self.offsets, self.candidates = prune_dominated(*compact_lists(grid.candidates, grid.heavy), self.edges,
-                                                            cells, cw, OUTER)
-            self.codewords64 = cw.to(torch.float64)
-            tables = (self.edges, cells, self.offsets, self.candidates, self.heavy, self.codewords64,
-                      self.codewords_t64)
-            if self.k in (2, 4):  # the branch-free kernels `grid2` / `grid4` (search_numba)
-                self.codewords_pad = torch.cat([self.codewords64, torch.full((1, self.k), SENTINEL, dtype=torch.float64)])
-                self.codewords_t32 = cw.T.contiguous()
-                if self.k == 2:
-                    self.padded = padded_lists(self.offsets, self.candidates, self.n_codewords)
-                    lo, hi = float(self.edges[0]), float(self.edges[-1])
-                    fine = (len(self.edges) - 1) * SURE_SPLIT
-                    olo, ofine = -OUTER_SURE[0], OUTER_SURE[1]
-                    # inner table, then the outer one (its boxes inside [lo, hi]^2 are never looked up)
-                    self.sure = torch.cat([sure_table(self.codewords64, lo, hi, fine),
-                                           sure_table(self.codewords64, olo, -olo, ofine)]).contiguous()
-                    lists = (self.padded, self.sure, lo, fine / (hi - lo), fine, olo, ofine / (-2 * olo), ofine)
-                else:
-                    self.scan4 = scan4_table(cw)
-                    lists = (self.offsets, self.candidates)
-                fast_tables = (self.edges, cells, *lists, self.heavy, self.codewords_pad, self.codewords_t64,
-                               self.codewords_t32, *((self.scan4,) if self.k == 4 else ()))
-                row_kernel = (f"grid{self.k}", _kernel_args(self.k, fast_tables))
-        elif self.method == "walk":
-            cells = WALK.get(self.k, (GRID_CELLS.get(self.k, 8), 0))[0]
-            origin, scale, lut, guess = walk_guess(cw, dim, cells)
-            offsets, nbr, pts, certified = build_delaunay(cw.numpy())
-            offsets, nbr, reach, table = walk_lists(offsets, nbr, pts)
-            if len(pts) > np.iinfo(np.int16).max:
-                raise ValueError(f"walk: N + 2^k = {len(pts)} codewords and dummies exceed its int16 tables")
-            guess, nbr = guess.astype(np.int16), nbr.astype(np.int16)  # smaller tables: fewer cache misses
-            self.lut, self.guess, self.offsets, self.neighbours, self.reach, self.table, self.certified = (
-                torch.from_numpy(a) for a in (lut, guess, offsets, nbr, reach, table, certified))
-            size2 = float((pts[:self.n_codewords] ** 2).sum(1).max())
-            tables = (origin, scale, self.lut, cells, self.guess, self.offsets, self.neighbours, self.reach,
-                      self.table, self.n_codewords, self.certified, size2, self.codewords_t64)
-        elif self.method == "cluster":
-            centres, sep, rho, offsets, pts, ids = build_clusters(cw.numpy(), CLUSTER_G)
-            self.centres_t32 = torch.from_numpy(centres.T.astype(np.float32).copy())
-            self.sep, self.rho, self.cluster_offsets, self.ids = (torch.from_numpy(a) for a in (sep, rho, offsets, ids))
-            sorted32 = cw[torch.from_numpy(ids)]
-            self.centres_sq32 = (self.centres_t32 ** 2).sum(0)
-            self.sorted_flat32 = torch.cat([sorted32[int(offsets[g]):int(offsets[g + 1])].T.reshape(-1)
-                                            for g in range(len(offsets) - 1)]).contiguous()
-            self.sorted_sq32 = (sorted32 ** 2).sum(-1)
-            self.sorted_t64 = sorted32.T.to(torch.float64).contiguous()
-            self.cmax = float(cw.to(torch.float64).norm(dim=1).max())
-            tables = (self.centres_t32, self.centres_sq32, self.sep, self.rho, self.cluster_offsets, self.sorted_flat32,
-                      self.sorted_sq32,
-                      self.sorted_t64, self.ids, self.codewords_t64, self.cmax)
-        elif self.method == "tree":
-            self.lo, self.hi, self.child, self.bounds, self.points, self.ids = (
-                torch.from_numpy(a) for a in build_tree(cw.numpy()))
-            tables = (self.lo, self.hi, self.child, self.bounds, self.points, self.ids, self.codewords_t64)
-        else:
-            self.codewords_t32 = cw.T.contiguous()
-            self.sq_norms = (cw ** 2).sum(-1)
-            self.cmax = float(cw.to(torch.float64).norm(dim=1).max())
-            tables = (self.codewords_t32, self.codewords_t64)
+        # row_kernel: (kernel name, its tables) where a faster row kernel than the method's own serves
+        tables, row_kernel = builders[self.method](cw, dim)
         self._args = _kernel_args(self.k, tables)
         self._row_kernel = row_kernel or (self.method, self._args)
+
+    def _scalar_tables(self, cw: torch.Tensor, dim: int) -> tuple:
+        """Sorted codewords and their midpoints (k = 1); the row-vectorised kernel `scalar_rows` for short
+        tables."""
+        row_kernel = None
+        if self.k != 1:
+            raise ValueError(f"the scalar search needs k=1, not k={self.k}")
+        sorted64, order = torch.sort(self.codewords_t64[0], stable=True)  # equal codewords: lowest index first
+        self.order = order.contiguous()
+        self.mids = ((sorted64[:-1] + sorted64[1:]) * 0.5).contiguous()  # exact: float32 sums in float64
+        tables = (self.mids, self.order, self.codewords_t64)
+        if len(self.mids) <= SCALAR_ROW_MAX:  # the row-vectorised kernel `scalar_rows`
+            mids32 = self.mids.to(torch.float32)  # each midpoint rounded down to float32 (see the kernel)
+            above = mids32.to(torch.float64) > self.mids
+            mids32[above] = torch.nextafter(mids32[above], torch.tensor(-math.inf))
+            self.mids32 = mids32.contiguous()
+            self.safe_lo, self.safe_hi = scalar_safe_cells(sorted64)
+            row_kernel = ("scalar_rows", _kernel_args(1, (self.mids32, self.safe_lo, self.safe_hi, self.order)))
+        return tables, row_kernel
+
+    def _grid_tables(self, cw: torch.Tensor, dim: int) -> tuple:
+        """The grid of boxes with their pruned candidate lists; the branch-free `grid2` / `grid4` kernels at
+        k = 2, 4."""
+        row_kernel = None
+        if self.k not in GRID:
+            raise ValueError(f"no grid for k={self.k}")
+        cells = GRID[self.k][0]
+        grid = GridSearch(cw, dim, cells)
+        self.edges, self.heavy = grid.inner_edges, grid.heavy
+        self.offsets, self.candidates = prune_dominated(*compact_lists(grid.candidates, grid.heavy), self.edges,
+                                                        cells, cw, OUTER)
+        self.codewords64 = cw.to(torch.float64)
+        tables = (self.edges, cells, self.offsets, self.candidates, self.heavy, self.codewords64,
+                  self.codewords_t64)
+        if self.k in (2, 4):  # the branch-free kernels `grid2` / `grid4` (search_numba)
+            self.codewords_pad = torch.cat([self.codewords64, torch.full((1, self.k), SENTINEL, dtype=torch.float64)])
+            self.codewords_t32 = cw.T.contiguous()
+            if self.k == 2:
+                self.padded = padded_lists(self.offsets, self.candidates, self.n_codewords)
+                lo, hi = float(self.edges[0]), float(self.edges[-1])
+                fine = (len(self.edges) - 1) * SURE_SPLIT
+                olo, ofine = -OUTER_SURE[0], OUTER_SURE[1]
+                # inner table, then the outer one (its boxes inside [lo, hi]^2 are never looked up)
+                self.sure = torch.cat([sure_table(self.codewords64, lo, hi, fine),
+                                       sure_table(self.codewords64, olo, -olo, ofine)]).contiguous()
+                lists = (self.padded, self.sure, lo, fine / (hi - lo), fine, olo, ofine / (-2 * olo), ofine)
+            else:
+                self.scan4 = scan4_table(cw)
+                lists = (self.offsets, self.candidates)
+            fast_tables = (self.edges, cells, *lists, self.heavy, self.codewords_pad, self.codewords_t64,
+                           self.codewords_t32, *((self.scan4,) if self.k == 4 else ()))
+            row_kernel = (f"grid{self.k}", _kernel_args(self.k, fast_tables))
+        return tables, row_kernel
+
+    def _walk_tables(self, cw: torch.Tensor, dim: int) -> tuple:
+        """A guess table and the Delaunay neighbour lists the greedy walk follows."""
+        cells = WALK.get(self.k, (GRID_CELLS.get(self.k, 8), 0))[0]
+        origin, scale, lut, guess = walk_guess(cw, dim, cells)
+        offsets, nbr, pts, certified = build_delaunay(cw.numpy())
+        offsets, nbr, reach, table = walk_lists(offsets, nbr, pts)
+        if len(pts) > np.iinfo(np.int16).max:
+            raise ValueError(f"walk: N + 2^k = {len(pts)} codewords and dummies exceed its int16 tables")
+        guess, nbr = guess.astype(np.int16), nbr.astype(np.int16)  # smaller tables: fewer cache misses
+        self.lut, self.guess, self.offsets, self.neighbours, self.reach, self.table, self.certified = (
+            torch.from_numpy(a) for a in (lut, guess, offsets, nbr, reach, table, certified))
+        size2 = float((pts[:self.n_codewords] ** 2).sum(1).max())
+        tables = (origin, scale, self.lut, cells, self.guess, self.offsets, self.neighbours, self.reach,
+                  self.table, self.n_codewords, self.certified, size2, self.codewords_t64)
+        return tables, None
+
+    def _cluster_tables(self, cw: torch.Tensor, dim: int) -> tuple:
+        """Clusters of codewords with their centres, separations and radii."""
+        centres, sep, rho, offsets, pts, ids = build_clusters(cw.numpy(), CLUSTER_G)
+        self.centres_t32 = torch.from_numpy(centres.T.astype(np.float32).copy())
+        self.sep, self.rho, self.cluster_offsets, self.ids = (torch.from_numpy(a) for a in (sep, rho, offsets, ids))
+        sorted32 = cw[torch.from_numpy(ids)]
+        self.centres_sq32 = (self.centres_t32 ** 2).sum(0)
+        self.sorted_flat32 = torch.cat([sorted32[int(offsets[g]):int(offsets[g + 1])].T.reshape(-1)
+                                        for g in range(len(offsets) - 1)]).contiguous()
+        self.sorted_sq32 = (sorted32 ** 2).sum(-1)
+        self.sorted_t64 = sorted32.T.to(torch.float64).contiguous()
+        self.cmax = float(cw.to(torch.float64).norm(dim=1).max())
+        tables = (self.centres_t32, self.centres_sq32, self.sep, self.rho, self.cluster_offsets, self.sorted_flat32,
+                  self.sorted_sq32,
+                  self.sorted_t64, self.ids, self.codewords_t64, self.cmax)
+        return tables, None
+
+    def _tree_tables(self, cw: torch.Tensor, dim: int) -> tuple:
+        """A k-d tree of the codewords with its boxes."""
+        self.lo, self.hi, self.child, self.bounds, self.points, self.ids = (
+            torch.from_numpy(a) for a in build_tree(cw.numpy()))
+        tables = (self.lo, self.hi, self.child, self.bounds, self.points, self.ids, self.codewords_t64)
+        return tables, None
+
+    def _brute_tables(self, cw: torch.Tensor, dim: int) -> tuple:
+        """The codewords transposed (every codeword scored)."""
+        self.codewords_t32 = cw.T.contiguous()
+        self.sq_norms = (cw ** 2).sum(-1)
+        self.cmax = float(cw.to(torch.float64).norm(dim=1).max())
+        tables = (self.codewords_t32, self.codewords_t64)
+        return tables, None
 
     def _run(self, u: torch.Tensor, codes: np.ndarray, head: int, bits: int,
              scratch: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:

@@ -43,7 +43,11 @@ def _beam_py(x, book_t, book32_t, sq, sq32, gram32, beam, index, flags, start, s
     """Beam search of blocks [start, stop) of x [n, k] (float64) over stages book_t [S, k, N] (float64,
     transposed; book32_t the same in float32), sq [S, N] = ||c||^2 (sq32 in float32), gram32 [S, S, N, N]
     (float32, [a, b, i, c] = C_a[i] . C_b[c] for a < b); writes index [n, S] (int64) and flags [n]
-    (uint8: 1 = left to the reference); returns the number of flagged blocks."""
+    (uint8: 1 = left to the reference); returns the number of flagged blocks.
+
+    It stays one function: a numba nopython kernel; the beam (residuals, errors, index paths) and the candidate
+    list are scratch arrays allocated once per call and carried from stage to stage of every block, and the
+    per-codeword scoring that reads them is already in helpers (`_dots`, `_screen`, `_min`)."""
     n_st, k, n_cw = book_t.shape
     scale = 0.0
     for j in range(n_st):

@@ -532,7 +532,12 @@ def _walk_py(u, k, origin, scale, lut, cells, guess, offsets, nbr, reach, table,
     whole lists comparing ||x - w||^2 as the other kernels do, so the best two listed distances
     decide the tie flag. Elsewhere (an uncertified or dummy codeword, a non-finite block, too many
     moves) the full search decides. tau = WALK_SLACK (1 + ||x||^2 + size2) (size2: the largest squared
-    codeword norm) dwarfs the float error of a slack and the tie window."""
+    codeword norm) dwarfs the float error of a slack and the tie window.
+
+    It stays one function: a numba nopython kernel whose block loop carries the walk's state (the current
+    codeword, its distance, the best two float64 distances once near a face, the move count) from the guess
+    through the face scans to the fallback; helpers would pass that state in and out by arguments, where one
+    loop's locals let LLVM hold it in registers."""
     n_blocks = u.shape[1] // k
     x = np.empty(k, dtype=np.float64)
     dist = np.empty(cw_t.shape[1], dtype=np.float64)
@@ -647,7 +652,12 @@ def _cluster_py(u, k, centres_t, csq32, sep, rho, offsets, flat32, sq32, pts_t, 
     {z : ||z - mu_g|| <= ||z - mu_a||}, which holds every codeword of cluster g, (||x - mu_g||^2 -
     ||x - mu_a||^2) / (2 ||mu_g - mu_a||) (sep[a, g]; 0 where the centres are too close for it).
     The scanned codewords whose score lies within twice the error bound of the lowest are decided in
-    float64 (`_finish`'s tie flag); a skipped cluster holds none of them."""
+    float64 (`_finish`'s tie flag); a skipped cluster holds none of them.
+
+    It stays one function: a numba nopython kernel whose block loop carries the lowest score, the error bound,
+    the nearest centre and the clusters visited from the centre scan through every cluster's test and scan to
+    the float64 decision; helpers would pass that state in and out by arguments, where one loop's locals let LLVM
+    hold it in registers."""
     n_blocks = u.shape[1] // k
     n_clusters = centres_t.shape[1]
     n = cw_t.shape[1]

@@ -37,7 +37,7 @@ class FidelityConfig:
     sink_tokens: int = 0  # exact window as seen by a query in CompressedCache token-by-token decoding;
     recent_tokens: int = 0  # 0/0 (default) compresses every position: the codec alone is measured
     centre: bool = False  # calibration-free codecs quantise states minus their (layer, head) mean, as the
-    #                       cache's centre=True does (mean of the positions after the sinks: the prefill's)
+    #                       centring cache (`Centred`) does (mean of the positions after the sinks: the prefill's)
 
     def __post_init__(self) -> None:
         if self.text == self.calibration_text:

@@ -434,15 +434,14 @@ def _reference_attention(model) -> str:
     return "eager" if own == "sdpa" and softcap else own
 
 
+class _Stop(Exception):
+    """A probe stage's verdict that ends the probe: args (status, reason)."""
+
+
 def _probe_stages(family: Family, seed: int, bits: float, generate: bool, result: dict,
                   recorder: "_FallbackRecorder", codec: Optional[Callable]) -> tuple[str, str]:
     """The probe's stages, filling `result`; returns (status, reason)."""
     from transformers import DynamicCache
-
-    from fibquant.codecs.fibquant import FibQuantCodec
-    from fibquant.kv.attention.switch import attention_on_codes
-    from fibquant.kv.cache import CompressedCache
-    from fibquant.kv.model import check_model_supported
 
     def finish(status: str, reason: str = "") -> tuple[str, str]:
         result["fallback_warnings"], result["warned_keys"] = recorder.messages(), recorder.keys()
@@ -455,43 +454,14 @@ def _probe_stages(family: Family, seed: int, bits: float, generate: bool, result
         result["features"] = features(model)
     except Exception as exc:  # noqa: BLE001 - the probe reports every failure
         return finish("error", f"build: {_error_text(exc)}")
-
-    # Refusal comes first, before the model has seen a token: the codec sizes are the ones
-    # check_model_supported says the cache needs (cross-checked against a DynamicCache run below).
     try:
-        make = codec or (lambda dim: FibQuantCodec.for_rate(dim, bits))
-        result["stage"] = "check_model_supported"
-        try:
-            info = check_model_supported(model)
-        except ValueError as exc:  # for_model (what users call) must refuse it too, with a ValueError
-            result["stage"] = "for_model (codes)"
-            CompressedCache.for_model(model, make(64), make(64), attention="codes")
-            return finish("error", f"check_model_supported refuses ({exc}) but for_model accepts the model")
-        dims = (info.get("key_dim", info["head_dim"]), info.get("value_dim", info["head_dim"]))
-        key_codec = make(dims[0])
-        value_codec = key_codec if dims[1] == dims[0] else make(dims[1])
-        result["codecs"] = [repr(key_codec), repr(value_codec)]
-
-        def new_cache(attention: str, recent: int = RECENT_TOKENS):
-            return CompressedCache.for_model(model, key_codec, value_codec, sink_tokens=SINK_TOKENS,
-                                             recent_tokens=recent, attention=attention, encode_batch=ENCODE_BATCH)
-
-        result["stage"] = "for_model (decode)"
-        new_cache("decode")
-        result["stage"] = "for_model (codes)"
-        new_cache("codes")
-        result["stage"] = "for_model (spec)"  # each role's size read from the model
-        spec_cache = CompressedCache.for_model(model, f"fibquant:b={bits:g}")
-        if (spec_cache.key_codec.dim, spec_cache.value_codec.dim) != dims:
-            return finish("error", f"for_model(model, spec) built codecs of {spec_cache.key_codec.dim}/"
-                                   f"{spec_cache.value_codec.dim} dims, the model caches {dims[0]}/{dims[1]}")
-        if model.config._attn_implementation != own_attention:
-            return finish("error", "for_model changed the model's attention implementation")
+        dims, new_cache = _caches_for(model, bits, codec, own_attention, result)
+    except _Stop as stop:
+        return finish(*stop.args)
     except ValueError as exc:
         return finish("refused", str(exc))
     except Exception as exc:  # noqa: BLE001
         return finish("error", f"{result['stage']}: {_error_text(exc)}")
-
     try:
         result["stage"] = "dynamic cache reference"
         generator = torch.Generator().manual_seed(seed + 1)
@@ -504,51 +474,8 @@ def _probe_stages(family: Family, seed: int, bits: float, generate: bool, result
     if (shapes["key"][-1], shapes["value"][-1]) != dims:
         return finish("error", f"the model hands cache.update keys/values of sizes {shapes['key'][-1]}/"
                                f"{shapes['value'][-1]}, check_model_supported says {dims[0]}/{dims[1]}")
-
-    failures = []
     try:
-        result["stage"] = "decode run"
-        decode_logits = _run(model, new_cache("decode"), ids)
-        result["stage"] = "codes run"
-        codes_cache = new_cache("codes")
-        result["attention"] = codes_cache.attention
-        with attention_on_codes(model), _AttentionCalls() as calls:
-            result["attn_implementation"] = model.config._attn_implementation
-            codes_logits = _run(model, codes_cache, ids)
-        if model.config._attn_implementation != own_attention:
-            failures.append("attention_on_codes did not restore the model's attention implementation")
-        result["attention_calls"] = calls.summary()
-        result["coded_tokens"] = [getattr(layer, "num_coded", None) for layer in codes_cache.layers]
-        result["held_tokens"] = [sum(getattr(layer, name, 0) or 0 for name in ("num_sink", "num_coded", "num_recent"))
-                                 for layer in codes_cache.layers]
-        rel = relative_difference(codes_logits, decode_logits)
-        result["logits_rel_codes_vs_decode"] = rel
-        if not rel <= LOGITS_RTOL:
-            failures.append(f"codes logits differ from decode logits: max relative difference {rel:.3g} "
-                            f"> {LOGITS_RTOL:g}")
-        result["stage"] = "exact-window run"
-        with attention_on_codes(model):
-            exact_logits = _run(model, new_cache("codes", recent=PROMPT_TOKENS + DECODE_STEPS), ids)
-        rel = relative_difference(exact_logits, dynamic_logits)
-        result["logits_rel_exact_vs_dynamic"] = rel
-        if not rel <= LOGITS_RTOL:
-            failures.append(f"codes path with nothing coded differs from DynamicCache: max relative "
-                            f"difference {rel:.3g} > {LOGITS_RTOL:g}")
-        result["stage"] = "DynamicCache under fibquant's attention"
-        with attention_on_codes(model) as switched:  # switched: a plain cache must still be right
-            rel = (relative_difference(_run(model, DynamicCache(config=model.config), ids), dynamic_logits)
-                   if switched else None)
-        if rel is not None:
-            result["logits_rel_switched_dynamic"] = rel
-            if not rel <= LOGITS_RTOL:
-                failures.append(f"a DynamicCache on the switched model differs from the model's own attention: "
-                                f"max relative difference {rel:.3g} > {LOGITS_RTOL:g}")
-        if generate:
-            result["stage"] = "generate"
-            result["generate_equal"] = _generate_equal(model, new_cache)
-            if not result["generate_equal"]:
-                failures.append("generate (batch 2, left padding): codes and decode give different tokens")
-        result["stage"] = "done"
+        failures = _compare_runs(model, new_cache, ids, dynamic_logits, own_attention, generate, result)
     except Exception as exc:  # noqa: BLE001
         return finish("error", f"{result['stage']}: {_error_text(exc)}")
     if failures:
@@ -557,6 +484,99 @@ def _probe_stages(family: Family, seed: int, bits: float, generate: bool, result
     if texts or result["attention"] != "codes":
         return finish("decode fallback", " | ".join(texts) or f"cache attention {result['attention']!r}")
     return finish("codes")
+
+
+def _caches_for(model, bits: float, codec: Optional[Callable], own_attention: str, result: dict):
+    """(the (key, value) sizes the model caches, new_cache(attention, recent)) after `for_model` accepted the
+    model with codec objects and with a spec; raises `_Stop` on a wrong answer, ValueError on a refusal.
+
+    Refusal comes first, before the model has seen a token: the codec sizes are the ones
+    check_model_supported says the cache needs (cross-checked against a DynamicCache run after)."""
+    from fibquant.codecs.fibquant import FibQuantCodec
+    from fibquant.kv.cache import CompressedCache
+    from fibquant.kv.model import check_model_supported
+
+    make = codec or (lambda dim: FibQuantCodec.for_rate(dim, bits))
+    result["stage"] = "check_model_supported"
+    try:
+        info = check_model_supported(model)
+    except ValueError as exc:  # for_model (what users call) must refuse it too, with a ValueError
+        result["stage"] = "for_model (codes)"
+        CompressedCache.for_model(model, make(64), make(64), attention="codes")
+        raise _Stop("error", f"check_model_supported refuses ({exc}) but for_model accepts the model") from None
+    dims = (info.get("key_dim", info["head_dim"]), info.get("value_dim", info["head_dim"]))
+    key_codec = make(dims[0])
+    value_codec = key_codec if dims[1] == dims[0] else make(dims[1])
+    result["codecs"] = [repr(key_codec), repr(value_codec)]
+
+    def new_cache(attention: str, recent: int = RECENT_TOKENS):
+        return CompressedCache.for_model(model, key_codec, value_codec, sink_tokens=SINK_TOKENS,
+                                         recent_tokens=recent, attention=attention, encode_batch=ENCODE_BATCH)
+
+    result["stage"] = "for_model (decode)"
+    new_cache("decode")
+    result["stage"] = "for_model (codes)"
+    new_cache("codes")
+    result["stage"] = "for_model (spec)"  # each role's size read from the model
+    spec_cache = CompressedCache.for_model(model, f"fibquant:b={bits:g}")
+    if (spec_cache.key_codec.dim, spec_cache.value_codec.dim) != dims:
+        raise _Stop("error", f"for_model(model, spec) built codecs of {spec_cache.key_codec.dim}/"
+                             f"{spec_cache.value_codec.dim} dims, the model caches {dims[0]}/{dims[1]}")
+    if model.config._attn_implementation != own_attention:
+        raise _Stop("error", "for_model changed the model's attention implementation")
+    return dims, new_cache
+
+
+def _compare_runs(model, new_cache, ids, dynamic_logits, own_attention: str, generate: bool,
+                  result: dict) -> list[str]:
+    """Run the decode path, the codes path, the codes path with nothing coded and a DynamicCache under the
+    switch (and generate), filling `result`; the failed comparisons, as sentences."""
+    from transformers import DynamicCache
+
+    from fibquant.kv.attention.switch import attention_on_codes
+
+    failures = []
+
+    def compare(name: str, rel: float, what: str) -> None:
+        result[name] = rel
+        if not rel <= LOGITS_RTOL:
+            failures.append(f"{what}: max relative difference {rel:.3g} > {LOGITS_RTOL:g}")
+
+    result["stage"] = "decode run"
+    decode_logits = _run(model, new_cache("decode"), ids)
+    result["stage"] = "codes run"
+    codes_cache = new_cache("codes")
+    result["attention"] = codes_cache.attention
+    with attention_on_codes(model), _AttentionCalls() as calls:
+        result["attn_implementation"] = model.config._attn_implementation
+        codes_logits = _run(model, codes_cache, ids)
+    if model.config._attn_implementation != own_attention:
+        failures.append("attention_on_codes did not restore the model's attention implementation")
+    result["attention_calls"] = calls.summary()
+    result["coded_tokens"] = [getattr(layer, "num_coded", None) for layer in codes_cache.layers]
+    result["held_tokens"] = [sum(getattr(layer, name, 0) or 0 for name in ("num_sink", "num_coded", "num_recent"))
+                             for layer in codes_cache.layers]
+    compare("logits_rel_codes_vs_decode", relative_difference(codes_logits, decode_logits),
+            "codes logits differ from decode logits")
+    result["stage"] = "exact-window run"
+    with attention_on_codes(model):
+        exact_logits = _run(model, new_cache("codes", recent=PROMPT_TOKENS + DECODE_STEPS), ids)
+    compare("logits_rel_exact_vs_dynamic", relative_difference(exact_logits, dynamic_logits),
+            "codes path with nothing coded differs from DynamicCache")
+    result["stage"] = "DynamicCache under fibquant's attention"
+    with attention_on_codes(model) as switched:  # switched: a plain cache must still be right
+        rel = (relative_difference(_run(model, DynamicCache(config=model.config), ids), dynamic_logits)
+               if switched else None)
+    if rel is not None:
+        compare("logits_rel_switched_dynamic", rel,
+                "a DynamicCache on the switched model differs from the model's own attention")
+    if generate:
+        result["stage"] = "generate"
+        result["generate_equal"] = _generate_equal(model, new_cache)
+        if not result["generate_equal"]:
+            failures.append("generate (batch 2, left padding): codes and decode give different tokens")
+    result["stage"] = "done"
+    return failures
 
 
 def _generate_equal(model, new_cache) -> bool:

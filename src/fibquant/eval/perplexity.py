@@ -17,6 +17,7 @@ from its own format.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -41,7 +42,7 @@ class PerplexityConfig:
     recent_tokens: int = 32
     batch_size: int = 4
     attention: str = "codes"  # "codes" (attention on the codes) or "decode" (the reference path)
-    centre: bool = False      # quantise keys/values minus a per-layer, per-head mean (CompressedCache centre=)
+    centre: bool = False      # quantise keys/values minus a per-layer, per-head mean (every spec as with @centre)
 
     def __post_init__(self) -> None:
         if self.attention not in ("codes", "decode"):
@@ -82,9 +83,9 @@ def make_cache(method, model, config: PerplexityConfig, quantizers: tuple | None
     DynamicCache for fp, CompressedCache for our codecs, RoundTripCache when a peer is involved.
     `quantizers`: the (key, value) codecs of `cache_factory`, built here when None."""
     spec = as_cache_spec(method)
-    centre = config.centre and not spec.is_fp and not spec.uses_peer  # peers: never centred
-    return build_cache(spec, model, config.sink_tokens, config.recent_tokens, config.attention, centre=centre,
-                      quantizers=quantizers)
+    if config.centre and not spec.is_fp and not spec.uses_peer:  # peers: never centred
+        spec = dataclasses.replace(spec, centre=True)
+    return build_cache(spec, model, config.sink_tokens, config.recent_tokens, config.attention, quantizers=quantizers)
 
 
 def cache_factory(method, model, config: PerplexityConfig):
@@ -132,83 +133,22 @@ def run_perplexity(model, tokenizer, caches: list, config: PerplexityConfig = Pe
     """Perplexity (all tokens and second half), KL divergence of the next-token distribution from
     the uncompressed model's and top-1 agreement with it, of each method (CodecSpec, CacheSpec or spec
     string: keys and values may differ, peers allowed); same windows for all, run in step."""
-    from transformers import DynamicCache
-
     from fibquant.eval.kv_report import text_tokens
     from fibquant.kv.model import describe_model
 
     with attention_on_codes(model):
         ids = text_tokens(tokenizer, config.text, config.windows * config.context).to(model.device)
         windows = ids.reshape(config.windows, config.context)
-        batches = list(torch.split(windows, config.batch_size))
         head_dim = check_model_supported(model)["head_dim"]
-        half = config.context // 2
         specs = [as_cache_spec(cache) for cache in caches]
-        factories = [cache_factory(spec, model, config) for spec in specs]
-        # The uncompressed model's distribution: an fp row's own cache where there is one, else a DynamicCache.
-        fp_index = next((i for i, spec in enumerate(specs) if spec.is_fp), None)
-        sums = [dict(nll=0.0, second=0.0, kl=0.0, top1=0.0, count=0, second_count=0, bytes=None, stored=None,
-                     cold=0.0, cold_rows=0,
-                     windows=dict(nll=[], kl=[], top1=[])) for _ in specs]
-        bar = tqdm(total=len(batches) * len(specs), desc="perplexity", disable=not progress)
-        for batch in batches:
-            live = [fresh() for fresh in factories]
-            reference = fp_index if fp_index is not None else DynamicCache()
-            for spec, cache, stats, total in zip(specs, live, window_stats(model, batch, live, config.chunk, reference),
-                                                 sums):
-                nll = stats["nll"]
-                total["nll"] += float(nll.sum())
-                total["count"] += nll.numel()
-                total["second"] += float(nll[:, half - 1:].sum())  # predictions of tokens at positions >= half
-                total["second_count"] += nll[:, half - 1:].numel()
-                total["kl"] += float(stats["kl"].double().sum())
-                total["top1"] += float(stats["top1"].sum())
-                # per window (a row of the batch): mean token NLL, KL and top-1, for spreads over windows
-                total["windows"]["nll"] += nll.double().mean(1).tolist()
-                total["windows"]["kl"] += stats["kl"].double().mean(1).tolist()
-                total["windows"]["top1"] += stats["top1"].double().mean(1).tolist()
-                # A RoundTripCache (peers) stores floats: its bytes are counted in the peer's format.
-                format_bytes = (spec.key_bytes(head_dim), spec.value_bytes(head_dim))
-                total["bytes"] = cache_nbytes(cache, format_bytes) / (batch.shape[0] * config.context)
-                total["stored"] = cache_nbytes(cache, format_bytes, stored=True) / (batch.shape[0] * config.context)
-                total["cold"] = cold_nbytes(cache) / (batch.shape[0] * config.context)  # not hot: apart
-                total["cold_rows"] += cold_reads(cache)["rows"]
-                bar.update(1)
-        bar.close()
-        rows = []
-        for spec, total in zip(specs, sums):
-            key_bytes, value_bytes = spec.key_bytes(head_dim), spec.value_bytes(head_dim)
-            count = total["count"]
-            rows.append({
-                "cache": spec.spec, "label": spec.label(head_dim), "family": spec.family,
-                "bits_per_coordinate": spec.bits_per_coordinate(head_dim),
-                "key_bytes_per_vector": key_bytes, "value_bytes_per_vector": value_bytes,
-                "code_bytes_per_vector": 0.5 * (key_bytes + value_bytes), "compression_ratio": spec.codes_ratio(head_dim),
-                "peer": spec.uses_peer,
-                "cache_bytes_per_token": total["bytes"],
-                "cache_stored_bytes_per_token": total["stored"],  # without reserved capacity: the peers' count
-                # @recall: the cold tier's exact rows per token (host memory, not in the bytes above) and the
-                # (layer, head, token) rows read from it per predicted token
-                "cold_bytes_per_token": total["cold"], "cold_rows_read_per_token": total["cold_rows"] / count,
-                "perplexity": math.exp(total["nll"] / count),
-                "perplexity_second_half": math.exp(total["second"] / total["second_count"]),
-                "nll": total["nll"] / count, "predicted_tokens": count,
-                "kl": total["kl"] / count, "top1_agreement": total["top1"] / count,
-                # one entry per window, in text order (each window predicts the same number of tokens)
-                "kl_per_window": total["windows"]["kl"], "top1_per_window": total["windows"]["top1"],
-                "perplexity_per_window": [math.exp(v) for v in total["windows"]["nll"]],
-            })
-            if progress:
-                tqdm.write(f"{rows[-1]['label']}: perplexity {rows[-1]['perplexity']:.3f} "
-                           f"(second half {rows[-1]['perplexity_second_half']:.3f}), KL {rows[-1]['kl']:.4f} nats, "
-                           f"top-1 agreement {rows[-1]['top1_agreement']:.3f}")
-        baseline = next((r for r in rows if is_reference(r["family"])), None)
-        for row in rows:
-            if baseline is not None:
-                row["perplexity_change_pct"] = 100.0 * (row["perplexity"] / baseline["perplexity"] - 1.0)
-                row["second_half_change_pct"] = 100.0 * (row["perplexity_second_half"]
-                                                         / baseline["perplexity_second_half"] - 1.0)
-                row["cache_ratio_vs_dynamic"] = baseline["cache_bytes_per_token"] / row["cache_bytes_per_token"]
+        sums = _accumulate(model, specs, list(torch.split(windows, config.batch_size)), head_dim, config, progress)
+        rows = [_row(spec, total, head_dim) for spec, total in zip(specs, sums)]
+        if progress:
+            for row in rows:
+                tqdm.write(f"{row['label']}: perplexity {row['perplexity']:.3f} "
+                           f"(second half {row['perplexity_second_half']:.3f}), KL {row['kl']:.4f} nats, "
+                           f"top-1 agreement {row['top1_agreement']:.3f}")
+        _add_changes(rows)
         return {
             "experiment": "perplexity with the compressed cache in the loop (FibQuant paper 4.3)",
             "model": describe_model(model), "text": config.text, "tokens": config.windows * config.context,
@@ -218,6 +158,84 @@ def run_perplexity(model, tokenizer, caches: list, config: PerplexityConfig = Pe
             "kl_reference": "the uncompressed model (DynamicCache, same windows and chunks)",
             "model_dtype": str(next(model.parameters()).dtype), "rows": rows,
         }
+
+
+def _accumulate(model, specs: list, batches: list, head_dim: int, config: PerplexityConfig,
+                progress: bool) -> list[dict]:
+    """Per spec, the sums over every batch of windows: NLL (all, second half), KL, top-1, per-window means,
+    and the cache's bytes per token (of the last batch)."""
+    from transformers import DynamicCache
+
+    factories = [cache_factory(spec, model, config) for spec in specs]
+    # The uncompressed model's distribution: an fp row's own cache where there is one, else a DynamicCache.
+    fp_index = next((i for i, spec in enumerate(specs) if spec.is_fp), None)
+    sums = [dict(nll=0.0, second=0.0, kl=0.0, top1=0.0, count=0, second_count=0, bytes=None, stored=None,
+                 cold=0.0, cold_rows=0, windows=dict(nll=[], kl=[], top1=[])) for _ in specs]
+    half = config.context // 2
+    bar = tqdm(total=len(batches) * len(specs), desc="perplexity", disable=not progress)
+    for batch in batches:
+        live = [fresh() for fresh in factories]
+        reference = fp_index if fp_index is not None else DynamicCache()
+        for spec, cache, stats, total in zip(specs, live, window_stats(model, batch, live, config.chunk, reference),
+                                             sums):
+            nll = stats["nll"]
+            total["nll"] += float(nll.sum())
+            total["count"] += nll.numel()
+            total["second"] += float(nll[:, half - 1:].sum())  # predictions of tokens at positions >= half
+            total["second_count"] += nll[:, half - 1:].numel()
+            total["kl"] += float(stats["kl"].double().sum())
+            total["top1"] += float(stats["top1"].sum())
+            # per window (a row of the batch): mean token NLL, KL and top-1, for spreads over windows
+            total["windows"]["nll"] += nll.double().mean(1).tolist()
+            total["windows"]["kl"] += stats["kl"].double().mean(1).tolist()
+            total["windows"]["top1"] += stats["top1"].double().mean(1).tolist()
+            # A RoundTripCache (peers) stores floats: its bytes are counted in the peer's format.
+            format_bytes = (spec.key_bytes(head_dim), spec.value_bytes(head_dim))
+            tokens = batch.shape[0] * config.context
+            total["bytes"] = cache_nbytes(cache, format_bytes) / tokens
+            total["stored"] = cache_nbytes(cache, format_bytes, stored=True) / tokens
+            total["cold"] = cold_nbytes(cache) / tokens  # not hot: apart
+            total["cold_rows"] += cold_reads(cache)["rows"]
+            bar.update(1)
+    bar.close()
+    return sums
+
+
+def _row(spec, total: dict, head_dim: int) -> dict:
+    """The result row of one spec from its sums."""
+    key_bytes, value_bytes = spec.key_bytes(head_dim), spec.value_bytes(head_dim)
+    count = total["count"]
+    return {
+        "cache": spec.spec, "label": spec.label(head_dim), "family": spec.family,
+        "bits_per_coordinate": spec.bits_per_coordinate(head_dim),
+        "key_bytes_per_vector": key_bytes, "value_bytes_per_vector": value_bytes,
+        "code_bytes_per_vector": 0.5 * (key_bytes + value_bytes), "compression_ratio": spec.codes_ratio(head_dim),
+        "peer": spec.uses_peer,
+        "cache_bytes_per_token": total["bytes"],
+        "cache_stored_bytes_per_token": total["stored"],  # without reserved capacity: the peers' count
+        # @recall: the cold tier's exact rows per token (host memory, not in the bytes above) and the
+        # (layer, head, token) rows read from it per predicted token
+        "cold_bytes_per_token": total["cold"], "cold_rows_read_per_token": total["cold_rows"] / count,
+        "perplexity": math.exp(total["nll"] / count),
+        "perplexity_second_half": math.exp(total["second"] / total["second_count"]),
+        "nll": total["nll"] / count, "predicted_tokens": count,
+        "kl": total["kl"] / count, "top1_agreement": total["top1"] / count,
+        # one entry per window, in text order (each window predicts the same number of tokens)
+        "kl_per_window": total["windows"]["kl"], "top1_per_window": total["windows"]["top1"],
+        "perplexity_per_window": [math.exp(v) for v in total["windows"]["nll"]],
+    }
+
+
+def _add_changes(rows: list[dict]) -> None:
+    """Each row's perplexity change and cache ratio against the fp row, where there is one."""
+    baseline = next((r for r in rows if is_reference(r["family"])), None)
+    if baseline is None:
+        return
+    for row in rows:
+        row["perplexity_change_pct"] = 100.0 * (row["perplexity"] / baseline["perplexity"] - 1.0)
+        row["second_half_change_pct"] = 100.0 * (row["perplexity_second_half"]
+                                                 / baseline["perplexity_second_half"] - 1.0)
+        row["cache_ratio_vs_dynamic"] = baseline["cache_bytes_per_token"] / row["cache_bytes_per_token"]
 
 
 def plot_perplexity(rows: list[dict], path, title: str) -> None:

@@ -13,12 +13,12 @@ from fibquant.kv.specs import CacheSpec, parse_cache_spec
 
 
 def build_cache(spec: Union[str, CacheSpec], model, sink_tokens: int = 4, recent_tokens: int = 32,
-                attention: str = "codes", prefill=None, centre: bool = False, quantizers: Optional[tuple] = None):
+                attention: str = "codes", prefill=None, quantizers: Optional[tuple] = None):
     """A fresh cache for `model`, or (prefill = a DynamicCache) one holding the prefill compressed.
 
-    Our codecs on both sides: centred when `centre` or the spec's @centre, per-layer rates with @alloc.
-    A peer: no centring (ValueError when asked). `quantizers`: (key, value) from `spec.quantizers(model)`,
-    built here when None. A CompressedCache on codes runs inside `fibquant.attention_on_codes(model)`."""
+    Our codecs on both sides: a `CompressedCache` with the spec's options (`CacheSpec.cache_options`: its
+    layer plan, recall, @decode). `quantizers`: (key, value) from `spec.quantizers(model)`, built here when
+    None. A CompressedCache on codes runs inside `fibquant.attention_on_codes(model)`."""
     from transformers import DynamicCache
 
     from fibquant.kv.model import copy_dynamic_cache
@@ -28,12 +28,10 @@ def build_cache(spec: Union[str, CacheSpec], model, sink_tokens: int = 4, recent
         return DynamicCache(config=model.config) if prefill is None else copy_dynamic_cache(prefill, model.config)
     key, value = quantizers if quantizers is not None else spec.quantizers(model)
     if not spec.uses_peer:
-        options = dict({"attention": attention}, **spec.cache_options(model, key.dim, centre))
+        options = dict({"attention": attention}, **spec.cache_options(model, key.dim))
         if prefill is None:
             return CompressedCache.for_model(model, key, value, sink_tokens, recent_tokens, **options)
         return CompressedCache.from_cache(prefill, key, value, sink_tokens, recent_tokens, model=model, **options)
-    if centre:
-        raise ValueError(f"{spec.spec}: centring applies to our codecs (CompressedCache), not to a peer")
     from fibquant.kv.roundtrip_cache import RoundTripCache
 
     def as_roundtrip(quantizer):

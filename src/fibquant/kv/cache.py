@@ -29,23 +29,13 @@ offset o of a chunk of C tokens sees at least `recent_tokens + 1` newest tokens 
 token-by-token decoding (C = 1) it sees exactly the sinks, the previous `recent_tokens`
 (to `recent_tokens + encode_batch - 1`) tokens and itself.
 
-With `centre=True` a layer subtracts a fixed mean key and mean value [B, H, D] (of the first
-tokens it encodes, e.g. the prefill: calibration-free, one vector per head) before encoding,
-and adds it back on every read: the codec's bits go to what varies between tokens.
-
 Per-layer codecs: `key_codec` / `value_codec` may each be a sequence with one codec per layer
-(layer l uses entry l). Or `allocate` (a callable) chooses them from the data itself: it is
-called once with, per layer, that layer's exact tokens after the sinks ([B, H, n, D] keys and
-values) and returns the per-layer key and value codecs (e.g. `fibquant.kv.allocation`).
-`from_cache` calls it with the whole source cache before anything is coded; a cache filled
-through `update` calls it when a layer first has tokens to encode and every layer
-(`num_layers`, from the model with `for_model`) holds tokens; until then tokens stay exact
-(a layer that had to wait encodes its backlog as soon as the codecs are chosen).
+(layer l uses entry l).
 
-A heavy tier (`tier=`, a `fibquant.kv.heavy.HeavyTier`): each layer is a `TieredLayer` that also
-stores a fixed fraction of its coded tokens per KV head (the highest by a score of the tokens
-themselves, e.g. key norm) at a second, higher rate, as a second fixed-size code stream with an int32
-index; reads patch those rows in, and attention runs on the decoded floats (see `fibquant.kv.heavy`).
+What a layer stores beyond that is its plan's (`layer_plan=`, a `fibquant.kv.plan.LayerPlan`): the
+plain layer by default, `Centred()` (keys and values coded minus a per-layer, per-head mean), or an
+experiment's plan from `fibquant.eval.cache_plans` (per-layer rates chosen from the data, heavy tokens
+kept at a second rate).
 
 Two ways to read the coded part (`attention=`):
 
@@ -60,7 +50,7 @@ Tested against the Cache / CacheLayerMixin contract of transformers 5.x.
 from __future__ import annotations
 
 import weakref
-from typing import Callable, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 from transformers.cache_utils import Cache
@@ -71,6 +61,7 @@ from fibquant.kv.layer import ATTENTION_MODES, CompressedLayer, CompressedSlidin
 from fibquant.kv.accounting import _per_token, codec_state_nbytes, dynamic_cache_bytes_per_token, dynamic_cache_nbytes
 from fibquant.kv.model import check_model_supported
 from fibquant.kv.options import DEFAULT_OPTIONS, AttentionOptions
+from fibquant.kv.plan import Centred, LayerPlan, check_plan
 
 # The persistence package registers its save function, store and writer classes here on import
 # (`fibquant.kv`'s __init__ imports it), so `save` / `load` work without a cache -> persist import.
@@ -111,7 +102,14 @@ def _codec_list(codecs, role: str) -> tuple[Codec, Optional[list[Codec]]]:
                      f"got {type(codecs).__name__}")
 
 
-def _check_layer_windows(windows) -> Optional[list]:
+def _check_per_layer(key_codecs: Optional[list], value_codecs: Optional[list]) -> None:
+    if (key_codecs is None) != (value_codecs is None) or (key_codecs is not None
+                                                          and len(key_codecs) != len(value_codecs)):
+        raise ValueError("per-layer codecs: pass one key and one value codec per layer (two sequences of "
+                         "the same length), or one codec per role")
+
+
+def _check_layer_windows(windows, key_codecs: Optional[list]) -> Optional[list]:
     if windows is None:
         return None
     windows = list(windows)
@@ -119,7 +117,11 @@ def _check_layer_windows(windows) -> Optional[list]:
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 2):
             raise ValueError(f"layer_windows[{index}] must be None (full attention) or an integer >= 2, "
                              f"got {window!r}")
-    return windows if any(w is not None for w in windows) else None
+    if not any(w is not None for w in windows):
+        return None
+    if key_codecs is not None and len(key_codecs) != len(windows):
+        raise ValueError(f"layer_windows has {len(windows)} entries but per-layer codecs says {len(key_codecs)}")
+    return windows
 
 
 def _check_window(value, name: str) -> int:
@@ -128,9 +130,9 @@ def _check_window(value, name: str) -> int:
     return value
 
 
-def _resolve_codecs(model, code, value_codec, centre: bool, allocate, tier, recall=None) -> tuple:
-    """(key codec(s), value codec(s), cache options) of `for_model`'s code: a spec or codec objects."""
-    options = {"centre": centre, "allocate": allocate, "tier": tier, "recall": recall}
+def _resolve_codecs(model, code, value_codec, recall, layer_plan) -> tuple:
+    """(key codec(s), value codec(s), cache keyword arguments) of `for_model`'s code: a spec or codec objects."""
+    arguments = {"recall": recall, "layer_plan": layer_plan}
     if isinstance(code, Codec) or isinstance(code, (list, tuple)):
         if value_codec is None:
             sizes = check_model_supported(model)
@@ -138,7 +140,7 @@ def _resolve_codecs(model, code, value_codec, centre: bool, allocate, tier, reca
                 raise ValueError(f"this model caches keys of {sizes['key_dim']} and values of {sizes['value_dim']} "
                                  "dims (an MLA latent): pass a value codec too, or a cache spec")
             value_codec = code
-        return code, value_codec, options
+        return code, value_codec, arguments
     from fibquant.kv.specs import CacheSpec, parse_cache_spec
 
     if not isinstance(code, (str, CacheSpec)):
@@ -148,15 +150,16 @@ def _resolve_codecs(model, code, value_codec, centre: bool, allocate, tier, reca
         raise ValueError("a cache spec names both roles ('KEY/VALUE'): pass no value codec with it")
     spec = parse_cache_spec(code, model) if isinstance(code, str) else code
     key, value = spec.quantizers(model)
-    spec_options = spec.cache_options(model, key.dim, centre)
-    for name in ("allocate", "tier", "recall"):
-        if options[name] is not None and spec_options.get(name) is not None:
+    spec_arguments = spec.cache_options(model, key.dim)
+    for name, given in arguments.items():
+        if given is not None and spec_arguments.get(name) is not None:
             raise ValueError(f"{spec.spec} sets {name} already: pass it in the spec or as an argument, not both")
-        spec_options[name] = spec_options.get(name) if spec_options.get(name) is not None else options[name]
-    return key, value, spec_options
+        if spec_arguments.get(name) is None:
+            spec_arguments[name] = given
+    return key, value, spec_arguments
 
 
-def _check_recall(recall, attention: str, tier):
+def _check_recall(recall, attention: str):
     if recall is None:
         return None
     from fibquant.kv.cold import Recall
@@ -165,22 +168,47 @@ def _check_recall(recall, attention: str, tier):
         raise ValueError(f"recall must be a fibquant.kv.cold.Recall, got {type(recall).__name__}")
     if attention != "codes":
         raise ValueError("recall works with attention on the codes (attention='codes'), not the decode path")
-    if tier is not None:
-        raise ValueError("recall does not combine with a heavy tier")
     return recall
+
+
+def _check_encode_batch(encode_batch) -> int:
+    if _check_window(encode_batch, "encode_batch") < 1:
+        raise ValueError(f"encode_batch must be >= 1, got {encode_batch}")
+    return encode_batch
+
+
+def _check_model_codecs(model, key_codec, value_codec) -> dict:
+    """`check_model_supported` of the model with every codec `for_model` got (one per role, or one per layer)."""
+    first_key, key_codecs = _codec_list(key_codec, "key_codec")
+    first_value, value_codecs = _codec_list(value_codec, "value_codec")
+    info = check_model_supported(model, first_key, first_value)
+    for key, value in zip(key_codecs or [], value_codecs or []):
+        check_model_supported(model, key, value)
+    if key_codecs is not None and len(key_codecs) != info["layers"]:
+        raise ValueError(f"{len(key_codecs)} per-layer codecs for a model of {info['layers']} layers")
+    return info
+
+
+def _source_layers(cache: Cache) -> list:
+    """The layers of `from_cache`'s source, each checked to hold float keys and values."""
+    for index, layer in enumerate(cache.layers):
+        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+        if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor):
+            raise ValueError(f"from_cache: layer {index} of the source ({type(layer).__name__}) holds no "
+                             "float keys/values tensors (e.g. a linear-attention or uninitialised layer)")
+    return list(cache.layers)
 
 
 class CompressedCache(Cache):
     """KV cache holding tokens outside an exact window only as codec codes.
 
     key_codec / value_codec: fibquant codecs whose `dim` equals the model's head_dim (checked
-    at the first update). sink_tokens / recent_tokens: sizes of the exact window (first and
-    last tokens kept in the model's dtype). attention: "decode" (update returns floats, works
-    with any attention implementation) or "codes" (attention runs on the codes; the model must
-    use fibquant's attention function: run it inside `fibquant.attention_on_codes(model)`).
-    encode_batch: tokens leaving the window are encoded once this many have gathered (the
-    window then holds up to recent_tokens + encode_batch - 1). centre: quantise keys and values
-    minus a per-layer, per-head mean fixed at the first encode (see the module docstring).
+    at the first update), or one sequence per role with one codec per layer. sink_tokens / recent_tokens:
+    sizes of the exact window (first and last tokens kept in the model's dtype). attention: "decode"
+    (update returns floats, works with any attention implementation) or "codes" (attention runs on the
+    codes; the model must use fibquant's attention function: run it inside
+    `fibquant.attention_on_codes(model)`). encode_batch: tokens leaving the window are encoded once this
+    many have gathered (the window then holds up to recent_tokens + encode_batch - 1).
     layer_windows: per layer, None (full attention) or the sliding-window / attention-chunk size of
     that layer (a `CompressedSlidingLayer`: at most window - 1 tokens held, older ones dropped);
     `for_model` reads them from the model's config (`layer_types`). With it the layers are
@@ -190,67 +218,36 @@ class CompressedCache(Cache):
     the coded tokens go to a cold store, and each query recalls its top-k coded tokens from it, scored
     exactly (`fibquant.kv.cold`, `fibquant.kv.attention.recall`); full-attention layers only, the
     store's bytes not counted in `nbytes` (see `cold_nbytes`). options: the paths attention on codes takes
-    (`fibquant.kv.options.AttentionOptions`, default the tuned ones). Pass it to a forward pass or to `model.generate` as `**cache_kwarg(model, cache)`
+    (`fibquant.kv.options.AttentionOptions`, default the tuned ones). layer_plan: how the layers are made
+    (`fibquant.kv.plan.LayerPlan`; default the plain layer; `Centred()`; the experiments' plans in
+    `fibquant.eval.cache_plans`). Pass it to a forward pass or to `model.generate` as `**cache_kwarg(model, cache)`
     (fibquant.kv.model: `cache=` on transformers >= 5.24, else `past_key_values=`).
     """
 
     def __init__(self, key_codec: Union[Codec, Sequence[Codec]], value_codec: Union[Codec, Sequence[Codec]],
                  sink_tokens: int = 4, recent_tokens: int = 32, attention: str = "decode", encode_batch: int = 16,
-                 centre: bool = False, allocate: Optional[Callable] = None, num_layers: Optional[int] = None,
-                 layer_windows: Optional[Sequence[Optional[int]]] = None, sliding_exact: bool = False,
-                 tier=None, recall=None, options: Optional[AttentionOptions] = None):
+                 *, layer_windows: Optional[Sequence[Optional[int]]] = None, sliding_exact: bool = False,
+                 recall=None, options: Optional[AttentionOptions] = None, layer_plan: Optional[LayerPlan] = None):
         key_codec, key_codecs = _codec_list(key_codec, "key_codec")
         value_codec, value_codecs = _codec_list(value_codec, "value_codec")
-        if (key_codecs is None) != (value_codecs is None) or (key_codecs is not None
-                                                              and len(key_codecs) != len(value_codecs)):
-            raise ValueError("per-layer codecs: pass one key and one value codec per layer (two sequences of "
-                             "the same length), or one codec per role")
-        if allocate is not None and key_codecs is not None:
-            raise ValueError("pass per-layer codecs or an allocate callable, not both")
-        if allocate is not None and not callable(allocate):
-            raise ValueError(f"allocate must be callable, got {type(allocate).__name__}")
-        if allocate is not None and num_layers is None:
-            raise ValueError("allocate needs num_layers (the model's layer count; for_model and from_cache "
-                             "set it)")
-        if num_layers is not None and (isinstance(num_layers, bool) or not isinstance(num_layers, int)
-                                       or num_layers < 1):
-            raise ValueError(f"num_layers must be a positive integer, got {num_layers!r}")
-        # One codec per layer (a sequence given, or chosen by `allocate`), else None: every layer
-        # uses key_codec / value_codec.
+        _check_per_layer(key_codecs, value_codecs)
+        # One codec per layer (a sequence given, or set by the plan through `set_layer_codecs`), else None:
+        # every layer uses key_codec / value_codec.
         self.key_codecs: Optional[list] = key_codecs
         self.value_codecs: Optional[list] = value_codecs
         self.key_codec, self.value_codec = key_codec, value_codec
-        self.allocate, self.num_layers = allocate, num_layers
-        self.allocation: Optional[dict] = None  # what `allocate` returned, once it ran
         self.sink_tokens = _check_window(sink_tokens, "sink_tokens")
         self.recent_tokens = _check_window(recent_tokens, "recent_tokens")
-        self.encode_batch = _check_window(encode_batch, "encode_batch")
-        if self.encode_batch < 1:
-            raise ValueError(f"encode_batch must be >= 1, got {encode_batch}")
+        self.encode_batch = _check_encode_batch(encode_batch)
         self.attention = _check_attention(attention)
-        if not isinstance(centre, bool):
-            raise ValueError(f"centre must be True or False, got {centre!r}")
-        self.centre = centre
         if not isinstance(sliding_exact, bool):
             raise ValueError(f"sliding_exact must be True or False, got {sliding_exact!r}")
         self.sliding_exact = sliding_exact
-        self.layer_windows = _check_layer_windows(layer_windows)
-        if tier is not None:
-            from fibquant.kv.heavy import HeavyTier
-
-            if not isinstance(tier, HeavyTier):
-                raise ValueError(f"tier must be a fibquant.kv.heavy.HeavyTier, got {type(tier).__name__}")
-            if centre:
-                raise ValueError("a heavy tier does not combine with centre=True")
-            if self.layer_windows is not None:
-                raise ValueError("a heavy tier applies to full-attention layers only (this model has sliding ones)")
-        self.tier = tier
+        self.layer_windows = _check_layer_windows(layer_windows, key_codecs)
+        self.recall = _check_recall(recall, self.attention)
         self._options = DEFAULT_OPTIONS
-        self.recall = _check_recall(recall, self.attention, tier)
-        if self.layer_windows is not None:
-            for name, count in (("num_layers", num_layers), ("per-layer codecs", len(key_codecs or ()) or None)):
-                if count is not None and count != len(self.layer_windows):
-                    raise ValueError(f"layer_windows has {len(self.layer_windows)} entries but {name} says {count}")
+        self.layer_plan = check_plan(layer_plan)
+        self.layer_plan.check(self)
         self._switch = None  # (model, MLA modules) weak references: for_model's cache on codes checks them
         super().__init__(layer_class_to_replicate=self._new_layer)
         if self.layer_windows is not None:
@@ -281,71 +278,37 @@ class CompressedCache(Cache):
                              f"layer {index}")
         return self.key_codecs[index], self.value_codecs[index]
 
-    def _new_layer(self) -> CompressedLayer:
-        pending = self.allocate is not None and self.key_codecs is None
-        key, value = (self.key_codec, self.value_codec) if pending else self.layer_codecs(len(self.layers))
-        index = len(self.layers)
+    def set_layer_codecs(self, key_codecs: Sequence[Codec], value_codecs: Sequence[Codec]) -> None:
+        """Fix one key and one value codec per layer (a plan that chooses them from the data calls this before
+        any layer has coded a token; the layers already built take theirs with `set_codecs`)."""
+        _, key_codecs = _codec_list(list(key_codecs), "key_codecs")
+        _, value_codecs = _codec_list(list(value_codecs), "value_codecs")
+        _check_per_layer(key_codecs, value_codecs)
+        if self.layer_windows is not None and len(key_codecs) != len(self.layer_windows):
+            raise ValueError(f"{len(key_codecs)} per-layer codecs for a cache of {len(self.layer_windows)} layers")
+        self.key_codecs, self.value_codecs = key_codecs, value_codecs
+
+    def plain_layer(self, index: int, centre: bool = False) -> CompressedLayer:
+        """The ordinary layer `index` (what the plain plan builds): a `CompressedSlidingLayer` where
+        `layer_windows` says so, else a `CompressedLayer` (with the cold tier when `recall` is set);
+        centre: it codes keys and values minus a mean fixed at its first encode."""
+        key, value = self.layer_codecs(index)
         window = self.layer_windows[index] if self.layer_windows and index < len(self.layer_windows) else None
         if window is not None:
-            layer = CompressedSlidingLayer(key, value, window, self.recent_tokens, self.attention, self.encode_batch,
-                                           self.centre, exact_window=self.sliding_exact)
-        elif self.tier is not None:
-            from fibquant.kv.heavy import TieredLayer
+            return CompressedSlidingLayer(key, value, window, self.recent_tokens, self.attention, self.encode_batch,
+                                          centre, exact_window=self.sliding_exact)
+        return CompressedLayer(key, value, self.sink_tokens, self.recent_tokens, self.attention, self.encode_batch,
+                               centre, recall=self.recall)
 
-            layer = TieredLayer(key, value, self.sink_tokens, self.recent_tokens, self.tier, self.attention,
-                                self.encode_batch)
-        else:
-            layer = CompressedLayer(key, value, self.sink_tokens, self.recent_tokens, self.attention,
-                                    self.encode_batch, self.centre, recall=self.recall)
-        if pending:
-            layer.resolver = self._resolve_allocation
+    def _new_layer(self) -> CompressedLayer:
+        layer = self.layer_plan.new_layer(self, len(self.layers))
         layer.options = self.options
         return layer
 
-    # ----------------------------------------------------------------- per-layer allocation
-    def _set_allocation(self, samples: list) -> None:
-        """Run `allocate` on per-layer (keys, values) samples and fix the per-layer codecs."""
-        result = self.allocate(samples)
-        key_codecs, value_codecs = result[0], result[1]
-        _, key_codecs = _codec_list(list(key_codecs), "allocated key codecs")
-        _, value_codecs = _codec_list(list(value_codecs), "allocated value codecs")
-        if len(key_codecs) != len(samples) or len(value_codecs) != len(samples):
-            raise ValueError(f"allocate returned {len(key_codecs)} key and {len(value_codecs)} value codecs "
-                             f"for {len(samples)} layers")
-        self.key_codecs, self.value_codecs = key_codecs, value_codecs
-        self.allocation = result[2] if len(result) > 2 else {}
-
-    def _resolve_allocation(self, caller: CompressedLayer, keys: torch.Tensor, values: torch.Tensor) -> bool:
-        """Called by a layer with tokens to encode before the codecs are chosen; True once they are.
-
-        Chooses them when every layer (`num_layers`) holds tokens: the sample of a layer is its
-        exact tokens after the sinks (the caller's `keys`/`values`: its recent window with the new
-        tokens)."""
-        layers = self.layers
-        if len(layers) < self.num_layers or any(not layer.is_initialized for layer in layers):
-            return False
-        samples = []
-        for layer in layers:
-            if layer is caller:
-                samples.append((keys, values))
-            else:
-                samples.append((layer.recent_keys, layer.recent_values))
-        if any(k.shape[-2] == 0 for k, _ in samples):
-            return False
-        self._set_allocation(samples)
-        for index, layer in enumerate(layers):
-            layer.resolver = None
-            layer.set_codecs(*self.layer_codecs(index))
-        for layer in layers:  # layers that waited encode their backlog now (the caller goes on itself)
-            if layer is not caller:
-                layer.flush()
-        return True
-
     @classmethod
-    def for_model(cls, model, code, value_codec=None, sink_tokens: int = 4,
-                  recent_tokens: int = 32, attention: str = "codes", encode_batch: int = 16,
-                  centre: bool = False, allocate: Optional[Callable] = None,
-                  sliding_exact: bool = False, tier=None, recall=None) -> "CompressedCache":
+    def for_model(cls, model, code, value_codec=None, sink_tokens: int = 4, recent_tokens: int = 32,
+                  attention: str = "codes", encode_batch: int = 16, *, sliding_exact: bool = False, recall=None,
+                  layer_plan: Optional[LayerPlan] = None) -> "CompressedCache":
         """A cache for `model`, each role's size read from the model; the model itself is not changed.
 
         code: a cache spec (`fibquant.kv.specs`: "e8shell:b=2,nc=1", "fibquant:b=4/fibquant:b=2",
@@ -361,25 +324,19 @@ class CompressedCache(Cache):
         not dispatched through transformers' AttentionInterface, or an MLA module of a form
         `fibquant.kv.attention.mla` does not know) gets attention="decode" with a one-time warning naming why.
         """
-        key_codec, value_codec, options = _resolve_codecs(model, code, value_codec, centre, allocate, tier, recall)
-        first_key, key_codecs = _codec_list(key_codec, "key_codec")
-        first_value, value_codecs = _codec_list(value_codec, "value_codec")
-        info = check_model_supported(model, first_key, first_value)
-        for key, value in zip(key_codecs or [], value_codecs or []):
-            check_model_supported(model, key, value)
-        if key_codecs is not None and len(key_codecs) != info["layers"]:
-            raise ValueError(f"{len(key_codecs)} per-layer codecs for a model of {info['layers']} layers")
-        attention = _check_attention(options.pop("attention", attention))
+        key_codec, value_codec, arguments = _resolve_codecs(model, code, value_codec, recall, layer_plan)
+        info = _check_model_codecs(model, key_codec, value_codec)
+        attention = _check_attention(arguments.pop("attention", attention))
         latent_modules = []
         if attention == "codes":
             from fibquant.kv.attention.switch import codes_or_decode
 
             attention, latent_modules = codes_or_decode(model, info["latent"])
-        if options.get("recall") is not None and (attention != "codes" or info["latent"]):
+        if arguments.get("recall") is not None and (attention != "codes" or info["latent"]):
             raise ValueError("recall needs attention on the codes of a model with per-head keys and values; this "
                              f"model runs {'an MLA latent' if info['latent'] else 'attention=' + repr(attention)}")
         cache = cls(key_codec, value_codec, sink_tokens, recent_tokens, attention, encode_batch,
-                    num_layers=info["layers"], layer_windows=info["windows"], sliding_exact=sliding_exact, **options)
+                    layer_windows=info["windows"], sliding_exact=sliding_exact, **arguments)
         if attention == "codes":
             cache._switch = (weakref.ref(model), [weakref.ref(module) for module in latent_modules])
         return cache
@@ -396,52 +353,49 @@ class CompressedCache(Cache):
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     @classmethod
-    def from_cache(cls, cache: Cache, key_codec, value_codec, sink_tokens: int = 4,
-                   recent_tokens: int = 32, attention: str = "decode", model=None,
-                   encode_batch: int = 16, centre: bool = False,
-                   allocate: Optional[Callable] = None, sliding_exact: bool = False,
-                   tier=None, recall=None) -> "CompressedCache":
+    def from_cache(cls, cache: Cache, key_codec, value_codec, sink_tokens: int = 4, recent_tokens: int = 32,
+                   attention: str = "decode", model=None, encode_batch: int = 16, *, sliding_exact: bool = False,
+                   recall=None, layer_plan: Optional[LayerPlan] = None) -> "CompressedCache":
         """Compress an already computed cache (e.g. a `DynamicCache` after a float prefill).
 
         The result holds what this cache would hold had it seen the same tokens in one update:
         the first `sink_tokens` and last `recent_tokens` exact, the rest as codes. The source is
-        left untouched. With `model` given, `for_model`'s checks apply (and the codes may be a cache spec). With
-        `allocate`, it chooses the per-layer codecs from the source's tokens after the sinks first.
+        left untouched. With `model` given, `for_model`'s checks apply (and the codes may be a cache spec).
+        The plan sees the source's tokens after the sinks first (`LayerPlan.start`: e.g. to choose per-layer
+        codecs from them).
         """
         if model is not None:
             target = cls.for_model(model, key_codec, value_codec, sink_tokens, recent_tokens, attention,
-                                   encode_batch, centre, allocate, sliding_exact=sliding_exact, tier=tier,
-                                   recall=recall)
+                                   encode_batch, sliding_exact=sliding_exact, recall=recall, layer_plan=layer_plan)
         else:
-            target = cls(key_codec, value_codec, sink_tokens, recent_tokens, attention, encode_batch, centre,
-                         allocate=allocate, num_layers=len(cache.layers) if allocate is not None else None,
-                         tier=tier, recall=recall)
-        for index, layer in enumerate(cache.layers):
-            keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
-            if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor):
-                raise ValueError(f"from_cache: layer {index} of the source ({type(layer).__name__}) holds no "
-                                 "float keys/values tensors (e.g. a linear-attention or uninitialised layer)")
-        if target.allocate is not None:
-            target._set_allocation([(layer.keys[..., sink_tokens:, :], layer.values[..., sink_tokens:, :])
-                                    for layer in cache.layers])
+            target = cls(key_codec, value_codec, sink_tokens, recent_tokens, attention, encode_batch, recall=recall,
+                         layer_plan=layer_plan)
+        source = _source_layers(cache)
+        target.layer_plan.start(target, [(layer.keys[..., sink_tokens:, :], layer.values[..., sink_tokens:, :])
+                                         for layer in source])
         target.layers = []  # rebuilt in order (for_model creates a hybrid model's layers up front)
-        for index, layer in enumerate(cache.layers):
-            keys, values = layer.keys, layer.values
-            new_layer = target._new_layer()
-            if getattr(layer, "is_sliding", False) and not new_layer.is_sliding:
-                raise ValueError(f"from_cache: layer {index} of the source is a sliding-window layer (it holds only "
-                                 "the window); pass model= so this cache slides that layer too")
-            if keys.ndim == 4 and keys.shape[-2] > 0:
-                new_layer.lazy_initialization(keys, values)
-                new_layer._absorb(keys, values)
-                if new_layer.is_sliding:  # positions count every token the source saw, not just those held
-                    new_layer.cumulative_length = max(getattr(layer, "cumulative_length", 0), keys.shape[-2])
-            target.layers.append(new_layer)
+        for index, layer in enumerate(source):
+            target.layers.append(target._absorbed_layer(index, layer))
         return target
+
+    def _absorbed_layer(self, index: int, source) -> CompressedLayer:
+        """A new layer holding the tokens of `from_cache`'s source layer `index`."""
+        keys, values = source.keys, source.values
+        layer = self._new_layer()
+        if getattr(source, "is_sliding", False) and not layer.is_sliding:
+            raise ValueError(f"from_cache: layer {index} of the source is a sliding-window layer (it holds only "
+                             "the window); pass model= so this cache slides that layer too")
+        if keys.ndim == 4 and keys.shape[-2] > 0:
+            layer.lazy_initialization(keys, values)
+            layer._absorb(keys, values)
+            if layer.is_sliding:  # positions count every token the source saw, not just those held
+                layer.cumulative_length = max(getattr(source, "cumulative_length", 0), keys.shape[-2])
+        return layer
 
     def __repr__(self) -> str:
         per_layer = "" if self.key_codecs is None else ", per-layer codecs"
-        return (f"CompressedCache(key={self.key_codec!r}, value={self.value_codec!r}{per_layer}, "
+        plan = "" if type(self.layer_plan) is LayerPlan else f", plan={self.layer_plan!r}"
+        return (f"CompressedCache(key={self.key_codec!r}, value={self.value_codec!r}{per_layer}{plan}, "
                 f"sinks={self.sink_tokens}, recent={self.recent_tokens}, attention={self.attention!r}, "
                 f"layers={len(self.layers)})")
 
@@ -502,9 +456,6 @@ class CompressedCache(Cache):
         stopping_criteria=[writer])` and every newly coded token is appended to the archive
         after each step (checkpoint every `checkpoint_every` tokens); `writer.close()` (or a
         `with` block) seals the end. See docs/persistent-cache.md."""
-        if getattr(self, "tier", None) is not None:
-            raise ValueError("saving a cache with a heavy tier is not implemented (the store holds one code "
-                             "stream per role)")
         save_cache, store_cls, writer_cls = _persistence()
         if not append:
             return save_cache(self, path, model, token_ids, overwrite=overwrite, durable=durable)
@@ -531,7 +482,7 @@ class CompressedCache(Cache):
             raise ValueError("from_layers needs at least one layer")
         first = layers[0]
         cache = cls(first.key_codec, first.value_codec, first.sink_tokens, first.recent_tokens,
-                    attention or first.attention, first.encode_batch)
+                    attention or first.attention, first.encode_batch, layer_plan=Centred() if first.centre else None)
         for layer in layers:
             if attention is not None:
                 layer.attention = _check_attention(attention)

@@ -25,7 +25,7 @@ go to safetensors files next to the manifest.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -33,6 +33,7 @@ from fibquant.codecs.base import Codec
 from fibquant.codecs.bitpack import float16_to_bytes
 from fibquant.codecs.identity import IdentityCodec
 from fibquant.kv.cache import CompressedCache, _check_codec
+from fibquant.kv.plan import LayerPlan
 
 
 class Fp16Codec(IdentityCodec):
@@ -102,5 +103,7 @@ class LayerwiseCompressedCache(CompressedCache):
     caches load as; `CompressedCache` itself takes the two sequences)."""
 
     def __init__(self, key_codecs: Sequence[Codec], value_codecs: Sequence[Codec], sink_tokens: int = 4,
-                 recent_tokens: int = 32, attention: str = "decode", encode_batch: int = 16):
-        super().__init__(list(key_codecs), list(value_codecs), sink_tokens, recent_tokens, attention, encode_batch)
+                 recent_tokens: int = 32, attention: str = "decode", encode_batch: int = 16, *,
+                 layer_plan: Optional[LayerPlan] = None):
+        super().__init__(list(key_codecs), list(value_codecs), sink_tokens, recent_tokens, attention, encode_batch,
+                         layer_plan=layer_plan)

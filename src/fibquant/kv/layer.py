@@ -51,7 +51,8 @@ class CompressedLayer(CacheLayerMixin):
             setattr(self, name, None)
         self.key_buffer: Optional[CodeBuffer] = None
         self.value_buffer: Optional[CodeBuffer] = None
-        # Set by a CompressedCache whose per-layer codecs are not chosen yet: resolver(layer, keys, values)
+        # Set by a layer plan that chooses the per-layer codecs from the data (`fibquant.eval.cache_plans.
+        # RateAllocation`) before they are chosen: resolver(layer, keys, values)
         # -> True once they are (then set_codecs has run); until then tokens leaving the window stay exact.
         self.resolver = None
         # The last (key shape, value shape, key dtype, value dtype) `_check_states` accepted: a decode
@@ -297,7 +298,7 @@ class CompressedLayer(CacheLayerMixin):
     def _store_codes(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Encode tokens leaving the window ([B, H, n, D]; centred here when the layer centres) and
         append their code rows, `ENCODE_CHUNK_ROWS` vectors per encode call (each row is encoded on its
-        own: the codes do not depend on the split). A tiered layer (`fibquant.kv.heavy`) overrides this."""
+        own: the codes do not depend on the split). A tiered layer (`fibquant.eval.heavy`) overrides this."""
         n = keys.shape[-2]
         # the code rows' long-lived storage first, below the encode's transient buffers (CodeBuffer.reserve)
         self.key_buffer.reserve(n)

@@ -7,18 +7,18 @@
     quanto-rt:b=2, kakeya-e8:q=2 …  a peer (`fibquant.peers`), keys and values; `KEY/VALUE` works too
 
 Options after '@' (our codecs only, any order): `@decode` runs attention through the reference
-path (every code decoded to floats, `attention="decode"`) instead of on the codes; `@centre` quantises keys and values minus a per-layer,
-per-head mean (`CompressedCache(centre=True)`); `@alloc=SIGNAL` (FibQuant `b=` rates on both sides)
-chooses one rate per layer and role from the cached tokens themselves (`fibquant.kv.allocation`:
-mse, attn, attn-keys, ends, uniform) with the base rate's bytes as each role's average budget, e.g.
-`fibquant:b=1.5/fibquant:b=1@centre@alloc=mse`; `@heavy=F[:SCORE[:RATE]]` adds a second, higher-rate
-tier for the fraction F of coded tokens per layer and KV head with the highest SCORE (`fibquant.kv.heavy`:
-knorm, vnorm, kerr, kverr; default knorm) at RATE (FibQuant bits, 'fp' for fp16, or KEY/VALUE, e.g.
-`fibquant:b=1.5/fibquant:b=1@heavy=0.02:knorm:4`; default 4), its rows and index counted in the bytes;
-`@recall=K` / `@recall=F` keeps the exact rows of the coded tokens in a cold store and lets each query
-recall its top K coded tokens (or the fraction F of them, written with a '.') exactly
-(`fibquant.kv.cold.Recall`: `@recall=32`, `@recall=0.02`, `@recall=32:disk:fp16`); the cold rows are
-not hot bytes (`cold_bytes`). Without options a spec means what it always did.
+path (every code decoded to floats, `attention="decode"`) instead of on the codes; `@centre` quantises keys
+and values minus a per-layer, per-head mean (`fibquant.kv.plan.Centred`); `@recall=K` / `@recall=F` keeps
+the exact rows of the coded tokens in a cold store and lets each query recall its top K coded tokens (or
+the fraction F of them, written with a '.') exactly (`fibquant.kv.cold.Recall`: `@recall=32`,
+`@recall=0.02`, `@recall=32:disk:fp16`); the cold rows are not hot bytes (`cold_bytes`). Without options a
+spec means what it always did.
+
+The experiments register further options (`register_plan_option`), each building a `LayerPlan`:
+`fibquant.eval.cache_plans` adds `@alloc=SIGNAL` (per-layer rates chosen from the cached tokens) and
+`@heavy=F[:SCORE[:RATE]]` (heavy tokens at a second rate), e.g.
+`fibquant:b=1.5/fibquant:b=1@centre@alloc=mse`. Importing any `fibquant.eval` module registers them; a spec
+naming them before that is a ValueError saying so.
 
 A budget (`ratio=6`, `bytes=4000`, optionally `,context=N` and `,keys=finer`; `fibquant.kv.budget`) stands
 for the best shipped code whose cache on the model fits it: `parse_cache_spec(text, model)` resolves it.
@@ -34,10 +34,11 @@ the whole cache of a `tokens`-long context against fp16, the exact window counte
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 from fibquant.codecs.registry import CodecSpec, parse_codec_spec, reference_codec_spec
 from fibquant.kv.budget import choose, is_budget, parse_budget
+from fibquant.kv.plan import PLAIN, Centred, LayerPlan
 from fibquant.peers import PeerSpec, build_peer, is_peer, parse_peer, unavailable_reason
 
 
@@ -85,76 +86,75 @@ def _parse_side(text: str) -> Side:
     return Side(parse_peer(text) if is_peer(text) else parse_codec_spec(text))
 
 
-def _fibquant_bits(side: "Side") -> Optional[float]:
-    """The `b=` rate of a FibQuant side, None for anything else (explicit k, n or another codec)."""
-    if side.is_peer or side.quantizer.family != "fibquant":
-        return None
-    return side.quantizer.param("bits")
+class PlanOption:
+    """A parsed `@name[=value]` option that an experiment module registered (`register_plan_option`).
+
+    text: the option as written ('@alloc=mse'); label: its words in a cache's label (' alloc=mse');
+    check(spec): ValueError when it does not fit the rest of the spec; extra_bytes(dim): the (key, value)
+    bytes per stored vector it adds on average; build(plan, spec, model, key_dim): the `LayerPlan` with the
+    option applied to `plan` (the plan of the options before it: `PLAIN`, or `Centred()` with @centre)."""
+
+    text: str = ""
+    label: str = ""
+
+    def check(self, spec: "CacheSpec") -> None:
+        pass
+
+    def extra_bytes(self, dim: int) -> tuple[float, float]:
+        return 0.0, 0.0
+
+    def build(self, plan: LayerPlan, spec: "CacheSpec", model, key_dim: int) -> LayerPlan:
+        raise NotImplementedError
 
 
-def _alloc_parts(alloc: str) -> tuple[str, Optional[int]]:
-    """'ends:4' -> ('ends', 4): signal ends with its layer count (first and last N layers one step up,
-    as many middle layers one step down); a plain signal -> (signal, None)."""
-    signal, colon, count = alloc.partition(":")
-    if not colon:
-        return signal, None
-    if not count.isdigit() or int(count) < 1:
-        raise ValueError(f"@alloc={alloc}: the layer count after ':' must be an integer >= 1")
-    return signal, int(count)
+# name -> parse(value after '=', '' for a bare '@name') -> PlanOption; filled by the experiment layer on import.
+_PLAN_OPTIONS: dict[str, Callable[[str], PlanOption]] = {}
+EXPERIMENT_OPTIONS = "fibquant.eval.cache_plans"  # the module that registers @alloc= and @heavy=
+BUILT_IN_OPTIONS = ("centre", "decode", "recall")
+
+
+def register_plan_option(name: str, parse: Callable[[str], PlanOption]) -> None:
+    """Add the cache-spec option `@name[=value]`: `parse(value)` returns its `PlanOption` (ValueError on a bad
+    value). Options apply in registration order; a name already taken is a ValueError."""
+    if not name.isalpha() or name in BUILT_IN_OPTIONS or name in _PLAN_OPTIONS:
+        raise ValueError(f"cache spec option {name!r} is taken or not a word")
+    _PLAN_OPTIONS[name] = parse
 
 
 @dataclass(frozen=True)
 class CacheSpec:
-    """fp (key = value = None) or a key side and a value side, with the options centre and alloc."""
+    """fp (key = value = None) or a key side and a value side, with the options centre, decode, recall and
+    the registered ones (`plans`: `PlanOption`s in registration order)."""
 
     key: Optional[Side] = None
     value: Optional[Side] = None
     centre: bool = False
-    alloc: Optional[str] = None
     decode: bool = False
-    heavy: Optional[object] = None  # a fibquant.kv.heavy.HeavySpec
     recall: Optional[object] = None  # a fibquant.kv.cold.Recall
+    plans: tuple = ()
 
     def __post_init__(self) -> None:
         if (self.key is None) != (self.value is None):
             raise ValueError("a cache spec has both a key and a value side, or neither (fp)")
-        if (self.centre or self.alloc is not None or self.decode or self.heavy is not None
-                or self.recall is not None) and (self.is_fp or self.uses_peer):
-            raise ValueError("@centre, @alloc, @decode, @heavy and @recall apply to our codecs on both sides (a "
-                             "CompressedCache), not to fp or a peer")
+        if (self.centre or self.decode or self.recall is not None or self.plans) and (self.is_fp or self.uses_peer):
+            raise ValueError("cache spec options (@centre, @decode, @recall, @alloc, @heavy, ...) apply to our codecs "
+                             "on both sides (a CompressedCache), not to fp or a peer")
         if self.recall is not None:
             from fibquant.kv.cold import Recall
 
             if not isinstance(self.recall, Recall):
                 raise ValueError(f"recall must be a fibquant.kv.cold.Recall, got {type(self.recall).__name__}")
-            if self.decode or self.heavy is not None:
-                raise ValueError("@recall works on the codes: it does not combine with @decode or @heavy")
-        if self.heavy is not None:
-            from fibquant.kv.heavy import HeavySpec
-
-            if not isinstance(self.heavy, HeavySpec):
-                raise ValueError(f"heavy must be a fibquant.kv.heavy.HeavySpec, got {type(self.heavy).__name__}")
-            if self.centre:
-                raise ValueError("@heavy does not combine with @centre")
-        if self.alloc is not None:
-            from fibquant.kv.allocation import SIGNALS, rung_of
-
-            signal, count = _alloc_parts(self.alloc)
-            if signal not in SIGNALS:
-                raise ValueError(f"@alloc={self.alloc}: the signal must be one of {SIGNALS}")
-            if count is not None and signal != "ends":
-                raise ValueError(f"@alloc={self.alloc}: only ends takes a layer count (ends:N)")
-            for side in (self.key, self.value):
-                bits = _fibquant_bits(side)
-                if bits is None:
-                    raise ValueError(f"@alloc needs FibQuant rates on both sides (fibquant:b=...), got {side.spec}")
-                rung_of(bits)
+            if self.decode:
+                raise ValueError("@recall works on the codes: it does not combine with @decode")
+        for option in self.plans:
+            if not isinstance(option, PlanOption):
+                raise ValueError(f"plans holds registered cache spec options (PlanOption), got {type(option).__name__}")
+            option.check(self)
 
     @property
     def options(self) -> str:
-        return (("@centre" if self.centre else "") + (f"@alloc={self.alloc}" if self.alloc else "")
-                + ("@decode" if self.decode else "") + (f"@heavy={self.heavy.text}" if self.heavy else "")
-                + (f"@recall={self.recall.text}" if self.recall else ""))
+        return (("@centre" if self.centre else "") + "".join(option.text for option in self.plans)
+                + ("@decode" if self.decode else "") + (f"@recall={self.recall.text}" if self.recall else ""))
 
     @property
     def is_fp(self) -> bool:
@@ -187,26 +187,8 @@ class CacheSpec:
         if self.is_fp:
             return reference_codec_spec().label(dim)
         text = self.key.label(dim) if self.symmetric else f"K {self.key.label(dim)} / V {self.value.label(dim)}"
-        return (text + (" centred" if self.centre else "") + (f" alloc={self.alloc}" if self.alloc else "")
-                + (" (decode)" if self.decode else "") + (f" heavy={self.heavy.text}" if self.heavy else "")
-                + (f" recall={self.recall.text}" if self.recall else ""))
-
-    def allocator(self, dim: int, centre: bool = False, model=None):
-        """The `fibquant.kv.allocation.RateAllocator` of an `@alloc` spec (None without one);
-        signal "attn" reads its weights from `model` (ValueError when it has none)."""
-        if self.alloc is None:
-            return None
-        from fibquant.kv.allocation import RateAllocator, attention_weights
-
-        weights = (None, None)
-        signal, count = _alloc_parts(self.alloc)
-        if signal in ("attn", "attn-keys"):
-            weights = attention_weights(model) if model is not None else None
-            if weights is None:
-                raise ValueError(f"{self.spec}: signal attn needs a model with q/k/o projections it can read")
-        extra = {} if count is None else {"ends": count}
-        return RateAllocator(dim, _fibquant_bits(self.key), _fibquant_bits(self.value), signal, **extra,
-                             centre=centre or self.centre, key_weights=weights[0], value_weights=weights[1])
+        return (text + (" centred" if self.centre else "") + "".join(option.label for option in self.plans)
+                + (" (decode)" if self.decode else "") + (f" recall={self.recall.text}" if self.recall else ""))
 
     def unavailable_reason(self) -> Optional[str]:
         for side in (self.key, self.value):
@@ -217,18 +199,17 @@ class CacheSpec:
         return None
 
     # ------------------------------------------------------------------ bytes
-    # With @alloc the per-layer sizes vary; each role's average over layers is at most (at d = 64:
-    # exactly) its base codec's, which these report. With @heavy each role adds the tier's average
-    # bytes per vector (`HeavySpec.extra_bytes`: fraction x (heavy code size + half the 4-byte index)).
+    # Each role's bytes per vector: its side's, plus what the registered options add on average
+    # (`PlanOption.extra_bytes`; per-layer rates keep each role's average at its base codec's).
     def key_bytes(self, dim: int) -> float:
         if self.is_fp:
             return 2.0 * dim
-        return self.key.bytes_per_vector(dim) + (self.heavy.extra_bytes(dim)[0] if self.heavy else 0.0)
+        return self.key.bytes_per_vector(dim) + sum(option.extra_bytes(dim)[0] for option in self.plans)
 
     def value_bytes(self, dim: int) -> float:
         if self.is_fp:
             return 2.0 * dim
-        return self.value.bytes_per_vector(dim) + (self.heavy.extra_bytes(dim)[1] if self.heavy else 0.0)
+        return self.value.bytes_per_vector(dim) + sum(option.extra_bytes(dim)[1] for option in self.plans)
 
     def cold_bytes(self, dim: int, model_bytes: int = 2) -> float:
         """Bytes per token and KV head of the cold tier (@recall): an exact key and value per coded
@@ -242,7 +223,7 @@ class CacheSpec:
         """Mean of the key and value sides' bits per coordinate (16 for fp)."""
         if self.is_fp:
             return 16.0
-        extra = 0.0 if self.heavy is None else 8.0 * sum(self.heavy.extra_bytes(dim)) / dim
+        extra = 8.0 * sum(sum(option.extra_bytes(dim)) for option in self.plans) / dim
         return 0.5 * (self.key.bits_per_coordinate(dim) + self.value.bits_per_coordinate(dim) + extra)
 
     def codes_ratio(self, dim: int) -> float:
@@ -271,15 +252,23 @@ class CacheSpec:
         info = check_model_supported(model)
         return self.key.build(info["key_dim"], "key", model), self.value.build(info["value_dim"], "value", model)
 
-    def cache_options(self, model, key_dim: int, centre: bool = False) -> dict:
-        """The `CompressedCache` options this spec sets (our codecs on both sides): centre, allocate, tier,
-        and attention "decode" with @decode (absent otherwise)."""
+    def layer_plan(self, model, key_dim: int) -> LayerPlan:
+        """The `LayerPlan` of this spec's options: `Centred()` with @centre, then each registered option's."""
+        plan = Centred() if self.centre else PLAIN
+        for option in self.plans:
+            plan = option.build(plan, self, model, key_dim)
+        return plan
+
+    def cache_options(self, model, key_dim: int) -> dict:
+        """The `CompressedCache` keyword arguments this spec sets (our codecs on both sides): layer_plan and
+        recall where it has them, attention "decode" with @decode."""
         if self.is_fp or self.uses_peer:
             raise ValueError(f"{self.spec}: a CompressedCache needs our codecs on both sides (fp is a "
                              "DynamicCache, a peer a RoundTripCache: fibquant.kv.build.build_cache makes those)")
-        centre = bool(centre or self.centre)
-        options = {"centre": centre, "allocate": self.allocator(key_dim, centre, model),
-                   "tier": None if self.heavy is None else self.heavy.build(key_dim)}
+        options = {}
+        plan = self.layer_plan(model, key_dim)
+        if plan is not PLAIN:
+            options["layer_plan"] = plan
         if self.decode:
             options["attention"] = "decode"
         if self.recall is not None:
@@ -289,30 +278,32 @@ class CacheSpec:
 
 def _parse_options(items: list[str], text: str) -> dict:
     options: dict = {}
+    plans: dict = {}
     for item in items:
         name, eq, value = item.strip().partition("=")
-        if name == "centre" and not eq and "centre" not in options:
-            options["centre"] = True
-        elif name == "alloc" and eq and value.strip() and "alloc" not in options:
-            options["alloc"] = value.strip()
-        elif name == "decode" and not eq and "decode" not in options:
-            options["decode"] = True
-        elif name == "recall" and eq and value.strip() and "recall" not in options:
+        value = value.strip()
+        if name in options or name in plans:
+            raise ValueError(f"cache spec option @{name} given twice in {text!r} (each at most once)")
+        if name in ("centre", "decode") and not eq:
+            options[name] = True
+        elif name == "recall" and eq and value:
             from fibquant.kv.cold import Recall
 
-            options["recall"] = Recall.parse(value.strip())
-        elif name == "heavy" and eq and value.strip() and "heavy" not in options:
-            from fibquant.kv.heavy import HeavySpec
-
-            options["heavy"] = HeavySpec.parse(value.strip())
+            options["recall"] = Recall.parse(value)
+        elif name in _PLAN_OPTIONS:
+            plans[name] = _PLAN_OPTIONS[name](value)
         else:
-            raise ValueError(f"bad cache spec option {item!r} in {text!r}; expected @centre, @alloc=SIGNAL, "
-                             "@decode, @heavy=F[:SCORE[:RATE]] or @recall=K|F[:disk][:fp16] (each at most once)")
+            registered = "".join(f", @{n}" for n in _PLAN_OPTIONS)
+            raise ValueError(f"bad cache spec option {item!r} in {text!r}; expected @centre, @decode, "
+                             f"@recall=K|F[:disk][:fp16]{registered}. The experiments' options (@alloc=SIGNAL, "
+                             f"@heavy=F[:SCORE[:RATE]]) exist once {EXPERIMENT_OPTIONS} is imported "
+                             f"(`import {EXPERIMENT_OPTIONS}`; any fibquant.eval module does it)")
+    options["plans"] = tuple(plans[name] for name in _PLAN_OPTIONS if name in plans)
     return options
 
 
 def parse_cache_spec(text: str, model=None) -> CacheSpec:
-    """'fp', 'fibquant:b=2', 'fibquant:b=2/fibquant:b=1', 'quanto-rt:b=2', '...@centre@alloc=mse', '...@decode'
+    """'fp', 'fibquant:b=2', 'fibquant:b=2/fibquant:b=1', 'quanto-rt:b=2', '...@centre', '...@decode'
     (see the module docstring), or a budget ('ratio=6', 'bytes=4000,context=8192', `fibquant.kv.budget`),
     which needs `model`: the best shipped code whose cache on it fits."""
     text = text.strip()

@@ -326,5 +326,7 @@ def test_centring_batch_edits_and_reset():
     torch.testing.assert_close(layer.keys, full[[2, 0]])
     layer.reset()
     assert layer.key_mean is None and layer.get_seq_length() == 0
-    with pytest.raises(ValueError, match="centre"):
-        CompressedCache(TurboQuantCodec(DIM, 3), TurboQuantCodec(DIM, 3), centre="yes")
+    with pytest.raises(ValueError, match="layer_plan must be a fibquant.kv.plan.LayerPlan"):
+        CompressedCache(TurboQuantCodec(DIM, 3), TurboQuantCodec(DIM, 3), layer_plan="centre")
+    with pytest.raises(TypeError):  # centring is a plan, not a constructor switch
+        CompressedCache(TurboQuantCodec(DIM, 3), TurboQuantCodec(DIM, 3), centre=True)

@@ -22,6 +22,7 @@ from fibquant.codecs.lowrank import LowRankCodec
 from fibquant.codecs.rvq import RVQCodec
 from fibquant.kv.cache import CompressedCache
 from fibquant.kv.headwise import Fp16Codec, HeadwiseCodec, LayerwiseCompressedCache
+from fibquant.kv.plan import Centred
 from fibquant.kv.persist.store import PersistentCache
 from fibquant.kv.persist.format import FORMAT_VERSION, SNAPSHOT_FILE, read_snapshot, write_snapshot
 from fibquant.kv.persist.generate import generate_persistent, resume_generate
@@ -177,12 +178,12 @@ def centred_codecs():
 
 
 def test_centred_cache_roundtrip(model, centred_codecs, tmp_path):
-    cache = CompressedCache.for_model(model, *centred_codecs, 4, 8, encode_batch=4, centre=True)
+    cache = CompressedCache.for_model(model, *centred_codecs, 4, 8, encode_batch=4, layer_plan=Centred())
     ids = _fill(model, cache)
     assert cache.layers[0].key_mean is not None
     cache.save(tmp_path / "c", model, ids)
     loaded = CompressedCache.load(tmp_path / "c", model)
-    assert loaded.centre and all(layer.centre for layer in loaded.layers)
+    assert loaded.layer_plan.centred and all(layer.centre for layer in loaded.layers)
     _same(cache, loaded)
     assert loaded.layers[1].value_mean.dtype == torch.float32
     with PersistentCache.open(tmp_path / "c") as store:  # lazy reads add the means as the cache does
@@ -204,10 +205,10 @@ def test_centred_generate_then_resume_is_identical(model, centred_codecs, tmp_pa
     with attention_on_codes(model):
         reference = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                    past_key_values=CompressedCache.for_model(model, *centred_codecs, 4, 8,
-                                                                             encode_batch=4, centre=True),
+                                                                             encode_batch=4, layer_plan=Centred()),
                                    max_new_tokens=30, output_scores=True, return_dict_in_generate=True)
     first = generate_persistent(model, ids, tmp_path / "g", *centred_codecs, recent_tokens=8, encode_batch=4,
-                                max_new_tokens=15, checkpoint_every=5, centre=True)
+                                max_new_tokens=15, checkpoint_every=5, layer_plan=Centred())
     assert torch.equal(first[0], reference.sequences[0, :35])
     second = resume_generate(model, tmp_path / "g", max_new_tokens=15, output_scores=True,
                              return_dict_in_generate=True)
@@ -218,7 +219,7 @@ def test_centred_generate_then_resume_is_identical(model, centred_codecs, tmp_pa
 
 def test_centred_codes_without_means_are_dropped(model, centred_codecs, tmp_path):
     """A crash after the first codes were appended but before a checkpoint saved the means."""
-    cache = CompressedCache.for_model(model, *centred_codecs, 4, 8, encode_batch=4, centre=True)
+    cache = CompressedCache.for_model(model, *centred_codecs, 4, 8, encode_batch=4, layer_plan=Centred())
     ids = _fill(model, cache, tokens=40)
     cache.save(tmp_path / "c", model, ids)
     layers, coded = read_snapshot(tmp_path / "c" / SNAPSHOT_FILE, 2)

@@ -331,7 +331,6 @@ class _Skips:
 
 def _run_decode_speed(config, model_and_tokenizer, token_ids, progress) -> dict:
     import torch
-    from tqdm.auto import tqdm
 
     from fibquant.kv.model import check_model_supported, describe_model
 
@@ -341,8 +340,43 @@ def _run_decode_speed(config, model_and_tokenizer, token_ids, progress) -> dict:
     model, tokenizer = model_and_tokenizer
     head_dim = check_model_supported(model)["head_dim"]
     plan = context_tokens(model, config.contexts, reserved_positions(config))
-    longest = max(tokens for _, tokens in plan)
-    if token_ids is None and tokenizer is None:  # random weights: random ids (speed does not depend on them)
+    token_ids, source = _prompt_ids(config, model, tokenizer, token_ids, max(tokens for _, tokens in plan))
+    specs, skipped = _available_specs(config)
+    # One codec per cache of ours, built before any clock starts (codebook and rotation are per model).
+    codecs = {spec.name: spec.codec_spec().build(head_dim) if spec.kind == "compressed" else None for spec in specs}
+    if config.warmup:
+        _warmup(specs, model, head_dim, config, token_ids, skipped, progress, codecs)
+        specs = [s for s in specs if s.name not in {x["cache"] for x in skipped}]
+    watch = Stopwatch()
+    rows = _measure(plan, specs, model, token_ids, codecs, config, skipped, progress)
+    # A row for which no part succeeded (a failing peer) is left out; the skip says why.
+    measured = [row for row in rows.values() if any(f"{p}_s" in row for p in ("ttft", "chunked"))
+                or "decode_ms_median" in row]
+    _add_ratios(measured)
+    for row in measured:
+        row.pop("_first_logits", None)
+    memory_method = next((r.get("prefill_memory_method") or r.get("memory_method") for r in measured), None)
+    return {
+        "experiment": "time to first token (fresh cache, one-shot and chunked prefill), decode speed and memory "
+                      "of KV caches (one shared float prefill per context, greedy decode)",
+        "model": describe_model(model), "model_dtype": str(next(model.parameters()).dtype),
+        "text": source, "head_dim": head_dim,
+        "config": {**asdict(config), "contexts": list(config.contexts), "caches": list(config.caches),
+                   "parts": list(config.parts)},
+        "parts": list(config.parts),
+        "contexts": [{"context": c, "tokens": t} for c, t in plan],
+        **_environment(model),
+        "protocol": _protocol(config, memory_method),
+        "rows": measured, "skipped": skipped, "seconds": watch.seconds,
+    }
+
+
+def _prompt_ids(config, model, tokenizer, token_ids, longest: int):
+    """(at least `longest` token ids on the model's device, where they come from): the caller's, the
+    config's text, or random ids for a model with random weights (speed does not depend on them)."""
+    import torch
+
+    if token_ids is None and tokenizer is None:
         generator = torch.Generator().manual_seed(0)
         token_ids = torch.randint(0, model.config.vocab_size, (longest,), generator=generator)
     if token_ids is None:
@@ -354,8 +388,11 @@ def _run_decode_speed(config, model_and_tokenizer, token_ids, progress) -> dict:
         if token_ids.ndim != 1 or token_ids.shape[0] < longest:
             raise ValueError(f"token_ids must be 1-D with at least {longest} ids, got {tuple(token_ids.shape)}")
         source = "token_ids given by the caller"
-    token_ids = token_ids.to(model.device)
+    return token_ids.to(model.device), source
 
+
+def _available_specs(config) -> tuple[list, list[dict]]:
+    """(the config's caches that can run here, a skip note for each peer whose package is absent)."""
     skipped, specs = [], []
     for spec in config.specs():
         reason = peer_unavailable_reason(spec.family) if spec.kind == "quantized" else None
@@ -364,18 +401,18 @@ def _run_decode_speed(config, model_and_tokenizer, token_ids, progress) -> dict:
         else:
             skipped.append({"cache": spec.name, "reason": reason})
             print(f"skipping {spec.name}: {reason}", file=sys.stderr, flush=True)
-    # One codec per cache of ours, built before any clock starts (codebook and rotation are per model).
-    codecs = {spec.name: spec.codec_spec().build(head_dim) if spec.kind == "compressed" else None for spec in specs}
+    return specs, skipped
 
-    if config.warmup:
-        _warmup(specs, model, head_dim, config, token_ids, skipped, progress, codecs)
-        specs = [s for s in specs if s.name not in {x["cache"] for x in skipped}]
+
+def _measure(plan, specs, model, token_ids, codecs, config, skipped, progress) -> dict:
+    """{(tokens, cache name): row} of every context of `plan`: the prefill parts (ttft, chunked), then decode
+    from one shared float prefill, each part every cache in turn."""
+    from tqdm.auto import tqdm
 
     rows: dict[tuple[int, str], dict] = {}
     parts = config.parts
     bar = tqdm(total=len(plan) * len(specs) * len(parts), desc="decode speed", disable=not progress)
     skips = _Skips(skipped, bar)
-    watch = Stopwatch()
     for context, tokens in plan:
         ids = token_ids[:tokens]
         for spec in specs:
@@ -402,22 +439,14 @@ def _run_decode_speed(config, model_and_tokenizer, token_ids, progress) -> dict:
             bar.update(len(specs))
             del prefill
     bar.close()
-    # A row for which no part succeeded (a failing peer) is left out; the skip says why.
-    measured = [row for row in rows.values() if any(f"{p}_s" in row for p in ("ttft", "chunked"))
-                or "decode_ms_median" in row]
-    _add_ratios(measured)
-    for row in measured:
-        row.pop("_first_logits", None)
-    memory_method = next((r.get("prefill_memory_method") or r.get("memory_method") for r in measured), None)
+    return rows
+
+
+def _environment(model) -> dict:
+    """Threads, load, package versions and machine of a run."""
+    import torch
+
     return {
-        "experiment": "time to first token (fresh cache, one-shot and chunked prefill), decode speed and memory "
-                      "of KV caches (one shared float prefill per context, greedy decode)",
-        "model": describe_model(model), "model_dtype": str(next(model.parameters()).dtype),
-        "text": source, "head_dim": head_dim,
-        "config": {**asdict(config), "contexts": list(config.contexts), "caches": list(config.caches),
-                   "parts": list(parts)},
-        "parts": list(parts),
-        "contexts": [{"context": c, "tokens": t} for c, t in plan],
         "threads": torch.get_num_threads(),
         "load_average": _load_average(),
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
@@ -426,48 +455,51 @@ def _run_decode_speed(config, model_and_tokenizer, token_ids, progress) -> dict:
                      "fibquant": _package_version("fibquant")},
         "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "device": str(model.device),
                     "gpu": torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else None},
-        "protocol": {
-            "ttft": "one-shot time to first token: an empty cache built fresh (DynamicCache(config=...), "
-                    "CompressedCache.for_model(model, codec, codec, sink_tokens, recent_tokens, attention), "
-                    "QuantizedCache(...)), the whole prompt in one forward with it (last-position logits only) "
-                    "and the argmax, all timed; the codec is built before the clock starts (per model); "
-                    f"median of {config.prefill_repeats} fresh run(s), in rounds of one run per cache (the order rotated by "
-                    "one cache per round); ttft_paired_vs_dynamic / ttft_cpu_paired_vs_dynamic: median over the "
-                    "rounds of the run / DynamicCache's run of the same round; ttft_token: the greedy first token",
-            "chunked": f"the same with the prompt in chunks of {config.chunk_tokens} tokens, one forward each "
-                       "(ours: later chunks attend to earlier ones through their codes); chunked_chunk_s: "
-                       "seconds per forward",
-            "prefill_memory": "ttft/chunked_peak_added_bytes: peak resident memory during the timed prefill minus "
-                              "the amount just before it (after gc + malloc_trim; CPU: process RSS high-water "
-                              "mark via PeakRSS, CUDA: torch.cuda.max_memory_allocated): the cache being built, "
-                              "activations and transient buffers; the model weights are already resident"
-                              f" ({memory_method})",
-            "prefill": "one DynamicCache forward over the context (last-position logits only); every cache is "
-                       "built from it: DynamicCache copy, CompressedCache.from_cache (timed: conversion_s; "
-                       "prefill_s = dynamic_prefill_s + conversion_s), QuantizedCache fed the prefill keys/values "
-                       "through update() layer by layer (what its own prefill stores; timed the same way)",
-            "decode": f"greedy, one token per forward with the cache, {config.decode_tokens} rounds in which every "
-                      "cache takes one step (interleaved, the order rotated by one cache per round); each step "
-                      "timed (forward + argmax); decode_ms_median is the median over the steps; "
-                      "decode_paired_vs_dynamic: median over the rounds of the step / DynamicCache's step of the "
-                      "same round" + ("; untimed warm-up run of every cache first" if config.warmup else ""),
-            "quantized_cache": f"QuantizedCache(backend, config, nbits, q_group_size={config.q_group_size}, "
-                               f"residual_length={config.residual_length}); it re-quantizes everything each time "
-                               f"the residual reaches residual_length tokens, which {config.decode_tokens} decode "
-                               f"steps after a fresh prefill "
-                               f"{'do not reach' if config.decode_tokens < config.residual_length else 'reach'}",
-            "memory": f"peak_rss_added_bytes: after the timed rounds, one cache at a time, the peak resident set "
-                      f"size during {config.memory_steps} further untimed steps minus the RSS just before them "
-                      "(after gc + malloc_trim); cache and prefill already exist at that point, so this is the "
-                      "working memory decoding adds (growth of the cache + transient buffers)",
-            "ratios": "x_vs_dynamic = value / the DynamicCache value at the same context (same run); "
-                      "bytes_vs_fp16_dynamic = cache bytes / (DynamicCache bytes in fp16)",
-            "threads": "torch.set_num_threads(config.threads) for the whole run (numba kernels follow it)",
-            "cpu_time": "*_cpu_s / decode_cpu_ms_*: CPU seconds of the same timed calls by " + cpu_clock_name()
-                        + "; unlike the wall clock they do not count waiting for a core on a loaded machine",
-            "bytes": BYTES_COUNTING,
-        },
-        "rows": measured, "skipped": skipped, "seconds": watch.seconds,
+    }
+
+
+def _protocol(config, memory_method) -> dict:
+    """What each measured field means (the payload's "protocol")."""
+    return {
+        "ttft": "one-shot time to first token: an empty cache built fresh (DynamicCache(config=...), "
+                "CompressedCache.for_model(model, codec, codec, sink_tokens, recent_tokens, attention), "
+                "QuantizedCache(...)), the whole prompt in one forward with it (last-position logits only) "
+                "and the argmax, all timed; the codec is built before the clock starts (per model); "
+                f"median of {config.prefill_repeats} fresh run(s), in rounds of one run per cache (the order rotated by "
+                "one cache per round); ttft_paired_vs_dynamic / ttft_cpu_paired_vs_dynamic: median over the "
+                "rounds of the run / DynamicCache's run of the same round; ttft_token: the greedy first token",
+        "chunked": f"the same with the prompt in chunks of {config.chunk_tokens} tokens, one forward each "
+                   "(ours: later chunks attend to earlier ones through their codes); chunked_chunk_s: "
+                   "seconds per forward",
+        "prefill_memory": "ttft/chunked_peak_added_bytes: peak resident memory during the timed prefill minus "
+                          "the amount just before it (after gc + malloc_trim; CPU: process RSS high-water "
+                          "mark via PeakRSS, CUDA: torch.cuda.max_memory_allocated): the cache being built, "
+                          "activations and transient buffers; the model weights are already resident"
+                          f" ({memory_method})",
+        "prefill": "one DynamicCache forward over the context (last-position logits only); every cache is "
+                   "built from it: DynamicCache copy, CompressedCache.from_cache (timed: conversion_s; "
+                   "prefill_s = dynamic_prefill_s + conversion_s), QuantizedCache fed the prefill keys/values "
+                   "through update() layer by layer (what its own prefill stores; timed the same way)",
+        "decode": f"greedy, one token per forward with the cache, {config.decode_tokens} rounds in which every "
+                  "cache takes one step (interleaved, the order rotated by one cache per round); each step "
+                  "timed (forward + argmax); decode_ms_median is the median over the steps; "
+                  "decode_paired_vs_dynamic: median over the rounds of the step / DynamicCache's step of the "
+                  "same round" + ("; untimed warm-up run of every cache first" if config.warmup else ""),
+        "quantized_cache": f"QuantizedCache(backend, config, nbits, q_group_size={config.q_group_size}, "
+                           f"residual_length={config.residual_length}); it re-quantizes everything each time "
+                           f"the residual reaches residual_length tokens, which {config.decode_tokens} decode "
+                           f"steps after a fresh prefill "
+                           f"{'do not reach' if config.decode_tokens < config.residual_length else 'reach'}",
+        "memory": f"peak_rss_added_bytes: after the timed rounds, one cache at a time, the peak resident set "
+                  f"size during {config.memory_steps} further untimed steps minus the RSS just before them "
+                  "(after gc + malloc_trim); cache and prefill already exist at that point, so this is the "
+                  "working memory decoding adds (growth of the cache + transient buffers)",
+        "ratios": "x_vs_dynamic = value / the DynamicCache value at the same context (same run); "
+                  "bytes_vs_fp16_dynamic = cache bytes / (DynamicCache bytes in fp16)",
+        "threads": "torch.set_num_threads(config.threads) for the whole run (numba kernels follow it)",
+        "cpu_time": "*_cpu_s / decode_cpu_ms_*: CPU seconds of the same timed calls by " + cpu_clock_name()
+                    + "; unlike the wall clock they do not count waiting for a core on a loaded machine",
+        "bytes": BYTES_COUNTING,
     }
 
 

@@ -73,9 +73,10 @@ class VllmCacheConfig:
         if self.cache.is_fp or self.cache.uses_peer:
             raise ValueError(f"{ENV_VAR}={self.cache.spec!r}: the pages need one of our calibration-free codecs "
                              "on both sides, e.g. fibquant:b=4 or turboquant:b=3")
-        if self.cache.centre or self.cache.alloc is not None:
-            raise ValueError(f"{ENV_VAR}={self.cache.spec!r}: @centre and @alloc are transformers-cache options; "
-                             "vLLM pages hold one codec per role for every layer, uncentred")
+        if self.cache.centre or self.cache.plans:
+            raise ValueError(f"{ENV_VAR}={self.cache.spec!r}: @centre and the experiments' options (@alloc, "
+                             "@heavy) are transformers-cache options; vLLM pages hold one codec per role for every "
+                             "layer, uncentred")
 
     @classmethod
     def parse(cls, text: str, sink_tokens: int = DEFAULT_SINK_TOKENS, recent_tokens: int = DEFAULT_RECENT_TOKENS,

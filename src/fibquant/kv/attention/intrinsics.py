@@ -29,6 +29,10 @@ def _build_intrinsics():
     Literal arguments (bits 8, strides 256 and 1, limit 256) fold into the address arithmetic. With a
     literal bits = 8 each field is the one byte at payload offset p (`safe` is then ignored: all n
     fields take the unrolled path; the caller guarantees n <= the row's payload bytes).
+
+    One builder function, not module-level code: numba and llvmlite are optional and imported only here, when the
+    kernels are first compiled; the intrinsics and the IR helpers they share are closures over those imports and
+    the LLVM types, built once when the kernels compile. Each nested helper and code generator is under 80 lines.
     """
     from llvmlite import ir
     from numba.core import cgutils, types
@@ -327,6 +331,10 @@ def _build_gathers():
         acc[a0 + t, :D] += sum_{i < n} (wts[t, i] * norms[i]) * x_i           for t < G (i ascending)
     The score's dot product is summed as a tree (reassociated); the value sums keep token order per
     coordinate (one fused multiply-add per token).
+
+    One builder function, not module-level code: numba and llvmlite are optional and imported only here, when the
+    kernels are first compiled; the intrinsics and the IR helpers they share are closures over those imports and
+    the LLVM types, built once when the kernels compile. Each nested helper and code generator is under 80 lines.
     """
     global _GATHERS
     if _GATHERS is not None:
@@ -515,6 +523,10 @@ def _build_permutes(features=None):
     sums), the rest one by one; both reassociate the sums (float rounding). Values: one fused
     multiply-add per token and coordinate, token order kept.
     `features` (a set of CPU feature names; default: numba's target) picks the permute.
+
+    One builder function, not module-level code: numba and llvmlite are optional and imported only here, when the
+    kernels are first compiled; the intrinsics and the IR helpers they share are closures over those imports and
+    the LLVM types, built once when the kernels compile. Each nested helper and code generator is under 80 lines.
     """
     global _PERMUTES
     if _PERMUTES is not None and features is None:
@@ -826,6 +838,10 @@ def _build_halves():
     halves_build(table, halves, rq44) / halves_contract(table, halves, out44): the tables' build and the
     histogram's contraction (below). The callers guarantee in-range offsets (the words come from the tables
     the table was built over).
+
+    One builder function, not module-level code: numba and llvmlite are optional and imported only here, when the
+    kernels are first compiled; the intrinsics and the IR helpers they share are closures over those imports and
+    the LLVM types, built once when the kernels compile. Each nested helper and code generator is under 80 lines.
     """
     global _HALVES
     if _HALVES is not None:

@@ -118,7 +118,12 @@ def _scores_py(queries, codes, codewords, out, index_bits, n_blocks, mode, lanes
 
 def _weighted_sum_py(weights, codes, codewords, out, index_bits, n_blocks, mode, lanes, unit_start, unit_stop):
     """coded_weighted_sum for units [unit_start, unit_stop) of (b, h, tile of `lanes` queries); returns
-    the number of invalid indices (>= N) seen."""
+    the number of invalid indices (>= N) seen.
+
+    It stays one function: a numba nopython kernel whose length is mostly the literal variants of the `_hist_add`
+    call (lanes and index bits passed as constants, so the intrinsic's loop is unrolled with constant shifts; a
+    helper taking them as arguments would make them run-time values again); its scratch tables are allocated
+    once per call and reused by every unit."""
     n_b, n_h, n_q, n_tokens = weights.shape
     code_size = codes.shape[3]
     n_codewords, k = codewords.shape

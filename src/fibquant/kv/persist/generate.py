@@ -18,6 +18,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 from fibquant.kv.cache import CompressedCache
 from fibquant.kv.model import cache_kwarg
+from fibquant.kv.plan import LayerPlan
 from fibquant.kv.persist.store import PersistentCache
 from fibquant.kv.attention.switch import attention_on_codes
 
@@ -79,11 +80,12 @@ def _generate(model, ids: torch.Tensor, cache: CompressedCache, writer: CacheWri
 
 def generate_persistent(model, input_ids, path, key_codec, value_codec, *, sink_tokens: int = 4,
                         recent_tokens: int = 32, encode_batch: int = 16, checkpoint_every: int = 64,
-                        overwrite: bool = False, durable: bool = False, centre: bool = False, **generate_kwargs):
+                        overwrite: bool = False, durable: bool = False, layer_plan: Optional[LayerPlan] = None,
+                        **generate_kwargs):
     """`model.generate` with a fresh `CompressedCache` that is saved to `path` while it grows.
 
-    input_ids: int [1, T]. centre: a centred cache (`CompressedCache(centre=True)`; the means are
-    saved with the exact window). Other keyword arguments go to `generate` (greedy by default).
+    input_ids: int [1, T]. layer_plan: how the cache makes its layers (`fibquant.kv.plan`: `Centred()` saves
+    the means with the exact window; a plan whose caches cannot be saved is refused). Other keyword arguments go to `generate` (greedy by default).
     Returns what `generate` returns; the directory holds the cache and every token id."""
     ids = torch.as_tensor(input_ids)
     ids = ids[None] if ids.ndim == 1 else ids
@@ -93,10 +95,14 @@ def generate_persistent(model, input_ids, path, key_codec, value_codec, *, sink_
         raise ValueError("input_ids is empty: the prompt needs at least one token")
     _check_every(checkpoint_every)
     cache = CompressedCache.for_model(model, key_codec, value_codec, sink_tokens, recent_tokens,
-                                      encode_batch=encode_batch, centre=centre)
+                                      encode_batch=encode_batch, layer_plan=layer_plan)
+    refusal = cache.layer_plan.save_refusal(cache)
+    if refusal is not None:
+        raise ValueError(f"this cache cannot be saved: {refusal}")
     store = PersistentCache.create(path, model, key_codec, value_codec, sink_tokens=sink_tokens,
                                    recent_tokens=recent_tokens, encode_batch=encode_batch,
-                                   dtype=model.dtype, overwrite=overwrite, durable=durable, centre=centre)
+                                   dtype=model.dtype, overwrite=overwrite, durable=durable,
+                                   centre=cache.layer_plan.centred)
     return _generate(model, ids, cache, CacheWriter(store, cache, checkpoint_every), **generate_kwargs)
 
 

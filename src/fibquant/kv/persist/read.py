@@ -10,6 +10,7 @@ from fibquant.archive.codes import as_codes
 from fibquant.kv.cache import CompressedCache, CompressedLayer
 from fibquant.kv.buffer import _decode_centred
 from fibquant.kv.persist.format import MEAN_FIELDS, CodeStream
+from fibquant.kv.plan import Centred
 
 
 class PersistentCacheReader:
@@ -233,6 +234,7 @@ class PersistentCacheReader:
         m = self.manifest
         key_codec, value_codec = self.codecs
         attention = attention or ("codes" if model is not None else "decode")
+        plan = Centred() if m.centre else None
         if m.key_codecs is not None:
             from fibquant.kv.headwise import LayerwiseCompressedCache
             from fibquant.kv.model import check_model_supported
@@ -244,14 +246,13 @@ class PersistentCacheReader:
                 if attention == "codes":
                     attention = codes_or_decode(model, info["latent"])[0]
             cache = LayerwiseCompressedCache(*self.layer_codecs, m.sink_tokens, m.recent_tokens, attention,
-                                             m.encode_batch)
-            cache.centre = m.centre
+                                             m.encode_batch, layer_plan=plan)
         elif model is not None:
             cache = CompressedCache.for_model(model, key_codec, value_codec, m.sink_tokens, m.recent_tokens,
-                                              attention, m.encode_batch, m.centre)
+                                              attention, m.encode_batch, layer_plan=plan)
         else:
             cache = CompressedCache(key_codec, value_codec, m.sink_tokens, m.recent_tokens, attention, m.encode_batch,
-                                    m.centre)
+                                    layer_plan=plan)
         if self._state is None or self.num_tokens == 0:
             return cache
         codes = [self._code_rows(stream, 0, self._state.coded).to(device)

@@ -72,7 +72,7 @@ class PersistentCache(PersistentCacheReader):
 
         key_codecs / value_codecs: one codec per layer (a `LayerwiseCompressedCache`), else None.
         Calibrated codecs are written under codecs/ (safetensors, `Codec.save`). centre: the
-        cache subtracts per-(layer, head) means (`CompressedCache(centre=True)`). The store is
+        cache subtracts per-(layer, head) means (`CompressedCache(layer_plan=Centred())`). The store is
         built aside and appears at `path` with its first `checkpoint` (see the class docstring)."""
         info = check_model_supported(model, key_codec, value_codec)
         if any(window is not None for window in info["windows"]):
@@ -331,6 +331,9 @@ def save_cache(cache: CompressedCache, path, model, token_ids=None, *, overwrite
 
     Returns the store, closed. token_ids: int [n] or [1, n] with n >= the cache length (ids
     not yet in the cache, e.g. the last generated token, are kept for `resume_generate`)."""
+    refusal = cache.layer_plan.save_refusal(cache)
+    if refusal is not None:
+        raise ValueError(f"this cache cannot be saved: {refusal}")
     layers = [layer for layer in cache.layers if layer.is_initialized]
     if not layers:
         raise ValueError("cannot save an empty cache (no layer has seen a token)")
@@ -346,8 +349,7 @@ def save_cache(cache: CompressedCache, path, model, token_ids=None, *, overwrite
                                    dtype=layers[0].sink_keys.dtype, overwrite=overwrite, durable=durable,
                                    key_codecs=getattr(cache, "key_codecs", None),
                                    value_codecs=getattr(cache, "value_codecs", None),
-                                   centre=bool(getattr(cache, "centre", False)) or any(
-                                       layer.key_mean is not None for layer in layers))
+                                   centre=any(layer.centre for layer in layers))
     store.append_from(cache, token_ids)
     store.checkpoint(cache)
     store.close()

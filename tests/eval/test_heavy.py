@@ -1,4 +1,4 @@
-"""The heavy-token tier (fibquant.kv.heavy): selection, storage, bytes, reads, the @heavy spec option, bad input."""
+"""The heavy-token tier (fibquant.eval.heavy, the HeavyTokens plan): selection, storage, bytes, reads, the @heavy spec option, bad input."""
 from __future__ import annotations
 
 import math
@@ -15,7 +15,9 @@ from fibquant.kv.build import build_cache
 from fibquant.kv.cache import CompressedCache
 from fibquant.kv.model import cache_kwarg
 from fibquant.kv.specs import parse_cache_spec
-from fibquant.kv.heavy import INDEX_BYTES, SCORES, HeavySpec, HeavyTier, TieredLayer, patched_decode, register_score
+from fibquant.kv.cold import Recall
+from fibquant.eval.cache_plans import HeavyOption, HeavyTokens, RateAllocation
+from fibquant.eval.heavy import INDEX_BYTES, SCORES, HeavySpec, HeavyTier, TieredLayer, patched_decode, register_score
 
 DIM = 16
 
@@ -92,7 +94,7 @@ def test_tiered_cache_in_a_model_matches_the_cache_it_reads_back():
         model(input_ids=ids, **cache_kwarg(model, source), use_cache=True)
     tier = HeavyTier(0.1, "knorm", IntCodec(DIM, 8), IntCodec(DIM, 8))
     cache = CompressedCache.from_cache(source, IntCodec(DIM, 2), IntCodec(DIM, 2), 2, 6, model=model,
-                                       attention="codes", tier=tier)
+                                       attention="codes", layer_plan=HeavyTokens(tier))
     assert all(isinstance(layer, TieredLayer) and layer.num_heavy == 4 for layer in cache.layers)
     plain = CompressedCache.from_cache(source, IntCodec(DIM, 2), IntCodec(DIM, 2), 2, 6, model=model)
     # same base rows; tier on top: 4 heavy tokens x 2 heads x (8-bit key + value rows + index) per layer
@@ -106,7 +108,7 @@ def test_tiered_cache_in_a_model_matches_the_cache_it_reads_back():
         got = model(input_ids=nxt, **cache_kwarg(model, cache), use_cache=True).logits
         want = model(input_ids=nxt, **cache_kwarg(model, reference), use_cache=True).logits
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-    with pytest.raises(ValueError, match="heavy tier"):
+    with pytest.raises(ValueError, match="cannot be saved: saving a heavy tier"):
         cache.save("/nonexistent", model)
 
 
@@ -128,19 +130,21 @@ def test_batch_edits_and_reset_keep_the_tier_aligned():
 
 def test_heavy_spec_parses_counts_bytes_and_builds():
     spec = parse_cache_spec("fibquant:b=1.5/fibquant:b=1@heavy=0.02:knorm:4")
-    assert spec.heavy == HeavySpec(0.02, "knorm", "4", "4")
+    assert spec.plans == (HeavyOption(HeavySpec(0.02, "knorm", "4", "4")),)
     assert spec.spec == "fibquant:b=1.5/fibquant:b=1@heavy=0.02:knorm:4" and "heavy=0.02" in spec.label()
     # 14 + 0.02 * (34 + 2) and 10 + 0.02 * (34 + 2) bytes per vector at d = 64
     assert spec.key_bytes(64) == pytest.approx(14.72) and spec.value_bytes(64) == pytest.approx(10.72)
     assert spec.codes_ratio(64) == pytest.approx(256 / 25.44)
     assert spec.bits_per_coordinate(64) == pytest.approx(0.5 * (1.5 + 1 + 8 * 1.44 / 64))  # index bits + tier
     fp_tier = parse_cache_spec("fibquant:b=1@heavy=0.01:kerr:fp/4")
-    assert fp_tier.heavy.key_rate == "fp" and fp_tier.heavy.value_rate == "4"
+    assert fp_tier.plans[0].heavy.key_rate == "fp" and fp_tier.plans[0].heavy.value_rate == "4"
     assert fp_tier.key_bytes(64) == pytest.approx(10 + 0.01 * 130)
-    assert parse_cache_spec("fibquant:b=2@heavy=0.05").heavy == HeavySpec(0.05)  # defaults knorm, 4 bits
+    assert parse_cache_spec("fibquant:b=2@heavy=0.05").plans[0].heavy == HeavySpec(0.05)  # defaults knorm, 4 bits
     model = tiny_llama(hidden_size=128, num_attention_heads=2, num_key_value_heads=1)  # head_dim 64
     cache = build_cache(spec, model)
-    assert cache.tier is not None and cache.tier.key_codec.code_size == 34
+    assert isinstance(cache.layer_plan, HeavyTokens) and cache.layer_plan.tier.key_codec.code_size == 34
+    both = build_cache("fibquant:b=2@alloc=uniform@heavy=0.05", model)  # allocation over tiered layers
+    assert isinstance(both.layer_plan, RateAllocation) and isinstance(both.layer_plan.inner, HeavyTokens)
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -148,7 +152,7 @@ def test_heavy_spec_parses_counts_bytes_and_builds():
     ("fibquant:b=2@heavy=abc", "not a number"), ("fibquant:b=2@heavy=0.1:loud", "score must be one of"),
     ("fibquant:b=2@heavy=0.1:knorm:9", "\\(0, 8\\]"), ("fibquant:b=2@heavy=0.1:knorm:x", "'fp' or FibQuant"),
     ("fibquant:b=2@heavy=0.1:knorm:4/4/4", "KEY/VALUE"), ("fibquant:b=2@heavy=0.1:a:b:c", "FRACTION"),
-    ("fibquant:b=2@heavy", "option"), ("fibquant:b=2@heavy=0.1@heavy=0.2", "at most once"),
+    ("fibquant:b=2@heavy", "needs a fraction"), ("fibquant:b=2@heavy=0.1@heavy=0.2", "at most once"),
     ("fp@heavy=0.1", "not to fp"), ("quanto-rt:b=2@heavy=0.1", "not to fp or a peer"),
     ("fibquant:b=2@centre@heavy=0.1", "@centre"),
 ])
@@ -168,10 +172,13 @@ def test_tier_bad_input():
     with pytest.raises(ValueError, match="\\(0, 1\\)"):
         HeavyTier(1.0, "knorm", IntCodec(DIM, 8), IntCodec(DIM, 8))
     with pytest.raises(ValueError, match="HeavyTier"):
-        CompressedCache(IntCodec(DIM, 2), IntCodec(DIM, 2), tier="0.1")
-    with pytest.raises(ValueError, match="centre"):
-        CompressedCache(IntCodec(DIM, 2), IntCodec(DIM, 2), centre=True,
-                        tier=HeavyTier(0.1, "knorm", IntCodec(DIM, 8), IntCodec(DIM, 8)))
+        HeavyTokens("0.1")
+    with pytest.raises(ValueError, match="recall does not combine"):
+        CompressedCache(IntCodec(DIM, 2), IntCodec(DIM, 2), attention="codes", recall=Recall(tokens=4),
+                        layer_plan=HeavyTokens(HeavyTier(0.1, "knorm", IntCodec(DIM, 8), IntCodec(DIM, 8))))
+    with pytest.raises(ValueError, match="full-attention layers only"):
+        CompressedCache(IntCodec(DIM, 2), IntCodec(DIM, 2), layer_windows=[16, None],
+                        layer_plan=HeavyTokens(HeavyTier(0.1, "knorm", IntCodec(DIM, 8), IntCodec(DIM, 8))))
     with pytest.raises(ValueError, match="already registered"):
         register_score("knorm", SCORES["knorm"])
     with pytest.raises(ValueError, match="score name"):

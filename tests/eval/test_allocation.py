@@ -1,9 +1,14 @@
 """Per-layer codecs and rate allocation: CompressedCache with per-layer codecs / an allocate callable,
-the greedy allocator (fibquant.kv.allocation) and the cache-spec options @centre / @alloc."""
+the greedy allocator (fibquant.eval.allocation), the RateAllocation plan (fibquant.eval.cache_plans) and the
+cache-spec options @centre / @alloc."""
 from __future__ import annotations
 
 import itertools
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +17,8 @@ from transformers import DynamicCache
 
 from fibquant.kv.model import cache_kwarg
 from fibquant.codecs.integer import IntCodec
-from fibquant.kv.allocation import LADDER, RateAllocator, attention_weights, greedy, ladder_codec
+from fibquant.eval.allocation import LADDER, RateAllocator, attention_weights, greedy, ladder_codec
+from fibquant.eval.cache_plans import RateAllocation
 from fibquant.kv.build import build_cache
 from fibquant.kv.specs import parse_cache_spec
 from fibquant.kv.cache import CompressedCache
@@ -140,11 +146,11 @@ def test_allocate_gives_the_static_per_layer_cache(chunk):
                              sink_tokens=2, recent_tokens=6, encode_batch=3)
     recorder = Recorder()
     allocated = CompressedCache(IntCodec(DIM, 4), IntCodec(DIM, 4), sink_tokens=2, recent_tokens=6, encode_batch=3,
-                                allocate=recorder, num_layers=2)
+                                layer_plan=RateAllocation(recorder, num_layers=2))
     with torch.no_grad():
         expected, got = feed(model, static, ids, chunk), feed(model, allocated, ids, chunk)
     torch.testing.assert_close(got, expected)
-    assert len(recorder.calls) == 1 and allocated.allocation == {"fixed": True}
+    assert len(recorder.calls) == 1 and allocated.layer_plan.allocation == {"fixed": True}
     for mine, ref in zip(allocated.layers, static.layers):
         assert mine.key_codec.bits == ref.key_codec.bits and mine.resolver is None
         assert torch.equal(mine.key_codes, ref.key_codes) and torch.equal(mine.value_codes, ref.value_codes)
@@ -161,7 +167,8 @@ def test_from_cache_with_allocate_sees_the_tokens_after_the_sinks():
     with torch.no_grad():
         model(input_ids=ids, **cache_kwarg(model, source), use_cache=True)
     recorder = Recorder()
-    cache = CompressedCache.from_cache(source, IntCodec(DIM, 4), IntCodec(DIM, 4), 3, 8, allocate=recorder)
+    cache = CompressedCache.from_cache(source, IntCodec(DIM, 4), IntCodec(DIM, 4), 3, 8,
+                                       layer_plan=RateAllocation(recorder, num_layers=2))
     assert recorder.calls == [[(1, 2, 37, DIM)] * 2]
     assert cache.layers[1].key_codec.bits == 3 and cache.key_codecs[0].bits == 8
     assert cache.layers[1].num_coded == 40 - 3 - 8
@@ -173,9 +180,20 @@ def test_per_layer_codec_errors():
     with pytest.raises(ValueError, match="one key and one value codec per layer"):
         CompressedCache([IntCodec(DIM, 4)] * 2, [IntCodec(DIM, 4)])
     with pytest.raises(ValueError, match="num_layers"):
-        CompressedCache(IntCodec(DIM, 4), IntCodec(DIM, 4), allocate=Recorder())
+        RateAllocation(Recorder(), num_layers=0)
+    with pytest.raises(ValueError, match="callable"):
+        RateAllocation("mse", num_layers=2)
     with pytest.raises(ValueError, match="not both"):
-        CompressedCache([IntCodec(DIM, 4)], [IntCodec(DIM, 4)], allocate=Recorder(), num_layers=1)
+        CompressedCache([IntCodec(DIM, 4)], [IntCodec(DIM, 4)], layer_plan=RateAllocation(Recorder(), num_layers=1))
+    with pytest.raises(ValueError, match="layer_windows has 2 entries but num_layers says 3"):
+        CompressedCache(IntCodec(DIM, 4), IntCodec(DIM, 4), layer_windows=[16, None],
+                        layer_plan=RateAllocation(Recorder(), num_layers=3))
+    plan = RateAllocation(Recorder(), num_layers=2)
+    CompressedCache(IntCodec(DIM, 4), IntCodec(DIM, 4), layer_plan=plan)
+    with pytest.raises(ValueError, match="one per cache"):
+        CompressedCache(IntCodec(DIM, 4), IntCodec(DIM, 4), layer_plan=plan)
+    with pytest.raises(ValueError, match="LayerPlan"):
+        CompressedCache(IntCodec(DIM, 4), IntCodec(DIM, 4), layer_plan=Recorder())
     with pytest.raises(ValueError, match="codecs for 1 layers"):
         model = tiny_llama()
         cache = CompressedCache([IntCodec(DIM, 4)], [IntCodec(DIM, 4)])
@@ -187,7 +205,7 @@ def test_per_layer_codec_errors():
 # ---------------------------------------------------------------------- cache specs
 def test_spec_options_parse_print_and_validate():
     spec = parse_cache_spec("fibquant:b=1.5/fibquant:b=1@centre@alloc=attn")
-    assert spec.centre and spec.alloc == "attn"
+    assert spec.centre and [option.text for option in spec.plans] == ["@alloc=attn"]
     assert spec.spec == "fibquant:b=1.5/fibquant:b=1@centre@alloc=attn"
     assert parse_cache_spec("fibquant:b=2@alloc=mse@centre").spec == "fibquant:b=2@centre@alloc=mse"
     assert "centred" in spec.label() and "alloc=attn" in spec.label()
@@ -220,14 +238,14 @@ def test_spec_centre_and_uniform_alloc_build_the_caches_they_name():
     plain = build_cache("fibquant:b=3/fibquant:b=2.5", model, 4, 8, "decode", prefill=source)
     uniform = build_cache("fibquant:b=3/fibquant:b=2.5@alloc=uniform", model, 4, 8, "decode",
                                                                                  prefill=source)
-    assert uniform.allocation["key_bits"] == [3.0, 3.0]
+    assert uniform.layer_plan.allocation["key_bits"] == [3.0, 3.0]
     for a, b in zip(plain.layers, uniform.layers):
         assert torch.equal(a.key_codes, b.key_codes) and torch.equal(a.value_codes, b.value_codes)
     assert plain.used_nbytes() == uniform.used_nbytes()
     centred = build_cache("int:b=4@centre", model, 4, 8, "decode", prefill=source)
-    assert centred.centre and centred.layers[0].key_mean is not None
+    assert centred.layer_plan.centred and centred.layers[0].key_mean is not None
     attn = build_cache("fibquant:b=3/fibquant:b=2.5@alloc=attn", model, 4, 8, "decode", prefill=source)
-    assert attn.allocation["signal"] == "attn"
+    assert attn.layer_plan.allocation["signal"] == "attn"
     assert attn.used_nbytes() <= plain.used_nbytes()
     assert sum(layer.key_codec.code_size for layer in attn.layers) <= 2 * ladder_codec(64, 3.0).code_size
 
@@ -235,14 +253,35 @@ def test_spec_centre_and_uniform_alloc_build_the_caches_they_name():
 def test_ends_takes_a_layer_count_in_the_spec():
     spec = parse_cache_spec("fibquant:b=1.5/fibquant:b=1@alloc=ends:4")
     assert spec.spec == "fibquant:b=1.5/fibquant:b=1@alloc=ends:4"
-    allocator = spec.allocator(64)
+    allocator = spec.plans[0].allocator(spec, 64, centre=False)
     assert allocator.signal == "ends" and allocator.ends == 4
     keys, values, info = allocator([(torch.zeros(1, 1, 4, 64), torch.zeros(1, 1, 4, 64))] * 30)
     assert info["key_bits"][:4] == [2.0] * 4 and info["key_bits"][-4:] == [2.0] * 4
     assert info["key_bits"].count(1.0) == 8 and info["value_bits"].count(0.5) == 8
     assert info["key_bytes_mean"] == info["key_budget"] and info["value_bytes_mean"] == info["value_budget"]
-    assert parse_cache_spec("fibquant:b=2@alloc=ends").allocator(64).ends == 2  # the default count
+    ends = parse_cache_spec("fibquant:b=2@alloc=ends")
+    assert ends.plans[0].allocator(ends, 64, centre=False).ends == 2  # the default count
     for bad, match in [("fibquant:b=2@alloc=ends:0", "integer >= 1"), ("fibquant:b=2@alloc=ends:x", "integer >= 1"),
                        ("fibquant:b=2@alloc=mse:3", "only ends"), ("fibquant:b=2@alloc=loud:3", "signal")]:
         with pytest.raises(ValueError, match=match):
             parse_cache_spec(bad)
+
+
+def test_experiment_options_without_their_module_name_it():
+    """kv/ does not import eval/: before `fibquant.eval.cache_plans` is imported, @alloc= is an error naming it."""
+    code = ("from fibquant.kv.specs import parse_cache_spec\n"
+            "try:\n    parse_cache_spec('fibquant:b=2@alloc=mse')\nexcept ValueError as exc:\n    print(exc)\n"
+            "import fibquant.eval.cache_plans\nprint(parse_cache_spec('fibquant:b=2@alloc=mse').spec)")
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2] / "src"), OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    error, spec = done.stdout.strip().splitlines()
+    assert "import fibquant.eval.cache_plans" in error and spec == "fibquant:b=2@alloc=mse"
+
+
+def test_a_cache_waiting_for_its_allocation_refuses_to_be_saved(tmp_path):
+    model = tiny_llama()
+    cache = CompressedCache.for_model(model, IntCodec(DIM, 4), IntCodec(DIM, 4), 2, 6, attention="decode",
+                                      layer_plan=RateAllocation(Recorder(), num_layers=2))
+    with pytest.raises(ValueError, match="cannot be saved: its per-layer codecs are not chosen yet"):
+        cache.save(tmp_path / "c", model)

@@ -1,6 +1,6 @@
 """Per-layer rate allocation for a `CompressedCache`, calibration-free: decided from the tokens being cached.
 
-A `RateAllocator` is the `allocate` callable of `CompressedCache` (`from_cache` / `for_model`): it gets,
+A `RateAllocator` is the `allocate` callable of the `fibquant.eval.cache_plans.RateAllocation` plan: it gets,
 per layer, the exact keys and values after the sinks ([B, H, n, D]: a prefill, or what every layer holds
 when the first tokens leave the window) and returns one key codec and one value codec per layer.
 
@@ -62,7 +62,7 @@ def rung_of(bits: float) -> int:
 
 @dataclass(frozen=True)
 class RateAllocator:
-    """allocate(samples) -> (key codecs, value codecs, info) for `CompressedCache(allocate=...)`.
+    """allocate(samples) -> (key codecs, value codecs, info) for `RateAllocation(allocate, num_layers)`.
 
     key_bits / value_bits: the base rates (the budget per role); signal: one of SIGNALS; centre:
     measure errors on the tokens minus their mean (as a centring cache codes them); span: most

@@ -23,7 +23,8 @@ coded tokens) per head, choosing the new heavy tokens among the tokens being enc
 of the score per head: every head holds the same number of heavy rows). A one-pass prefill
 therefore picks the global top fraction; a chunked prefill picks within each encode batch.
 
-A read decodes the base rows and overwrites the heavy tokens' rows with their heavy decoding
+A `CompressedCache` gets tiered layers from the `fibquant.eval.cache_plans.HeavyTokens` plan (spec option
+`@heavy=`). A read decodes the base rows and overwrites the heavy tokens' rows with their heavy decoding
 (`patched_decode`); attention then runs on those floats (the "decode" path: attention on the codes
 does not serve a second stream, so a tiered layer's `update` always returns floats, which the
 model's attention function, fibquant's or SDPA, serves as plain tensors).
