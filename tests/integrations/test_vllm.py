@@ -298,6 +298,20 @@ def test_paged_codes_attention_equals_decoded_reference(monkeypatch, spec, sink_
         assert calls and not in_place  # the kernel runs, on gathered window rows
 
 
+@needs_vllm
+@pytest.mark.parametrize("spec", ["e8shell:b=2", "fibrvq:b=2/fibquant:b=4", "turboquant:b=3", "e8shell:b=4/turboquant:b=2"])
+@pytest.mark.parametrize("extras", ["", "softcap+sinks"])
+def test_every_code_family_is_served(monkeypatch, spec, extras):
+    """FibQuant-E8, FibQuant-RVQ and TurboQuant pages as well as FibQuant's: the same scenario (prefill
+    chunk and batched decodes) equals the decoded reference, every code read by its codec's reader (no
+    "decoded to floats" fallback warning)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        _check_paged_scenario(monkeypatch, spec, 3, True, extras, 8)
+
+
 needs_interpreter = pytest.mark.skipif(
     HAVE_VLLM and INTERPRETED_TRITON is None and not __import__("torch").cuda.is_available(),
     reason="needs triton importable under TRITON_INTERPRET=1 before vLLM imports it (or a CUDA GPU)")
