@@ -275,9 +275,10 @@ def test_paged_codes_attention_equals_decoded_reference(monkeypatch, spec, sink_
     window), the other earlier tokens decoded from their codes, the own chunk exact (causal); with
     logit soft-capping (Gemma 2) and learned sink logits (gpt-oss) applied as transformers' eager
     attention does. On CPU the decodes go through the paged numba kernel (codes read in place through
-    the block tables), or, with a soft-cap or paged_numba_decode off ("gathered"), the gathered
-    path padded to the longer context; the chunk through the gathered path. A bf16 or float32 model's
-    exact window is read in place from the window slabs; an fp16 one's is gathered first ("fp16")."""
+    the block tables; soft-capping and sink logits included), or, with paged_numba_decode off
+    ("gathered"), the gathered path padded to the longer context; the chunk through the gathered path.
+    A bf16 or float32 model's exact window is read in place from the window slabs; an fp16 one's is
+    gathered first ("fp16")."""
     from fibquant.integrations.vllm import backend, window
 
     calls, in_place = [], []
@@ -288,7 +289,7 @@ def test_paged_codes_attention_equals_decoded_reference(monkeypatch, spec, sink_
     if extras == "gathered":
         monkeypatch.setenv(ATTENTION_ENV_VAR, "paged_numba_decode=off")
     _check_paged_scenario(monkeypatch, spec, sink_tokens, token_major, extras, recent)
-    if "softcap" in extras or extras == "gathered":
+    if extras == "gathered":
         assert calls == []
     else:  # the decodes with something coded, one call per exact-window size
         assert calls and sum(calls) <= 2
@@ -587,8 +588,9 @@ def test_exact_window_keeps_sinks_and_the_recent_positions_of_whole_entries():
 
 
 @needs_vllm
-@pytest.mark.parametrize("lean", [True, False])
-def test_deferred_code_writes_equal_immediate_ones(monkeypatch, lean):
+@pytest.mark.parametrize("lean, capped", [(True, False), (False, False), (True, True)],
+                         ids=["lean", "general", "lean-softcap-sinks"])
+def test_deferred_code_writes_equal_immediate_ones(monkeypatch, lean, capped):
     """Decode tokens of sequences with a whole exact window have their codes written in one batched
     encode every `deferred_steps` forwards (`deferred`). Against a backend writing every forward's
     codes at once, over 30 steps with a sequence arriving mid-way (a mixed forward: the held writes go
@@ -597,7 +599,9 @@ def test_deferred_code_writes_equal_immediate_ones(monkeypatch, lean):
     their own codes at once): every forward's output is bitwise the same, and so are the pages once
     the held writes are flushed. With `lean`, the steady decode steps of the deferring backend take
     `_lean_decode` (checked: it serves most forwards), so it is held bitwise to the general path of
-    the immediate one; without, both take the general path."""
+    the immediate one; without, both take the general path. `capped`: a soft-capped layer with sink
+    logits (Gemma 2 and gpt-oss's options at once), whose steady steps take the lean path too (the kernel
+    applies both)."""
     import torch
 
     from fibquant.integrations.vllm import backend
@@ -620,9 +624,10 @@ def test_deferred_code_writes_equal_immediate_ones(monkeypatch, lean):
     monkeypatch.setenv("FIBQUANT_VLLM_SINK_TOKENS", "3")
     monkeypatch.setenv("FIBQUANT_VLLM_RECENT_TOKENS", "8")
     heads, kv_heads, dim, block = 4, 2, 64, 8
-    deferred = backend.FibQuantAttentionImpl(heads, dim, dim ** -0.5, kv_heads)
+    extras = dict(logits_soft_cap=0.5, sinks=torch.randn(heads)) if capped else {}
+    deferred = backend.FibQuantAttentionImpl(heads, dim, dim ** -0.5, kv_heads, **extras)
     monkeypatch.setenv(ATTENTION_ENV_VAR, f"lean_decode={lean},defer_codes=off")
-    immediate = backend.FibQuantAttentionImpl(heads, dim, dim ** -0.5, kv_heads)
+    immediate = backend.FibQuantAttentionImpl(heads, dim, dim ** -0.5, kv_heads, **extras)
     assert deferred.deferred.steps == 8 and immediate.deferred.steps == 0
     slot = VllmCacheConfig.parse("fibquant:b=4/fibquant:b=2").slot_bytes(dim)
     caches = [torch.zeros(40, block, kv_heads, slot // 2, dtype=torch.bfloat16).transpose(1, 2) for _ in range(2)]

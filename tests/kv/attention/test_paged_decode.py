@@ -12,6 +12,7 @@ from fibquant.codecs.fibrvq import FibRVQCodec
 from fibquant.codecs.integer import IntCodec
 from fibquant.codecs.turboquant import TurboQuantCodec
 from fibquant.kv.attention import paged
+from fibquant.kv.attention.numba_paged import ExactParts, PagedCodes
 from fibquant.kv.attention.paged import paged_decode_attention, paged_decode_attention_reference
 from fibquant.kv.options import AttentionOptions
 
@@ -228,10 +229,10 @@ def test_exact_parts_reach_the_kernel_as_c_arrays():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_run_paged_kernel_reads_whole_slabs_to_exact_count(dtype):
-    """`run_paged_kernel(exact_count=n)` on whole window slabs (what the vLLM backend's lean decode step
-    passes) equals the call on their first n columns, bit for bit; with `record_slots` it also writes each
-    new token into its row at the given column, after reading it (same result); counts / columns past
-    the slab are refused."""
+    """`run_paged_kernel` with `ExactParts(count=n)` on whole window slabs (what the vLLM backend's lean
+    decode step passes) equals the call on their first n columns, bit for bit; with `record_slots` it
+    also writes each new token into its row at the given column, after reading it (same result); counts
+    / columns past the slab are refused by the kernel, before it writes anything."""
     case = _as(_scenario("fibquant 4/2 bit", seed=6), dtype)
     batch, kv_heads, exact, dim = case["exact_keys"].shape
     generator = torch.Generator().manual_seed(7)
@@ -246,16 +247,18 @@ def test_run_paged_kernel_reads_whole_slabs_to_exact_count(dtype):
     bits = dtype == torch.bfloat16
     host = (lambda t: t.view(torch.uint16).numpy()) if bits else (lambda t: t.numpy())
     plans = paged.paged_plans(case["key_codec"], case["value_codec"], case["query"].shape[1], kv_heads)
+    keys, values = paged.paged_roles(plans)
     starts, stops = (np.array(case[n], dtype=np.int64) for n in ("starts", "stops"))
+    codes = PagedCodes(case["pages"].numpy(), case["tables"].numpy(), starts, stops)
     out = torch.empty(batch, case["query"].shape[1], dim, dtype=torch.float32)
 
     def run(count, record=None):
-        return paged.run_paged_kernel(
-            paged.paged_kernel(bits, False), plans, host(case["query"]), case["scaling"], case["pages"].numpy(),
-            case["tables"].numpy(), starts, stops, 0, plans.key_size, host(slabs["exact_keys"]),
-            host(slabs["exact_values"]), np.array(rows, dtype=np.int64), host(case["new_keys"].contiguous()),
-            host(case["new_values"].contiguous()), out.numpy(), int(max(stops - starts)), exact_count=count,
-            record_slots=record)
+        record = np.full(batch, -1, dtype=np.int64) if record is None else record
+        parts = ExactParts(host(slabs["exact_keys"]), host(slabs["exact_values"]), np.array(rows, dtype=np.int64),
+                           count, host(case["new_keys"].contiguous()), host(case["new_values"].contiguous()), record)
+        return paged.run_paged_kernel(paged.paged_kernel(bits, False), plans, host(case["query"]), out.numpy(), keys,
+                                      values, codes, parts, paged.paged_epilogue(case["scaling"]),
+                                      int(max(stops - starts)))
 
     assert run(exact) == 0
     assert torch.equal(out, want)
@@ -263,6 +266,9 @@ def test_run_paged_kernel_reads_whole_slabs_to_exact_count(dtype):
         run(exact + 3)
     # record_slots: each new token written into its exact row after the kernel read it (the window record)
     before = {name: slab.clone() for name, slab in slabs.items()}
+    with pytest.raises(ValueError, match="record_slots"):
+        run(exact, np.array([0, exact + 2, 0], dtype=np.int64))  # past the slab's columns
+    assert all(torch.equal(slabs[name], before[name]) for name in slabs)  # refused before any write
     columns = np.array([exact - 1, exact + 1, 0], dtype=np.int64)  # a read column, an unread one, a read one
     out.zero_()
     assert run(exact, columns) == 0
@@ -272,8 +278,75 @@ def test_run_paged_kernel_reads_whole_slabs_to_exact_count(dtype):
         for b, (row, column) in enumerate(zip(rows, columns)):
             expected[row, :, column] = case[new][b, :, 0]
         assert torch.equal(slabs[name], expected)
-    with pytest.raises(ValueError, match="record_slots"):
-        run(exact, np.array([0, exact + 2, 0], dtype=np.int64))  # past the slab's columns
+
+
+def test_run_paged_kernel_refuses_what_its_reads_rely_on():
+    """The kernel checks (numba_paged._check_call) what memory safety needs, so its fast callers need no
+    per-call check in Python: a longest range beyond the scratch, a coded range past a table row, an
+    exact row outside the window."""
+    case = _scenario("fibquant 4/2 bit", seed=6)
+    batch, kv_heads = case["query"].shape[0], case["exact_keys"].shape[1]
+    plans = paged.paged_plans(case["key_codec"], case["value_codec"], case["query"].shape[1], kv_heads)
+    keys, values = paged.paged_roles(plans)
+    stops = np.array(case["stops"], dtype=np.int64)
+    out = np.empty((batch, case["query"].shape[1], DIM), dtype=np.float32)
+
+    def run(starts, rows, longest):
+        codes = PagedCodes(case["pages"].numpy(), case["tables"].numpy(), np.array(starts, dtype=np.int64), stops)
+        parts = ExactParts(case["exact_keys"].numpy(), case["exact_values"].numpy(), np.array(rows, dtype=np.int64),
+                           case["exact_keys"].shape[2], case["new_keys"].numpy(), case["new_values"].numpy(),
+                           np.full(batch, -1, dtype=np.int64))
+        return paged.run_paged_kernel(paged.paged_kernel(False, False), plans, case["query"].numpy(), out, keys,
+                                      values, codes, parts, paged.paged_epilogue(case["scaling"]), longest)
+
+    assert run(case["starts"], [0, 1, 2], 50) == 0
+    with pytest.raises(ValueError, match="coded range"):
+        run([-1, 0, 4], [0, 1, 2], 51)
+    with pytest.raises(ValueError, match="exact_rows"):
+        run(case["starts"], [0, 3, 2], 50)
+
+
+def test_kernel_signature_matches_its_structures():
+    """The compiled signature lays out each structure's fields in their order (`numba_paged._signature`)."""
+    from numba.core import sigutils
+
+    from fibquant.kv.attention import numba_paged
+
+    args, _ = sigutils.normalize_signature(numba_paged._signature("float32", "uint16"))
+    structures = (numba_paged.PagedRole, numba_paged.PagedRole, PagedCodes, ExactParts, numba_paged.PagedEpilogue,
+                  numba_paged.PagedScratch)
+    assert len(args) == 2 + len(structures) + 2
+    for arg, structure in zip(args[2:], structures):
+        assert len(arg) == len(structure._fields), structure.__name__
+
+
+@pytest.mark.parametrize("pair", ["fibquant 4/4 bit (8-bit indices)", "fibquant 4/2 bit",
+                                  "fibquant 4-bit k=1 (nibbles, in registers)", "turboquant 3 (3-bit fields)"])
+@pytest.mark.parametrize("heads", [2, 6, 16])
+def test_paged_decode_softcap_with_sinks_and_windows_equals_reference(pair, heads, gather):
+    """Logit soft-capping (Gemma 2) in the kernel, through the shared epilogue, combined with sink logits
+    and windowed coded ranges (sequences attending to [start, stop) of their pages, one with none, beside
+    their exact window): equal to the reference (`reference.epilogue_weights`) to float rounding; a cap
+    small enough to bend the scores changes the result."""
+    case = _scenario(pair, heads=heads, seed=11)
+    case["starts"], case["stops"] = [12, 3, 4], [43 - 3, 30, 4]  # windows over the pages
+    case["query"] = case["query"] * 4  # scores large enough for the cap to bend them
+    sinks = torch.randn(heads, generator=torch.Generator().manual_seed(12))
+    capped = paged_decode_attention(**case, softcap=2.0, sinks=sinks, options=gather)
+    torch.testing.assert_close(capped, paged_decode_attention_reference(**case, softcap=2.0, sinks=sinks),
+                               rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(paged_decode_attention(**case, softcap=2.0, options=gather),
+                               paged_decode_attention_reference(**case, softcap=2.0), rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(capped, paged_decode_attention(**case, sinks=sinks, options=gather), atol=1e-3)
+
+
+def test_paged_decode_refuses_a_bad_softcap_or_sinks():
+    case = _scenario("fibquant 4/2 bit")
+    for softcap in (0.0, -1.0):
+        with pytest.raises(ValueError, match="softcap"):
+            paged_decode_attention(**case, softcap=softcap)
+    with pytest.raises(ValueError, match="sinks"):
+        paged_decode_attention(**case, sinks=torch.zeros(5))
 
 
 READER_PAIRS = {  # codes the paged numba kernel does not read: served through their codecs' readers
@@ -287,10 +360,12 @@ READER_PAIRS = {  # codes the paged numba kernel does not read: served through t
 @pytest.mark.parametrize("pair", sorted(READER_PAIRS))
 def test_every_code_family_through_the_paged_step(monkeypatch, pair):
     """E8 shells, residual stages and a codec with no reader of its own go through `paged_readers` (each
-    sequence's codes gathered and read by its readers), with sinks: equal to the spec."""
+    sequence's codes gathered and read by its readers), with sinks, soft-capped or not: equal to the spec."""
     monkeypatch.setitem(PAIRS, pair, READER_PAIRS[pair])
     case = _scenario(pair)
     assert paged.paged_plans(case["key_codec"], case["value_codec"], 6, 2) is None
     sinks = torch.randn(6, generator=torch.Generator().manual_seed(5))
-    want = paged_decode_attention_reference(**case, sinks=sinks)
-    torch.testing.assert_close(paged_decode_attention(**case, sinks=sinks), want, rtol=1e-4, atol=1e-5)
+    for softcap in (None, 2.0):
+        want = paged_decode_attention_reference(**case, sinks=sinks, softcap=softcap)
+        torch.testing.assert_close(paged_decode_attention(**case, sinks=sinks, softcap=softcap), want, rtol=1e-4,
+                                   atol=1e-5)

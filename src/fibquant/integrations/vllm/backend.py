@@ -23,8 +23,9 @@ codes are the same as written at once (tested bitwise).
 Decode requests of a step attend in one call per layer (per exact-window size: one in a steady
 state). On CPU pages that is the paged numba kernel (`fibquant.kv.attention.paged`,
 `AttentionOptions.paged_numba_decode`): each sequence's codes read in place through its block-table row, for exactly
-its own coded range, no gathered copy, no padding. With a soft-cap (or the switch off) they take the
-gathered path, padded to the longest context and masked. Prefill chunks take the gathered path; a
+its own coded range, no gathered copy, no padding, soft-capping and sink logits applied by the kernel's
+shared epilogue. With the option off they take the gathered path, padded to the longest context and
+masked. Prefill chunks take the gathered path; a
 first chunk (nothing before it) is plain causal attention, run by vLLM's own CPU kernel (`chunk`, one
 call per chunk, written straight into vLLM's output rows: `_first_chunk`).
 
@@ -47,8 +48,8 @@ forward's own tokens (`_WindowPlan.in_forward`).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
-from typing import ClassVar
+from dataclasses import dataclass, field, replace
+from typing import ClassVar, NamedTuple
 
 import numpy as np
 import torch
@@ -69,7 +70,15 @@ from fibquant.integrations.vllm.window import ExactWindow
 from fibquant.codecs.reader import CodebookReader
 from fibquant.kv.attention.entry import attend_codes
 from fibquant.kv.attention.kernels import attention_with_lse, coded_decode_attention_paged, merge_lse, triton_available
-from fibquant.kv.attention.paged import paged_decode_attention, paged_kernel, paged_plans, run_paged_kernel
+from fibquant.kv.attention.numba_paged import ExactParts, PagedCodes, PagedEpilogue, PagedRole
+from fibquant.kv.attention.paged import (
+    paged_decode_attention,
+    paged_epilogue,
+    paged_kernel,
+    paged_plans,
+    paged_roles,
+    run_paged_kernel,
+)
 from fibquant.kv.buffer import CodedKV
 
 EXACT_ROWS_PER_BLOCK = 2048  # query rows (query heads x tokens) of the paged path's exact part scored at once
@@ -175,6 +184,34 @@ class _DecodeStep:
     # int64 [B]: the window's ring slots of the new tokens (the paged kernel's `record_slots`), when every token
     # stays in its previous token's block, the keys are distinct and every position is kept; else None
     window_slots: np.ndarray | None = None
+    no_record: np.ndarray | None = None  # int64 [B] of -1: the kernel's record_slots when it records nothing
+
+
+class _PagedLayer(NamedTuple):
+    """The paged kernel's arguments fixed for a layer (`FibQuantAttentionImpl._paged_arguments`)."""
+
+    keys: PagedRole
+    values: PagedRole
+    epilogue: PagedEpilogue
+
+
+@dataclass
+class _ForwardStep:
+    """One layer's general forward (`FibQuantAttentionImpl.forward` off the lean path): its tensors as
+    [tokens, heads, D] views and its requests sorted by `_sort_requests`."""
+
+    plan: _WindowPlan
+    pages: torch.Tensor
+    starts: list[int]        # query_start_loc
+    tables: torch.Tensor     # block_table
+    queries: torch.Tensor    # [tokens, Hq, D]
+    keys: torch.Tensor       # [tokens, Hk, D]
+    values: torch.Tensor
+    out: torch.Tensor        # [tokens, Hq * D]: the layer's output rows
+    decodes: dict = field(default_factory=dict)  # exact columns n -> (requests, pasts, slab rows)
+    decoded: list = field(default_factory=list)  # (request, past) of every decode, in order
+    chunks: list = field(default_factory=list)   # (request, past, token span) of every other request
+    held: list = field(default_factory=list)     # decode requests whose code writes can wait (`deferred`)
 
 
 class FibQuantMetadataBuilder(AttentionMetadataBuilder[FibQuantMetadata]):
@@ -278,6 +315,7 @@ class FibQuantAttentionImpl(AttentionImpl):
         self.options = config.options  # the paths taken (`fibquant.kv.options`; FIBQUANT_VLLM_ATTENTION)
         self.deferred = DeferredCodes(config.deferred_steps)
         self._paged_plans = paged_plans(self.key_codec, self.value_codec, self.num_heads, self.num_kv_heads)
+        self._paged_layer = None  # `_paged_arguments`: built by the first lean step (after the weights are loaded)
         self._host_pages = None  # (kv_cache, its pages as a numpy view), kept while vLLM passes the same cache
         _load_kernels(self.key_codec, self.value_codec, self.num_kv_heads, self.options.paged_numba_decode)
 
@@ -376,10 +414,9 @@ class FibQuantAttentionImpl(AttentionImpl):
         return all(isinstance(codec.reader(pages.device), CodebookReader) for codec in (self.key_codec, self.value_codec))
 
     def _numba_paged(self, pages: torch.Tensor) -> bool:
-        """Whether a batch of one-token steps goes through the paged numba kernel (`kv.attention.paged`):
-        CPU pages, no soft-cap, codecs the kernel serves, `paged_numba_decode` on."""
-        return (self.options.paged_numba_decode and self._paged_plans is not None and self.softcap is None
-                and pages.device.type == "cpu")
+        """Whether a batch of one-token steps goes through the paged numba kernel (`kv.attention.paged`,
+        soft-capping and sink logits included): CPU pages, codecs the kernel serves, `paged_numba_decode` on."""
+        return self.options.paged_numba_decode and self._paged_plans is not None and pages.device.type == "cpu"
 
     def _attend_paged(self, pages, tables, skip: int, stops: list[int], query, key, value,
                       window=None) -> torch.Tensor:
@@ -481,9 +518,11 @@ class FibQuantAttentionImpl(AttentionImpl):
                 output_scale=None, output_block_scale=None) -> torch.Tensor:
         """query [N, Hq*D] (or [N, Hq, D]), key/value [N, Hk*D] -> output [N, Hq*D].
 
-        Decode requests (one new token each) attend in one batched call per exact-window size (in a
-        steady state: one call per layer); every other request (a prefill chunk) attends on its own.
-        The forward's new tokens enter the exact window after the layer's attention."""
+        A steady decode step takes `_lean_decode`. Otherwise: the forward's requests sorted
+        (`_sort_requests`), the code writes (`_store`), each prefill chunk attended on its own
+        (`_attend_chunk`), the decodes in one batched call per exact-window size (`_decode_batch`; in a
+        steady state one call per layer), then the forward's new tokens recorded into the exact window
+        (`_record_window`) and the held codes flushed every `deferred.steps` forwards."""
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("fused output quantization is not supported by the FibQuant backend")
         if output is None:
@@ -491,91 +530,105 @@ class FibQuantAttentionImpl(AttentionImpl):
                                  device=query.device)
         if attn_metadata is None:  # profiling / warm-up run
             return output
-        plan = attn_metadata.plan
-        if plan is None:
-            plan = self._window_plan(attn_metadata, self._pages(kv_cache))
+        plan = attn_metadata.plan or self._window_plan(attn_metadata, self._pages(kv_cache))
         if plan.decode is not None and self._lean_decode(plan, kv_cache, query, key, value, output):
             return output
-        flat_out = output.view(output.shape[0], -1)
         pages = self._pages(kv_cache)
-        count = attn_metadata.num_actual_tokens
-        queries = query[:count].reshape(count, self.num_heads, self.head_size)
-        keys = key[:count].reshape(count, self.num_kv_heads, self.head_size)
-        values = value[:count].reshape(count, self.num_kv_heads, self.head_size)
-        starts, tables = attn_metadata.query_start_loc, attn_metadata.block_table
-        plan = self._window_plan(attn_metadata, pages)
         self.window.invalidate(plan.fresh_blocks)  # before any lookup: those blocks' old tokens are gone
-        block = plan.block_size
-        decodes: dict[int, tuple[list, list, list]] = {}  # exact columns n -> (requests, pasts, slab rows)
-        decoded_keys, decoded_pasts, decoded_new_keys, decoded_requests = [], [], [], []
-        chunks = []  # (request, past, span) of every other request
-        held = []    # decode requests whose code writes can wait (a whole exact window: `deferred`)
+        step = self._sort_requests(attn_metadata, plan, pages, query, key, value, output)
+        if self.kv_sharing_target_layer_name is None:  # a layer sharing another's KV cache writes nothing
+            self._store(pages, step.keys, step.values, attn_metadata.slot_mapping[:step.keys.shape[0]], step.starts,
+                        step.held)
+        recorded = [self._attend_chunk(step, *chunk) for chunk in step.chunks]
+        for size, (requests, pasts, rows) in step.decodes.items():
+            self._decode_batch(pages, step.tables, step.starts, requests, pasts, rows, size, step.queries, step.keys,
+                               step.values, step.out)
+        self._record_window(step, attn_metadata.seq_lens, recorded)
+        if self.deferred.steps and len(self.deferred) >= self.deferred.steps:
+            self._flush(pages)
+        return output
+
+    def _sort_requests(self, meta: FibQuantMetadata, plan: "_WindowPlan", pages, query, key, value,
+                       output) -> "_ForwardStep":
+        """The forward's tensors as [tokens, heads, D] views and its requests sorted: decodes grouped by
+        their exact-window size (`_ForwardStep.decodes`), the decodes whose code writes can wait
+        (`held`), every other request a chunk."""
+        count = meta.num_actual_tokens
+        step = _ForwardStep(plan, pages, meta.query_start_loc, meta.block_table,
+                            query[:count].reshape(count, self.num_heads, self.head_size),
+                            key[:count].reshape(count, self.num_kv_heads, self.head_size),
+                            value[:count].reshape(count, self.num_kv_heads, self.head_size),
+                            output.view(output.shape[0], -1))
         defer = self.deferred.steps > 0 and pages.device.type == "cpu"
-        for request, total in enumerate(attn_metadata.seq_lens):
+        starts, block = step.starts, plan.block_size
+        for request, total in enumerate(meta.seq_lens):
             start, stop = starts[request], starts[request + 1]
             if stop <= start:
                 continue
             past = total - (stop - start)
-            if stop - start == 1 and past > 0 and request not in plan.in_forward:
-                row = self.window.row(plan.keys[request], past)
-                group = decodes.setdefault(sum(self.window.counts(past)) if row >= 0 else 0, ([], [], []))
-                group[0].append(request)
-                group[1].append(past)
-                group[2].append(row)
-                decoded_keys.append(plan.keys[request])
-                decoded_pasts.append(past)
-                decoded_new_keys.append(plan.new_keys[request])
-                decoded_requests.append(request)
-                # With prefix caching a block is shareable once full: the token that fills it is written
-                # at once (and the held ones with it), so no full block ever waits for a code.
-                if defer and row >= 0 and not (self.prefix_caching and (past + 1) % block == 0):
-                    held.append(request)
+            if stop - start > 1 or past == 0 or request in plan.in_forward:
+                step.chunks.append((request, past, slice(start, stop)))
                 continue
-            chunks.append((request, past, slice(start, stop)))
-        if self.kv_sharing_target_layer_name is None:  # a layer sharing another's KV cache writes nothing
-            self._store(pages, keys, values, attn_metadata.slot_mapping[:count], starts, held)
-        recorded = []
-        for request, past, span in chunks:
-            first, rows = plan.in_forward.get(request, (past, None))
-            # The window at `first`: the sequence's own entry (first = past), or, when earlier positions are
-            # written by this forward (another request fills blocks this one hit), the window where that run
-            # begins; the run itself is read exactly from this forward's tokens.
-            key = int(tables[request, (first - 1) // block]) if 0 < first < past else plan.keys[request]
-            window = self.window.lookup(key, first) if first > 0 else None
-            skip, recent = self._exact_counts(window, first)
-            exact = None if window is None else (window[0][None], window[1][None])
-            earlier_keys = earlier_values = None
-            if rows is not None:
-                lines = torch.from_numpy(rows)
-                earlier_keys, earlier_values = keys.index_select(0, lines), values.index_select(0, lines)
-                run = (earlier_keys.transpose(0, 1)[None], earlier_values.transpose(0, 1)[None])
-                exact = run if exact is None else (torch.cat([exact[0], run[0].to(exact[0].dtype)], dim=2),
-                                                   torch.cat([exact[1], run[1].to(exact[1].dtype)], dim=2))
-            if not (exact is None and first == 0 and self._first_chunk(queries[span], keys[span], values[span],
-                                                                       flat_out[span])):
-                out = self._attend(pages, tables[request:request + 1], skip, [first - recent], queries[span][None],
-                                   keys[span][None], values[span][None], window=exact)
-                flat_out[span] = out[0].to(flat_out.dtype)
-            recorded.append((request, key, first, span, earlier_keys, earlier_values))
-        for size, (requests, pasts, rows) in decodes.items():
-            self._decode_batch(pages, tables, starts, requests, pasts, rows, size, queries, keys, values, flat_out)
+            row = self.window.row(plan.keys[request], past)
+            group = step.decodes.setdefault(sum(self.window.counts(past)) if row >= 0 else 0, ([], [], []))
+            for column, item in zip(group, (request, past, row)):
+                column.append(item)
+            step.decoded.append((request, past))
+            # With prefix caching a block is shareable once full: the token that fills it is written
+            # at once (and the held ones with it), so no full block ever waits for a code.
+            if defer and row >= 0 and not (self.prefix_caching and (past + 1) % block == 0):
+                step.held.append(request)
+        return step
+
+    def _attend_chunk(self, step: "_ForwardStep", request: int, past: int, span: slice) -> tuple:
+        """A prefill chunk's attention written into its output rows; returns what `_record_window` records
+        for it: (request, window key, first position, span, the earlier positions' keys / values or None)."""
+        plan, tables, block = step.plan, step.tables, step.plan.block_size
+        keys, values = step.keys, step.values
+        first, rows = plan.in_forward.get(request, (past, None))
+        # The window at `first`: the sequence's own entry (first = past), or, when earlier positions are
+        # written by this forward (another request fills blocks this one hit), the window where that run
+        # begins; the run itself is read exactly from this forward's tokens.
+        key = int(tables[request, (first - 1) // block]) if 0 < first < past else plan.keys[request]
+        window = self.window.lookup(key, first) if first > 0 else None
+        skip, recent = self._exact_counts(window, first)
+        exact = None if window is None else (window[0][None], window[1][None])
+        earlier_keys = earlier_values = None
+        if rows is not None:
+            lines = torch.from_numpy(rows)
+            earlier_keys, earlier_values = keys.index_select(0, lines), values.index_select(0, lines)
+            run = (earlier_keys.transpose(0, 1)[None], earlier_values.transpose(0, 1)[None])
+            exact = run if exact is None else (torch.cat([exact[0], run[0].to(exact[0].dtype)], dim=2),
+                                               torch.cat([exact[1], run[1].to(exact[1].dtype)], dim=2))
+        queries, flat_out = step.queries, step.out
+        if not (exact is None and first == 0 and self._first_chunk(queries[span], keys[span], values[span],
+                                                                   flat_out[span])):
+            out = self._attend(step.pages, tables[request:request + 1], skip, [first - recent], queries[span][None],
+                               keys[span][None], values[span][None], window=exact)
+            flat_out[span] = out[0].to(flat_out.dtype)
+        return request, key, first, span, earlier_keys, earlier_values
+
+    def _record_window(self, step: "_ForwardStep", seq_lens: list[int], recorded: list[tuple]) -> None:
+        """The forward's new tokens into the exact window, after the layer's attention: each chunk's
+        (with the earlier run it read from this forward, and the boundary snapshots of prefix caching),
+        then every decode's in one indexed write per role."""
+        plan, block = step.plan, step.plan.block_size
         for request, key, first, span, earlier_keys, earlier_values in recorded:
-            new_keys, new_values = keys[span], values[span]
+            new_keys, new_values = step.keys[span], step.values[span]
             if earlier_keys is not None:
                 new_keys, new_values = torch.cat([earlier_keys, new_keys]), torch.cat([earlier_values, new_values])
-            total = attn_metadata.seq_lens[request]
+            total = seq_lens[request]
             boundaries = ()
             if self.window.snapshots and total > (first // block + 1) * block:
-                row = tables[request].tolist()
+                row = step.tables[request].tolist()
                 boundaries = [(p, row[p // block - 1]) for p in range((first // block + 1) * block, total, block)]
             self.window.record(key if first > 0 else None, first, new_keys, new_values, plan.new_keys[request],
                                boundaries)
-        if decoded_requests:  # one indexed write per role for every decode of the step
-            lines = _rows(decoded_requests, starts, keys.device)
-            self.window.record_tokens(decoded_keys, decoded_pasts, decoded_new_keys, keys[lines], values[lines])
-        if self.deferred.steps and len(self.deferred) >= self.deferred.steps:
-            self._flush(pages)
-        return output
+        if step.decoded:
+            requests = [request for request, _ in step.decoded]
+            lines = _rows(requests, step.starts, step.keys.device)
+            self.window.record_tokens([plan.keys[r] for r in requests], [past for _, past in step.decoded],
+                                      [plan.new_keys[r] for r in requests], step.keys[lines], step.values[lines])
 
     def _window_plan(self, meta: FibQuantMetadata, pages: torch.Tensor) -> _WindowPlan:
         """The forward's `_WindowPlan`, built by its first layer and kept on the metadata for the others."""
@@ -653,16 +706,16 @@ class FibQuantAttentionImpl(AttentionImpl):
             ring = [self.window.slot(past) for past in pasts]
             window_slots = np.array(ring, dtype=np.int64) if min(ring) >= 0 else None
         return _DecodeStep(pasts, sizes.pop(), np.full(num_reqs, skip, dtype=np.int64), stops, longest, host,
-                           np.array(slots[:count], dtype=np.int64), window_slots)
+                           np.array(slots[:count], dtype=np.int64), window_slots, np.full(num_reqs, -1, dtype=np.int64))
 
     def _lean_decode(self, plan: _WindowPlan, kv_cache, query, key, value, output) -> bool:
         """A steady decode step (`_DecodeStep`) in one paged kernel call on arrays kept between calls
         (numpy views of vLLM's tensors, no torch view per role): what the general path does for it
         (hold the codes, attend, record the window, flush every `deferred.steps`), without its
-        per-request bookkeeping. False (nothing done but the window's `invalidate`, which the general
-        path repeats harmlessly) when this layer cannot take it: a window entry missing, sink logits,
-        a soft-cap, dtypes the kernel does not read in place, a non-contiguous output, or a layer
-        sharing another's cache."""
+        per-request bookkeeping (soft-capping and sink logits applied by the kernel). False (nothing done
+        but the window's `invalidate`, which the general path repeats harmlessly) when this layer cannot
+        take it: a window entry missing, dtypes the kernel does not read in place, a non-contiguous
+        output, or a layer sharing another's cache."""
         step = plan.decode
         dtype = query.dtype
         cached = self._host_pages
@@ -671,9 +724,8 @@ class FibQuantAttentionImpl(AttentionImpl):
             if not self._numba_paged(pages):
                 return False
             cached = self._host_pages = (kv_cache, pages.numpy())
-        if (self.kv_sharing_target_layer_name is not None or self.logit_sinks is not None
-                or not self.options.paged_numba_decode
-                or self.softcap is not None or dtype not in (torch.bfloat16, torch.float32)
+        if (self.kv_sharing_target_layer_name is not None or not self.options.paged_numba_decode
+                or dtype not in (torch.bfloat16, torch.float32)
                 or not (key.dtype == value.dtype == output.dtype == dtype) or not output.is_contiguous()):
             return False
         self.window.invalidate(plan.fresh_blocks)  # before any lookup: those blocks' old tokens are gone
@@ -696,11 +748,12 @@ class FibQuantAttentionImpl(AttentionImpl):
         # the steady case (ring slots from the step, live entries, distinct rows): the kernel records the new
         # tokens into the window rows itself, after reading them; else the general record below
         fused = step.window_slots is not None and self.window.live(entries, plan.keys)
-        bad = run_paged_kernel(paged_kernel(bits, bits), self._paged_plans, queries, self.scale, cached[1],
-                               step.tables, step.starts, step.stops, 0, self.key_bytes, exact_keys, exact_values,
-                               rows, keys[:, :, None], values[:, :, None], out,
-                               step.longest, exact_count=step.size,
-                               record_slots=step.window_slots if fused else None, options=self.options)
+        exact = ExactParts(exact_keys, exact_values, rows, step.size, keys[:, :, None], values[:, :, None],
+                           step.window_slots if fused else step.no_record)
+        layer = self._paged_layer or self._paged_arguments()
+        bad = run_paged_kernel(paged_kernel(bits, bits), self._paged_plans, queries, out, layer.keys, layer.values,
+                               PagedCodes(cached[1], step.tables, step.starts, step.stops), exact, layer.epilogue,
+                               step.longest)
         if bad:
             raise ValueError(f"paged codes hold {bad} invalid index(es) or block id(s) outside the pages")
         # tensors only when flushed; step.slots: never written
@@ -713,6 +766,14 @@ class FibQuantAttentionImpl(AttentionImpl):
         if len(self.deferred) >= self.deferred.steps:
             self._flush(self._pages(kv_cache))
         return True
+
+    def _paged_arguments(self) -> "_PagedLayer":
+        """What the paged kernel takes that is fixed for this layer (its roles and epilogue), built once:
+        on the first decode step, after vLLM has loaded the sink logits into their parameter."""
+        keys, values = paged_roles(self._paged_plans, 0, self.key_bytes, self.options)
+        sinks = None if self.logit_sinks is None else self.logit_sinks.detach().cpu()
+        self._paged_layer = _PagedLayer(keys, values, paged_epilogue(self.scale, self.softcap, sinks, self.num_heads))
+        return self._paged_layer
 
     def _store(self, pages, keys, values, slot_mapping: torch.Tensor, starts: list[int], held: list[int]) -> None:
         """The forward's code writes: the tokens of `held` decode requests join the deferred writes;
@@ -767,7 +828,8 @@ class FibQuantAttentionImpl(AttentionImpl):
             out = paged_decode_attention(queries[lines], pages, table_rows, [skip] * len(requests), stops,
                                          self.key_codec, self.value_codec, exact_keys, exact_values,
                                          keys[lines].unsqueeze(2), values[lines].unsqueeze(2), self.scale,
-                                         key_offset=0, value_offset=self.key_bytes, sinks=self.logit_sinks,
+                                         key_offset=0, value_offset=self.key_bytes, softcap=self.softcap,
+                                         sinks=self.logit_sinks,
                                          plans=self._paged_plans, out=target, exact_rows=rows, options=self.options)
             if target is None:
                 flat_out[lines] = out.reshape(len(requests), -1).to(flat_out.dtype)

@@ -10,7 +10,14 @@ Per sequence b, the columns attended are
     [exact window (the caller's: sinks and recent tokens, [n] in any order) | coded positions
      [starts[b], stops[b]) of the pages | the new token]
 
-with one softmax over all of them (and a learned sink logit per query head, if given).
+with one softmax over all of them (and a learned sink logit per query head, if given), after
+logit soft-capping tanh(s / c) * c of every score when `softcap` is given (Gemma 2): the epilogue
+every one-token step shares (`numba_epilogue`, spec `reference.epilogue_weights`).
+
+The kernel takes its arguments as small structures (`numba_paged.PagedRole`, `PagedCodes`,
+`ExactParts`, `PagedEpilogue`); `run_paged_kernel` runs it on them as they are, so a caller that
+keeps what is fixed for a layer (`paged_roles`, `paged_epilogue`: built once) pays per step only for
+building the per-step ones (the vLLM backend's lean decode step).
 """
 from __future__ import annotations
 
@@ -25,14 +32,12 @@ from fibquant.kv.attention.codebook_step import codec_plan, scratch
 from fibquant.kv.attention.host_arrays import f32
 from fibquant.kv.attention.kernels import _MIN_WORK_PER_THREAD
 from fibquant.kv.attention.paged_readers import paged_by_readers
-from fibquant.kv.attention.reference import gather_paged_codes
+from fibquant.kv.attention.numba_paged import ExactParts, PagedCodes, PagedEpilogue, PagedRole
+from fibquant.kv.attention.reference import epilogue_weights, gather_paged_codes
 from fibquant.kv.options import DEFAULT_OPTIONS, AttentionOptions
 
 _KERNELS: dict = {}  # (bf16 inputs, bf16 out) -> the compiled kernel
-_DUMMY_SINKS = np.zeros(1, dtype=np.float32)
-# the kernel's flag bits for decode-then-dot on keys / values (numba_paged.GATHER_KEYS / GATHER_VALUES, not
-# imported here: numba_paged's import is kept lazy); `AttentionOptions.gather_decode` chooses them
-_GATHER_KEYS, _GATHER_VALUES = 16, 32
+_NO_SINKS = np.zeros(0, dtype=np.float32)
 _ARANGE = np.arange(0, dtype=np.int64)
 _NO_RECORD = np.full(0, -1, dtype=np.int64)
 
@@ -53,7 +58,6 @@ class PagedPlan(NamedTuple):
     value_size: int
     groups: int          # query heads per KV head
     lanes: int           # the kernel's query lanes (4 or 8)
-    scalars: tuple       # the kernel's trailing scalar arguments (bits, blocks, modes, lanes)
     sizes: tuple         # `numba_decode.scratch_sizes` of these codecs
 
 
@@ -72,8 +76,36 @@ def paged_plans(key_codec: Codec, value_codec: Codec, q_heads: int, kv_heads: in
     lanes = 4 if groups <= 4 else 8
     sizes = scratch_sizes(keys[2].shape[0], keys[4], keys[3], keys[5], values[2].shape[0], values[4], values[3],
                           values[5], lanes)
-    return PagedPlan(keys, values, key_codec.code_size, value_codec.code_size, groups, lanes,
-                     (keys[3], values[3], keys[4], values[4], keys[5], values[5], lanes), sizes)
+    return PagedPlan(keys, values, key_codec.code_size, value_codec.code_size, groups, lanes, sizes)
+
+
+def paged_roles(plan: PagedPlan, key_offset: int = 0, value_offset: int | None = None,
+                options: AttentionOptions = DEFAULT_OPTIONS) -> tuple[PagedRole, PagedRole]:
+    """The kernel's `PagedRole` of the keys and of the values: the plan's codebooks, the codes at bytes
+    `key_offset` / `value_offset` (default key_offset + key code size) of a slot, decode-then-dot as
+    `options.gather_decode` asks. Fixed for a layer: build once, pass every step."""
+    value_offset = key_offset + plan.key_size if value_offset is None else value_offset
+    gather_keys, gather_values = options.gathers
+    keys, values = plan.keys, plan.values
+    return (PagedRole(keys[0], keys[2], int(key_offset), plan.key_size, keys[3], keys[4], keys[5], gather_keys),
+            PagedRole(values[1], values[2], int(value_offset), plan.value_size, values[3], values[4], values[5],
+                      gather_values))
+
+
+def paged_epilogue(scaling: float, softcap: float | None = None, sinks: torch.Tensor | None = None,
+                   q_heads: int | None = None) -> PagedEpilogue:
+    """The kernel's `PagedEpilogue`: the score scale, the soft-cap c of tanh(s / c) * c (None: none) and
+    the learned sink logits [Hq] (None: none; `q_heads`, when given, is checked against them). Fixed
+    for a layer: build once, pass every step."""
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be a positive number or None, got {softcap!r}")
+    sinks_np = _NO_SINKS
+    if sinks is not None:
+        if sinks.numel() == 0 or (q_heads is not None and sinks.numel() != q_heads):
+            raise ValueError(f"sinks must hold {q_heads if q_heads is not None else 'Hq'} logits, got "
+                             f"{tuple(sinks.shape)}")
+        sinks_np = f32(sinks.reshape(-1))
+    return PagedEpilogue(np.float32(scaling), np.float32(0.0 if softcap is None else softcap), sinks_np)
 
 
 def _host(tensor: torch.Tensor, bits: bool):
@@ -113,8 +145,9 @@ def paged_decode_attention(query: torch.Tensor, pages: torch.Tensor, tables: tor
                            stops: list[int], key_codec: Codec, value_codec: Codec, exact_keys: torch.Tensor,
                            exact_values: torch.Tensor, new_keys: torch.Tensor, new_values: torch.Tensor,
                            scaling: float, *, key_offset: int = 0, value_offset: int | None = None,
-                           sinks: torch.Tensor | None = None, plans=None, out: torch.Tensor | None = None,
-                           exact_rows=None, options: AttentionOptions = DEFAULT_OPTIONS) -> torch.Tensor:
+                           softcap: float | None = None, sinks: torch.Tensor | None = None, plans=None,
+                           out: torch.Tensor | None = None, exact_rows=None,
+                           options: AttentionOptions = DEFAULT_OPTIONS) -> torch.Tensor:
     """One decode step of B sequences -> out [B, Hq, Dv] (float32, or `out` filled in place).
 
     query        [B, Hq, D] (unscaled, unrotated; any float dtype, any strides)
@@ -126,6 +159,8 @@ def paged_decode_attention(query: torch.Tensor, pages: torch.Tensor, tables: tor
     exact_keys/values [B, Hkv, n, D|Dv] (n >= 0: e.g. sinks + recent window), new_keys/values [B, Hkv, 1, D|Dv]
     exact_rows   optional B ints: exact_keys/values are then [R, Hkv, n, D|Dv] (e.g. the caller's window
                  slabs, read in place: no gathered copy) and sequence b reads row exact_rows[b] of them
+    softcap      optional c > 0: every score s (coded and exact) becomes tanh(s / c) * c before the softmax
+                 (Gemma 2's logit soft-capping)
     sinks        optional [Hq] learned sink logits (a softmax column with no value)
     plans        `paged_plans(...)` for these codecs and heads (computed when None; when the kernel cannot
                  serve them, e.g. FibQuant-E8 or FibQuant-RVQ codes, every sequence goes through its codecs'
@@ -135,6 +170,8 @@ def paged_decode_attention(query: torch.Tensor, pages: torch.Tensor, tables: tor
 
     When the query and the four exact parts are all bfloat16 the kernel reads their bits in place (no
     float32 copies); a bf16 `out` gets the float32 result rounded to nearest even, as `.to(bfloat16)`.
+    Every argument is checked here (a caller stepping many times with arrays it keeps calls
+    `run_paged_kernel` instead).
     """
     if query.ndim != 3 or pages.ndim != 4 or pages.dtype != torch.uint8 or query.device.type != "cpu":
         raise ValueError(f"expected CPU query [B, Hq, D] and uint8 pages [blocks, Hkv, bs, slot], got "
@@ -146,15 +183,15 @@ def paged_decode_attention(query: torch.Tensor, pages: torch.Tensor, tables: tor
         if plans is None:  # codes the paged kernel does not read: each sequence through its codecs' readers
             return paged_by_readers(query, pages, tables, starts, stops, key_codec, value_codec, exact_keys,
                                     exact_values, new_keys, new_values, scaling, key_offset=key_offset,
-                                    value_offset=value_offset, sinks=sinks, out=out, exact_rows=exact_rows,
-                                    options=options)
+                                    value_offset=value_offset, softcap=softcap, sinks=sinks, out=out,
+                                    exact_rows=exact_rows, options=options)
     elif plans.groups * kv_heads != q_heads:
         raise ValueError(f"plans are for {plans.groups} query heads per KV head, not {q_heads} / {kv_heads}")
-    keys, values, key_size, value_size = plans.keys, plans.values, plans.key_size, plans.value_size
-    value_offset = key_offset + key_size if value_offset is None else value_offset
-    if key_offset < 0 or value_offset < 0 or max(key_offset + key_size, value_offset + value_size) > pages.shape[3]:
-        raise ValueError(f"codes at bytes {key_offset}+{key_size} / {value_offset}+{value_size} do not fit a slot "
-                         f"of {pages.shape[3]} bytes")
+    keys, values = paged_roles(plans, key_offset, value_offset, options)
+    if min(keys.offset, values.offset) < 0 or max(keys.offset + keys.size,
+                                                  values.offset + values.size) > pages.shape[3]:
+        raise ValueError(f"codes at bytes {keys.offset}+{keys.size} / {values.offset}+{values.size} do not fit a "
+                         f"slot of {pages.shape[3]} bytes")
     if pages.shape[3] > 1 and pages.stride(3) != 1:
         raise ValueError("pages must hold each slot's bytes contiguously (stride 1 in the last dimension)")
     if tables.ndim != 2 or tables.shape[0] != batch:
@@ -165,14 +202,40 @@ def paged_decode_attention(query: torch.Tensor, pages: torch.Tensor, tables: tor
     if batch and (min(starts) < 0 or max(stops) > capacity):
         raise ValueError(f"a coded range [start, stop) lies outside the {capacity} positions of a table row")
     longest = max([0, *(stop - start for start, stop in zip(starts, stops))])
-    value_dim = value_codec.dim
     parts = (exact_keys, exact_values, new_keys, new_values)
+    rows_np = _checked_rows(exact_rows, parts, batch, kv_heads, dim, value_codec.dim)
+    if out is None:
+        out = torch.empty(batch, q_heads, value_codec.dim, dtype=torch.float32)
+    elif out.shape != (batch, q_heads, value_codec.dim) or out.dtype not in (torch.float32, torch.bfloat16) \
+            or out.device.type != "cpu":
+        raise ValueError(f"out must be a CPU float32 or bfloat16 [B={batch}, Hq={q_heads}, {value_codec.dim}] "
+                         f"tensor, got {out.dtype} {tuple(out.shape)} on {out.device}")
+    epilogue = paged_epilogue(scaling, softcap, sinks, q_heads)
+    bits_in = query.dtype == torch.bfloat16 and all(t.dtype == torch.bfloat16 for t in parts)
+    bits_out = out.dtype == torch.bfloat16
+    if tables.dtype != torch.int32 or (tables.shape[1] > 1 and tables.stride(1) != 1):
+        tables = tables.to(torch.int32).contiguous()
+    (exact_k, count), (exact_v, _), (new_k, _), (new_v, _) = (_c_part(_host(t, bits_in)) for t in parts)
+    codes = PagedCodes(pages.numpy(), tables.numpy(), np.array(starts, dtype=np.int64),
+                       np.array(stops, dtype=np.int64))
+    exact = ExactParts(exact_k, exact_v, rows_np, count, new_k, new_v, _no_record(batch))
+    bad = run_paged_kernel(paged_kernel(bits_in, bits_out), plans, _host(query, bits_in), _host(out, bits_out), keys,
+                           values, codes, exact, epilogue, longest)
+    if bad:
+        raise ValueError(f"paged codes hold {bad} invalid index(es) or block id(s) outside the pages")
+    return out
+
+
+def _checked_rows(exact_rows, parts: tuple, batch: int, kv_heads: int, dim: int, value_dim: int) -> np.ndarray:
+    """`paged_decode_attention`'s exact rows as the kernel takes them (int64 [B]; 0..B-1 when None), with
+    the exact / new parts (exact_keys, exact_values, new_keys, new_values) checked against them."""
+    exact_keys, exact_values, new_keys, new_values = parts
     slab = batch if exact_rows is None else exact_keys.shape[0]  # rows of the exact parts
     if exact_rows is None:
-        rows_np = _arange(batch)
+        rows = _arange(batch)
     else:
-        rows_np = np.ascontiguousarray(exact_rows, dtype=np.int64)
-        if rows_np.shape != (batch,) or (batch and (rows_np.min() < 0 or rows_np.max() >= slab)):
+        rows = np.ascontiguousarray(exact_rows, dtype=np.int64)
+        if rows.shape != (batch,) or (batch and (rows.min() < 0 or rows.max() >= slab)):
             raise ValueError(f"exact_rows must hold {batch} rows in [0, {slab}), got {exact_rows}")
     for name, tensor, width, first in zip(("exact_keys", "exact_values", "new_keys", "new_values"), parts,
                                           (dim, value_dim, dim, value_dim), (slab, slab, batch, batch)):
@@ -180,29 +243,7 @@ def paged_decode_attention(query: torch.Tensor, pages: torch.Tensor, tables: tor
             raise ValueError(f"{name} must be [{first}, Hkv={kv_heads}, n, {width}], got {tuple(tensor.shape)}")
     if exact_keys.shape[2] != exact_values.shape[2] or new_keys.shape[2] != new_values.shape[2]:
         raise ValueError("exact / new keys and values must hold the same number of tokens")
-    if out is None:
-        out = torch.empty(batch, q_heads, value_dim, dtype=torch.float32)
-    elif out.shape != (batch, q_heads, value_dim) or out.dtype not in (torch.float32, torch.bfloat16) \
-            or out.device.type != "cpu":
-        raise ValueError(f"out must be a CPU float32 or bfloat16 [B={batch}, Hq={q_heads}, {value_dim}] tensor, "
-                         f"got {out.dtype} {tuple(out.shape)} on {out.device}")
-    bits_in = query.dtype == torch.bfloat16 and all(t.dtype == torch.bfloat16 for t in parts)
-    bits_out = out.dtype == torch.bfloat16
-    flags, sinks_np = 0, _DUMMY_SINKS
-    if sinks is not None:
-        if sinks.numel() != q_heads:
-            raise ValueError(f"sinks must hold {q_heads} logits, got {tuple(sinks.shape)}")
-        sinks_np, flags = f32(sinks.reshape(-1)), 8
-    if tables.dtype != torch.int32 or (tables.shape[1] > 1 and tables.stride(1) != 1):
-        tables = tables.to(torch.int32).contiguous()
-    (exact_k, count), (exact_v, _), (new_k, _), (new_v, _) = (_c_part(_host(t, bits_in)) for t in parts)
-    bad = run_paged_kernel(paged_kernel(bits_in, bits_out), plans, _host(query, bits_in), scaling, pages.numpy(),
-                           tables.numpy(), np.array(starts, dtype=np.int64), np.array(stops, dtype=np.int64),
-                           key_offset, value_offset, exact_k, exact_v, rows_np, new_k, new_v, _host(out, bits_out),
-                           longest, sinks_np, flags, exact_count=count, options=options)
-    if bad:
-        raise ValueError(f"paged codes hold {bad} invalid index(es) or block id(s) outside the pages")
-    return out
+    return rows
 
 
 def paged_kernel(bits_in: bool, bits_out: bool):
@@ -215,51 +256,32 @@ def paged_kernel(bits_in: bool, bits_out: bool):
     return kernel
 
 
-def run_paged_kernel(kernel, plans: PagedPlan, query, scaling: float, pages, tables, starts, stops, key_offset: int,
-                     value_offset: int, exact_keys, exact_values, exact_rows, new_keys, new_values, out,
-                     longest: int, sinks=_DUMMY_SINKS, flags: int = 0, exact_count: int | None = None,
-                     record_slots=None, options: AttentionOptions = DEFAULT_OPTIONS) -> int:
-    """The paged kernel on numpy arrays exactly as it takes them (`paged_decode_attention` checks and
+def run_paged_kernel(kernel, plans: PagedPlan, query, out, keys: PagedRole, values: PagedRole, codes: PagedCodes,
+                     exact: ExactParts, epilogue: PagedEpilogue, longest: int) -> int:
+    """The paged kernel on arrays exactly as it takes them (`paged_decode_attention` checks and
     converts; a caller that keeps these arrays between calls, e.g. a serving backend per step and
-    layer, saves that work): query [B, Hq, D], pages uint8 [blocks, Hkv, bs, slot], tables int32
-    [B, max_blocks], starts / stops / exact_rows int64 [B] (C arrays), exact / new parts [R|B, Hkv, n, D]
-    (C arrays: `_c_part`), out [B, Hq, Dv] (query, parts and out all float32 or all uint16 bf16 bits,
-    matching `kernel`); `longest` = max(stops - starts); `exact_count`: the exact columns read of each
-    row (default all n: a caller passing whole window slabs reads only their first `exact_count`);
-    `record_slots` int64 [B] (C array; default none): sequence b's new token (one per sequence) is
-    written into column record_slots[b] >= 0 of its exact row exact_rows[b] after the kernel has read
-    that row (a decode step's window record; the rows must be distinct). Returns the count of invalid
-    indices / block ids seen (the caller raises)."""
-    keys, values, lanes, sizes = plans.keys, plans.values, plans.lanes, plans.sizes
-    batch, kv_heads = query.shape[0], pages.shape[1]
-    if exact_count is not None and not 0 <= exact_count <= exact_keys.shape[2]:
-        raise ValueError(f"exact_count {exact_count} outside the {exact_keys.shape[2]} exact columns")
-    if record_slots is not None and (record_slots.shape != (batch,) or new_keys.shape[2] != 1
-                                     or (batch and record_slots.max() >= exact_keys.shape[2])):
-        raise ValueError(f"record_slots must be {batch} columns < {exact_keys.shape[2]} for one new token each")
-    args = (query, np.float32(scaling), keys[0], values[1], keys[2], values[2], pages, tables,
-            starts, stops, int(key_offset), plans.key_size, int(value_offset), plans.value_size, exact_keys,
-            exact_values, exact_rows, exact_keys.shape[2] if exact_count is None else int(exact_count),
-            _no_record(batch) if record_slots is None else record_slots, new_keys,
-            new_values, sinks, out,
-            flags | _gather_flags(options), *plans.scalars)
-    return run_split(kernel, args, batch * kv_heads, longest * (keys[4] + values[4]), _MIN_WORK_PER_THREAD,
-                     "fibquant-paged",  # token arrays: the coded columns, and the exact ones' exps (ibits)
-                     per_thread=lambda t: scratch(t, sizes, lanes, max(longest, exact_keys.shape[2] + new_keys.shape[2])))
-
-
-def _gather_flags(options: AttentionOptions) -> int:
-    keys, values = options.gathers
-    return (_GATHER_KEYS if keys else 0) | (_GATHER_VALUES if values else 0)
+    layer, saves that work): query [B, Hq, D] and out [B, Hq, Dv] (numpy, any strides), the roles
+    (`paged_roles`), the codes, the exact parts and the epilogue (`paged_epilogue`) as the
+    `numba_paged` structures document them; query, exact parts and out all float32 or all uint16 bf16
+    bits, matching `kernel`; `longest` = max(stops - starts). The kernel itself checks what its reads
+    and writes rely on (ValueError; `numba_paged._check_call`). Returns the count of invalid indices /
+    block ids seen (the caller raises)."""
+    lanes, sizes = plans.lanes, plans.sizes
+    columns = max(longest, exact.count + exact.new_keys.shape[2])  # the coded columns, and the exact ones' exps
+    args = (query, out, tuple(keys), tuple(values), tuple(codes), tuple(exact), tuple(epilogue))
+    return run_split(kernel, args, query.shape[0] * codes.pages.shape[1], longest * (keys.blocks + values.blocks),
+                     _MIN_WORK_PER_THREAD, "fibquant-paged",
+                     per_thread=lambda t: ((*scratch(t, sizes, lanes, columns), lanes),))
 
 
 def paged_decode_attention_reference(query: torch.Tensor, pages: torch.Tensor, tables: torch.Tensor,
                                      starts: list[int], stops: list[int], key_codec: Codec, value_codec: Codec,
                                      exact_keys: torch.Tensor, exact_values: torch.Tensor, new_keys: torch.Tensor,
                                      new_values: torch.Tensor, scaling: float, *, key_offset: int = 0,
-                                     value_offset: int | None = None, sinks: torch.Tensor | None = None,
-                                     exact_rows=None) -> torch.Tensor:
-    """The spec of `paged_decode_attention`: gather each sequence's codes, decode them, one float softmax."""
+                                     value_offset: int | None = None, softcap: float | None = None,
+                                     sinks: torch.Tensor | None = None, exact_rows=None) -> torch.Tensor:
+    """The spec of `paged_decode_attention`: gather each sequence's codes, decode them, the shared
+    epilogue's weights in float (`reference.epilogue_weights`: soft-cap, one softmax with the sinks)."""
     batch, q_heads, dim = query.shape
     kv_heads = pages.shape[1]
     groups = q_heads // kv_heads
@@ -275,8 +297,6 @@ def paged_decode_attention_reference(query: torch.Tensor, pages: torch.Tensor, t
         k = torch.cat([exact_keys[r].float(), coded_keys, new_keys[b].float()], dim=1).repeat_interleave(groups, 0)
         v = torch.cat([exact_values[r].float(), coded_values, new_values[b].float()], dim=1).repeat_interleave(groups, 0)
         scores = torch.einsum("hd,hkd->hk", query[b].float(), k) * scaling
-        if sinks is not None:
-            scores = torch.cat([scores, sinks.reshape(-1, 1).float()], dim=-1)
-        weights = scores.softmax(-1)[:, :k.shape[1]]
+        weights = epilogue_weights(scores[:, None], softcap=softcap, sinks=sinks)[:, 0]
         out[b] = torch.einsum("hk,hkd->hd", weights, v)
     return out
