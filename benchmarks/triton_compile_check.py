@@ -35,7 +35,8 @@ import fibquant.kv.attention.triton_kernels as ct  # noqa: E402
 
 POINTERS = {
     "_decode_attention_kernel": dict(q_ptr="*fp32", kc_ptr="*u8", vc_ptr="*u8", kcw_ptr="*fp32", vcw_ptr="*fp32",
-                                     bias_ptr="*fp32", acc_ptr="*fp32", stat_ptr="*fp32", bad_ptr="*i32"),
+                                     bias_ptr="*fp32", acc_ptr="*fp32", stat_ptr="*fp32", bad_ptr="*i32",
+                                     softcap="fp32"),
     "_scores_kernel": dict(q_ptr="*fp32", codes_ptr="*u8", cw_ptr="*fp32", out_ptr="*fp32", bad_ptr="*i32"),
     "_weighted_sum_kernel": dict(w_ptr="*fp32", codes_ptr="*u8", cw_ptr="*fp32", out_ptr="*fp32", bad_ptr="*i32"),
     "_merge_splits_kernel": dict(acc_ptr="*fp32", stat_ptr="*fp32", out_ptr="*fp32", lse_ptr="*fp32"),
@@ -44,18 +45,18 @@ POINTERS = {
 
 def cases(dims: list[int], quick: bool) -> list[tuple[str, dict, int]]:
     """(kernel name, constexprs, num_warps) at the wrappers' tile sizes: decode (4 query rows), prefill
-    (2048 rows), widths 8 (k=2) and 12 (k=4) with index checks, and the drop-ins."""
+    (2048 rows), widths 8 (k=2) and 12 (k=4) with index checks and soft-capping, and the drop-ins."""
     out = []
     for dim in dims:
         dp = ct._pow2(dim, 16)
-        for rows, bits, k, bias, check in ([(4, 8, 2, False, False)] if quick else
-                                           [(4, 8, 2, False, False), (4, 12, 4, True, True),
-                                            (2048, 8, 2, True, False)]):
+        for rows, bits, k, bias, check, cap in ([(4, 8, 2, False, False, False)] if quick else
+                                                [(4, 8, 2, False, False, False), (4, 12, 4, True, True, True),
+                                                 (2048, 8, 2, True, False, False)]):
             bq, bm = ct._tiles(rows, dim)
             nb = ct._field_bytes(bits)
             out.append(("_decode_attention_kernel",
                         dict(KW=bits, KK=k, KNB=nb, VW=bits, VK=k, VNB=nb, DP=dp, DVP=dp, HAS_BIAS=bias,
-                             CHECK_K=check, CHECK_V=check, BQ=bq, BM=bm), ct.Launch().num_warps))
+                             SOFTCAP=cap, CHECK_K=check, CHECK_V=check, BQ=bq, BM=bm), ct.Launch().num_warps))
         if quick:
             continue
         out.append(("_merge_splits_kernel", dict(DVP=dp, BR=16), 4))
@@ -111,7 +112,7 @@ def main(argv=None) -> int:
             failed += 1
         spilled += bool(row.get("stack"))
         rows.append(row)
-        shown = {k: v for k, v in constexprs.items() if k in ("KW", "KK", "W", "K", "DP", "BQ", "BM", "HAS_BIAS")}
+        shown = {k: v for k, v in constexprs.items() if k in ("KW", "KK", "W", "K", "DP", "BQ", "BM", "HAS_BIAS", "SOFTCAP")}
         print(f"{name:26s} {shown} -> " + (row.get("error") or
               f"regs {row.get('reg')} stack {row.get('stack')} shared {row.get('shared')} ({row['seconds']} s)"))
     out_dir = Path(args.out or os.environ.get("FIBQUANT_RESULTS_DIR") or "results")

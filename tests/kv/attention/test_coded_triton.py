@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -283,6 +284,77 @@ def test_decode_attention_merged_with_exact_columns_equals_full_attention():
     assert float((lse[finite] - torch.logsumexp(scores, -1)[finite]).abs().max()) <= SCORE_ATOL
 
 
+# --------------------------------------------------------------------------- soft-capping (Gemma 2)
+@pytest.mark.parametrize("n_q,bias_heads,splits,softcap", [(1, None, 1, 0.7), (3, 4, 2, 2.5), (3, 1, None, 50.0)])
+def test_decode_attention_softcap_matches_reference(n_q, bias_heads, splits, softcap):
+    """Scores tanh(s / c) * c before the bias, in the kernel == the reference (lse of the capped scores)."""
+    queries, key_codes, value_codes, key_cw, value_cw = _decode_inputs(n_q=n_q, seed=55)
+    queries = queries * 4  # scores of several units, so that a cap of 0.7 / 2.5 bites
+    bias = None if bias_heads is None else _padding_bias(2, bias_heads, n_q, 150, seed=56)
+    out, lse = coded_decode_attention(queries, key_codes, value_codes, key_cw, value_cw, 8, 3, bias,
+                                      softcap=softcap, backend="triton", splits=splits)
+    expected_out, expected_lse = coded_decode_attention_reference(queries, key_codes, value_codes, key_cw,
+                                                                  value_cw, 8, 3, bias, softcap=softcap)
+    assert_out_close(out, expected_out)
+    assert_lse_close(lse, expected_lse)
+    scores = queries @ _decoded_rotated(key_codes, key_cw, 8, 16).repeat_interleave(2, dim=1).transpose(-1, -2)
+    capped = torch.tanh(scores / softcap) * softcap + (0.0 if bias is None else bias)
+    finite = torch.isfinite(expected_lse)
+    assert float((lse[finite] - torch.logsumexp(capped, -1)[finite]).abs().max()) <= SCORE_ATOL
+    if softcap < 10:  # the cap changes the result (the test would pass with it ignored otherwise)
+        plain_out, _ = coded_decode_attention_reference(queries, key_codes, value_codes, key_cw, value_cw, 8, 3,
+                                                        bias)
+        assert float((plain_out - expected_out).abs().max()) > 100 * OUT_RTOL * float(expected_out.abs().max())
+
+
+def test_decode_attention_softcap_is_safe_for_huge_scores():
+    """|s| / c up to ~1e5: the capped scores saturate at +-c, no overflow, no NaN (the exp form of tanh)."""
+    queries, key_codes, value_codes, key_cw, value_cw = _decode_inputs(batch=1, n_q=2, tokens=40, seed=57)
+    queries = queries * 1e4
+    out, lse = coded_decode_attention(queries, key_codes, value_codes, key_cw, value_cw, 8, 3, softcap=1.5,
+                                      backend="triton")
+    expected_out, expected_lse = coded_decode_attention_reference(queries, key_codes, value_codes, key_cw,
+                                                                  value_cw, 8, 3, softcap=1.5)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    assert float(lse.max()) <= 1.5 + math.log(40) + SCORE_ATOL
+    assert_out_close(out, expected_out)
+    assert_lse_close(lse, expected_lse)
+
+
+def test_decode_attention_softcap_merged_with_capped_exact_columns_equals_full_attention():
+    """coded part (Triton, capped) + exact part (attention_with_lse, capped) through merge_lse == one capped
+    softmax over all columns: how kv/attention/entry.py serves a soft-capped model with the fused kernel."""
+    queries, key_codes, value_codes, key_cw, value_cw = _decode_inputs(batch=1, n_q=2, tokens=60, seed=58)
+    queries = queries * 4
+    exact_keys, exact_values = randn(1, 2, 5, 64, seed=59), randn(1, 2, 5, 64, seed=60)
+    exact_bias = torch.zeros(1, 1, 2, 5, device=DEVICE)
+    exact_bias[..., 1, 4] = float("-inf")
+    coded = coded_decode_attention(queries, key_codes, value_codes, key_cw, value_cw, 8, 3, softcap=2.0,
+                                   backend="triton")
+    out, _ = merge_lse([coded, attention_with_lse(queries, exact_keys, exact_values, exact_bias, softcap=2.0)])
+    keys = torch.cat([_decoded_rotated(key_codes, key_cw, 8, 16), exact_keys], dim=2).repeat_interleave(2, dim=1)
+    values = torch.cat([_decoded_rotated(value_codes, value_cw, 3, 64), exact_values], dim=2)
+    scores = torch.tanh(queries @ keys.transpose(-1, -2) / 2.0) * 2.0
+    scores = scores + torch.cat([torch.zeros(1, 1, 2, 60, device=DEVICE), exact_bias], dim=-1)
+    assert_out_close(out, torch.softmax(scores, dim=-1) @ values.repeat_interleave(2, dim=1))
+
+
+@pytest.mark.parametrize("softcap", [0, 0.0, -1.0, float("inf"), float("nan"), True, "3"])
+def test_softcap_must_be_positive(softcap):
+    queries, key_codes, value_codes, key_cw, value_cw = _decode_inputs(batch=1, tokens=10, seed=71)
+    for fn in (coded_decode_attention, coded_decode_attention_reference):
+        with pytest.raises(ValueError, match="softcap must be a positive number"):
+            fn(queries, key_codes, value_codes, key_cw, value_cw, 8, 3, softcap=softcap)
+    with pytest.raises(ValueError, match="softcap must be a positive number"):
+        attention_with_lse(queries, queries, queries, softcap=softcap)
+    key_size, value_size = key_codes.shape[-1], value_codes.shape[-1]
+    pages = torch.zeros(1, 2, 10, key_size + value_size, dtype=torch.uint8, device=DEVICE)  # one block of 10
+    table = torch.zeros(1, 1, dtype=torch.int32, device=DEVICE)
+    for fn in (coded_decode_attention_paged, coded_decode_attention_paged_reference):
+        with pytest.raises(ValueError, match="softcap must be a positive number"):
+            fn(queries, pages, table, [10], key_cw, value_cw, 8, 3, key_size, softcap=softcap)
+
+
 def _fused_attend(query, kv, scaling):
     """How kv/attention/entry.py can use the fused kernel (a sketch for wiring, no mask: a decode step or
     a causal chunk): query [B, Hq, T, D] over a CodedKV -> [B, Hq, T, Dv] float32."""
@@ -418,6 +490,31 @@ def test_paged_decode_attention_device_lengths_and_errors():
     with pytest.raises(ValueError, match="index"):
         coded_decode_attention_paged(queries, pages, tables, [30], key_cw[:200].contiguous(), value_cw, 8, 8,
                                      key_bytes, backend="triton")
+
+
+@pytest.mark.parametrize("n_q,splits", [(1, None), (2, 2)])
+def test_paged_decode_attention_softcap_matches_reference(n_q, splits):
+    """Soft-capping on pages: == the paged reference and the dense capped reference per request."""
+    lens, starts = [37, 0, 20], [3, 0, 2]
+    queries, pages, tables, key_codes, value_codes, key_cw, value_cw, key_bytes = _paged_inputs(
+        lens, starts, (4, 8, 256), (1, 3, 8), n_q=n_q, seed=120)
+    queries = queries * 4
+    out, lse = coded_decode_attention_paged(queries, pages, tables, lens, key_cw, value_cw, 8, 3, key_bytes,
+                                            context_starts=starts, softcap=1.5, backend="triton", splits=splits)
+    ref_out, ref_lse = coded_decode_attention_paged_reference(queries, pages, tables, lens, key_cw, value_cw, 8, 3,
+                                                              key_bytes, context_starts=starts, softcap=1.5)
+    assert_out_close(out, ref_out)
+    assert_lse_close(lse, ref_lse)
+    assert torch.isneginf(lse[1]).all() and torch.equal(out[1], torch.zeros_like(out[1]))
+    for r in (0, 2):
+        dense_out, dense_lse = coded_decode_attention_reference(
+            queries[r:r + 1], key_codes[r:r + 1, :, starts[r]:lens[r]], value_codes[r:r + 1, :, starts[r]:lens[r]],
+            key_cw, value_cw, 8, 3, softcap=1.5)
+        assert_out_close(out[r:r + 1], dense_out)
+        assert_lse_close(lse[r:r + 1], dense_lse)
+    plain_out, _ = coded_decode_attention_paged_reference(queries, pages, tables, lens, key_cw, value_cw, 8, 3,
+                                                          key_bytes, context_starts=starts)
+    assert float((plain_out - ref_out).abs().max()) > 100 * OUT_RTOL * float(ref_out.abs().max())  # the cap bites
 
 
 # --------------------------------------------------------------------------- dispatch and errors
@@ -605,3 +702,43 @@ def test_attend_codes_wired_to_the_fused_kernel(monkeypatch, tokens):
                                  options=AttentionOptions(fused_backend="triton", numba_decode=False))
     assert calls and torch.isfinite(got).all()
     assert_out_close(got, expected)
+
+
+@pytest.mark.parametrize("tokens", [1, 18])
+def test_attend_codes_softcap_on_the_fused_kernel(monkeypatch, tokens):
+    """A soft-capped model (Gemma 2) with fused_backend="triton": the coded columns go through
+    coded_decode_attention with softcap, the exact ones are capped in torch, merged by log-sum-exp; equal
+    to attend_codes with the fused backend off (numba / torch, one capped softmax), with a padding mask, a
+    fully masked row and sinks. Centred keys with soft-capping keep the torch path (the key mean's score
+    shift cannot be added after the cap)."""
+    import fibquant.kv.attention.entry as attention
+    from fibquant.kv.cache import CompressedLayer
+
+    calls = []
+    real = attention.coded_decode_attention
+    monkeypatch.setattr(attention, "coded_decode_attention",
+                        lambda *a, **k: calls.append(k.get("softcap")) or real(*a, **k))
+    for centre in (False, True):
+        gen = torch.Generator().manual_seed(92)
+        layer = CompressedLayer(FibQuantCodec(64, 2, 256), TurboQuantCodec(64, 2), 4, 8, attention="codes",
+                                encode_batch=4, centre=centre)
+        layer.update(*(torch.randn(2, 2, 40, 64, generator=gen).to(DEVICE) for _ in range(2)))
+        kv, _ = layer.update(*(torch.randn(2, 2, tokens, 64, generator=gen).to(DEVICE) for _ in range(2)))
+        assert kv.num_coded > 0 and (kv.key_mean is not None) == centre
+        query = torch.randn(2, 4, tokens, 64, generator=gen).to(DEVICE) * 3
+        allowed = torch.arange(kv.length)[None, :] <= (kv.length - tokens) + torch.arange(tokens)[:, None]
+        allowed = allowed.expand(2, 1, tokens, kv.length).clone().to(DEVICE)
+        allowed[1, :, :, :6] = False
+        allowed[1, :, 0, :] = False
+        sinks = torch.randn(4, generator=gen).to(DEVICE)
+        expected = attention.attend_codes(query, kv, allowed, 0.125, softcap=1.0, sinks=sinks,
+                                          options=AttentionOptions(fused_backend="off"))
+        uncapped = attention.attend_codes(query, kv, allowed, 0.125, sinks=sinks,
+                                          options=AttentionOptions(fused_backend="off"))
+        assert float((uncapped - expected).abs().max()) > 0.01  # the cap changes the result
+        calls.clear()
+        got = attention.attend_codes(query, kv, allowed, 0.125, softcap=1.0, sinks=sinks,
+                                     options=AttentionOptions(fused_backend="triton", numba_decode=False))
+        assert calls == ([] if centre else [1.0] * len(calls)) and (centre or calls)
+        assert torch.isfinite(got).all()
+        assert_out_close(got, expected)

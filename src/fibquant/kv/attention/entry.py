@@ -18,7 +18,11 @@ new tokens) and `coded_attention_forward`, registered as "fibquant", attends to 
 - a prefill chunk (>= SPLIT_MIN_TOKENS queries, no soft-capping) attends to its exact columns
   through SDPA's fused kernel, which also returns each row's log-sum-exp, and to the coded
   columns through the code kernels; the two normalised parts (and a sink logit) merge exactly by
-  their log-sum-exps. A first chunk with nothing coded and nothing before it is one causal SDPA;
+  their log-sum-exps. A first chunk with nothing coded and nothing before it is one causal SDPA.
+  When the fused Triton kernel serves the codes (`_fused`: CUDA, or `fused_backend="triton"`) every
+  chunk, decode steps included, takes this split, soft-capped ones too: the kernel caps the coded
+  scores, the exact part is capped in torch (`attention_with_lse`; SDPA cannot cap). Elsewhere a
+  soft-capped chunk keeps the one-softmax path (CPU decode steps: the fused numba step);
 - the model's own attention options apply to coded and exact columns alike: its scale
   (`scaling`, e.g. Gemma's query_pre_attn_scalar), logit soft-capping (`softcap`, Gemma 2:
   tanh(s / c) * c before the mask and softmax), learned attention sinks (`s_aux`, gpt-oss: one
@@ -48,7 +52,7 @@ from fibquant.kv.attention.numba_epilogue import Epilogue
 from fibquant.kv.attention.kernels import attention_with_lse, coded_decode_attention, merge_lse, triton_available
 from fibquant.kv.attention.notices import warn_once
 from fibquant.kv.attention.readers import one_token_steps, read_scores, read_values
-from fibquant.kv.attention.reference import epilogue_weights
+from fibquant.kv.attention.reference import check_softcap, epilogue_weights, soft_cap
 from fibquant.kv.attention.recall import check_recall, cold_rows, recalled_part
 
 ATTENTION_NAME = "fibquant"
@@ -127,8 +131,7 @@ def attend_codes(query: torch.Tensor, kv: CodedKV, attention_mask: torch.Tensor 
     the cache's).
     """
     options = kv.options if options is None else options
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"softcap must be a positive number, got {softcap!r}")
+    check_softcap(softcap)
     if sinks is not None and (not isinstance(sinks, torch.Tensor) or sinks.numel() != query.shape[1]):
         raise ValueError(f"sinks must be a tensor of {query.shape[1]} logits (one per query head), got "
                          f"{tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__}")
@@ -148,8 +151,8 @@ def attend_codes(query: torch.Tensor, kv: CodedKV, attention_mask: torch.Tensor 
         out = _attend_one_token(query, kv, attention_mask, window, Epilogue(scaling, softcap, None, sinks))
         if out is not None:
             return out
-    if softcap is None and (tokens >= SPLIT_MIN_TOKENS or _fused(kv, query.device, options.fused_backend)):
-        return _attend_split(query, kv, attention_mask, scaling, sinks, window, options.fused_backend)
+    if (softcap is None and tokens >= SPLIT_MIN_TOKENS) or _fused(kv, query.device, options.fused_backend, softcap):
+        return _attend_split(query, kv, attention_mask, scaling, sinks, window, options.fused_backend, softcap)
     groups = q_heads // heads
     length, n_sink, coded = kv.length, kv.num_sink, kv.num_coded
     past = length - tokens
@@ -212,18 +215,19 @@ def _with_step_bias(epilogue: Epilogue, kv: CodedKV, attention_mask, window, dev
 
 
 def _exact_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None,
-                     scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+                     scaling: float, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over float columns with each row's log-sum-exp: queries [B, Hq, t, D], keys/values
-    [B, Hq, L, D|Dv], bias additive float32 [B|1, Hq|1, t, L] or None (then t == L, causal)
-    -> (out [B, Hq, t, Dv] normalised over these columns, lse [B, Hq, t]; -inf for a row that sees
-    none of them, its out 0). SDPA's fused CPU kernel where it exists, else the same in torch; also the
-    torch form when autograd records a bias that requires grad (the fused kernel has no gradient for its
-    mask: an MLA model's rotary scores are such a bias outside `torch.no_grad()`)."""
+    [B, Hq, L, D|Dv], bias additive float32 [B|1, Hq|1, t, L] or None (then t == L, causal), softcap
+    None or c (scores tanh(s / c) * c before the bias) -> (out [B, Hq, t, Dv] normalised over these
+    columns, lse [B, Hq, t]; -inf for a row that sees none of them, its out 0). SDPA's fused CPU kernel
+    where it exists, else the same in torch (`attention_with_lse`); also the torch form with soft-capping
+    (SDPA cannot cap) and when autograd records a bias that requires grad (the fused kernel has no gradient
+    for its mask: an MLA model's rotary scores are such a bias outside `torch.no_grad()`)."""
     if keys.shape[-2] == 0:
         shape = queries.shape[:-1]
         return (queries.new_zeros(*shape, values.shape[-1]), queries.new_full(shape, float("-inf")))
     mask_grad = bias is not None and bias.requires_grad and torch.is_grad_enabled()
-    if (queries.device.type == "cpu" and not mask_grad
+    if (queries.device.type == "cpu" and not mask_grad and softcap is None
             and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             queries, keys, values, 0.0, bias is None, attn_mask=bias, scale=scaling)
@@ -234,13 +238,14 @@ def _exact_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Te
         size = (queries.shape[-2], keys.shape[-2])
         bias = torch.zeros(size, device=queries.device).masked_fill_(
             torch.ones(size, dtype=torch.bool, device=queries.device).triu_(1), float("-inf"))
-    return attention_with_lse(queries * scaling, keys, values, bias)
+    return attention_with_lse(queries * scaling, keys, values, bias, softcap=softcap)
 
 
 def _attend_split(query: torch.Tensor, kv: CodedKV, attention_mask, scaling: float, sinks, window,
-                  backend: str = "auto") -> torch.Tensor:
-    """`attend_codes` for a prefill chunk: exact columns through SDPA, coded ones through the code
-    kernels, merged by log-sum-exp (same result as the joint softmax to float rounding)."""
+                  backend: str = "auto", softcap: float | None = None) -> torch.Tensor:
+    """`attend_codes` for a prefill chunk (and, with the fused kernel, any chunk): exact columns through
+    SDPA (soft-capped: `attention_with_lse`), coded ones through the code kernels, merged by log-sum-exp
+    (same result as the joint softmax to float rounding)."""
     batch, q_heads, tokens, dim = query.shape
     heads = kv.new_keys.shape[1]
     groups = q_heads // heads
@@ -250,8 +255,8 @@ def _attend_split(query: torch.Tensor, kv: CodedKV, attention_mask, scaling: flo
     if n_sink:
         exact_keys = torch.cat([kv.sink_keys.to(exact_keys.dtype), exact_keys], dim=-2)
         exact_values = torch.cat([kv.sink_values.to(exact_values.dtype), exact_values], dim=-2)
-    if sinks is None and attention_mask is None and coded == 0 and exact_keys.shape[-2] == tokens and (
-            window is None or window >= length):
+    if sinks is None and softcap is None and attention_mask is None and coded == 0 and exact_keys.shape[-2] == tokens \
+            and (window is None or window >= length):
         # a first chunk (nothing coded, nothing before it): no merge, so no log-sum-exp is needed, and
         # this is the call transformers' SDPA attention makes for a DynamicCache (GQA without repeated keys).
         # On CUDA in the model's dtype, so that SDPA picks its flash kernel: in float32 it takes the math
@@ -277,25 +282,30 @@ def _attend_split(query: torch.Tensor, kv: CodedKV, attention_mask, scaling: flo
         width = rows.stop - rows.start
         block = queries[:, :, rows]
         if plain_causal:
-            exact_out, exact_lse = _exact_attention(block, exact_keys, exact_values, None, scaling)
+            exact_out, exact_lse = _exact_attention(block, exact_keys, exact_values, None, scaling, softcap)
             parts = [(exact_out, exact_lse)]
         else:
             bias = _bias_block(attention_mask, rows, length, past, query.device, window)
             if bias is None:
                 bias = torch.zeros(1, 1, width, length, device=query.device)
             exact_bias = torch.cat([bias[..., :n_sink], bias[..., n_sink + coded:]], dim=-1) if coded else bias
-            parts = [_exact_attention(block, exact_keys, exact_values, exact_bias.contiguous(), scaling)]
+            parts = [_exact_attention(block, exact_keys, exact_values, exact_bias.contiguous(), scaling, softcap)]
             if coded:
-                parts.append(_coded_part(block, kv, bias[..., n_sink:n_sink + coded], scaling, groups, backend))
+                parts.append(_coded_part(block, kv, bias[..., n_sink:n_sink + coded], scaling, groups, backend,
+                                         softcap))
         if sink_logits is not None:  # a column with a logit and no value
             parts.append((out.new_zeros(batch, q_heads, width, value_dim), sink_logits.expand(batch, q_heads, width)))
         out[:, :, rows] = merge_lse(parts)[0]
     return out.transpose(1, 2).contiguous().to(query.dtype)
 
 
-def _fused(kv: CodedKV, device: torch.device, backend: str) -> bool:
-    """Whether the coded columns of `kv` go through the fused Triton kernel (`AttentionOptions.fused_backend`)."""
+def _fused(kv: CodedKV, device: torch.device, backend: str, softcap: float | None = None) -> bool:
+    """Whether the coded columns of `kv` go through the fused Triton kernel (`AttentionOptions.fused_backend`).
+    Not for centred keys with soft-capping: the kernel scores q . x_hat and the key mean's q . mu is added to
+    the log-sum-exp afterwards, exact only when no cap applies to the whole score q . (x_hat + mu)."""
     if backend == "off" or not kv.num_coded or kv.cold is not None:
+        return False
+    if softcap is not None and kv.key_mean is not None:
         return False
     if backend == "auto" and (device.type != "cuda" or not triton_available()):
         return False
@@ -303,13 +313,14 @@ def _fused(kv: CodedKV, device: torch.device, backend: str) -> bool:
 
 
 def _coded_part_fused(block: torch.Tensor, kv: CodedKV, bias: torch.Tensor, scaling: float,
-                      groups: int, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """`_coded_part` through `coded_decode_attention` (one fused kernel; GQA without repeated keys)."""
+                      groups: int, backend: str, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_coded_part` through `coded_decode_attention` (one fused kernel; GQA without repeated keys; soft-capping
+    in the kernel, never with centred keys: `_fused`)."""
     keys, values = kv.key_codec.reader(block.device), kv.value_codec.reader(block.device)
     scaled = block * scaling
     out, lse = coded_decode_attention(scaled @ keys.forward, kv.key_codes, kv.value_codes, keys.codewords,
                                       values.codewords, keys.index_bits, values.index_bits,
-                                      bias=bias.contiguous(), value_dim=kv.value_codec.dim,
+                                      bias=bias.contiguous(), value_dim=kv.value_codec.dim, softcap=softcap,
                                       backend="auto" if backend == "auto" else "triton")
     out = out @ values.forward.T
     if kv.key_mean is not None:  # every coded score shifts by q . mu of its KV head
@@ -320,19 +331,21 @@ def _coded_part_fused(block: torch.Tensor, kv: CodedKV, bias: torch.Tensor, scal
 
 
 def _coded_part(block: torch.Tensor, kv: CodedKV, bias: torch.Tensor, scaling: float,
-                groups: int, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+                groups: int, backend: str = "auto", softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [B, Hq, t, Dv] normalised over the coded columns, lse [B, Hq, t]) of query block
-    [B, Hq, t, D] (unscaled) with additive bias [B|1, Hq|1, t, M] over the coded columns."""
-    if _fused(kv, block.device, backend):
-        return _coded_part_fused(block, kv, bias, scaling, groups, backend)
+    [B, Hq, t, D] (unscaled) with additive bias [B|1, Hq|1, t, M] over the coded columns, the scores
+    soft-capped first when softcap is set."""
+    if _fused(kv, block.device, backend, softcap):
+        return _coded_part_fused(block, kv, bias, scaling, groups, backend, softcap)
     batch, q_heads, width, dim = block.shape
     heads = q_heads // groups
     rows = (block * scaling).reshape(batch, heads, groups * width, dim)
     scores = read_scores(kv.key_codec, rows, kv.key_codes)
     if kv.key_mean is not None:
         scores = scores + rows @ kv.key_mean.unsqueeze(-1)
-    if kv.cold is not None:  # recall: the top-k coded columns of each query read exactly
+    if kv.cold is not None:  # recall: the top-k coded columns of each query read exactly (never soft-capped)
         return recalled_part(rows, scores, bias, kv, groups, width)
+    scores = soft_cap(scores, softcap)
     shaped = scores.view(batch, heads, groups, width, -1)
     if bias.shape[1] == 1:
         shaped += bias.unsqueeze(1)

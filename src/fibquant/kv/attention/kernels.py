@@ -76,7 +76,8 @@ from fibquant._numba import numba_available, run_split
 from fibquant.kv.attention.notices import warn_once
 from fibquant.kv.attention.numba_kernels import _MODE_BYTES, _MODE_FIELDS
 from fibquant.kv.attention.reference import (BACKENDS, _check_backend, _validate_decode, _validate_paged, _validate_scores,
-                              _validate_weighted_sum, attention_with_lse, coded_decode_attention_paged_reference,
+                              _validate_weighted_sum, attention_with_lse, check_softcap,
+                              coded_decode_attention_paged_reference,
                               coded_decode_attention_reference, coded_scores_reference,
                               coded_weighted_sum_reference, merge_lse)
 
@@ -299,7 +300,8 @@ def coded_weighted_sum(weights: torch.Tensor, codes: torch.Tensor, codewords: to
 def coded_decode_attention(queries: torch.Tensor, key_codes: torch.Tensor, value_codes: torch.Tensor,
                            key_codewords: torch.Tensor, value_codewords: torch.Tensor, key_bits: int,
                            value_bits: int, bias: Optional[torch.Tensor] = None, *, value_dim: Optional[int] = None,
-                           backend: str = "auto", splits: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                           softcap: Optional[float] = None, backend: str = "auto",
+                           splits: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused attention of query rows over coded keys/values (flash-decoding on codes).
 
     queries   float32 [B, Hq, Q, D]: the queries rotated by the key codec (q @ key forward) and
@@ -310,17 +312,20 @@ def coded_decode_attention(queries: torch.Tensor, key_codes: torch.Tensor, value
     key_codewords, value_codewords  float32 [N, k] per role; key_bits, value_bits their index widths
     bias      None or float32 additive [B|1, 1|Hq, Q, M] over the coded columns (-inf = masked)
     value_dim Dv when it differs from D (default D)
+    softcap   None or c > 0: logit soft-capping (Gemma 2), each coded score s -> tanh(s / c) * c before
+              the bias (ValueError for c <= 0, a non-finite or a non-number c)
     splits    context splits across programs (default: enough to fill the GPU); results do not
               depend on it beyond float32 rounding
     -> (out float32 [B, Hq, Q, Dv]: softmax over the M coded columns applied to the decoded values,
         in the value codec's rotated domain (un-rotate with `@ value_rotated.forward.T`);
-        lse float32 [B, Hq, Q]: logsumexp of the coded columns' scores (+ bias))
+        lse float32 [B, Hq, Q]: logsumexp of the coded columns' (capped) scores (+ bias))
 
     Rows with no visible coded column (fully masked, or M = 0) give out = 0 and lse = -inf.
     Merge with the exact columns (sinks, window, new tokens) exactly by
     `merge_lse([(out_coded_unrotated, lse_coded), attention_with_lse(q, k_exact, v_exact, bias_exact)])`.
-    Centred keys (x = x_hat + mu): add q . mu to lse (a constant shift of every coded score);
-    centred values: add mu to the (normalised) coded out before merging.
+    Centred keys (x = x_hat + mu): add q . mu to lse (a constant shift of every coded score; exact only
+    without softcap, since the cap applies to the whole score); centred values: add mu to the (normalised)
+    coded out before merging. With softcap, cap the exact columns alike (`attention_with_lse(softcap=)`).
 
     backend: "auto" (triton for CUDA tensors when it imports, else the torch reference with a
     one-time warning; the reference on the CPU: there the numba drop-ins of `coded_scores` /
@@ -330,6 +335,7 @@ def coded_decode_attention(queries: torch.Tensor, key_codes: torch.Tensor, value
     key_blocks, value_blocks, _, value_dim = _validate_decode(queries, key_codes, value_codes, key_codewords,
                                                               value_codewords, key_bits, value_bits, bias,
                                                               value_dim)
+    check_softcap(softcap)
     if splits is not None and (not isinstance(splits, int) or isinstance(splits, bool) or splits < 1):
         raise ValueError(f"splits must be a positive integer or None, got {splits!r}")
     tensors = (queries, key_codes, value_codes, key_codewords, value_codewords)
@@ -338,13 +344,14 @@ def coded_decode_attention(queries: torch.Tensor, key_codes: torch.Tensor, value
 
     def reference():
         return coded_decode_attention_reference(queries, key_codes, value_codes, key_codewords, value_codewords,
-                                                key_bits, value_bits, bias, value_dim=value_dim)
+                                                key_bits, value_bits, bias, value_dim=value_dim, softcap=softcap)
 
     if choice == "triton":
         return _run_triton(backend, "coded_decode_attention",
                            lambda: _triton_probe()[0].decode_attention(queries, key_codes, value_codes,
                                                                        key_codewords, value_codewords, key_bits,
-                                                                       value_bits, bias, value_dim, splits=splits),
+                                                                       value_bits, bias, value_dim, softcap=softcap,
+                                                                       splits=splits),
                            reference)
     return reference()
 
@@ -353,7 +360,7 @@ def coded_decode_attention_paged(queries: torch.Tensor, pages: torch.Tensor, blo
                                  context_lens, key_codewords: torch.Tensor, value_codewords: torch.Tensor,
                                  key_bits: int, value_bits: int, key_bytes: int, *, context_starts=None,
                                  value_dim: Optional[int] = None, max_context: Optional[int] = None,
-                                 backend: str = "auto", splits: Optional[int] = None
+                                 softcap: Optional[float] = None, backend: str = "auto", splits: Optional[int] = None
                                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """`coded_decode_attention` over paged codes (vLLM's KV pages), read in place through block tables.
 
@@ -374,8 +381,9 @@ def coded_decode_attention_paged(queries: torch.Tensor, pages: torch.Tensor, blo
         tokens; lse float32 [R, Hq, Q]); a request with no coded token: out = 0, lse = -inf.
 
     Every query token of a request sees all its coded positions (they are older than its exact
-    tokens): no bias. backend as in `coded_decode_attention` (triton for CUDA tensors when it imports;
-    the torch reference `coded_decode_attention_paged_reference`, which gathers, elsewhere).
+    tokens): no bias. softcap: as in `coded_decode_attention` (lse of the capped scores). backend as in
+    `coded_decode_attention` (triton for CUDA tensors when it imports; the torch reference
+    `coded_decode_attention_paged_reference`, which gathers, elsewhere).
     """
     key_size, value_size, value_dim, longest, starts, stops = _validate_paged(
         queries, pages, block_tables, context_lens, context_starts, key_codewords, value_codewords, key_bits,
@@ -384,6 +392,7 @@ def coded_decode_attention_paged(queries: torch.Tensor, pages: torch.Tensor, blo
         if not isinstance(max_context, int) or isinstance(max_context, bool) or max_context < 0:
             raise ValueError(f"max_context must be a non-negative integer or None, got {max_context!r}")
         longest = max_context
+    check_softcap(softcap)
     if splits is not None and (not isinstance(splits, int) or isinstance(splits, bool) or splits < 1):
         raise ValueError(f"splits must be a positive integer or None, got {splits!r}")
     tensors = (queries, pages, block_tables, key_codewords, value_codewords)
@@ -392,13 +401,13 @@ def coded_decode_attention_paged(queries: torch.Tensor, pages: torch.Tensor, blo
     def reference():
         return coded_decode_attention_paged_reference(queries, pages, block_tables, stops, key_codewords,
                                                       value_codewords, key_bits, value_bits, key_bytes,
-                                                      context_starts=starts, value_dim=value_dim)
+                                                      context_starts=starts, value_dim=value_dim, softcap=softcap)
 
     if choice == "triton":
         return _run_triton(backend, "coded_decode_attention_paged",
                            lambda: _triton_probe()[0].paged_decode_attention(
                                queries, pages, block_tables, starts, stops, key_codewords, value_codewords,
                                key_bits, value_bits, key_bytes, key_size, value_size, value_dim, longest,
-                               splits=splits),
+                               softcap=softcap, splits=splits),
                            reference)
     return reference()

@@ -3,8 +3,8 @@
 
 Besides the two drop-ins (`coded_scores_reference`, `coded_weighted_sum_reference`) this module
 holds the spec of the fused decode attention (`coded_decode_attention_reference`, the Triton
-kernel's spec), the epilogue every fast path applies to a row of scores (`epilogue_weights`: soft-capping,
-bias, softmax with learned sinks), dense attention that also returns the log-sum-exp (`attention_with_lse`),
+kernel's spec), the epilogue every fast path applies to a row of scores (`epilogue_weights`: soft-capping
+(`soft_cap`), bias, softmax with learned sinks), dense attention that also returns the log-sum-exp (`attention_with_lse`),
 and the exact merge of attention parts over disjoint column sets (`merge_lse`).
 """
 from __future__ import annotations
@@ -208,14 +208,27 @@ def _validate_decode(queries, key_codes, value_codes, key_codewords, value_codew
     return key_blocks, value_blocks, q_heads // hk, value_dim
 
 
+def check_softcap(softcap) -> None:
+    """ValueError unless `softcap` is None or a positive finite number (the c of tanh(s / c) * c)."""
+    if softcap is None:
+        return
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not 0 < softcap < math.inf:
+        raise ValueError(f"softcap must be a positive number (finite) or None, got {softcap!r}")
+
+
+def soft_cap(scores: torch.Tensor, softcap: Optional[float]) -> torch.Tensor:
+    """Logit soft-capping (Gemma 2): tanh(s / softcap) * softcap of scaled scores; unchanged when softcap is None.
+    Every path caps its scores here or in a kernel tested against it (`numba_epilogue`, `triton_kernels`)."""
+    return scores if softcap is None else torch.tanh(scores / softcap) * softcap
+
+
 def epilogue_weights(scores: torch.Tensor, bias: Optional[torch.Tensor] = None, softcap: Optional[float] = None,
                      sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The spec of the attention epilogue every fast path shares (`numba_epilogue`): scores [..., Hq, t, L]
-    (scaled) -> softmax weights of the same shape. softcap: tanh(s / softcap) * softcap first (Gemma 2);
-    bias: additive, broadcast over the scores (-inf masks a column); sinks [Hq]: one more logit per query
-    head in the softmax, with no value (its weight dropped). A row with every column masked: zeros."""
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
+    (scaled) -> softmax weights of the same shape. softcap: tanh(s / softcap) * softcap first (Gemma 2,
+    `soft_cap`); bias: additive, broadcast over the scores (-inf masks a column); sinks [Hq]: one more logit
+    per query head in the softmax, with no value (its weight dropped). A row with every column masked: zeros."""
+    scores = soft_cap(scores, softcap)
     if bias is not None:
         scores = scores + bias
     if sinks is None:
@@ -225,22 +238,25 @@ def epilogue_weights(scores: torch.Tensor, bias: Optional[torch.Tensor] = None, 
 
 
 def attention_with_lse(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                       bias: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       bias: Optional[torch.Tensor] = None, *,
+                       softcap: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense attention of one column set, with its log-sum-exp (plain torch, any device, float32).
 
     queries [B, Hq, Q, D] (already scaled), keys [B, Hkv, L, D], values [B, Hkv, L, Dv] (GQA:
     query head hq reads KV head hq // (Hq / Hkv)), bias None or additive [B|1, 1|Hq, Q, L]
-    (-inf = masked) -> (out [B, Hq, Q, Dv] = softmax(q.K^T + bias) @ V, lse [B, Hq, Q] =
-    logsumexp(q.K^T + bias)). A fully masked row (or L = 0): out = 0, lse = -inf, no NaN.
+    (-inf = masked), softcap None or c > 0 -> with s = cap(q.K^T) + bias, cap = `soft_cap` (identity
+    without softcap): (out [B, Hq, Q, Dv] = softmax(s) @ V, lse [B, Hq, Q] = logsumexp(s)).
+    A fully masked row (or L = 0): out = 0, lse = -inf, no NaN.
     The pieces of one attention row over disjoint column sets merge exactly with `merge_lse`.
     """
+    check_softcap(softcap)
     batch, q_heads, n_q, dim = queries.shape
     heads, length = keys.shape[1], keys.shape[2]
     if q_heads % max(heads, 1):
         raise ValueError(f"{q_heads} query heads are not a multiple of {heads} KV heads")
     groups = q_heads // heads
     q = queries.to(torch.float32).reshape(batch, heads, groups * n_q, dim)
-    scores = (q @ keys.to(torch.float32).transpose(-1, -2)).reshape(batch, q_heads, n_q, length)
+    scores = soft_cap((q @ keys.to(torch.float32).transpose(-1, -2)).reshape(batch, q_heads, n_q, length), softcap)
     if bias is not None:
         scores = scores + bias
     lse = torch.logsumexp(scores, dim=-1) if length else scores.new_full((batch, q_heads, n_q), float("-inf"))
@@ -283,20 +299,23 @@ def merge_lse(parts: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch
 def coded_decode_attention_reference(queries: torch.Tensor, key_codes: torch.Tensor, value_codes: torch.Tensor,
                                      key_codewords: torch.Tensor, value_codewords: torch.Tensor,
                                      key_bits: int, value_bits: int, bias: Optional[torch.Tensor] = None,
-                                     *, value_dim: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                                     *, value_dim: Optional[int] = None,
+                                     softcap: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The spec of `kernels.coded_decode_attention`: decode both code sets in the rotated
     domain, then `attention_with_lse` (any device).
 
     queries float32 [B, Hq, Q, D] rotated by the key codec (q @ forward) and already scaled;
     key_codes uint8 [B, Hkv, M, Ck], value_codes uint8 [B, Hkv, M, Cv]; codewords float32 [N, k]
-    per role; bias None or float32 additive [B|1, 1|Hq, Q, M] -> (out [B, Hq, Q, Dv] in the value
-    codec's rotated domain, normalised over the M coded columns; lse [B, Hq, Q]).
+    per role; bias None or float32 additive [B|1, 1|Hq, Q, M]; softcap None or c > 0 (scores
+    tanh(s / c) * c before the bias) -> (out [B, Hq, Q, Dv] in the value codec's rotated domain,
+    normalised over the M coded columns; lse [B, Hq, Q] of the capped scores + bias).
     """
     key_blocks, value_blocks, _, _ = _validate_decode(queries, key_codes, value_codes, key_codewords,
                                                       value_codewords, key_bits, value_bits, bias, value_dim)
+    check_softcap(softcap)
     keys = _decoded_rotated(key_codes, key_codewords, key_bits, key_blocks)
     values = _decoded_rotated(value_codes, value_codewords, value_bits, value_blocks)
-    return attention_with_lse(queries, keys, values, bias)
+    return attention_with_lse(queries, keys, values, bias, softcap=softcap)
 
 
 # --------------------------------------------------------------------------- paged (vLLM) decode attention
@@ -381,12 +400,15 @@ def gather_paged_codes(pages: torch.Tensor, block_tables: torch.Tensor, request:
 def coded_decode_attention_paged_reference(queries: torch.Tensor, pages: torch.Tensor, block_tables: torch.Tensor,
                                            context_lens, key_codewords: torch.Tensor, value_codewords: torch.Tensor,
                                            key_bits: int, value_bits: int, key_bytes: int, *, context_starts=None,
-                                           value_dim: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                                           value_dim: Optional[int] = None,
+                                           softcap: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The spec of `kernels.coded_decode_attention_paged`: per request, gather its coded rows
-    through the block table (`gather_paged_codes`), then `coded_decode_attention_reference`."""
+    through the block table (`gather_paged_codes`), then `coded_decode_attention_reference`
+    (softcap: as there)."""
     key_size, value_size, value_dim, _, starts, stops = _validate_paged(
         queries, pages, block_tables, context_lens, context_starts, key_codewords, value_codewords, key_bits,
         value_bits, key_bytes, value_dim)
+    check_softcap(softcap)
     batch, q_heads, n_q, _ = queries.shape
     out = torch.zeros(batch, q_heads, n_q, value_dim, dtype=torch.float32, device=queries.device)
     lse = torch.full((batch, q_heads, n_q), float("-inf"), dtype=torch.float32, device=queries.device)
@@ -397,5 +419,5 @@ def coded_decode_attention_paged_reference(queries: torch.Tensor, pages: torch.T
                                                     value_size)
         out[request], lse[request] = (t[0] for t in coded_decode_attention_reference(
             queries[request:request + 1], key_codes, value_codes, key_codewords, value_codewords, key_bits,
-            value_bits, value_dim=value_dim))
+            value_bits, value_dim=value_dim, softcap=softcap))
     return out, lse

@@ -16,14 +16,15 @@ of a capacity buffer is not copied; only a row whose bytes are not contiguous is
 
     scores(queries [B,H,Q,D], codes [B,H,M,C], codewords [N,k], W)        -> [B,H,Q,M]
     weighted_sum(weights [B,H,Q,M], codes [B,H,M,C], codewords [N,k], W)  -> [B,H,Q,D]
-    decode_attention(queries [B,Hq,Q,D], key_codes [B,Hkv,M,Ck], value_codes [B,Hkv,M,Cv], ...)
+    decode_attention(queries [B,Hq,Q,D], key_codes [B,Hkv,M,Ck], value_codes [B,Hkv,M,Cv], ..., softcap)
         -> (out [B,Hq,Q,Dv] rotated, normalised over the M coded columns; lse [B,Hq,Q])
     paged_decode_attention(queries [R,Hq,Q,D], pages [blocks,Hkv,block_size,slot], block_tables [R,nb],
                            starts [R], stops [R], ...) -> the same over vLLM-style pages, read in place
 
 `decode_attention` is flash-decoding on codes: the query rows of one KV head (Hq / Hkv heads x Q
 tokens, padded to a tile of >= 16 rows, so GQA never repeats keys) are scored against tiles of
-key codes, an online softmax runs over the tiles of one split of the context, values are
+key codes (soft-capped when `softcap` is set: tanh(s / c) * c in a form that cannot overflow, then
+the bias), an online softmax runs over the tiles of one split of the context, values are
 accumulated in the value codec's rotated domain; the context is split across programs
 (`splits`) and the per-split (acc, max, sum) are merged exactly (`merge_lse` semantics).
 Prefill chunks use the same kernel (query rows are tiled too): memory is O(rows x Dv) plus
@@ -42,7 +43,9 @@ import contextlib
 import dataclasses
 import functools
 import os
+import re
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -71,18 +74,54 @@ def _interpreting() -> bool:
 INTERPRETED = _interpreting()
 
 
+def _version(text: str) -> tuple[int, int]:
+    """(major, minor) of a version string such as "3.6.0" or "2.4.0.dev0"."""
+    major, minor = (re.findall(r"\d+", text) + ["0", "0"])[:2]
+    return int(major), int(minor)
+
+
+# Triton < 3.7's interpreter converts a scalar (a 1-element numpy array) to an int with int(array), which
+# numpy >= 2.4 refuses ("only 0-dimensional arrays can be converted to Python scalars"): every loop whose
+# bounds the kernel computes (`range(start, stop, BM)`) failed there. `_launch_scope` then converts as 3.7 does.
+_INDEX_FIX = INTERPRETED and _version(triton.__version__) < (3, 7) and _version(np.__version__) >= (2, 4)
+
+
+@contextlib.contextmanager
+def _interpreter_index_fix():
+    """During a launch, the interpreter's tensor.__index__ of triton 3.7 (int(data.squeeze())) on an older
+    triton under numpy >= 2.4; the interpreter's own patches (restored after each launch) are otherwise kept."""
+    if not _INDEX_FIX:
+        yield
+        return
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+
+    def patch_lang_tensor(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    interpreter._patch_lang_tensor = patch_lang_tensor
+    try:
+        yield
+    finally:
+        interpreter._patch_lang_tensor = original
+
+
 @contextlib.contextmanager
 def _launch_scope():
     """Kernels built for the interpreter re-read TRITON_INTERPRET when they run (the interpreter
     re-executes their source): keep it set during a launch, so they work whatever the caller did to
-    the environment after importing this module (the tests restore it). A no-op when compiled."""
+    the environment after importing this module (the tests restore it); with `_interpreter_index_fix`.
+    A no-op when compiled."""
     if not INTERPRETED:
         yield
         return
     saved = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     try:
-        yield
+        with _interpreter_index_fix():
+            yield
     finally:
         if saved is None:
             os.environ.pop("TRITON_INTERPRET", None)
@@ -143,6 +182,16 @@ def _decode_tile(codes_ptr, row_off, row_ok, cw_ptr, n_codewords, index_bytes, d
 
 
 @triton.jit
+def _soft_cap(s, cap):
+    """tanh(s / cap) * cap (Gemma 2's logit soft-capping; spec `reference.soft_cap`) in the exp form
+    tanh(x) = sign(x) (1 - e^(-2|x|)) / (1 + e^(-2|x|)): the exponent is never positive, so no overflow
+    and no NaN for any finite s (|s| / cap large: exactly +-cap)."""
+    e = tl.exp(-2.0 * (tl.abs(s) / cap))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(s < 0, -t, t) * cap
+
+
+@triton.jit
 def _scores_kernel(q_ptr, codes_ptr, cw_ptr, out_ptr, bad_ptr,
                    n_heads, n_q, n_tokens, dim, n_codewords, index_bytes,
                    sq0, sq1, sq2, sq3, sc0, sc1, sc2, so0, so1, so2, so3,
@@ -199,16 +248,16 @@ def _weighted_sum_kernel(w_ptr, codes_ptr, cw_ptr, out_ptr, bad_ptr,
 @triton.jit
 def _decode_attention_kernel(q_ptr, kc_ptr, vc_ptr, kcw_ptr, vcw_ptr, bias_ptr, acc_ptr, stat_ptr, bad_ptr,
                              n_kv_heads, groups, n_q, n_rows, n_tokens, dim, dim_v,
-                             n_kcw, n_vcw, k_index_bytes, v_index_bytes, tokens_per_split,
+                             n_kcw, n_vcw, k_index_bytes, v_index_bytes, tokens_per_split, softcap,
                              sq0, sq1, sq2, sq3, skc0, skc1, skc2, svc0, svc1, svc2,
                              sb0, sb1, sb2, sb3, sa0, sa1, sa2, sa3, ss0, ss1, ss2, ss3,
                              KW: tl.constexpr, KK: tl.constexpr, KNB: tl.constexpr,
                              VW: tl.constexpr, VK: tl.constexpr, VNB: tl.constexpr,
-                             DP: tl.constexpr, DVP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                             DP: tl.constexpr, DVP: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
                              CHECK_K: tl.constexpr, CHECK_V: tl.constexpr,
                              BQ: tl.constexpr, BM: tl.constexpr):
     """One (batch, KV head, tile of query rows, context split): online softmax over the split's
-    tiles. Query row r = g * n_q + t is query head h * groups + g, token t. Writes the unnormalised
+    tiles (scores soft-capped by `softcap` first when SOFTCAP, then the bias). Query row r = g * n_q + t is query head h * groups + g, token t. Writes the unnormalised
     accumulator acc [S, B, Hkv, R, Dv] and (running max, running sum) stat [S, B, Hkv, R, 2]."""
     bh = tl.program_id(0)
     b = (bh // n_kv_heads).to(tl.int64)
@@ -232,6 +281,8 @@ def _decode_attention_kernel(q_ptr, kc_ptr, vc_ptr, kcw_ptr, vcw_ptr, bias_ptr, 
         keys = _decode_tile(kc_ptr, b * skc0 + h * skc1 + tokens.to(tl.int64) * skc2, tok_ok, kcw_ptr, n_kcw,
                             k_index_bytes, dim, bad_ptr, KW, KK, KNB, DP, BM, CHECK_K)
         s = tl.dot(q, tl.trans(keys), input_precision="ieee")
+        if SOFTCAP:
+            s = _soft_cap(s, softcap)
         if HAS_BIAS:
             s += tl.load(bias_ptr + b * sb0 + head_q[:, None] * sb1 + token_q[:, None] * sb2
                          + tokens[None, :].to(tl.int64) * sb3,
@@ -258,19 +309,19 @@ def _decode_attention_kernel(q_ptr, kc_ptr, vc_ptr, kcw_ptr, vcw_ptr, bias_ptr, 
 def _paged_decode_attention_kernel(q_ptr, pages_ptr, table_ptr, start_ptr, stop_ptr, kcw_ptr, vcw_ptr,
                                    acc_ptr, stat_ptr, bad_ptr,
                                    n_kv_heads, groups, n_q, n_rows, n_splits, block_size, value_offset,
-                                   dim, dim_v, n_kcw, n_vcw, k_index_bytes, v_index_bytes,
+                                   dim, dim_v, n_kcw, n_vcw, k_index_bytes, v_index_bytes, softcap,
                                    sq0, sq1, sq2, sq3, sp0, sp1, sp2, st0, st1,
                                    sa0, sa1, sa2, sa3, ss0, ss1, ss2, ss3,
                                    KW: tl.constexpr, KK: tl.constexpr, KNB: tl.constexpr,
                                    VW: tl.constexpr, VK: tl.constexpr, VNB: tl.constexpr,
-                                   DP: tl.constexpr, DVP: tl.constexpr,
+                                   DP: tl.constexpr, DVP: tl.constexpr, SOFTCAP: tl.constexpr,
                                    CHECK_K: tl.constexpr, CHECK_V: tl.constexpr,
                                    BQ: tl.constexpr, BM: tl.constexpr):
     """`_decode_attention_kernel` over vLLM-style pages: program (request b, KV head h, tile of query
     rows, split) reads the request's coded positions [start[b], stop[b]) in place, position p at
     page table[b, p // block_size], slot p % block_size (byte offset page * sp0 + h * sp1 + slot * sp2;
     key code at 0, value code at `value_offset`). The split's range is a share of the request's own
-    length (a short request's extra splits see nothing: m = -inf, l = 0)."""
+    length (a short request's extra splits see nothing: m = -inf, l = 0). Scores soft-capped when SOFTCAP."""
     bh = tl.program_id(0)
     b = (bh // n_kv_heads).to(tl.int64)
     h = (bh % n_kv_heads).to(tl.int64)
@@ -299,6 +350,8 @@ def _paged_decode_attention_kernel(q_ptr, pages_ptr, table_ptr, start_ptr, stop_
         keys = _decode_tile(pages_ptr, row_off, tok_ok, kcw_ptr, n_kcw, k_index_bytes, dim, bad_ptr,
                             KW, KK, KNB, DP, BM, CHECK_K)
         s = tl.dot(q, tl.trans(keys), input_precision="ieee")
+        if SOFTCAP:
+            s = _soft_cap(s, softcap)
         s = tl.where(tok_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -416,6 +469,11 @@ def _auto_splits(device: torch.device, units: int, n_tiles: int, waves: int = 2,
     return max(1, min(n_tiles, max(min_splits, -(-target // max(units, 1)))))
 
 
+def _cap_arg(softcap: float | None) -> float:
+    """The kernels' `softcap` scalar: c, or 1.0 when there is none (then SOFTCAP=False and it is never read)."""
+    return 1.0 if softcap is None else float(softcap)
+
+
 def _check_bad(bad: torch.Tensor | None, n_codewords: tuple[int, ...], index_bits: tuple[int, ...]) -> None:
     if bad is None:
         return
@@ -480,9 +538,9 @@ def weighted_sum(weights: torch.Tensor, codes: torch.Tensor, codewords: torch.Te
 
 def decode_attention(queries: torch.Tensor, key_codes: torch.Tensor, value_codes: torch.Tensor,
                      key_codewords: torch.Tensor, value_codewords: torch.Tensor, key_bits: int, value_bits: int,
-                     bias: torch.Tensor | None, value_dim: int, splits: int | None = None,
-                     launch: Launch = Launch()) -> tuple[torch.Tensor, torch.Tensor]:
-    """coded_decode_attention on Triton (inputs validated by coded_kernels)
+                     bias: torch.Tensor | None, value_dim: int, softcap: float | None = None,
+                     splits: int | None = None, launch: Launch = Launch()) -> tuple[torch.Tensor, torch.Tensor]:
+    """coded_decode_attention on Triton (inputs validated by coded_kernels; softcap None or > 0)
     -> (out float32 [B, Hq, Q, Dv] rotated, normalised over the coded columns; lse float32 [B, Hq, Q])."""
     n_b, q_heads, n_q, dim = queries.shape
     kv_heads, n_tokens = key_codes.shape[1], key_codes.shape[2]
@@ -518,12 +576,12 @@ def decode_attention(queries: torch.Tensor, key_codes: torch.Tensor, value_codes
         _decode_attention_kernel[(n_b * kv_heads, row_tiles, splits)](
             queries, key_codes, value_codes, key_codewords, value_codewords, bias_arg, acc, stat, bad,
             kv_heads, groups, n_q, n_rows, n_tokens, dim, value_dim, n_kcw, n_vcw,
-            key_codes.shape[-1] - 2, value_codes.shape[-1] - 2, per_split,
+            key_codes.shape[-1] - 2, value_codes.shape[-1] - 2, per_split, _cap_arg(softcap),
             *queries.stride(), *key_codes.stride()[:3], *value_codes.stride()[:3], *bias_strides,
             *acc.stride()[:4], *stat.stride()[:4],
             KW=key_bits, KK=k_key, KNB=_field_bytes(key_bits), VW=value_bits, VK=k_value,
             VNB=_field_bytes(value_bits), DP=_pow2(dim, 16), DVP=_pow2(value_dim, 16), HAS_BIAS=bias is not None,
-            CHECK_K=check_k, CHECK_V=check_v, BQ=bq, BM=bm, num_warps=launch.num_warps,
+            SOFTCAP=softcap is not None, CHECK_K=check_k, CHECK_V=check_v, BQ=bq, BM=bm, num_warps=launch.num_warps,
             num_stages=launch.num_stages)
     if check_k or check_v:
         _check_bad(bad, (n_kcw, n_vcw), (key_bits, value_bits))
@@ -551,7 +609,8 @@ def paged_decode_attention(queries: torch.Tensor, pages: torch.Tensor, block_tab
                            starts: torch.Tensor, stops: torch.Tensor, key_codewords: torch.Tensor,
                            value_codewords: torch.Tensor, key_bits: int, value_bits: int, key_bytes: int,
                            key_code_size: int, value_code_size: int, value_dim: int, max_tokens: int,
-                           splits: int | None = None, launch: Launch = Launch()) -> tuple[torch.Tensor, torch.Tensor]:
+                           softcap: float | None = None, splits: int | None = None,
+                           launch: Launch = Launch()) -> tuple[torch.Tensor, torch.Tensor]:
     """coded_decode_attention_paged on Triton (inputs validated by coded_kernels): queries [R, Hq, Q, D],
     pages uint8 [num_blocks, Hkv, block_size, slot_bytes] (any strides, a slot's bytes contiguous),
     block_tables int [R, max_blocks], starts/stops int32 [R] (coded positions [start, stop) of each request),
@@ -582,10 +641,10 @@ def paged_decode_attention(queries: torch.Tensor, pages: torch.Tensor, block_tab
         _paged_decode_attention_kernel[(n_b * kv_heads, row_tiles, splits)](
             queries, pages.detach(), block_tables, starts, stops, key_codewords, value_codewords, acc, stat, bad,
             kv_heads, groups, n_q, n_rows, splits, block_size, key_bytes, dim, value_dim, n_kcw, n_vcw,
-            key_code_size - 2, value_code_size - 2,
+            key_code_size - 2, value_code_size - 2, _cap_arg(softcap),
             *queries.stride(), *pages.stride()[:3], *block_tables.stride(), *acc.stride()[:4], *stat.stride()[:4],
             KW=key_bits, KK=k_key, KNB=_field_bytes(key_bits), VW=value_bits, VK=k_value,
-            VNB=_field_bytes(value_bits), DP=_pow2(dim, 16), DVP=_pow2(value_dim, 16),
+            VNB=_field_bytes(value_bits), DP=_pow2(dim, 16), DVP=_pow2(value_dim, 16), SOFTCAP=softcap is not None,
             CHECK_K=check_k, CHECK_V=check_v, BQ=bq, BM=bm, num_warps=launch.num_warps,
             num_stages=launch.num_stages)
     if check_k or check_v:
