@@ -74,3 +74,16 @@ def model_and_tokenizer():
         return load_model()
     except ValueError as exc:  # the default model package is not installed
         pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
+def goal_step_wikihow():
+    """The examples of BIG-bench's goal_step_wikihow task from the bigbench 1.0.0 sdist, downloaded once
+    into the user cache. Skipped, with the loader's message, when the sdist cannot be downloaded: its
+    only source is PyPI, and bigbench 1.0.0 is no longer listed there (only 0.0.1, without the tasks)."""
+    from fibquant.data.bigbench import TaskUnavailableError, load_bigbench_task
+
+    try:
+        return load_bigbench_task("goal_step_wikihow")
+    except TaskUnavailableError as exc:
+        pytest.skip(f"BIG-bench goal_step_wikihow is unavailable: {exc}")

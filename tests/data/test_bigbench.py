@@ -98,8 +98,8 @@ def test_failed_download_names_the_command(tmp_path, monkeypatch):
 
 
 @pytest.mark.model
-def test_real_goal_step_wikihow():
-    examples = load_bigbench_task("goal_step_wikihow")
+def test_real_goal_step_wikihow(goal_step_wikihow):
+    examples = goal_step_wikihow
     by_subtask = {}
     for example in examples:
         by_subtask[example.subtask] = by_subtask.get(example.subtask, 0) + 1

@@ -154,7 +154,7 @@ def test_run_multiple_choice_on_the_tiny_model(tmp_path):
 
 
 @pytest.mark.model
-def test_real_goal_step_wikihow_three_questions(model_and_tokenizer):
+def test_real_goal_step_wikihow_three_questions(model_and_tokenizer, goal_step_wikihow):
     model, tokenizer = model_and_tokenizer
     settings = [CacheSetting("fp"), CacheSetting("fibquant:b=4", sink_tokens=0, recent_tokens=4)]
     payload = run_multiple_choice(model, tokenizer, limit=3, settings=settings, progress=False)

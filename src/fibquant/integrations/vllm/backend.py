@@ -405,9 +405,9 @@ class FibQuantAttentionImpl(AttentionImpl):
         return rows[..., : self.key_bytes], rows[..., self.key_bytes: self.key_bytes + self.value_bytes]
 
     def _paged(self, pages: torch.Tensor) -> bool:
-        """Whether the coded tokens go through the paged Triton kernel (`paged_coded_backend`; no soft-cap)."""
+        """Whether the coded tokens go through the paged Triton kernel (`paged_coded_backend`)."""
         backend = self.options.paged_coded_backend
-        if backend == "off" or self.softcap is not None:
+        if backend == "off":
             return False
         if backend == "auto" and (pages.device.type != "cuda" or not triton_available()):
             return False
@@ -422,7 +422,7 @@ class FibQuantAttentionImpl(AttentionImpl):
                       window=None) -> torch.Tensor:
         """`_attend` with the coded positions [skip, stop) of each request read in place by the paged
         kernel, merged by log-sum-exp with the exact part (the window, the own tokens causally) and the
-        sink logits."""
+        sink logits; a soft-cap caps the coded scores in the kernel and the exact ones in torch."""
         count, tokens = query.shape[:2]
         device = pages.device
         key_book, value_book = (codec.reader(device) for codec in (self.key_codec, self.value_codec))
@@ -431,7 +431,8 @@ class FibQuantAttentionImpl(AttentionImpl):
         coded_out, coded_lse = coded_decode_attention_paged(
             q @ key_book.forward, pages, tables, stops, key_book.codewords, value_book.codewords,
             key_book.index_bits, value_book.index_bits, self.key_bytes, context_starts=skip,
-            value_dim=self.value_codec.dim, backend="auto" if self.options.paged_coded_backend == "auto" else "triton")
+            value_dim=self.value_codec.dim, softcap=self.softcap,
+            backend="auto" if self.options.paged_coded_backend == "auto" else "triton")
         coded_out = coded_out @ value_book.forward.T
         exact_keys, exact_values = key.transpose(1, 2), value.transpose(1, 2)      # [R, Hk, T, D]
         if exact:
@@ -449,7 +450,7 @@ class FibQuantAttentionImpl(AttentionImpl):
                 hidden = columns[None, :] > exact + torch.arange(rows.start, rows.stop, device=device)[:, None]
                 bias = torch.zeros(hidden.shape, device=device).masked_fill_(hidden, float("-inf"))[None, None]
             parts = [(coded_out[:, :, rows], coded_lse[:, :, rows]),
-                     attention_with_lse(q[:, :, rows], exact_keys, exact_values, bias)]
+                     attention_with_lse(q[:, :, rows], exact_keys, exact_values, bias, softcap=self.softcap)]
             if self.logit_sinks is not None:  # a column with a logit and no value
                 width = rows.stop - rows.start
                 logits = self.logit_sinks.to(device=device, dtype=torch.float32).reshape(1, -1, 1)
