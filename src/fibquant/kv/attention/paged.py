@@ -177,7 +177,7 @@ def paged_decode_attention(query: torch.Tensor, pages: torch.Tensor, tables: tor
         raise ValueError(f"expected CPU query [B, Hq, D] and uint8 pages [blocks, Hkv, bs, slot], got "
                          f"{tuple(query.shape)} on {query.device}, {pages.dtype} {tuple(pages.shape)}")
     batch, q_heads, dim = query.shape
-    kv_heads, block_size = pages.shape[1], pages.shape[2]
+    kv_heads = pages.shape[1]
     if plans is None:
         plans = paged_plans(key_codec, value_codec, q_heads, kv_heads)
         if plans is None:  # codes the paged kernel does not read: each sequence through its codecs' readers
@@ -188,28 +188,11 @@ def paged_decode_attention(query: torch.Tensor, pages: torch.Tensor, tables: tor
     elif plans.groups * kv_heads != q_heads:
         raise ValueError(f"plans are for {plans.groups} query heads per KV head, not {q_heads} / {kv_heads}")
     keys, values = paged_roles(plans, key_offset, value_offset, options)
-    if min(keys.offset, values.offset) < 0 or max(keys.offset + keys.size,
-                                                  values.offset + values.size) > pages.shape[3]:
-        raise ValueError(f"codes at bytes {keys.offset}+{keys.size} / {values.offset}+{values.size} do not fit a "
-                         f"slot of {pages.shape[3]} bytes")
-    if pages.shape[3] > 1 and pages.stride(3) != 1:
-        raise ValueError("pages must hold each slot's bytes contiguously (stride 1 in the last dimension)")
-    if tables.ndim != 2 or tables.shape[0] != batch:
-        raise ValueError(f"tables must be [B={batch}, max_blocks], got {tuple(tables.shape)}")
-    if len(starts) != batch or len(stops) != batch:
-        raise ValueError(f"starts and stops need {batch} entries, got {len(starts)} and {len(stops)}")
-    capacity = tables.shape[1] * block_size
-    if batch and (min(starts) < 0 or max(stops) > capacity):
-        raise ValueError(f"a coded range [start, stop) lies outside the {capacity} positions of a table row")
+    _check_pages(pages, tables, starts, stops, keys, values, batch)
     longest = max([0, *(stop - start for start, stop in zip(starts, stops))])
     parts = (exact_keys, exact_values, new_keys, new_values)
     rows_np = _checked_rows(exact_rows, parts, batch, kv_heads, dim, value_codec.dim)
-    if out is None:
-        out = torch.empty(batch, q_heads, value_codec.dim, dtype=torch.float32)
-    elif out.shape != (batch, q_heads, value_codec.dim) or out.dtype not in (torch.float32, torch.bfloat16) \
-            or out.device.type != "cpu":
-        raise ValueError(f"out must be a CPU float32 or bfloat16 [B={batch}, Hq={q_heads}, {value_codec.dim}] "
-                         f"tensor, got {out.dtype} {tuple(out.shape)} on {out.device}")
+    out = _checked_out(out, batch, q_heads, value_codec.dim)
     epilogue = paged_epilogue(scaling, softcap, sinks, q_heads)
     bits_in = query.dtype == torch.bfloat16 and all(t.dtype == torch.bfloat16 for t in parts)
     bits_out = out.dtype == torch.bfloat16
@@ -223,6 +206,37 @@ def paged_decode_attention(query: torch.Tensor, pages: torch.Tensor, tables: tor
                            values, codes, exact, epilogue, longest)
     if bad:
         raise ValueError(f"paged codes hold {bad} invalid index(es) or block id(s) outside the pages")
+    return out
+
+
+def _check_pages(pages: torch.Tensor, tables: torch.Tensor, starts: list[int], stops: list[int], keys: PagedRole,
+                 values: PagedRole, batch: int) -> None:
+    """ValueError unless both roles' codes fit a slot of `pages` (bytes contiguous), `tables` is
+    [B, max_blocks], starts / stops hold B entries and every coded range [starts[b], stops[b]) lies
+    within a table row's positions."""
+    if min(keys.offset, values.offset) < 0 or max(keys.offset + keys.size,
+                                                  values.offset + values.size) > pages.shape[3]:
+        raise ValueError(f"codes at bytes {keys.offset}+{keys.size} / {values.offset}+{values.size} do not fit a "
+                         f"slot of {pages.shape[3]} bytes")
+    if pages.shape[3] > 1 and pages.stride(3) != 1:
+        raise ValueError("pages must hold each slot's bytes contiguously (stride 1 in the last dimension)")
+    if tables.ndim != 2 or tables.shape[0] != batch:
+        raise ValueError(f"tables must be [B={batch}, max_blocks], got {tuple(tables.shape)}")
+    if len(starts) != batch or len(stops) != batch:
+        raise ValueError(f"starts and stops need {batch} entries, got {len(starts)} and {len(stops)}")
+    capacity = tables.shape[1] * pages.shape[2]
+    if batch and (min(starts) < 0 or max(stops) > capacity):
+        raise ValueError(f"a coded range [start, stop) lies outside the {capacity} positions of a table row")
+
+
+def _checked_out(out: torch.Tensor | None, batch: int, q_heads: int, value_dim: int) -> torch.Tensor:
+    """`out` checked as `paged_decode_attention` takes it (a new float32 tensor when None)."""
+    if out is None:
+        return torch.empty(batch, q_heads, value_dim, dtype=torch.float32)
+    if out.shape != (batch, q_heads, value_dim) or out.dtype not in (torch.float32, torch.bfloat16) \
+            or out.device.type != "cpu":
+        raise ValueError(f"out must be a CPU float32 or bfloat16 [B={batch}, Hq={q_heads}, {value_dim}] "
+                         f"tensor, got {out.dtype} {tuple(out.shape)} on {out.device}")
     return out
 
 
