@@ -195,3 +195,23 @@ def test_row_max_equals_numpy_for_every_tail_length_and_masked_rows():
             assert numba_epilogue._row_max(row, n, top) == expected
     masked = np.full(9, -np.inf, dtype=np.float32)
     assert numba_epilogue._row_max(masked, 9, np.float32(-np.inf)) == -np.inf
+
+
+@pytest.mark.parametrize("module,roles", [("numba_decode", ("CodebookRole", "RecallRows", "StepScratch")),
+                                          ("numba_residual", ("StagesRole",)), ("numba_shells", ("ShellRole",))])
+def test_step_signatures_match_their_structures(module, roles):
+    """Each one-token step's compiled signature lays out each structure's fields in their order (its
+    `_signature`): query, out, the key and value roles, `numba_epilogue`'s codes, exact parts and epilogue,
+    then the step's own structures (a plain int: the residual step's lanes), unit_start, unit_stop."""
+    import importlib
+
+    from numba.core import sigutils
+
+    step = importlib.import_module(f"fibquant.kv.attention.{module}")
+    args, _ = sigutils.normalize_signature(step._signature())
+    role = getattr(step, roles[0])
+    structures = (role, role, numba_epilogue.StepCodes, numba_epilogue.StepExact, numba_epilogue.StepEpilogue,
+                  *(getattr(step, name) for name in roles[1:]))
+    assert len(args) == 2 + len(structures) + 2 + (module == "numba_residual")
+    for arg, structure in zip(args[2:], structures):
+        assert len(arg) == len(structure._fields), structure.__name__

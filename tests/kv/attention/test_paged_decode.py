@@ -310,11 +310,11 @@ def test_kernel_signature_matches_its_structures():
     """The compiled signature lays out each structure's fields in their order (`numba_paged._signature`)."""
     from numba.core import sigutils
 
-    from fibquant.kv.attention import numba_paged
+    from fibquant.kv.attention import numba_decode, numba_paged
 
     args, _ = sigutils.normalize_signature(numba_paged._signature("float32", "uint16"))
     structures = (numba_paged.PagedRole, numba_paged.PagedRole, PagedCodes, ExactParts, numba_paged.PagedEpilogue,
-                  numba_paged.PagedScratch)
+                  numba_decode.StepScratch)
     assert len(args) == 2 + len(structures) + 2
     for arg, structure in zip(args[2:], structures):
         assert len(arg) == len(structure._fields), structure.__name__

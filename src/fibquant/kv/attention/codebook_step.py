@@ -14,9 +14,9 @@ import torch
 from fibquant._numba import run_split
 from fibquant.codecs.base import Codec
 from fibquant.codecs.reader import CodebookReader
-from fibquant.kv.attention.host_arrays import code_rows, f32, rows32
+from fibquant.kv.attention.host_arrays import f32
 from fibquant.kv.attention.kernels import _MIN_WORK_PER_THREAD
-from fibquant.kv.attention.numba_epilogue import Epilogue, step_arrays
+from fibquant.kv.attention.numba_epilogue import Epilogue, step_parts
 from fibquant.kv.buffer import CodedKV
 
 
@@ -84,6 +84,7 @@ def codebook_step_plans(query: torch.Tensor, kv: CodedKV):
 
 _LAST_PLANS = None
 _KERNEL = None
+_NO_RECALL = (np.zeros((1, 1), dtype=np.float32), np.zeros((1, 1), dtype=np.float32), 0)  # `RecallRows` of k = 0
 _SCRATCH = threading.local()  # per thread: {(slot, sizes, lanes): [table1, lut, hist1, hist, coded, norms, ibits]}
 
 
@@ -113,7 +114,7 @@ def attend_codebook_step(query: torch.Tensor, kv: CodedKV, epilogue: Epilogue, p
     for recall, None without."""
     keys, values, lanes, sizes = plans
     batch, q_heads = query.shape[:2]
-    key_mean, value_mean, bias_np, sinks_np, flags = step_arrays(kv, epilogue)
+    codes, exact, step_epilogue = step_parts(kv, epilogue)
     value_dim = values[1].shape[0]
     out_np = np.empty((batch, 1, q_heads, value_dim), dtype=np.float32)  # the [B, T, Hq, Dv] result
     if query.dtype is torch.float32 and not query.requires_grad and query.stride(-1) == 1:
@@ -122,27 +123,18 @@ def attend_codebook_step(query: torch.Tensor, kv: CodedKV, epilogue: Epilogue, p
             query_np = np.ascontiguousarray(query_np)
     else:
         query_np = f32(query[:, :, 0])
-    arrays = kv.arrays
-    key_norms = value_norms = key_mean[:0]  # bit 4 clear: not read
-    if arrays is None:
-        arrays = (rows32(kv.sink_keys), rows32(kv.sink_values), code_rows(kv.key_codes),
-                  code_rows(kv.value_codes), rows32(kv.recent_keys), rows32(kv.recent_values))
-    elif len(arrays) == 8:  # the code rows' norms, decoded once when they were stored
-        arrays, (key_norms, value_norms), flags = arrays[:6], arrays[6:], flags | 16
-    sink_k, sink_v, key_codes, value_codes, recent_k, recent_v = arrays
-    cold_k = cold_v = np.zeros((1, 1), dtype=np.float32)
-    recall_k = 0
+    key_codes = codes.key_codes
+    recall = _NO_RECALL
     if cold is not None:  # recall: each query head's top-k coded tokens from the cold rows
-        (cold_k, cold_v), recall_k = cold, kv.cold.recall.count(key_codes.shape[2])
-        if recall_k:
-            kv.cold.count_reads(batch * q_heads * recall_k)
-    args = (query_np, float(epilogue.scaling), keys[0], values[1], keys[2], values[2], key_codes, value_codes,
-            sink_k, sink_v, recent_k, recent_v, rows32(kv.new_keys), rows32(kv.new_values), key_mean, value_mean,
-            bias_np, sinks_np, epilogue.cap, out_np[:, 0], flags, keys[3], values[3], keys[4], values[4], keys[5], values[5],
-            lanes, key_norms, value_norms, cold_k, cold_v, recall_k)
+        recall = (*cold, kv.cold.recall.count(key_codes.shape[2]))
+        if recall[2]:
+            kv.cold.count_reads(batch * q_heads * recall[2])
+    args = (query_np, out_np[:, 0], (keys[0], keys[2], keys[3], keys[4], keys[5]),
+            (values[1], values[2], values[3], values[4], values[5]), tuple(codes), tuple(exact), tuple(step_epilogue),
+            recall)
     coded = key_codes.shape[2]
     bad = run_split(_KERNEL, args, batch * key_codes.shape[1], coded * (keys[4] + values[4]), _MIN_WORK_PER_THREAD,
-                    "fibquant-decode", per_thread=lambda t: scratch(t, sizes, lanes, max(coded, kv.length - coded)))
+                    "fibquant-decode", per_thread=lambda t: ((*scratch(t, sizes, lanes, max(coded, kv.length - coded)), lanes),))
     if bad:
         raise ValueError(f"codes hold {bad} index(es) >= N (index_bits={keys[3]} / {values[3]})")
     out = torch.from_numpy(out_np)

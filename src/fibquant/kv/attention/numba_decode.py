@@ -17,9 +17,9 @@ does with ~20 torch ops and two kernel calls:
    (sum of coded weights) * mu for centred values; the exact part as float sums;
 5. out = (coded + exact) / total, a fully masked row gives zeros (as `attend_codes`).
 
-With recall (`recall_k` > 0, `fibquant.kv.attention.recall`): after step 2 each query row takes its top-k
-coded columns (`numba_recall._topk_row`), scores them exactly from the cold tier's rows (`cold_keys` /
-`cold_values` [tokens * B * H, D], row (token * B + b) * H + h), and after step 3 moves their weights from
+With recall (`RecallRows.k` > 0, `fibquant.kv.attention.recall`): after step 2 each query row takes its top-k
+coded columns (`numba_recall._topk_row`), scores them exactly from the cold tier's rows (`RecallRows.cold_keys`
+/ `cold_values` [tokens * B * H, D], row (token * B + b) * H + h), and after step 3 moves their weights from
 the coded value sums (and the coded total of the value mean) to the exact values.
 
 So the per-layer cost of a step is this one call plus the argument conversion, not the torch
@@ -27,6 +27,11 @@ dispatch of ~20 small ops. Results equal `attend_codes`' joint softmax to float3
 order of summation differs). Compiled on first use (cached on disk by numba, keyed on every kernel source: `jit`).
 """
 from __future__ import annotations
+
+from typing import NamedTuple
+
+from fibquant.kv.attention.numba_epilogue import (STEP_CODES_TYPE, STEP_EPILOGUE_TYPE, STEP_EXACT_TYPE, StepCodes,
+                                                  StepEpilogue, StepExact)
 
 np = None
 _count_invalid = _safe_fields = None
@@ -36,6 +41,48 @@ _score_tokens = _hist_tokens = _norms = None
 _query_table = _unrotate_add = _role_fields = _add_key_mean = None
 _exact_part_scores = _exact_part_values = _row_weights = _write_out = None  # numba_epilogue's
 _recall_scores = _topk_row = _add_bias = None  # recall (numba_recall's top-k) and numba_epilogue's bias
+
+
+class CodebookRole(NamedTuple):
+    """One role (the keys or the values) as the step reads it: the code family's rotated codebook
+    (`codebook_step.codec_plan`)."""
+
+    rotation: object   # float32 [D, D] (C): keys: the forward rotation (queries into the codes' basis);
+    #                    values: its inverse (the coded sums back out)
+    codewords: object  # float32 [N, k] (C)
+    bits: int          # bits per index
+    blocks: int        # codeword blocks per row (D / k)
+    mode: int          # the index layout (`kernels._numba_mode`)
+
+
+class RecallRows(NamedTuple):
+    """Recall (`fibquant.kv.attention.recall`): each query row's top-k coded columns read exactly."""
+
+    cold_keys: object    # float32 [tokens * B * H, D] (C): the cold tier's rows, row (token * B + b) * H + h
+    cold_values: object  # float32 [tokens * B * H, Dv] (C)
+    k: int               # columns recalled per query row, 0: no recall
+
+
+class StepScratch(NamedTuple):
+    """One thread's scratch, reused across calls (`codebook_step.scratch`): the key tables and value
+    histograms (`scratch_sizes` for `lanes` query lanes), and per token column coded [lanes, n], norms
+    [n] and ibits (int32) [n], n >= the coded columns and the exact ones. The paged step
+    (`numba_paged`) takes the same."""
+
+    table1: object
+    lut: object
+    hist1: object
+    hist: object
+    coded: object
+    norms: object
+    ibits: object
+    lanes: int  # query lanes of the tables (4 or 8)
+
+
+# the groups' types in a kernel signature (fields in their order)
+CODEBOOK_ROLE_TYPE = "Tuple((float32[:, ::1], float32[:, ::1], int64, int64, int64))"
+STEP_SCRATCH_TYPE = ("Tuple((float32[::1], float32[::1], float32[::1], float32[::1], float32[:, ::1], float32[::1], "
+                     "int32[::1], int64))")
 
 
 def _score_tokens_py(table1, lut, rows, res, nq, norms, mode, lanes, bits, n_blocks, n_pos, n_codewords,
@@ -220,19 +267,35 @@ def _recall_scores_py(coded, groups, n_tokens, k, picked, best, scaled, cold_key
             coded[t, i] = score
 
 
-def _decode_step_py(query, scaling, key_forward, value_inverse, key_codewords, value_codewords, key_codes,
-                    value_codes, sink_keys, sink_values, recent_keys, recent_values, new_keys, new_values,
-                    key_mean, value_mean, bias, sinks, softcap, out, flags, key_bits, value_bits, key_blocks,
-                    value_blocks, key_mode, value_mode, lanes, key_norms, value_norms, cold_keys, cold_values, recall_k,
-                    table1, lut, hist1, hist, coded, norms, ibits, unit_start, unit_stop):
+def _decode_step_py(query, out, keys, values, codes, exact, epilogue, recall, scratch, unit_start, unit_stop):
     """out[b, h*G + t] for units [unit_start, unit_stop) of (b, KV head h); returns the count of
-    invalid indices (>= N) seen. query [B, Hq, D] (unscaled, unrotated), the exact parts [B, H, n, D],
-    codes [B, H, M, C], means [B, H, D] (read when flags bit 0 / 1), bias [B|1, Hq|1, L] (bit 2),
-    sinks [Hq] (bit 3), softcap: c of tanh(s / c) * c (0: none), out [B, Hq, Dv] float32; key_norms / value_norms [B, H, M] float32 (bit 4): the
-    code rows' fp16 norms already decoded (`CodeBuffer.norms_array`), else they are decoded here.
-    Scratch (reused across calls, sized by `scratch_sizes`): table1, lut (key tables), hist1, hist (value
-    histograms), coded [lanes, >= M], norms [>= M], ibits (int32 [>= M]). recall_k > 0: recall from the
-    cold rows (module docstring)."""
+    invalid indices (>= N) seen. query [B, Hq, D] (unscaled, unrotated), out [B, Hq, Dv] float32; keys /
+    values `CodebookRole`, codes `numba_epilogue.StepCodes`, exact `StepExact`, epilogue `StepEpilogue`,
+    recall `RecallRows` (k > 0: recall from the cold rows, module docstring), scratch `StepScratch`, each
+    passed as a plain tuple of its fields and named again here: numba types a plain tuple argument in
+    its C dispatcher, a NamedTuple in Python (~0.7 us per NamedTuple per call, measured on numba_paged's).
+
+    One function (a numba kernel): the per-unit loop shares a dozen per-call buffers and locals across
+    its phases (coded scores, epilogue, value sums), each phase already a compiled helper; split further,
+    each piece would take those buffers as arguments again."""
+    keys, values, codes = CodebookRole(*keys), CodebookRole(*values), StepCodes(*codes)
+    exact, epilogue, recall, scratch = StepExact(*exact), StepEpilogue(*epilogue), RecallRows(*recall), StepScratch(
+        *scratch)
+    # every array taken out of its structure once: each access in a loop would pay numba's reference count
+    key_forward, value_inverse, key_codewords, value_codewords = (keys.rotation, values.rotation, keys.codewords,
+                                                                  values.codewords)
+    key_bits, value_bits, key_blocks, value_blocks = keys.bits, values.bits, keys.blocks, values.blocks
+    key_codes, value_codes, key_norms, value_norms = codes.key_codes, codes.value_codes, codes.key_norms, codes.value_norms
+    key_mean, value_mean = codes.key_mean, codes.value_mean
+    has_norms, has_key_mean, has_value_mean = codes.has_norms, codes.has_key_mean, codes.has_value_mean
+    sink_keys, sink_values, recent_keys, recent_values = (exact.sink_keys, exact.sink_values, exact.recent_keys,
+                                                          exact.recent_values)
+    new_keys, new_values = exact.new_keys, exact.new_values
+    scaling, softcap, bias, sinks = epilogue.scaling, epilogue.softcap, epilogue.bias, epilogue.sinks
+    has_bias, has_sinks = epilogue.has_bias, epilogue.has_sinks
+    cold_keys, cold_values = recall.cold_keys, recall.cold_values
+    table1, lut, hist1, hist, coded = scratch.table1, scratch.lut, scratch.hist1, scratch.hist, scratch.coded
+    norms, ibits, lanes = scratch.norms, scratch.ibits, scratch.lanes
     n_b, n_qh, dim = query.shape
     n_h = key_codes.shape[1]
     groups = n_qh // n_h
@@ -240,16 +303,13 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_codewords, v
     n_sink, n_recent, n_new = sink_keys.shape[2], recent_keys.shape[2], new_keys.shape[2]
     n_exact = n_sink + n_recent + n_new
     value_dim = value_inverse.shape[0]
-    has_key_mean, has_value_mean = (flags & 1) != 0, (flags & 2) != 0
-    has_bias, has_sinks = (flags & 4) != 0, (flags & 8) != 0
-    has_norms = (flags & 16) != 0
     kn, kk = key_codewords.shape
-    key_mode, k_pos, k_word, k_safe_bytes, k_safe, k_check = _role_fields(kn, key_bits, key_blocks, key_mode,
+    key_mode, k_pos, k_word, k_safe_bytes, k_safe, k_check = _role_fields(kn, key_bits, key_blocks, keys.mode,
                                                                           key_codes.shape[3])
     qmat = np.zeros((kk, key_blocks * lanes), dtype=np.float32)
     vn, vk = value_codewords.shape
     value_mode, v_pos, v_word, v_safe_bytes, v_safe, v_check = _role_fields(vn, value_bits, value_blocks,
-                                                                            value_mode, value_codes.shape[3])
+                                                                            values.mode, value_codes.shape[3])
     acc = np.empty((vk, value_blocks * lanes), dtype=np.float32)
 
     scaled = np.empty((groups, dim), dtype=np.float32)
@@ -261,7 +321,7 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_codewords, v
     unrot = np.empty(value_dim, dtype=np.float32)
     key_row = np.empty(dim, dtype=np.float32)  # scratch of _exact_scores / _exact_values (exact_rows)
     exact_rows = np.empty(max(n_sink, n_recent, n_new) * value_dim, dtype=np.float32)
-    k = min(recall_k, n_tokens)
+    k = min(recall.k, n_tokens)
     picked = np.empty((groups, max(k, 1)), dtype=np.int64)
     picked_w = np.empty((groups, max(k, 1)), dtype=np.float32)
     best = np.empty(max(k, 1), dtype=np.float32)
@@ -355,6 +415,14 @@ def scratch_sizes(key_codewords: int, key_blocks: int, key_bits: int, key_mode: 
     return key_codewords * key_blocks * lanes, lut, value_codewords * value_blocks * lanes, hist
 
 
+def _signature() -> str:
+    """The kernel's one signature: each structure as a plain tuple of its fields (in their order;
+    tests/kv/attention/test_numba_decode.py holds the two together)."""
+    recall = "Tuple((float32[:, ::1], float32[:, ::1], int64))"
+    return (f"int64(float32[:, :, ::1], float32[:, :, ::1], {CODEBOOK_ROLE_TYPE}, {CODEBOOK_ROLE_TYPE}, "
+            f"{STEP_CODES_TYPE}, {STEP_EXACT_TYPE}, {STEP_EPILOGUE_TYPE}, {recall}, {STEP_SCRATCH_TYPE}, int64, int64)")
+
+
 def compile_decode_kernel():
     """The fused decode-step dispatcher (numba, disk-cached: `jit.kernel_jit`); binds the helpers of numba_kernels first."""
     global _KERNEL, np, _count_invalid, _safe_fields, _build_table, _bytes_table, _spread_bytes
@@ -390,13 +458,5 @@ def compile_decode_kernel():
 
     _topk_row = helper(_topk_row_py)
     _recall_scores = helper(_recall_scores_py)  # binds _topk_row: compiled after it
-    f32 = "float32[:, :, :, :]"  # the exact parts: views of the window buffers (last dimension contiguous)
-    signature = (f"int64(float32[:, :, ::1], float32, float32[:, ::1], float32[:, ::1], float32[:, ::1], "
-                 f"float32[:, ::1], uint8[:, :, :, :], uint8[:, :, :, :], {f32}, {f32}, {f32}, {f32}, {f32}, {f32}, "
-                 "float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[::1], float32, "
-                 "float32[:, :, ::1], int64, int64, int64, int64, int64, int64, int64, int64, float32[:, :, :], float32[:, :, :], "
-                 "float32[:, ::1], float32[:, ::1], int64, "
-                 "float32[::1], float32[::1], float32[::1], "
-                 "float32[::1], float32[:, ::1], float32[::1], int32[::1], int64, int64)")
-    _KERNEL = kernel_jit(signature, nogil=True)(_decode_step_py)
+    _KERNEL = kernel_jit(_signature(), nogil=True)(_decode_step_py)
     return _KERNEL

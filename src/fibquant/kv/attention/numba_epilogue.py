@@ -20,6 +20,12 @@ Its spec is `reference.epilogue_weights` (soft-cap, bias, softmax with a sink co
 path of `attend_codes` runs; tests/kv/attention/test_epilogue.py holds the two together. Soft-capping
 reaches the kernels as one float32 argument, 0 for none. The functions are bound (compiled) by
 `bind_epilogue`, which each step module calls before compiling its kernel.
+
+The three one-token steps on a `CodedKV` (`numba_decode`, `numba_residual`, `numba_shells`) take its parts
+as the same structures, built here by `step_parts`: `StepCodes` (the code rows, their decoded norms, the
+centring means), `StepExact` (the exact columns) and `StepEpilogue` (the options above, each optional array
+with a boolean saying it is present), beside a role structure of their own family per keys and values.
+Each reaches its kernel as a plain tuple of its fields (`*_TYPE`: their types in a kernel signature).
 """
 from __future__ import annotations
 
@@ -259,28 +265,80 @@ def bind_epilogue():
     _write_out = helper(_write_out_py)
 
 
+class StepCodes(NamedTuple):
+    """The coded columns of a `CodedKV` as the one-token steps read them (`step_parts`)."""
+
+    key_codes: object    # uint8 [B, H, M, C] code rows ([fp16 norm][packed indices]), each row's bytes contiguous
+    value_codes: object  # uint8 [B, H, M, Cv]
+    key_norms: object    # float32 [B, H, M]: the rows' fp16 norms already decoded (`CodeBuffer.norms_array`),
+    value_norms: object  # read when has_norms (else empty, and the kernel decodes the norms itself)
+    key_mean: object     # float32 [B, H, D] (C): added back to the decoded keys (centring), read when has_key_mean
+    value_mean: object   # float32 [B, H, Dv] (C): read when has_value_mean
+    has_norms: bool
+    has_key_mean: bool
+    has_value_mean: bool
+
+
+class StepExact(NamedTuple):
+    """The exact columns of a `CodedKV` as the one-token steps read them: [B, H, n, D] float32 each, any
+    strides with the last dimension contiguous (views of the window buffers). Their columns are
+    [sinks | coded | recent, new] (`_exact_part_scores`). numba_paged's `ExactParts` is another layout
+    (window rows picked per sequence, the new token recorded into them)."""
+
+    sink_keys: object
+    sink_values: object
+    recent_keys: object
+    recent_values: object
+    new_keys: object
+    new_values: object
+
+
+class StepEpilogue(NamedTuple):
+    """An `Epilogue` as the one-token steps' kernels read it: each option a float32 value or array, with a
+    boolean saying whether the array is present (absent: a small dummy, never read)."""
+
+    scaling: float   # the score scale
+    softcap: float   # c of tanh(s / c) * c, 0 for none
+    bias: object     # float32 [B|1, Hq|1, L] (C): additive, over the columns [sinks | coded | recent, new]
+    sinks: object    # float32 [Hq] (C): learned sink logits
+    has_bias: bool
+    has_sinks: bool
+
+
 _DUMMY3 = _DUMMY1 = None
 
 
-def step_arrays(kv, epilogue: Epilogue) -> tuple:
-    """(key_mean, value_mean, bias, sinks, flags) of a `CodedKV` and an `Epilogue` as the step kernels read
-    them: float32 numpy arrays ([B, H, D] means, bias [B|1, Hq|1, L], sinks [Hq]; a small dummy where
-    absent) and the flag bits 1 / 2 / 4 / 8 saying which are present."""
+def step_parts(kv, epilogue: Epilogue) -> tuple[StepCodes, StepExact, StepEpilogue]:
+    """(codes, exact parts, epilogue) of a `CodedKV` and an `Epilogue` as the step kernels read them: numpy
+    views, the layer's own (`CodedKV.arrays`, with the rows' decoded norms when it keeps them) where set,
+    else the tensors converted; a small dummy for each absent array."""
     global _DUMMY3, _DUMMY1
     import numpy
 
-    from fibquant.kv.attention.host_arrays import f32
+    from fibquant.kv.attention.host_arrays import code_rows, f32, rows32
 
     if _DUMMY3 is None:
         _DUMMY3, _DUMMY1 = numpy.zeros((1, 1, 1), dtype=numpy.float32), numpy.zeros(1, dtype=numpy.float32)
-    key_mean = value_mean = bias = _DUMMY3
-    sinks, flags = _DUMMY1, 0
-    if kv.key_mean is not None:
-        key_mean, flags = f32(kv.key_mean), flags | 1
-    if kv.value_mean is not None:
-        value_mean, flags = f32(kv.value_mean), flags | 2
-    if epilogue.bias is not None:
-        bias, flags = f32(epilogue.bias[:, :, 0]), flags | 4
-    if epilogue.sinks is not None:
-        sinks, flags = f32(epilogue.sinks.reshape(-1)), flags | 8
-    return key_mean, value_mean, bias, sinks, flags
+    arrays = kv.arrays
+    if arrays is None:
+        arrays = (rows32(kv.sink_keys), rows32(kv.sink_values), code_rows(kv.key_codes), code_rows(kv.value_codes),
+                  rows32(kv.recent_keys), rows32(kv.recent_values))
+    has_norms = len(arrays) == 8  # the code rows' norms, decoded once when they were stored
+    key_norms, value_norms = arrays[6:] if has_norms else (_DUMMY3, _DUMMY3)
+    key_mean = _DUMMY3 if kv.key_mean is None else f32(kv.key_mean)
+    value_mean = _DUMMY3 if kv.value_mean is None else f32(kv.value_mean)
+    codes = StepCodes(arrays[2], arrays[3], key_norms, value_norms, key_mean, value_mean, has_norms,
+                      kv.key_mean is not None, kv.value_mean is not None)
+    exact = StepExact(arrays[0], arrays[1], arrays[4], arrays[5], rows32(kv.new_keys), rows32(kv.new_values))
+    bias = _DUMMY3 if epilogue.bias is None else f32(epilogue.bias[:, :, 0])
+    sinks = _DUMMY1 if epilogue.sinks is None else f32(epilogue.sinks.reshape(-1))
+    return codes, exact, StepEpilogue(float(epilogue.scaling), epilogue.cap, bias, sinks, epilogue.bias is not None,
+                                      epilogue.sinks is not None)
+
+
+# the groups' types in a kernel signature (fields in their order; the kernels' tests hold the two together)
+_F3 = "float32[:, :, :]"
+STEP_CODES_TYPE = f"Tuple((uint8[:, :, :, :], uint8[:, :, :, :], {_F3}, {_F3}, float32[:, :, ::1], float32[:, :, ::1], " \
+                  "boolean, boolean, boolean))"
+STEP_EXACT_TYPE = "Tuple((" + ", ".join(["float32[:, :, :, :]"] * 6) + "))"
+STEP_EPILOGUE_TYPE = "Tuple((float32, float32, float32[:, :, ::1], float32[::1], boolean, boolean))"

@@ -25,7 +25,7 @@ its own columns. Block ids outside [0, num_blocks) are counted (the caller raise
 never read.
 
 The kernel's arguments are the query, the output and five small structures (`PagedRole` of the keys
-and of the values, `PagedCodes`, `ExactParts`, `PagedEpilogue`) plus the per-thread `PagedScratch`.
+and of the values, `PagedCodes`, `ExactParts`, `PagedEpilogue`) plus the per-thread `numba_decode.StepScratch`.
 The query, the exact parts and `out` are float32 or bf16 bits (uint16 views of the model's bf16
 tensors: `intrinsics._build_bf16`), any strides: the caller passes vLLM's tensors as they are,
 with no float32 copies in and no bf16 conversion out (one compiled variant per combination, each
@@ -34,6 +34,8 @@ for one signature).
 from __future__ import annotations
 
 from typing import NamedTuple
+
+from fibquant.kv.attention.numba_decode import STEP_SCRATCH_TYPE, StepScratch
 
 np = None
 _count_invalid = _role_fields = None
@@ -95,21 +97,6 @@ class PagedEpilogue(NamedTuple):
     scaling: float  # float32: the score scale
     softcap: float  # float32: c of tanh(s / c) * c (Gemma 2), 0 for none
     sinks: object   # float32 [Hq] learned sink logits (gpt-oss), or an empty array for none
-
-
-class PagedScratch(NamedTuple):
-    """One thread's scratch, reused across calls (`entry._scratch`): the key tables and value histograms
-    (`numba_decode.scratch_sizes` for `lanes` query lanes), and per token column coded [lanes, n],
-    norms [n] and ibits (int32) [n], n >= the longest coded range and the exact columns."""
-
-    table1: object
-    lut: object
-    hist1: object
-    hist: object
-    coded: object
-    norms: object
-    ibits: object
-    lanes: int  # query lanes of the tables (4 or 8)
 
 
 def _rotate_rows_py(rows, matrix, out, n):
@@ -397,7 +384,7 @@ def _paged_step_py(query, out, keys, values, codes, exact, epilogue, scratch, un
     """out[b, h*G + t] for units [unit_start, unit_stop) of (sequence b, KV head h); returns the count of
     invalid indices (>= N) and out-of-range page ids seen (the caller raises). query [B, Hq, D]
     (unscaled, unrotated) and out [B, Hq, Dv], any strides; keys / values `PagedRole`, codes
-    `PagedCodes`, exact `ExactParts`, epilogue `PagedEpilogue`, scratch `PagedScratch`, each passed as a
+    `PagedCodes`, exact `ExactParts`, epilogue `PagedEpilogue`, scratch `StepScratch`, each passed as a
     plain tuple of its fields and named again here: numba types a plain tuple argument in its C
     dispatcher, a NamedTuple in Python (~0.7 us per NamedTuple per call, measured).
 
@@ -407,7 +394,7 @@ def _paged_step_py(query, out, keys, values, codes, exact, epilogue, scratch, un
     logit) and the coded value sums, kept in the rotated basis (`_coded_values`); (3) every row's coded
     sum un-rotated in one product, then the exact values added and the row normalised (`_finish_unit`)."""
     keys, values, codes = PagedRole(*keys), PagedRole(*values), PagedCodes(*codes)
-    exact, epilogue, scratch = ExactParts(*exact), PagedEpilogue(*epilogue), PagedScratch(*scratch)
+    exact, epilogue, scratch = ExactParts(*exact), PagedEpilogue(*epilogue), StepScratch(*scratch)
     dim, n_h, value_dim, lanes = query.shape[2], codes.pages.shape[1], values.rotation.shape[0], scratch.lanes
     groups = query.shape[1] // n_h
     n_new = exact.new_keys.shape[2]
@@ -477,9 +464,6 @@ def _paged_step_py(query, out, keys, values, codes, exact, epilogue, scratch, un
 _KERNELS: dict = {}
 
 
-_KERNELS: dict = {}
-
-
 def _signature(inputs: str, output: str) -> str:
     """The kernel's one signature: query and exact parts of dtype `inputs`, out of dtype `output`, each
     structure as a plain tuple of its fields (in their order; tests/kv/attention/test_paged_decode.py
@@ -489,10 +473,8 @@ def _signature(inputs: str, output: str) -> str:
     codes = "Tuple((uint8[:, :, :, :], int32[:, :], int64[::1], int64[::1]))"
     exact = f"Tuple(({part}, {part}, int64[::1], int64, {part}, {part}, int64[::1]))"
     epilogue = "Tuple((float32, float32, float32[::1]))"
-    scratch = ("Tuple((float32[::1], float32[::1], float32[::1], float32[::1], float32[:, ::1], float32[::1], "
-               "int32[::1], int64))")
-    return (f"int64({inputs}[:, :, :], {output}[:, :, :], {role}, {role}, {codes}, {exact}, {epilogue}, {scratch}, "
-            "int64, int64)")
+    return (f"int64({inputs}[:, :, :], {output}[:, :, :], {role}, {role}, {codes}, {exact}, {epilogue}, "
+            f"{STEP_SCRATCH_TYPE}, int64, int64)")
 
 
 def compile_paged_kernel(inputs: str = "float32", output: str = "float32"):

@@ -14,27 +14,41 @@ build (per stage, `_build_table`, scattered to its positions) and the contractio
 gathered) differ. A plain codec (FibQuant / TurboQuant) with 8-bit indices and N = 256 is the case
 S = 1, so keys and values may mix the two.
 
-`decode_step` is `numba_decode._decode_step_py` with those two changes (same arguments otherwise, the
-scratch allocated per call); `residual_plan(codec)` says whether a codec's codes can be read so,
-`attend_decode_residual` prepares the arguments (as `codebook_step.attend_codebook_step`). Results equal
-`attend_codes` on the decoded floats to float32 rounding (tests/kv/attention/test_numba_residual.py).
+The kernel `_decode_step_py` is `numba_decode._decode_step_py` with those two changes: each role a
+`StagesRole` (its stages instead of one codebook), the codes, exact parts and epilogue the same
+`numba_epilogue` structures, no recall, the scratch allocated per call. `residual_plan(codec)` says
+whether a codec's codes can be read so, `attend_decode_residual` prepares the arguments (as
+`codebook_step.attend_codebook_step`). Results equal `attend_codes` on the decoded floats to float32
+rounding (tests/kv/attention/test_numba_residual.py).
 """
 from __future__ import annotations
 
 import threading
 import weakref
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from fibquant.codecs.reader import CodebookReader, StagesReader
-from fibquant.kv.attention.host_arrays import code_rows, f32, rows32
-from fibquant.kv.attention.numba_epilogue import step_arrays
+from fibquant.kv.attention.host_arrays import f32
+from fibquant.kv.attention.numba_epilogue import (STEP_CODES_TYPE, STEP_EPILOGUE_TYPE, STEP_EXACT_TYPE, StepCodes,
+                                                  StepEpilogue, StepExact, step_parts)
 
 _PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _KERNEL = None
 _LOCK = threading.Lock()
 MAX_GROUPS = 8  # query heads per KV head (the table's lanes: 4 or 8)
+
+
+
+class StagesRole(NamedTuple):
+    """One role (the keys or the values) as the residual step reads it (`residual_plan`)."""
+
+    rotation: object  # float32 [D, D] (C): keys: the forward rotation; values: its inverse
+    stages: object    # float32 [S, 256, k] (C): the codebook of each stage
+    blocks: int       # k-blocks per row (D / k)
+
 
 _build_table = _contract = _lut_sum = _hist_add = _norms = _query_table = None
 _add_key_mean = _unrotate_add = _safe_fields = None
@@ -122,14 +136,27 @@ def _hist_rows_py(hist1, rows, wts, nq, norms, positions, safe_bytes, lanes):
             _hist_add(hist1, rows, i, positions, 8, 1, positions, 256, safe_bytes, 4, 8, wts, 0, nq, norms[i])
 
 
-def _decode_step_py(query, scaling, key_forward, value_inverse, key_stages, value_stages, key_codes,
-                    value_codes, sink_keys, sink_values, recent_keys, recent_values, new_keys, new_values,
-                    key_mean, value_mean, bias, sinks, softcap, out, flags, key_blocks, value_blocks, lanes,
-                    unit_start, unit_stop):
+def _decode_step_py(query, out, keys, values, codes, exact, epilogue, lanes, unit_start, unit_stop):
     """out[b, h*G + t] for units [unit_start, unit_stop) of (b, KV head h), as numba_decode's step, with
-    key_stages / value_stages [S, 256, k] float32 (S = 1: a plain 8-bit codebook) and codes of
-    2 + blocks * S bytes (index of block j, stage s at byte 2 + j * S + s). Returns 0 (every byte is a
-    valid index at N = 256)."""
+    keys / values `StagesRole` (stages [S, 256, k] float32; S = 1: a plain 8-bit codebook) and codes of
+    2 + blocks * S bytes (index of block j, stage s at byte 2 + j * S + s); codes, exact, epilogue: the
+    structures of `numba_epilogue` (`StepCodes`, `StepExact`, `StepEpilogue`), each passed as a plain tuple
+    of its fields and named again here (as numba_decode's step); lanes: the tables' query lanes (4 or 8).
+    Returns 0 (every byte is a valid index at N = 256). One function for numba_decode's reason:
+    its per-unit loop shares the per-call buffers across its phases."""
+    keys, values, codes = StagesRole(*keys), StagesRole(*values), StepCodes(*codes)
+    exact, epilogue = StepExact(*exact), StepEpilogue(*epilogue)
+    # every array taken out of its structure once: each access in a loop would pay numba's reference count
+    key_forward, value_inverse, key_stages, value_stages = keys.rotation, values.rotation, keys.stages, values.stages
+    key_blocks, value_blocks = keys.blocks, values.blocks
+    key_codes, value_codes, key_norms, value_norms = codes.key_codes, codes.value_codes, codes.key_norms, codes.value_norms
+    key_mean, value_mean = codes.key_mean, codes.value_mean
+    has_norms, has_key_mean, has_value_mean = codes.has_norms, codes.has_key_mean, codes.has_value_mean
+    sink_keys, sink_values, recent_keys, recent_values = (exact.sink_keys, exact.sink_values, exact.recent_keys,
+                                                          exact.recent_values)
+    new_keys, new_values = exact.new_keys, exact.new_values
+    scaling, softcap, bias, sinks = epilogue.scaling, epilogue.softcap, epilogue.bias, epilogue.sinks
+    has_bias, has_sinks = epilogue.has_bias, epilogue.has_sinks
     n_b, n_qh, dim = query.shape
     n_h = key_codes.shape[1]
     groups = n_qh // n_h
@@ -137,8 +164,6 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_stages, valu
     n_sink, n_recent, n_new = sink_keys.shape[2], recent_keys.shape[2], new_keys.shape[2]
     n_exact = n_sink + n_recent + n_new
     value_dim = value_inverse.shape[0]
-    has_key_mean, has_value_mean = (flags & 1) != 0, (flags & 2) != 0
-    has_bias, has_sinks = (flags & 4) != 0, (flags & 8) != 0
     ks, kn, kk = key_stages.shape
     vs, vn, vk = value_stages.shape
     k_pos, v_pos = key_blocks * ks, value_blocks * vs
@@ -173,10 +198,14 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_stages, valu
         # --- coded scores: one lookup per stored index, in the tables of its stage
         if n_tokens:
             key_rows = key_codes[b, h]
-            _norms(key_rows, norms, ibits)
+            if has_norms:
+                row_norms = key_norms[b, h]
+            else:
+                _norms(key_rows, norms, ibits)
+                row_norms = norms
             _query_table(scaled, groups, key_forward, rotated, qmat, key_blocks, kk, lanes)
             _staged_table(key_stages, qmat, key_blocks, lanes, ktmp, table1)
-            _score_rows(table1, key_rows, coded, groups, norms, k_pos, k_safe, lanes)
+            _score_rows(table1, key_rows, coded, groups, row_norms, k_pos, k_safe, lanes)
             if has_key_mean:
                 _add_key_mean(coded, groups, n_tokens, scaled, key_mean, b, h, dim)
         # --- the epilogue (numba_epilogue): exact scores, soft-cap, bias, one softmax with the sink logit
@@ -189,9 +218,13 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_stages, valu
                 result[t, d] = 0.0
         if n_tokens:
             value_rows = value_codes[b, h]
-            _norms(value_rows, norms, ibits)
+            if has_norms:
+                row_norms = value_norms[b, h]
+            else:
+                _norms(value_rows, norms, ibits)
+                row_norms = norms
             hist1[:] = 0.0
-            _hist_rows(hist1, value_rows, coded, groups, norms, v_pos, v_safe, lanes)
+            _hist_rows(hist1, value_rows, coded, groups, row_norms, v_pos, v_safe, lanes)
             _staged_contract(hist1, value_stages, value_blocks, lanes, vtmp, acc_s, acc)
             for t in range(groups):  # un-rotate (inverse = forward.T)
                 _unrotate_add(acc, t, value_blocks, vk, lanes, value_inverse, unrot, result)
@@ -201,6 +234,14 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_stages, valu
         _exact_part_values(sink_values, recent_values, new_values, b, h, exact, result, groups, exact_rows)
         _write_out(result, total, out, b, h, groups)
     return 0
+
+
+def _signature() -> str:
+    """The kernel's one signature: each structure as a plain tuple of its fields (in their order;
+    tests/kv/attention/test_numba_residual.py holds the two together)."""
+    role = "Tuple((float32[:, ::1], float32[:, :, ::1], int64))"  # `StagesRole`
+    return (f"int64(float32[:, :, ::1], float32[:, :, ::1], {role}, {role}, {STEP_CODES_TYPE}, {STEP_EXACT_TYPE}, "
+            f"{STEP_EPILOGUE_TYPE}, int64, int64, int64)")
 
 
 def compile_residual_kernel():
@@ -229,12 +270,7 @@ def compile_residual_kernel():
         fast = kernel_jit(nogil=True, fastmath={"contract", "reassoc", "nsz"})  # float sums: any order
         _staged_table, _staged_contract = fast(_staged_table_py), fast(_staged_contract_py)
         _score_rows, _hist_rows = helper(_score_rows_py), helper(_hist_rows_py)
-        rows4d = "float32[:, :, :, :]"
-        signature = (f"int64(float32[:, :, ::1], float32, float32[:, ::1], float32[:, ::1], float32[:, :, ::1], "
-                     f"float32[:, :, ::1], uint8[:, :, :, :], uint8[:, :, :, :], {rows4d}, {rows4d}, {rows4d}, "
-                     f"{rows4d}, {rows4d}, {rows4d}, float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[::1], "
-                     "float32, float32[:, :, ::1], int64, int64, int64, int64, int64, int64)")
-        _KERNEL = kernel_jit(signature, nogil=True)(_decode_step_py)
+        _KERNEL = kernel_jit(_signature(), nogil=True)(_decode_step_py)
     return _KERNEL
 
 
@@ -300,15 +336,13 @@ def attend_decode_residual(query: torch.Tensor, kv, epilogue, plans) -> torch.Te
     batch, q_heads = query.shape[:2]
     heads = kv.new_keys.shape[1]
     coded = kv.key_codes.shape[-2]
-    key_mean, value_mean, bias_np, sinks_np, flags = step_arrays(kv, epilogue)
+    codes, exact, step_epilogue = step_parts(kv, epilogue)
     value_dim = values[1].shape[0]
     out = torch.empty(batch, q_heads, value_dim, dtype=torch.float32)
     lanes = 4 if q_heads // heads <= 4 else 8
-    args = (f32(query.view(batch, q_heads, -1) if query.is_contiguous() else query[:, :, 0]), float(epilogue.scaling),
-            keys[0], values[1], keys[2], values[2], code_rows(kv.key_codes), code_rows(kv.value_codes),
-            rows32(kv.sink_keys), rows32(kv.sink_values), rows32(kv.recent_keys), rows32(kv.recent_values),
-            rows32(kv.new_keys), rows32(kv.new_values), key_mean, value_mean, bias_np, sinks_np, epilogue.cap, out.numpy(), flags,
-            keys[3], values[3], lanes)
+    args = (f32(query.view(batch, q_heads, -1) if query.is_contiguous() else query[:, :, 0]), out.numpy(),
+            (keys[0], keys[2], keys[3]), (values[1], values[2], values[3]), tuple(codes), tuple(exact),
+            tuple(step_epilogue), lanes)
     work = coded * (keys[3] * keys[2].shape[0] + values[3] * values[2].shape[0])
     run_split(kernel, args, batch * heads, work, _MIN_WORK_PER_THREAD, "fibquant-decode-rvq")
     out = out.unsqueeze(1)

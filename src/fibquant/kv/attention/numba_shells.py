@@ -24,19 +24,42 @@ from __future__ import annotations
 import threading
 import weakref
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from fibquant.codebook.e8shell_tables import BAD_WORD_BIT, CompactPointTables, ShellPointTables
+from fibquant.codebook.e8shell_tables import BAD_WORD_BIT, CompactPointTables
 from fibquant.codecs.reader import ShellsReader
-from fibquant.kv.attention.host_arrays import code_rows, f32, rows32
-from fibquant.kv.attention.numba_epilogue import step_arrays
+from fibquant.kv.attention.host_arrays import f32
+from fibquant.kv.attention.numba_epilogue import (STEP_CODES_TYPE, STEP_EPILOGUE_TYPE, STEP_EXACT_TYPE, StepCodes,
+                                                  StepEpilogue, StepExact, step_parts)
 
 _PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _KERNEL = None
 _LOCK = threading.Lock()
 MAX_GROUPS = 8  # query heads per KV head
+
+
+
+class ShellRole(NamedTuple):
+    """One role (the keys or the values) as the shell step reads it (`_role`): its rotation and its code's
+    tables, of one kind (the other kind's arrays are dummies): the compact `CompactPointTables` when words is
+    not empty, else the decomposed `ShellPointTables`."""
+
+    rotation: object    # float32 [D, D] (C): keys: the forward rotation; values: its inverse
+    ibits: int          # index bits per 8-block
+    count: int          # the code's points (an index >= count is invalid)
+    bucket: object      # the decomposed tables (`ShellPointTables.args`): bucket .. comps, signs
+    bshift: int
+    orbits: object
+    orbit_vals: object
+    comps: object
+    words: object       # the compact tables: `step_words`' words, the halves, `step_words`' pairs
+    halves: object
+    scales32: object
+    signs: object
+
 
 _point = _norms = _add_key_mean = None
 _exact_part_scores = _exact_part_values = _row_weights = _write_out = None  # numba_epilogue's
@@ -300,17 +323,35 @@ def _code_values_halves_py(rows, weights, groups, norms, acc, ibits, words, halv
     return bad if groups <= 4 else bad // 2
 
 
-def _decode_step_py(query, scaling, key_forward, value_inverse, key_codes, value_codes, sink_keys, sink_values,
-                    recent_keys, recent_values, new_keys, new_values, key_mean, value_mean, bias, sinks, softcap, out, flags,
-                    key_norms, value_norms,
-                    k_ibits, k_count, k_bucket, k_bshift, k_orbits, k_orbit_vals, k_comps, k_words, k_halves,
-                    k_scales32, v_ibits, v_count, v_bucket, v_bshift, v_orbits, v_orbit_vals, v_comps, v_words,
-                    v_halves, v_scales32, signs, unit_start, unit_stop):
+def _decode_step_py(query, out, keys, values, codes, exact, epilogue, unit_start, unit_stop):
     """out[b, h*G + t] for units [unit_start, unit_stop) of (b, KV head h), as numba_decode's step, the coded
-    columns read from shell codes (k_* / v_*: each role's index bits, point count and tables: the compact
-    `CompactPointTables` (`step_words`' words, halves, its pairs) when words is not empty, else the decomposed
-    `ShellPointTables`
-    (bucket .. comps, signs)); returns the count of invalid indices (>= the code's point count) seen."""
+    columns read from shell codes: keys / values `ShellRole` (each role's rotation, index bits, point count
+    and tables: the compact `CompactPointTables` (`step_words`' words, halves, its pairs) when words is not
+    empty, else the decomposed `ShellPointTables` (bucket .. comps, signs)); codes, exact, epilogue: the
+    structures of `numba_epilogue` (`StepCodes`, `StepExact`, `StepEpilogue`), each passed as a plain tuple
+    of its fields and named again here (as numba_decode's step). Returns the count of invalid indices (>= the
+    code's point count) seen. One function for numba_decode's reason: its
+    per-unit loop shares the per-call buffers across its phases."""
+    keys, values, codes = ShellRole(*keys), ShellRole(*values), StepCodes(*codes)
+    exact, epilogue = StepExact(*exact), StepEpilogue(*epilogue)
+    # every array taken out of its structure once: each access in a loop would pay numba's reference count
+    key_forward, value_inverse = keys.rotation, values.rotation
+    k_ibits, k_count, k_bucket, k_bshift, k_orbits = keys.ibits, keys.count, keys.bucket, keys.bshift, keys.orbits
+    k_orbit_vals, k_comps, k_words, k_halves, k_scales32 = (keys.orbit_vals, keys.comps, keys.words, keys.halves,
+                                                            keys.scales32)
+    v_ibits, v_count, v_bucket, v_bshift, v_orbits = (values.ibits, values.count, values.bucket, values.bshift,
+                                                      values.orbits)
+    v_orbit_vals, v_comps, v_words, v_halves, v_scales32 = (values.orbit_vals, values.comps, values.words,
+                                                            values.halves, values.scales32)
+    k_signs, v_signs = keys.signs, values.signs
+    key_codes, value_codes, key_norms, value_norms = codes.key_codes, codes.value_codes, codes.key_norms, codes.value_norms
+    key_mean, value_mean = codes.key_mean, codes.value_mean
+    has_norms, has_key_mean, has_value_mean = codes.has_norms, codes.has_key_mean, codes.has_value_mean
+    sink_keys, sink_values, recent_keys, recent_values = (exact.sink_keys, exact.sink_values, exact.recent_keys,
+                                                          exact.recent_values)
+    new_keys, new_values = exact.new_keys, exact.new_values
+    scaling, softcap, bias, sinks = epilogue.scaling, epilogue.softcap, epilogue.bias, epilogue.sinks
+    has_bias, has_sinks = epilogue.has_bias, epilogue.has_sinks
     n_b, n_qh, dim = query.shape
     n_h = key_codes.shape[1]
     groups = n_qh // n_h
@@ -318,8 +359,6 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_codes, value
     n_sink, n_recent, n_new = sink_keys.shape[2], recent_keys.shape[2], new_keys.shape[2]
     n_exact = n_sink + n_recent + n_new
     value_dim = value_inverse.shape[0]
-    has_key_mean, has_value_mean = (flags & 1) != 0, (flags & 2) != 0
-    has_bias, has_sinks, has_norms = (flags & 4) != 0, (flags & 8) != 0, (flags & 16) != 0
     coded = np.empty((groups, max(n_tokens, 1)), dtype=np.float32)
     norms = np.empty(max(n_tokens, 1), dtype=np.float32)
     ibits = np.empty(max(n_tokens, n_exact, 1), dtype=np.int32)  # the softmax's exps: coded and exact columns
@@ -363,7 +402,7 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_codes, value
                                             k_halves, k_scales32, k_table, blk_idx)
             else:
                 bad += _code_scores(key_codes[b, h], rq, groups, row_norms, coded, u, blk_idx, k_ibits, k_count,
-                                    k_bucket, k_bshift, k_orbits, k_orbit_vals, k_comps, signs)
+                                    k_bucket, k_bshift, k_orbits, k_orbit_vals, k_comps, k_signs)
             if has_key_mean:
                 _add_key_mean(coded, groups, n_tokens, scaled, key_mean, b, h, dim)
         # --- the epilogue (numba_epilogue): exact scores, soft-cap, bias, one softmax with the sink logit
@@ -388,7 +427,7 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_codes, value
                                             v_halves, v_scales32, v_table, blk_idx_v)
             else:
                 bad += _code_values(value_codes[b, h], coded, groups, row_norms, acc, u, blk_idx_v, v_ibits,
-                                    v_count, v_bucket, v_bshift, v_orbits, v_orbit_vals, v_comps, signs)
+                                    v_count, v_bucket, v_bshift, v_orbits, v_orbit_vals, v_comps, v_signs)
             for t in range(groups):  # inverse = forward.T
                 for e in range(value_dim):
                     x = acc[t, e]
@@ -400,6 +439,15 @@ def _decode_step_py(query, scaling, key_forward, value_inverse, key_codes, value
         _exact_part_values(sink_values, recent_values, new_values, b, h, exact, result, groups, exact_rows)
         _write_out(result, total, out, b, h, groups)
     return bad
+
+
+def _signature() -> str:
+    """The kernel's one signature: each structure as a plain tuple of its fields (in their order;
+    tests/kv/attention/test_numba_shells.py holds the two together)."""
+    role = ("Tuple((float32[:, ::1], int64, int64, int16[::1], int64, int64[:, ::1], float32[:, ::1], uint32[::1], "
+            "uint32[::1], float32[:, ::1], float32[::1], uint8[:, ::1]))")  # `ShellRole`
+    return (f"int64(float32[:, :, ::1], float32[:, :, ::1], {role}, {role}, {STEP_CODES_TYPE}, {STEP_EXACT_TYPE}, "
+            f"{STEP_EPILOGUE_TYPE}, int64, int64)")
 
 
 def compile_shell_kernel():
@@ -438,15 +486,7 @@ def compile_shell_kernel():
         _halves_scores, _halves_hist, _halves_build, _halves_contract = _build_halves()
         _code_scores_compact, _code_values_compact = fast(_code_scores_compact_py), fast(_code_values_compact_py)
         _code_scores_halves, _code_values_halves = fast(_code_scores_halves_py), fast(_code_values_halves_py)
-        rows4d = "float32[:, :, :, :]"
-        role = ("int64, int64, int16[::1], int64, int64[:, ::1], float32[:, ::1], uint32[::1], uint32[::1], "
-                "float32[:, ::1], float32[::1]")
-        signature = (f"int64(float32[:, :, ::1], float32, float32[:, ::1], float32[:, ::1], uint8[:, :, :, :], "
-                     f"uint8[:, :, :, :], {rows4d}, {rows4d}, {rows4d}, {rows4d}, {rows4d}, {rows4d}, "
-                     "float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[::1], float32, "
-                     f"float32[:, :, ::1], int64, float32[:, :, :], float32[:, :, :], {role}, {role}, uint8[:, ::1], "
-                     "int64, int64)")
-        _KERNEL = jit(signature, fastmath={"contract", "reassoc", "nsz"})(_decode_step_py)
+        _KERNEL = jit(_signature(), fastmath={"contract", "reassoc", "nsz"})(_decode_step_py)
     return _KERNEL
 
 
@@ -475,17 +515,19 @@ def step_words(tables: CompactPointTables) -> tuple:
     return words.astype(np.uint32), pairs.reshape(-1)
 
 
-def _role_args(tables, step) -> tuple:
-    """count, the decomposed tables' arrays (bucket .. comps), the compact tables' (step words, halves, pairs)."""
+def _role(rotation, plan) -> ShellRole:
+    """The kernel's `ShellRole` of a role: its rotation (keys: forward, values: inverse), its plan's index bits and
+    tables, a dummy for each array of the table kind it does not use."""
+    ibits, tables, step = plan[2], plan[3], plan[5]
     if isinstance(tables, CompactPointTables):
-        return (tables.count, *_NO_DECOMPOSED, step[0], tables.halves, step[1])
-    return (tables.count, *tables.args()[:-1], *_NO_COMPACT)
+        return ShellRole(rotation, ibits, tables.count, *_NO_DECOMPOSED, step[0], tables.halves, step[1], _NO_SIGNS)
+    return ShellRole(rotation, ibits, tables.count, *tables.args()[:-1], *_NO_COMPACT, tables.signs)
 
 
 def shell_plan(codec):
     """(forward, forward.T, index bits, tables (CompactPointTables at <= 16 index bits, else ShellPointTables),
-    (torch tensors kept alive), `step_words` of compact tables else None) for a codec whose codes
-    are E8 shell codes (`ShellsReader`), else None."""
+    (torch tensors kept alive), `step_words` of compact tables else None, (its `ShellRole` as keys, as values)
+    as the kernel takes them) for a codec whose codes are E8 shell codes (`ShellsReader`), else None."""
     try:
         plan = _PLANS.get(codec)
     except TypeError:
@@ -503,6 +545,7 @@ def shell_plan(codec):
                              f"dim {forward.shape[0]} (the step needs 2^bits words, dim a multiple of 64)")
         words = step_words(tables) if isinstance(tables, CompactPointTables) else None
         plan = (forward.numpy(), forward.T.contiguous().numpy(), shells.index_bits, shells.tables, (forward,), words)
+        plan += ((tuple(_role(plan[0], plan)), tuple(_role(plan[1], plan))),)  # built once: ~1 us a call otherwise
     try:
         _PLANS[codec] = plan
     except TypeError:
@@ -536,31 +579,19 @@ def attend_decode_shells(query: torch.Tensor, kv, epilogue, plans) -> torch.Tens
     keys, values = plans
     batch, q_heads = query.shape[:2]
     heads = kv.new_keys.shape[1]
-    key_mean, value_mean, bias_np, sinks_np, flags = step_arrays(kv, epilogue)
-    key_norms = value_norms = key_mean[:0]  # bit 4 clear: not read
-    arrays = kv.arrays
-    if arrays is None:
-        arrays = (rows32(kv.sink_keys), rows32(kv.sink_values), code_rows(kv.key_codes), code_rows(kv.value_codes),
-                  rows32(kv.recent_keys), rows32(kv.recent_values))
-    elif len(arrays) == 8:  # the code rows' norms, decoded once when they were stored
-        arrays, (key_norms, value_norms), flags = arrays[:6], arrays[6:], flags | 16
-    sink_k, sink_v, key_codes, value_codes, recent_k, recent_v = arrays
+    codes, exact, step_epilogue = step_parts(kv, epilogue)
     value_dim = values[1].shape[0]
     out = torch.empty(batch, q_heads, value_dim, dtype=torch.float32)
     if query.dtype is torch.float32 and not query.requires_grad and query.stride(-1) == 1:
         query_np = np.ascontiguousarray(query.numpy()[:, :, 0])
     else:
         query_np = f32(query[:, :, 0])
-    kt, vt = keys[3], values[3]
-    signs = next((tables.signs for tables in (kt, vt) if isinstance(tables, ShellPointTables)), _NO_SIGNS)
-    args = (query_np, float(epilogue.scaling), keys[0], values[1], key_codes, value_codes, sink_k, sink_v, recent_k, recent_v,
-            rows32(kv.new_keys), rows32(kv.new_values), key_mean, value_mean, bias_np, sinks_np, epilogue.cap, out.numpy(), flags,
-            key_norms, value_norms, keys[2], *_role_args(kt, keys[5]), values[2], *_role_args(vt, values[5]), signs)
-    coded = key_codes.shape[2]
+    args = (query_np, out.numpy(), keys[6][0], values[6][1], tuple(codes), tuple(exact), tuple(step_epilogue))
+    coded = codes.key_codes.shape[2]
     bad = run_split(kernel, args, batch * heads, coded * 2 * query.shape[-1], _MIN_WORK_PER_THREAD,
                     "fibquant-decode-e8")
     if bad:
         raise ValueError(f"E8 shell codes hold {bad} index(es) beyond their code's points "
-                         f"({kt.count} keys / {vt.count} values)")
+                         f"({keys[3].count} keys / {values[3].count} values)")
     out = out.unsqueeze(1)
     return out if query.dtype == torch.float32 else out.to(query.dtype)
