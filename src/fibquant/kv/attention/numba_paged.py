@@ -52,7 +52,7 @@ _reader = _coded_scores = _coded_values = _finish_unit = _check_call = None
 
 class PagedRole(NamedTuple):
     """One role (the keys or the values) as the kernel reads it: the code family's rotated codebook
-    (`entry._codec_plan`) and where its code lies in a slot."""
+    (`codebook_step.codec_plan`) and where its code lies in a slot."""
 
     rotation: object   # float32 [D, D] (C): keys: the forward rotation (queries into the codes' basis);
     #                    values: its inverse (the coded sums back out)

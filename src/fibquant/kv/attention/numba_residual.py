@@ -41,7 +41,6 @@ _LOCK = threading.Lock()
 MAX_GROUPS = 8  # query heads per KV head (the table's lanes: 4 or 8)
 
 
-
 class StagesRole(NamedTuple):
     """One role (the keys or the values) as the residual step reads it (`residual_plan`)."""
 
@@ -238,7 +237,8 @@ def _decode_step_py(query, out, keys, values, codes, exact, epilogue, lanes, uni
 
 def _signature() -> str:
     """The kernel's one signature: each structure as a plain tuple of its fields (in their order;
-    tests/kv/attention/test_numba_residual.py holds the two together)."""
+    tests/kv/attention/test_numba_decode.py::test_step_signatures_match_their_structures holds the two
+    together)."""
     role = "Tuple((float32[:, ::1], float32[:, :, ::1], int64))"  # `StagesRole`
     return (f"int64(float32[:, :, ::1], float32[:, :, ::1], {role}, {role}, {STEP_CODES_TYPE}, {STEP_EXACT_TYPE}, "
             f"{STEP_EPILOGUE_TYPE}, int64, int64, int64)")

@@ -443,7 +443,8 @@ def _decode_step_py(query, out, keys, values, codes, exact, epilogue, unit_start
 
 def _signature() -> str:
     """The kernel's one signature: each structure as a plain tuple of its fields (in their order;
-    tests/kv/attention/test_numba_shells.py holds the two together)."""
+    tests/kv/attention/test_numba_decode.py::test_step_signatures_match_their_structures holds the two
+    together)."""
     role = ("Tuple((float32[:, ::1], int64, int64, int16[::1], int64, int64[:, ::1], float32[:, ::1], uint32[::1], "
             "uint32[::1], float32[:, ::1], float32[::1], uint8[:, ::1]))")  # `ShellRole`
     return (f"int64(float32[:, :, ::1], float32[:, :, ::1], {role}, {role}, {STEP_CODES_TYPE}, {STEP_EXACT_TYPE}, "

@@ -33,7 +33,7 @@ from fibquant.kv.attention.host_arrays import f32
 from fibquant.kv.attention.kernels import _MIN_WORK_PER_THREAD
 from fibquant.kv.attention.paged_readers import paged_by_readers
 from fibquant.kv.attention.numba_paged import ExactParts, PagedCodes, PagedEpilogue, PagedRole
-from fibquant.kv.attention.reference import epilogue_weights, gather_paged_codes
+from fibquant.kv.attention.reference import check_softcap, epilogue_weights, gather_paged_codes
 from fibquant.kv.options import DEFAULT_OPTIONS, AttentionOptions
 
 _KERNELS: dict = {}  # (bf16 inputs, bf16 out) -> the compiled kernel
@@ -97,8 +97,7 @@ def paged_epilogue(scaling: float, softcap: float | None = None, sinks: torch.Te
     """The kernel's `PagedEpilogue`: the score scale, the soft-cap c of tanh(s / c) * c (None: none) and
     the learned sink logits [Hq] (None: none; `q_heads`, when given, is checked against them). Fixed
     for a layer: build once, pass every step."""
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"softcap must be a positive number or None, got {softcap!r}")
+    check_softcap(softcap)
     sinks_np = _NO_SINKS
     if sinks is not None:
         if sinks.numel() == 0 or (q_heads is not None and sinks.numel() != q_heads):
